@@ -1,0 +1,32 @@
+"""dbo: dual-batch overlap for Mixture-of-Experts models in PyTorch."""
+from dbo.scheduler import UBatchScheduler
+from dbo.yield_points import (
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_get_previous_event,
+    dbo_maybe_run_recv_hook,
+    dbo_register_recv_hook,
+    dbo_switch_to_comm,
+    dbo_switch_to_comm_sync,
+    dbo_switch_to_compute,
+    dbo_switch_to_compute_sync,
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
+
+__all__ = [
+    "UBatchScheduler",
+    "dbo_current_ubatch_id",
+    "dbo_enabled",
+    "dbo_get_previous_event",
+    "dbo_maybe_run_recv_hook",
+    "dbo_register_recv_hook",
+    "dbo_switch_to_comm",
+    "dbo_switch_to_comm_sync",
+    "dbo_switch_to_compute",
+    "dbo_switch_to_compute_sync",
+    "dbo_yield",
+    "dbo_yield_and_switch_from_comm_to_compute",
+    "dbo_yield_and_switch_from_compute_to_comm",
+]

@@ -1,0 +1,106 @@
+"""CPU cost of one ubatch hand-off: the greenlet scheduler against OS threads.
+
+    python -m dbo.bench_switch [--yields 200000] [--repeats 5]
+    dbo bench-switch
+
+Both sides run two ubatches that hand control back and forth `--yields` times each.
+`greenlet`: UBatchScheduler with stand-in streams, each hand-off being
+`dbo_yield_and_switch_from_compute_to_comm` / `..._from_comm_to_compute` alternately, so
+the figure includes the event record/wait and stream bookkeeping a real MoE layer pays.
+`thread`: two OS threads handing off through a pair of `threading.Event`s (the way a
+thread-based runtime imitates coroutines). Prints a table, then one JSON line with
+`greenlet_us_per_yield`, `thread_us_per_yield` and `ratio` (medians over repeats).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+
+from dbo.scheduler import UBatchScheduler
+from dbo.yield_points import (
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
+
+
+def time_greenlet(num_yields: int, *, with_streams: bool = True) -> float:
+    """Seconds per yield for the greenlet scheduler (two ubatches, `num_yields` each)."""
+    sched = UBatchScheduler("cpu")
+
+    def ubatch() -> None:
+        if with_streams:
+            for _ in range(num_yields // 2):
+                dbo_yield_and_switch_from_compute_to_comm()
+                dbo_yield_and_switch_from_comm_to_compute()
+        else:
+            for _ in range(num_yields):
+                dbo_yield()
+
+    start = time.perf_counter()
+    sched.run([ubatch, ubatch])
+    return (time.perf_counter() - start) / (2 * (num_yields // 2 * 2 if with_streams else num_yields))
+
+
+def time_threads(num_yields: int) -> float:
+    """Seconds per hand-off between two OS threads signalling with `threading.Event`."""
+    turn = [threading.Event(), threading.Event()]
+
+    def worker(me: int) -> None:
+        other = 1 - me
+        for _ in range(num_yields):
+            turn[me].wait()
+            turn[me].clear()
+            turn[other].set()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    start = time.perf_counter()
+    turn[0].set()
+    for t in threads:
+        t.join()
+    return (time.perf_counter() - start) / (2 * num_yields)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dbo bench-switch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--yields", type=int, default=100_000,
+                        help="hand-offs per ubatch in one greenlet measurement")
+    parser.add_argument("--thread-yields", type=int, default=20_000,
+                        help="hand-offs per thread in one thread measurement")
+    parser.add_argument("--repeats", type=int, default=5, help="measurements per method")
+    args = parser.parse_args(argv)
+    if args.yields < 2 or args.thread_yields < 1 or args.repeats < 1:
+        parser.error("--yields must be >= 2, --thread-yields and --repeats >= 1")
+
+    results = {"greenlet": [], "greenlet_bare": [], "thread": []}
+    for i in range(args.repeats):
+        print(f"repeat {i + 1}/{args.repeats}", file=sys.stderr, flush=True)
+        results["greenlet"].append(time_greenlet(args.yields) * 1e6)
+        results["greenlet_bare"].append(time_greenlet(args.yields, with_streams=False) * 1e6)
+        results["thread"].append(time_threads(args.thread_yields) * 1e6)
+    med = {k: statistics.median(v) for k, v in results.items()}
+    ratio = med["thread"] / med["greenlet"]
+
+    print(f"{'method':<44} {'us/yield (median)':>18} {'min':>8} {'max':>8}")
+    labels = {"greenlet": "greenlet + stream/event bookkeeping",
+              "greenlet_bare": "greenlet, dbo_yield only",
+              "thread": "two OS threads, threading.Event pairs"}
+    for key, label in labels.items():
+        print(f"{label:<44} {med[key]:>18.3f} {min(results[key]):>8.3f} {max(results[key]):>8.3f}")
+    print(f"ratio thread / greenlet: {ratio:.1f}x")
+    print(json.dumps({"bench": "switch", "greenlet_us_per_yield": round(med["greenlet"], 4),
+                      "greenlet_bare_us_per_yield": round(med["greenlet_bare"], 4),
+                      "thread_us_per_yield": round(med["thread"], 4), "ratio": round(ratio, 2),
+                      "repeats": args.repeats, "yields": args.yields}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

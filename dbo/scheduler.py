@@ -1,0 +1,243 @@
+"""The ubatch scheduler: each ubatch's forward runs in a greenlet on the calling thread.
+
+    UBatchScheduler(device).run([fn0, fn1]) -> [fn0(), fn1()]
+
+Contract (DESIGN.md, "Scheduler contract"):
+- Exactly one ubatch runs at a time; ubatch 0 starts. A yield (`dbo.yield_points`)
+  hands control to the other ubatch; once one ubatch has finished, the other runs to its
+  end. The order is deterministic: it depends only on where the code yields.
+- The current CUDA stream, grad mode and autocast state are per OS thread, shared by the
+  greenlets. The scheduler owns them during a step: on every switch it re-applies the
+  resumed ubatch's own values, and `run` restores the caller's values when it returns.
+- An exception in one ubatch unwinds the other (GreenletExit at its suspension point,
+  yields there are no-ops) and `run` re-raises the original exception, with the ubatch id
+  in its notes and as `exc.dbo_ubatch_id`. The scheduler is reusable afterwards.
+
+A yield switches straight into the other ubatch's greenlet; only a ubatch that finishes
+or raises returns to the caller's greenlet (the hub), which then resumes the other one
+or unwinds it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, TypeVar
+
+import greenlet
+import torch
+
+from dbo import yield_points
+from dbo.thread_state import ThreadState, apply_thread_state, capture_thread_state
+from streams.standins import OpLog
+from streams.stream_set import StreamSet, resolve_device
+
+T = TypeVar("T")
+
+MAX_UBATCHES = 2
+
+
+class UBatch:
+    """One ubatch's bookkeeping: its greenlet, stream, thread state and pending hooks."""
+
+    __slots__ = ("ubatch_id", "glet", "stream", "thread_state", "recv_hooks", "done",
+                 "result")
+
+    def __init__(self, ubatch_id: int, glet: greenlet.greenlet, stream: Any,
+                 thread_state: ThreadState) -> None:
+        self.ubatch_id = ubatch_id
+        self.glet = glet
+        self.stream = stream
+        self.thread_state = thread_state
+        # Receive halves registered *for* this ubatch by the other one, run by this
+        # ubatch once it has queued its own compute (see dbo_maybe_run_recv_hook).
+        self.recv_hooks: list[Callable[[], Any]] = []
+        self.done = False
+        self.result: Any = None
+
+
+class UBatchScheduler:
+    """Runs up to two ubatch callables interleaved at their yield points.
+
+    Args:
+        device: the device whose streams the step uses (None: the current CUDA device
+            when CUDA is available, else CPU with stand-in streams).
+        log: with stand-in streams, a list that receives every event record/wait (tests).
+    """
+
+    def __init__(self, device: torch.device | str | None = None, *,
+                 log: Optional[OpLog] = None) -> None:
+        self.device = resolve_device(device)
+        self._log = log
+        self._streams: Optional[StreamSet] = None
+        self._ubatches: list[UBatch] = []
+        self._running: Optional[UBatch] = None
+        self._aborting = False
+        self._device_type = self.device.type
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def streams(self) -> StreamSet:
+        """The stream set of the running (or last) step."""
+        if self._streams is None:
+            raise RuntimeError("no DBO step has run on this scheduler yet")
+        return self._streams
+
+    def run(self, fns: Sequence[Callable[[], T]]) -> list[T]:
+        """Run each callable as one ubatch; return their results in order."""
+        _check_fns(fns)
+        if yield_points.active_scheduler() is not None:
+            raise RuntimeError(
+                "UBatchScheduler.run() was called inside a running DBO step (nested "
+                "DBO is not supported): call the model directly inside a ubatch")
+        streams = self._prepare_streams()
+        self._device_type = self.device.type
+        caller_state = capture_thread_state(self._device_type)
+        hub = greenlet.getcurrent()
+        self._ubatches = [UBatch(i, greenlet.greenlet(fn, parent=hub), streams.compute,
+                                 caller_state) for i, fn in enumerate(fns)]
+        self._aborting = False
+        yield_points.set_active_scheduler(self)
+        try:
+            self._loop()
+            return [ub.result for ub in self._ubatches]
+        finally:
+            yield_points.set_active_scheduler(None)
+            self._running = None
+            streams.current.set(streams.compute)
+            # Re-read rather than trust a snapshot: a failing ubatch left none.
+            apply_thread_state(self._device_type, caller_state,
+                               capture_thread_state(self._device_type))
+            self._ubatches = []
+
+    # ---------------------------------------------------- used by dbo.yield_points
+    @property
+    def running(self) -> UBatch:
+        assert self._running is not None, "no ubatch is running"
+        return self._running
+
+    def yield_(self) -> None:
+        """Hand control to the other ubatch; return when this one is resumed.
+
+        A no-op when the other ubatch has finished, or while unwinding after a failure
+        (so cleanup code runs straight through).
+        """
+        if self._aborting:
+            return
+        ub = self._running
+        other = self.other(ub)
+        if other is None or other.done:
+            return
+        self._switch(ub, other)
+
+    def set_stream(self, ub: UBatch, stream: Any) -> None:
+        ub.stream = stream
+        self._streams.current.set(stream)
+
+    def other(self, ub: UBatch) -> Optional[UBatch]:
+        """The other ubatch of the step, or None when the step has only one."""
+        ubatches = self._ubatches
+        if len(ubatches) < 2:
+            return None
+        return ubatches[1 - ub.ubatch_id]
+
+    # ------------------------------------------------------------------ internals
+    def _prepare_streams(self) -> StreamSet:
+        """Reuse the cached stream set unless the caller's current stream changed."""
+        cached = self._streams
+        if cached is not None and cached.is_cuda:
+            with torch.cuda.device(self.device):
+                now = torch.cuda.current_stream()
+            if now == cached.compute:
+                cached.current.resync()
+                return cached
+        elif cached is not None:
+            return cached
+        self._streams = StreamSet.create(self.device, num_ubatches=MAX_UBATCHES,
+                                         log=self._log)
+        return self._streams
+
+    def _switch(self, current: Optional[UBatch], target: UBatch) -> Any:
+        """Leave `current` (None: the hub), enter `target` with its stream and state.
+
+        Ubatches switch to each other directly; only a finished or failed ubatch
+        returns to the hub. Returns what the hub receives back (a result).
+        """
+        device_type = self._device_type
+        now = capture_thread_state(device_type)
+        if current is not None:
+            current.thread_state = now
+        apply_thread_state(device_type, target.thread_state, now)
+        self._running = target
+        self._streams.current.set(target.stream)
+        return target.glet.switch()
+
+    def _loop(self) -> None:
+        """Start ubatch 0; each time a ubatch finishes, resume the one still running."""
+        target = self._ubatches[0]
+        while True:
+            try:
+                value = self._switch(None, target)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, annotated
+                failed = self._running
+                self._abort(failed)
+                _annotate(exc, failed.ubatch_id)
+                raise
+            finished = self._running  # whichever ubatch was running returned to us
+            finished.done = True
+            finished.result = value
+            remaining = self.other(finished)
+            if remaining is None or remaining.done:
+                return
+            self._drain_orphaned_hooks(remaining, finished)
+            target = remaining
+
+    def _drain_orphaned_hooks(self, ub: UBatch, finished: UBatch) -> None:
+        """Run hooks that `ub` registered for `finished`, which will never run them.
+
+        Without this `ub`'s receive would wait forever.
+        """
+        if not finished.recv_hooks:
+            return
+        self._running = ub
+        self.streams.current.set(ub.stream)
+        hooks, finished.recv_hooks = finished.recv_hooks, []
+        for hook in hooks:
+            hook()
+
+    def _abort(self, failed: UBatch) -> None:
+        """Unwind every other live ubatch after `failed` raised."""
+        self._aborting = True
+        try:
+            for ub in self._ubatches:
+                if ub is failed or ub.glet.dead:
+                    continue
+                self._running = ub
+                try:
+                    ub.glet.throw()
+                except BaseException:  # noqa: BLE001 - its cleanup failed too; the first error wins
+                    pass
+        finally:
+            self._aborting = False
+            self._running = None
+
+
+def _check_fns(fns: Sequence[Callable[[], Any]]) -> None:
+    if isinstance(fns, (str, bytes)) or not isinstance(fns, Sequence):
+        raise TypeError(f"run() takes a list of callables, one per ubatch; got {type(fns).__name__}")
+    if len(fns) == 0:
+        raise ValueError("run([]) got no ubatches: pass one or two callables")
+    if len(fns) > MAX_UBATCHES:
+        raise ValueError(f"run() got {len(fns)} ubatches; at most {MAX_UBATCHES} are "
+                         f"supported: split the batch into two")
+    for i, fn in enumerate(fns):
+        if not callable(fn):
+            raise TypeError(f"ubatch {i} is a {type(fn).__name__}, not a callable: pass "
+                            f"a function taking no arguments, e.g. lambda: model(x)")
+
+
+def _annotate(exc: BaseException, ubatch_id: int) -> None:
+    note = f"[dbo] raised in ubatch {ubatch_id} of a DBO step"
+    try:
+        exc.dbo_ubatch_id = ubatch_id  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)

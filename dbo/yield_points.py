@@ -1,0 +1,175 @@
+"""The yield-point API: what model and MoE code calls inside a DBO step.
+
+The names are the ones the ecosystem already uses, so a prepare/finalize written for
+the peer runtime ports by changing its import. Outside a DBO step every call is a no-op:
+`dbo_enabled()` is False, `dbo_current_ubatch_id()` is 0, `dbo_get_previous_event()`
+returns None.
+
+| call | meaning |
+|---|---|
+| dbo_yield() | hand off; resume on the stream this ubatch was on |
+| dbo_yield_and_switch_from_compute_to_comm() | record compute-done, hand off; on resume: comm stream, wait compute-done |
+| dbo_yield_and_switch_from_comm_to_compute() | record comm-done, hand off; on resume: compute stream, wait comm-done |
+| dbo_switch_to_comm() / dbo_switch_to_compute() | change stream, no dependency |
+| dbo_switch_to_comm_sync() / dbo_switch_to_compute_sync() | record done on the old stream, change stream, wait on it |
+| dbo_register_recv_hook(fn) | hand a receive-half to the other ubatch, run after it queued its compute |
+| dbo_maybe_run_recv_hook() | run the hooks the other ubatch handed to this one, if any |
+| dbo_get_previous_event(fn, *a) | run fn on the compute stream, return its result (an event) |
+
+Events are recorded *before* the hand-off: an event recorded on the shared compute
+stream after a yield would also cover the other ubatch's queued work.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from dbo.scheduler import UBatchScheduler
+
+# The scheduler of the step running on this thread. A step's greenlets all live on the
+# thread that called run(), so a thread-local is exactly the scope of a step.
+_local = threading.local()
+
+
+def active_scheduler() -> Optional["UBatchScheduler"]:
+    return getattr(_local, "scheduler", None)
+
+
+def set_active_scheduler(scheduler: Optional["UBatchScheduler"]) -> None:
+    _local.scheduler = scheduler
+
+
+def dbo_enabled() -> bool:
+    """True inside a DBO step."""
+    return getattr(_local, "scheduler", None) is not None
+
+
+def dbo_current_ubatch_id() -> int:
+    """The running ubatch (0 or 1); 0 outside a DBO step."""
+    s = getattr(_local, "scheduler", None)
+    return 0 if s is None else s._running.ubatch_id
+
+
+def dbo_yield() -> None:
+    """Hand control to the other ubatch; resume on this ubatch's stream."""
+    s = getattr(_local, "scheduler", None)
+    if s is not None:
+        s.yield_()
+
+
+def dbo_yield_and_switch_from_compute_to_comm() -> None:
+    """Record compute-done, hand off; on resume: comm stream, waiting on compute-done."""
+    s = getattr(_local, "scheduler", None)
+    if s is None:
+        return
+    ub, streams = s._running, s._streams
+    _expect_stream(ub.stream, streams.compute, "dbo_yield_and_switch_from_compute_to_comm",
+                   "compute")
+    event = streams.compute_done[ub.ubatch_id]
+    event.record(streams.compute)
+    s.yield_()
+    s.set_stream(ub, streams.comm)
+    streams.comm.wait_event(event)
+
+
+def dbo_yield_and_switch_from_comm_to_compute() -> None:
+    """Record comm-done, hand off; on resume: compute stream, waiting on comm-done."""
+    s = getattr(_local, "scheduler", None)
+    if s is None:
+        return
+    ub, streams = s._running, s._streams
+    _expect_stream(ub.stream, streams.comm, "dbo_yield_and_switch_from_comm_to_compute",
+                   "comm")
+    event = streams.comm_done[ub.ubatch_id]
+    event.record(streams.comm)
+    s.yield_()
+    s.set_stream(ub, streams.compute)
+    streams.compute.wait_event(event)
+
+
+def dbo_switch_to_comm() -> None:
+    """Make the comm stream current for this ubatch (no dependency added)."""
+    s = getattr(_local, "scheduler", None)
+    if s is not None:
+        s.set_stream(s._running, s._streams.comm)
+
+
+def dbo_switch_to_compute() -> None:
+    """Make the compute stream current for this ubatch (no dependency added)."""
+    s = getattr(_local, "scheduler", None)
+    if s is not None:
+        s.set_stream(s._running, s._streams.compute)
+
+
+def dbo_switch_to_comm_sync() -> None:
+    """Record compute-done, switch to comm, make comm wait on it."""
+    s = getattr(_local, "scheduler", None)
+    if s is None:
+        return
+    ub, streams = s._running, s._streams
+    _expect_stream(ub.stream, streams.compute, "dbo_switch_to_comm_sync", "compute")
+    event = streams.compute_done[ub.ubatch_id]
+    event.record(streams.compute)
+    s.set_stream(ub, streams.comm)
+    streams.comm.wait_event(event)
+
+
+def dbo_switch_to_compute_sync() -> None:
+    """Record comm-done, switch to compute, make compute wait on it."""
+    s = getattr(_local, "scheduler", None)
+    if s is None:
+        return
+    ub, streams = s._running, s._streams
+    _expect_stream(ub.stream, streams.comm, "dbo_switch_to_compute_sync", "comm")
+    event = streams.comm_done[ub.ubatch_id]
+    event.record(streams.comm)
+    s.set_stream(ub, streams.compute)
+    streams.compute.wait_event(event)
+
+
+def dbo_register_recv_hook(hook: Callable[[], Any]) -> None:
+    """Hand `hook` (a receive half) to the other ubatch, which runs it at its next
+    `dbo_maybe_run_recv_hook()`, i.e. after it has queued its own compute. If the other
+    ubatch has finished, the hook runs at once; if it finishes without running the
+    hook, the scheduler runs it before resuming this ubatch. Outside a step (or with a
+    single ubatch) the hook runs at once."""
+    if not callable(hook):
+        raise TypeError(f"dbo_register_recv_hook takes a callable, got {type(hook).__name__}")
+    s = getattr(_local, "scheduler", None)
+    other = None if s is None else s.other(s._running)
+    if other is None or other.done:
+        hook()  # nobody else will queue compute before it: receive now
+        return
+    other.recv_hooks.append(hook)
+
+
+def dbo_maybe_run_recv_hook() -> None:
+    """Run the hooks the other ubatch handed to this one, oldest first."""
+    s = getattr(_local, "scheduler", None)
+    if s is None:
+        return
+    ub = s._running
+    while ub.recv_hooks:
+        ub.recv_hooks.pop(0)()
+
+
+def dbo_get_previous_event(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run `fn(*args)` with the compute stream current and return its result (e.g. an
+    event captured there, as DeepEP's `Buffer.capture`). None outside a DBO step."""
+    s = getattr(_local, "scheduler", None)
+    if s is None:
+        return None
+    streams = s._streams
+    before = streams.current.get()
+    streams.current.set(streams.compute)
+    try:
+        return fn(*args)
+    finally:
+        streams.current.set(before)
+
+
+def _expect_stream(actual: Any, expected: Any, call: str, name: str) -> None:
+    if actual is not expected:  # a caller's bug: fail loudly rather than mis-order
+        raise RuntimeError(f"{call}() must be called on the {name} stream, but this ubatch "
+                           f"is on {actual!r}: check the order of the switch calls")

@@ -1,0 +1,85 @@
+"""Launch a function on several processes (gloo on CPU, NCCL on GPU) for tests.
+
+`run_distributed(world_size, fn, *args)` spawns `world_size` processes, each calling
+`fn(rank, world_size, *args)` inside an initialised default process group, and returns
+the list of their return values (rank order). A failure on any rank raises here with
+that rank's traceback. `fn` must be a module-level function (spawn pickles it by name).
+"""
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any],
+            args: tuple, queue: Any) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=120))
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any,
+                    backend: str = "gloo", timeout_s: float = 240.0) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return results."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while len(results) < world_size and not failures:
+        try:
+            rank, ok, payload = queue.get(timeout=0.5)
+        except queue_mod.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in results]
+            if dead:
+                failures.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+            elif time.monotonic() > deadline:
+                failures.append(f"timed out after {timeout_s:.0f} s waiting for ranks "
+                                f"{sorted(set(range(world_size)) - set(results))}")
+            continue
+        if ok:
+            results[rank] = payload
+        else:
+            # The other ranks may now hang in a collective: they are stopped below.
+            failures.append(f"rank {rank} failed:\n{payload}")
+    for p in procs:
+        p.join(timeout=timeout_s if not failures else 5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if failures:
+        raise RuntimeError("\n".join(failures))
+    return [results[r] for r in range(world_size)]

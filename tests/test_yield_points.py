@@ -1,0 +1,180 @@
+"""Layer 1 (CPU): the yield-point API's stream bookkeeping, with stand-in streams."""
+from __future__ import annotations
+
+import pytest
+
+import dbo
+from dbo import (
+    UBatchScheduler,
+    dbo_current_ubatch_id,
+    dbo_get_previous_event,
+    dbo_maybe_run_recv_hook,
+    dbo_register_recv_hook,
+    dbo_switch_to_comm,
+    dbo_switch_to_comm_sync,
+    dbo_switch_to_compute,
+    dbo_switch_to_compute_sync,
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
+
+
+def current_stream_name(sched: UBatchScheduler) -> str:
+    return sched.streams.current.get().name
+
+
+def test_noops_outside_a_step():
+    assert not dbo.dbo_enabled()
+    assert dbo_current_ubatch_id() == 0
+    for fn in (dbo_yield, dbo_yield_and_switch_from_compute_to_comm,
+               dbo_yield_and_switch_from_comm_to_compute, dbo_switch_to_comm,
+               dbo_switch_to_compute, dbo_switch_to_comm_sync, dbo_switch_to_compute_sync,
+               dbo_maybe_run_recv_hook):
+        assert fn() is None
+    assert dbo_get_previous_event(lambda: "event") is None
+    ran = []
+    dbo_register_recv_hook(lambda: ran.append(1))  # no partner: runs at once
+    assert ran == [1]
+
+
+def test_enabled_and_ids_inside_a_step():
+    seen = []
+
+    def fn():
+        seen.append((dbo.dbo_enabled(), dbo_current_ubatch_id()))
+        dbo_yield()
+        seen.append((dbo.dbo_enabled(), dbo_current_ubatch_id()))
+
+    UBatchScheduler("cpu").run([fn, fn])
+    assert seen == [(True, 0), (True, 1), (True, 0), (True, 1)]
+    assert not dbo.dbo_enabled()
+
+
+def test_each_ubatch_resumes_on_its_own_stream():
+    sched = UBatchScheduler("cpu", log=[])
+    seen = []
+
+    def comm_ub():
+        dbo_switch_to_comm()
+        dbo_yield()
+        seen.append(("ub0", current_stream_name(sched)))
+        dbo_yield()
+        seen.append(("ub0", current_stream_name(sched)))
+
+    def compute_ub():
+        seen.append(("ub1", current_stream_name(sched)))
+        dbo_yield()
+        seen.append(("ub1", current_stream_name(sched)))
+        dbo_switch_to_comm()
+        dbo_switch_to_compute()
+
+    sched.run([comm_ub, compute_ub])
+    assert seen == [("ub1", "compute"), ("ub0", "comm"), ("ub1", "compute"), ("ub0", "comm")]
+    assert current_stream_name(sched) == "compute"  # restored when run() returns
+
+
+def test_compute_to_comm_records_before_yield_then_waits_on_resume():
+    log: list = []
+    sched = UBatchScheduler("cpu", log=log)
+    order = []
+
+    def ub0():
+        dbo_yield_and_switch_from_compute_to_comm()
+        order.append(("ub0 resumed on", current_stream_name(sched), len(log)))
+
+    def ub1():
+        # Ubatch 0's event is already recorded when this ubatch first runs.
+        order.append(("ub1 sees log", list(log)))
+
+    sched.run([ub0, ub1])
+    assert order[0] == ("ub1 sees log", [("record", "compute_done[0]", "compute")])
+    assert log == [("record", "compute_done[0]", "compute"),
+                   ("wait", "comm", "compute_done[0]")]
+    assert order[1] == ("ub0 resumed on", "comm", 2)
+
+
+def test_comm_to_compute_records_on_comm_then_waits_on_compute():
+    log: list = []
+    sched = UBatchScheduler("cpu", log=log)
+
+    def ub():
+        u = dbo_current_ubatch_id()
+        dbo_switch_to_comm()
+        dbo_yield_and_switch_from_comm_to_compute()
+        assert current_stream_name(sched) == "compute"
+        return u
+
+    sched.run([ub, ub])
+    assert log == [("record", "comm_done[0]", "comm"), ("record", "comm_done[1]", "comm"),
+                   ("wait", "compute", "comm_done[0]"), ("wait", "compute", "comm_done[1]")]
+
+
+def test_sync_switches_record_then_wait_without_yielding():
+    log: list = []
+    sched = UBatchScheduler("cpu", log=log)
+    trace = []
+
+    def ub():
+        u = dbo_current_ubatch_id()
+        dbo_switch_to_comm_sync()
+        trace.append((u, current_stream_name(sched)))
+        dbo_switch_to_compute_sync()
+        trace.append((u, current_stream_name(sched)))
+
+    sched.run([ub, ub])
+    assert trace == [(0, "comm"), (0, "compute"), (1, "comm"), (1, "compute")]
+    assert log == [("record", "compute_done[0]", "compute"), ("wait", "comm", "compute_done[0]"),
+                   ("record", "comm_done[0]", "comm"), ("wait", "compute", "comm_done[0]"),
+                   ("record", "compute_done[1]", "compute"), ("wait", "comm", "compute_done[1]"),
+                   ("record", "comm_done[1]", "comm"), ("wait", "compute", "comm_done[1]")]
+
+
+def test_switch_from_wrong_stream_is_an_error():
+    def ub():
+        dbo_switch_to_comm()
+        dbo_yield_and_switch_from_compute_to_comm()
+
+    with pytest.raises(RuntimeError, match="must be called on the compute stream"):
+        UBatchScheduler("cpu").run([ub])
+
+
+def test_recv_hook_runs_in_the_other_ubatch_after_its_compute():
+    events = []
+
+    def ub():
+        u = dbo_current_ubatch_id()
+        events.append((u, "compute"))
+        dbo_maybe_run_recv_hook()
+        events.append((u, "send"))
+        dbo_register_recv_hook(lambda: events.append((u, "recv", dbo_current_ubatch_id())))
+        dbo_yield()
+        events.append((u, "use"))
+
+    UBatchScheduler("cpu").run([ub, ub])
+    assert events == [
+        (0, "compute"), (0, "send"),
+        (1, "compute"), (0, "recv", 1), (1, "send"),
+        (0, "use"),
+        # Ubatch 0 has finished without running ubatch 1's hook: the scheduler runs it
+        # before resuming ubatch 1, in ubatch 1's context.
+        (1, "recv", 1), (1, "use"),
+    ]
+
+
+def test_get_previous_event_runs_on_compute_stream():
+    sched = UBatchScheduler("cpu", log=[])
+    seen = []
+
+    def ub():
+        dbo_switch_to_comm()
+        seen.append(dbo_get_previous_event(lambda tag: (tag, current_stream_name(sched)), "e"))
+        seen.append(current_stream_name(sched))
+
+    sched.run([ub])
+    assert seen == [("e", "compute"), "comm"]
+
+
+def test_register_recv_hook_rejects_non_callable():
+    with pytest.raises(TypeError, match="callable"):
+        dbo_register_recv_hook(3)  # type: ignore[arg-type]
