@@ -1,5 +1,10 @@
 """dbo: dual-batch overlap for Mixture-of-Experts models in PyTorch."""
+from dbo.config import SPLIT_MODES, DBOConfig
+from dbo.merge import merge_outputs
+from dbo.runner import DBORunner
 from dbo.scheduler import UBatchScheduler
+from dbo.split import SplitPlan, UBatchSlice, plan_split
+from dbo.vote import vote_split
 from dbo.yield_points import (
     dbo_current_ubatch_id,
     dbo_enabled,
@@ -9,6 +14,7 @@ from dbo.yield_points import (
     dbo_switch_to_comm,
     dbo_switch_to_comm_sync,
     dbo_switch_to_compute,
+    dbo_switch_to_compute_async,
     dbo_switch_to_compute_sync,
     dbo_yield,
     dbo_yield_and_switch_from_comm_to_compute,
@@ -16,7 +22,15 @@ from dbo.yield_points import (
 )
 
 __all__ = [
+    "DBOConfig",
+    "DBORunner",
+    "SPLIT_MODES",
+    "SplitPlan",
     "UBatchScheduler",
+    "UBatchSlice",
+    "merge_outputs",
+    "plan_split",
+    "vote_split",
     "dbo_current_ubatch_id",
     "dbo_enabled",
     "dbo_get_previous_event",
@@ -25,6 +39,7 @@ __all__ = [
     "dbo_switch_to_comm",
     "dbo_switch_to_comm_sync",
     "dbo_switch_to_compute",
+    "dbo_switch_to_compute_async",
     "dbo_switch_to_compute_sync",
     "dbo_yield",
     "dbo_yield_and_switch_from_comm_to_compute",

@@ -15,6 +15,12 @@ returns None.
 | dbo_register_recv_hook(fn) | hand a receive-half to the other ubatch, run after it queued its compute |
 | dbo_maybe_run_recv_hook() | run the hooks the other ubatch handed to this one, if any |
 | dbo_get_previous_event(fn, *a) | run fn on the compute stream, return its result (an event) |
+| dbo_switch_to_compute_async() | record comm-done, switch to compute, return a `ComputeWait` whose wait() adds the dependency later |
+
+The last one is ours (the peer runtime has no such call): a backend that issues a
+collective on the comm stream records comm-done at once, returns to the compute stream
+without waiting, lets the caller queue independent work (shared experts) and yield,
+and waits only in its receiver.
 
 Events are recorded *before* the hand-off: an event recorded on the shared compute
 stream after a yield would also cover the other ubatch's queued work.
@@ -126,6 +132,47 @@ def dbo_switch_to_compute_sync() -> None:
     event.record(streams.comm)
     s.set_stream(ub, streams.compute)
     streams.compute.wait_event(event)
+
+
+class ComputeWait:
+    """A comm-done event recorded by one ubatch, to be waited on by the compute stream.
+
+    `wait(*tensors)` makes the current (compute) stream wait on the event and marks the
+    given CUDA tensors as used by it, so the caching allocator does not hand their memory
+    (allocated on the comm stream) to the comm stream again while compute still reads it.
+    """
+
+    __slots__ = ("_event", "_stream")
+
+    def __init__(self, event: Any = None, stream: Any = None) -> None:
+        self._event = event
+        self._stream = stream
+
+    def wait(self, *tensors: Any) -> None:
+        if self._event is None:
+            return
+        self._stream.wait_event(self._event)
+        for t in tensors:
+            if t is not None and t.is_cuda:
+                t.record_stream(self._stream)
+
+
+_NO_WAIT = ComputeWait()
+
+
+def dbo_switch_to_compute_async() -> ComputeWait:
+    """Record comm-done on the comm stream, switch to compute without waiting; the
+    returned `ComputeWait` adds the wait when its `wait()` is called. Outside a step:
+    a no-op whose `wait()` does nothing."""
+    s = getattr(_local, "scheduler", None)
+    if s is None:
+        return _NO_WAIT
+    ub, streams = s._running, s._streams
+    _expect_stream(ub.stream, streams.comm, "dbo_switch_to_compute_async", "comm")
+    event = streams.comm_done[ub.ubatch_id]
+    event.record(streams.comm)
+    s.set_stream(ub, streams.compute)
+    return ComputeWait(event, streams.compute)
 
 
 def dbo_register_recv_hook(hook: Callable[[], Any]) -> None:

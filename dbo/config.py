@@ -1,0 +1,76 @@
+"""Configuration of a DBO step: whether to split, how to split, how to merge.
+
+    DBORunner(model, DBOConfig(split="requests", min_prefill_tokens=256))
+
+One frozen, keyword-only dataclass; every field has a one-line doc and `__post_init__`
+rejects bad values with a message that says how to fix them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+# The named split modes (see `DBOConfig.split`).
+SPLIT_MODES: tuple[str, ...] = ("tokens", "requests", "batch")
+
+# A callable split mode: `split(args, kwargs)` returns one `(args, kwargs)` pair per
+# ubatch, or None to run the step unsplit.
+SplitFn = Callable[[tuple, dict], Union[list[tuple[tuple, dict]], None]]
+
+# A custom merge: `merge([out0, out1])` returns the step's output.
+MergeFn = Callable[[list[Any]], Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DBOConfig:
+    """How `DBORunner` splits a step into two ubatches and merges their outputs."""
+
+    enabled: bool = True
+    """Run steps as two overlapped ubatches when the policy allows; False: call the model as is."""
+    split: Union[str, SplitFn] = "tokens"
+    """Split mode: "tokens" (dim 0 = independent tokens), "requests" (`seq_lens=` kwarg), "batch" (dim 0 = sequences), or a callable."""
+    num_ubatches: int = 2
+    """Number of ubatches per split step; only 2 is supported."""
+    min_decode_tokens: int = 32
+    """Smallest decode step (every request has one token; every "tokens" mode step) that is split."""
+    min_prefill_tokens: int = 512
+    """Smallest step with a multi-token request (prefill, "batch" mode with S > 1) that is split."""
+    max_imbalance: float = 0.1
+    """Largest |n0 - n1| / total of the best request-boundary split before a request is split inside (1.0: never)."""
+    merge: Union[MergeFn, None] = None
+    """Custom merge of the per-ubatch outputs, `merge([out0, out1])`; None: concatenate along dim 0."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"DBOConfig.enabled must be True or False, got {self.enabled!r}")
+        if isinstance(self.split, str):
+            if self.split not in SPLIT_MODES:
+                raise ValueError(
+                    f"DBOConfig.split={self.split!r} is not a split mode: use one of "
+                    f"{', '.join(repr(m) for m in SPLIT_MODES)}, or a callable "
+                    f"split(args, kwargs) -> [(args0, kwargs0), (args1, kwargs1)] | None")
+        elif not callable(self.split):
+            raise ValueError(
+                f"DBOConfig.split must be one of {', '.join(repr(m) for m in SPLIT_MODES)} "
+                f"or a callable, got a {type(self.split).__name__}: {self.split!r}")
+        if not _is_int(self.num_ubatches) or self.num_ubatches != 2:
+            raise ValueError(f"DBOConfig.num_ubatches={self.num_ubatches!r}: only 2 ubatches "
+                             f"are supported, set num_ubatches=2 (the default)")
+        for name in ("min_decode_tokens", "min_prefill_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"DBOConfig.{name}={value!r} must be an int >= 0 (a token "
+                                 f"count; steps with fewer tokens run unsplit)")
+        if (isinstance(self.max_imbalance, bool) or not isinstance(self.max_imbalance, (int, float))
+                or not 0.0 <= self.max_imbalance <= 1.0):
+            raise ValueError(
+                f"DBOConfig.max_imbalance={self.max_imbalance!r} must be a number in [0, 1]: "
+                f"0.0 splits inside a request unless the boundaries balance exactly, 1.0 never "
+                f"splits inside a request")
+        if self.merge is not None and not callable(self.merge):
+            raise ValueError(f"DBOConfig.merge must be None or a callable merge([out0, out1]), "
+                             f"got a {type(self.merge).__name__}: {self.merge!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,251 @@
+"""DBORunner: run a model's forward as two overlapped ubatches when it pays off.
+
+    runner = DBORunner(model, DBOConfig(split="requests"), group=ep_group)
+    out = runner(x_TH, positions_T, seq_lens=[5, 3, 8])   # same result as model(...)
+    runner.last_decision.split, runner.last_decision.reason
+
+One step: plan the split (thresholds, token balance; `dbo.split`), vote across the group
+(`dbo.vote`: every rank splits or none does), then either call the model once, or run
+`model(ubatch 0 inputs)` and `model(ubatch 1 inputs)` as two greenlets of a
+`UBatchScheduler` — they interleave where the model calls `dbo_yield*()` — and merge
+the outputs (`dbo.merge`). Nothing here assumes MoE: any model whose rows are
+independent outside its own request/sequence works, yields or not.
+
+Split modes (`DBOConfig.split`); only top-level arguments are split, the others are
+passed to both ubatches unchanged:
+- "tokens": every tensor argument whose dim 0 equals the token count (dim 0 of the
+  first tensor argument) is halved; rows are independent tokens.
+- "requests": as "tokens", balanced on the `seq_lens=` keyword argument (tokens per
+  request); each ubatch gets its own `seq_lens` (same type) counting only its tokens.
+- "batch": dim 0 is sequences (padded [B, S, ...] inputs): tensors with dim 0 == B are
+  split at a sequence boundary; S == 1 (or 1-D inputs) counts as decode.
+- a callable `split(args, kwargs) -> [(args0, kwargs0), (args1, kwargs1)] | None`.
+
+Every rank of `group` must call the runner on every step (with 0 tokens too), with the
+same config: the vote is a collective. A rank whose inputs are rejected still votes
+(no) before raising, so its peers' votes complete.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dbo.config import DBOConfig
+from dbo.merge import merge_outputs
+from dbo.scheduler import UBatchScheduler
+from dbo.split import SplitPlan, UBatchSlice, plan_split, plan_token_split
+from dbo.vote import apply_vote, vote_split
+from dbo.yield_points import dbo_enabled
+
+# The inputs of one ubatch: positional and keyword arguments of one model call.
+UBatchArgs = tuple[tuple, dict]
+
+SEQ_LENS_KWARG = "seq_lens"
+
+
+class DBORunner:
+    """Calls `model(*args, **kwargs)`, split into two interleaved ubatches when allowed.
+
+    Args:
+        model: any callable; it is called once per ubatch (or once, unsplit) and must
+            return tensors whose dim 0 is its inputs' dim 0 (or use `DBOConfig.merge`).
+        config: the split policy and mode.
+        group: the process group whose ranks vote on each split (EP/DP group); None:
+            the default group when torch.distributed is initialised, else no vote.
+
+    After each call, `last_decision` (a `SplitPlan`) says whether and why the step was
+    split; it is set before the model runs, so the model can read its ubatch's slice
+    as `runner.last_decision.ubatches[dbo_current_ubatch_id()]` (e.g. the offset of a
+    request split inside, for its KV cache).
+    """
+
+    def __init__(self, model: Callable[..., Any], config: DBOConfig = DBOConfig(),
+                 group: Optional[dist.ProcessGroup] = None) -> None:
+        if not callable(model):
+            raise TypeError(f"DBORunner needs a callable model (an nn.Module or a "
+                            f"function), got a {type(model).__name__}: {model!r}")
+        if not isinstance(config, DBOConfig):
+            raise TypeError(f"config must be a DBOConfig, got a {type(config).__name__}: "
+                            f"{config!r}; build one with DBOConfig(split=..., ...)")
+        self.model = model
+        self.config = config
+        self.group = group
+        self.last_decision: Optional[SplitPlan] = None
+        self._schedulers: dict[torch.device, UBatchScheduler] = {}
+
+    def __repr__(self) -> str:
+        return f"DBORunner(model={type(self.model).__name__}, config={self.config!r})"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.config.enabled:
+            self.last_decision = SplitPlan(split=False, num_tokens=(),
+                                           reason="DBO disabled (DBOConfig.enabled=False)")
+            return self.model(*args, **kwargs)
+        if dbo_enabled():
+            # Already inside a ubatch of an outer step (the outer runner voted).
+            self.last_decision = SplitPlan(split=False, num_tokens=(),
+                                           reason="called inside a running DBO step")
+            return self.model(*args, **kwargs)
+
+        try:
+            plan, ubatch_args, rows = self._plan(args, kwargs)
+        except Exception:
+            # Bad input on this rank: still cast a (no) vote so that the peers' votes
+            # complete, then raise here.
+            vote_split(False, self.group)
+            raise
+        plan = apply_vote(plan, self.group)
+        self.last_decision = plan
+        if not plan.split:
+            return self.model(*args, **kwargs)
+
+        scheduler = self._scheduler(_first_tensor(args, kwargs))
+        outputs = scheduler.run([_bind(self.model, a, k) for a, k in ubatch_args])
+        if self.config.merge is not None:
+            return self.config.merge(outputs)
+        return merge_outputs(outputs, rows=rows)
+
+    # ------------------------------------------------------------------- planning
+    def _plan(self, args: tuple, kwargs: dict
+              ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
+        """This rank's plan, the ubatches' inputs (when split) and their rows for merge."""
+        mode = self.config.split
+        if callable(mode):
+            return self._plan_callable(mode, args, kwargs)
+        if mode == "tokens":
+            x = _require_tensor(args, kwargs, mode)
+            num_tokens = x.shape[0]
+            plan = plan_token_split(num_tokens, self.config)
+            if not plan.split:
+                return plan, [], None
+            return plan, [_slice_args(args, kwargs, num_tokens, ub.token_start, ub.token_end)
+                          for ub in plan.ubatches], plan.num_tokens
+        if mode == "requests":
+            if SEQ_LENS_KWARG not in kwargs:
+                raise TypeError(
+                    f"split='requests' needs the tokens per request as a keyword argument: "
+                    f"runner(..., {SEQ_LENS_KWARG}=[5, 3, ...]); got keyword arguments "
+                    f"{sorted(kwargs)}. Use split='tokens' for independent tokens")
+            seq_lens = kwargs[SEQ_LENS_KWARG]
+            rest = {k: v for k, v in kwargs.items() if k != SEQ_LENS_KWARG}
+            x = _require_tensor(args, rest, mode)
+            num_tokens = x.shape[0]
+            plan = plan_split(seq_lens, self.config, num_tokens=num_tokens)
+            if not plan.split:
+                return plan, [], None
+            ubatch_args = []
+            for ub in plan.ubatches:
+                a, k = _slice_args(args, rest, num_tokens, ub.token_start, ub.token_end)
+                k[SEQ_LENS_KWARG] = _like(seq_lens, ub)
+                ubatch_args.append((a, {key: k[key] for key in kwargs}))  # keep kwarg order
+            return plan, ubatch_args, plan.num_tokens
+        assert mode == "batch", mode  # DBOConfig validated it
+        x = _require_tensor(args, kwargs, mode)
+        num_seqs = x.shape[0]
+        seq_len = x.shape[1] if x.dim() >= 2 else 1
+        plan = plan_split([seq_len] * num_seqs, self.config, allow_split_inside_request=False)
+        if not plan.split:
+            return plan, [], None
+        return plan, [_slice_args(args, kwargs, num_seqs, ub.request_start, ub.request_end)
+                      for ub in plan.ubatches], tuple(ub.num_requests for ub in plan.ubatches)
+
+    def _plan_callable(self, split_fn: Callable[..., Any], args: tuple, kwargs: dict
+                       ) -> tuple[SplitPlan, list[UBatchArgs], None]:
+        name = getattr(split_fn, "__name__", repr(split_fn))
+        result = split_fn(args, kwargs)
+        if result is None:
+            x = _first_tensor(args, kwargs)
+            total = x.shape[0] if x is not None and x.dim() > 0 else 0
+            return SplitPlan(split=False, num_tokens=(total,),
+                             reason=f"the split callable {name} returned None"), [], None
+        if (not isinstance(result, (list, tuple)) or len(result) != self.config.num_ubatches
+                or not all(_is_args_pair(r) for r in result)):
+            raise ValueError(
+                f"the split callable {name} returned {_describe(result)}: it must return "
+                f"None (no split) or a list of {self.config.num_ubatches} (args: tuple, "
+                f"kwargs: dict) pairs, one per ubatch")
+        ubatch_args = [(tuple(a), dict(k)) for a, k in result]
+        rows = []
+        for a, k in ubatch_args:
+            x = _first_tensor(a, k)
+            rows.append(x.shape[0] if x is not None and x.dim() > 0 else 0)
+        plan = SplitPlan(split=True, num_tokens=tuple(rows), ubatches=(),
+                         reason=f"split by the callable {name}")
+        return plan, ubatch_args, None
+
+    def _scheduler(self, x: Optional[torch.Tensor]) -> UBatchScheduler:
+        """One scheduler per input device, reused across steps (it caches streams)."""
+        device = x.device if x is not None else None
+        scheduler = self._schedulers.get(device)
+        if scheduler is None:
+            scheduler = self._schedulers[device] = UBatchScheduler(device)
+        return scheduler
+
+
+# ---------------------------------------------------------------------------- helpers
+def _bind(model: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[[], Any]:
+    def run_ubatch() -> Any:
+        return model(*args, **kwargs)
+    return run_ubatch
+
+
+def _first_tensor(args: Sequence[Any], kwargs: dict) -> Optional[torch.Tensor]:
+    for value in itertools.chain(args, kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _require_tensor(args: tuple, kwargs: dict, mode: str) -> torch.Tensor:
+    x = _first_tensor(args, kwargs)
+    if x is None:
+        raise TypeError(f"split={mode!r} splits tensor arguments, but the call has none "
+                        f"(positional: {[type(a).__name__ for a in args]}, keyword: "
+                        f"{sorted(kwargs)}): pass the inputs as tensors, or give "
+                        f"DBOConfig(split=fn) a callable that splits them")
+    if x.dim() == 0:
+        raise TypeError(f"split={mode!r} splits along dim 0 of the first tensor argument, "
+                        f"but it is a 0-dim tensor ({x!r}): pass the token-major (or "
+                        f"batch-major) input first")
+    return x
+
+
+def _slice_args(args: tuple, kwargs: dict, rows: int, start: int, end: int) -> UBatchArgs:
+    """Rows [start, end) of every top-level tensor with `rows` rows (views, no copies)."""
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            return value[start:end]
+        return value
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+
+def _like(seq_lens: Any, ub: UBatchSlice) -> Any:
+    """The ubatch's seq_lens in the type the caller passed (list, tuple or tensor)."""
+    assert ub.seq_lens is not None
+    if isinstance(seq_lens, torch.Tensor):
+        return torch.tensor(ub.seq_lens, dtype=seq_lens.dtype, device=seq_lens.device)
+    if isinstance(seq_lens, tuple):
+        return tuple(ub.seq_lens)
+    return list(ub.seq_lens)
+
+
+def _is_args_pair(value: Any) -> bool:
+    return (isinstance(value, (tuple, list)) and len(value) == 2
+            and isinstance(value[0], (tuple, list)) and isinstance(value[1], dict))
+
+
+def _describe(value: Any) -> str:
+    """A short structural description (types and lengths, never tensor contents)."""
+    def one(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"Tensor{list(v.shape)}"
+        if isinstance(v, (list, tuple, dict)):
+            return f"{type(v).__name__} of {len(v)}"
+        return type(v).__name__
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}: [{', '.join(one(v) for v in value[:4])}" \
+               f"{', ...' if len(value) > 4 else ''}]"
+    return f"a {one(value)}"

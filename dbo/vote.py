@@ -1,0 +1,74 @@
+"""The cross-rank vote: the ranks of a group split a step only if all of them want to.
+
+    split = vote_split(plan.split, group)        # one tiny all-reduce (MIN of 0/1)
+    plan = apply_vote(plan, group)               # the same, as a SplitPlan with a reason
+
+Under expert or data parallelism every rank's MoE layers issue collectives together, so
+either every rank runs the step as two ubatches or none does. Each rank must call the
+vote on every step where DBO is enabled — also with 0 tokens, also when it does not
+want to split — or the group's collective sequence diverges and the ranks hang.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from dbo.split import SplitPlan
+
+# Backends whose collectives need device tensors, and the device type they use. Any
+# other backend (gloo, mpi, and "cpu:gloo,cuda:nccl" style mixes) votes on the CPU.
+_DEVICE_BACKENDS = {"nccl": "cuda", "xccl": "xpu"}
+
+
+def vote_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The device the vote's tensor lives on for `group`'s backend."""
+    backend = str(dist.get_backend(group)).lower()
+    device_type = _DEVICE_BACKENDS.get(backend)
+    if device_type is None:
+        return torch.device("cpu")
+    module = getattr(torch, device_type)
+    return torch.device(device_type, module.current_device())
+
+
+def vote_split(want_split: bool, group: Optional[dist.ProcessGroup] = None, *,
+               device: Union[torch.device, str, None] = None) -> bool:
+    """True when every rank of `group` wants to split this step.
+
+    Args:
+        want_split: this rank's own decision.
+        group: the process group that must agree (the EP/DP group); None: the default
+            group, or no vote at all when torch.distributed is not initialised.
+        device: where the 0/1 tensor lives; None: CUDA for NCCL groups, else CPU.
+
+    With one rank, or without an initialised process group, no collective is issued and
+    `want_split` is returned. Otherwise one all-reduce (MIN) of a 1-element int32 tensor;
+    its result is read on the host (a sync on CUDA: the split must be known there).
+    """
+    if not isinstance(want_split, bool):
+        raise TypeError(f"want_split must be a bool, got {want_split!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise RuntimeError(f"vote_split got group={group!r} but torch.distributed is "
+                               f"not initialised: call dist.init_process_group first")
+        return want_split
+    if dist.get_world_size(group) == 1:
+        return want_split
+    if device is None:
+        device = vote_device(group)
+    flag = torch.tensor([1 if want_split else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def apply_vote(plan: SplitPlan, group: Optional[dist.ProcessGroup] = None, *,
+               device: Union[torch.device, str, None] = None) -> SplitPlan:
+    """Vote on `plan.split` across `group`; return `plan` or its unsplit, vetoed form."""
+    agreed = vote_split(plan.split, group, device=device)
+    if agreed or not plan.split:
+        return plan
+    return dataclasses.replace(
+        plan, split=False, vetoed=True, ubatches=(), num_tokens=(plan.total_tokens,),
+        reason=f"peer rank vetoed the split (this rank would have split: {plan.reason})")
