@@ -1,0 +1,53 @@
+"""Prepare/finalize backends, registered by name.
+
+| name | engine | host sync | CUDA graphs | CPU (gloo) |
+|---|---|---|---|---|
+| local | none (EP = 1) | no | yes | yes |
+| naive | all-gather + reduce-scatter | only without max_tokens_per_rank | with max_tokens_per_rank | yes |
+| a2a | exact all_to_all_single: count exchange, then data | yes: yields before it | no | yes |
+| a2a_ll | fixed-capacity padded all_to_all_single | no | yes | yes |
+| auto | local for EP size 1, else a2a | | | |
+
+Modules are imported when their backend is first asked for, so an optional engine's
+import cost (or absence) never touches the others.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch.distributed as dist
+
+from moe.backends.base import Dispatched, Pending, PrepareFinalize
+from moe.config import MoEConfig
+
+BACKENDS: dict[str, str] = {
+    "local": "moe.backends.local:LocalBackend",
+    "naive": "moe.backends.naive:NaiveBackend",
+    "a2a": "moe.backends.a2a:AllToAllBackend",
+    "a2a_ll": "moe.backends.a2a_ll:AllToAllLLBackend",
+}
+
+
+def resolve_backend_name(name: str, world_size: int) -> str:
+    """Map "auto" to a concrete backend; reject unknown names."""
+    if name == "auto":
+        return "local" if world_size == 1 else "a2a"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown MoE backend {name!r}: choose one of "
+                         f"{sorted(BACKENDS) + ['auto']}")
+    return name
+
+
+def make_backend(name: str, config: MoEConfig,
+                 group: Optional[dist.ProcessGroup]) -> PrepareFinalize:
+    """Instantiate backend `name` ("auto" allowed) for `config` on `group` (None: EP = 1)."""
+    world_size = 1 if group is None else dist.get_world_size(group)
+    name = resolve_backend_name(name, world_size)
+    module_name, cls_name = BACKENDS[name].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(config, group)
+
+
+__all__ = ["BACKENDS", "Dispatched", "Pending", "PrepareFinalize", "make_backend",
+           "resolve_backend_name"]

@@ -1,0 +1,111 @@
+"""`a2a`: exact all-to-all. A count exchange, a host sync for the split sizes, then one
+`all_to_all_single` of packed rows (token + its top-k ids and weights) each way.
+
+Shape legend: T tokens here, H hidden, K top-k, W ranks, S rows this rank sends
+(one per (token, destination rank) pair), R rows it receives.
+
+Each token goes once to every rank that holds at least one of its experts, carrying all
+K ids and weights; the receiver maps them to local ids (-1 for experts elsewhere), so the
+experts' weighted sum over k gives that rank's partial output, and the combine adds the
+partials back per token. The count exchange blocks the host, so the dispatch yields
+first: the other ubatch queues its compute before this one waits.
+
+Streams: each half yields once, before its send (`dbo_yield_and_switch_from_compute_to_comm`),
+issues its collective on the comm stream, records comm-done and returns to compute
+without waiting (`dbo_switch_to_compute_async`); the receiver waits. Buffers allocated
+on comm and read on compute are marked with `record_stream` by that wait, and inputs
+made on compute and read on comm are marked for comm (`streams.memory`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dbo.yield_points import dbo_switch_to_compute_async, dbo_yield_and_switch_from_compute_to_comm
+from moe.backends.base import Dispatched, Pending, PrepareFinalize
+from moe.backends.packing import RowLayout
+from moe.workspace import Workspace
+from streams.memory import record_on_current_stream
+
+
+@dataclass(frozen=True)
+class A2AHandle:
+    """What the combine needs: where each sent row came from, and the split sizes."""
+
+    send_token_idx_S: Tensor
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+    num_tokens: int
+
+
+def destination_mask(topk_ids_TK: Tensor, num_local_experts: int, world_size: int) -> Tensor:
+    """[T, W] bool: token t has at least one expert on rank w (ids of -1 go nowhere)."""
+    num_tokens = topk_ids_TK.shape[0]
+    dest_TK = torch.where(topk_ids_TK >= 0, topk_ids_TK // num_local_experts, world_size)
+    mask = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=topk_ids_TK.device)
+    mask.scatter_(1, dest_TK, True)
+    return mask[:, :world_size]
+
+
+class AllToAllBackend(PrepareFinalize):
+    """Exact dispatch/combine with `all_to_all_single` and a host-synced count exchange."""
+
+    name = "a2a"
+    host_sync = True
+
+    def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
+                      workspace: Workspace) -> Pending[Dispatched]:
+        layout = RowLayout(x_TH.shape[1], topk_ids_TK.shape[1], x_TH.dtype)
+        world = self.world_size
+        mask_TW = destination_mask(topk_ids_TK, self.placement.num_local_experts, world)
+        send_counts_W = mask_TW.sum(0)
+
+        # The count exchange below blocks the host: let the other ubatch queue first.
+        dbo_yield_and_switch_from_compute_to_comm()
+        recv_counts_W = torch.empty_like(send_counts_W)
+        dist.all_to_all_single(recv_counts_W, send_counts_W, group=self.group)
+        send_counts = tuple(send_counts_W.tolist())
+        recv_counts = tuple(recv_counts_W.tolist())
+        # Rank-major order of (rank, token) pairs: rows for rank 0 first, then rank 1...
+        _, send_token_idx_S = mask_TW.t().nonzero(as_tuple=True)
+        rows_SB = layout.pack(x_TH[send_token_idx_S], topk_ids_TK[send_token_idx_S],
+                              topk_weights_TK[send_token_idx_S])
+        recv_RB = torch.empty(sum(recv_counts), layout.row_bytes, dtype=torch.uint8,
+                              device=x_TH.device)
+        dist.all_to_all_single(recv_RB, rows_SB, list(recv_counts), list(send_counts),
+                               group=self.group)
+        record_on_current_stream(x_TH, topk_ids_TK, topk_weights_TK)
+        wait = dbo_switch_to_compute_async()
+        handle = A2AHandle(send_token_idx_S, send_counts, recv_counts, x_TH.shape[0])
+
+        def receiver() -> Dispatched:
+            wait.wait(recv_RB, send_token_idx_S)
+            ids_RK, weights_RK, x_RH = layout.unpack(recv_RB)
+            return Dispatched(x_RH, self.local_ids(ids_RK), weights_RK, handle)
+
+        return Pending(None, receiver)
+
+    def finalize_async(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
+                       workspace: Workspace) -> Pending[Tensor]:
+        handle: A2AHandle = dispatched.handle
+        hidden = expert_out_RH.shape[1]
+        dbo_yield_and_switch_from_compute_to_comm()
+        back_SH = torch.empty(sum(handle.send_counts), hidden, dtype=expert_out_RH.dtype,
+                              device=expert_out_RH.device)
+        send_RH = expert_out_RH.contiguous()
+        dist.all_to_all_single(back_SH, send_RH, list(handle.send_counts),
+                               list(handle.recv_counts), group=self.group)
+        record_on_current_stream(send_RH)
+        wait = dbo_switch_to_compute_async()
+
+        def receiver() -> Tensor:
+            wait.wait(back_SH)
+            out_TH = torch.zeros(handle.num_tokens, hidden, dtype=torch.float32,
+                                 device=back_SH.device)
+            out_TH.index_add_(0, handle.send_token_idx_S, back_SH.float())
+            return out_TH.to(back_SH.dtype)
+
+        return Pending(None, receiver)

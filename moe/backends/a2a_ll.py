@@ -1,0 +1,110 @@
+"""`a2a_ll`: fixed-capacity all-to-all, no host sync ("low latency" style).
+
+Shape legend: T tokens here (T <= C), C = `MoEConfig.max_tokens_per_rank`, H hidden,
+K top-k, W ranks, B bytes per packed row.
+
+Every rank sends every peer a slot of exactly C packed rows, whether it has tokens for
+that peer or not, so all shapes are static and nothing is read on the host: the
+dispatch never blocks the CPU and is CUDA-graph friendly. Token t's row for rank w goes
+to slot position pos[t, w] = (number of earlier tokens also bound for w); unused slot
+rows are padding (ids -1) and route to no expert. The receiver sees [W*C] rows, the
+source rank's slot in order; the combine sends each row's partial output back to the
+same slot position and the source sums a token's rows over ranks.
+
+More tokens than the capacity is an error naming the capacity: a token is never dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dbo.yield_points import dbo_switch_to_compute_async, dbo_yield_and_switch_from_compute_to_comm
+from moe.backends.a2a import destination_mask
+from moe.backends.base import Dispatched, Pending, PrepareFinalize
+from moe.backends.naive import check_capacity
+from moe.backends.packing import RowLayout
+from moe.config import MoEConfig
+from moe.workspace import Workspace
+from streams.memory import record_on_current_stream
+
+
+@dataclass(frozen=True)
+class LLHandle:
+    """slot_TW: the flat slot row of token t on rank w, or W*C (a dump row) if t does
+    not go to w."""
+
+    slot_TW: Tensor
+    num_tokens: int
+
+
+class AllToAllLLBackend(PrepareFinalize):
+    """Padded, fixed-capacity all-to-all: static shapes, no count exchange."""
+
+    name = "a2a_ll"
+
+    def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
+        super().__init__(config, group)
+        if config.max_tokens_per_rank is None:
+            raise ValueError("backend 'a2a_ll' needs MoEConfig.max_tokens_per_rank (the "
+                             "fixed capacity per rank): set it to the largest token count a "
+                             "rank sends in one step")
+        self.capacity = config.max_tokens_per_rank
+
+    def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
+                      workspace: Workspace) -> Pending[Dispatched]:
+        num_tokens, world, cap = x_TH.shape[0], self.world_size, self.capacity
+        check_capacity(num_tokens, cap, self.name)
+        device = x_TH.device
+        layout = RowLayout(x_TH.shape[1], topk_ids_TK.shape[1], x_TH.dtype)
+        mask_TW = destination_mask(topk_ids_TK, self.placement.num_local_experts, world)
+        pos_TW = torch.cumsum(mask_TW, dim=0) - 1
+        base_W = torch.arange(world, device=device) * cap
+        slot_TW = torch.where(mask_TW, base_W + pos_TW, world * cap)
+
+        # One extra dump row takes the writes of (token, rank) pairs that do not exist.
+        send_XB = workspace.get("a2a_ll.send", (world * cap + 1, layout.row_bytes),
+                                torch.uint8, device)
+        ids_XK, _, _ = layout.unpack(send_XB)
+        ids_XK.fill_(-1)
+        rows_TB = layout.pack(x_TH, topk_ids_TK, topk_weights_TK)
+        send_XB.index_put_((slot_TW,), rows_TB.unsqueeze(1).expand(num_tokens, world,
+                                                                    layout.row_bytes))
+        recv_RB = workspace.get("a2a_ll.recv", (world * cap, layout.row_bytes),
+                                torch.uint8, device)
+
+        dbo_yield_and_switch_from_compute_to_comm()
+        dist.all_to_all_single(recv_RB, send_XB[:world * cap], group=self.group)
+        wait = dbo_switch_to_compute_async()
+        handle = LLHandle(slot_TW, num_tokens)
+
+        def receiver() -> Dispatched:
+            wait.wait()
+            ids_RK, weights_RK, x_RH = layout.unpack(recv_RB)
+            return Dispatched(x_RH, self.local_ids(ids_RK), weights_RK, handle)
+
+        return Pending(None, receiver)
+
+    def finalize_async(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
+                       workspace: Workspace) -> Pending[Tensor]:
+        handle: LLHandle = dispatched.handle
+        rows, hidden = expert_out_RH.shape
+        dtype, device = expert_out_RH.dtype, expert_out_RH.device
+        back_XH = workspace.get("a2a_ll.back", (rows + 1, hidden), dtype, device)
+        back_XH[rows].zero_()  # the dump row: pairs that do not exist add zero
+        send_RH = expert_out_RH.contiguous()
+
+        dbo_yield_and_switch_from_compute_to_comm()
+        dist.all_to_all_single(back_XH[:rows], send_RH, group=self.group)
+        record_on_current_stream(send_RH)
+        wait = dbo_switch_to_compute_async()
+
+        def receiver() -> Tensor:
+            wait.wait()
+            out_TWH = back_XH[handle.slot_TW]
+            return out_TWH.float().sum(dim=1).to(dtype)
+
+        return Pending(None, receiver)

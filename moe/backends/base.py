@@ -1,0 +1,135 @@
+"""Prepare/finalize backends: how tokens reach their experts' ranks and come back.
+
+Shape legend: T tokens on this rank, H hidden, K top-k, R rows received for this
+rank's experts, E_loc local experts, W ranks in the expert-parallel group.
+
+A backend has two asynchronous halves. Both are called on the compute stream and
+return a `Pending(hook, receiver)`:
+
+    prepare_async(x_TH, topk_weights_TK, topk_ids_TK)  ->  Pending -> Dispatched
+    finalize_async(expert_out_RH, dispatched)          ->  Pending -> out_TH
+
+`hook` (or None) launches a receive half that must wait until the other ubatch has
+queued its compute (it is handed over with `dbo_register_recv_hook`); `receiver()` waits
+for the data and returns the result on the compute stream. The caller (the modular
+kernel) yields between the two halves. Per-call state lives in the frozen `Dispatched`
+handle that the calling ubatch owns, never in backend attributes, so the two ubatches
+cannot overwrite each other's state. The synchronous `prepare` / `finalize` are the
+async path followed by its wait.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Generic, NamedTuple, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moe.config import MoEConfig
+from moe.workspace import Workspace
+
+R = TypeVar("R")
+
+
+class Pending(NamedTuple, Generic[R]):
+    """An operation in flight: run `hook` (if any) once, then `receiver()` for the result."""
+
+    hook: Optional[Callable[[], None]]
+    receiver: Callable[[], R]
+
+    def wait(self) -> R:
+        if self.hook is not None:
+            self.hook()
+        return self.receiver()
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """Tokens as the experts of this rank see them, plus what combine needs to return them.
+
+    x_RH: [R, H] rows for this rank's experts (x's dtype); topk_ids_RK: int64 local
+    expert ids, -1 where the expert lives elsewhere (or the row is padding);
+    topk_weights_RK: float32. `handle` is the backend's own frozen record of the call.
+    All valid on the compute stream once the receiver has returned.
+    """
+
+    x_RH: Tensor
+    topk_ids_RK: Tensor
+    topk_weights_RK: Tensor
+    handle: Any
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which experts this rank holds: the E_loc consecutive ones from `first_expert`."""
+
+    rank: int
+    world_size: int
+    num_experts: int
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def first_expert(self) -> int:
+        return self.rank * self.num_local_experts
+
+    def expert_map(self, device: torch.device | str = "cpu") -> Tensor:
+        """[E] int64: global expert id -> local id on this rank, -1 elsewhere."""
+        emap = torch.full((self.num_experts,), -1, dtype=torch.int64, device=device)
+        first, n = self.first_expert, self.num_local_experts
+        emap[first:first + n] = torch.arange(n, dtype=torch.int64, device=device)
+        return emap
+
+
+class PrepareFinalize(ABC):
+    """Base of the dispatch/combine backends (one subclass per file, registered by name)."""
+
+    name: ClassVar[str]
+    #: Whether a dispatch blocks the host (a count exchange read on the CPU).
+    host_sync: ClassVar[bool] = False
+
+    def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
+        self.config = config
+        self.group = group
+        if group is None:
+            self.placement = ExpertPlacement(0, 1, config.num_experts)
+        else:
+            self.placement = ExpertPlacement(dist.get_rank(group), dist.get_world_size(group),
+                                             config.num_experts)
+        self._expert_maps: dict[torch.device, Tensor] = {}
+
+    @property
+    def world_size(self) -> int:
+        return self.placement.world_size
+
+    def local_ids(self, topk_ids_NK: Tensor) -> Tensor:
+        """Global ids -> local ids of this rank (-1 elsewhere); -1 stays -1."""
+        emap = self._expert_maps.get(topk_ids_NK.device)
+        if emap is None:
+            emap = self.placement.expert_map(topk_ids_NK.device)
+            self._expert_maps[topk_ids_NK.device] = emap
+        return torch.where(topk_ids_NK >= 0, emap[topk_ids_NK.clamp(min=0)], -1)
+
+    @abstractmethod
+    def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
+                      workspace: Workspace) -> Pending[Dispatched]:
+        """Start sending each token to the ranks of its experts (global ids in)."""
+
+    @abstractmethod
+    def finalize_async(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
+                       workspace: Workspace) -> Pending[Tensor]:
+        """Start returning the weighted expert outputs; the receiver gives out_TH, the
+        sum over each token's experts, in x's dtype on the compute stream."""
+
+    def prepare(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
+                workspace: Workspace) -> Dispatched:
+        return self.prepare_async(x_TH, topk_weights_TK, topk_ids_TK,
+                                  workspace=workspace).wait()
+
+    def finalize(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
+                 workspace: Workspace) -> Tensor:
+        return self.finalize_async(expert_out_RH, dispatched, workspace=workspace).wait()

@@ -1,0 +1,106 @@
+"""`naive`: all-gather every rank's tokens and routing, run the local experts on all of
+them, reduce-scatter the partial outputs back (sum over ranks).
+
+Shape legend: T tokens here, C rows per rank in the gathered buffer (the largest T of
+the group, or `MoEConfig.max_tokens_per_rank` when set), H hidden, K top-k, W ranks.
+
+Ranks may hold different token counts, so without a capacity the dispatch first
+all-gathers the counts and reads them on the host (it yields before that, like `a2a`).
+With `max_tokens_per_rank` set every rank pads to that capacity instead: no host sync,
+static shapes. Padding rows carry ids of -1 and route to no expert.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dbo.yield_points import dbo_switch_to_compute_async, dbo_yield_and_switch_from_compute_to_comm
+from moe.backends.base import Dispatched, Pending, PrepareFinalize
+from moe.backends.packing import RowLayout
+from moe.workspace import Workspace
+from streams.memory import record_on_current_stream
+
+
+@dataclass(frozen=True)
+class NaiveHandle:
+    num_tokens: int
+    rows_per_rank: int
+
+
+def check_capacity(num_tokens: int, capacity: int, backend: str) -> None:
+    if num_tokens > capacity:
+        raise ValueError(
+            f"backend {backend!r}: {num_tokens} tokens on this rank exceed "
+            f"MoEConfig.max_tokens_per_rank={capacity}: raise the capacity, or split the "
+            f"batch (no token is ever dropped)")
+
+
+class NaiveBackend(PrepareFinalize):
+    """All-gather dispatch, reduce-scatter combine."""
+
+    name = "naive"
+
+    @property
+    def host_sync(self) -> bool:  # type: ignore[override]
+        return self.config.max_tokens_per_rank is None
+
+    def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
+                      workspace: Workspace) -> Pending[Dispatched]:
+        num_tokens, world = x_TH.shape[0], self.world_size
+        layout = RowLayout(x_TH.shape[1], topk_ids_TK.shape[1], x_TH.dtype)
+        capacity = self.config.max_tokens_per_rank
+        if capacity is not None:
+            check_capacity(num_tokens, capacity, self.name)
+            rows_CB = self._padded_rows(layout, capacity, x_TH, topk_ids_TK, topk_weights_TK)
+        dbo_yield_and_switch_from_compute_to_comm()
+        if capacity is None:
+            count_W = torch.empty(world, dtype=torch.int64, device=x_TH.device)
+            dist.all_gather_into_tensor(
+                count_W, torch.tensor([num_tokens], dtype=torch.int64, device=x_TH.device),
+                group=self.group)
+            capacity = max(int(count_W.max().item()), 1)
+            rows_CB = self._padded_rows(layout, capacity, x_TH, topk_ids_TK, topk_weights_TK)
+        gathered_RB = torch.empty(world * capacity, layout.row_bytes, dtype=torch.uint8,
+                                  device=x_TH.device)
+        dist.all_gather_into_tensor(gathered_RB, rows_CB, group=self.group)
+        record_on_current_stream(rows_CB)
+        wait = dbo_switch_to_compute_async()
+        handle = NaiveHandle(num_tokens, capacity)
+
+        def receiver() -> Dispatched:
+            wait.wait(gathered_RB)
+            ids_RK, weights_RK, x_RH = layout.unpack(gathered_RB)
+            return Dispatched(x_RH, self.local_ids(ids_RK), weights_RK, handle)
+
+        return Pending(None, receiver)
+
+    def finalize_async(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
+                       workspace: Workspace) -> Pending[Tensor]:
+        handle: NaiveHandle = dispatched.handle
+        dbo_yield_and_switch_from_compute_to_comm()
+        send_RH = expert_out_RH.contiguous()
+        mine_CH = torch.empty(handle.rows_per_rank, send_RH.shape[1], dtype=send_RH.dtype,
+                              device=send_RH.device)
+        dist.reduce_scatter_tensor(mine_CH, send_RH, group=self.group)
+        record_on_current_stream(send_RH)
+        wait = dbo_switch_to_compute_async()
+
+        def receiver() -> Tensor:
+            wait.wait(mine_CH)
+            return mine_CH[:handle.num_tokens]
+
+        return Pending(None, receiver)
+
+    @staticmethod
+    def _padded_rows(layout: RowLayout, capacity: int, x_TH: Tensor, topk_ids_TK: Tensor,
+                     topk_weights_TK: Tensor) -> Tensor:
+        """[capacity, row_bytes]: this rank's tokens, then padding rows (ids -1)."""
+        num_tokens = x_TH.shape[0]
+        rows_CB = torch.zeros(capacity, layout.row_bytes, dtype=torch.uint8, device=x_TH.device)
+        ids_CK, _, _ = layout.unpack(rows_CB)
+        ids_CK[num_tokens:] = -1
+        layout.pack_into(rows_CB[:num_tokens], x_TH, topk_ids_TK, topk_weights_TK)
+        return rows_CB

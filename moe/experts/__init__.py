@@ -1,0 +1,88 @@
+"""Expert kernels, registered by name and imported lazily.
+
+==============  ===================================================  =====================
+name            class                                                runs on
+==============  ===================================================  =====================
+``reference``   `moe.experts.reference.ReferenceExperts`             anywhere (ground truth)
+``grouped``     `moe.experts.grouped.GroupedExperts`                 anywhere (grouped GEMM
+                                                                     where torch has it)
+``triton``      `moe.experts.triton.TritonExperts`                   CUDA with triton
+``auto``        triton on CUDA if available, else grouped, else reference
+==============  ===================================================  =====================
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from moe.experts.base import Experts, check_expert_inputs, weighted_topk_sum
+
+__all__ = [
+    "EXPERTS",
+    "Experts",
+    "check_expert_inputs",
+    "experts_class",
+    "make_experts",
+    "weighted_topk_sum",
+]
+
+#: name -> "module:Class"; modules are imported on first use (heavy optional deps).
+EXPERTS: dict[str, str] = {
+    "reference": "moe.experts.reference:ReferenceExperts",
+    "grouped": "moe.experts.grouped:GroupedExperts",
+    "triton": "moe.experts.triton:TritonExperts",
+}
+
+_AUTO_ORDER = ("triton", "grouped", "reference")
+
+
+def experts_class(name: str) -> type[Experts]:
+    """Import and return the kernel class registered as ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones).
+        ImportError: the kernel's module (or a dependency of it) cannot be imported.
+    """
+    if name not in EXPERTS:
+        valid = ", ".join(sorted([*EXPERTS, "auto"]))
+        raise ValueError(f"unknown experts kernel {name!r}: use one of {valid}.")
+    module_name, _, class_name = EXPERTS[name].partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    assert issubclass(cls, Experts), f"{EXPERTS[name]} is not an Experts subclass"
+    return cls
+
+
+def _availability(name: str, device: torch.device) -> tuple[type[Experts] | None, str]:
+    try:
+        cls = experts_class(name)
+    except ImportError as exc:
+        hint = " (pip install triton)" if name == "triton" else ""
+        return None, f"cannot import {EXPERTS[name]}: {exc}{hint}"
+    ok, reason = cls.is_available(device)
+    return (cls, "") if ok else (None, reason)
+
+
+def make_experts(name: str, device: torch.device | str) -> Experts:
+    """Instantiate the expert kernel ``name`` ("auto" picks the best available) for ``device``.
+
+    Raises:
+        ValueError: unknown name, or the kernel cannot run on ``device`` (with the reason).
+    """
+    device = torch.device(device)
+    if name == "auto":
+        reasons = []
+        for candidate in _AUTO_ORDER:
+            if candidate == "triton" and device.type != "cuda":
+                continue
+            cls, reason = _availability(candidate, device)
+            if cls is not None:
+                return cls()
+            reasons.append(f"{candidate}: {reason}")
+        raise ValueError(f"no experts kernel runs on {device}: " + "; ".join(reasons))
+    if name not in EXPERTS:
+        experts_class(name)  # raises the ValueError listing valid names
+    cls, reason = _availability(name, device)
+    if cls is None:
+        raise ValueError(f"experts kernel {name!r} is not available on {device}: {reason}.")
+    return cls()

@@ -1,0 +1,159 @@
+"""The expert-kernel interface and the steps every kernel shares.
+
+Shape legend: N rows (tokens) given to the experts, K top-k, E local experts on this rank,
+H hidden size, I intermediate size (w13 holds 2I rows: gate rows first, then up rows),
+S = N * K (token, k) slots, numbered ``n * K + k``.
+
+Every kernel computes, accumulating in float32::
+
+    out[n] = sum_k  w[n, k] * W2_e( silu(Wgate_e x[n]) * Wup_e x[n] ),   e = ids[n, k]
+
+with slots whose id is -1 (expert on another rank) contributing nothing.
+"""
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from moe.config import SUPPORTED_DTYPES
+from moe.workspace import Workspace
+
+__all__ = ["Experts", "check_expert_inputs", "weighted_topk_sum"]
+
+
+class Experts(abc.ABC):
+    """An expert kernel: the gated MLPs of the local experts plus the top-k weighted sum.
+
+    Implementations are stateless apart from caches (weights are passed per call), can be
+    built with no constructor arguments (`make_experts` does so), and register under
+    ``name`` in ``moe.experts``.
+    """
+
+    name: ClassVar[str]
+    """Registry name, e.g. "reference"."""
+
+    @classmethod
+    @abc.abstractmethod
+    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+        """Whether this kernel runs on ``device``; when not, the reason / install hint."""
+
+    @abc.abstractmethod
+    def apply(
+        self,
+        x_NH: Tensor,
+        w13_EIH: Tensor,
+        w2_EHI: Tensor,
+        topk_ids_NK: Tensor,
+        topk_weights_NK: Tensor,
+        *,
+        workspace: Workspace | None = None,
+    ) -> Tensor:
+        """Run the routed rows through their experts and reduce over k.
+
+        Args:
+            x_NH: [N, H] float32 / float16 / bfloat16; N may be 0.
+            w13_EIH: [E, 2I, H], x's dtype; gate rows ``[:I]``, up rows ``[I:]``.
+            w2_EHI: [E, H, I], x's dtype.
+            topk_ids_NK: int64 [N, K] local expert ids in [0, E), or -1 for "not on this
+                rank" (contributes nothing). Values are not range-checked (host sync).
+            topk_weights_NK: float32 [N, K].
+            workspace: scratch buffers to reuse (this ubatch's); None allocates.
+
+        Returns:
+            [N, H] in x's dtype, a fresh tensor (never workspace memory), valid on the
+            current stream. Rows whose ids are all -1 are zero.
+        """
+
+
+def check_expert_inputs(
+    x_NH: Tensor, w13_EIH: Tensor, w2_EHI: Tensor, topk_ids_NK: Tensor, topk_weights_NK: Tensor
+) -> None:
+    """Raise ValueError/TypeError when the `Experts.apply` arguments break its contract."""
+    if x_NH.dim() != 2:
+        raise ValueError(f"experts: x has shape {tuple(x_NH.shape)}: expected [N, H].")
+    if x_NH.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"experts: x dtype {x_NH.dtype}: use one of {SUPPORTED_DTYPES}.")
+    num_rows, hidden = x_NH.shape
+    if w13_EIH.dim() != 3 or w13_EIH.shape[2] != hidden or w13_EIH.shape[1] % 2 != 0:
+        raise ValueError(
+            f"experts: w13 has shape {tuple(w13_EIH.shape)}: expected [E, 2I, H={hidden}] "
+            f"(gate rows then up rows)."
+        )
+    num_experts, inter = w13_EIH.shape[0], w13_EIH.shape[1] // 2
+    if tuple(w2_EHI.shape) != (num_experts, hidden, inter):
+        raise ValueError(
+            f"experts: w2 has shape {tuple(w2_EHI.shape)}: expected [E, H, I] = "
+            f"[{num_experts}, {hidden}, {inter}] to match w13 {tuple(w13_EIH.shape)}."
+        )
+    if num_experts < 1:
+        raise ValueError("experts: w13 holds 0 experts: every rank needs >= 1 local expert.")
+    if w13_EIH.dtype != x_NH.dtype or w2_EHI.dtype != x_NH.dtype:
+        raise TypeError(
+            f"experts: weight dtypes w13={w13_EIH.dtype}, w2={w2_EHI.dtype} differ from x "
+            f"dtype {x_NH.dtype}: keep activations and expert weights in one dtype."
+        )
+    if topk_ids_NK.dim() != 2 or topk_ids_NK.shape[0] != num_rows:
+        raise ValueError(
+            f"experts: topk_ids has shape {tuple(topk_ids_NK.shape)}: expected [N={num_rows}, K]."
+        )
+    if tuple(topk_weights_NK.shape) != tuple(topk_ids_NK.shape):
+        raise ValueError(
+            f"experts: topk_weights shape {tuple(topk_weights_NK.shape)} != topk_ids shape "
+            f"{tuple(topk_ids_NK.shape)}."
+        )
+    if topk_ids_NK.dtype != torch.int64:
+        raise TypeError(f"experts: topk_ids dtype {topk_ids_NK.dtype}: pass int64 (.long()).")
+    if topk_weights_NK.dtype != torch.float32:
+        raise TypeError(
+            f"experts: topk_weights dtype {topk_weights_NK.dtype}: pass float32 (.float())."
+        )
+    devices = {t.device for t in (x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK)}
+    if len(devices) != 1:
+        raise ValueError(f"experts: inputs live on several devices {sorted(map(str, devices))}.")
+
+
+def weighted_topk_sum(
+    y_RH: Tensor,
+    topk_ids_NK: Tensor,
+    topk_weights_NK: Tensor,
+    *,
+    out_dtype: torch.dtype,
+    row_of_slot_NK: Tensor | None = None,
+) -> Tensor:
+    """The top-k weighting and reduction over k, shared by all torch expert kernels.
+
+    ``out[n] = sum_k w[n, k] * y[row(n, k)]`` over slots with ``ids[n, k] >= 0``, in float32
+    and in a fixed order (k ascending), so the result is deterministic.
+
+    Args:
+        y_RH: [R, H] expert outputs, any floating dtype. Rows of dropped slots (id -1) may
+            hold garbage, NaN included: they are masked, not multiplied by 0.
+        topk_ids_NK: int64 [N, K]; only the sign (-1 = dropped) is read.
+        topk_weights_NK: float32 [N, K].
+        out_dtype: dtype of the result.
+        row_of_slot_NK: int64 [N, K] row of ``y`` holding slot (n, k); None means the
+            identity layout ``row = n * K + k`` (then R = N * K).
+
+    Returns:
+        [N, H] ``out_dtype``, a fresh tensor.
+    """
+    num_rows, top_k = topk_ids_NK.shape
+    hidden = y_RH.shape[1]
+    acc_NH = torch.zeros(num_rows, hidden, dtype=torch.float32, device=y_RH.device)
+    if num_rows == 0:
+        return acc_NH.to(out_dtype)
+    valid_NK = topk_ids_NK >= 0
+    weights_NK = torch.where(valid_NK, topk_weights_NK.float(), 0.0)
+    y_NKH = y_RH.view(num_rows, top_k, hidden) if row_of_slot_NK is None else None
+    for k in range(top_k):
+        if y_NKH is not None:
+            y_NH = y_NKH[:, k]
+        else:
+            assert row_of_slot_NK is not None
+            y_NH = y_RH.index_select(0, row_of_slot_NK[:, k])
+        y_NH = torch.where(valid_NK[:, k, None], y_NH.float(), 0.0)
+        acc_NH.addcmul_(y_NH, weights_NK[:, k, None])
+    return acc_NH.to(out_dtype)

@@ -1,0 +1,155 @@
+"""`MoELayer`: router -> modular kernel (dispatch, experts, combine) -> output, plus
+optional shared experts. Works the same inside and outside a DBO step.
+
+Shape legend: T tokens here, H hidden, I expert width, E experts (global), E_loc = E/W
+experts on this rank, W ranks in the expert-parallel (EP) group, K top-k.
+
+Parameters: `router.weight [E, H]`, `router.e_score_correction_bias [E]` (float32, when
+`use_correction_bias`), `w13 [E_loc, 2I, H]` (gate rows, then up rows), `w2 [E_loc, H, I]`,
+`shared_experts` (an `nn.Module` or None). Rank r of the EP group holds the E/W
+consecutive experts from r*E/W; `expert_map` maps global ids to local ones (-1 elsewhere).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dbo.yield_points import dbo_current_ubatch_id
+from moe.backends import make_backend
+from moe.config import MoEConfig
+from moe.experts import make_experts
+from moe.experts.base import Experts
+from moe.modular_kernel import ModularKernel
+from moe.router import route
+from moe.shared import SharedExperts
+from traces.ranges import end_phase, start_phase
+
+
+class Router(nn.Module):
+    """The gate: `weight [E, H]`, and `e_score_correction_bias [E]` when configured."""
+
+    def __init__(self, config: MoEConfig, *, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size,
+                                               dtype=config.dtype, device=device))
+        if config.use_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(config.num_experts, dtype=torch.float32, device=device),
+                requires_grad=False)
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x_TH: Tensor) -> Tensor:
+        """Router logits [T, E] in x's dtype."""
+        return F.linear(x_TH, self.weight)
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts FFN with asynchronous, DBO-aware dispatch and combine.
+
+    Args:
+        config: sizes, routing and dtype.
+        group: the EP process group; None means EP size 1 (all experts here).
+        backend: dispatch/combine backend name (see `moe.backends`); "auto" is `local`
+            for EP size 1, else `a2a`.
+        experts: expert kernel name (see `moe.experts`); "auto" picks the fastest
+            available on the device of the first input.
+        layer_id: the layer's index, used in trace range names.
+        device: where the parameters are created (uninitialised: load them with
+            `load_weights` or `init_weights`).
+    """
+
+    def __init__(self, config: MoEConfig, *, group: Optional[dist.ProcessGroup] = None,
+                 backend: str = "auto", experts: str = "auto", layer_id: int = 0,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"MoELayer takes a moe.MoEConfig, got {type(config).__name__}")
+        world = 1 if group is None else dist.get_world_size(group)
+        if config.num_experts % world != 0:
+            raise ValueError(f"MoEConfig.num_experts={config.num_experts} is not divisible by "
+                             f"the EP size {world}: use a multiple of {world} experts")
+        self.config = config
+        self.layer_id = layer_id
+        self.experts_name = experts
+        self.backend = make_backend(backend, config, group)
+        self._check_experts_name(experts)
+        self.num_local_experts = config.num_experts // world
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.router = Router(config, device=device)
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * inter, hidden,
+                                            dtype=config.dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden, inter,
+                                           dtype=config.dtype, device=device))
+        self.shared_experts: Optional[nn.Module] = None
+        if config.num_shared_experts > 0:
+            self.shared_experts = SharedExperts(
+                hidden_size=hidden, intermediate_size=config.num_shared_experts * inter,
+                dtype=config.dtype, device=device)
+        self.register_buffer("expert_map", self.backend.placement.expert_map(
+            device if device is not None else "cpu"), persistent=False)
+        self._kernels: dict[torch.device, ModularKernel] = {}
+
+    @property
+    def first_expert(self) -> int:
+        return self.backend.placement.first_expert
+
+    def load_weights(self, weights: dict[str, Tensor], *, global_experts: bool = True) -> None:
+        """Copy `router_weight`, `w13`, `w2` (and `e_score_correction_bias`) in.
+
+        With `global_experts`, w13/w2 hold all E experts and this rank takes its slice.
+        """
+        sl = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        with torch.no_grad():
+            self.router.weight.copy_(weights["router_weight"])
+            if self.router.e_score_correction_bias is not None:
+                self.router.e_score_correction_bias.copy_(weights["e_score_correction_bias"])
+            self.w13.copy_(weights["w13"][sl] if global_experts else weights["w13"])
+            self.w2.copy_(weights["w2"][sl] if global_experts else weights["w2"])
+
+    def forward(self, x_TH: Tensor) -> Tensor:
+        """[T, H] -> [T, H], both in config.dtype on the parameters' device."""
+        self._check_input(x_TH)
+        ubatch_id = dbo_current_ubatch_id()
+        h = start_phase("router", ubatch_id=ubatch_id, layer=self.layer_id)
+        logits_TE = self.router(x_TH)
+        topk_weights_TK, topk_ids_TK = route(
+            logits_TE, self.config, correction_bias_E=self.router.e_score_correction_bias)
+        end_phase(h)
+        return self._kernel(x_TH.device).forward(
+            x_TH, topk_weights_TK, topk_ids_TK, w13_EIH=self.w13, w2_EHI=self.w2,
+            shared_experts=self.shared_experts, layer=self.layer_id)
+
+    # ------------------------------------------------------------------ internals
+    def _kernel(self, device: torch.device) -> ModularKernel:
+        kernel = self._kernels.get(device)
+        if kernel is None:
+            experts: Experts = make_experts(self.experts_name, device)
+            kernel = ModularKernel(self.config, self.backend, experts)
+            self._kernels[device] = kernel
+        return kernel
+
+    @staticmethod
+    def _check_experts_name(name: str) -> None:
+        from moe.experts import EXPERTS  # the registry: names only, nothing imported
+        if name != "auto" and name not in EXPERTS:
+            raise ValueError(f"unknown experts kernel {name!r}: choose one of "
+                             f"{sorted(EXPERTS) + ['auto']}")
+
+    def _check_input(self, x_TH: Tensor) -> None:
+        if not isinstance(x_TH, Tensor):
+            raise TypeError(f"MoELayer.forward takes a [T, H] tensor, got {type(x_TH).__name__}")
+        if x_TH.dim() != 2 or x_TH.shape[1] != self.config.hidden_size:
+            raise ValueError(f"MoELayer.forward: x has shape {tuple(x_TH.shape)}, expected "
+                             f"[T, hidden_size={self.config.hidden_size}]: flatten the batch "
+                             f"and sequence dims into T")
+        if x_TH.dtype != self.config.dtype:
+            raise ValueError(f"MoELayer.forward: x is {x_TH.dtype} but MoEConfig.dtype is "
+                             f"{self.config.dtype}: cast the input with .to({self.config.dtype})")
+        if x_TH.device != self.w13.device:
+            raise ValueError(f"MoELayer.forward: x is on {x_TH.device} but the layer's "
+                             f"parameters are on {self.w13.device}: move one to the other")

@@ -1,0 +1,127 @@
+"""The modular kernel: prepare (dispatch) -> experts -> finalize (combine).
+
+Shape legend: T tokens here, H hidden, K top-k, R rows the experts of this rank see.
+
+    prepare_async  -> (hook?, receiver) -> Dispatched      the backend yields before its send
+    experts        on the compute stream, this ubatch's workspace, in chunks
+    finalize_async -> (hook?, receiver) -> out_TH
+    shared experts between the combine's send and its receive (they overlap the combine)
+
+A backend whose send and receive are separate (a `hook`) has the receive half handed to
+the other ubatch with `dbo_register_recv_hook`, then this ubatch yields; the other runs
+the hook after queueing its own compute (`dbo_maybe_run_recv_hook` at the start of each
+half). Outside a DBO step the hook simply runs at once: the synchronous path is the
+async path plus its wait.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from dbo.yield_points import (
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_maybe_run_recv_hook,
+    dbo_register_recv_hook,
+    dbo_yield,
+)
+from moe.backends.base import Dispatched, Pending, PrepareFinalize, R
+from moe.config import MoEConfig
+from moe.experts.base import Experts
+from moe.workspace import Workspace, WorkspaceSets
+from traces.ranges import end_phase, start_phase
+
+
+def await_pending(pending: Pending[R]) -> R:
+    """Run the hook (handing it to the other ubatch under DBO), then the receiver."""
+    if pending.hook is not None:
+        if dbo_enabled():
+            dbo_register_recv_hook(pending.hook)
+            dbo_yield()
+        else:
+            pending.hook()
+    return pending.receiver()
+
+
+class ModularKernel:
+    """One MoE layer's routed path: a backend and an expert kernel, per-ubatch workspaces.
+
+    Args:
+        config: the layer's MoEConfig (top-k weighting mode, chunk size).
+        backend: dispatch/combine.
+        experts: the expert kernel run on the rows this rank receives.
+    """
+
+    def __init__(self, config: MoEConfig, backend: PrepareFinalize, experts: Experts) -> None:
+        self.config = config
+        self.backend = backend
+        self.experts = experts
+        self.workspaces = WorkspaceSets(num_ubatches=2)
+
+    def forward(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
+                w13_EIH: Tensor, w2_EHI: Tensor, shared_experts: Optional[nn.Module] = None,
+                layer: Optional[int] = None) -> Tensor:
+        """out_TH (x's dtype, compute stream) = routed experts' weighted sum + shared experts.
+
+        topk_ids are global expert ids. Each phase (dispatch_send, dispatch_recv, experts,
+        combine_send, shared_experts, combine_recv) is a trace range `ub<u>/L<layer>/<phase>`
+        when `traces.ranges` is configured on (a flag test otherwise).
+        """
+        ubatch_id = dbo_current_ubatch_id()
+
+        def phase(name: str):  # a trace range handle (None while tracing is off)
+            return start_phase(name, ubatch_id=ubatch_id, layer=layer)
+
+        workspace = self.workspaces.for_ubatch(ubatch_id)
+        expert_in_TH = x_TH
+        if self.config.apply_router_weight_on_input:
+            # Top-1 only (checked by MoEConfig): scale the input, weight the output by 1.
+            expert_in_TH = (x_TH.float() * topk_weights_TK).to(x_TH.dtype)
+            topk_weights_TK = torch.ones_like(topk_weights_TK)
+
+        h = phase("dispatch_send")
+        dbo_maybe_run_recv_hook()
+        pending = self.backend.prepare_async(expert_in_TH, topk_weights_TK, topk_ids_TK,
+                                             workspace=workspace)
+        end_phase(h)
+        h = phase("dispatch_recv")
+        dispatched = await_pending(pending)
+        end_phase(h)
+
+        h = phase("experts")
+        expert_out_RH = self._run_experts(dispatched, w13_EIH, w2_EHI, workspace)
+        end_phase(h)
+
+        h = phase("combine_send")
+        dbo_maybe_run_recv_hook()
+        pending_out = self.backend.finalize_async(expert_out_RH, dispatched,
+                                                  workspace=workspace)
+        end_phase(h)
+        shared_TH = None
+        if shared_experts is not None:
+            h = phase("shared_experts")
+            shared_TH = shared_experts(x_TH)
+            end_phase(h)
+        h = phase("combine_recv")
+        out_TH = await_pending(pending_out)
+        end_phase(h)
+        return out_TH if shared_TH is None else out_TH + shared_TH
+
+    def _run_experts(self, dispatched: Dispatched, w13_EIH: Tensor, w2_EHI: Tensor,
+                     workspace: Workspace) -> Tensor:
+        """Experts over the received rows, `expert_chunk_size` rows at a time."""
+        x_RH = dispatched.x_RH.contiguous()
+        ids_RK, weights_RK = dispatched.topk_ids_RK, dispatched.topk_weights_RK
+        num_rows, chunk = x_RH.shape[0], self.config.expert_chunk_size
+        if num_rows <= chunk:
+            return self.experts.apply(x_RH, w13_EIH, w2_EHI, ids_RK, weights_RK,
+                                      workspace=workspace)
+        out_RH = torch.empty_like(x_RH)
+        for start in range(0, num_rows, chunk):
+            end = min(start + chunk, num_rows)
+            out_RH[start:end] = self.experts.apply(
+                x_RH[start:end], w13_EIH, w2_EHI, ids_RK[start:end], weights_RK[start:end],
+                workspace=workspace)
+        return out_RH

@@ -1,0 +1,139 @@
+"""Layer 2 (two/three gloo processes): every dispatch/combine backend against the
+single-process dense reference, with DBO on and off, over edge cases.
+
+Each rank builds the same global weights (seeded), takes its slice of experts, and
+routes its own tokens (a different count per rank). The dense reference is computed on
+each rank from the full weights. fp32 tolerances are 1e-5: the backends add per-rank
+partial sums (and reduce-scatter adds them in another order) where the reference adds
+all K expert outputs of a token in one loop, so only summation order differs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dbo import UBatchScheduler
+from moe.config import MoEConfig
+from moe.layer import MoELayer
+from moe.reference import init_moe_weights, reference_moe
+from moe.shared import SharedExperts
+from tests.dist_utils import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+ATOL = RTOL = 1e-5
+
+
+def all_to_expert_zero(logits_TE: torch.Tensor, top_k: int):
+    """Custom routing: every token to expert 0 (on rank 0) with weight 1."""
+    num_tokens = logits_TE.shape[0]
+    ids = torch.zeros(num_tokens, top_k, dtype=torch.int64)
+    ids[:, 1:] = torch.arange(1, top_k).expand(num_tokens, top_k - 1) if top_k > 1 else ids[:, 1:]
+    return torch.full((num_tokens, top_k), 1.0 / top_k), ids
+
+
+def to_last_expert(logits_TE: torch.Tensor, top_k: int):
+    """Custom routing: every token to the last experts (none on rank 0 when W >= 2)."""
+    num_tokens, num_experts = logits_TE.shape
+    ids = torch.arange(num_experts - top_k, num_experts).expand(num_tokens, top_k).clone()
+    return torch.full((num_tokens, top_k), 1.0 / top_k), ids
+
+
+SCENARIOS = {
+    # name: (MoEConfig overrides, tokens per rank (indexed by rank), split for DBO)
+    "basic": (dict(), (13, 7, 9)),
+    "shared_experts": (dict(num_shared_experts=1), (11, 5, 8)),
+    "rank_with_no_tokens": (dict(), (0, 9, 4)),
+    "all_to_one_expert": (dict(custom_routing_function=all_to_expert_zero), (6, 8, 5)),
+    "rank_receives_nothing": (dict(custom_routing_function=to_last_expert), (6, 5, 7)),
+    "top1_weight_on_input": (dict(top_k=1, apply_router_weight_on_input=True), (9, 4, 6)),
+    "one_token_ubatches": (dict(), (2, 2, 2)),
+    "sigmoid_grouped_bias": (dict(scoring="sigmoid", n_group=3, topk_group=2,
+                                  use_correction_bias=True, routed_scaling_factor=2.5),
+                             (10, 12, 3)),
+}
+
+
+def check_backend(rank: int, world_size: int, backend: str) -> dict[str, tuple[float, float]]:
+    """Per scenario: (max |DBO off - reference|, max |DBO on - reference|)."""
+    torch.manual_seed(1234 + rank)
+    errors = {}
+    for name, (overrides, tokens) in SCENARIOS.items():
+        cfg = MoEConfig(**{**dict(num_experts=12, top_k=3, hidden_size=24,
+                                  intermediate_size=16, max_tokens_per_rank=16), **overrides})
+        layer = MoELayer(cfg, group=dist.group.WORLD, backend=backend, experts="reference")
+        weights = init_moe_weights(cfg, seed=7)
+        layer.load_weights(weights)
+        shared = None
+        if cfg.num_shared_experts:
+            shared = SharedExperts.from_config(cfg, seed=3)
+            layer.shared_experts.load_state_dict(shared.state_dict())
+        x = torch.randn(tokens[rank], cfg.hidden_size)
+        ref = reference_moe(x, router_weight_EH=weights["router_weight"], w13_EIH=weights["w13"],
+                            w2_EHI=weights["w2"], config=cfg,
+                            correction_bias_E=weights.get("e_score_correction_bias"),
+                            shared_experts=shared)
+        with torch.no_grad():
+            if "e_score_correction_bias" in weights:
+                layer.router.e_score_correction_bias.copy_(weights["e_score_correction_bias"])
+            off = layer(x)
+            half = x.shape[0] // 2
+            on = torch.cat(UBatchScheduler("cpu").run(
+                [lambda: layer(x[:half]), lambda: layer(x[half:])]))
+        errors[name] = ((off - ref).abs().max().item() if x.numel() else 0.0,
+                        (on - ref).abs().max().item() if x.numel() else 0.0,
+                        tuple(off.shape), tuple(on.shape))
+    return errors
+
+
+def assert_close_everywhere(results: list, world_size: int) -> None:
+    for rank, errors in enumerate(results):
+        for name, (err_off, err_on, shape_off, shape_on) in errors.items():
+            tokens = SCENARIOS[name][1][rank]
+            assert shape_off == shape_on == (tokens, 24), (rank, name)
+            assert err_off <= ATOL, f"rank {rank} {name}: DBO off differs by {err_off}"
+            assert err_on <= ATOL, f"rank {rank} {name}: DBO on differs by {err_on}"
+
+
+@pytest.mark.parametrize("backend", ["naive", "a2a", "a2a_ll"])
+def test_backend_matches_reference_two_ranks(backend):
+    assert_close_everywhere(run_distributed(2, check_backend, backend), 2)
+
+
+@pytest.mark.parametrize("backend", ["a2a", "a2a_ll"])
+def test_backend_matches_reference_three_ranks(backend):
+    assert_close_everywhere(run_distributed(3, check_backend, backend), 3)
+
+
+def naive_without_capacity(rank: int, world_size: int) -> float:
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
+    layer = MoELayer(cfg, group=dist.group.WORLD, backend="naive", experts="reference")
+    weights = init_moe_weights(cfg, seed=1)
+    layer.load_weights(weights)
+    x = torch.randn(3 + 5 * rank, 8)
+    ref = reference_moe(x, router_weight_EH=weights["router_weight"], w13_EIH=weights["w13"],
+                        w2_EHI=weights["w2"], config=cfg)
+    with torch.no_grad():
+        return (layer(x) - ref).abs().max().item()
+
+
+def test_naive_without_capacity_exchanges_counts():
+    assert max(run_distributed(2, naive_without_capacity)) <= ATOL
+
+
+def capacity_overflow(rank: int, world_size: int) -> str:
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                    max_tokens_per_rank=4)
+    layer = MoELayer(cfg, group=dist.group.WORLD, backend="a2a_ll", experts="reference")
+    layer.load_weights(init_moe_weights(cfg, seed=1))
+    try:
+        layer(torch.randn(5, 8))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a2a_ll_capacity_overflow_is_an_error_not_a_drop():
+    for message in run_distributed(2, capacity_overflow):
+        assert "max_tokens_per_rank=4" in message and "5 tokens" in message

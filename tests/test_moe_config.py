@@ -1,0 +1,87 @@
+"""Layer: `moe.config` -- MoEConfig validation (every ValueError path) and round_up_hidden."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe.config import MoEConfig, round_up_hidden
+
+BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8)
+
+
+def make(**overrides: object) -> MoEConfig:
+    return MoEConfig(**{**BASE, **overrides})
+
+
+def test_defaults_and_frozen() -> None:
+    config = make()
+    assert config.scoring == "softmax" and config.renormalize and config.n_group is None
+    assert config.experts_per_group == 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.top_k = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        MoEConfig(8, 2, 16, 8)  # type: ignore[misc]  # keyword-only
+
+
+def test_valid_variants() -> None:
+    make(scoring="sigmoid", use_correction_bias=True, n_group=4, topk_group=2,
+         routed_scaling_factor=2.5, num_shared_experts=1, dtype=torch.bfloat16)
+    make(top_k=1, apply_router_weight_on_input=True, max_tokens_per_rank=64)
+    make(custom_routing_function=lambda logits, k: torch.topk(logits, k)[::-1])
+    make(top_k=8, n_group=8, topk_group=8)
+    assert make(n_group=4, topk_group=1).experts_per_group == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (dict(num_experts=0), "num_experts=0"),
+        (dict(hidden_size=-4), "hidden_size=-4"),
+        (dict(intermediate_size=0), "intermediate_size=0"),
+        (dict(hidden_size=16.0), "hidden_size=16.0"),
+        (dict(top_k=0), "top_k=0"),
+        (dict(top_k=True), "top_k=True"),
+        (dict(top_k=9), "top_k=9 exceeds num_experts=8"),
+        (dict(num_shared_experts=-1), "num_shared_experts=-1"),
+        (dict(scoring="relu"), "scoring='relu'"),
+        (dict(n_group=3, topk_group=1), "n_group=3 does not divide num_experts=8"),
+        (dict(n_group=0, topk_group=1), "n_group=0"),
+        (dict(n_group=4), "topk_group=None with n_group=4"),
+        (dict(topk_group=2), "topk_group=2 given without n_group"),
+        (dict(n_group=4, topk_group=5), r"topk_group=5: must be an int in \[1, n_group=4\]"),
+        (dict(n_group=4, topk_group=0), "topk_group=0"),
+        (dict(top_k=5, n_group=4, topk_group=2), "raise topk_group to at least 3"),
+        (dict(n_group=8, topk_group=2, use_correction_bias=True), "top-2"),
+        (dict(routed_scaling_factor=0.0), "routed_scaling_factor=0.0"),
+        (dict(routed_scaling_factor=float("inf")), "routed_scaling_factor=inf"),
+        (dict(routed_scaling_factor="2"), "routed_scaling_factor='2'"),
+        (dict(apply_router_weight_on_input=True), "needs top_k=1, got top_k=2"),
+        (dict(custom_routing_function=3), "custom_routing_function=3 is not callable"),
+        (dict(custom_routing_function=lambda l, k: None, n_group=4, topk_group=2), "n_group=4"),
+        (dict(custom_routing_function=lambda l, k: None, use_correction_bias=True),
+         "use_correction_bias=True"),
+        (dict(dtype=torch.float64), "dtype=torch.float64"),
+        (dict(dtype="bfloat16"), "dtype='bfloat16'"),
+        (dict(max_tokens_per_rank=0), "max_tokens_per_rank=0"),
+        (dict(expert_chunk_size=0), "expert_chunk_size=0"),
+    ],
+)
+def test_invalid(overrides: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make(**overrides)
+
+
+def test_round_up_hidden() -> None:
+    assert round_up_hidden(7168, torch.bfloat16) == 7168
+    assert round_up_hidden(7000, torch.bfloat16) == 7168
+    assert round_up_hidden(1, torch.float32) == 128
+    assert round_up_hidden(129, torch.float32) == 256
+    assert round_up_hidden(13, torch.float16, align_bytes=16) == 16
+    for bad in (dict(hidden_size=0), dict(align_bytes=3), dict(align_bytes=0)):
+        kwargs = {"hidden_size": 8, "dtype": torch.float32, "align_bytes": 512, **bad}
+        with pytest.raises(ValueError):
+            round_up_hidden(**kwargs)
+    with pytest.raises(ValueError, match="torch.dtype"):
+        round_up_hidden(8, "bf16")  # type: ignore[arg-type]
