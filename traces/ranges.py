@@ -86,7 +86,7 @@ class PhaseHandle:
 
 
 class _NvtxBackend:
-    """Start/end ranges through one NVTX domain, with cached event attributes."""
+    """One NVTX start/end implementation: ``start(name, color) -> id`` and ``end(id)``."""
 
     def __init__(self, start: Callable[[str, int], Any], end: Callable[[Any], None], kind: str):
         self.start = start

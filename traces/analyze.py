@@ -1,0 +1,338 @@
+"""Overlap analysis of a trace: busy time, overlapped and exposed comm, phase times.
+
+Commands::
+
+    python -m traces.analyze trace.json                    # table, then one JSON line
+    python -m traces.analyze trace.json.gz --png timeline.png --json report.json
+    python -m traces.analyze report.sqlite --comm-pattern my_a2a_kernel
+    python -m traces.analyze cpu_trace.json --cpu-ops       # CPU ops per thread as streams
+    dbo inspect trace.json                                  # the same main()
+
+Per device (all in microseconds, within the device's window):
+- ``wall_us``: the window: the extent of the step labels (``ProfilerStep#N`` or
+  ``step/N``) when the trace has them, else first kernel start to last kernel end.
+- ``compute_busy_us``: measure of the union of compute kernels (overlapping kernels, on one
+  stream or across streams, count once); ``comm_us``: the same for comm kernels.
+- ``comm_overlapped_us``: measure of (comm union) ∩ (compute union);
+  ``comm_exposed_us`` = ``comm_us - comm_overlapped_us``.
+- ``overlap_fraction`` = overlapped / comm, and 0.0 when there is no comm.
+- ``streams``: busy time (union) and kernel count per stream.
+- ``phases``: per ubatch (``ub0``, ``ub1``, ``none``), per phase: the sum of the phase
+  label durations (device-side labels when the device has any, else CPU-side labels);
+  spans of one label name are merged first, so a range Kineto split over two streams
+  counts once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from traces.classify import ClassifyConfig, Classifier, Kind
+from traces.intervals import Span, clip, intersect, merge, subtract, total
+from traces.model import KernelInterval, Label, ReadConfig, Trace, parse_label_name
+
+DEFAULT_STEP_PATTERN = r"^(ProfilerStep#\d+|step/\d+)$"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnalyzeConfig:
+    """How ``analyze`` classifies kernels and picks each device's window."""
+
+    classify: ClassifyConfig = field(default_factory=ClassifyConfig)
+    """Comm name patterns."""
+    step_pattern: str | None = DEFAULT_STEP_PATTERN
+    """Regex (full label name) of step labels that bound the window; None: whole trace."""
+
+    def __post_init__(self) -> None:
+        if self.step_pattern is not None:
+            try:
+                re.compile(self.step_pattern)
+            except re.error as exc:
+                raise ValueError(f"step_pattern {self.step_pattern!r} is not a valid regex: {exc}") from exc
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamReport:
+    """One stream of one device."""
+
+    busy_us: float
+    compute_us: float
+    comm_us: float
+    num_kernels: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceReport:
+    """The overlap numbers of one device (microseconds)."""
+
+    device: int
+    window: Span
+    window_source: str
+    """``gpu step labels``, ``cpu step labels`` (kernels launched inside them) or ``kernels``."""
+    wall_us: float
+    compute_busy_us: float
+    comm_us: float
+    comm_overlapped_us: float
+    comm_exposed_us: float
+    overlap_fraction: float
+    copy_us: float
+    num_kernels: int
+    streams: dict[int, StreamReport]
+    phases: dict[str, dict[str, float]]
+    phase_source: str
+    """``device`` (device-side labels), ``cpu`` (CPU-side labels) or ``none``."""
+    exposed_comm: list[Span]
+    """Where comm ran with no compute beside it (for the timeline)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready numbers (rounded to 1 ns)."""
+        r = lambda x: round(x, 3)  # noqa: E731
+        return {
+            "wall_us": r(self.wall_us),
+            "compute_busy_us": r(self.compute_busy_us),
+            "comm_us": r(self.comm_us),
+            "comm_overlapped_us": r(self.comm_overlapped_us),
+            "comm_exposed_us": r(self.comm_exposed_us),
+            "overlap_fraction": round(self.overlap_fraction, 4),
+            "copy_us": r(self.copy_us),
+            "num_kernels": self.num_kernels,
+            "window_source": self.window_source,
+            "window_us": [r(self.window.start), r(self.window.end)],
+            "streams": {
+                str(s): {"busy_us": r(v.busy_us), "compute_us": r(v.compute_us),
+                         "comm_us": r(v.comm_us), "num_kernels": v.num_kernels}
+                for s, v in sorted(self.streams.items())
+            },
+            "phases": {ub: {p: r(t) for p, t in sorted(ph.items())}
+                       for ub, ph in sorted(self.phases.items())},
+            "phase_source": self.phase_source,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """What ``analyze`` found: one ``DeviceReport`` per device with kernels."""
+
+    source: str
+    devices: dict[int, DeviceReport]
+    notes: list[str]
+    config: AnalyzeConfig
+
+    def to_json(self) -> dict[str, Any]:
+        """The machine-readable report (the CLI's final JSON line)."""
+        return {
+            "source": self.source,
+            "num_devices": len(self.devices),
+            "devices": {str(d): rep.to_json() for d, rep in sorted(self.devices.items())},
+            "notes": list(self.notes),
+        }
+
+    def format_table(self) -> str:
+        """A table for people."""
+        lines = [f"trace: {self.source}"]
+        lines += [f"note: {n}" for n in self.notes]
+        if not self.devices:
+            lines.append("no devices with kernels")
+            return "\n".join(lines)
+        head = (f"{'device':>6} {'wall_us':>12} {'compute_us':>12} {'comm_us':>12} "
+                f"{'overlap_us':>12} {'exposed_us':>12} {'overlap':>8} {'kernels':>8}")
+        lines += [head, "-" * len(head)]
+        for d, rep in sorted(self.devices.items()):
+            lines.append(
+                f"{d:>6} {rep.wall_us:>12.1f} {rep.compute_busy_us:>12.1f} {rep.comm_us:>12.1f} "
+                f"{rep.comm_overlapped_us:>12.1f} {rep.comm_exposed_us:>12.1f} "
+                f"{rep.overlap_fraction:>8.1%} {rep.num_kernels:>8}"
+            )
+        for d, rep in sorted(self.devices.items()):
+            lines.append(f"\ndevice {d}  (window from {rep.window_source})")
+            for s, st in sorted(rep.streams.items()):
+                lines.append(f"  stream {s:>6}: busy {st.busy_us:>11.1f} us  compute {st.compute_us:>11.1f}"
+                             f"  comm {st.comm_us:>11.1f}  kernels {st.num_kernels}")
+            if rep.phases:
+                lines.append(f"  phases ({rep.phase_source} labels, summed durations in us):")
+                for ub, ph in sorted(rep.phases.items()):
+                    cells = "  ".join(f"{p}={t:.1f}" for p, t in sorted(ph.items()))
+                    lines.append(f"    {ub}: {cells}")
+        return "\n".join(lines)
+
+
+def _extent(spans: list[Span]) -> Span | None:
+    return Span(min(s.start for s in spans), max(s.end for s in spans)) if spans else None
+
+
+def _window(
+    device: int, kernels: list[KernelInterval], labels: list[Label], step_re: re.Pattern[str] | None
+) -> tuple[Span, str, Span | None]:
+    """(GPU window, its source, CPU step window or None) of one device."""
+    whole = _extent([Span(k.start_us, k.end_us) for k in kernels]) or Span(0.0, 0.0)
+    if step_re is None:
+        return whole, "kernels", None
+    steps = [lb for lb in labels if step_re.match(lb.name)]
+    gpu = _extent([Span(lb.start_us, lb.end_us) for lb in steps if lb.device == device])
+    cpu = _extent([Span(lb.start_us, lb.end_us) for lb in steps if lb.device is None])
+    if gpu is not None:
+        return gpu, "gpu step labels", cpu
+    if cpu is not None:
+        launched = [Span(k.start_us, k.end_us) for k in kernels
+                    if k.launch_us is not None and cpu.start <= k.launch_us <= cpu.end]
+        found = _extent(launched)
+        if found is not None:
+            return found, "cpu step labels", cpu
+    return whole, "kernels", cpu
+
+
+def label_spans(labels: list[Label]) -> dict[str, list[Span]]:
+    """Merged spans per label name: the pieces one range leaves on several streams (or
+    any same-name overlap) count once."""
+    by_name: dict[str, list[Span]] = defaultdict(list)
+    for lb in labels:
+        by_name[lb.name].append(Span(lb.start_us, lb.end_us))
+    return {name: merge(spans) for name, spans in by_name.items()}
+
+
+def _phases(labels: list[Label], window: Span | None) -> dict[str, dict[str, float]]:
+    if window is not None:
+        labels = [lb for lb in labels if lb.end_us > window.start and lb.start_us < window.end]
+    sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for name, spans in label_spans(labels).items():
+        parts = parse_label_name(name)
+        ub = "none" if parts.ubatch is None else f"ub{parts.ubatch}"
+        sums[ub][parts.phase or ""] += sum(s.length for s in spans)
+    return {ub: dict(ph) for ub, ph in sums.items()}
+
+
+def _device_report(
+    device: int,
+    kernels: list[KernelInterval],
+    labels: list[Label],
+    classifier: Classifier,
+    step_re: re.Pattern[str] | None,
+) -> DeviceReport:
+    window, source, cpu_window = _window(device, kernels, labels, step_re)
+    by_kind: dict[Kind, list[Span]] = defaultdict(list)
+    by_stream: dict[int, dict[Kind, list[Span]]] = defaultdict(lambda: defaultdict(list))
+    for k in kernels:
+        kind = classifier.kind(k)
+        span = Span(k.start_us, k.end_us)
+        by_kind[kind].append(span)
+        by_stream[k.stream][kind].append(span)
+    compute = clip(merge(by_kind[Kind.COMPUTE]), window)
+    comm = clip(merge(by_kind[Kind.COMM]), window)
+    copy = clip(merge(by_kind[Kind.COPY]), window)
+    comm_us = total(comm)
+    overlapped = total(intersect(comm, compute))
+
+    streams = {}
+    for stream, kinds in by_stream.items():
+        all_spans = [s for spans in kinds.values() for s in spans]
+        in_window = [s for s in all_spans if s.end > window.start and s.start < window.end]
+        streams[stream] = StreamReport(
+            busy_us=total(clip(merge(all_spans), window)),
+            compute_us=total(clip(merge(kinds[Kind.COMPUTE]), window)),
+            comm_us=total(clip(merge(kinds[Kind.COMM]), window)),
+            num_kernels=len(in_window),
+        )
+
+    phase_labels = [lb for lb in labels if lb.phase is not None and lb.device == device]
+    phase_source, phase_window = "device", (window if source == "gpu step labels" else None)
+    if not phase_labels:
+        phase_labels = [lb for lb in labels if lb.phase is not None and lb.device is None]
+        phase_source, phase_window = ("cpu" if phase_labels else "none"), cpu_window
+    return DeviceReport(
+        device=device,
+        window=window,
+        window_source=source,
+        wall_us=window.length,
+        compute_busy_us=total(compute),
+        comm_us=comm_us,
+        comm_overlapped_us=overlapped,
+        comm_exposed_us=comm_us - overlapped,
+        overlap_fraction=overlapped / comm_us if comm_us > 0 else 0.0,
+        copy_us=total(copy),
+        num_kernels=sum(s.num_kernels for s in streams.values()),
+        streams=streams,
+        phases=_phases(phase_labels, phase_window),
+        phase_source=phase_source,
+        exposed_comm=subtract(comm, compute),
+    )
+
+
+def analyze(trace: Trace, config: AnalyzeConfig | None = None) -> Report:
+    """Overlap numbers per device of ``trace`` (see the module docstring)."""
+    config = config or AnalyzeConfig()
+    classifier = Classifier(config.classify)
+    step_re = re.compile(config.step_pattern) if config.step_pattern is not None else None
+    per_device: dict[int, list[KernelInterval]] = defaultdict(list)
+    for k in trace.kernels:
+        per_device[k.device].append(k)
+    devices = {
+        d: _device_report(d, ks, trace.labels, classifier, step_re)
+        for d, ks in sorted(per_device.items())
+    }
+    notes = list(trace.notes)
+    if not devices:
+        notes.append("0 devices: nothing to analyze")
+    return Report(source=trace.source, devices=devices, notes=notes, config=config)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Busy, overlapped and exposed comm time per device of a torch.profiler "
+                    "Chrome trace (.json/.json.gz) or an 'nsys export --type sqlite' file.")
+    p.add_argument("file", type=Path, help="trace file")
+    p.add_argument("--json", type=Path, metavar="OUT", help="also write the JSON report here")
+    p.add_argument("--png", type=Path, metavar="OUT", help="draw a timeline PNG here")
+    p.add_argument("--comm-pattern", action="extend", nargs="+", default=[], metavar="P",
+                   help="extra case-insensitive regex of comm kernel names (repeatable)")
+    p.add_argument("--only-comm-patterns", action="store_true",
+                   help="use only the --comm-pattern patterns, not the defaults")
+    p.add_argument("--step-pattern", default=DEFAULT_STEP_PATTERN,
+                   help=f"regex of step label names bounding the window (default {DEFAULT_STEP_PATTERN!r})")
+    p.add_argument("--whole-trace", action="store_true", help="ignore step labels: window = all kernels")
+    p.add_argument("--cpu-ops", action="store_true",
+                   help="Chrome traces: analyze CPU ops, one stream per thread (for CPU-only traces)")
+    p.add_argument("--no-memcpy", action="store_true", help="drop memcpy/memset intervals")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: print a table, then one JSON line; optionally write JSON and a PNG. Returns 0,
+    or 2 when the file cannot be read."""
+    from traces.readers import read_trace  # noqa: PLC0415 (readers import sqlite3, gzip)
+
+    args = _parser().parse_args(argv)
+    patterns = tuple(args.comm_pattern)
+    try:
+        classify = (ClassifyConfig(comm_patterns=patterns) if args.only_comm_patterns
+                    else ClassifyConfig().with_extra(*patterns))
+        config = AnalyzeConfig(classify=classify,
+                               step_pattern=None if args.whole_trace else args.step_pattern)
+        read_config = ReadConfig(include_memcpy=not args.no_memcpy, include_memset=not args.no_memcpy,
+                                 cpu_ops_as_kernels=args.cpu_ops)
+        trace = read_trace(args.file, config=read_config)
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report = analyze(trace, config)
+    print(report.format_table())
+    if args.png is not None:
+        from traces.timeline import draw_timeline  # noqa: PLC0415 (matplotlib is optional)
+
+        draw_timeline(trace, args.png, report=report)
+        print(f"timeline: {args.png}")
+    payload = report.to_json()
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    print(json.dumps(payload, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
