@@ -25,6 +25,7 @@ import greenlet
 import torch
 
 from dbo import yield_points
+from traces import ranges as trace_ranges
 from dbo.thread_state import ThreadState, apply_thread_state, capture_thread_state
 from streams.standins import OpLog
 from streams.stream_set import StreamSet, resolve_device
@@ -38,7 +39,7 @@ class UBatch:
     """One ubatch's bookkeeping: its greenlet, stream, thread state and pending hooks."""
 
     __slots__ = ("ubatch_id", "glet", "stream", "thread_state", "recv_hooks", "done",
-                 "result")
+                 "result", "run_range")
 
     def __init__(self, ubatch_id: int, glet: greenlet.greenlet, stream: Any,
                  thread_state: ThreadState) -> None:
@@ -51,6 +52,8 @@ class UBatch:
         self.recv_hooks: list[Callable[[], Any]] = []
         self.done = False
         self.result: Any = None
+        # While tracing is on: the open `ub<n>/run` range (this ubatch holds the thread).
+        self.run_range: Any = None
 
 
 class UBatchScheduler:
@@ -164,6 +167,8 @@ class UBatchScheduler:
         now = capture_thread_state(device_type)
         if current is not None:
             current.thread_state = now
+        if trace_ranges._ENABLED:
+            self._mark_running(current, target)
         apply_thread_state(device_type, target.thread_state, now)
         self._running = target
         self._streams.current.set(target.stream)
@@ -177,10 +182,12 @@ class UBatchScheduler:
                 value = self._switch(None, target)
             except BaseException as exc:  # noqa: BLE001 - re-raised below, annotated
                 failed = self._running
+                self._mark_running(failed, None)
                 self._abort(failed)
                 _annotate(exc, failed.ubatch_id)
                 raise
             finished = self._running  # whichever ubatch was running returned to us
+            self._mark_running(finished, None)
             finished.done = True
             finished.result = value
             remaining = self.other(finished)
@@ -188,6 +195,16 @@ class UBatchScheduler:
                 return
             self._drain_orphaned_hooks(remaining, finished)
             target = remaining
+
+    @staticmethod
+    def _mark_running(current: Optional[UBatch], target: Optional[UBatch]) -> None:
+        """Close `current`'s `ub<n>/run` trace range, open `target`'s: in a trace they
+        show which ubatch held the thread, so kernels are attributed exactly."""
+        if current is not None and current.run_range is not None:
+            trace_ranges.end_phase(current.run_range)
+            current.run_range = None
+        if target is not None and trace_ranges._ENABLED:
+            target.run_range = trace_ranges.start_phase("run", ubatch_id=target.ubatch_id)
 
     def _drain_orphaned_hooks(self, ub: UBatch, finished: UBatch) -> None:
         """Run hooks that `ub` registered for `finished`, which will never run them.

@@ -173,3 +173,23 @@ def test_state_restored_after_failure():
     with pytest.raises(RuntimeError):
         UBatchScheduler("cpu").run([bad])
     assert torch.is_grad_enabled()
+
+
+def test_run_ranges_mark_which_ubatch_holds_the_thread(tmp_path):
+    from torch.profiler import ProfilerActivity, profile
+
+    from traces.ranges import TraceConfig, configure
+    from traces.readers import read_chrome_trace
+
+    configure(TraceConfig(record_function=True))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            UBatchScheduler("cpu").run([logging_ubatch([], 2), logging_ubatch([], 1)])
+    finally:
+        configure(TraceConfig())
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    runs = sorted((lb for lb in read_chrome_trace(tmp_path / "t.json").labels
+                   if lb.phase == "run"), key=lambda lb: lb.start_us)
+    assert [lb.ubatch for lb in runs] == [0, 1, 0, 1, 0]
+    for a, b in zip(runs, runs[1:]):
+        assert a.end_us <= b.start_us  # one holder at a time

@@ -1,0 +1,270 @@
+"""`dbo run`: the main job. A preset MoE transformer, DBO on and off, on the same batch.
+
+    dbo run                                   # CPU: 2 gloo ranks, tiny preset
+    dbo run --preset tiny --tokens 512 --backend a2a_ll --steps 5 --out dbo_out/run
+    torchrun --nproc_per_node=2 -m dbo.cli run --preset qwen3-moe-like --tokens 4096
+
+Each rank builds the same model (experts split across ranks), draws its own batch
+(ranks get different token counts), and runs it once without DBO and once through the
+DBORunner. It checks that the two outputs match, times `--steps` steps of each after
+warm-up, captures one DBO step under torch.profiler with the phase labels, and prints:
+the timing table, the split decision, and the order in which the two ubatches issued
+the phases of one MoE layer. Into `--out` it writes `summary.json`, the Chrome trace
+`trace.json` (open in Perfetto), `trace_analysis.json` and `trace_timeline.png`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from dbo.capture import capture, phase_order
+from dbo.config import DBOConfig
+from dbo.launch import RankContext, launch
+from dbo.runner import DBORunner
+
+BACKENDS = ("auto", "local", "naive", "a2a", "a2a_ll")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """What `dbo run` runs."""
+
+    preset: str = "tiny"
+    """Model preset (moe.model.PRESETS)."""
+    tokens: int = 256
+    """Tokens per rank (rank r gets tokens - r * tokens // 8, so ranks differ)."""
+    requests: int = 8
+    """Requests per rank (packed, variable lengths)."""
+    backend: str = "auto"
+    """Dispatch/combine backend."""
+    experts: str = "auto"
+    """Expert kernel."""
+    steps: int = 3
+    """Timed steps per mode, after warm-up."""
+    warmup: int = 1
+    """Untimed steps per mode first."""
+    layers: Optional[int] = None
+    """Override the preset's layer count."""
+    seed: int = 0
+    """Weights and batches derive from it."""
+    out: str = "dbo_out/run"
+    """Output folder."""
+    trace: bool = True
+    """Capture one DBO step under torch.profiler (trace, analysis, timeline)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "requests", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup={self.warmup}: must be >= 0")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend={self.backend!r}: choose one of {BACKENDS}")
+        if self.layers is not None and self.layers < 1:
+            raise ValueError(f"--layers={self.layers}: must be >= 1")
+
+
+def tokens_for_rank(job: RunConfig, rank: int) -> int:
+    return max(1, job.tokens - rank * (job.tokens // 8))
+
+
+def _timed(fn: Any, steps: int, device: torch.device) -> list[float]:
+    """Seconds per step (CUDA events on GPU, perf_counter on CPU); ranks in step."""
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+@dataclass
+class RankSetup:
+    """One rank's model, batch and runner for a job."""
+
+    model: Any
+    runner: DBORunner
+    args: tuple
+    kwargs: dict
+    backend: str
+    dtype: torch.dtype
+    num_tokens: int
+
+    def off(self) -> Any:
+        return self.model(*self.args, **self.kwargs)
+
+    def on(self) -> Any:
+        return self.runner(*self.args, **self.kwargs)
+
+
+def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
+    """Build the preset model (same global weights on every rank), this rank's batch
+    and a DBORunner voting over all ranks."""
+    from moe.model import MoETransformer, get_preset, make_batch
+
+    max_tokens = max(tokens_for_rank(job, r) for r in range(ctx.world_size))
+    overrides: dict[str, Any] = {"max_tokens_per_rank": max_tokens}
+    if job.layers is not None:
+        overrides["num_layers"] = job.layers
+    config = get_preset(job.preset, **overrides)
+    backend = job.backend
+    if backend == "auto" and ctx.world_size > 1:
+        backend = "a2a"
+    model = MoETransformer(config, group=ctx.group, backend=backend, experts=job.experts,
+                           device=ctx.device)
+    model.init_weights(job.seed)
+    batch = make_batch(config, num_tokens=tokens_for_rank(job, ctx.rank),
+                       num_requests=job.requests, seed=job.seed + 1000 + ctx.rank,
+                       device=ctx.device)
+    # Never split inside a request: the reference model has no KV cache, so the tail of a
+    # split request could not attend to its head.
+    runner = DBORunner(model, DBOConfig(split="requests", min_prefill_tokens=2,
+                                        min_decode_tokens=2, max_imbalance=1.0),
+                       group=ctx.group)
+    return RankSetup(model, runner, (batch.input_ids_T, batch.positions_T),
+                     {"seq_lens": batch.seq_lens}, backend, config.dtype,
+                     int(batch.input_ids_T.shape[0]))
+
+
+def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
+    job_setup = setup_rank(ctx, job)
+    model, runner, backend = job_setup.model, job_setup.runner, job_setup.backend
+
+    with torch.no_grad():
+        out_off = job_setup.off()
+        out_on = job_setup.on()
+        decision = runner.last_decision
+        err = (out_on.float() - out_off.float()).abs().max().item() if out_on.numel() else 0.0
+        scale = out_off.float().abs().max().item() if out_off.numel() else 0.0
+        # fp32: only summation order differs (per-rank partial sums, row-count-dependent
+        # matmul blocking); bf16 also rounds those partial sums.
+        rel = 1e-4 if job_setup.dtype == torch.float32 else 2e-2
+        tol = rel * max(1.0, scale)
+        for _ in range(job.warmup):
+            job_setup.off()
+            job_setup.on()
+        t_off = _timed(job_setup.off, job.steps, ctx.device)
+        t_on = _timed(job_setup.on, job.steps, ctx.device)
+        captured = None
+        if job.trace:
+            captured = capture(job_setup.on,
+                               Path(job.out) / f"rank{ctx.rank}" if ctx.rank else job.out,
+                               title=f"dbo run {job.preset}, rank {ctx.rank}")
+
+    stats = torch.tensor([err, tol, 0.0, statistics.median(t_off),
+                          statistics.median(t_on), float(job_setup.num_tokens)],
+                         dtype=torch.float64, device=ctx.device)
+    gathered = [torch.zeros_like(stats) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, stats)
+    if not ctx.is_main:
+        return None
+    per_rank = [g.tolist() for g in gathered]
+    moe_layer = model.moe_layers[0].layer_id if model.moe_layers else None
+    order = phase_order(captured.trace.labels, layer=moe_layer) if captured and moe_layer is not None else []
+    total_tokens = sum(int(r[5]) for r in per_rank)
+    step_off = max(r[3] for r in per_rank)
+    step_on = max(r[4] for r in per_rank)
+    summary = {
+        "job": "dbo run", "config": asdict(job), "backend": backend, "world_size": ctx.world_size,
+        "device": str(ctx.device.type), "dtype": str(job_setup.dtype),
+        "split": decision.split, "reason": decision.reason,
+        "outputs_match": all(r[0] <= r[1] for r in per_rank),
+        "max_abs_diff": [r[0] for r in per_rank], "tolerance": [r[1] for r in per_rank],
+        "tokens_per_rank": [int(r[5]) for r in per_rank],
+        "step_ms": {"dbo_off": step_off * 1e3, "dbo_on": step_on * 1e3},
+        "tokens_per_s": {"dbo_off": total_tokens / step_off, "dbo_on": total_tokens / step_on},
+        "speedup": step_off / step_on,
+        "phase_order_layer": moe_layer, "phase_order": [f"ub{u} {p}" for u, p in order],
+        "files": {} if captured is None else {
+            "trace": str(captured.trace_path), "analysis": str(captured.analysis_path),
+            "timeline": str(captured.timeline_path) if captured.timeline_path else None},
+    }
+    Path(job.out).mkdir(parents=True, exist_ok=True)
+    (Path(job.out) / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    cfg = s["config"]
+    print(f"dbo run: preset {cfg['preset']}, {s['world_size']} ranks on {s['device']} "
+          f"({s['dtype']}), backend {s['backend']}, tokens per rank {s['tokens_per_rank']}")
+    print(f"split: {s['split']} ({s['reason']})")
+    verdict = "match" if s["outputs_match"] else "DIFFER"
+    print(f"outputs DBO on vs off: {verdict} (max |diff| per rank {['%.2e' % d for d in s['max_abs_diff']]}, "
+          f"tolerance {['%.1e' % t for t in s['tolerance']]})")
+    print(f"\n{'mode':<10} {'step ms (median, slowest rank)':>32} {'tokens/s':>12}")
+    for mode in ("dbo_off", "dbo_on"):
+        print(f"{mode:<10} {s['step_ms'][mode]:>32.3f} {s['tokens_per_s'][mode]:>12.0f}")
+    print(f"speedup: {s['speedup']:.3f}x"
+          + ("  (CPU gloo: no separate comm stream, so no overlap is expected)"
+             if s["device"] == "cpu" else ""))
+    if s["phase_order"]:
+        print(f"\norder in which the ubatches issued the phases of layer {s['phase_order_layer']}:")
+        for i, item in enumerate(s["phase_order"], 1):
+            ub, phase = item.split(" ", 1)
+            print(f"  {i:>2}. {'    ' * int(ub[2:])}{ub} {phase}")
+    if s["files"]:
+        print("\nwritten: " + ", ".join(v for v in s["files"].values() if v)
+              + f", {Path(cfg['out']) / 'summary.json'}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dbo run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = RunConfig()
+    p.add_argument("--preset", default=d.preset)
+    p.add_argument("--tokens", type=int, default=d.tokens, help="tokens per rank")
+    p.add_argument("--requests", type=int, default=d.requests, help="requests per rank")
+    p.add_argument("--backend", default=d.backend, choices=BACKENDS)
+    p.add_argument("--experts", default=d.experts)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--no-trace", dest="trace", action="store_false")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks to start (default: every GPU, or 2 CPU ranks)")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    world_size = args.world_size
+    del args.world_size
+    try:
+        job = RunConfig(**vars(args))
+        from moe.model import get_preset
+        get_preset(job.preset)  # fail here, not inside every rank
+    except ValueError as exc:
+        print(f"dbo run: {exc}", file=sys.stderr)
+        return 2
+    summary = launch(run_rank, job, world_size=world_size)
+    if summary is None:
+        return 0  # a non-zero torchrun rank
+    print_summary(summary)
+    print(json.dumps({k: summary[k] for k in ("split", "outputs_match", "speedup", "step_ms",
+                                              "tokens_per_s", "world_size", "backend")}))
+    return 0 if summary["outputs_match"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
