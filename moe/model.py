@@ -1,0 +1,358 @@
+"""`MoETransformer`: a small reference decoder-only MoE model to run DBO steps on.
+
+    cfg = get_preset("tiny")
+    model = MoETransformer(cfg, group=ep_group, backend="a2a", device="cuda")
+    model.init_weights(seed=0)
+    batch = make_batch(cfg, num_tokens=4096, num_requests=8, seed=0, device="cuda")
+    logits_TV = DBORunner(model, DBOConfig(split="requests"), group=ep_group)(
+        batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
+
+Shape legend: T tokens of the call (all requests packed back to back), H hidden,
+V vocab, N query heads, Nk kv heads, D head dim, B requests of one length, L that length.
+
+Layer i: ``x += attn(norm(x)); x += ffn(norm(x))`` where ffn is a dense gated MLP for
+the first `num_dense_layers` layers and an `MoELayer` (with shared experts when
+configured) after. Attention is causal within each request and never crosses requests;
+rotary positions come from `positions_T`, so a request split across calls keeps its
+positions. There is no KV cache: a call attends only over the tokens it is given.
+
+Weights are deterministic in the seed and *independent of the EP size*: every rank draws
+the same replicated weights, and expert e's weights depend only on (seed, layer, e), so
+the model on W ranks computes the same logits as the model on one process.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dbo.yield_points import dbo_current_ubatch_id
+from moe.layer import MoELayer
+from moe.presets import PRESETS, ModelConfig, estimate_param_bytes, get_preset
+from moe.shared import SharedExperts
+from traces.ranges import phase_range
+
+__all__ = ["Batch", "ModelConfig", "MoETransformer", "PRESETS", "estimate_param_bytes",
+           "get_preset", "make_batch"]
+
+SeqLens = Union[Sequence[int], Tensor]
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` computed in float32; [T, H] -> [T, H] in x's dtype."""
+
+    def __init__(self, hidden_size: int, *, eps: float, dtype: torch.dtype,
+                 device: torch.device | str | None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+
+    def forward(self, x_TH: Tensor) -> Tensor:
+        x = x_TH.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * self.weight.float()).to(x_TH.dtype)
+
+
+def rotary_cos_sin(positions_T: Tensor, *, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin [T, D/2] float32 of the rotary angles ``pos * theta^(-2j/D)``."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                       device=positions_T.device) / head_dim)
+    angles_TD2 = positions_T.float()[:, None] * inv_freq[None, :]
+    return angles_TD2.cos(), angles_TD2.sin()
+
+
+def apply_rotary(x_TND: Tensor, cos_TD2: Tensor, sin_TD2: Tensor) -> Tensor:
+    """Rotate channel pairs (j, j + D/2) of every head (the "rotate half" convention)."""
+    x1, x2 = x_TND.float().chunk(2, dim=-1)
+    cos, sin = cos_TD2[:, None, :], sin_TD2[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x_TND.dtype)
+
+
+def causal_attention(q_TND: Tensor, k_TND: Tensor, v_TND: Tensor,
+                     seq_lens: Sequence[int]) -> Tensor:
+    """Causal SDPA inside each packed request; [T, N, D] each (kv heads already repeated).
+
+    Requests of equal length go through one batched SDPA call: a reshape when they lie
+    back to back (a decode step, a single request, equal-length prefill), else a row
+    gather whose index goes to the GPU from pinned memory (no host sync, which would
+    stall the other ubatch). Returns [T, N, D] in q's dtype.
+    """
+    num_tokens, heads_dims = q_TND.shape[0], q_TND.shape[1:]
+    by_length: dict[int, list[int]] = {}
+    start = 0
+    for length in seq_lens:
+        if length > 0:
+            by_length.setdefault(length, []).append(start)
+        start += length
+    out_TND: Optional[Tensor] = None
+    for length, starts in by_length.items():
+        count, first = len(starts), starts[0]
+        if starts == list(range(first, first + count * length, length)):
+            rows = slice(first, first + count * length)
+            o_BLND = _sdpa(*(t[rows].view(count, length, *heads_dims)
+                             for t in (q_TND, k_TND, v_TND)))
+            if count * length == num_tokens:
+                return o_BLND.reshape(num_tokens, *heads_dims)  # one group holds every row
+            out_TND = torch.empty_like(q_TND) if out_TND is None else out_TND
+            out_TND[rows] = o_BLND.reshape(count * length, *heads_dims)
+            continue
+        idx = (_to_device(torch.tensor(starts), q_TND.device)[:, None]
+               + torch.arange(length, device=q_TND.device)[None, :]).reshape(-1)
+        o_BLND = _sdpa(*(t.index_select(0, idx).view(count, length, *heads_dims)
+                         for t in (q_TND, k_TND, v_TND)))
+        out_TND = torch.empty_like(q_TND) if out_TND is None else out_TND
+        out_TND.index_copy_(0, idx, o_BLND.reshape(count * length, *heads_dims))
+    return torch.empty_like(q_TND) if out_TND is None else out_TND  # T = 0
+
+
+def _to_device(x: Tensor, device: torch.device) -> Tensor:
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+def _sdpa(q_BLND: Tensor, k_BLND: Tensor, v_BLND: Tensor) -> Tensor:
+    o_BNLD = F.scaled_dot_product_attention(q_BLND.transpose(1, 2), k_BLND.transpose(1, 2),
+                                            v_BLND.transpose(1, 2), is_causal=True)
+    return o_BNLD.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """GQA self-attention with rotary positions over packed variable-length requests.
+
+    Parameters: ``qkv_proj.weight [(N + 2 Nk) D, H]`` (q rows, then k, then v),
+    ``o_proj.weight [H, N D]``.
+    """
+
+    def __init__(self, config: ModelConfig, *, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_width = config.num_heads * config.head_dim
+        kv_width = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, q_width + 2 * kv_width, bias=False,
+                                  dtype=config.dtype, device=device)
+        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=False, dtype=config.dtype,
+                                device=device)
+
+    def forward(self, x_TH: Tensor, cos_TD2: Tensor, sin_TD2: Tensor,
+                seq_lens: Sequence[int]) -> Tensor:
+        """[T, H] -> [T, H] in x's dtype; cos/sin from `rotary_cos_sin` of the positions."""
+        num_tokens, dim = x_TH.shape[0], self.head_dim
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        q, k, v = self.qkv_proj(x_TH).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q_TND = apply_rotary(q.view(num_tokens, heads, dim), cos_TD2, sin_TD2)
+        k_TND = apply_rotary(k.view(num_tokens, kv_heads, dim), cos_TD2, sin_TD2)
+        v_TND = v.reshape(num_tokens, kv_heads, dim)
+        if kv_heads != heads:
+            k_TND = k_TND.repeat_interleave(heads // kv_heads, dim=1)
+            v_TND = v_TND.repeat_interleave(heads // kv_heads, dim=1)
+        o_TND = causal_attention(q_TND, k_TND, v_TND, seq_lens)
+        return self.o_proj(o_TND.reshape(num_tokens, heads * dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: attention, then a dense gated MLP or an `MoELayer`, each residual."""
+
+    def __init__(self, config: ModelConfig, *, layer_id: int, group: Optional[dist.ProcessGroup],
+                 backend: str, experts: str, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        norm = dict(eps=config.rms_norm_eps, dtype=config.dtype, device=device)
+        self.attn_norm = RMSNorm(config.hidden_size, **norm)
+        self.attn = Attention(config, device=device)
+        self.ffn_norm = RMSNorm(config.hidden_size, **norm)
+        self.ffn: nn.Module
+        if layer_id < config.num_dense_layers:
+            # The dense FFN is the same gated MLP as the shared experts ([2I, H] + [H, I]).
+            self.ffn = SharedExperts(hidden_size=config.hidden_size,
+                                     intermediate_size=config.dense_intermediate_size,
+                                     dtype=config.dtype, device=device)
+        else:
+            self.ffn = MoELayer(config.moe, group=group, backend=backend, experts=experts,
+                                layer_id=layer_id, device=device)
+
+    def forward(self, x_TH: Tensor, cos_TD2: Tensor, sin_TD2: Tensor,
+                seq_lens: Sequence[int]) -> Tensor:
+        """[T, H] -> [T, H]; the MoE layer (if any) yields to the other ubatch inside."""
+        with phase_range("attention", ubatch_id=dbo_current_ubatch_id(), layer=self.layer_id):
+            x_TH = x_TH + self.attn(self.attn_norm(x_TH), cos_TD2, sin_TD2, seq_lens)
+        return x_TH + self.ffn(self.ffn_norm(x_TH))
+
+
+class MoETransformer(nn.Module):
+    """Embedding, `num_layers` decoder layers, final RMSNorm, LM head.
+
+    Args:
+        config: the model shapes (see `moe.presets` for named ones).
+        group: expert-parallel process group; None = all experts on this process.
+        backend: MoE dispatch/combine backend for every MoE layer (see `moe.backends`).
+        experts: expert kernel name (see `moe.experts`).
+        device: where the parameters are created; they hold garbage until
+            `init_weights` (or a state dict load).
+    """
+
+    def __init__(self, config: ModelConfig, *, group: Optional[dist.ProcessGroup] = None,
+                 backend: str = "auto", experts: str = "auto",
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"MoETransformer takes a ModelConfig (see moe.presets.get_preset), "
+                            f"got {type(config).__name__}")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype,
+                                  device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, layer_id=i, group=group, backend=backend, experts=experts,
+                         device=device) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype,
+                            device=device)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                 dtype=config.dtype, device=device)
+
+    @property
+    def moe_layers(self) -> list[MoELayer]:
+        """The MoE layers in layer order (layers num_dense_layers .. num_layers - 1)."""
+        return [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoELayer)]
+
+    def forward(self, input_ids_T: Tensor, positions_T: Tensor, *, seq_lens: SeqLens) -> Tensor:
+        """Logits [T, V] in config.dtype for T packed tokens.
+
+        Args:
+            input_ids_T: [T] integer token ids.
+            positions_T: [T] integer positions (0.. within each request, or where the
+                request's slice starts when a request is split over calls).
+            seq_lens: tokens per request, in order, summing to T (list, tuple or 1-D
+                tensor; a tensor costs a host copy).
+
+        Every rank of the EP group must call forward the same number of times (with T = 0
+        too): each MoE layer runs collectives.
+        """
+        seq_lens = self._check_inputs(input_ids_T, positions_T, seq_lens)
+        cos_TD2, sin_TD2 = rotary_cos_sin(positions_T, head_dim=self.config.head_dim,
+                                          theta=self.config.rope_theta)
+        x_TH = self.embed(input_ids_T)
+        for layer in self.layers:
+            x_TH = layer(x_TH, cos_TD2, sin_TD2, seq_lens)
+        return self.lm_head(self.norm(x_TH))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter deterministically from `seed`, on its own device.
+
+        Each tensor gets its own generator seed from (seed, parameter name); each routed
+        expert from (seed, parameter name, global expert id), so an EP rank's experts equal
+        the same experts of the one-process model. Embedding N(0, 1); norms 1; correction
+        bias N(0, 0.1^2); other weights N(0, 1/fan_in) so activations stay O(1). Values
+        are drawn in the parameter dtype on the parameter device: the same seed gives the
+        same weights on the same kind of device (CPU, or one GPU model), not across kinds.
+        """
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"init_weights: seed={seed!r} must be an int.")
+        generators: dict[torch.device, torch.Generator] = {}
+        moe_first_expert = {id(m.w13): m.first_expert for m in self.moe_layers}
+        moe_first_expert.update({id(m.w2): m.first_expert for m in self.moe_layers})
+        for name, param in self.named_parameters():
+            gen = generators.get(param.device)
+            if gen is None:
+                gen = generators[param.device] = torch.Generator(device=param.device)
+            tag = zlib.crc32(name.encode())
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name == "embed.weight":
+                param.normal_(0.0, 1.0, generator=gen.manual_seed(_mix(seed, tag)))
+            elif name.endswith("e_score_correction_bias"):
+                param.normal_(0.0, 0.1, generator=gen.manual_seed(_mix(seed, tag)))
+            elif id(param) in moe_first_expert:
+                first = moe_first_expert[id(param)]
+                std = param.shape[-1] ** -0.5
+                for local, expert_weight in enumerate(param):
+                    expert_weight.normal_(0.0, std, generator=gen.manual_seed(
+                        _mix(seed, tag, first + local + 1)))
+            else:
+                param.normal_(0.0, param.shape[-1] ** -0.5,
+                              generator=gen.manual_seed(_mix(seed, tag)))
+
+    def _check_inputs(self, input_ids_T: Tensor, positions_T: Tensor,
+                      seq_lens: SeqLens) -> list[int]:
+        """Validate the call's inputs; return seq_lens as a list of ints."""
+        for name, t in (("input_ids_T", input_ids_T), ("positions_T", positions_T)):
+            if not isinstance(t, Tensor) or t.dim() != 1 or t.is_floating_point():
+                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"MoETransformer.forward: {name} must be a 1-D integer tensor "
+                                 f"[T], got {got}: flatten requests into one packed sequence.")
+            if t.device != self.embed.weight.device:
+                raise ValueError(f"MoETransformer.forward: {name} is on {t.device}, the model on "
+                                 f"{self.embed.weight.device}: move the inputs to the model.")
+        if input_ids_T.shape != positions_T.shape:
+            raise ValueError(f"MoETransformer.forward: input_ids_T has {input_ids_T.shape[0]} "
+                             f"tokens but positions_T has {positions_T.shape[0]}: pass one "
+                             f"position per token.")
+        if isinstance(seq_lens, Tensor):
+            seq_lens = seq_lens.tolist()
+        lens = list(seq_lens)
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lens):
+            raise ValueError(f"MoETransformer.forward: seq_lens={lens!r} must be ints >= 0 (tokens "
+                             f"per request).")
+        if sum(lens) != input_ids_T.shape[0]:
+            raise ValueError(f"MoETransformer.forward: seq_lens={lens!r} sum to {sum(lens)}, but "
+                             f"the call has T={input_ids_T.shape[0]} tokens: seq_lens must count "
+                             f"every token of input_ids_T, request by request.")
+        return lens
+
+
+def _mix(*parts: int) -> int:
+    """A 63-bit generator seed from ints (splitmix64 steps): stable across processes."""
+    mask = (1 << 64) - 1
+    h = 0x9E3779B97F4A7C15
+    for part in parts:
+        h = ((h ^ (part & mask)) * 0xBF58476D1CE4E5B9) & mask
+        h = ((h ^ (h >> 31)) * 0x94D049BB133111EB) & mask
+        h ^= h >> 29
+    return h >> 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    """One step's packed inputs for `MoETransformer.forward`."""
+
+    input_ids_T: Tensor
+    """[T] int64 token ids."""
+    positions_T: Tensor
+    """[T] int64 positions, 0..len-1 within each request."""
+    seq_lens: tuple[int, ...]
+    """Tokens per request, each >= 1, summing to T."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids_T.shape[0])
+
+
+def make_batch(config: ModelConfig, *, num_tokens: int, num_requests: int, seed: int,
+               device: torch.device | str = "cpu") -> Batch:
+    """A random packed batch: `num_requests` requests (at most one per token) of random
+    lengths >= 1 summing to `num_tokens`, random ids in [0, V). Drawn on the CPU from
+    `seed`, so the same on every device. `num_tokens = 0` gives an empty batch."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"make_batch: num_tokens={num_tokens!r} must be an int >= 0.")
+    if isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 1:
+        raise ValueError(f"make_batch: num_requests={num_requests!r} must be an int >= 1.")
+    gen = torch.Generator().manual_seed(seed)
+    num_requests = min(num_requests, num_tokens)
+    if num_requests == 0:
+        seq_lens: tuple[int, ...] = ()
+    else:
+        # num_requests - 1 distinct cut points in 1..T-1: every length >= 1.
+        cuts = (torch.randperm(num_tokens - 1, generator=gen)[: num_requests - 1] + 1).sort().values
+        bounds = [0, *cuts.tolist(), num_tokens]
+        seq_lens = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    input_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=gen)
+    positions = (torch.cat([torch.arange(n) for n in seq_lens]) if seq_lens
+                 else torch.zeros(0, dtype=torch.int64))
+    return Batch(input_ids_T=input_ids.to(device), positions_T=positions.to(device),
+                 seq_lens=seq_lens)
