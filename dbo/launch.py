@@ -71,11 +71,11 @@ def launch(worker: Worker, job: Any, *, world_size: Optional[int] = None,
     else:
         world_size = world_size or DEFAULT_CPU_RANKS
     if world_size == 1:
-        return _run_rank(0, 1, 0, worker, job, init_env=True, port=_free_port())
+        return _run_rank(0, 1, 0, worker, job, init_env=True, port=free_port())
     return _spawn(world_size, worker, job, timeout_s)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -113,7 +113,7 @@ def _spawned(rank: int, world_size: int, port: int, worker: Worker, job: Any, re
 def _spawn(world_size: int, worker: Worker, job: Any, timeout_s: float) -> Any:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_spawned, args=(r, world_size, port, worker, job, results))
              for r in range(world_size)]
     for p in procs:

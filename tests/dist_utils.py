@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -19,11 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dbo.launch import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any],

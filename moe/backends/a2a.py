@@ -83,8 +83,7 @@ class AllToAllBackend(PrepareFinalize):
 
         def receiver() -> Dispatched:
             wait.wait(recv_RB, send_token_idx_S)
-            ids_RK, weights_RK, x_RH = layout.unpack(recv_RB)
-            return Dispatched(x_RH, self.local_ids(ids_RK), weights_RK, handle)
+            return self.dispatched_from_rows(layout, recv_RB, handle)
 
         return Pending(None, receiver)
 

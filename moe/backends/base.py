@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe.backends.packing import RowLayout
 from moe.config import MoEConfig
 from moe.workspace import Workspace
 
@@ -113,6 +114,11 @@ class PrepareFinalize(ABC):
             emap = self.placement.expert_map(topk_ids_NK.device)
             self._expert_maps[topk_ids_NK.device] = emap
         return torch.where(topk_ids_NK >= 0, emap[topk_ids_NK.clamp(min=0)], -1)
+
+    def dispatched_from_rows(self, layout: RowLayout, rows_RB: Tensor, handle: Any) -> Dispatched:
+        """Unpack received rows (views, no copy) and map their ids to this rank's."""
+        ids_RK, weights_RK, x_RH = layout.unpack(rows_RB)
+        return Dispatched(x_RH, self.local_ids(ids_RK), weights_RK, handle)
 
     @abstractmethod
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,

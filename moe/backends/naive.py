@@ -72,8 +72,7 @@ class NaiveBackend(PrepareFinalize):
 
         def receiver() -> Dispatched:
             wait.wait(gathered_RB)
-            ids_RK, weights_RK, x_RH = layout.unpack(gathered_RB)
-            return Dispatched(x_RH, self.local_ids(ids_RK), weights_RK, handle)
+            return self.dispatched_from_rows(layout, gathered_RB, handle)
 
         return Pending(None, receiver)
 
