@@ -1,0 +1,272 @@
+"""The overlap ceiling of one step, measured: compute alone, comm alone, both at once.
+
+    ceiling = probe_ceiling(workload, device=device, group=group, warmup=5, iters=20)
+    ceiling.serial_ms / ceiling.both.max_ms      # the most any overlap can gain
+
+All three are built from the DBO-off step of the same workload:
+
+- **comm alone**: the step is run once with the torch.distributed collectives recorded
+  (name, tensor shapes and dtypes, split sizes, group), in order, segmented by MoE layer
+  (a forward pre-hook on each `MoELayer` opens a segment). The replay issues the same
+  collectives on buffers of the same sizes: the dispatch and combine traffic of the
+  step, its count exchanges included, without the host syncs or any compute.
+- **compute alone**: the step with the all-to-alls skipped: each MoE layer's backend is
+  replaced by *local routing* (every token's K experts are mapped onto this rank's
+  experts, id mod E_loc), so the experts see this rank's T tokens with T*K (token, expert)
+  slots, the average load a balanced dispatch delivers; attention, router, shared experts
+  and everything else run unchanged.
+- **both**: compute alone on the compute stream while the replay runs on a second CUDA
+  stream, layer by layer (MoE layer i's pre-hook issues layer i's collectives), with no
+  dependencies between the two: the best any schedule of this step could do, including
+  the SM and memory-bandwidth contention of running comm kernels beside the GEMMs.
+
+T_serial = T_compute + T_comm; the ceiling is T_serial / T_both. GPU only: on CPU gloo
+runs each collective synchronously on the calling thread and there are no streams to
+overlap, so the sweep skips the probe there (and says so).
+
+Recording patches the torch.distributed functions the backends call (module attribute
+lookup at call time) for the duration of one step; nothing else changes.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dbo.bench.timing import Timing, time_steps
+from dbo.bench.workload import Workload
+from moe.backends.base import Dispatched, Pending
+from moe.layer import MoELayer
+
+# The collectives the dispatch/combine backends (and the vote) issue.
+RECORDED_COLLECTIVES: tuple[str, ...] = (
+    "all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class RecordedCollective:
+    """One collective call: its tensor arguments' specs and its other arguments."""
+
+    name: str
+    fn: Callable[..., Any]
+    tensors: dict[str, TensorSpec]
+    others: dict[str, Any]
+
+
+@dataclass
+class CommRecording:
+    """The step's collectives; segment 0 precedes the first MoE layer, segment i+1 is
+    MoE layer i's (plus whatever follows it before the next MoE layer)."""
+
+    segments: list[list[RecordedCollective]] = field(default_factory=lambda: [[]])
+
+    @property
+    def num_collectives(self) -> int:
+        return sum(len(s) for s in self.segments)
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """The model's MoE layers in registration (= execution) order."""
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+@contextlib.contextmanager
+def record_collectives(model: nn.Module) -> Iterator[CommRecording]:
+    """Record every collective in RECORDED_COLLECTIVES issued inside the block."""
+    recording = CommRecording()
+    originals = {name: getattr(dist, name) for name in RECORDED_COLLECTIVES}
+
+    def recorder(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(fn)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            tensors, others = {}, {}
+            for key, value in bound.arguments.items():
+                if isinstance(value, Tensor):
+                    tensors[key] = TensorSpec(tuple(value.shape), value.dtype, value.device)
+                elif isinstance(value, (list, tuple)):
+                    others[key] = list(value)
+                else:
+                    others[key] = value
+            recording.segments[-1].append(RecordedCollective(name, fn, tensors, others))
+            return fn(*args, **kwargs)
+        return call
+
+    handles = [layer.register_forward_pre_hook(lambda *_: recording.segments.append([]))
+               for layer in moe_layers(model)]
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, recorder(name, fn))
+        yield recording
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        for h in handles:
+            h.remove()
+
+
+class CommReplay:
+    """Re-issues a recording's collectives on zeroed buffers of the recorded sizes.
+
+    The collectives of a replay run one after another on one stream, so all calls share
+    one buffer per argument name (sized for the largest call): no per-layer copies.
+    """
+
+    def __init__(self, recording: CommRecording) -> None:
+        sizes: dict[tuple[str, torch.device], int] = {}
+        for segment in recording.segments:
+            for op in segment:
+                for key, spec in op.tensors.items():
+                    k = (key, spec.device)
+                    sizes[k] = max(sizes.get(k, 0), spec.nbytes)
+        pools = {k: torch.zeros(max(n, 1), dtype=torch.uint8, device=k[1])
+                 for k, n in sizes.items()}
+        self.segments: list[list[Callable[[], Any]]] = [
+            [self._bind(op, pools) for op in segment] for segment in recording.segments]
+
+    @staticmethod
+    def _bind(op: RecordedCollective, pools: dict) -> Callable[[], Any]:
+        kwargs = dict(op.others)
+        for key, spec in op.tensors.items():
+            kwargs[key] = pools[(key, spec.device)][:spec.nbytes].view(spec.dtype).view(spec.shape)
+        kwargs["async_op"] = False
+        fn = op.fn
+        return lambda: fn(**kwargs)
+
+    def run_segment(self, index: int) -> None:
+        if index < len(self.segments):
+            for call in self.segments[index]:
+                call()
+
+    def run_all(self) -> None:
+        for i in range(len(self.segments)):
+            self.run_segment(i)
+
+
+@contextlib.contextmanager
+def local_routing(model: nn.Module) -> Iterator[None]:
+    """Inside the block, every MoE layer skips its all-to-alls (see the module doc).
+
+    Overrides `prepare_async` / `finalize_async` on each layer's backend *instance*
+    (the modular kernel holds the same object), and removes the overrides afterwards.
+    """
+    backends = []
+    for layer in moe_layers(model):
+        backend = layer.backend
+        if "prepare_async" in vars(backend):
+            continue  # shared backend object, already overridden
+        backend.prepare_async = _local_prepare(layer.num_local_experts)
+        backend.finalize_async = _local_finalize
+        backends.append(backend)
+    try:
+        yield
+    finally:
+        for backend in backends:
+            del backend.prepare_async
+            del backend.finalize_async
+
+
+def _local_prepare(num_local_experts: int) -> Callable[..., Pending[Dispatched]]:
+    def prepare_async(x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
+                      workspace: Any) -> Pending[Dispatched]:
+        ids_TK = torch.remainder(topk_ids_TK, num_local_experts)
+        dispatched = Dispatched(x_TH, ids_TK, topk_weights_TK.float(), handle=None)
+        return Pending(None, lambda: dispatched)
+    return prepare_async
+
+
+def _local_finalize(expert_out_RH: Tensor, dispatched: Dispatched, *,
+                    workspace: Any) -> Pending[Tensor]:
+    return Pending(None, lambda: expert_out_RH)
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """Median times of the step's compute alone, comm alone and both at once."""
+
+    compute: Timing
+    comm: Timing
+    both: Timing
+    num_collectives: int
+
+    @property
+    def serial_ms(self) -> float:
+        """T_serial = T_compute + T_comm (slowest rank of each)."""
+        return self.compute.max_ms + self.comm.max_ms
+
+    @property
+    def ceiling(self) -> float:
+        """T_serial / T_both: the speedup a perfect overlap of this step would give."""
+        return self.serial_ms / self.both.max_ms
+
+
+def probe_ceiling(workload: Workload, *, device: torch.device,
+                  group: Optional[dist.ProcessGroup], warmup: int, iters: int) -> Ceiling:
+    """Measure compute alone, comm alone and both on two CUDA streams (GPU only)."""
+    if device.type != "cuda":
+        raise ValueError(f"the ceiling probe overlaps two CUDA streams; device is {device}")
+    assert workload.runner is None, "probe the DBO-off workload"
+    model = workload.model
+    with record_collectives(model) as recording:
+        workload.step()
+    replay = CommReplay(recording)
+    comm = time_steps(replay.run_all, device=device, group=group, warmup=warmup, iters=iters)
+    with local_routing(model):
+        compute = time_steps(workload.step, device=device, group=group, warmup=warmup,
+                             iters=iters)
+        with _overlapped_comm(workload, replay, device) as both_step:
+            both = time_steps(both_step, device=device, group=group, warmup=warmup,
+                              iters=iters)
+    return Ceiling(compute, comm, both, recording.num_collectives)
+
+
+@contextlib.contextmanager
+def _overlapped_comm(workload: Workload, replay: CommReplay,
+                     device: torch.device) -> Iterator[Callable[[], None]]:
+    """A step function running the workload (compute stream) and the replay (side stream)."""
+    comm_stream = torch.cuda.Stream(device=device)
+    next_segment = [0]
+
+    def issue_next() -> None:
+        with torch.cuda.stream(comm_stream):
+            replay.run_segment(next_segment[0])
+        next_segment[0] += 1
+
+    def both_step() -> None:
+        compute_stream = torch.cuda.current_stream(device)
+        comm_stream.wait_stream(compute_stream)  # start together, after earlier work
+        next_segment[0] = 0
+        issue_next()
+        workload.step()
+        while next_segment[0] < len(replay.segments):
+            issue_next()
+        compute_stream.wait_stream(comm_stream)
+
+    handles = [layer.register_forward_pre_hook(lambda *_: issue_next())
+               for layer in moe_layers(workload.model)]
+    try:
+        yield both_step
+    finally:
+        for h in handles:
+            h.remove()
+

@@ -1,0 +1,179 @@
+"""Configuration of a `dbo bench` run (`BenchConfig`) and the run's environment label.
+
+    cfg = BenchConfig(mode="layer", preset="tiny", tokens=(16, 64), backends=("a2a", "naive"),
+                      device="cpu", regime=CPU_REGIME)
+
+One frozen, keyword-only dataclass; every field has a one-line doc and `__post_init__`
+rejects bad values with a message that says how to fix them. Only the command line
+(`dbo.bench.launch`) reads the environment; it passes the regime label in here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+MODES: tuple[str, ...] = ("layer", "model")
+"""`layer`: a stack of MoE layers with attention-sized GEMMs between them; `model`: the
+reference MoE transformer (`moe.model.MoETransformer`) of a preset."""
+
+BENCH_BACKENDS: tuple[str, ...] = ("a2a", "a2a_ll", "naive")
+"""Dispatch/combine backends the sweep can compare (all need EP size >= 2 to move data)."""
+
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+
+NVLINK_REGIME = "NVLink"
+CPU_REGIME = "CPU gloo"
+EMULATED_REGIME = "scale-out emulated (NCCL_P2P_DISABLE=1)"
+
+DEFAULT_GPU_PRESET = "deepseek-v3-like"
+DEFAULT_CPU_PRESET = "tiny"
+DEFAULT_GPU_TOKENS: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
+DEFAULT_CPU_TOKENS: tuple[int, ...] = (16, 64)
+DEFAULT_MAX_EXPERTS_PER_RANK = 32
+"""Without --num-experts / --experts-per-rank the preset's expert count is capped at this
+many per rank, so that deepseek-v3-like layer weights fit (~2.8 GB of experts per layer)."""
+
+
+def regime_label(device: str, *, p2p_disabled: bool) -> str:
+    """The label every table, plot and JSON of a run carries.
+
+    `p2p_disabled`: NCCL_P2P_DISABLE=1 is set, so NCCL stages its traffic through host
+    memory (about one 400 Gb/s NIC per GPU): scale-out emulated on one host. On CPU the
+    collectives are gloo's whatever NCCL's settings are.
+    """
+    if device == "cpu":
+        return CPU_REGIME
+    return EMULATED_REGIME if p2p_disabled else NVLINK_REGIME
+
+
+def known_presets() -> list[str]:
+    from moe.presets import PRESETS  # light: configs only
+    return sorted(PRESETS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What one `dbo bench` run sweeps and how it times, gates and writes the results."""
+
+    mode: str = "layer"
+    """Workload: "layer" (MoE layer stack + attention-sized GEMMs) or "model" (MoETransformer)."""
+    preset: str = DEFAULT_CPU_PRESET
+    """Shapes from `moe.presets` ("tiny", "deepseek-v3-like", "qwen3-moe-like", "mixtral-like")."""
+    tokens: tuple[int, ...] = DEFAULT_CPU_TOKENS
+    """Tokens per rank of one step, one sweep point each."""
+    backends: tuple[str, ...] = ("a2a", "a2a_ll", "naive")
+    """Dispatch/combine backends to compare (see BENCH_BACKENDS)."""
+    layers: Optional[int] = None
+    """Layer mode: MoE layers (None: 4); model mode: decoder layers (None: the preset's)."""
+    num_experts: Optional[int] = None
+    """Routed experts over all ranks; None: experts_per_rank, or the preset's (<= 32 per rank)."""
+    experts_per_rank: Optional[int] = None
+    """Routed experts per rank (num_experts = this * world size); exclusive with num_experts."""
+    attn_context: int = 2048
+    """Layer mode: context tokens per token in the attention stand-in (4*C*H FLOPs per token)."""
+    requests: int = 4
+    """Model mode: requests per rank per step (random lengths, moe.model.make_batch)."""
+    experts: str = "auto"
+    """Expert kernel name (see moe.experts): "auto", "reference", "grouped", "triton"."""
+    iters: int = 20
+    """Timed steps per measurement; the median is reported."""
+    warmup: int = 5
+    """Untimed steps before each measurement (allocations, autotuning, NCCL setup)."""
+    min_gain: float = 0.03
+    """Gate: keep DBO off where the measured ceiling T_serial / T_both is below 1 + min_gain."""
+    gate_min_tokens: int = 512
+    """Gate: keep DBO off below this many tokens per rank."""
+    device: str = "cpu"
+    """"cpu" (gloo) or "cuda" (NCCL, one GPU per rank)."""
+    regime: str = CPU_REGIME
+    """Environment label carried by every output (see regime_label)."""
+    out_dir: str = "dbo_out/bench"
+    """Where the CSV, JSON and PNG go (rank 0 writes them)."""
+    seed: int = 0
+    """Seed of weights and inputs."""
+    plot: bool = True
+    """Write the PNG (needs matplotlib)."""
+    progress: bool = True
+    """Show a progress bar on stderr (rank 0)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}: use one of {', '.join(MODES)} "
+                             f"(--mode layer | --mode model)")
+        presets = known_presets()
+        if self.preset not in presets:
+            raise ValueError(f"unknown preset {self.preset!r} for --mode {self.mode}: use one "
+                             f"of {', '.join(presets)} (--preset NAME)")
+        self._check_int_tuple("tokens", "tokens per rank, e.g. --tokens 256,1024")
+        if not isinstance(self.backends, tuple) or not self.backends:
+            raise ValueError(f"backends={self.backends!r}: give at least one of "
+                             f"{', '.join(BENCH_BACKENDS)} (--backends a2a,naive)")
+        unknown = [b for b in self.backends if b not in BENCH_BACKENDS]
+        if unknown:
+            raise ValueError(f"unknown backend {unknown[0]!r}: use one of "
+                             f"{', '.join(BENCH_BACKENDS)} (--backends a2a,a2a_ll,naive)")
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"backends={self.backends!r} repeats a name: list each once")
+        for name in ("layers", "num_experts", "experts_per_rank"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive int (or unset)")
+        if self.num_experts is not None and self.experts_per_rank is not None:
+            raise ValueError(f"num_experts={self.num_experts} and experts_per_rank="
+                             f"{self.experts_per_rank} are both set: give only one")
+        for name, low in (("attn_context", 0), ("requests", 1), ("iters", 1), ("warmup", 0),
+                          ("gate_min_tokens", 0), ("seed", 0)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ValueError(f"{name}={value!r} must be an int >= {low}")
+        if self.mode == "model" and self.requests > min(self.tokens):
+            raise ValueError(f"requests={self.requests} per rank exceeds the smallest token "
+                             f"count {min(self.tokens)}: every request needs a token; lower "
+                             f"--requests or raise --tokens")
+        if (isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float))
+                or not 0.0 <= self.min_gain < 10.0):
+            raise ValueError(f"min_gain={self.min_gain!r} must be a fraction >= 0, e.g. 0.03 "
+                             f"for 3%")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r}: use one of {', '.join(DEVICES)}")
+        if self.regime not in (NVLINK_REGIME, CPU_REGIME, EMULATED_REGIME):
+            raise ValueError(f"regime={self.regime!r}: build it with regime_label()")
+        if self.experts not in ("auto", "reference", "grouped", "triton"):
+            raise ValueError(f"unknown experts kernel {self.experts!r}: use auto, reference, "
+                             f"grouped or triton")
+
+    def _check_int_tuple(self, name: str, hint: str) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, tuple) or not value:
+            raise ValueError(f"{name}={value!r}: give at least one value ({hint})")
+        bad = [v for v in value if not _is_int(v) or v <= 0]
+        if bad:
+            raise ValueError(f"{name} must be positive ints, got {bad[0]!r} ({hint})")
+
+    def resolve_num_experts(self, world_size: int, preset_num_experts: int) -> int:
+        """Routed experts over all ranks for a group of `world_size` ranks."""
+        if self.experts_per_rank is not None:
+            return self.experts_per_rank * world_size
+        if self.num_experts is not None:
+            num = self.num_experts
+        else:
+            num = min(preset_num_experts, DEFAULT_MAX_EXPERTS_PER_RANK * world_size)
+        if num % world_size != 0:
+            raise ValueError(f"{num} routed experts do not split over {world_size} ranks: "
+                             f"use --num-experts with a multiple of {world_size}, or "
+                             f"--experts-per-rank")
+        return num
+
+    def summary(self) -> dict[str, Any]:
+        """The settings that shape the numbers (for the JSON outputs)."""
+        return {"mode": self.mode, "preset": self.preset, "tokens": list(self.tokens),
+                "backends": list(self.backends), "layers": self.layers,
+                "num_experts": self.num_experts, "experts_per_rank": self.experts_per_rank,
+                "attn_context": self.attn_context, "requests": self.requests,
+                "experts": self.experts, "iters": self.iters, "warmup": self.warmup,
+                "min_gain": self.min_gain, "gate_min_tokens": self.gate_min_tokens,
+                "device": self.device, "seed": self.seed}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,68 @@
+"""The DBO gate: keep DBO off where it would lose, and say why.
+
+    gate = GatePolicy(min_tokens_per_rank=512, min_gain=0.03)
+    decision = gate.decide(tokens_per_rank=1024, ceiling=1.21)
+    decision.use_dbo, decision.reason
+
+Two rules, in order, decided *before* looking at the DBO-on time (an oracle that picked
+the faster of the two measured times would prove nothing):
+
+1. thresholds: below `min_tokens_per_rank` the ubatches are too small for their GEMMs
+   to stay efficient and the per-step overheads (split vote, greenlet switches, a second
+   set of launches) dominate;
+2. the probe: where the measured ceiling T_serial / T_both is below 1 + `min_gain`,
+   there is too little communication to hide for the split to pay for itself.
+
+Without a probe (CPU) only the thresholds apply, and the reason says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """Whether the gated policy runs this point with DBO, and why."""
+
+    use_dbo: bool
+    reason: str
+
+    @property
+    def choice(self) -> str:
+        return "dbo" if self.use_dbo else "off"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatePolicy:
+    """Thresholds and the minimum measured ceiling gain for running a step with DBO."""
+
+    min_tokens_per_rank: int
+    """Steps with fewer tokens per rank run without DBO."""
+    min_gain: float
+    """Steps whose measured ceiling is below 1 + min_gain run without DBO."""
+
+    def __post_init__(self) -> None:
+        if self.min_tokens_per_rank < 0:
+            raise ValueError(f"GatePolicy.min_tokens_per_rank={self.min_tokens_per_rank}: "
+                             f"must be >= 0")
+        if self.min_gain < 0:
+            raise ValueError(f"GatePolicy.min_gain={self.min_gain}: must be >= 0 (0.03 = 3%)")
+
+    def decide(self, *, tokens_per_rank: int, ceiling: Optional[float],
+               no_probe_reason: str = "no ceiling probe") -> GateDecision:
+        """The gated choice for one step; `ceiling` None when the probe did not run."""
+        floor = 1.0 + self.min_gain
+        if tokens_per_rank < self.min_tokens_per_rank:
+            return GateDecision(False, f"threshold: {tokens_per_rank} tokens/rank < "
+                                       f"{self.min_tokens_per_rank}")
+        if ceiling is None:
+            return GateDecision(True, f"threshold: {tokens_per_rank} tokens/rank >= "
+                                      f"{self.min_tokens_per_rank}; {no_probe_reason}, so "
+                                      f"thresholds only")
+        if ceiling < floor:
+            return GateDecision(False, f"probe: measured ceiling {ceiling:.3f}x < "
+                                       f"{floor:.3f}x (1 + min_gain): too little comm to hide")
+        return GateDecision(True, f"probe: measured ceiling {ceiling:.3f}x >= {floor:.3f}x "
+                                  f"and {tokens_per_rank} tokens/rank >= "
+                                  f"{self.min_tokens_per_rank}")

@@ -1,0 +1,209 @@
+"""Command line of `dbo bench`: parse, label the environment, start the ranks, report.
+
+Ranks: under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set) this process is one rank;
+otherwise it spawns `--world-size` ranks itself (default 2), gloo on CPU, NCCL on GPU
+(one GPU per rank). This is the only module of the bench that reads the environment:
+NCCL_P2P_DISABLE picks the regime label; NCCL_* settings are passed through untouched.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dbo.bench.config import (
+    BENCH_BACKENDS,
+    DEFAULT_CPU_PRESET,
+    DEFAULT_CPU_TOKENS,
+    DEFAULT_GPU_PRESET,
+    DEFAULT_GPU_TOKENS,
+    MODES,
+    BenchConfig,
+    regime_label,
+)
+
+USAGE_EXAMPLES = """\
+examples:
+  python -m dbo.bench --mode layer                       # CPU: spawns 2 gloo ranks, tiny shapes
+  torchrun --nproc_per_node=2 -m dbo.bench --mode layer  # GPU, NVLink
+  NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.bench --mode layer
+  torchrun --nproc_per_node=2 -m dbo.bench --mode model --preset deepseek-v3-like
+"""
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 256,1024, got {text!r}")
+
+
+def _name_list(text: str) -> list[str]:
+    return [v for v in text.replace(",", " ").split() if v]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dbo bench", epilog=USAGE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Throughput of DBO on/off over tokens per rank and backends, with the "
+                    "measured overlap ceiling (GPU) and a gate that keeps DBO off where it "
+                    "would lose. Prints a table, writes CSV/JSON/PNG, ends with one JSON line.")
+    p.add_argument("--mode", default="layer", help=f"one of {', '.join(MODES)}")
+    p.add_argument("--preset", default=None,
+                   help=f"shapes (default {DEFAULT_GPU_PRESET} on GPU, "
+                        f"{DEFAULT_CPU_PRESET} on CPU)")
+    p.add_argument("--tokens", type=_int_list, nargs="+", default=None,
+                   help="tokens per rank, e.g. 256,1024,4096 (default GPU "
+                        f"{','.join(map(str, DEFAULT_GPU_TOKENS))}; CPU "
+                        f"{','.join(map(str, DEFAULT_CPU_TOKENS))})")
+    p.add_argument("--backends", type=_name_list, nargs="+", default=None,
+                   help=f"comma list of {', '.join(BENCH_BACKENDS)} (default all)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="layer mode: MoE layers (default 4); model mode: decoder layers "
+                        "(default: the preset's)")
+    experts = p.add_mutually_exclusive_group()
+    experts.add_argument("--num-experts", type=int, default=None,
+                         help="routed experts over all ranks")
+    experts.add_argument("--experts-per-rank", type=int, default=None,
+                         help="routed experts per rank (default: the preset's, at most 32/rank)")
+    p.add_argument("--attn-context", type=int, default=2048,
+                   help="layer mode: context tokens of the attention stand-in (default 2048)")
+    p.add_argument("--requests", type=int, default=4,
+                   help="model mode: requests per rank per step (default 4)")
+    p.add_argument("--experts", default="auto", help="expert kernel (auto, reference, "
+                                                     "grouped, triton)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps (GPU 20, CPU 5)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (GPU 5, CPU 2)")
+    p.add_argument("--min-gain", type=float, default=0.03,
+                   help="gate: DBO off where the measured ceiling < 1 + this (default 0.03)")
+    p.add_argument("--gate-min-tokens", type=int, default=512,
+                   help="gate: DBO off below this many tokens per rank (default 512)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks to spawn when not under torchrun (default 2)")
+    p.add_argument("--out", default="dbo_out/bench", help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchConfig:
+    """A validated BenchConfig (ValueError with the fix on bad input)."""
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but CUDA is not available here: use --device cpu")
+    gpu = device == "cuda"
+    tokens = ([t for group in args.tokens for t in group] if args.tokens else
+              list(DEFAULT_GPU_TOKENS if gpu else DEFAULT_CPU_TOKENS))
+    backends = ([b for group in args.backends for b in group] if args.backends else
+                list(BENCH_BACKENDS))
+    p2p_disabled = env.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0")
+    return BenchConfig(
+        mode=args.mode, preset=args.preset or (DEFAULT_GPU_PRESET if gpu else DEFAULT_CPU_PRESET),
+        tokens=tuple(tokens), backends=tuple(backends), layers=args.layers,
+        num_experts=args.num_experts, experts_per_rank=args.experts_per_rank,
+        attn_context=args.attn_context, requests=args.requests, experts=args.experts,
+        iters=args.iters if args.iters is not None else (20 if gpu else 5),
+        warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
+        min_gain=args.min_gain, gate_min_tokens=args.gate_min_tokens, device=device,
+        regime=regime_label(device, p2p_disabled=p2p_disabled), out_dir=args.out,
+        seed=args.seed, plot=not args.no_plot, progress=not args.no_progress)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    env = os.environ
+    try:
+        cfg = config_from_args(args, env)
+        if args.world_size is not None and args.world_size < 1:
+            raise ValueError(f"--world-size={args.world_size}: must be >= 1")
+    except ValueError as exc:
+        parser.error(str(exc))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        if args.world_size is not None and args.world_size != int(env["WORLD_SIZE"]):
+            parser.error(f"--world-size={args.world_size} but torchrun started "
+                         f"{env['WORLD_SIZE']} ranks: drop --world-size under torchrun")
+        return run_rank(cfg, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                        local_rank=int(env.get("LOCAL_RANK", env["RANK"])), init_method="env://")
+    world = args.world_size if args.world_size is not None else 2
+    if cfg.device == "cuda" and world > torch.cuda.device_count():
+        parser.error(f"--world-size={world} needs {world} GPUs, {torch.cuda.device_count()} "
+                     f"visible: lower it, or use torchrun on the right machine")
+    return spawn_ranks(cfg, world)
+
+
+def spawn_ranks(cfg: BenchConfig, world_size: int) -> int:
+    """Start `world_size` ranks on this host; 0 when all succeed, 1 otherwise."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(_spawned_rank, args=(world_size, f"tcp://127.0.0.1:{port}", cfg),
+                 nprocs=world_size, join=True)
+    except Exception as exc:  # noqa: BLE001 - a rank failed: its traceback is in exc
+        print(f"[dbo bench] a rank failed:\n{exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _spawned_rank(rank: int, world_size: int, init_method: str, cfg: BenchConfig) -> None:
+    code = run_rank(cfg, rank=rank, world_size=world_size, local_rank=rank,
+                    init_method=init_method)
+    if code != 0:
+        raise SystemExit(code)
+    # Done and flushed: skip the interpreter's teardown of torch, which takes seconds on
+    # small hosts and has nothing left to write. Failures above exit normally.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_rank(cfg: BenchConfig, *, rank: int, world_size: int, local_rank: int,
+             init_method: str) -> int:
+    """One rank: init the group, sweep, and (rank 0) print the table and the JSON line."""
+    from dbo.bench.report import final_line, format_table, write_outputs
+    from dbo.bench.sweep import run_sweep
+
+    # torch deprecates the *_tensor collectives the backends call; not the bench's business.
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r".*is deprecated\. Please use .*")
+    if cfg.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=init_method, rank=rank,
+                                world_size=world_size, device_id=device,
+                                timeout=timedelta(minutes=10))
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // world_size)))
+        dist.init_process_group("gloo", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timedelta(minutes=5))
+    try:
+        result = run_sweep(cfg, group=dist.group.WORLD, device=device)
+        if rank == 0:
+            files = write_outputs(result)
+            print(format_table(result), flush=True)
+            print(final_line(result, files), flush=True)
+        dist.barrier()
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+    return 0

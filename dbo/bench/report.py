@@ -1,0 +1,157 @@
+"""Outputs of a sweep (rank 0): a table for people, CSV and JSON files, the PNG, and the
+summary dict that becomes the final JSON line on stdout.
+
+Files, under `out_dir`, named `bench_<mode>_<preset>_w<world>_<regime tag>.{csv,json,png}`
+(regime tag: nvlink, p2p-disabled, cpu), so runs of different regimes sit side by side.
+Every output carries the regime label.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from typing import Any, Optional
+
+from dbo.bench.config import CPU_REGIME, EMULATED_REGIME
+from dbo.bench.sweep import DEFINITIONS, Point, SweepResult
+
+MAX_GATED_SLOWDOWN = 0.01
+"""The acceptance check: with gating on, no point may be more than 1% slower than DBO off."""
+
+
+def file_stem(result: SweepResult) -> str:
+    cfg = result.config
+    tag = {CPU_REGIME: "cpu", EMULATED_REGIME: "p2p-disabled"}.get(cfg.regime, "nvlink")
+    return f"bench_{cfg.mode}_{cfg.preset}_w{result.world_size}_{tag}"
+
+
+def write_outputs(result: SweepResult) -> dict[str, Any]:
+    """Write CSV, JSON and PNG; return {"csv": path, "json": path, "png": path | None,
+    "png_note": why not (when missing)}."""
+    out_dir = result.config.out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, file_stem(result))
+    files: dict[str, Any] = {"csv": stem + ".csv", "json": stem + ".json", "png": None}
+    rows = [p.row() for p in result.points]
+    with open(files["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    if result.config.plot:
+        try:
+            from dbo.bench.plot import plot_sweep
+            plot_sweep(result, stem + ".png")
+            files["png"] = stem + ".png"
+        except ImportError as exc:
+            files["png_note"] = str(exc)
+    else:
+        files["png_note"] = "plot off (--no-plot)"
+    doc = {**header(result), "definitions": DEFINITIONS, "summary": summarize(result.points),
+           "points": [{**p.row(), "per_rank_ms": p.per_rank_ms} for p in result.points],
+           "files": files}
+    with open(files["json"], "w") as f:
+        json.dump(_clean(doc), f, indent=2)
+        f.write("\n")
+    return files
+
+
+def header(result: SweepResult) -> dict[str, Any]:
+    cfg = result.config
+    return {"bench": "dbo", "regime": cfg.regime, "mode": cfg.mode, "preset": cfg.preset,
+            "world_size": result.world_size, "device": cfg.device, "shapes": result.shapes,
+            "probe": result.probe, "config": cfg.summary()}
+
+
+def summarize(points: list[Point]) -> dict[str, Any]:
+    """Best raw speedup, worst gated speedup, and the <= 1% gated-slowdown check."""
+    worst = min(points, key=lambda p: p.gated_speedup)
+    best = max(points, key=lambda p: p.speedup)
+    return {
+        "max_speedup": best.speedup,
+        "max_speedup_at": {"backend": best.backend, "tokens_per_rank": best.tokens_per_rank},
+        "min_speedup": min(p.speedup for p in points),
+        "min_gated_speedup": worst.gated_speedup,
+        "min_gated_speedup_at": {"backend": worst.backend,
+                                 "tokens_per_rank": worst.tokens_per_rank},
+        "gated_never_slower_than_1pct": all(p.gated_speedup >= 1.0 / (1.0 + MAX_GATED_SLOWDOWN)
+                                            for p in points),
+        "points_gated_on": sum(p.gate == "dbo" for p in points),
+        "points": len(points),
+    }
+
+
+def final_line(result: SweepResult, files: dict[str, Any]) -> str:
+    """The one JSON line for programs (stdout, last line)."""
+    keys = ("backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
+            "tokens_per_s_nodbo", "tokens_per_s_dbo", "t_compute_ms", "t_comm_ms",
+            "t_both_ms", "ceiling", "eta", "eta_note", "dbo_split", "gate", "gate_reason",
+            "gated_speedup")
+    doc = {**header(result), "summary": summarize(result.points),
+           "points": [{k: p.row()[k] for k in keys} for p in result.points], "files": files}
+    doc.pop("config")
+    return json.dumps(_clean(doc), separators=(",", ":"))
+
+
+def format_table(result: SweepResult) -> str:
+    """The table for people: times as rank0/max, medians of `iters` steps."""
+    cfg = result.config
+    shapes = result.shapes
+    lines = [
+        f"dbo bench: mode={cfg.mode} preset={cfg.preset} world={result.world_size} "
+        f"regime={cfg.regime}",
+        f"  shapes: H={shapes['hidden_size']} experts={shapes['num_experts']} "
+        f"({shapes['experts_per_rank']}/rank) top_k={shapes['top_k']} "
+        f"I={shapes['intermediate_size']} layers={shapes['layers']} {shapes['dtype']}",
+        f"  times in ms, median of {cfg.iters} steps after {cfg.warmup} warmup, shown "
+        f"rank0/max over ranks; derived figures use the max",
+        f"  ceiling probe: {result.probe}",
+        "",
+    ]
+    cols = [("T/rank", 7), ("backend", 7), ("noDBO ms", 15), ("DBO ms", 15), ("speedup", 7),
+            ("tok/s noDBO", 11), ("tok/s DBO", 11), ("comp ms", 8), ("comm ms", 8),
+            ("both ms", 8), ("ceiling", 7), ("eta", 6), ("gate", 4), ("gated", 6)]
+    lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
+    for p in result.points:
+        cells = [str(p.tokens_per_rank), p.backend,
+                 f"{p.t_nodbo_ms_rank0:.3f}/{p.t_nodbo_ms:.3f}",
+                 f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}", f"{p.speedup:.3f}",
+                 _num(p.tokens_per_s_nodbo), _num(p.tokens_per_s_dbo),
+                 _opt(p.t_compute_ms), _opt(p.t_comm_ms), _opt(p.t_both_ms),
+                 _opt(p.ceiling), _opt(p.eta, "{:.2f}"), p.gate, f"{p.gated_speedup:.3f}"]
+        lines.append("  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, cols)))
+    lines.append("")
+    lines.append("gate decisions:")
+    for p in result.points:
+        split = "" if p.dbo_split else f" [DBO-on step NOT split: {p.dbo_split_reason}]"
+        note = f" (eta n/a: {p.eta_note})" if p.eta is None and p.t_both_ms is not None else ""
+        lines.append(f"  {p.backend:>7} T={p.tokens_per_rank:<6} {p.gate:>3}: "
+                     f"{p.gate_reason}{note}{split}")
+    s = summarize(result.points)
+    lines.append(f"summary: best speedup {s['max_speedup']:.3f}x; worst gated speedup "
+                 f"{s['min_gated_speedup']:.3f}x; gated never >1% slower: "
+                 f"{s['gated_never_slower_than_1pct']}  [{cfg.regime}]")
+    return "\n".join(lines)
+
+
+def _num(v: float) -> str:
+    if v >= 1e6:
+        return f"{v / 1e6:.2f}M"
+    if v >= 1e3:
+        return f"{v / 1e3:.1f}k"
+    return f"{v:.0f}"
+
+
+def _opt(v: Optional[float], fmt: str = "{:.3f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: non-finite floats become null, floats rounded to 6 decimals."""
+    if isinstance(value, float):
+        return round(value, 6) if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value

@@ -1,0 +1,220 @@
+"""The sweep: tokens per rank x backend x DBO off/on, the ceiling probe, the gate.
+
+    result = run_sweep(cfg, group=dist.group.WORLD, device=device)   # on every rank
+    result.points[0].speedup, result.points[0].gate, ...
+
+Per point (backend outer, tokens inner, so a model is rebuilt only when it must be):
+DBO off timed, the ceiling probed on that same workload (GPU), DBO on timed, the gate
+decided from the tokens and the measured ceiling. Times are medians of `iters` steps per
+rank (see `dbo.bench.timing`); the derived figures use the slowest rank's median (the
+step time the group sees), and rank 0's medians are reported beside them.
+
+Definitions (also in every JSON output):
+    tokens/s      = tokens per rank * world size / step time
+    speedup       = T_noDBO / T_DBO
+    T_serial      = T_compute + T_comm             (both measured alone)
+    ceiling       = T_serial / T_both
+    eta           = (T_noDBO - T_DBO) / (T_noDBO - T_both); None when T_noDBO <= T_both
+    gated time    = T_DBO where the gate chose DBO, else T_noDBO
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from dbo.bench.ceiling import Ceiling, probe_ceiling
+from dbo.bench.config import BenchConfig
+from dbo.bench.gating import GatePolicy
+from dbo.bench.timing import Timing, time_steps
+from dbo.bench.workload import WorkloadFactory
+
+PROBE_SKIPPED_CPU = ("skipped on CPU: gloo runs each collective synchronously on the "
+                     "calling thread, there are no streams to overlap")
+PROBE_MEASURED = ("measured: compute alone (all-to-alls skipped, local routing), comm "
+                  "alone (the step's recorded collectives replayed), both on two CUDA streams")
+DEFINITIONS = {
+    "tokens_per_s": "tokens per rank * world size / step time",
+    "step_time": "median over iters of each rank's step; the max over ranks unless *_rank0",
+    "speedup": "T_noDBO / T_DBO",
+    "t_serial": "T_compute + T_comm, each measured alone",
+    "ceiling": "T_serial / T_both",
+    "ceiling_vs_nodbo": "T_noDBO / T_both",
+    "eta": "(T_noDBO - T_DBO) / (T_noDBO - T_both); null when T_noDBO <= T_both or no probe",
+    "gated": "T_DBO where the gate chose dbo, else T_noDBO; gated_speedup = T_noDBO / gated",
+}
+ETA_NO_PROBE = "no probe, no T_both"
+ETA_NO_HEADROOM = ("T_noDBO <= T_both: the unsplit step already runs at or under the "
+                   "measured floor, there is nothing for DBO to recover")
+
+
+@dataclass
+class Point:
+    """One sweep point's measurements and derived figures (times in ms)."""
+
+    regime: str
+    mode: str
+    preset: str
+    backend: str
+    tokens_per_rank: int
+    world_size: int
+    t_nodbo_ms: float
+    t_nodbo_ms_rank0: float
+    t_dbo_ms: float
+    t_dbo_ms_rank0: float
+    tokens_per_s_nodbo: float
+    tokens_per_s_dbo: float
+    speedup: float
+    dbo_split: bool
+    dbo_split_reason: str
+    gate: str
+    gate_reason: str
+    t_gated_ms: float
+    gated_speedup: float
+    tokens_per_s_gated: float
+    t_compute_ms: Optional[float] = None
+    t_compute_ms_rank0: Optional[float] = None
+    t_comm_ms: Optional[float] = None
+    t_comm_ms_rank0: Optional[float] = None
+    t_both_ms: Optional[float] = None
+    t_both_ms_rank0: Optional[float] = None
+    t_serial_ms: Optional[float] = None
+    ceiling: Optional[float] = None
+    ceiling_vs_nodbo: Optional[float] = None
+    tokens_per_s_ceiling: Optional[float] = None
+    eta: Optional[float] = None
+    eta_note: str = ""
+    per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        """The flat fields (CSV columns), rounded for people."""
+        out = {k: v for k, v in asdict(self).items() if k != "per_rank_ms"}
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+@dataclass
+class SweepResult:
+    config: BenchConfig
+    world_size: int
+    shapes: dict[str, Any]
+    probe: str
+    points: list[Point]
+
+
+def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
+              device: torch.device) -> SweepResult:
+    """Run every point on this rank (all ranks call this with the same `cfg`)."""
+    factory = WorkloadFactory(cfg, group=group, device=device)
+    gate = GatePolicy(min_tokens_per_rank=cfg.gate_min_tokens, min_gain=cfg.min_gain)
+    probe_note = PROBE_MEASURED if device.type == "cuda" else PROBE_SKIPPED_CPU
+    show = cfg.progress and factory.rank == 0
+    progress = Progress(len(cfg.backends) * len(cfg.tokens) * 2, enabled=show)
+    timing = dict(device=device, group=group, warmup=cfg.warmup, iters=cfg.iters)
+    points = []
+    for backend in cfg.backends:
+        for tokens in cfg.tokens:
+            points.append(_measure_point(cfg, factory, gate, progress, backend=backend,
+                                         tokens=tokens, timing=timing))
+    progress.close()
+    factory.release()
+    return SweepResult(cfg, factory.world_size, factory.describe(), probe_note, points)
+
+
+def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
+                   progress: "Progress", *, backend: str, tokens: int,
+                   timing: dict[str, Any]) -> Point:
+    """DBO off, the probe (GPU), DBO on, the gate. Workloads die on return, so the
+    factory can free a model before building the next one."""
+    on_gpu = factory.device.type == "cuda"
+    progress.step(f"{backend} T={tokens}/rank: DBO off" + (" + ceiling probe" if on_gpu else ""))
+    off = factory.get(tokens=tokens, backend=backend, dbo=False)
+    t_off = time_steps(off.step, **timing)
+    ceiling = probe_ceiling(off, **timing) if on_gpu else None
+    del off  # a2a_ll's DBO-on model differs: let the factory free this one first
+    progress.step(f"{backend} T={tokens}/rank: DBO on")
+    on = factory.get(tokens=tokens, backend=backend, dbo=True)
+    t_on = time_steps(on.step, **timing)
+    decision = gate.decide(tokens_per_rank=tokens,
+                           ceiling=None if ceiling is None else ceiling.ceiling,
+                           no_probe_reason="probe skipped on CPU")
+    return make_point(cfg, backend=backend, tokens=tokens, world_size=factory.world_size,
+                      t_off=t_off, t_on=t_on, ceiling=ceiling, split=on.was_split,
+                      split_reason=on.split_reason, use_dbo=decision.use_dbo,
+                      gate_reason=decision.reason)
+
+
+def make_point(cfg: BenchConfig, *, backend: str, tokens: int, world_size: int, t_off: Timing,
+               t_on: Timing, ceiling: Optional[Ceiling], split: bool, split_reason: str,
+               use_dbo: bool, gate_reason: str) -> Point:
+    """Derive one point's figures from its timings (see the module doc)."""
+    total = tokens * world_size
+    off_ms, on_ms = t_off.max_ms, t_on.max_ms
+    gated_ms = on_ms if use_dbo else off_ms
+    point = Point(
+        regime=cfg.regime, mode=cfg.mode, preset=cfg.preset, backend=backend,
+        tokens_per_rank=tokens, world_size=world_size,
+        t_nodbo_ms=off_ms, t_nodbo_ms_rank0=t_off.rank0_ms,
+        t_dbo_ms=on_ms, t_dbo_ms_rank0=t_on.rank0_ms,
+        tokens_per_s_nodbo=_rate(total, off_ms), tokens_per_s_dbo=_rate(total, on_ms),
+        speedup=off_ms / on_ms, dbo_split=split, dbo_split_reason=split_reason,
+        gate="dbo" if use_dbo else "off", gate_reason=gate_reason, t_gated_ms=gated_ms,
+        gated_speedup=off_ms / gated_ms, tokens_per_s_gated=_rate(total, gated_ms),
+        eta_note=ETA_NO_PROBE,
+        per_rank_ms={"t_nodbo": list(t_off.per_rank_ms), "t_dbo": list(t_on.per_rank_ms)})
+    if ceiling is not None:
+        both_ms = ceiling.both.max_ms
+        point.t_compute_ms = ceiling.compute.max_ms
+        point.t_compute_ms_rank0 = ceiling.compute.rank0_ms
+        point.t_comm_ms, point.t_comm_ms_rank0 = ceiling.comm.max_ms, ceiling.comm.rank0_ms
+        point.t_both_ms, point.t_both_ms_rank0 = both_ms, ceiling.both.rank0_ms
+        point.t_serial_ms = ceiling.serial_ms
+        point.ceiling = ceiling.ceiling
+        point.ceiling_vs_nodbo = off_ms / both_ms
+        point.tokens_per_s_ceiling = _rate(total, both_ms)
+        point.eta, point.eta_note = efficiency(off_ms, on_ms, both_ms)
+        point.per_rank_ms.update(t_compute=list(ceiling.compute.per_rank_ms),
+                                 t_comm=list(ceiling.comm.per_rank_ms),
+                                 t_both=list(ceiling.both.per_rank_ms))
+    return point
+
+
+def efficiency(t_nodbo: float, t_dbo: float, t_both: float) -> tuple[Optional[float], str]:
+    """eta = (T_noDBO - T_DBO) / (T_noDBO - T_both), or None and why."""
+    headroom = t_nodbo - t_both
+    if headroom <= 0:
+        return None, ETA_NO_HEADROOM
+    return (t_nodbo - t_dbo) / headroom, ""
+
+
+def _rate(tokens: int, ms: float) -> float:
+    return tokens / (ms / 1e3) if ms > 0 else float("inf")
+
+
+class Progress:
+    """A plain progress bar on stderr (one line per update when stderr is not a tty)."""
+
+    def __init__(self, total: int, *, enabled: bool, width: int = 24) -> None:
+        self.total, self.enabled, self.width = total, enabled, width
+        self.done = 0
+        self.tty = sys.stderr.isatty()
+
+    def step(self, label: str) -> None:
+        if not self.enabled:
+            return
+        self.done += 1
+        filled = self.width * (self.done - 1) // max(self.total, 1)
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"[dbo bench] [{bar}] {self.done}/{self.total} {label}"
+        if self.tty:
+            sys.stderr.write("\r\033[K" + line)
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()

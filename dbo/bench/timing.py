@@ -1,0 +1,88 @@
+"""Step timing for the bench: CUDA events on GPU, perf_counter on CPU; medians; all ranks.
+
+    t = time_steps(workload.step, device=device, group=group, warmup=5, iters=20)
+    t.rank0_ms, t.max_ms, t.per_rank_ms
+
+Every timed step starts from an idle device with the ranks aligned: barrier, device
+synchronize, start event, the step, end event. So a step's time includes its own host
+launch overhead and host syncs (DBO's greenlet switches included), and no rank's skew
+leaks into another's step. Steps are not pipelined back to back. Each rank reports the
+median over `iters` of its own steps; the ranks' medians are gathered (one small
+collective, after the timed loop).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median step times in milliseconds: each rank's, in rank order."""
+
+    per_rank_ms: tuple[float, ...]
+
+    @property
+    def rank0_ms(self) -> float:
+        return self.per_rank_ms[0]
+
+    @property
+    def max_ms(self) -> float:
+        """The slowest rank's median: the step time the group sees."""
+        return max(self.per_rank_ms)
+
+
+def time_steps(fn: Callable[[], Any], *, device: torch.device,
+               group: Optional[dist.ProcessGroup], warmup: int, iters: int) -> Timing:
+    """Run `fn` `warmup` times untimed, then `iters` times timed; gather the medians."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples = [_time_one(fn, device, group) for _ in range(iters)]
+    return Timing(gather_floats(statistics.median(samples), group))
+
+
+def _time_one(fn: Callable[[], Any], device: torch.device,
+              group: Optional[dist.ProcessGroup]) -> float:
+    barrier(group, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+    begin = time.perf_counter()
+    fn()
+    return (time.perf_counter() - begin) * 1e3
+
+
+def barrier(group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+    """Align the ranks (no-op without torch.distributed)."""
+    if group is None or not dist.is_initialized():
+        return
+    if device.type == "cuda":
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
+
+
+def gather_floats(value: float, group: Optional[dist.ProcessGroup]) -> tuple[float, ...]:
+    """Every rank's `value`, in rank order (a 1-tuple without torch.distributed)."""
+    if group is None or not dist.is_initialized():
+        return (float(value),)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, float(value), group=group)
+    return tuple(float(v) for v in out)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,201 @@
+"""The model and inputs of one sweep point, and the DBO policy the bench applies to them.
+
+    factory = WorkloadFactory(cfg, group=dist.group.WORLD, device=device)
+    off = factory.get(tokens=1024, backend="a2a", dbo=False)
+    out = off.step()                      # the model called directly (DBO off)
+    on = factory.get(tokens=1024, backend="a2a", dbo=True)
+    out = on.step()                       # DBORunner(model, factory.dbo_config)(...)
+
+Layer mode: a `LayerStack` of the preset's MoE layer shape, inputs [T, H], DBO split
+"tokens". Model mode: `moe.model.MoETransformer` of the preset, a batch of `requests`
+requests of random lengths summing to T (`moe.model.make_batch`; each rank its own),
+DBO split "requests".
+
+`a2a_ll` has a fixed capacity per rank: the DBO-off model gets max_tokens_per_rank = T,
+the DBO-on model the larger ubatch of the split the runner will make (so DBO moves no
+more padding than the unsplit step), computed with the runner's own planner. The factory
+keeps one model alive, rebuilt only when the backend or that capacity changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dbo.bench.config import BenchConfig
+from dbo.bench.layer_stack import LayerStack, layer_moe_config, make_input
+from dbo.bench.timing import gather_floats
+from dbo.config import DBOConfig
+from dbo.runner import DBORunner
+from dbo.split import plan_split, plan_token_split
+from moe.config import MoEConfig
+from moe.presets import get_preset
+
+DEFAULT_LAYERS = 4
+
+# DBO on: thresholds low enough that every sweep point (T >= 2) is split; the gate,
+# not the runner, decides where DBO should stay off.
+_SPLIT_ALWAYS = dict(min_decode_tokens=2, min_prefill_tokens=2)
+
+
+@dataclass
+class Workload:
+    """One step's model and inputs; `step()` runs it (through the runner when DBO is on)."""
+
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    num_tokens: int
+    runner: Optional[DBORunner]
+
+    def step(self) -> Any:
+        call: Callable[..., Any] = self.runner if self.runner is not None else self.model
+        with torch.no_grad():
+            return call(*self.args, **self.kwargs)
+
+    @property
+    def split_reason(self) -> str:
+        """Why the last DBO step was (or was not) split; "" with DBO off."""
+        if self.runner is None or self.runner.last_decision is None:
+            return ""
+        return self.runner.last_decision.reason
+
+    @property
+    def was_split(self) -> bool:
+        return bool(self.runner is not None and self.runner.last_decision is not None
+                    and self.runner.last_decision.split)
+
+
+class WorkloadFactory:
+    """Builds the workloads of a sweep on one rank (all ranks build the same ones)."""
+
+    def __init__(self, cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
+                 device: torch.device) -> None:
+        self.cfg = cfg
+        self.group = group
+        self.device = device
+        self.world_size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        preset = get_preset(cfg.preset)
+        self.num_experts = cfg.resolve_num_experts(self.world_size, preset.moe.num_experts)
+        self.base_moe = layer_moe_config(preset.moe, num_experts=self.num_experts,
+                                         max_tokens_per_rank=None)
+        self.hidden_size = preset.hidden_size
+        self.dtype = preset.dtype
+        if cfg.mode == "layer":
+            self.num_layers = cfg.layers if cfg.layers is not None else DEFAULT_LAYERS
+        else:
+            self.num_layers = cfg.layers if cfg.layers is not None else preset.num_layers
+        split = "tokens" if cfg.mode == "layer" else "requests"
+        self.dbo_config = DBOConfig(split=split, **_SPLIT_ALWAYS)
+        self._model_key: Optional[tuple] = None
+        self._model: Optional[nn.Module] = None
+        self._model_config: Any = None
+        self._inputs: dict[int, tuple[tuple, dict]] = {}
+        if cfg.mode == "model":
+            _import_model()  # fail early with the reason
+
+    # ------------------------------------------------------------------ public
+    def describe(self) -> dict[str, Any]:
+        """Shapes actually run (for the outputs)."""
+        moe = self.base_moe
+        return {"hidden_size": self.hidden_size, "num_experts": self.num_experts,
+                "experts_per_rank": self.num_experts // self.world_size, "top_k": moe.top_k,
+                "intermediate_size": moe.intermediate_size,
+                "num_shared_experts": moe.num_shared_experts, "layers": self.num_layers,
+                "dtype": str(self.dtype).replace("torch.", ""),
+                "grouped_topk": moe.n_group is not None}
+
+    def get(self, *, tokens: int, backend: str, dbo: bool) -> Workload:
+        capacity = None
+        if backend == "a2a_ll":
+            capacity = self.ubatch_capacity(tokens) if dbo else tokens
+        model = self._get_model(backend, capacity)
+        args, kwargs = self._get_inputs(tokens)
+        runner = DBORunner(model, self.dbo_config, group=self.group) if dbo else None
+        return Workload(model, args, kwargs, tokens, runner)
+
+    def ubatch_capacity(self, tokens: int) -> int:
+        """Tokens of the larger ubatch the runner makes of a `tokens` step (T if unsplit),
+        the max over ranks: a fixed-capacity all-to-all needs the same capacity on all.
+        A collective: every rank calls it for the same points."""
+        if self.cfg.mode == "layer":
+            plan = plan_token_split(tokens, self.dbo_config)
+        else:
+            plan = plan_split(list(self._seq_lens(tokens)), self.dbo_config, num_tokens=tokens)
+        mine = max(plan.num_tokens) if plan.split else tokens
+        return int(max(gather_floats(mine, self.group)))
+
+    def release(self) -> None:
+        """Drop the model and inputs (frees device memory before the next build)."""
+        self._model = self._model_config = self._model_key = None
+        self._inputs.clear()
+
+    # --------------------------------------------------------------- internals
+    def _get_model(self, backend: str, capacity: Optional[int]) -> nn.Module:
+        key = (backend, capacity)
+        if key == self._model_key and self._model is not None:
+            return self._model
+        self._model = None  # free the old weights before allocating the new ones
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        moe = dataclasses.replace(self.base_moe, max_tokens_per_rank=capacity)
+        if self.cfg.mode == "layer":
+            model = LayerStack(moe, num_layers=self.num_layers,
+                               attn_context=self.cfg.attn_context, group=self.group,
+                               backend=backend, experts=self.cfg.experts, device=self.device)
+            model.init_weights(self.cfg.seed)
+        else:
+            model = self._build_transformer(moe, backend)
+        self._model, self._model_key = model, key
+        return model
+
+    def _build_transformer(self, moe: MoEConfig, backend: str) -> nn.Module:
+        MoETransformer, _ = _import_model()
+        config = get_preset(self.cfg.preset, num_layers=self.num_layers, moe=moe)
+        self._model_config = config
+        model = MoETransformer(config, group=self.group, backend=backend,
+                               experts=self.cfg.experts, device=self.device)
+        model.init_weights(self.cfg.seed)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
+
+    def _get_inputs(self, tokens: int) -> tuple[tuple, dict]:
+        cached = self._inputs.get(tokens)
+        if cached is not None:
+            return cached
+        self._inputs.clear()  # one token count at a time
+        seed = self.cfg.seed * 7 + 1000 * self.rank + tokens
+        if self.cfg.mode == "layer":
+            x_TH = make_input(tokens, self.hidden_size, dtype=self.dtype, device=self.device,
+                              seed=seed)
+            inputs: tuple[tuple, dict] = ((x_TH,), {})
+        else:
+            _, make_batch = _import_model()
+            config = get_preset(self.cfg.preset, num_layers=self.num_layers,
+                                moe=self.base_moe)
+            batch = make_batch(config, num_tokens=tokens, num_requests=self.cfg.requests,
+                               seed=seed, device=self.device)
+            inputs = ((batch.input_ids_T, batch.positions_T), {"seq_lens": batch.seq_lens})
+        self._inputs[tokens] = inputs
+        return inputs
+
+    def _seq_lens(self, tokens: int) -> tuple[int, ...]:
+        seq_lens = self._get_inputs(tokens)[1]["seq_lens"]
+        if isinstance(seq_lens, torch.Tensor):
+            return tuple(int(v) for v in seq_lens.tolist())
+        return tuple(seq_lens)
+
+
+def _import_model() -> tuple[Any, Any]:
+    try:
+        from moe.model import MoETransformer, make_batch
+    except ImportError as exc:
+        raise ValueError(f"--mode model needs moe.model (MoETransformer, make_batch), which "
+                         f"cannot be imported here ({exc}); use --mode layer") from exc
+    return MoETransformer, make_batch

@@ -1,0 +1,242 @@
+"""Layers 1-2: `dbo bench` on CPU. Argument errors, the gate, the derived figures and the
+plot in-process (layer 1); the command line end to end on two gloo ranks it spawns
+itself, model mode and the ceiling probe's recording / replay / local routing on two
+gloo ranks (layer 2, marked distributed). The probe's two-stream timing is GPU only.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dbo.bench import main
+from dbo.bench.config import (
+    CPU_REGIME,
+    EMULATED_REGIME,
+    NVLINK_REGIME,
+    BenchConfig,
+    regime_label,
+)
+from dbo.bench.gating import GatePolicy
+from dbo.bench.launch import build_parser, config_from_args
+from dbo.bench.sweep import ETA_NO_HEADROOM, PROBE_SKIPPED_CPU, SweepResult, efficiency, make_point
+from dbo.bench.timing import Timing
+from tests.dist_utils import run_distributed
+
+REPO = Path(__file__).resolve().parents[1]
+FINAL_KEYS = {"bench", "regime", "mode", "preset", "world_size", "device", "shapes", "probe",
+              "summary", "points", "files"}
+POINT_KEYS = {"backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
+              "tokens_per_s_nodbo", "tokens_per_s_dbo", "t_compute_ms", "t_comm_ms",
+              "t_both_ms", "ceiling", "eta", "dbo_split", "gate", "gate_reason",
+              "gated_speedup"}
+
+
+# ----------------------------------------------------------------- layer 1: in-process
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "bogus"], "unknown mode 'bogus'"),
+    (["--backends", "a2a,deepep"], "unknown backend 'deepep'"),
+    (["--preset", "gpt-5"], "unknown preset 'gpt-5'"),
+    (["--mode", "model", "--preset", "nope"], "unknown preset 'nope' for --mode model"),
+    (["--tokens", "16,0"], "tokens must be positive ints, got 0"),
+    (["--tokens", "-4"], "tokens must be positive ints, got -4"),
+    (["--tokens", "16,abc"], "expected integers"),
+    (["--num-experts", "8", "--experts-per-rank", "4"], "not allowed with argument"),
+    (["--mode", "model", "--tokens", "2", "--requests", "4"], "requests=4 per rank exceeds"),
+    (["--iters", "0"], "iters=0 must be an int >= 1"),
+    (["--world-size", "0"], "--world-size=0"),
+    pytest.param(["--device", "cuda"], "CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
+])
+def test_bad_arguments_exit_with_the_fix(argv: list[str], message: str,
+                                         capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", "cpu", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_experts_must_split_over_ranks() -> None:
+    cfg = BenchConfig(num_experts=9)
+    with pytest.raises(ValueError, match="do not split over 2 ranks"):
+        cfg.resolve_num_experts(2, 8)
+    assert BenchConfig().resolve_num_experts(2, 256) == 64  # capped at 32 per rank
+    assert BenchConfig(experts_per_rank=3).resolve_num_experts(2, 256) == 6
+
+
+def test_regime_labels() -> None:
+    assert regime_label("cuda", p2p_disabled=True) == EMULATED_REGIME
+    assert EMULATED_REGIME == "scale-out emulated (NCCL_P2P_DISABLE=1)"
+    assert regime_label("cuda", p2p_disabled=False) == NVLINK_REGIME
+    # gloo does not use NCCL: CPU runs say so whatever NCCL_P2P_DISABLE says.
+    args = build_parser().parse_args(["--device", "cpu"])
+    assert config_from_args(args, {"NCCL_P2P_DISABLE": "1"}).regime == CPU_REGIME
+
+
+def test_gate_thresholds_then_probe() -> None:
+    gate = GatePolicy(min_tokens_per_rank=512, min_gain=0.03)
+    small = gate.decide(tokens_per_rank=256, ceiling=1.4)
+    assert (small.choice, small.reason.startswith("threshold")) == ("off", True)
+    low = gate.decide(tokens_per_rank=1024, ceiling=1.02)
+    assert low.choice == "off" and "ceiling 1.020x < 1.030x" in low.reason
+    high = gate.decide(tokens_per_rank=1024, ceiling=1.25)
+    assert high.choice == "dbo" and high.reason.startswith("probe")
+    blind = gate.decide(tokens_per_rank=1024, ceiling=None, no_probe_reason="probe skipped")
+    assert blind.choice == "dbo" and "thresholds only" in blind.reason
+
+
+def _timing(*ms: float) -> Timing:
+    return Timing(tuple(ms))
+
+
+class _FakeCeiling:
+    """The probe's result as the sweep reads it (the probe itself needs CUDA)."""
+
+    def __init__(self, compute: float, comm: float, both: float) -> None:
+        self.compute, self.comm, self.both = _timing(compute, compute), _timing(comm, comm), \
+            _timing(both * 0.99, both)
+        self.serial_ms = compute + comm
+        self.ceiling = self.serial_ms / both
+
+
+def test_derived_figures_with_a_ceiling() -> None:
+    cfg = BenchConfig()
+    point = make_point(cfg, backend="a2a", tokens=1024, world_size=2,
+                       t_off=_timing(10.0, 10.5), t_on=_timing(9.0, 9.1),
+                       ceiling=_FakeCeiling(8.0, 3.0, 8.5), split=True, split_reason="halved",
+                       use_dbo=True, gate_reason="probe: ...")
+    assert point.t_nodbo_ms == 10.5 and point.t_nodbo_ms_rank0 == 10.0
+    assert point.speedup == pytest.approx(10.5 / 9.1)
+    assert point.tokens_per_s_nodbo == pytest.approx(2048 / 10.5e-3)
+    assert point.t_serial_ms == 11.0 and point.ceiling == pytest.approx(11.0 / 8.5)
+    assert point.eta == pytest.approx((10.5 - 9.1) / (10.5 - 8.5))
+    assert point.t_both_ms_rank0 == pytest.approx(8.5 * 0.99)
+    assert point.gated_speedup == point.speedup and point.gate == "dbo"
+    off = make_point(cfg, backend="a2a", tokens=64, world_size=2, t_off=_timing(1.0, 1.0),
+                     t_on=_timing(2.0, 2.0), ceiling=None, split=True, split_reason="",
+                     use_dbo=False, gate_reason="threshold")
+    assert off.gated_speedup == 1.0 and off.speedup == 0.5 and off.eta is None
+    assert efficiency(5.0, 4.0, 5.0) == (None, ETA_NO_HEADROOM)
+
+
+def test_plot_draws_the_ceiling(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from dbo.bench.plot import plot_sweep
+
+    cfg = BenchConfig(regime=EMULATED_REGIME, tokens=(256, 1024), backends=("a2a", "naive"))
+    points = [make_point(cfg, backend=b, tokens=t, world_size=2, t_off=_timing(t / 100, t / 100),
+                         t_on=_timing(t / 120, t / 120),
+                         ceiling=_FakeCeiling(t / 150, t / 300, t / 140), split=True,
+                         split_reason="", use_dbo=True, gate_reason="")
+              for b in cfg.backends for t in cfg.tokens]
+    result = SweepResult(cfg, 2, {}, "measured", points)
+    path = tmp_path / "sweep.png"
+    plot_sweep(result, str(path))
+    assert path.stat().st_size > 10_000
+
+
+# --------------------------------------------------------- layer 2: two gloo processes
+@pytest.mark.distributed
+def test_cli_layer_mode_end_to_end(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "dbo.bench", "--device", "cpu", "--mode", "layer",
+           "--tokens", "16,64", "--backends", "a2a,naive", "--iters", "2", "--warmup", "1",
+           "--layers", "2", "--gate-min-tokens", "32", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    final = json.loads(lines[-1])
+    assert FINAL_KEYS <= set(final)
+    assert final["regime"] == CPU_REGIME and final["world_size"] == 2
+    assert final["probe"] == PROBE_SKIPPED_CPU
+    assert "[dbo bench]" in proc.stderr  # the progress bar
+    table = "\n".join(lines[:-1])
+    assert "regime=CPU gloo" in table and "ceiling probe: skipped on CPU" in table
+    assert "gate decisions:" in table
+    points = final["points"]
+    assert len(points) == 4
+    assert {(p["backend"], p["tokens_per_rank"]) for p in points} == {
+        (b, t) for b in ("a2a", "naive") for t in (16, 64)}
+    for p in points:
+        assert POINT_KEYS <= set(p)
+        assert p["t_nodbo_ms"] > 0 and p["t_dbo_ms"] > 0 and p["dbo_split"] is True
+        assert p["t_both_ms"] is None and p["ceiling"] is None and p["eta"] is None
+        expect = "off" if p["tokens_per_rank"] < 32 else "dbo"
+        assert p["gate"] == expect and p["gate_reason"].startswith("threshold")
+    summary = final["summary"]
+    assert summary["points"] == 4 and summary["points_gated_on"] == 2
+    assert isinstance(summary["gated_never_slower_than_1pct"], bool)
+
+    files = final["files"]
+    for kind in ("csv", "json", "png"):
+        assert Path(files[kind]).stat().st_size > 0, kind
+    with open(files["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and {r["regime"] for r in rows} == {CPU_REGIME}
+    doc = json.loads(Path(files["json"]).read_text())
+    assert doc["regime"] == CPU_REGIME and "eta" in doc["definitions"]
+    assert all(len(p["per_rank_ms"]["t_dbo"]) == 2 for p in doc["points"])
+
+
+def _model_mode_and_probe_pieces(rank: int, world_size: int, out_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from dbo.bench.ceiling import CommReplay, local_routing, moe_layers, record_collectives
+    from dbo.bench.report import final_line, write_outputs
+    from dbo.bench.sweep import run_sweep
+    from dbo.bench.workload import WorkloadFactory
+
+    group, cpu = dist.group.WORLD, torch.device("cpu")
+    out: dict = {}
+    # Model mode, two token counts x two backends (a2a_ll capacity set automatically).
+    cfg = BenchConfig(mode="model", preset="tiny", tokens=(12, 40), backends=("a2a", "a2a_ll"),
+                      iters=1, warmup=1, gate_min_tokens=20, out_dir=out_dir, progress=False)
+    result = run_sweep(cfg, group=group, device=cpu)
+    if rank == 0:
+        files = write_outputs(result)
+        out["final"] = json.loads(final_line(result, files))
+        out["sizes"] = {k: os.path.getsize(files[k]) for k in ("csv", "json", "png")}
+
+    # The probe's pieces on gloo: recording, replay, local routing.
+    factory = WorkloadFactory(BenchConfig(layers=2), group=group, device=cpu)
+    off = factory.get(tokens=10, backend="a2a", dbo=False)
+    expected = off.step()
+    with record_collectives(off.model) as recording:
+        off.step()
+    out["segments"] = [[op.name for op in seg] for seg in recording.segments]
+    CommReplay(recording).run_all()  # every rank replays the same sequence
+    with local_routing(off.model), record_collectives(off.model) as local:
+        local_out = off.step()
+    out["local_collectives"] = local.num_collectives
+    out["local_shape_ok"] = local_out.shape == expected.shape
+    out["restored"] = all("prepare_async" not in vars(m.backend) for m in moe_layers(off.model))
+    out["after_ok"] = torch.equal(off.step(), expected)  # the real path is back
+    return out
+
+
+@pytest.mark.distributed
+def test_model_mode_and_probe_pieces_on_gloo(tmp_path: Path) -> None:
+    results = run_distributed(2, _model_mode_and_probe_pieces, str(tmp_path))
+    final = results[0]["final"]
+    assert final["mode"] == "model" and final["regime"] == CPU_REGIME
+    assert final["probe"] == PROBE_SKIPPED_CPU
+    assert {(p["backend"], p["tokens_per_rank"]) for p in final["points"]} == {
+        (b, t) for b in ("a2a", "a2a_ll") for t in (12, 40)}
+    for p in final["points"]:
+        assert p["dbo_split"] is True, p
+        assert p["gate"] == ("off" if p["tokens_per_rank"] < 20 else "dbo") and p["gate_reason"]
+    assert all(size > 0 for size in results[0]["sizes"].values())
+    for r in results:
+        # Segment 0 precedes the first MoE layer; each layer: count exchange, data, combine.
+        assert r["segments"] == [[]] + [["all_to_all_single"] * 3] * 2
+        assert r["local_collectives"] == 0 and r["local_shape_ok"]
+        assert r["restored"] and r["after_ok"]
