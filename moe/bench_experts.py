@@ -1,0 +1,359 @@
+"""Expert-kernel throughput on one GPU: triton vs grouped vs reference, beside a dense chain.
+
+    python -m moe.bench_experts                          # default sweep, ~5 min on one H100
+    python -m moe.bench_experts --shapes ds-e8,qwen-e128 --tokens 64,4096 --paths triton,grouped
+    python -m moe.bench_experts --out results/           # also writes experts.json, experts.txt
+    python -m moe.bench_experts --dry-run                # list the points; no GPU needed
+    TRITON_INTERPRET=1 python -m moe.bench_experts --device cpu --shapes tiny --tokens 4,16
+                                                         # CPU smoke run; timings meaningless
+
+Each point is a shape (below) and T tokens per rank with uniform random top-k routing, bf16
+activations and weights. Per path: the median time over repeats (CUDA events, after a first
+call that compiles/autotunes and a warmup), TFLOP/s = 2 * T * K * 3 * H * I / time, and the
+peak of `torch.cuda.max_memory_allocated` over one call (inputs and weights included) beside
+the minimum any path needs (x, routing, weights, output, the [T*K, I] activation). `dense`
+is `torch.matmul` on [T*K, H] x [H, 2I] then [T*K, I] x [I, H] with one expert's weights:
+the same FLOPs without routing or the weight traffic of E experts, i.e. the GEMM ceiling.
+`err` is triton's max |difference| against the reference (or grouped) relative to the
+reference's max |value|. Progress goes to stderr, a table to stdout, then one JSON line.
+Without CUDA it exits 2 (unless --device cpu).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+# name -> (hidden H, intermediate I, top-k K, local experts E)
+SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "ds-e8": (7168, 2048, 8, 8),  # DeepSeek-V3 experts, EP 32
+    "ds-e32": (7168, 2048, 8, 32),  # EP 8
+    "ds-e128": (7168, 2048, 8, 128),  # EP 2 (11 GB of bf16 expert weights)
+    "qwen-e128": (2048, 768, 8, 128),  # Qwen3-30B-A3B-like, all experts on one rank
+    "tiny": (64, 32, 2, 4),  # smoke runs (CPU interpreter)
+}
+DEFAULT_SHAPES = "ds-e8,ds-e32,ds-e128,qwen-e128"
+DEFAULT_TOKENS = "64,256,1024,4096,16384"
+PATHS = ("triton", "grouped", "reference", "dense")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured (shape, tokens, path)."""
+
+    shape: str
+    tokens: int
+    path: str
+    ms: float | None
+    tflops: float | None
+    peak_gb: float | None
+    min_gb: float
+    err: float | None = None
+    note: str = ""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m moe.bench_experts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--shapes", default=DEFAULT_SHAPES, help=f"comma list of {', '.join(SHAPES)}")
+    add("--tokens", default=DEFAULT_TOKENS, help="comma list of tokens per rank")
+    add("--paths", default=",".join(PATHS), help=f"comma list of {', '.join(PATHS)}")
+    add("--ref-max-tokens", type=int, default=4096,
+        help="skip the (slow, float32) reference above this many tokens; 0 = never skip")
+    add("--budget-ms", type=float, default=300.0, help="timed repeats per path aim at this")
+    add("--out", type=Path, default=None, help="also write experts.json / experts.txt here")
+    add("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: interpreter smoke run")
+    add("--dry-run", action="store_true", help="print the points and exit")
+    add("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.shapes = _split(args.shapes, SHAPES, "--shapes")
+    args.paths = _split(args.paths, PATHS, "--paths")
+    try:
+        args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    except ValueError:
+        parser.error(f"--tokens {args.tokens!r}: give comma-separated integers, e.g. 64,4096")
+    if not args.tokens or min(args.tokens) < 1:
+        parser.error(f"--tokens {args.tokens}: give positive integers")
+    return args
+
+
+def _split(text: str, valid: object, flag: str) -> list[str]:
+    items = [s for s in text.split(",") if s]
+    bad = [s for s in items if s not in valid]
+    if bad or not items:
+        print(f"error: {flag} {text!r}: unknown {bad}; use a comma list of {', '.join(valid)}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return items
+
+
+def gemm_flops(tokens: int, hidden: int, inter: int, top_k: int) -> float:
+    """FLOPs of the routed expert MLPs: GEMM1 [T*K, H] x [H, 2I], GEMM2 [T*K, I] x [I, H]."""
+    return 2.0 * tokens * top_k * 3 * hidden * inter
+
+
+def min_bytes(tokens: int, hidden: int, inter: int, top_k: int, experts: int, elem: int) -> int:
+    """x + ids (int64) + weights (fp32) + w13 + w2 + output + the [T*K, I] activation."""
+    return (
+        tokens * hidden * elem
+        + tokens * top_k * (8 + 4)
+        + 3 * experts * hidden * inter * elem
+        + tokens * hidden * elem
+        + tokens * top_k * inter * elem
+    )
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, budget_ms: float) -> float:
+    """Median milliseconds of `fn` after one warmup, over repeats filling ~budget_ms."""
+    fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    probe = statistics.median(_event_times(fn, device, 3))
+    reps = int(min(50, max(5, budget_ms / max(probe, 1e-3))))
+    return statistics.median(_event_times(fn, device, reps))
+
+
+def _event_times(fn: Callable[[], object], device: torch.device, reps: int) -> list[float]:
+    """Per-call milliseconds from CUDA events around each of `reps` back-to-back calls."""
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(reps)
+    ]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def peak_gb(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Peak allocated GB over one call of `fn` (everything live counts, inputs included)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    del result
+    return torch.cuda.max_memory_allocated(device) / 1e9
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Inputs of one point."""
+
+    shape: str
+    x_NH: torch.Tensor
+    w13_EIH: torch.Tensor
+    w2_EHI: torch.Tensor
+    topk_ids_NK: torch.Tensor
+    topk_weights_NK: torch.Tensor
+    flops: float
+    min_gb: float
+
+    @property
+    def tokens(self) -> int:
+        return self.x_NH.shape[0]
+
+
+def bench_shape(
+    name: str, args: argparse.Namespace, device: torch.device, total: int, done: list[int]
+) -> list[Point]:
+    """All token counts and paths of one shape (the weights are made once per shape)."""
+    from moe.experts import make_experts
+
+    hidden, inter, top_k, num_experts = SHAPES[name]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # interpreter: no bf16 dot
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=dtype, device=device, generator=gen)
+    w13.mul_(hidden**-0.5)
+    w2 = torch.randn(num_experts, hidden, inter, dtype=dtype, device=device, generator=gen)
+    w2.mul_(inter**-0.5)
+    kernels: dict[str, object] = {}
+    for path in args.paths:
+        if path != "dense":
+            try:
+                kernels[path] = make_experts(path, device)
+            except (ValueError, ImportError) as exc:
+                kernels[path] = exc
+
+    points = []
+    for tokens in args.tokens:
+        x = torch.randn(tokens, hidden, dtype=dtype, device=device, generator=gen)
+        scores = torch.rand(tokens, num_experts, device=device, generator=gen)
+        topk_weights, topk_ids = scores.topk(top_k, dim=1)  # uniform, distinct experts
+        problem = Problem(
+            shape=name, x_NH=x, w13_EIH=w13, w2_EHI=w2, topk_ids_NK=topk_ids,
+            topk_weights_NK=(topk_weights / topk_weights.sum(1, keepdim=True)).float(),
+            flops=gemm_flops(tokens, hidden, inter, top_k),
+            min_gb=min_bytes(tokens, hidden, inter, top_k, num_experts, x.element_size()) / 1e9,
+        )
+        outputs: dict[str, torch.Tensor] = {}  # on the CPU, so they do not count in peaks
+        for path in args.paths:
+            done[0] += 1
+            try:
+                point = bench_path(path, kernels.get(path), problem, args, device, outputs)
+            except Exception as exc:  # keep sweeping: one broken path must not hide the rest
+                traceback.print_exc(file=sys.stderr)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                point = Point(name, tokens, path, None, None, None, problem.min_gb,
+                              note=f"failed: {type(exc).__name__}: {str(exc)[:120]}")
+            points.append(point)
+            ms = f"{point.ms:9.3f} ms" if point.ms is not None else "skipped"
+            rate = f"{point.tflops:7.1f} TFLOP/s" if point.tflops is not None else ""
+            line = f"[{done[0]}/{total}] {name} T={tokens} {path}: {ms} {rate} {point.note}"
+            print(line.rstrip(), file=sys.stderr, flush=True)
+        _attach_error(points, outputs)
+        del x, problem, outputs
+    return points
+
+
+def bench_path(
+    path: str,
+    kernel: object,
+    problem: Problem,
+    args: argparse.Namespace,
+    device: torch.device,
+    outputs: dict[str, torch.Tensor],
+) -> Point:
+    """Time one path at one point; keeps its output (on the CPU) for the error column."""
+    from moe.workspace import Workspace
+
+    skipped = Point(problem.shape, problem.tokens, path, None, None, None, problem.min_gb)
+    if path == "reference" and args.ref_max_tokens and problem.tokens > args.ref_max_tokens:
+        return replace(skipped, note=f"skipped: T > --ref-max-tokens {args.ref_max_tokens}")
+    if isinstance(kernel, Exception):
+        return replace(skipped, note=f"unavailable: {kernel}")
+    if path == "dense":
+        return _bench_dense(problem, args, device)
+
+    workspace = Workspace()  # per path and point: its buffers count in the peak
+
+    def fn() -> torch.Tensor:
+        return kernel.apply(  # type: ignore[attr-defined]
+            problem.x_NH, problem.w13_EIH, problem.w2_EHI, problem.topk_ids_NK,
+            problem.topk_weights_NK, workspace=workspace,
+        )
+
+    outputs[path] = fn().cpu()  # the first call compiles / autotunes
+    ms = time_ms(fn, device, args.budget_ms)
+    peak = peak_gb(fn, device)
+    tflops = problem.flops / ms / 1e9
+    return Point(problem.shape, problem.tokens, path, ms, tflops, peak, problem.min_gb)
+
+
+def _bench_dense(problem: Problem, args: argparse.Namespace, device: torch.device) -> Point:
+    """The same FLOPs as one dense GEMM chain on one expert's weights."""
+    x, w13, w2 = problem.x_NH, problem.w13_EIH, problem.w2_EHI
+    top_k, inter = problem.topk_ids_NK.shape[1], w2.shape[2]
+    a = x.repeat_interleave(top_k, dim=0)
+    w1_t, w2_t = w13[0].t(), w2[0].t()
+
+    def fn() -> torch.Tensor:
+        return torch.matmul(torch.matmul(a, w1_t)[:, :inter], w2_t)
+
+    elems = a.numel() + w1_t.numel() + w2_t.numel() + a.shape[0] * (2 * inter + x.shape[1])
+    ms = time_ms(fn, device, args.budget_ms)
+    peak = peak_gb(fn, device)
+    return Point(problem.shape, problem.tokens, "dense", ms, problem.flops / ms / 1e9, peak,
+                 elems * a.element_size() / 1e9, note="one expert's weights, same FLOPs")
+
+
+def _attach_error(points: list[Point], outputs: dict[str, torch.Tensor]) -> None:
+    """Set `err` on the last triton point: max |triton - truth| / max |truth|."""
+    vs = "reference" if "reference" in outputs else "grouped"
+    if "triton" not in outputs or vs not in outputs:
+        return
+    truth = outputs[vs].float()
+    diff = (outputs["triton"].float() - truth).abs().max().item()
+    err = diff / (truth.abs().max().item() or 1.0)
+    for i in range(len(points) - 1, -1, -1):
+        if points[i].path == "triton":
+            points[i] = replace(points[i], err=err, note=f"err vs {vs}")
+            return
+
+
+def format_table(points: list[Point]) -> str:
+    header = (f"{'shape':<10} {'T':>6} {'path':<10} {'ms':>10} {'TFLOP/s':>8} {'peak GB':>8} "
+              f"{'min GB':>7} {'err':>8}  note")
+    lines = [header, "-" * len(header)]
+    for p in points:
+        ms = f"{p.ms:10.3f}" if p.ms is not None else f"{'-':>10}"
+        rate = f"{p.tflops:8.1f}" if p.tflops is not None else f"{'-':>8}"
+        peak = f"{p.peak_gb:8.2f}" if p.peak_gb is not None else f"{'-':>8}"
+        err = f"{p.err:8.1e}" if p.err is not None else f"{'-':>8}"
+        lines.append(f"{p.shape:<10} {p.tokens:>6} {p.path:<10} {ms} {rate} {peak} "
+                     f"{p.min_gb:7.2f} {err}  {p.note}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    points_planned = [(s, t, p) for s in args.shapes for t in args.tokens for p in args.paths]
+    if args.dry_run:
+        for shape, tokens, path in points_planned:
+            hidden, inter, top_k, experts = SHAPES[shape]
+            print(f"{shape} (H={hidden} I={inter} K={top_k} E={experts}) T={tokens} {path}")
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: moe.bench_experts needs a CUDA GPU (none visible to torch); for a CPU smoke "
+              "run use TRITON_INTERPRET=1 ... --device cpu --shapes tiny", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    done = [0]
+    points: list[Point] = []
+    with torch.inference_mode():
+        for shape in args.shapes:
+            points += bench_shape(shape, args, device, len(points_planned), done)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    table = format_table(points)
+    on_gpu = device.type == "cuda"
+    record = {
+        "bench": "experts",
+        "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "dtype": "bf16" if on_gpu else "fp16",
+        "points": [asdict(p) for p in points],
+    }
+    if "triton" in args.paths and device.type == "cuda":
+        from moe.kernels.fused_moe import tuned_configs
+
+        record["triton_configs"] = tuned_configs()
+    print(table)
+    print(json.dumps(record))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "experts.txt").write_text(table + "\n")
+        (args.out / "experts.json").write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

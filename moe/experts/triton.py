@@ -1,0 +1,80 @@
+"""`TritonExperts`: the fused MoE Triton kernel (`moe.kernels.fused_moe`) as an expert path.
+
+Shape legend: N rows (tokens), K top-k, E local experts, H hidden, I intermediate.
+
+Triton is imported lazily, on the first `apply`, so that importing `moe` never needs it and
+so that TRITON_INTERPRET (read by Triton when the kernel is defined) is settled by then.
+On CPU the kernel runs only under TRITON_INTERPRET=1 (tests at small shapes).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from moe.experts.base import Experts
+from moe.workspace import Workspace
+
+__all__ = ["TritonExperts"]
+
+_INSTALL_HINT = "pip install triton"
+
+
+class TritonExperts(Experts):
+    """Align rows by expert, then two grouped Triton GEMMs (SiLU-gate and routing weight
+    fused into their epilogues) and a deterministic fp32 sum over k."""
+
+    name: ClassVar[str] = "triton"
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+        """CUDA with triton installed, or CPU with TRITON_INTERPRET=1 (tests)."""
+        device = torch.device(device)
+        if importlib.util.find_spec("triton") is None:
+            return False, f"triton is not installed: {_INSTALL_HINT}"
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                return False, "CUDA is not available in this torch build or machine"
+            return True, ""
+        if device.type == "cpu":
+            kernels = sys.modules.get("moe.kernels.fused_moe")
+            if kernels is not None and not _is_interpreted(kernels.fused_moe_kernel):
+                return False, (
+                    "moe.kernels.fused_moe was imported before TRITON_INTERPRET=1 was set, so "
+                    "its kernel is compiled for the GPU: set it before the first import"
+                )
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                return True, ""
+            return False, (
+                "the Triton experts need a CUDA device; on CPU they run only under the "
+                "interpreter (set TRITON_INTERPRET=1 before importing the kernel, for tests; "
+                f"{_INSTALL_HINT})"
+            )
+        return False, f"device type {device.type!r} is not supported: use CUDA ({_INSTALL_HINT})"
+
+    def apply(
+        self,
+        x_NH: Tensor,
+        w13_EIH: Tensor,
+        w2_EHI: Tensor,
+        topk_ids_NK: Tensor,
+        topk_weights_NK: Tensor,
+        *,
+        workspace: Workspace | None = None,
+    ) -> Tensor:
+        """See `Experts.apply`. Routing, the [N*K, I] activation and the [N*K, H] weighted
+        rows come from ``workspace`` when given; ids are not range-checked (no host sync)."""
+        from moe.kernels.fused_moe import fused_moe  # lazy: imports triton
+
+        return fused_moe(
+            x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, workspace=workspace
+        )
+
+
+def _is_interpreted(kernel: object) -> bool:
+    """Whether Triton defined `kernel` under TRITON_INTERPRET=1."""
+    return type(kernel).__name__ == "InterpretedFunction"

@@ -1,0 +1,340 @@
+"""Fused MoE expert GEMMs in Triton: gathered rows x per-expert weights, per row block.
+
+One kernel serves both GEMMs of an expert MLP; constexpr flags pick the epilogue:
+
+    GEMM1 (GATED):             act[r]  = silu(x[r // K] @ gate_e^T) * (x[r // K] @ up_e^T)
+    GEMM2 (MUL_ROUTED_WEIGHT): y[r]    = topk_weight[r] * (act[r] @ w2_e^T)
+    then                       out[n]  = sum_k y[n*K + k]      (torch, fp32 accumulation)
+
+where r = n*K + k is a flat routed row and e = topk_ids[n, k]. Rows are visited in the
+expert-sorted, BLOCK_M-padded order from `moe.kernels.align`, so each program multiplies
+BLOCK_M rows of one expert by a BLOCK_N slice of that expert's weights. Every output row is
+written by exactly one program and the k-sum is a plain reduction: the result is
+deterministic (no atomics).
+
+Legend (host side): N tokens, K top-k, H hidden, I intermediate, E local experts,
+R = N*K routed rows, P padded rows. Inside the kernel M/N/K are the GEMM's own sizes.
+
+Import this module only after TRITON_INTERPRET is settled: Triton reads it when the kernel
+is defined. Nothing is compiled or launched at import.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from moe.experts.base import check_expert_inputs
+from moe.kernels.align import AlignedRouting, align_routing
+from moe.workspace import Workspace, empty_from
+
+# Fixed tile for CPU tensors (the interpreter): autotuning there would take minutes.
+_INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
+_SMEM_BYTES = 220 * 1024  # H100/H200 allow 227 KiB per block; keep a margin.
+
+
+@triton.jit
+def fused_moe_kernel(
+    # Pointers
+    a_ptr,  # A rows: x [N_tok, K] (GEMM1, gathered) or act [R, K] (GEMM2)
+    b_ptr,  # expert weights [E, rows, K]: w13 [E, 2N, K] (GATED) or w2 [E, N, K]
+    c_ptr,  # output [R, N], row = flat routed id
+    topk_weights_ptr,  # float32 [R]; read only when MUL_ROUTED_WEIGHT
+    # Routing from moe.kernels.align
+    sorted_ids_ptr,  # int32 [P]: flat routed id per row, `num_routed` = padding
+    block_expert_ids_ptr,  # int32 [P // BLOCK_M]: expert per row block, -1 = dropped/idle
+    num_padded_rows_ptr,  # int32 [1]: rows in use; later blocks return at once
+    # GEMM sizes: C[R, N] = A[R, K] @ B_e[N, K]^T
+    N,
+    K,
+    num_routed,  # R, also the padding sentinel
+    max_padded_rows,  # P, the launch bound (a multiple of BLOCK_M)
+    # Strides
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    # Epilogue / addressing switches
+    A_ROWS_DIV: tl.constexpr,  # A row = routed id // A_ROWS_DIV (top-k for x, 1 for act)
+    GATED: tl.constexpr,  # B holds gate rows [0, N) then up rows [N, 2N): silu(g) * u
+    MUL_ROUTED_WEIGHT: tl.constexpr,  # scale each row by its routing weight
+    ZERO_DROPPED: tl.constexpr,  # write zero rows for blocks of expert -1
+    # Tiles
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,  # M blocks per group, so neighbours reuse a weight tile in L2
+    INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 inputs: "ieee" or "tf32"
+):
+    """One [BLOCK_M, BLOCK_N] tile: C[r, n] = epilogue(sum_k A[r // A_ROWS_DIV, k] * B[e, n, k])
+    for the BLOCK_M routed rows r of one expert-e block (GATED: B rows n and N + n).
+
+    Shapes: A [*, K], B [E, N or 2N, K], C [R, N], topk weights [R] fp32; the 1-D grid is
+    cdiv(P, BLOCK_M) * cdiv(N, BLOCK_N) programs in grouped order. Accumulates in fp32.
+    """
+    # Grouped ordering: walk GROUP_M row blocks down one column of tiles before moving on.
+    pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(max_padded_rows, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    # The grid is sized for the worst case; the true row count is only known on device.
+    if pid_m * BLOCK_M >= tl.load(num_padded_rows_ptr):
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ids = tl.load(sorted_ids_ptr + offs_m)
+    row_mask = row_ids < num_routed
+    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + row_ids.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    c_mask = row_mask[:, None] & (offs_cn[None, :] < N)
+
+    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        # Rows routed to other ranks: no math; zeros keep the k-sum free of a memset.
+        if ZERO_DROPPED:
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
+            tl.store(c_ptrs, zeros, mask=c_mask)
+        return
+
+    # Weight columns wrap around N so loads stay in bounds; the store mask drops them.
+    offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = (row_ids // A_ROWS_DIV).to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_bn[None, :] * stride_bn + offs_k[:, None] * stride_bk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        up_ptrs = b_ptrs + N * stride_bn
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if GATED:
+            up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
+            acc_up = tl.dot(a, up, acc_up, input_precision=INPUT_PRECISION)
+            up_ptrs += BLOCK_K * stride_bk
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_ROUTED_WEIGHT:
+        weight = tl.load(topk_weights_ptr + row_ids, mask=row_mask, other=0.0)
+        acc = acc * weight[:, None]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+# (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per regime. Few rows per block
+# (decode) is weight-bandwidth bound: wide loads, 4 warps, deep pipelines. Full blocks are
+# tensor-core bound: 8 warps (two warpgroups) and large output tiles.
+_SMALL_M_TILES = ((64, 64, 8, 4, 4), (64, 128, 8, 4, 4), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3))
+_LARGE_M_TILES = (
+    (64, 64, 8, 4, 4),
+    (64, 64, 8, 8, 4),  # GATED: two 128x64 accumulators fit 8 warps without spilling
+    (64, 128, 8, 8, 3),
+    (128, 64, 8, 8, 3),
+    (128, 128, 8, 8, 3),
+    (256, 64, 8, 8, 3),
+)
+
+
+def autotune_configs(block_m: int | None = None) -> list[triton.Config]:
+    """GPU tile candidates for `block_m` (BLOCK_M is picked by the host from the row
+    count); all regimes when None. `_prune_configs` then drops the ones that do not fit
+    the GEMM, the shared memory or the register file, before anything compiles."""
+    if block_m is None:
+        tiles = dict.fromkeys(_SMALL_M_TILES + _LARGE_M_TILES)
+    else:
+        tiles = _SMALL_M_TILES if block_m <= 32 else _LARGE_M_TILES
+    return [
+        triton.Config(
+            {"BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m},
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        for block_n, block_k, group_m, num_warps, num_stages in tiles
+    ]
+
+
+def _prune_configs(
+    configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any
+) -> list[triton.Config]:
+    """Keep the configs of this BLOCK_M regime whose tiles fit the GEMM, the shared memory
+    (pipeline stages of A and B tiles) and the registers (fp32 accumulators)."""
+    block_m = kwargs["BLOCK_M"]
+    regime = set(map(str, autotune_configs(block_m)))
+    num_b = 2 if kwargs["GATED"] else 1
+    elem = named_args["a_ptr"].element_size()
+    n, k = named_args["N"], named_args["K"]
+    kept = []
+    for config in configs:
+        block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+        if str(config) not in regime:
+            continue
+        if block_n > max(16, triton.next_power_of_2(n)):
+            continue
+        if block_k > max(16, triton.next_power_of_2(k)):
+            continue
+        smem = config.num_stages * (block_m * block_k + num_b * block_n * block_k) * elem
+        acc_regs = num_b * block_m * block_n // (config.num_warps * 32)
+        if smem <= _SMEM_BYTES and acc_regs <= 128:
+            kept.append(config)
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+
+
+@functools.cache
+def _tuned_kernel() -> Any:
+    """The autotuned kernel, built on first GPU use (the interpreter never needs it)."""
+    return triton.autotune(
+        configs=autotune_configs(),
+        key=["N", "K", "BLOCK_M", "GATED"],
+        prune_configs_by={"early_config_prune": _prune_configs},
+    )(fused_moe_kernel)
+
+
+def tuned_configs() -> dict[str, str]:
+    """The autotuner's picks so far: tuning key (N, K, BLOCK_M, GATED, dtypes) -> config."""
+    return {str(key): str(config) for key, config in _tuned_kernel().cache.items()}
+
+
+def choose_block_m(num_routed: int, num_experts: int) -> int:
+    """BLOCK_M from the mean rows per expert: small blocks waste less padding at decode.
+
+    Blocks are at most about half the mean segment, so padding stays under ~25% of rows.
+    """
+    rows_per_expert = num_routed / max(num_experts, 1)
+    for block_m, limit in ((16, 32), (32, 96), (64, 256)):
+        if rows_per_expert < limit:
+            return block_m
+    return 128
+
+
+def fused_moe(
+    x_NH: torch.Tensor,
+    w13_EIH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    topk_ids_NK: torch.Tensor,
+    topk_weights_NK: torch.Tensor,
+    *,
+    workspace: Workspace | None = None,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """Routed expert MLPs: out[n] = sum_k w[n,k] * W2_e(silu(gate_e x[n]) * up_e x[n]).
+
+    Args:
+        x_NH: [N, H] activations, bf16/fp16/fp32, last dim contiguous.
+        w13_EIH: [E, 2I, H] gate rows then up rows, x's dtype, last dim contiguous.
+        w2_EHI: [E, H, I], x's dtype, last dim contiguous.
+        topk_ids_NK: int64 [N, K] local expert ids in [0, E) or -1 (no contribution); not
+            range-checked (that would sync).
+        topk_weights_NK: float32 [N, K] routing weights.
+        workspace: source of the intermediates (routing, [R, I] activation, [R, H] rows);
+            fresh allocations when None. The returned tensor is always a fresh allocation.
+        block_m: rows per block; `choose_block_m` when None (tests pin it).
+
+    Returns:
+        [N, H] in x's dtype on x's device, valid on the current stream. GEMMs accumulate in
+        fp32; each weighted row is rounded to x's dtype once and the k-sum accumulates in
+        fp32. fp32 inputs use TF32 tensor cores on the GPU only when
+        `torch.backends.cuda.matmul.allow_tf32` is set, like torch's own matmul.
+    """
+    _check(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK)
+    num_tokens, hidden = x_NH.shape
+    num_experts, two_inter, _ = w13_EIH.shape
+    inter = two_inter // 2
+    top_k = topk_ids_NK.shape[1]
+    num_routed = num_tokens * top_k
+    device, dtype = x_NH.device, x_NH.dtype
+    if num_routed == 0:
+        return torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
+
+    block_m = block_m or choose_block_m(num_routed, num_experts)
+    routing = align_routing(topk_ids_NK, num_experts, block_m, workspace=workspace)
+    act_RI = empty_from(workspace, "triton.act", (num_routed, inter), dtype, device)
+    y_RH = empty_from(workspace, "triton.rows", (num_routed, hidden), dtype, device)
+    weights_R = topk_weights_NK.reshape(-1)
+
+    _launch(x_NH, w13_EIH, act_RI, None, routing, n=inter, k=hidden, a_rows_div=top_k, gated=True)
+    _launch(act_RI, w2_EHI, y_RH, weights_R, routing, n=hidden, k=inter, a_rows_div=1, gated=False)
+
+    out_NH = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
+    # Reduced-precision sums accumulate in fp32 inside torch's reduction kernels.
+    torch.sum(y_RH.view(num_tokens, top_k, hidden), dim=1, out=out_NH)
+    return out_NH
+
+
+def _launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    weights_R: torch.Tensor | None,
+    routing: AlignedRouting,
+    *,
+    n: int,
+    k: int,
+    a_rows_div: int,
+    gated: bool,
+) -> None:
+    """Queue one GEMM of the pair on the current stream."""
+    max_rows = routing.sorted_ids_P.numel()
+    block_m = routing.block_m
+    final = weights_R is not None
+    ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    args = (
+        a, b, c, weights_R if final else c,  # the pointer is unused when not final
+        routing.sorted_ids_P, routing.block_expert_ids_B, routing.num_padded_rows,
+        n, k, routing.num_routed, max_rows,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+    )
+    flags = {
+        "A_ROWS_DIV": a_rows_div,
+        "GATED": gated,
+        "MUL_ROUTED_WEIGHT": final,
+        "ZERO_DROPPED": final,
+        "BLOCK_M": block_m,
+        # Follow torch's matmul: exact fp32 unless the user allowed TF32 (16-bit: unused).
+        "INPUT_PRECISION": "ieee" if ieee else "tf32",
+    }
+    if a.device.type == "cpu":  # TRITON_INTERPRET=1
+        meta = _INTERPRETER_CONFIG
+        grid = (triton.cdiv(max_rows, block_m) * triton.cdiv(n, meta["BLOCK_N"]),)
+        fused_moe_kernel[grid](*args, **flags, **meta)
+        return
+
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        return (triton.cdiv(max_rows, block_m) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _tuned_kernel()[grid](*args, **flags)
+
+
+def _check(
+    x_NH: torch.Tensor,
+    w13_EIH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    topk_ids_NK: torch.Tensor,
+    topk_weights_NK: torch.Tensor,
+) -> None:
+    """The `Experts.apply` contract, plus unit-stride last dims: other strides would be
+    correct but silently slow (the tiles are loaded along the last dim)."""
+    check_expert_inputs(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK)
+    for name, t in (("x", x_NH), ("w13", w13_EIH), ("w2", w2_EHI)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(
+                f"fused_moe: {name} has strides {t.stride()}: the last dim must be contiguous "
+                f"(call .contiguous())."
+            )

@@ -1,0 +1,334 @@
+"""Triton fused-MoE experts (layer 3: the Triton interpreter on CPU; GPU-marked on CUDA).
+
+`moe.kernels.align` on its own, then `TritonExperts` against `ReferenceExperts` (per-expert
+float32 loop) over the edge cases: experts with no rows, N = 0 / 1, top-k 1 and 8, 1 to 64
+local experts, ids -1, odd hidden sizes, several blocks per expert, fp32 / fp16 / bf16 (the
+interpreter needs a patched tl.dot for bf16, see `bf16_dot_in_interpreter`). Without CUDA,
+tests/conftest.py sets TRITON_INTERPRET=1 before anything imports a kernel, and shapes stay
+tiny; `test_gpu_shapes` runs the compiled, autotuned kernels on CUDA.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe.experts.reference import ReferenceExperts
+from moe.experts.triton import TritonExperts
+from moe.kernels.align import align_routing, max_padded_rows
+from moe.workspace import Workspace
+
+pytestmark = pytest.mark.triton
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# Tolerances against the float32 reference. fp32: only the summation order differs.
+# fp16: the kernel rounds the [N*K, I] activation and each weighted [N*K, H] row to fp16
+# (2^-11 relative each) where the reference stays in fp32, plus the final rounding.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+    torch.bfloat16: dict(atol=4e-2, rtol=4e-2),  # 8-bit mantissa: 2^-8 per rounding
+}
+
+
+@pytest.fixture(autouse=True)
+def _needs_triton() -> None:
+    ok, reason = TritonExperts.is_available(DEVICE)
+    if not ok:
+        pytest.skip(reason)
+
+
+def make_problem(
+    num_tokens: int,
+    hidden: int,
+    inter: int,
+    num_experts: int,
+    top_k: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    drop_frac: float = 0.0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """x, w13, w2, ids, weights scaled so outputs are O(1); ids distinct per token."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    ids = scores.topk(min(top_k, num_experts), dim=1).indices
+    if top_k > num_experts:  # allow repeats when K > E (still a valid routing)
+        ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)
+    drop = torch.rand(num_tokens, top_k, generator=gen) < drop_frac
+    ids = ids.masked_fill(drop, -1)
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    tensors = (x.to(dtype), w13.to(dtype), w2.to(dtype))
+    return tuple(t.to(DEVICE) for t in (*tensors, ids, weights))
+
+
+def check_against_reference(
+    *problem: torch.Tensor, workspace: Workspace | None = None
+) -> torch.Tensor:
+    out = TritonExperts().apply(*problem, workspace=workspace)
+    ref = ReferenceExperts().apply(*problem)
+    x = problem[0]
+    assert out.shape == x.shape and out.dtype == x.dtype and out.device == x.device
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[x.dtype])
+    return out
+
+
+# --------------------------------------------------------------------------------- align
+
+
+@pytest.mark.parametrize(
+    "num_tokens, top_k, num_experts, block_m, drop_frac",
+    [
+        (1, 1, 1, 16, 0.0),
+        (7, 2, 64, 16, 0.0),  # most experts empty
+        (40, 1, 1, 16, 0.0),  # one expert, three blocks
+        (33, 8, 8, 32, 0.25),  # ids -1 in the mix
+        (20, 4, 5, 16, 1.0),  # everything dropped
+        (50, 3, 4, 64, 0.1),
+    ],
+)
+def test_align_layout(
+    num_tokens: int, top_k: int, num_experts: int, block_m: int, drop_frac: float
+) -> None:
+    gen = torch.Generator().manual_seed(num_tokens * 31 + top_k)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)
+    ids = ids.masked_fill(torch.rand(num_tokens, top_k, generator=gen) < drop_frac, -1)
+    routing = align_routing(ids.to(DEVICE), num_experts, block_m)
+
+    num_routed = num_tokens * top_k
+    sorted_ids = routing.sorted_ids_P.cpu().long()
+    block_experts = routing.block_expert_ids_B.cpu().long()
+    used = int(routing.num_padded_rows.item())
+    assert routing.num_routed == num_routed and routing.block_m == block_m
+    assert sorted_ids.numel() == max_padded_rows(num_routed, num_experts, block_m)
+    assert sorted_ids.numel() % block_m == 0
+    assert block_experts.numel() == sorted_ids.numel() // block_m
+    assert used % block_m == 0 and used <= sorted_ids.numel()
+    assert (sorted_ids[used:] == num_routed).all(), "rows past the used range are padding"
+    assert (block_experts[used // block_m :] == -1).all(), "idle blocks carry expert -1"
+
+    # Every (token, k) appears exactly once, in a block of its expert (-1: dropped block).
+    real = sorted_ids[:used] < num_routed
+    assert sorted(sorted_ids[:used][real].tolist()) == list(range(num_routed))
+    row_expert = block_experts[:used // block_m].repeat_interleave(block_m)
+    flat_ids = ids.reshape(-1)
+    assert torch.equal(row_expert[real], flat_ids[sorted_ids[:used][real]])
+
+    # Segments: experts ascending, dropped last, each padded to a multiple of BLOCK_M with
+    # the fewest blocks; token order kept inside a segment.
+    blocks = block_experts[: used // block_m]
+    segment_order = torch.where(blocks < 0, num_experts, blocks)
+    assert torch.equal(segment_order, segment_order.sort().values)
+    for expert in range(-1, num_experts):
+        count = int((flat_ids == expert).sum())
+        assert int((blocks == expert).sum()) == -(-count // block_m)
+        rows = sorted_ids[:used][real & (row_expert == expert)]
+        assert torch.equal(rows, rows.sort().values)
+
+
+def test_align_empty_and_workspace() -> None:
+    routing = align_routing(torch.empty(0, 4, dtype=torch.int64, device=DEVICE), 8, 16)
+    assert routing.sorted_ids_P.numel() == 0 and int(routing.num_padded_rows.item()) == 0
+
+    ws = Workspace()
+    ids = torch.tensor([[2, 0], [1, -1], [2, 2]], device=DEVICE)
+    first = align_routing(ids, 3, 16, workspace=ws)
+    again = align_routing(ids[:2], 3, 16, workspace=ws)
+    assert ws.num_allocations == 2, "sorted ids + block experts, reused by the smaller call"
+    assert again.sorted_ids_P.data_ptr() == first.sorted_ids_P.data_ptr()
+    num_blocks = int(again.num_padded_rows.item()) // 16
+    assert again.block_expert_ids_B[:num_blocks].tolist() == [0, 1, 2, -1]
+
+
+def test_align_rejects_bad_block_m() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        align_routing(torch.zeros(2, 1, dtype=torch.int64), 1, 24)
+
+
+# ----------------------------------------------------------------------- experts vs ref
+
+
+@pytest.mark.parametrize(
+    "num_tokens, hidden, inter, num_experts, top_k, drop_frac",
+    [
+        (1, 16, 8, 1, 1, 0.0),  # T = 1, one expert
+        (1, 24, 8, 64, 8, 0.0),  # T = 1, top-8 of 64: 56 experts without rows
+        (3, 16, 8, 8, 1, 0.0),  # most experts empty
+        (12, 33, 20, 64, 8, 0.0),  # odd hidden, I not a multiple of the tile
+        (40, 24, 8, 4, 8, 0.0),  # top-k 8 with repeats (K > E)
+        (40, 16, 20, 1, 1, 0.0),  # one expert, several blocks
+        (25, 33, 8, 6, 2, 0.4),  # ids -1 mixed in
+        (36, 33, 20, 16, 8, 0.3),  # all of it at once
+    ],
+)
+def test_matches_reference_fp32(
+    num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, drop_frac: float
+) -> None:
+    check_against_reference(
+        *make_problem(num_tokens, hidden, inter, num_experts, top_k, drop_frac=drop_frac)
+    )
+
+
+@pytest.mark.parametrize(
+    "num_tokens, hidden, inter, num_experts, top_k", [(9, 33, 20, 3, 2), (16, 16, 8, 16, 8)]
+)
+def test_matches_reference_fp16(
+    num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int
+) -> None:
+    problem = make_problem(
+        num_tokens, hidden, inter, num_experts, top_k, dtype=torch.float16, drop_frac=0.2
+    )
+    check_against_reference(*problem)
+
+
+def test_dropped_rows_are_zero() -> None:
+    x, w13, w2, ids, weights = make_problem(6, 16, 8, 4, 2)
+    ids[1] = -1
+    ids[4, 0] = -1
+    out = check_against_reference(x, w13, w2, ids, weights)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+    ids.fill_(-1)
+    out = TritonExperts().apply(x, w13, w2, ids, weights)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_zero_tokens() -> None:
+    x, w13, w2, ids, weights = make_problem(0, 16, 8, 4, 2)
+    out = TritonExperts().apply(x, w13, w2, ids, weights)
+    assert out.shape == (0, 16) and out.dtype == x.dtype
+
+
+def test_block_sizes_and_determinism() -> None:
+    from moe.kernels.fused_moe import choose_block_m, fused_moe
+
+    assert [choose_block_m(r, 8) for r in (64, 512, 1024, 16384)] == [16, 32, 64, 128]
+    problem = make_problem(30, 24, 8, 2, 2, drop_frac=0.1)
+    ref = ReferenceExperts().apply(*problem)
+    outs = [fused_moe(*problem, block_m=block_m) for block_m in (16, 32, 16)]
+    for out in outs:
+        torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
+    assert torch.equal(outs[0], outs[2]), "same inputs and tiles give bitwise equal output"
+
+
+def test_workspace_reuse() -> None:
+    ws = Workspace()
+    big = make_problem(20, 16, 8, 3, 2, seed=1)
+    small = make_problem(7, 16, 8, 3, 2, seed=2, drop_frac=0.3)
+    check_against_reference(*big, workspace=ws)
+    num_allocations = ws.num_allocations
+    out_small = check_against_reference(*small, workspace=ws)
+    out_big = check_against_reference(*big, workspace=ws)
+    assert ws.num_allocations == num_allocations, "a smaller or equal call must not grow it"
+    assert out_small.data_ptr() != out_big.data_ptr(), "outputs are fresh, never workspace"
+
+
+def test_rejects_bad_inputs() -> None:
+    x, w13, w2, ids, weights = make_problem(4, 16, 8, 2, 1)
+    with pytest.raises(TypeError, match="dtype"):
+        TritonExperts().apply(x.half(), w13, w2, ids, weights)
+    with pytest.raises(ValueError, match="contiguous"):
+        TritonExperts().apply(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, ids, weights)
+    with pytest.raises(ValueError, match="w2"):
+        TritonExperts().apply(x, w13, w2[:, :, :4], ids, weights)
+
+
+def test_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert TritonExperts.name == "triton"
+    if DEVICE.type == "cpu":
+        assert TritonExperts.is_available(DEVICE) == (True, "")
+        monkeypatch.delenv("TRITON_INTERPRET")
+        ok, reason = TritonExperts.is_available(torch.device("cpu"))
+        assert not ok and "TRITON_INTERPRET" in reason and "pip install triton" in reason
+    else:
+        assert TritonExperts.is_available(DEVICE) == (True, "")
+    ok, reason = TritonExperts.is_available(torch.device("meta"))
+    assert not ok and "pip install triton" in reason
+
+
+@pytest.fixture
+def bf16_dot_in_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let bf16 run under the interpreter: it stores bf16 as uint16 and its tl.dot multiplies
+    the bit patterns (triton-lang/triton#11584, "not supported yet"). Widening the operands
+    to fp32 there is exact, so the rest of the bf16 path (loads, casts, stores) is tested."""
+    if DEVICE.type != "cpu":
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    create_dot = getattr(builder, "create_dot", None)
+    if create_dot is None or not hasattr(interpreter, "TensorHandle"):
+        pytest.skip("Triton interpreter internals changed; bf16 is covered by test_gpu_shapes")
+
+    def widen(handle: interpreter.TensorHandle) -> interpreter.TensorHandle:
+        if handle.dtype != tl.bfloat16:
+            return handle
+        bits = handle.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def patched(self: object, a: object, b: object, d: object, *args: object) -> object:
+        return create_dot(self, widen(a), widen(b), d, *args)
+
+    monkeypatch.setattr(builder, "create_dot", patched)
+
+
+@pytest.mark.usefixtures("bf16_dot_in_interpreter")
+@pytest.mark.parametrize("num_tokens, hidden, inter, num_experts, top_k", [(11, 33, 20, 4, 2)])
+def test_matches_reference_bf16(
+    num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int
+) -> None:
+    problem = make_problem(
+        num_tokens, hidden, inter, num_experts, top_k, dtype=torch.bfloat16, drop_frac=0.2
+    )
+    check_against_reference(*problem)
+
+
+def test_bench_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    """The benchmark's CPU side: planning, the no-CUDA exit, and a tiny interpreted run."""
+    import json
+
+    from moe import bench_experts
+
+    argv = ["--dry-run", "--shapes", "ds-e8,qwen-e128", "--tokens", "64,4096"]
+    assert bench_experts.main(argv) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2 * 2 * len(bench_experts.PATHS)
+    if not torch.cuda.is_available():
+        assert bench_experts.main(["--shapes", "tiny", "--tokens", "4"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    if DEVICE.type == "cpu":
+        argv = ["--device", "cpu", "--shapes", "tiny", "--tokens", "5"]
+        argv += ["--paths", "triton,reference"]
+        assert bench_experts.main(argv) == 0
+        record = json.loads(capsys.readouterr().out.splitlines()[-1])
+        triton_point = next(p for p in record["points"] if p["path"] == "triton")
+        assert triton_point["err"] < 1e-2 and triton_point["tokens"] == 5
+
+
+_BF16 = torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype, num_tokens, hidden, inter, num_experts, top_k",
+    [
+        (_BF16, 1, 256, 128, 16, 8),  # decode: BLOCK_M 16
+        (_BF16, 300, 512, 256, 16, 8),  # BLOCK_M 64
+        (_BF16, 2048, 1024, 384, 64, 8),  # BLOCK_M 128
+        (_BF16, 513, 200, 72, 5, 2),  # sizes not multiples of 16: masked, unpipelined loads
+        (torch.float16, 300, 512, 256, 16, 8),
+        (torch.float32, 300, 512, 256, 16, 8),  # exact fp32 (allow_tf32 is off by default)
+    ],
+)
+def test_gpu_shapes(
+    dtype: torch.dtype, num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int
+) -> None:
+    """Compiled, autotuned kernels on CUDA (the first run compiles ~60 configs: minutes)."""
+    problem = make_problem(
+        num_tokens, hidden, inter, num_experts, top_k, dtype=dtype, drop_frac=0.1
+    )
+    check_against_reference(*problem)
