@@ -36,10 +36,19 @@ class Capture:
 
 
 def capture(step_fn: Callable[[], Any], out_dir: str | Path, *, steps: int = 1,
-            name: str = "trace", title: Optional[str] = None) -> Capture:
-    """Run `step_fn` `steps` times under the profiler; write trace, analysis, timeline."""
+            name: str = "trace", title: Optional[str] = None,
+            keep: bool = True) -> Optional[Capture]:
+    """Run `step_fn` `steps` times under the profiler; write trace, analysis, timeline.
+
+    `keep=False` runs the same steps without profiling and writes nothing (returns None):
+    for ranks whose trace is not wanted but whose collectives must still match.
+    """
     if steps < 1:
         raise ValueError(f"steps={steps}: capture at least one step")
+    if not keep:
+        for _ in range(steps):
+            step_fn()
+        return None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU]

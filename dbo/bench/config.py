@@ -95,6 +95,9 @@ class BenchConfig:
     """Write the PNG (needs matplotlib)."""
     progress: bool = True
     """Show a progress bar on stderr (rank 0)."""
+    trace: bool = False
+    """Also capture one DBO-off and one DBO-on step per point under torch.profiler into
+    <out>/traces/ (rank 0's Chrome trace, analysis JSON and timeline PNG)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

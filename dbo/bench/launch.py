@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="dbo_out/bench", help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--trace", action="store_true",
+                   help="capture one DBO-off and one DBO-on step per point (torch.profiler) "
+                        "into <out>/traces/")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -118,7 +121,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
         min_gain=args.min_gain, gate_min_tokens=args.gate_min_tokens, device=device,
         regime=regime_label(device, p2p_disabled=p2p_disabled), out_dir=args.out,
-        seed=args.seed, plot=not args.no_plot, progress=not args.no_progress)
+        seed=args.seed, plot=not args.no_plot, progress=not args.no_progress,
+        trace=args.trace)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -31,6 +32,7 @@ from dbo.bench.config import BenchConfig
 from dbo.bench.gating import GatePolicy
 from dbo.bench.timing import Timing, time_steps
 from dbo.bench.workload import WorkloadFactory
+from dbo.capture import capture
 
 PROBE_SKIPPED_CPU = ("skipped on CPU: gloo runs each collective synchronously on the "
                      "calling thread, there are no streams to overlap")
@@ -132,11 +134,13 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
     progress.step(f"{backend} T={tokens}/rank: DBO off" + (" + ceiling probe" if on_gpu else ""))
     off = factory.get(tokens=tokens, backend=backend, dbo=False)
     t_off = time_steps(off.step, **timing)
+    _maybe_trace(cfg, factory, off.step, f"{backend}_T{tokens}_dbo-off")
     ceiling = probe_ceiling(off, **timing) if on_gpu else None
     del off  # a2a_ll's DBO-on model differs: let the factory free this one first
     progress.step(f"{backend} T={tokens}/rank: DBO on")
     on = factory.get(tokens=tokens, backend=backend, dbo=True)
     t_on = time_steps(on.step, **timing)
+    _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
     decision = gate.decide(tokens_per_rank=tokens,
                            ceiling=None if ceiling is None else ceiling.ceiling,
                            no_probe_reason="probe skipped on CPU")
@@ -144,6 +148,15 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                       t_off=t_off, t_on=t_on, ceiling=ceiling, split=on.was_split,
                       split_reason=on.split_reason, use_dbo=decision.use_dbo,
                       gate_reason=decision.reason)
+
+
+def _maybe_trace(cfg: BenchConfig, factory: WorkloadFactory, step: Any, name: str) -> None:
+    """With --trace: one step under torch.profiler on every rank (the step's collectives
+    must match), rank 0's trace kept under <out>/traces/."""
+    if not cfg.trace:
+        return
+    out = Path(cfg.out_dir) / "traces"
+    capture(step, out, name=name, title=f"dbo bench {name}", keep=factory.rank == 0)
 
 
 def make_point(cfg: BenchConfig, *, backend: str, tokens: int, world_size: int, t_off: Timing,
