@@ -120,15 +120,18 @@ class UBatchScheduler:
         """Hand control to the other ubatch; return when this one is resumed.
 
         A no-op when the other ubatch has finished, or while unwinding after a failure
-        (so cleanup code runs straight through).
+        (so cleanup code runs straight through). This is the hot path of every hand-off:
+        it is written flat on purpose.
         """
         if self._aborting:
             return
-        ub = self._running
-        other = self.other(ub)
-        if other is None or other.done:
+        ubatches = self._ubatches
+        if len(ubatches) < 2:
             return
-        self._switch(ub, other)
+        ub = self._running
+        other = ubatches[1 - ub.ubatch_id]
+        if not other.done:
+            self._switch(ub, other)
 
     def set_stream(self, ub: UBatch, stream: Any) -> None:
         ub.stream = stream

@@ -70,12 +70,13 @@ def dbo_yield_and_switch_from_compute_to_comm() -> None:
     if s is None:
         return
     ub, streams = s._running, s._streams
-    _expect_stream(ub.stream, streams.compute, "dbo_yield_and_switch_from_compute_to_comm",
-                   "compute")
+    if ub.stream is not streams.compute:
+        _wrong_stream(ub.stream, "dbo_yield_and_switch_from_compute_to_comm", "compute")
     event = streams.compute_done[ub.ubatch_id]
     event.record(streams.compute)
     s.yield_()
-    s.set_stream(ub, streams.comm)
+    ub.stream = streams.comm  # inline set_stream: this is the per-hand-off hot path
+    streams.current.set(streams.comm)
     streams.comm.wait_event(event)
 
 
@@ -85,12 +86,13 @@ def dbo_yield_and_switch_from_comm_to_compute() -> None:
     if s is None:
         return
     ub, streams = s._running, s._streams
-    _expect_stream(ub.stream, streams.comm, "dbo_yield_and_switch_from_comm_to_compute",
-                   "comm")
+    if ub.stream is not streams.comm:
+        _wrong_stream(ub.stream, "dbo_yield_and_switch_from_comm_to_compute", "comm")
     event = streams.comm_done[ub.ubatch_id]
     event.record(streams.comm)
     s.yield_()
-    s.set_stream(ub, streams.compute)
+    ub.stream = streams.compute
+    streams.current.set(streams.compute)
     streams.compute.wait_event(event)
 
 
@@ -218,5 +220,9 @@ def dbo_get_previous_event(fn: Callable[..., Any], *args: Any) -> Any:
 
 def _expect_stream(actual: Any, expected: Any, call: str, name: str) -> None:
     if actual is not expected:  # a caller's bug: fail loudly rather than mis-order
-        raise RuntimeError(f"{call}() must be called on the {name} stream, but this ubatch "
-                           f"is on {actual!r}: check the order of the switch calls")
+        _wrong_stream(actual, call, name)
+
+
+def _wrong_stream(actual: Any, call: str, name: str) -> None:
+    raise RuntimeError(f"{call}() must be called on the {name} stream, but this ubatch "
+                       f"is on {actual!r}: check the order of the switch calls")
