@@ -36,7 +36,7 @@ from dbo.capture import capture
 
 PROBE_SKIPPED_CPU = ("skipped on CPU: gloo runs each collective synchronously on the "
                      "calling thread, there are no streams to overlap")
-PROBE_MEASURED = ("measured: compute alone (all-to-alls skipped, local routing), comm "
+PROBE_MEASURED = ("measured: compute alone (collectives replaced by their recorded results), comm "
                   "alone (the step's recorded collectives replayed), both on two CUDA streams")
 DEFINITIONS = {
     "tokens_per_s": "tokens per rank * world size / step time",
