@@ -59,30 +59,36 @@ class AllToAllBackend(PrepareFinalize):
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:
         layout = RowLayout(x_TH.shape[1], topk_ids_TK.shape[1], x_TH.dtype)
-        world = self.world_size
+        num_tokens, world = x_TH.shape[0], self.world_size
         mask_TW = destination_mask(topk_ids_TK, self.placement.num_local_experts, world)
         send_counts_W = mask_TW.sum(0)
+        # Rank-major send order without a host sync: a stable sort of the (rank, token)
+        # pairs puts rank 0's tokens first (in token order), then rank 1's, ...; the pairs
+        # that do not exist sort last and are never sent (only the first S rows go).
+        key_WT = torch.where(mask_TW.t(), torch.arange(world, device=x_TH.device)[:, None],
+                             world)
+        order_X = torch.sort(key_WT.reshape(-1), stable=True).indices
+        token_idx_X = order_X % max(num_tokens, 1)
+        rows_XB = layout.pack(x_TH[token_idx_X], topk_ids_TK[token_idx_X],
+                              topk_weights_TK[token_idx_X])
 
         # The count exchange below blocks the host: let the other ubatch queue first.
         dbo_yield_and_switch_from_compute_to_comm()
         recv_counts_W = torch.empty_like(send_counts_W)
         dist.all_to_all_single(recv_counts_W, send_counts_W, group=self.group)
-        send_counts = tuple(send_counts_W.tolist())
-        recv_counts = tuple(recv_counts_W.tolist())
-        # Rank-major order of (rank, token) pairs: rows for rank 0 first, then rank 1...
-        _, send_token_idx_S = mask_TW.t().nonzero(as_tuple=True)
-        rows_SB = layout.pack(x_TH[send_token_idx_S], topk_ids_TK[send_token_idx_S],
-                              topk_weights_TK[send_token_idx_S])
+        counts = torch.cat([send_counts_W, recv_counts_W]).tolist()
+        send_counts, recv_counts = tuple(counts[:world]), tuple(counts[world:])
+        num_send = sum(send_counts)
         recv_RB = torch.empty(sum(recv_counts), layout.row_bytes, dtype=torch.uint8,
                               device=x_TH.device)
-        dist.all_to_all_single(recv_RB, rows_SB, list(recv_counts), list(send_counts),
-                               group=self.group)
-        record_on_current_stream(x_TH, topk_ids_TK, topk_weights_TK)
+        dist.all_to_all_single(recv_RB, rows_XB[:num_send], list(recv_counts),
+                               list(send_counts), group=self.group)
+        record_on_current_stream(rows_XB)
         wait = dbo_switch_to_compute_async()
-        handle = A2AHandle(send_token_idx_S, send_counts, recv_counts, x_TH.shape[0])
+        handle = A2AHandle(token_idx_X[:num_send], send_counts, recv_counts, num_tokens)
 
         def receiver() -> Dispatched:
-            wait.wait(recv_RB, send_token_idx_S)
+            wait.wait(recv_RB)
             return self.dispatched_from_rows(layout, recv_RB, handle)
 
         return Pending(None, receiver)
