@@ -7,8 +7,9 @@ Shape legend: T tokens here, H hidden, K top-k, W ranks, S rows this rank sends
 Each token goes once to every rank that holds at least one of its experts, carrying all
 K ids and weights; the receiver maps them to local ids (-1 for experts elsewhere), so the
 experts' weighted sum over k gives that rank's partial output, and the combine adds the
-partials back per token. The count exchange blocks the host, so the dispatch yields
-first: the other ubatch queues its compute before this one waits.
+partials back per token. The host needs the counts, so the dispatch starts the count
+exchange on a side stream and communicator (`moe.backends.counts`), yields, and reads
+them only after the other ubatch has queued its compute.
 
 Streams: each half yields once, before its send (`dbo_yield_and_switch_from_compute_to_comm`),
 issues its collective on the comm stream, records comm-done and returns to compute
@@ -19,6 +20,7 @@ made on compute and read on comm are marked for comm (`streams.memory`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,9 @@ from torch import Tensor
 
 from dbo.yield_points import dbo_switch_to_compute_async, dbo_yield_and_switch_from_compute_to_comm
 from moe.backends.base import Dispatched, Pending, PrepareFinalize
+from moe.backends.counts import CountExchange
 from moe.backends.packing import RowLayout
+from moe.config import MoEConfig
 from moe.workspace import Workspace
 from streams.memory import record_on_current_stream
 
@@ -56,6 +60,10 @@ class AllToAllBackend(PrepareFinalize):
     name = "a2a"
     host_sync = True
 
+    def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
+        super().__init__(config, group)
+        self.counts = CountExchange(group)
+
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:
         layout = RowLayout(x_TH.shape[1], topk_ids_TK.shape[1], x_TH.dtype)
@@ -72,12 +80,12 @@ class AllToAllBackend(PrepareFinalize):
         rows_XB = layout.pack(x_TH[token_idx_X], topk_ids_TK[token_idx_X],
                               topk_weights_TK[token_idx_X])
 
-        # The count exchange below blocks the host: let the other ubatch queue first.
+        # Start the count exchange now (side stream and communicator: it does not queue
+        # behind data transfers); read it on the host only after the other ubatch has
+        # queued its compute.
+        pending_counts = self.counts.start(send_counts_W)
         dbo_yield_and_switch_from_compute_to_comm()
-        recv_counts_W = torch.empty_like(send_counts_W)
-        dist.all_to_all_single(recv_counts_W, send_counts_W, group=self.group)
-        counts = torch.cat([send_counts_W, recv_counts_W]).tolist()
-        send_counts, recv_counts = tuple(counts[:world]), tuple(counts[world:])
+        send_counts, recv_counts = pending_counts.result()
         num_send = sum(send_counts)
         recv_RB = torch.empty(sum(recv_counts), layout.row_bytes, dtype=torch.uint8,
                               device=x_TH.device)
