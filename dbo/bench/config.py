@@ -95,6 +95,8 @@ class BenchConfig:
     """Write the PNG (needs matplotlib)."""
     progress: bool = True
     """Show a progress bar on stderr (rank 0)."""
+    gate_trial_iters: int = 3
+    """Steps of the gate's separate DBO trial (see dbo.bench.gating)."""
     trace: bool = False
     """Also capture one DBO-off and one DBO-on step per point under torch.profiler into
     <out>/traces/ (rank 0's Chrome trace, analysis JSON and timeline PNG)."""
@@ -125,7 +127,7 @@ class BenchConfig:
             raise ValueError(f"num_experts={self.num_experts} and experts_per_rank="
                              f"{self.experts_per_rank} are both set: give only one")
         for name, low in (("attn_context", 0), ("requests", 1), ("iters", 1), ("warmup", 0),
-                          ("gate_min_tokens", 0), ("seed", 0)):
+                          ("gate_min_tokens", 0), ("gate_trial_iters", 1), ("seed", 0)):
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")

@@ -4,8 +4,8 @@
     decision = gate.decide(tokens_per_rank=1024, ceiling=1.21)
     decision.use_dbo, decision.reason
 
-Two rules, in order, decided *before* looking at the DBO-on time (an oracle that picked
-the faster of the two measured times would prove nothing):
+Three rules, in order, decided *before* looking at the reported DBO-on time (an oracle
+that picked the faster of the two reported times would prove nothing):
 
 1. thresholds: below `min_tokens_per_rank` the ubatches are too small for their GEMMs
    to stay efficient and the per-step overheads (split vote, greenlet switches, a second
@@ -13,7 +13,14 @@ the faster of the two measured times would prove nothing):
 2. the probe: where the measured ceiling T_serial / T_both is below 1 + `min_gain`,
    there is too little communication to hide for the split to pay for itself.
 
-Without a probe (CPU) only the thresholds apply, and the reason says so.
+3. the trial: a separate, short timing of the DBO step (its own steps, not the ones
+   reported) against the DBO-off time; below `min_trial_speedup` DBO stays off. This
+   catches what the GPU-side probe cannot see: a host-bound step, where launching two
+   ubatches' kernels from Python takes longer than the GPU work they overlap (measured:
+   1024 tokens/rank at DeepSeek-V3 shapes on 2x H200). A serving system would run the
+   same trial once per batch-size bucket at start-up.
+
+Without a probe (CPU) the probe rule is skipped, and the reason says so.
 """
 from __future__ import annotations
 
@@ -41,6 +48,8 @@ class GatePolicy:
     """Steps with fewer tokens per rank run without DBO."""
     min_gain: float
     """Steps whose measured ceiling is below 1 + min_gain run without DBO."""
+    min_trial_speedup: float = 1.01
+    """Steps whose trial DBO speedup is below this run without DBO."""
 
     def __post_init__(self) -> None:
         if self.min_tokens_per_rank < 0:
@@ -50,19 +59,25 @@ class GatePolicy:
             raise ValueError(f"GatePolicy.min_gain={self.min_gain}: must be >= 0 (0.03 = 3%)")
 
     def decide(self, *, tokens_per_rank: int, ceiling: Optional[float],
+               trial_speedup: Optional[float] = None,
                no_probe_reason: str = "no ceiling probe") -> GateDecision:
-        """The gated choice for one step; `ceiling` None when the probe did not run."""
+        """The gated choice for one step; `ceiling` None when the probe did not run,
+        `trial_speedup` None when no trial ran."""
         floor = 1.0 + self.min_gain
         if tokens_per_rank < self.min_tokens_per_rank:
             return GateDecision(False, f"threshold: {tokens_per_rank} tokens/rank < "
                                        f"{self.min_tokens_per_rank}")
-        if ceiling is None:
-            return GateDecision(True, f"threshold: {tokens_per_rank} tokens/rank >= "
-                                      f"{self.min_tokens_per_rank}; {no_probe_reason}, so "
-                                      f"thresholds only")
-        if ceiling < floor:
+        if ceiling is not None and ceiling < floor:
             return GateDecision(False, f"probe: measured ceiling {ceiling:.3f}x < "
                                        f"{floor:.3f}x (1 + min_gain): too little comm to hide")
-        return GateDecision(True, f"probe: measured ceiling {ceiling:.3f}x >= {floor:.3f}x "
-                                  f"and {tokens_per_rank} tokens/rank >= "
-                                  f"{self.min_tokens_per_rank}")
+        if trial_speedup is not None and trial_speedup < self.min_trial_speedup:
+            return GateDecision(False, f"trial: DBO {trial_speedup:.3f}x < "
+                                       f"{self.min_trial_speedup:.3f}x in a separate short "
+                                       f"run: splitting costs more (host launches, smaller "
+                                       f"GEMMs) than the overlap gains")
+        passed = [f"{tokens_per_rank} tokens/rank >= {self.min_tokens_per_rank}"]
+        passed.append(no_probe_reason if ceiling is None
+                      else f"measured ceiling {ceiling:.3f}x >= {floor:.3f}x")
+        if trial_speedup is not None:
+            passed.append(f"trial DBO {trial_speedup:.3f}x >= {self.min_trial_speedup:.3f}x")
+        return GateDecision(True, "; ".join(passed))

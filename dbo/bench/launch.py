@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gate: DBO off where the measured ceiling < 1 + this (default 0.03)")
     p.add_argument("--gate-min-tokens", type=int, default=512,
                    help="gate: DBO off below this many tokens per rank (default 512)")
+    p.add_argument("--gate-trial-iters", type=int, default=3,
+                   help="gate: steps of its separate DBO trial (default 3)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks to spawn when not under torchrun (default 2)")
@@ -119,7 +121,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         attn_context=args.attn_context, requests=args.requests, experts=args.experts,
         iters=args.iters if args.iters is not None else (20 if gpu else 5),
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
-        min_gain=args.min_gain, gate_min_tokens=args.gate_min_tokens, device=device,
+        min_gain=args.min_gain, gate_min_tokens=args.gate_min_tokens,
+        gate_trial_iters=args.gate_trial_iters, device=device,
         regime=regime_label(device, p2p_disabled=p2p_disabled), out_dir=args.out,
         seed=args.seed, plot=not args.no_plot, progress=not args.no_progress,
         trace=args.trace)

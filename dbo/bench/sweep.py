@@ -139,10 +139,13 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
     del off  # a2a_ll's DBO-on model differs: let the factory free this one first
     progress.step(f"{backend} T={tokens}/rank: DBO on")
     on = factory.get(tokens=tokens, backend=backend, dbo=True)
+    # The gate's trial: its own short timing, before (and apart from) the reported one.
+    trial = time_steps(on.step, **{**timing, "warmup": 1, "iters": cfg.gate_trial_iters})
     t_on = time_steps(on.step, **timing)
     _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
     decision = gate.decide(tokens_per_rank=tokens,
                            ceiling=None if ceiling is None else ceiling.ceiling,
+                           trial_speedup=t_off.max_ms / trial.max_ms,
                            no_probe_reason="probe skipped on CPU")
     return make_point(cfg, backend=backend, tokens=tokens, world_size=factory.world_size,
                       t_off=t_off, t_on=t_on, ceiling=ceiling, split=on.was_split,
