@@ -32,6 +32,9 @@ from streams.stream_set import StreamSet, resolve_device
 
 T = TypeVar("T")
 
+_is_grad_enabled = torch.is_grad_enabled
+_is_autocast_enabled = torch.is_autocast_enabled
+
 MAX_UBATCHES = 2
 
 
@@ -167,14 +170,22 @@ class UBatchScheduler:
         returns to the hub. Returns what the hub receives back (a result).
         """
         device_type = self._device_type
-        now = capture_thread_state(device_type)
+        # capture_thread_state / apply_thread_state, inlined for the common case where
+        # nothing differs: this runs on every hand-off.
+        if _is_autocast_enabled(device_type):
+            now = (_is_grad_enabled(), True, torch.get_autocast_dtype(device_type))
+        else:
+            now = (_is_grad_enabled(), False, None)
         if current is not None:
             current.thread_state = now
         if trace_ranges._ENABLED:
             self._mark_running(current, target)
-        apply_thread_state(device_type, target.thread_state, now)
+        if target.thread_state != now:
+            apply_thread_state(device_type, target.thread_state, now)
         self._running = target
-        self._streams.current.set(target.stream)
+        tracker = self._streams.current
+        if target.stream is not tracker._current:
+            tracker.set(target.stream)
         return target.glet.switch()
 
     def _loop(self) -> None:
