@@ -1,0 +1,28 @@
+"""Layer 1 (CPU): `dbo bench-switch` runs and reports its fields (no timing asserted:
+speed targets live in BENCHMARKS.md, not in tests)."""
+from __future__ import annotations
+
+import json
+
+from dbo.bench_switch import main, time_greenlet
+
+
+def test_bench_switch_prints_table_and_json_line(capsys):
+    assert main(["--yields", "200", "--thread-yields", "50", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("method")
+    line = json.loads(out[-1])
+    for key in ("greenlet_us_per_yield", "greenlet_us_per_yield_min", "thread_us_per_yield",
+                "ratio"):
+        assert line[key] > 0
+
+
+def test_greenlet_timing_runs_both_variants():
+    assert time_greenlet(10) > 0 and time_greenlet(10, with_streams=False) > 0
+
+
+def test_bad_arguments_exit_with_usage_error(capsys):
+    import pytest
+    with pytest.raises(SystemExit) as info:
+        main(["--yields", "1"])
+    assert info.value.code == 2
