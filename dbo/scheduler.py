@@ -34,6 +34,8 @@ T = TypeVar("T")
 
 _is_grad_enabled = torch.is_grad_enabled
 _is_autocast_enabled = torch.is_autocast_enabled
+# No argument to parse: the cheap test for the usual case (no autocast anywhere).
+_is_any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 MAX_UBATCHES = 2
 
@@ -172,7 +174,8 @@ class UBatchScheduler:
         device_type = self._device_type
         # capture_thread_state / apply_thread_state, inlined for the common case where
         # nothing differs: this runs on every hand-off.
-        if _is_autocast_enabled(device_type):
+        if ((_is_any_autocast_enabled is None or _is_any_autocast_enabled())
+                and _is_autocast_enabled(device_type)):
             now = (_is_grad_enabled(), True, torch.get_autocast_dtype(device_type))
         else:
             now = (_is_grad_enabled(), False, None)
