@@ -12,12 +12,20 @@ from typing import Optional
 OpLog = list[tuple[str, ...]]
 
 
+def _noop(_: object) -> None:
+    pass
+
+
 class StandInStream:
     """Stands in for `torch.cuda.Stream`: a name, and a log for `wait_event`."""
 
     def __init__(self, name: str, log: Optional[OpLog] = None) -> None:
         self.name = name
         self.log = log
+        if log is None:
+            # Called on every hand-off: without a log, a plain function (no bound method
+            # to build, no test of the log) is the cheapest thing that can be called.
+            self.wait_event = _noop  # type: ignore[method-assign]
 
     def wait_event(self, event: "StandInEvent") -> None:
         if self.log is not None:
@@ -31,15 +39,15 @@ class StandInStream:
 
 
 class StandInEvent:
-    """Stands in for `torch.cuda.Event`: `record(stream)` logs and remembers the stream."""
+    """Stands in for `torch.cuda.Event`: `record(stream)` logs, when there is a log."""
 
     def __init__(self, name: str, log: Optional[OpLog] = None) -> None:
         self.name = name
         self.log = log
-        self.stream: Optional[StandInStream] = None
+        if log is None:
+            self.record = _noop  # type: ignore[method-assign]  # see StandInStream
 
     def record(self, stream: StandInStream) -> None:
-        self.stream = stream
         if self.log is not None:
             self.log.append(("record", self.name, stream.name))
 
