@@ -1,5 +1,6 @@
 """dbo: dual-batch overlap for Mixture-of-Experts models in PyTorch."""
 from dbo.config import SPLIT_MODES, DBOConfig
+from dbo.groups import new_group
 from dbo.merge import merge_outputs
 from dbo.runner import DBORunner
 from dbo.scheduler import UBatchScheduler
@@ -29,6 +30,7 @@ __all__ = [
     "UBatchScheduler",
     "UBatchSlice",
     "merge_outputs",
+    "new_group",
     "plan_split",
     "vote_split",
     "dbo_current_ubatch_id",

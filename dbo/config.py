@@ -8,7 +8,7 @@ rejects bad values with a message that says how to fix them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Optional, Any, Callable, Union
 
 # The named split modes (see `DBOConfig.split`).
 SPLIT_MODES: tuple[str, ...] = ("tokens", "requests", "batch")
@@ -37,6 +37,8 @@ class DBOConfig:
     """Smallest step with a multi-token request (prefill, "batch" mode with S > 1) that is split."""
     max_imbalance: float = 0.1
     """Largest |n0 - n1| / total of the best request-boundary split before a request is split inside (1.0: never)."""
+    max_tokens_per_rank: Optional[int] = None
+    """Capacity of the step (e.g. a fixed-capacity backend's): when any rank of the group has more tokens, every rank raises the same error instead of one rank failing alone."""
     merge: Union[MergeFn, None] = None
     """Custom merge of the per-ubatch outputs, `merge([out0, out1])`; None: concatenate along dim 0."""
 
@@ -56,6 +58,10 @@ class DBOConfig:
         if not _is_int(self.num_ubatches) or self.num_ubatches != 2:
             raise ValueError(f"DBOConfig.num_ubatches={self.num_ubatches!r}: only 2 ubatches "
                              f"are supported, set num_ubatches=2 (the default)")
+        if self.max_tokens_per_rank is not None and (
+                not _is_int(self.max_tokens_per_rank) or self.max_tokens_per_rank < 1):
+            raise ValueError(f"DBOConfig.max_tokens_per_rank={self.max_tokens_per_rank!r}: "
+                             f"a positive int, or None for no capacity check")
         for name in ("min_decode_tokens", "min_prefill_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:

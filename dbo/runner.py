@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.config import DBOConfig
+from dbo.failures import annotate_step_failure, reset_collectives
 from dbo.merge import merge_outputs
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, UBatchSlice, plan_split, plan_token_split
@@ -90,6 +91,14 @@ class DBORunner:
                                            reason="called inside a running DBO step")
             return self.model(*args, **kwargs)
 
+        reset_collectives()
+        try:
+            return self._step(args, kwargs)
+        except BaseException as exc:
+            annotate_step_failure(exc)
+            raise
+
+    def _step(self, args: tuple, kwargs: dict) -> Any:
         try:
             plan, ubatch_args, rows = self._plan(args, kwargs)
         except Exception:
@@ -99,6 +108,7 @@ class DBORunner:
             raise
         plan = apply_vote(plan, self.group)
         self.last_decision = plan
+        self._check_capacity(plan)
         if not plan.split:
             return self.model(*args, **kwargs)
 
@@ -107,6 +117,17 @@ class DBORunner:
         if self.config.merge is not None:
             return self.config.merge(outputs)
         return merge_outputs(outputs, rows=rows)
+
+    def _check_capacity(self, plan: SplitPlan) -> None:
+        """Every rank sees the group's largest token count (from the vote), so every
+        rank raises here together, before any collective of the model."""
+        cap, most = self.config.max_tokens_per_rank, plan.group_max_tokens
+        if cap is not None and most is not None and most > cap:
+            mine = plan.total_tokens
+            raise ValueError(
+                f"a rank of the group has {most} tokens this step (this rank: {mine}), more "
+                f"than DBOConfig.max_tokens_per_rank={cap}: every rank stops here so none "
+                f"waits in a collective; split the batch or raise the capacity")
 
     # ------------------------------------------------------------------- planning
     def _plan(self, args: tuple, kwargs: dict

@@ -85,6 +85,8 @@ class SplitPlan:
     """The two ubatches when split, else empty."""
     vetoed: bool = False
     """This rank wanted to split, but a peer rank of the group did not."""
+    group_max_tokens: Optional[int] = None
+    """The largest token count of any rank of the group this step (from the vote)."""
 
     @property
     def total_tokens(self) -> int:

@@ -16,6 +16,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from dbo.failures import note_collective
 from dbo.split import SplitPlan
 
 # Backends whose collectives need device tensors, and the device type they use. Any
@@ -35,17 +36,25 @@ def vote_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
 
 def vote_split(want_split: bool, group: Optional[dist.ProcessGroup] = None, *,
                device: Union[torch.device, str, None] = None) -> bool:
-    """True when every rank of `group` wants to split this step.
+    """True when every rank of `group` wants to split this step (see `vote_step`)."""
+    return vote_step(want_split, 0, group, device=device)[0]
+
+
+def vote_step(want_split: bool, num_tokens: int, group: Optional[dist.ProcessGroup] = None,
+              *, device: Union[torch.device, str, None] = None) -> tuple[bool, int]:
+    """(every rank of `group` wants to split, the largest token count of any rank).
 
     Args:
         want_split: this rank's own decision.
+        num_tokens: this rank's tokens this step (lets every rank see the same maximum,
+            e.g. to agree on a capacity overflow instead of one rank raising alone).
         group: the process group that must agree (the EP/DP group); None: the default
             group, or no vote at all when torch.distributed is not initialised.
         device: where the 0/1 tensor lives; None: CUDA for NCCL groups, else CPU.
 
     With one rank, or without an initialised process group, no collective is issued and
-    `want_split` is returned. Otherwise one all-reduce (MIN) of a 1-element int32 tensor;
-    its result is read on the host (a sync on CUDA: the split must be known there).
+    this rank's values are returned. Otherwise one all-reduce (MIN) of [want, -tokens]
+    (int64); its result is read on the host (a sync on CUDA: the split must be known there).
     """
     if not isinstance(want_split, bool):
         raise TypeError(f"want_split must be a bool, got {want_split!r}")
@@ -53,20 +62,25 @@ def vote_split(want_split: bool, group: Optional[dist.ProcessGroup] = None, *,
         if group is not None:
             raise RuntimeError(f"vote_split got group={group!r} but torch.distributed is "
                                f"not initialised: call dist.init_process_group first")
-        return want_split
+        return want_split, num_tokens
     if dist.get_world_size(group) == 1:
-        return want_split
+        return want_split, num_tokens
     if device is None:
         device = vote_device(group)
-    flag = torch.tensor([1 if want_split else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+    values = torch.tensor([1 if want_split else 0, -num_tokens], dtype=torch.int64,
+                          device=device)
+    note_collective("all_reduce")
+    dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
+    agreed, neg_max = values.tolist()
+    return bool(agreed), -neg_max
 
 
 def apply_vote(plan: SplitPlan, group: Optional[dist.ProcessGroup] = None, *,
                device: Union[torch.device, str, None] = None) -> SplitPlan:
-    """Vote on `plan.split` across `group`; return `plan` or its unsplit, vetoed form."""
-    agreed = vote_split(plan.split, group, device=device)
+    """Vote on `plan.split` across `group`; return `plan` or its unsplit, vetoed form,
+    with `group_max_tokens` set."""
+    agreed, max_tokens = vote_step(plan.split, plan.total_tokens, group, device=device)
+    plan = dataclasses.replace(plan, group_max_tokens=max_tokens)
     if agreed or not plan.split:
         return plan
     return dataclasses.replace(

@@ -74,6 +74,8 @@ class MoEConfig:
     """Tokens one rank may send per step (fixed-capacity backends size buffers by it)."""
     expert_chunk_size: int = 8192
     """Most tokens sent through the experts at once; larger batches go in chunks."""
+    check_finite_logits: bool = False
+    """Raise ValueError when router logits hold NaN/Inf (one host sync per layer); off: those tokens' outputs are NaN/Inf and every other token's output is unaffected."""
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
@@ -116,6 +118,9 @@ class MoEConfig:
                 f"MoEConfig.max_tokens_per_rank={self.max_tokens_per_rank!r}: must be a "
                 f"positive int, or None for backends without a fixed capacity."
             )
+        if not isinstance(self.check_finite_logits, bool):
+            raise ValueError(f"MoEConfig.check_finite_logits={self.check_finite_logits!r}: "
+                             f"must be True or False.")
         if not _is_int(self.expert_chunk_size) or self.expert_chunk_size < 1:
             raise ValueError(
                 f"MoEConfig.expert_chunk_size={self.expert_chunk_size!r}: must be a positive int."

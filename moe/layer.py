@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dbo.yield_points import dbo_current_ubatch_id
+from dbo.failures import phase_scope
 from moe.backends import make_backend
 from moe.config import MoEConfig
 from moe.experts import make_experts
@@ -26,7 +26,6 @@ from moe.experts.base import Experts
 from moe.modular_kernel import ModularKernel
 from moe.router import route
 from moe.shared import SharedExperts
-from traces.ranges import end_phase, start_phase
 
 
 class Router(nn.Module):
@@ -114,12 +113,12 @@ class MoELayer(nn.Module):
     def forward(self, x_TH: Tensor) -> Tensor:
         """[T, H] -> [T, H], both in config.dtype on the parameters' device."""
         self._check_input(x_TH)
-        ubatch_id = dbo_current_ubatch_id()
-        h = start_phase("router", ubatch_id=ubatch_id, layer=self.layer_id)
-        logits_TE = self.router(x_TH)
-        topk_weights_TK, topk_ids_TK = route(
-            logits_TE, self.config, correction_bias_E=self.router.e_score_correction_bias)
-        end_phase(h)
+        with phase_scope("router", layer=self.layer_id):
+            logits_TE = self.router(x_TH)
+            if self.config.check_finite_logits:
+                self._check_finite(logits_TE)
+            topk_weights_TK, topk_ids_TK = route(
+                logits_TE, self.config, correction_bias_E=self.router.e_score_correction_bias)
         return self._kernel(x_TH.device).forward(
             x_TH, topk_weights_TK, topk_ids_TK, w13_EIH=self.w13, w2_EHI=self.w2,
             shared_experts=self.shared_experts, layer=self.layer_id)
@@ -139,6 +138,15 @@ class MoELayer(nn.Module):
         if name != "auto" and name not in EXPERTS:
             raise ValueError(f"unknown experts kernel {name!r}: choose one of "
                              f"{sorted(EXPERTS) + ['auto']}")
+
+    def _check_finite(self, logits_TE: Tensor) -> None:
+        bad_T = ~torch.isfinite(logits_TE).all(dim=1)
+        num_bad = int(bad_T.sum())  # the host sync this option costs
+        if num_bad:
+            first = bad_T.nonzero()[:5, 0].tolist()
+            raise ValueError(f"MoELayer layer {self.layer_id}: router logits of {num_bad} of "
+                             f"{logits_TE.shape[0]} tokens are NaN/Inf (first: {first}): check "
+                             f"the inputs (MoEConfig.check_finite_logits=True raised this)")
 
     def _check_input(self, x_TH: Tensor) -> None:
         if not isinstance(x_TH, Tensor):

@@ -31,11 +31,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dbo.yield_points import dbo_current_ubatch_id
+from dbo.failures import phase_scope
 from moe.layer import MoELayer
 from moe.presets import PRESETS, ModelConfig, estimate_param_bytes, get_preset
 from moe.shared import SharedExperts
-from traces.ranges import phase_range
 
 __all__ = ["Batch", "ModelConfig", "MoETransformer", "PRESETS", "estimate_param_bytes",
            "get_preset", "make_batch"]
@@ -180,7 +179,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x_TH: Tensor, cos_TD2: Tensor, sin_TD2: Tensor,
                 seq_lens: Sequence[int]) -> Tensor:
         """[T, H] -> [T, H]; the MoE layer (if any) yields to the other ubatch inside."""
-        with phase_range("attention", ubatch_id=dbo_current_ubatch_id(), layer=self.layer_id):
+        with phase_scope("attention", layer=self.layer_id):
             x_TH = x_TH + self.attn(self.attn_norm(x_TH), cos_TD2, sin_TD2, seq_lens)
         return x_TH + self.ffn(self.ffn_norm(x_TH))
 

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from dbo.failures import phase_scope
 from dbo.yield_points import (
     dbo_current_ubatch_id,
     dbo_enabled,
@@ -31,7 +32,6 @@ from moe.backends.base import Dispatched, Pending, PrepareFinalize, R
 from moe.config import MoEConfig
 from moe.experts.base import Experts
 from moe.workspace import Workspace, WorkspaceSets
-from traces.ranges import end_phase, start_phase
 
 
 def await_pending(pending: Pending[R]) -> R:
@@ -66,47 +66,35 @@ class ModularKernel:
         """out_TH (x's dtype, compute stream) = routed experts' weighted sum + shared experts.
 
         topk_ids are global expert ids. Each phase (dispatch_send, dispatch_recv, experts,
-        combine_send, shared_experts, combine_recv) is a trace range `ub<u>/L<layer>/<phase>`
-        when `traces.ranges` is configured on (a flag test otherwise).
+        combine_send, shared_experts, combine_recv) is a `phase_scope`: a trace range
+        `ub<u>/L<layer>/<phase>` when tracing is on, and the place named in the notes of
+        an exception raised inside it.
         """
-        ubatch_id = dbo_current_ubatch_id()
-
-        def phase(name: str):  # a trace range handle (None while tracing is off)
-            return start_phase(name, ubatch_id=ubatch_id, layer=layer)
-
-        workspace = self.workspaces.for_ubatch(ubatch_id)
+        workspace = self.workspaces.for_ubatch(dbo_current_ubatch_id())
         expert_in_TH = x_TH
         if self.config.apply_router_weight_on_input:
             # Top-1 only (checked by MoEConfig): scale the input, weight the output by 1.
             expert_in_TH = (x_TH.float() * topk_weights_TK).to(x_TH.dtype)
             topk_weights_TK = torch.ones_like(topk_weights_TK)
 
-        h = phase("dispatch_send")
-        dbo_maybe_run_recv_hook()
-        pending = self.backend.prepare_async(expert_in_TH, topk_weights_TK, topk_ids_TK,
-                                             workspace=workspace)
-        end_phase(h)
-        h = phase("dispatch_recv")
-        dispatched = await_pending(pending)
-        end_phase(h)
-
-        h = phase("experts")
-        expert_out_RH = self._run_experts(dispatched, w13_EIH, w2_EHI, workspace)
-        end_phase(h)
-
-        h = phase("combine_send")
-        dbo_maybe_run_recv_hook()
-        pending_out = self.backend.finalize_async(expert_out_RH, dispatched,
-                                                  workspace=workspace)
-        end_phase(h)
+        with phase_scope("dispatch_send", layer=layer):
+            dbo_maybe_run_recv_hook()
+            pending = self.backend.prepare_async(expert_in_TH, topk_weights_TK, topk_ids_TK,
+                                                 workspace=workspace)
+        with phase_scope("dispatch_recv", layer=layer):
+            dispatched = await_pending(pending)
+        with phase_scope("experts", layer=layer):
+            expert_out_RH = self._run_experts(dispatched, w13_EIH, w2_EHI, workspace)
+        with phase_scope("combine_send", layer=layer):
+            dbo_maybe_run_recv_hook()
+            pending_out = self.backend.finalize_async(expert_out_RH, dispatched,
+                                                      workspace=workspace)
         shared_TH = None
         if shared_experts is not None:
-            h = phase("shared_experts")
-            shared_TH = shared_experts(x_TH)
-            end_phase(h)
-        h = phase("combine_recv")
-        out_TH = await_pending(pending_out)
-        end_phase(h)
+            with phase_scope("shared_experts", layer=layer):
+                shared_TH = shared_experts(x_TH)
+        with phase_scope("combine_recv", layer=layer):
+            out_TH = await_pending(pending_out)
         return out_TH if shared_TH is None else out_TH + shared_TH
 
     def _run_experts(self, dispatched: Dispatched, w13_EIH: Tensor, w2_EHI: Tensor,

@@ -4,6 +4,8 @@ The in-process tests at the end check the no-process-group path (layer 1).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import pytest
@@ -119,7 +121,8 @@ def test_vote_without_process_group() -> None:
     assert not dist.is_initialized()
     assert vote_split(True) is True and vote_split(False) is False
     plan = plan_token_split(64, CONFIG)
-    assert apply_vote(plan) is plan
+    # Unchanged but for the group's largest token count: with no group, this rank's own.
+    assert apply_vote(plan) == dataclasses.replace(plan, group_max_tokens=64)
     with pytest.raises(RuntimeError, match="not initialised"):
         vote_split(True, object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="must be a bool"):

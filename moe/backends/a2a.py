@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dbo.failures import note_collective
 from dbo.yield_points import dbo_switch_to_compute_async, dbo_yield_and_switch_from_compute_to_comm
 from moe.backends.base import Dispatched, Pending, PrepareFinalize
 from moe.backends.counts import CountExchange
@@ -89,6 +90,7 @@ class AllToAllBackend(PrepareFinalize):
         num_send = sum(send_counts)
         recv_RB = torch.empty(sum(recv_counts), layout.row_bytes, dtype=torch.uint8,
                               device=x_TH.device)
+        note_collective("all_to_all_single")
         dist.all_to_all_single(recv_RB, rows_XB[:num_send], list(recv_counts),
                                list(send_counts), group=self.group)
         record_on_current_stream(rows_XB)
@@ -109,6 +111,7 @@ class AllToAllBackend(PrepareFinalize):
         back_SH = torch.empty(sum(handle.send_counts), hidden, dtype=expert_out_RH.dtype,
                               device=expert_out_RH.device)
         send_RH = expert_out_RH.contiguous()
+        note_collective("all_to_all_single")
         dist.all_to_all_single(back_SH, send_RH, list(handle.send_counts),
                                list(handle.recv_counts), group=self.group)
         record_on_current_stream(send_RH)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dbo.failures import note_collective
 from dbo.yield_points import dbo_switch_to_compute_async, dbo_yield_and_switch_from_compute_to_comm
 from moe.backends.a2a import destination_mask
 from moe.backends.base import Dispatched, Pending, PrepareFinalize
@@ -77,6 +78,7 @@ class AllToAllLLBackend(PrepareFinalize):
                                 torch.uint8, device)
 
         dbo_yield_and_switch_from_compute_to_comm()
+        note_collective("all_to_all_single")
         dist.all_to_all_single(recv_RB, send_XB[:world * cap], group=self.group)
         wait = dbo_switch_to_compute_async()
         handle = LLHandle(slot_TW, num_tokens)
@@ -97,6 +99,7 @@ class AllToAllLLBackend(PrepareFinalize):
         send_RH = expert_out_RH.contiguous()
 
         dbo_yield_and_switch_from_compute_to_comm()
+        note_collective("all_to_all_single")
         dist.all_to_all_single(back_XH[:rows], send_RH, group=self.group)
         record_on_current_stream(send_RH)
         wait = dbo_switch_to_compute_async()

@@ -10,7 +10,7 @@ process group over the same ranks), copies the result to pinned host memory with
 blocking, and returns a `PendingCounts`; `result()` later waits for that copy alone.
 
 The side group is created once per EP group (collectively, in construction order, like
-every process group). When the EP group is a subgroup of the world, creating one
+every process group), with the EP group's timeout when it was made by `dbo.new_group`. When the EP group is a subgroup of the world, creating one
 would need every rank of the world to join, so the exchange then shares the EP group's
 communicator (still on the side stream). On CPU (gloo) the exchange runs synchronously.
 """
@@ -22,6 +22,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from dbo.failures import note_collective
+from dbo.groups import group_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +39,9 @@ def side_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup
     side = _SIDE_GROUPS.get(group)
     if side is None:
         if dist.get_world_size(group) == dist.get_world_size():
-            side = dist.new_group(ranks=list(range(dist.get_world_size())))
+            timeout = group_timeout(group)
+            side = dist.new_group(ranks=list(range(dist.get_world_size())),
+                                  **({} if timeout is None else {"timeout": timeout}))
         else:
             logger.info("count exchanges share the EP group's communicator: a separate one "
                         "for a subgroup would need every rank of the world to create it")
@@ -71,6 +76,7 @@ class CountExchange:
         """Start exchanging `send_counts_W` (int64 [W], on the current stream's device)."""
         recv_counts_W = torch.empty_like(send_counts_W)
         if not send_counts_W.is_cuda:
+            note_collective("all_to_all_single")
             dist.all_to_all_single(recv_counts_W, send_counts_W, group=self.group)
             return PendingCounts(torch.cat([send_counts_W, recv_counts_W]), None)
         device = send_counts_W.device
@@ -80,6 +86,7 @@ class CountExchange:
         stream.wait_stream(torch.cuda.current_stream(device))  # the counts are computed there
         host_2W = torch.empty(2 * send_counts_W.shape[0], dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(stream):  # no yield inside: the stream is restored on exit
+            note_collective("all_to_all_single")
             dist.all_to_all_single(recv_counts_W, send_counts_W, group=self.group)
             world = send_counts_W.shape[0]
             host_2W[:world].copy_(send_counts_W, non_blocking=True)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dbo.failures import note_collective
 from dbo.yield_points import dbo_switch_to_compute_async, dbo_yield_and_switch_from_compute_to_comm
 from moe.backends.base import Dispatched, Pending, PrepareFinalize
 from moe.backends.packing import RowLayout
@@ -58,6 +59,7 @@ class NaiveBackend(PrepareFinalize):
         dbo_yield_and_switch_from_compute_to_comm()
         if capacity is None:
             count_W = torch.empty(world, dtype=torch.int64, device=x_TH.device)
+            note_collective("all_gather_into_tensor")
             dist.all_gather_into_tensor(
                 count_W, torch.tensor([num_tokens], dtype=torch.int64, device=x_TH.device),
                 group=self.group)
@@ -65,6 +67,7 @@ class NaiveBackend(PrepareFinalize):
             rows_CB = self._padded_rows(layout, capacity, x_TH, topk_ids_TK, topk_weights_TK)
         gathered_RB = torch.empty(world * capacity, layout.row_bytes, dtype=torch.uint8,
                                   device=x_TH.device)
+        note_collective("all_gather_into_tensor")
         dist.all_gather_into_tensor(gathered_RB, rows_CB, group=self.group)
         record_on_current_stream(rows_CB)
         wait = dbo_switch_to_compute_async()
@@ -83,6 +86,7 @@ class NaiveBackend(PrepareFinalize):
         send_RH = expert_out_RH.contiguous()
         mine_CH = torch.empty(handle.rows_per_rank, send_RH.shape[1], dtype=send_RH.dtype,
                               device=send_RH.device)
+        note_collective("reduce_scatter_tensor")
         dist.reduce_scatter_tensor(mine_CH, send_RH, group=self.group)
         record_on_current_stream(send_RH)
         wait = dbo_switch_to_compute_async()

@@ -1,0 +1,136 @@
+"""Failure context: where in a step an exception came from, and what it left behind.
+
+    with phase_scope("experts", layer=3):      # a trace range, and a note on failure
+        ...
+    note_collective("all_to_all_single")       # backends, right before each collective
+
+An exception that leaves a `phase_scope` gets a note `[dbo] rank R, ubatch U, layer L,
+phase P` (the innermost scope wins) and the attributes `dbo_rank`, `dbo_layer`,
+`dbo_phase`; the scheduler adds the ubatch (`dbo_ubatch_id`). The DBORunner then says
+whether this rank had issued any collective of the step: if not, the process group is
+intact and the next step can run; if it had, the ranks' collective sequences may now
+differ (a peer may be blocked in a collective this rank will never join), and the error
+says to re-create the process group.
+
+The collective count is per thread (a step's greenlets share their thread) and is reset
+by the runner at the start of each step. Tests can also record the names in order
+(`record_collectives`) to check that every rank issues the same sequence.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator, Optional
+
+import greenlet
+import torch.distributed as dist
+
+from dbo.yield_points import dbo_current_ubatch_id
+from traces.ranges import end_phase, start_phase
+
+_local = threading.local()
+
+
+def _state() -> Any:
+    if not hasattr(_local, "count"):
+        _local.count = 0
+        _local.log = None
+    return _local
+
+
+def note_collective(name: str) -> None:
+    """Called by backends (and the vote) right before issuing a collective."""
+    state = _state()
+    state.count += 1
+    if state.log is not None:
+        state.log.append((name, dbo_current_ubatch_id()))
+
+
+def collectives_issued() -> int:
+    """Collectives this thread issued since the last `reset_collectives()`."""
+    return _state().count
+
+
+def reset_collectives() -> None:
+    _state().count = 0
+
+
+@contextlib.contextmanager
+def record_collectives() -> Iterator[list[tuple[str, int]]]:
+    """Inside the block, `(name, ubatch)` of every noted collective, in issue order."""
+    state = _state()
+    previous, state.log = state.log, []
+    try:
+        yield state.log
+    finally:
+        state.log = previous
+
+
+def this_rank() -> Optional[int]:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
+class phase_scope:  # noqa: N801 - used like a function: `with phase_scope(...)`
+    """A named phase of one ubatch and layer: a trace range (when tracing is on) and the
+    place named in the notes of an exception that leaves it."""
+
+    __slots__ = ("name", "layer", "_handle")
+
+    def __init__(self, name: str, *, layer: Optional[int] = None) -> None:
+        self.name = name
+        self.layer = layer
+        self._handle: Any = None
+
+    def __enter__(self) -> "phase_scope":
+        self._handle = start_phase(self.name, ubatch_id=dbo_current_ubatch_id(),
+                                   layer=self.layer)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        end_phase(self._handle)
+        if exc is not None and not isinstance(exc, greenlet.GreenletExit):
+            annotate_phase(exc, self.name, self.layer)
+
+
+def annotate_phase(exc: BaseException, phase: str, layer: Optional[int]) -> None:
+    """Name the innermost phase an exception left (outer scopes leave it as is)."""
+    if getattr(exc, "dbo_phase", None) is not None:
+        return
+    rank = this_rank()
+    try:
+        exc.dbo_phase = phase  # type: ignore[attr-defined]
+        exc.dbo_layer = layer  # type: ignore[attr-defined]
+        exc.dbo_rank = rank  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        return
+    where = [f"rank {rank}" if rank is not None else "single process",
+             f"ubatch {dbo_current_ubatch_id()}"]
+    if layer is not None:
+        where.append(f"layer {layer}")
+    where.append(f"phase {phase}")
+    _add_note(exc, "[dbo] " + ", ".join(where))
+
+
+def annotate_step_failure(exc: BaseException) -> None:
+    """Say whether this rank's failure left the process group usable (see module doc)."""
+    issued = collectives_issued()
+    if getattr(exc, "dbo_collectives_issued", None) is not None:
+        return
+    try:
+        exc.dbo_collectives_issued = issued  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        return
+    if issued == 0:
+        _add_note(exc, "[dbo] no collective of this step had been issued on this rank: the "
+                       "process group is intact, and the next step can run once every "
+                       "rank skips this one alike")
+    else:
+        _add_note(exc, f"[dbo] this rank had issued {issued} collective(s) of this step when "
+                       f"it failed: the ranks' collective sequences may now differ, so "
+                       f"re-create the process group (destroy_process_group, then "
+                       f"init_process_group / new_group) before the next step")
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)

@@ -1,0 +1,140 @@
+"""Layer 1 (CPU): every rejected input of the README's "Bad input" table, with its error
+text, and the inputs that are accepted (zero tokens, non-contiguous tensors, NaN/Inf
+router logits by default). A last test checks the README table and this one agree.
+
+Rejections that need two processes (capacity overflow, experts not divisible by the EP
+size) are tested in tests/test_failures.py and tests/test_moe_layer.py; their rows here
+point there.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from dbo import DBOConfig, DBORunner, UBatchScheduler
+from moe import MoEConfig, MoELayer, init_moe_weights
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def layer(**overrides) -> MoELayer:
+    kwargs = {"backend": overrides.pop("backend", "auto"),
+              "experts": overrides.pop("experts", "reference")}
+    cfg = MoEConfig(**{**dict(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8),
+                       **overrides})
+    moe_layer = MoELayer(cfg, **kwargs)
+    moe_layer.load_weights(init_moe_weights(cfg, seed=0))
+    return moe_layer
+
+
+def call_layer(x: torch.Tensor, **overrides) -> None:
+    with torch.no_grad():
+        layer(**overrides)(x)
+
+
+def nan_logits_input() -> torch.Tensor:
+    x = torch.randn(5, 8)
+    x[2] = float("nan")
+    return x
+
+
+def requests_runner() -> DBORunner:
+    return DBORunner(lambda x, seq_lens: x, DBOConfig(split="requests", min_prefill_tokens=1))
+
+
+# key: (action raising the error, exception type, error text as in the README table)
+REJECTED = {
+    "wrong dtype": (lambda: call_layer(torch.randn(3, 8, dtype=torch.float64)), ValueError,
+                    "x is torch.float64 but MoEConfig.dtype is torch.float32"),
+    "wrong device": (lambda: call_layer(torch.randn(3, 8, device="meta")), ValueError,
+                     "x is on meta but the layer's parameters are on cpu"),
+    "wrong shape": (lambda: call_layer(torch.randn(3, 9)), ValueError,
+                    "expected [T, hidden_size=8]"),
+    "NaN/Inf router logits, checked": (
+        lambda: call_layer(nan_logits_input(), check_finite_logits=True), ValueError,
+        "router logits of 1 of 5 tokens are NaN/Inf"),
+    "top_k > num_experts": (
+        lambda: MoEConfig(num_experts=4, top_k=5, hidden_size=8, intermediate_size=8),
+        ValueError, "top_k=5 exceeds num_experts=4"),
+    "n_group does not divide num_experts": (
+        lambda: MoEConfig(num_experts=8, top_k=2, hidden_size=8, intermediate_size=8,
+                          n_group=3, topk_group=1), ValueError,
+        "n_group=3 does not divide num_experts=8"),
+    "router weight on input with top_k > 1": (
+        lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                          apply_router_weight_on_input=True), ValueError,
+        "apply_router_weight_on_input=True needs top_k=1"),
+    "unknown backend": (lambda: layer(backend="nope"), ValueError,
+                        "unknown MoE backend 'nope'"),
+    "unknown experts kernel": (lambda: layer(experts="nope"), ValueError,
+                               "unknown experts kernel 'nope'"),
+    "fixed-capacity backend without a capacity": (
+        lambda: layer(backend="a2a_ll"), ValueError, "needs MoEConfig.max_tokens_per_rank"),
+    "capacity overflow on this rank": (
+        lambda: call_layer(torch.randn(9, 8), backend="a2a_ll", max_tokens_per_rank=8),
+        ValueError, "9 tokens on this rank exceed MoEConfig.max_tokens_per_rank=8"),
+    "unknown split mode": (lambda: DBOConfig(split="nope"), ValueError,
+                           "DBOConfig.split='nope' is not a split mode"),
+    "seq_lens not summing to the tokens": (
+        lambda: requests_runner()(torch.randn(5, 2), seq_lens=[2, 2]), ValueError,
+        "seq_lens sum to 4 tokens but the batch has 5 tokens"),
+    "requests split without seq_lens": (
+        lambda: requests_runner()(torch.randn(5, 2)), TypeError,
+        "split='requests' needs the tokens per request"),
+    "no ubatches": (lambda: UBatchScheduler("cpu").run([]), ValueError,
+                    "run([]) got no ubatches"),
+    "more than two ubatches": (lambda: UBatchScheduler("cpu").run([lambda: 0] * 3),
+                               ValueError, "at most 2 are supported"),
+    "a ubatch that is not callable": (lambda: UBatchScheduler("cpu").run([lambda: 0, 1]),
+                                      TypeError, "ubatch 1 is a int, not a callable"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(REJECTED))
+def test_rejected_input_raises_its_documented_error(key):
+    action, exc_type, text = REJECTED[key]
+    with pytest.raises(exc_type) as info:
+        action()
+    assert text in str(info.value)
+
+
+def test_zero_tokens_are_valid():
+    with torch.no_grad():
+        assert layer()(torch.randn(0, 8)).shape == (0, 8)
+
+
+def test_non_contiguous_input_is_accepted():
+    moe_layer = layer()
+    x = torch.randn(8, 6).t()  # [6, 8], column-major: not contiguous
+    assert not x.is_contiguous()
+    with torch.no_grad():
+        torch.testing.assert_close(moe_layer(x), moe_layer(x.contiguous()),
+                                   atol=1e-6, rtol=1e-6)
+
+
+def test_nan_router_logits_stay_in_their_token_by_default():
+    moe_layer = layer()
+    x = nan_logits_input()
+    with torch.no_grad():
+        out, clean = moe_layer(x), moe_layer(x[[0, 1, 3, 4]])
+    assert torch.isfinite(out).all(dim=1).tolist() == [True, True, False, True, True]
+    # Other tokens are unaffected (to summation order: row counts differ).
+    torch.testing.assert_close(out[[0, 1, 3, 4]], clean, atol=1e-6, rtol=1e-6)
+
+
+def test_readme_table_lists_exactly_these_errors():
+    text = README.read_text()
+    section = text.split("## Bad input", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
+    documented = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        documented[cells[0]] = cells
+    rejected_rows = {k: v for k, v in documented.items() if v[1] not in ("accepted", "—")}
+    assert set(rejected_rows) >= set(REJECTED), set(REJECTED) - set(rejected_rows)
+    for key, (_, exc_type, message) in REJECTED.items():
+        assert rejected_rows[key][1] == f"`{exc_type.__name__}`", key
+        assert message in re.sub(r"^`|`$", "", rejected_rows[key][2]), key
