@@ -96,7 +96,6 @@ class UBatchScheduler:
                 "UBatchScheduler.run() was called inside a running DBO step (nested "
                 "DBO is not supported): call the model directly inside a ubatch")
         streams = self._prepare_streams()
-        self._device_type = self.device.type
         caller_state = capture_thread_state(self._device_type)
         hub = greenlet.getcurrent()
         self._ubatches = [UBatch(i, greenlet.greenlet(fn, parent=hub), streams.compute,
@@ -116,11 +115,6 @@ class UBatchScheduler:
             self._ubatches = []
 
     # ---------------------------------------------------- used by dbo.yield_points
-    @property
-    def running(self) -> UBatch:
-        assert self._running is not None, "no ubatch is running"
-        return self._running
-
     def yield_(self) -> None:
         """Hand control to the other ubatch; return when this one is resumed.
 
