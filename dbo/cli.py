@@ -5,6 +5,7 @@
     dbo inspect FILE  analyze a torch.profiler or Nsight Systems trace (traces.analyze)
     dbo bench         throughput sweep with a measured overlap ceiling (dbo.bench)
     dbo bench-switch  CPU cost of one ubatch hand-off (dbo.bench_switch)
+    dbo soak          many random-size DBO steps against the reference (dbo.soak)
 
 `python -m dbo.cli <command> ...` does the same (use it under torchrun).
 """
@@ -21,6 +22,7 @@ COMMANDS = {
     "inspect": ("traces.analyze", "analyze a Chrome (torch.profiler) or Nsight SQLite trace"),
     "bench": ("dbo.bench", "throughput sweep: backends x tokens x DBO on/off, with ceiling"),
     "bench-switch": ("dbo.bench_switch", "CPU cost per ubatch hand-off vs OS threads"),
+    "soak": ("dbo.soak", "many random-size DBO steps vs the no-DBO reference; memory stays flat"),
 }
 
 

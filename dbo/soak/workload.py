@@ -1,0 +1,86 @@
+"""The soak model and its per-step inputs: seeded by (seed, step, rank)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe.config import MoEConfig
+from moe.layer import MoELayer
+from moe.reference import init_moe_weights
+from moe.shared import SharedExperts
+from dbo.soak.config import SoakConfig, ZERO_EVERY
+
+
+# ------------------------------------------------------------------------------ model
+class SoakModel(nn.Module):
+    """x [T, H] -> [T, H], fp32: per layer `x = gelu(dense(x + moe(x)))`.
+
+    The MoE layers dispatch/combine over `group` and yield there under DBO; the dense
+    Linear + GELU between them calls nothing DBO-specific.
+    """
+
+    def __init__(self, job: SoakConfig, *, group: Optional[dist.ProcessGroup],
+                 experts: str, device: torch.device) -> None:
+        super().__init__()
+        self.moe_config = MoEConfig(num_experts=job.num_experts, top_k=job.top_k,
+                                    hidden_size=job.hidden, intermediate_size=job.intermediate,
+                                    num_shared_experts=1, dtype=torch.float32,
+                                    max_tokens_per_rank=job.max_tokens)
+        self.moe = nn.ModuleList(
+            MoELayer(self.moe_config, group=group, backend=job.backend, experts=experts,
+                     layer_id=i, device=device) for i in range(job.layers))
+        self.dense = nn.ModuleList(
+            nn.Linear(job.hidden, job.hidden, device=device) for _ in range(job.layers))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Seeded weights drawn on the CPU: the same on every rank (each keeps its experts)."""
+        for i, (moe, dense) in enumerate(zip(self.moe, self.dense)):
+            moe.load_weights(init_moe_weights(self.moe_config, seed=seed * 1000 + i))
+            shared = SharedExperts.from_config(self.moe_config, seed=seed * 1000 + 500 + i)
+            moe.shared_experts.load_state_dict(shared.state_dict())
+            gen = torch.Generator().manual_seed(seed * 1000 + 900 + i)
+            dense.weight.copy_(torch.randn(dense.weight.shape, generator=gen)
+                               / dense.weight.shape[1] ** 0.5)
+            dense.bias.copy_(0.1 * torch.randn(dense.bias.shape, generator=gen))
+
+    def forward(self, x_TH: Tensor) -> Tensor:
+        for moe, dense in zip(self.moe, self.dense):
+            x_TH = F.gelu(dense(x_TH + moe(x_TH)))
+        return x_TH
+
+    def workspace_bytes(self) -> int:
+        """Bytes held by the MoE layers' per-ubatch scratch workspaces (grow-only)."""
+        # A MoELayer keeps one ModularKernel per input device, each with its WorkspaceSets.
+        return sum(kernel.workspaces.nbytes for moe in self.moe
+                   for kernel in moe._kernels.values())
+
+
+# ------------------------------------------------------------------------------ inputs
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A 63-bit generator seed from (seed, step, rank) (splitmix64; stable across processes)."""
+    mask = (1 << 64) - 1
+    h = 0x9E3779B97F4A7C15
+    for part in (seed, step, rank):
+        h = ((h ^ (part & mask)) * 0xBF58476D1CE4E5B9) & mask
+        h = ((h ^ (h >> 31)) * 0x94D049BB133111EB) & mask
+        h ^= h >> 29
+    return h >> 1
+
+
+def draw_step_input(job: SoakConfig, step: int, rank: int, gen: torch.Generator) -> Tensor:
+    """This rank's input x [T, hidden] fp32 (CPU) at `step`; T is forced to 0 on this
+    rank's zero steps, --max-tokens at step 0, else uniform in [0, --max-tokens]."""
+    gen.manual_seed(step_seed(job.seed, step, rank))
+    every = ZERO_EVERY[rank % len(ZERO_EVERY)]
+    if step % every == every - 1:
+        num_tokens = 0
+    elif step == 0:
+        num_tokens = job.max_tokens
+    else:
+        num_tokens = int(torch.randint(0, job.max_tokens + 1, (1,), generator=gen).item())
+    return torch.randn(num_tokens, job.hidden, generator=gen)

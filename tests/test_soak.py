@@ -1,0 +1,133 @@
+"""Layer 2 (CPU, spawns gloo ranks): the soak run, `python -m dbo.soak`.
+
+2000 DBO steps on two gloo ranks with random token counts per rank (0 included) at tiny
+sizes: every step matches the no-DBO reference and memory stays flat after warmup. Also
+shorter soaks of the other expert-parallel backends, the memory tracker's own ability to
+see a leak, and argument errors. One MoE layer keeps a step at ~10 gloo collectives
+(~0.7 ms each on a small CI machine), so the file fits in about a minute.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from dbo.launch import RankContext, launch
+from dbo.soak import MAX_OBJECT_GROWTH, MemoryTracker, SoakConfig, main, run_rank
+
+pytestmark = pytest.mark.distributed
+
+
+def check_summary(s: dict, *, steps: int) -> None:
+    assert s["steps"] == steps and s["world_size"] == 2 and s["device"] == "cpu"
+    assert s["mismatched_steps"] == {"count": 0, "first": []}, s["mismatched_steps"]
+    assert s["max_abs_diff"] is not None and s["max_abs_diff"] <= s["atol"] == 1e-5
+    # Steps with a zero-token (or one-token) rank cannot split, the others do.
+    assert 0 < s["split_steps"] < steps
+    assert len(s["zero_token_steps"]) == 2 and min(s["zero_token_steps"]) > 0
+    assert s["all_ranks_zero_steps"] > 0
+    assert s["memory_ok"] and s["ok"]
+    for rank in s["memory"]:
+        for name, check in rank["checked"].items():
+            assert check["growth"] <= check["bound"], (rank["rank"], name, check)
+        assert rank["tensors"]["final"] > 0 and rank["objects"]["final"] > 0
+
+
+def test_soak_a2a_2000_steps(tmp_path, capfd):
+    out = tmp_path / "soak.json"
+    # main() in this process (its ranks are spawned): capfd also sees the ranks' stderr.
+    code = main(["--steps", "2000", "--backend", "a2a", "--layers", "1", "--report-every",
+                 "400", "--trace-window", "100", "--json-out", str(out)])
+    stdout, stderr = capfd.readouterr()
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    last = json.loads(stdout.strip().splitlines()[-1])  # the one final JSON line
+    check_summary(last, steps=2000)
+    assert last["backend"] == "a2a" and last["experts"] == "reference"
+    full = json.loads(out.read_text())
+    assert full["config"]["trace_window"] == 100 and "samples" not in last["memory"][0]
+    windows = full["memory"][0]["traced_bytes_per_window"]
+    # Samples at 50 (the baseline), 450, 850, 1250, 1650 and 2000; each traced window is
+    # the 100 steps before a sample.
+    assert [x["step"] for x in full["memory"][1]["samples"]] == [50, 450, 850, 1250, 1650, 2000]
+    assert windows["window_steps"] == 100 and len(windows["bytes"]) == 5
+    assert "soak: step 2000/2000" in stderr and "verdict: PASS" in stdout
+
+
+def soak_several(ctx: RankContext, jobs: list[SoakConfig]) -> Any:
+    """Several soaks in one set of ranks (one process start for all)."""
+    return [run_rank(ctx, job) for job in jobs]
+
+
+def test_soak_other_backends():
+    # 120 steps: ranks 0 and 1 both have 0 tokens at step 76.
+    jobs = [SoakConfig(steps=120, backend=backend, layers=1, warmup=20, report_every=50,
+                       trace_window=25) for backend in ("a2a_ll", "naive")]
+    for job, summary in zip(jobs, launch(soak_several, jobs, world_size=2)):
+        assert summary["backend"] == job.backend
+        check_summary(summary, steps=120)
+
+
+def test_memory_tracker_sees_leaks():
+    cpu = torch.device("cpu")
+    tracker = MemoryTracker(cpu, trace_python=True)
+    tracker.start(0)
+    for _ in range(3):  # churn that frees everything: flat
+        junk = [torch.randn(64) + 1 for _ in range(100)], [str(i) * 50 for i in range(100)]
+        del junk
+    tracker.record(3)
+    tracker.stop()
+    assert tracker.verdict(1 << 20).ok, tracker.verdict(1 << 20).checked
+
+    leaks: list[Any] = []
+    tracker.start(0)
+    leaks += [torch.zeros(1) for _ in range(MAX_OBJECT_GROWTH + 10)]  # tensors, objects
+    leaks.append(torch.zeros(1 << 19))                                 # 2 MiB of storage
+    leaks += [bytes(1024) for _ in range(1100)]                        # 1.1 MiB Python heap
+    tracker.record(1)
+    tracker.stop()
+    checked = tracker.verdict(1 << 20).checked
+    assert not tracker.verdict(1 << 20).ok
+    for name in ("tensors", "objects", "tensor_bytes_less_workspace", "tracemalloc"):
+        growth, bound = checked[name]
+        assert growth > bound, (name, checked)
+
+    # A spike at one sample (tensors a communication thread still holds) is not growth;
+    # a leak raises the last two samples alike.
+    settled = MemoryTracker(cpu, trace_python=False)
+    settled.start(0)
+    spike = [torch.zeros(1) for _ in range(20)]
+    settled.record(1)
+    del spike
+    settled.record(2)
+    assert settled.verdict(1 << 20).checked["tensors"][0] <= 0
+    leaks += [torch.zeros(1) for _ in range(20)]
+    settled.record(3)
+    settled.record(4)
+    assert settled.verdict(1 << 20).checked["tensors"][0] == 20
+
+    windowed = MemoryTracker(cpu, trace_python=True, trace_window=5)
+    windowed.start(0)
+    leaks += [bytes(1024) for _ in range(100)]  # before the window: not traced
+    windowed.begin_window()
+    leaks += [bytes(1024) for _ in range(1100)]
+    windowed.record(10)
+    growth, bound = windowed.verdict(1 << 20).checked["tracemalloc_window"]
+    assert bound == (1 << 20) // 2 and 1100 * 1024 < growth < 1200 * 1024
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps=0: must be an int >= 1"),
+    (["--warmup", "100", "--steps", "100"], "leaves no measured steps"),
+    (["--backend", "local"], "invalid choice"),
+    (["--trace-window", "300"], "--trace-window=300 exceeds --report-every=200"),
+    (["--world-size", "1"], "needs 2 or more ranks"),
+    (["--num-experts", "7", "--world-size", "2"], "not divisible"),
+    (["--atol", "nan"], "--atol=nan"),
+])
+def test_bad_args_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
