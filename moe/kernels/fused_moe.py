@@ -52,6 +52,7 @@ def fused_moe_kernel(
     K,
     num_routed,  # R, also the padding sentinel
     max_padded_rows,  # P, the launch bound (a multiple of BLOCK_M)
+    rows_bucket,  # next power of two of P: autotune key only (unused in the body)
     # Strides
     stride_am,
     stride_ak,
@@ -202,7 +203,9 @@ def _tuned_kernel() -> Any:
     """The autotuned kernel, built on first GPU use (the interpreter never needs it)."""
     return triton.autotune(
         configs=autotune_configs(),
-        key=["N", "K", "BLOCK_M", "GATED"],
+        # rows_bucket: the best tile at 256 tokens is not the best at 16384, yet keying on
+        # the exact row count would re-tune for every batch size.
+        key=["N", "K", "BLOCK_M", "GATED", "rows_bucket"],
         prune_configs_by={"early_config_prune": _prune_configs},
     )(fused_moe_kernel)
 
@@ -298,7 +301,7 @@ def _launch(
     args = (
         a, b, c, weights_R if final else c,  # the pointer is unused when not final
         routing.sorted_ids_P, routing.block_expert_ids_B, routing.num_padded_rows,
-        n, k, routing.num_routed, max_rows,
+        n, k, routing.num_routed, max_rows, triton.next_power_of_2(max(max_rows, 1)),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
     )
     flags = {
