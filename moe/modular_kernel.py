@@ -35,14 +35,13 @@ from moe.workspace import Workspace, WorkspaceSets
 
 
 def await_pending(pending: Pending[R]) -> R:
-    """Run the hook (handing it to the other ubatch under DBO), then the receiver."""
-    if pending.hook is not None:
-        if dbo_enabled():
-            dbo_register_recv_hook(pending.hook)
-            dbo_yield()
-        else:
-            pending.hook()
-    return pending.receiver()
+    """Under DBO, hand the hook to the other ubatch and yield before receiving; outside
+    a step (or without a hook) this is just `pending.wait()`."""
+    if pending.hook is not None and dbo_enabled():
+        dbo_register_recv_hook(pending.hook)
+        dbo_yield()
+        return pending.receiver()
+    return pending.wait()
 
 
 class ModularKernel:

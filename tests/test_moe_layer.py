@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import dbo
 from dbo import UBatchScheduler
+import moe
 from moe import MoEConfig, MoELayer, SharedExperts, init_moe_weights, reference_moe
 from moe.backends.base import Dispatched, Pending, PrepareFinalize
 from moe.modular_kernel import ModularKernel
@@ -211,3 +212,19 @@ def test_experts_not_divisible_by_ep_size():
     from tests.dist_utils import run_distributed
     for msg in run_distributed(2, _ep_indivisible):
         assert "num_experts=5 is not divisible by the EP size 2" in msg
+
+
+def test_sync_prepare_finalize_is_the_async_path_plus_its_wait():
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8)
+    layer, weights = make_layer(cfg)
+    kernel = layer._kernel(torch.device("cpu"))
+    x = torch.randn(11, 16)
+    with torch.no_grad():
+        weights_TK, ids_TK = moe.route(layer.router(x), cfg)
+        workspace = kernel.workspaces.for_ubatch(0)
+        dispatched = kernel.backend.prepare(x, weights_TK, ids_TK, workspace=workspace)
+        expert_out = kernel.experts.apply(dispatched.x_RH, layer.w13, layer.w2,
+                                          dispatched.topk_ids_RK, dispatched.topk_weights_RK)
+        out = kernel.backend.finalize(expert_out, dispatched, workspace=workspace)
+        torch.testing.assert_close(out, layer(x), atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(out, reference(cfg, weights, x), atol=ATOL, rtol=ATOL)

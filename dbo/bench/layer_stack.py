@@ -124,11 +124,6 @@ def layer_moe_config(base: MoEConfig, *, num_experts: int,
     return dataclasses.replace(base, **changes)
 
 
-def attention_flops_per_token(hidden_size: int, context: int) -> int:
-    """FLOPs of the attention stand-in per token and layer: 8 H^2 + 4 C H."""
-    return 8 * hidden_size * hidden_size + 4 * context * hidden_size
-
-
 def make_input(num_tokens: int, hidden_size: int, *, dtype: torch.dtype,
                device: torch.device, seed: int) -> Tensor:
     """[T, H] standard-normal hidden states, seeded."""

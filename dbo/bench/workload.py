@@ -94,7 +94,6 @@ class WorkloadFactory:
         self.dbo_config = DBOConfig(split=split, **_SPLIT_ALWAYS)
         self._model_key: Optional[tuple] = None
         self._model: Optional[nn.Module] = None
-        self._model_config: Any = None
         self._inputs: dict[int, tuple[tuple, dict]] = {}
         if cfg.mode == "model":
             _import_model()  # fail early with the reason
@@ -132,7 +131,7 @@ class WorkloadFactory:
 
     def release(self) -> None:
         """Drop the model and inputs (frees device memory before the next build)."""
-        self._model = self._model_config = self._model_key = None
+        self._model = self._model_key = None
         self._inputs.clear()
 
     # --------------------------------------------------------------- internals
@@ -157,7 +156,6 @@ class WorkloadFactory:
     def _build_transformer(self, moe: MoEConfig, backend: str) -> nn.Module:
         MoETransformer, _ = _import_model()
         config = get_preset(self.cfg.preset, num_layers=self.num_layers, moe=moe)
-        self._model_config = config
         model = MoETransformer(config, group=self.group, backend=backend,
                                experts=self.cfg.experts, device=self.device)
         model.init_weights(self.cfg.seed)

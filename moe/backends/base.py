@@ -90,8 +90,6 @@ class PrepareFinalize(ABC):
     """Base of the dispatch/combine backends (one subclass per file, registered by name)."""
 
     name: ClassVar[str]
-    #: Whether a dispatch blocks the host (a count exchange read on the CPU).
-    host_sync: ClassVar[bool] = False
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         self.config = config

@@ -44,10 +44,6 @@ class NaiveBackend(PrepareFinalize):
 
     name = "naive"
 
-    @property
-    def host_sync(self) -> bool:  # type: ignore[override]
-        return self.config.max_tokens_per_rank is None
-
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:
         num_tokens, world = x_TH.shape[0], self.world_size
