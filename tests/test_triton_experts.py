@@ -1,10 +1,11 @@
 """Triton fused-MoE experts (layer 3: the Triton interpreter on CPU; GPU-marked on CUDA).
 
-`moe.kernels.align` on its own, then `TritonExperts` against `ReferenceExperts` (per-expert
-float32 loop) over the edge cases: experts with no rows, N = 0 / 1, top-k 1 and 8, 1 to 64
-local experts, ids -1, odd hidden sizes, several blocks per expert, fp32 / fp16 / bf16 (the
-interpreter needs a patched tl.dot for bf16, see `bf16_dot_in_interpreter`). Without CUDA,
-tests/conftest.py sets TRITON_INTERPRET=1 before anything imports a kernel, and shapes stay
+`moe.kernels.align` and its Triton twin `moe.kernels.align_triton` on their own, then
+`TritonExperts` against `ReferenceExperts` (per-expert float32 loop) over the edge cases:
+experts with no rows, N = 0 / 1, top-k 1 and 8, 1 to 64 local experts, ids -1, odd hidden
+sizes, several blocks per expert, fp32 / fp16 / bf16 (the interpreter needs a patched
+tl.dot for bf16, see `bf16_dot_in_interpreter`). Without CUDA, tests/conftest.py sets
+TRITON_INTERPRET=1 before anything imports a kernel, and shapes stay
 tiny; `test_gpu_shapes` runs the compiled, autotuned kernels on CUDA.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from moe.experts.reference import ReferenceExperts
 from moe.experts.triton import TritonExperts
 from moe.kernels.align import align_routing, max_padded_rows
+from moe.kernels.align_triton import align_routing_triton
 from moe.workspace import Workspace
 
 pytestmark = pytest.mark.triton
@@ -79,23 +81,27 @@ def check_against_reference(
 # --------------------------------------------------------------------------------- align
 
 
-@pytest.mark.parametrize(
-    "num_tokens, top_k, num_experts, block_m, drop_frac",
-    [
-        (1, 1, 1, 16, 0.0),
-        (7, 2, 64, 16, 0.0),  # most experts empty
-        (40, 1, 1, 16, 0.0),  # one expert, three blocks
-        (33, 8, 8, 32, 0.25),  # ids -1 in the mix
-        (20, 4, 5, 16, 1.0),  # everything dropped
-        (50, 3, 4, 64, 0.1),
-    ],
-)
+ALIGN_CASES = [
+    (1, 1, 1, 16, 0.0),
+    (7, 2, 64, 16, 0.0),  # most experts empty
+    (40, 1, 1, 16, 0.0),  # one expert, three blocks
+    (33, 8, 8, 32, 0.25),  # ids -1 in the mix
+    (20, 4, 5, 16, 1.0),  # everything dropped
+    (50, 3, 4, 64, 0.1),
+]
+
+
+def _random_ids(num_tokens: int, top_k: int, num_experts: int, drop_frac: float) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(num_tokens * 31 + top_k)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)
+    return ids.masked_fill(torch.rand(num_tokens, top_k, generator=gen) < drop_frac, -1)
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m, drop_frac", ALIGN_CASES)
 def test_align_layout(
     num_tokens: int, top_k: int, num_experts: int, block_m: int, drop_frac: float
 ) -> None:
-    gen = torch.Generator().manual_seed(num_tokens * 31 + top_k)
-    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)
-    ids = ids.masked_fill(torch.rand(num_tokens, top_k, generator=gen) < drop_frac, -1)
+    ids = _random_ids(num_tokens, top_k, num_experts, drop_frac)
     routing = align_routing(ids.to(DEVICE), num_experts, block_m)
 
     num_routed = num_tokens * top_k
@@ -127,6 +133,52 @@ def test_align_layout(
         assert int((blocks == expert).sum()) == -(-count // block_m)
         rows = sorted_ids[:used][real & (row_expert == expert)]
         assert torch.equal(rows, rows.sort().values)
+
+
+def assert_same_routing(ids: torch.Tensor, num_experts: int, block_m: int, **kwargs: int) -> None:
+    """The Triton align equals the torch one (whose layout test_align_layout checks) on
+    every row that is read: the used rows and all block entries."""
+    want = align_routing(ids, num_experts, block_m)
+    got = align_routing_triton(ids, num_experts, block_m, **kwargs)
+    used = int(want.num_padded_rows.item())
+    assert int(got.num_padded_rows.item()) == used
+    assert (got.block_m, got.num_routed) == (want.block_m, want.num_routed)
+    assert got.sorted_ids_P.shape == want.sorted_ids_P.shape
+    assert torch.equal(got.sorted_ids_P[:used], want.sorted_ids_P[:used])
+    assert torch.equal(got.block_expert_ids_B, want.block_expert_ids_B)
+
+
+@pytest.mark.parametrize("chunk", [16, None])  # 16: many count/scatter programs
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m, drop_frac", ALIGN_CASES)
+def test_triton_align_matches_torch(
+    num_tokens: int, top_k: int, num_experts: int, block_m: int, drop_frac: float,
+    chunk: int | None,
+) -> None:
+    ids = _random_ids(num_tokens, top_k, num_experts, drop_frac).to(DEVICE)
+    assert_same_routing(ids, num_experts, block_m, chunk=chunk)
+
+
+def test_triton_align_int32_empty_and_workspace() -> None:
+    ids = _random_ids(9, 4, 6, 0.2).to(DEVICE)
+    assert_same_routing(ids.int(), 6, 16, chunk=16)
+    empty = align_routing_triton(torch.empty(0, 4, dtype=torch.int64, device=DEVICE), 8, 16)
+    assert empty.sorted_ids_P.numel() == 0 and int(empty.num_padded_rows.item()) == 0
+    ws = Workspace()
+    first = align_routing_triton(ids, 6, 16, workspace=ws)
+    allocations = ws.num_allocations
+    again = align_routing_triton(ids[:5], 6, 16, workspace=ws)
+    assert ws.num_allocations == allocations, "the smaller call reuses every buffer"
+    assert again.sorted_ids_P.data_ptr() == first.sorted_ids_P.data_ptr()
+    with pytest.raises(ValueError, match="chunk must be a power of two"):
+        align_routing_triton(ids, 6, 16, chunk=24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, num_experts, block_m", [(8192, 128, 128), (3000, 32, 64),
+                                                              (1, 256, 16)])
+def test_gpu_triton_align_matches_torch(num_tokens: int, num_experts: int, block_m: int) -> None:
+    ids = _random_ids(num_tokens, 8, num_experts, 0.4).to(DEVICE)
+    assert_same_routing(ids, num_experts, block_m)
 
 
 def test_align_empty_and_workspace() -> None:

@@ -2,7 +2,8 @@
 
 The fused MoE kernel (`moe.kernels.fused_moe`) walks its rows in blocks of BLOCK_M that
 all belong to one expert. This module builds that layout with a handful of torch ops on
-the routing's device and no host sync: every buffer is sized by an upper bound that is
+the routing's device and no host sync (the reference; `moe.kernels.align_triton` builds the
+same in three launches for the fused kernel): every buffer is sized by an upper bound that is
 known on the host, and the true number of used rows stays on the device.
 
 Legend: N tokens, K top-k, E local experts, R = N*K routed rows (flat id = token*K + k),
@@ -31,7 +32,9 @@ class AlignedRouting:
     """
 
     sorted_ids_P: torch.Tensor
-    """int32 [P]: flat (token*K + k) id per row, expert-major; R marks a padding row."""
+    """int32 [P]: flat (token*K + k) id per row, expert-major; R marks a padding row.
+    Rows at or past `num_padded_rows` are never read (the torch version fills them with
+    R, the Triton version leaves them as they were)."""
     block_expert_ids_B: torch.Tensor
     """int32 [B]: local expert of each block of BLOCK_M rows; -1 for the dropped segment
     and for the unused blocks past `num_padded_rows`."""
@@ -55,6 +58,18 @@ def max_padded_rows(num_routed: int, num_experts: int, block_m: int) -> int:
     return -(-bound // block_m) * block_m
 
 
+def check_align_args(topk_ids_NK: torch.Tensor, num_experts: int, block_m: int) -> None:
+    """The argument checks shared by both align implementations."""
+    if topk_ids_NK.dim() != 2:
+        raise ValueError(f"topk_ids must be [N, K], got shape {tuple(topk_ids_NK.shape)}")
+    if topk_ids_NK.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids_NK.dtype}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+
+
 def align_routing(
     topk_ids_NK: torch.Tensor,
     num_experts: int,
@@ -74,15 +89,7 @@ def align_routing(
         `AlignedRouting` on `topk_ids_NK.device`. Rows of one expert keep token order
         (stable sort), so the layout is deterministic.
     """
-    if topk_ids_NK.dim() != 2:
-        raise ValueError(f"topk_ids must be [N, K], got shape {tuple(topk_ids_NK.shape)}")
-    if topk_ids_NK.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids_NK.dtype}")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    if block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two, got {block_m}")
-
+    check_align_args(topk_ids_NK, num_experts, block_m)
     device = topk_ids_NK.device
     num_routed = topk_ids_NK.numel()
     num_rows = max_padded_rows(num_routed, num_experts, block_m)

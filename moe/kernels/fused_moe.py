@@ -7,7 +7,7 @@ One kernel serves both GEMMs of an expert MLP; constexpr flags pick the epilogue
     then                       out[n]  = sum_k y[n*K + k]      (torch, fp32 accumulation)
 
 where r = n*K + k is a flat routed row and e = topk_ids[n, k]. Rows are visited in the
-expert-sorted, BLOCK_M-padded order from `moe.kernels.align`, so each program multiplies
+expert-sorted, BLOCK_M-padded order from `moe.kernels.align_triton`, so each program multiplies
 BLOCK_M rows of one expert by a BLOCK_N slice of that expert's weights. Every output row is
 written by exactly one program and the k-sum is a plain reduction: the result is
 deterministic (no atomics).
@@ -21,6 +21,7 @@ is defined. Nothing is compiled or launched at import.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +29,8 @@ import triton
 import triton.language as tl
 
 from moe.experts.base import check_expert_inputs
-from moe.kernels.align import AlignedRouting, align_routing
+from moe.kernels.align import AlignedRouting
+from moe.kernels.align_triton import align_routing_triton
 from moe.workspace import Workspace, empty_from
 
 # Fixed tile for CPU tensors (the interpreter): autotuning there would take minutes.
@@ -142,15 +144,21 @@ def fused_moe_kernel(
 
 # (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per regime. Few rows per block
 # (decode) is weight-bandwidth bound: wide loads, 4 warps, deep pipelines. Full blocks are
-# tensor-core bound: 8 warps (two warpgroups) and large output tiles.
+# tensor-core bound. The large-block list holds the winners of `python -m moe.tune_experts`
+# on an H200 (DeepSeek-V3 and Qwen3 expert shapes, 2048-16384 tokens, BLOCK_M 64 and 128):
+# GEMM1 (gated, two accumulators) mostly wins with 64-128 wide tiles, GEMM2 with 256; a
+# larger GROUP_M (more row blocks share a weight tile in L2) gained up to 15% at some points.
 _SMALL_M_TILES = ((64, 64, 8, 4, 4), (64, 128, 8, 4, 4), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3))
 _LARGE_M_TILES = (
-    (64, 64, 8, 4, 4),
-    (64, 64, 8, 8, 4),  # GATED: two 128x64 accumulators fit 8 warps without spilling
-    (64, 128, 8, 8, 3),
-    (128, 64, 8, 8, 3),
-    (128, 128, 8, 8, 3),
-    (256, 64, 8, 8, 3),
+    (64, 64, 8, 8, 3),
+    (64, 64, 16, 4, 3),
+    (128, 64, 8, 4, 3),
+    (128, 64, 8, 4, 5),
+    (128, 64, 16, 8, 3),
+    (128, 64, 32, 8, 4),
+    (256, 64, 8, 4, 4),
+    (256, 64, 16, 8, 3),
+    (256, 64, 32, 8, 4),
 )
 
 
@@ -172,29 +180,37 @@ def autotune_configs(block_m: int | None = None) -> list[triton.Config]:
     ]
 
 
+def tile_fits(
+    *, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+    gated: bool, elem_bytes: int, n: int, k: int,
+) -> bool:
+    """Whether a tile suits a GEMM of output width `n` and depth `k`: no wider than the
+    GEMM, its pipeline stages of A and B tiles within shared memory, and its fp32
+    accumulators (two when gated) within the register file."""
+    if block_n > max(16, triton.next_power_of_2(n)) or block_k > max(16, triton.next_power_of_2(k)):
+        return False
+    num_b = 2 if gated else 1
+    smem = num_stages * (block_m * block_k + num_b * block_n * block_k) * elem_bytes
+    acc_regs = num_b * block_m * block_n // (num_warps * 32)
+    return smem <= _SMEM_BYTES and acc_regs <= 128
+
+
 def _prune_configs(
     configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any
 ) -> list[triton.Config]:
-    """Keep the configs of this BLOCK_M regime whose tiles fit the GEMM, the shared memory
-    (pipeline stages of A and B tiles) and the registers (fp32 accumulators)."""
+    """Keep the configs of this BLOCK_M regime that `tile_fits` the GEMM."""
     block_m = kwargs["BLOCK_M"]
     regime = set(map(str, autotune_configs(block_m)))
-    num_b = 2 if kwargs["GATED"] else 1
-    elem = named_args["a_ptr"].element_size()
-    n, k = named_args["N"], named_args["K"]
-    kept = []
-    for config in configs:
-        block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
-        if str(config) not in regime:
-            continue
-        if block_n > max(16, triton.next_power_of_2(n)):
-            continue
-        if block_k > max(16, triton.next_power_of_2(k)):
-            continue
-        smem = config.num_stages * (block_m * block_k + num_b * block_n * block_k) * elem
-        acc_regs = num_b * block_m * block_n // (config.num_warps * 32)
-        if smem <= _SMEM_BYTES and acc_regs <= 128:
-            kept.append(config)
+    kept = [
+        config
+        for config in configs
+        if str(config) in regime
+        and tile_fits(
+            block_m=block_m, block_n=config.kwargs["BLOCK_N"], block_k=config.kwargs["BLOCK_K"],
+            num_warps=config.num_warps, num_stages=config.num_stages, gated=kwargs["GATED"],
+            elem_bytes=named_args["a_ptr"].element_size(), n=named_args["N"], k=named_args["K"],
+        )
+    ]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
 
 
@@ -267,18 +283,66 @@ def fused_moe(
         return torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
 
     block_m = block_m or choose_block_m(num_routed, num_experts)
-    routing = align_routing(topk_ids_NK, num_experts, block_m, workspace=workspace)
+    routing = align_routing_triton(topk_ids_NK, num_experts, block_m, workspace=workspace)
     act_RI = empty_from(workspace, "triton.act", (num_routed, inter), dtype, device)
     y_RH = empty_from(workspace, "triton.rows", (num_routed, hidden), dtype, device)
     weights_R = topk_weights_NK.reshape(-1)
 
-    _launch(x_NH, w13_EIH, act_RI, None, routing, n=inter, k=hidden, a_rows_div=top_k, gated=True)
-    _launch(act_RI, w2_EHI, y_RH, weights_R, routing, n=hidden, k=inter, a_rows_div=1, gated=False)
+    _launch(x_NH, w13_EIH, act_RI, None, routing, n=inter, k=hidden, a_rows_div=top_k)
+    _launch(act_RI, w2_EHI, y_RH, weights_R, routing, n=hidden, k=inter, a_rows_div=1)
 
     out_NH = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
     # Reduced-precision sums accumulate in fp32 inside torch's reduction kernels.
     torch.sum(y_RH.view(num_tokens, top_k, hidden), dim=1, out=out_NH)
     return out_NH
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """Everything but the tile of one `fused_moe_kernel` launch: positional args, the
+    constexpr flags, and the routing's row count (the grid is rows x output columns)."""
+
+    args: tuple[Any, ...]
+    flags: dict[str, Any]
+    max_rows: int
+    n: int
+
+    def grid(self, block_n: int) -> tuple[int]:
+        return (triton.cdiv(self.max_rows, self.flags["BLOCK_M"]) * triton.cdiv(self.n, block_n),)
+
+
+def kernel_launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    weights_R: torch.Tensor | None,
+    routing: AlignedRouting,
+    *,
+    n: int,
+    k: int,
+    a_rows_div: int,
+) -> KernelLaunch:
+    """The launch of one GEMM of the pair: GEMM1 (gated, `weights_R` None) or GEMM2
+    (weighted by `weights_R`, zero rows for dropped ids)."""
+    max_rows = routing.sorted_ids_P.numel()
+    final = weights_R is not None
+    ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    args = (
+        a, b, c, weights_R if final else c,  # the pointer is unused when not final
+        routing.sorted_ids_P, routing.block_expert_ids_B, routing.num_padded_rows,
+        n, k, routing.num_routed, max_rows, triton.next_power_of_2(max(max_rows, 1)),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+    )
+    flags = {
+        "A_ROWS_DIV": a_rows_div,
+        "GATED": not final,
+        "MUL_ROUTED_WEIGHT": final,
+        "ZERO_DROPPED": final,
+        "BLOCK_M": routing.block_m,
+        # Follow torch's matmul: exact fp32 unless the user allowed TF32 (16-bit: unused).
+        "INPUT_PRECISION": "ieee" if ieee else "tf32",
+    }
+    return KernelLaunch(args=args, flags=flags, max_rows=max_rows, n=n)
 
 
 def _launch(
@@ -291,38 +355,14 @@ def _launch(
     n: int,
     k: int,
     a_rows_div: int,
-    gated: bool,
 ) -> None:
-    """Queue one GEMM of the pair on the current stream."""
-    max_rows = routing.sorted_ids_P.numel()
-    block_m = routing.block_m
-    final = weights_R is not None
-    ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    args = (
-        a, b, c, weights_R if final else c,  # the pointer is unused when not final
-        routing.sorted_ids_P, routing.block_expert_ids_B, routing.num_padded_rows,
-        n, k, routing.num_routed, max_rows, triton.next_power_of_2(max(max_rows, 1)),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-    )
-    flags = {
-        "A_ROWS_DIV": a_rows_div,
-        "GATED": gated,
-        "MUL_ROUTED_WEIGHT": final,
-        "ZERO_DROPPED": final,
-        "BLOCK_M": block_m,
-        # Follow torch's matmul: exact fp32 unless the user allowed TF32 (16-bit: unused).
-        "INPUT_PRECISION": "ieee" if ieee else "tf32",
-    }
+    """Queue one GEMM of the pair on the current stream (autotuned tile on the GPU)."""
+    launch = kernel_launch(a, b, c, weights_R, routing, n=n, k=k, a_rows_div=a_rows_div)
     if a.device.type == "cpu":  # TRITON_INTERPRET=1
         meta = _INTERPRETER_CONFIG
-        grid = (triton.cdiv(max_rows, block_m) * triton.cdiv(n, meta["BLOCK_N"]),)
-        fused_moe_kernel[grid](*args, **flags, **meta)
+        fused_moe_kernel[launch.grid(meta["BLOCK_N"])](*launch.args, **launch.flags, **meta)
         return
-
-    def grid(meta: dict[str, Any]) -> tuple[int]:
-        return (triton.cdiv(max_rows, block_m) * triton.cdiv(n, meta["BLOCK_N"]),)
-
-    _tuned_kernel()[grid](*args, **flags)
+    _tuned_kernel()[lambda meta: launch.grid(meta["BLOCK_N"])](*launch.args, **launch.flags)
 
 
 def _check(

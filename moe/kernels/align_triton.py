@@ -1,0 +1,189 @@
+"""Expert-sorted, BLOCK_M-padded routing in three Triton launches (the GPU path of align).
+
+Same contract and the same output as `moe.kernels.align.align_routing` (the torch
+version, kept as the reference and for the tests), with three launches instead of about
+fifteen torch ops and a radix sort. The host launch work matters: under DBO each ubatch
+aligns its own rows in every layer.
+
+    1. count:   per chunk of CHUNK routed rows, a histogram over segments
+                (expert 0..E-1, E = dropped id -1, and one junk bin for the tail).
+    2. scan:    one program: segment totals, BLOCK_M-padded segment starts, each chunk's
+                base offset per segment, the block -> expert table, the padding sentinels
+                and the used row count.
+    3. scatter: per chunk, a sort of (segment, position) keys gives every row its rank
+                among the chunk's rows of its segment; row -> base + rank.
+
+Rows of one segment keep flat-id order (chunks in order, positions in order), exactly like
+the stable torch sort, so both versions produce identical buffers.
+
+Legend: R routed rows, E local experts, S = E + 1 segments, S_PAD >= S + 1 (a power of two,
+the last bin is junk), C chunks of CHUNK rows, P max padded rows, B = P // BLOCK_M blocks.
+Import only after TRITON_INTERPRET is settled; nothing is compiled at import.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe.kernels.align import AlignedRouting, check_align_args, max_padded_rows
+from moe.workspace import Workspace, empty_from
+
+CHUNK = 1024  # rows per count/scatter program: one in-register sort of CHUNK keys
+SMALL_CHUNK = 64  # for at most this many rows: a shorter sort (decode; the interpreter)
+_FILL_COLS = 16  # padding sentinels are written [S_PAD, _FILL_COLS] at a time
+_BLOCKS_PER_STEP = 32  # block -> expert entries computed [_BLOCKS_PER_STEP, S_PAD] at a time
+
+
+@triton.jit
+def _segments(ids_ptr, offs, num_routed, num_experts, S_PAD: tl.constexpr):
+    """Segment per row: its expert, E for id -1, S_PAD - 1 (junk) past the end."""
+    in_range = offs < num_routed
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=0).to(tl.int32)
+    seg = tl.where(ids < 0, num_experts, ids)
+    return tl.where(in_range, seg, S_PAD - 1)
+
+
+@triton.jit
+def align_count_kernel(
+    ids_ptr,  # int32/int64 [R] expert ids in [-1, E)
+    counts_ptr,  # int32 [C, S_PAD] out: rows per segment in each chunk
+    num_routed,
+    num_experts,
+    S_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    seg = _segments(ids_ptr, offs, num_routed, num_experts, S_PAD)
+    counts = tl.histogram(seg, S_PAD)
+    tl.store(counts_ptr + chunk * S_PAD + tl.arange(0, S_PAD), counts)
+
+
+@triton.jit
+def align_scan_kernel(
+    counts_ptr,  # int32 [C, S_PAD] in: chunk histograms; out: base offset per (chunk, seg)
+    sorted_ids_ptr,  # int32 [P] out: the padding rows get the sentinel R
+    block_expert_ids_ptr,  # int32 [B] out: expert per block, -1 for dropped/idle
+    num_padded_rows_ptr,  # int32 [1] out
+    num_routed,
+    num_experts,
+    num_chunks,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    S_PAD: tl.constexpr,
+    FILL_COLS: tl.constexpr,
+    BLOCKS_PER_STEP: tl.constexpr,
+):
+    """One program. Segments are laid out in id order, each padded to BLOCK_M; the junk
+    bin (tail rows) gets no space."""
+    segs = tl.arange(0, S_PAD)
+    totals = tl.zeros((S_PAD,), dtype=tl.int32)
+    for c in range(num_chunks):
+        totals += tl.load(counts_ptr + c * S_PAD + segs)
+    totals = tl.where(segs <= num_experts, totals, 0)
+    padded = (totals + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+
+    # Base per (chunk, segment): the segment's start, plus the rows earlier chunks put
+    # there, less the rows of lower segments in this chunk (the scatter adds the row's
+    # position among the chunk's rows sorted by segment).
+    running = padded_start
+    for c in range(num_chunks):
+        counts = tl.load(counts_ptr + c * S_PAD + segs)
+        below = tl.cumsum(counts, axis=0) - counts
+        tl.store(counts_ptr + c * S_PAD + segs, running - below)
+        running += counts
+
+    # Padding rows of each segment: [start + total, padded end).
+    fill_start = padded_start + totals
+    for col in range(0, BLOCK_M, FILL_COLS):
+        rows = fill_start[:, None] + col + tl.arange(0, FILL_COLS)[None, :]
+        sentinel = tl.full((S_PAD, FILL_COLS), 0, tl.int32) + num_routed
+        tl.store(sorted_ids_ptr + rows, sentinel, mask=rows < padded_end[:, None])
+
+    # Expert of each block: the number of segments that end at or before its first row.
+    for b in range(0, num_blocks, BLOCKS_PER_STEP):
+        blocks = b + tl.arange(0, BLOCKS_PER_STEP)
+        first_row = blocks * BLOCK_M
+        ended = (padded_end[None, :] <= first_row[:, None]) & (segs[None, :] < S_PAD - 1)
+        seg = tl.sum(ended.to(tl.int32), axis=1)
+        expert = tl.where(seg < num_experts, seg, -1)
+        tl.store(block_expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
+
+    tl.store(num_padded_rows_ptr, tl.sum(padded, axis=0))
+
+
+@triton.jit
+def align_scatter_kernel(
+    ids_ptr,  # int32/int64 [R]
+    base_ptr,  # int32 [C, S_PAD] from the scan
+    sorted_ids_ptr,  # int32 [P] out: flat routed id at its padded, expert-sorted row
+    num_routed,
+    num_experts,
+    S_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    pos = tl.arange(0, CHUNK)
+    seg = _segments(ids_ptr, chunk * CHUNK + pos, num_routed, num_experts, S_PAD)
+    # Sorting (segment, position) keys ranks each row among the chunk's rows stably.
+    keys = tl.sort(seg * CHUNK + pos)
+    seg_sorted = keys // CHUNK
+    row = chunk * CHUNK + keys % CHUNK
+    dest = tl.load(base_ptr + chunk * S_PAD + seg_sorted) + pos
+    tl.store(sorted_ids_ptr + dest, row, mask=seg_sorted < S_PAD - 1)
+
+
+def align_routing_triton(
+    topk_ids_NK: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    *,
+    workspace: Workspace | None = None,
+    chunk: int | None = None,
+) -> AlignedRouting:
+    """`moe.kernels.align.align_routing` in three Triton launches; identical output.
+
+    Args and returns as there (CUDA tensors, or CPU under TRITON_INTERPRET=1), plus
+    `chunk`: rows per count/scatter program, a power of two (by default SMALL_CHUNK up to
+    that many rows, else CHUNK; tests pass small chunks to cover many programs cheaply).
+    Queued on the current stream, no host sync.
+    """
+    check_align_args(topk_ids_NK, num_experts, block_m)
+    device = topk_ids_NK.device
+    num_routed = topk_ids_NK.numel()
+    num_rows = max_padded_rows(num_routed, num_experts, block_m)
+    num_blocks = num_rows // block_m
+    sorted_ids_P = empty_from(workspace, "triton.align.sorted_ids", (num_rows,), torch.int32,
+                              device)
+    block_expert_ids_B = empty_from(workspace, "triton.align.block_expert_ids", (num_blocks,),
+                                    torch.int32, device)
+    num_padded_rows = empty_from(workspace, "triton.align.num_padded_rows", (1,), torch.int32,
+                                 device)
+    if num_routed == 0:
+        num_padded_rows.zero_()
+        return AlignedRouting(sorted_ids_P, block_expert_ids_B, num_padded_rows, block_m, 0)
+
+    if chunk is None:
+        chunk = SMALL_CHUNK if num_routed <= SMALL_CHUNK else CHUNK
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
+    s_pad = triton.next_power_of_2(num_experts + 2)
+    num_chunks = triton.cdiv(num_routed, chunk)
+    counts_CS = empty_from(workspace, "triton.align.counts", (num_chunks, s_pad), torch.int32,
+                           device)
+    ids_R = topk_ids_NK.reshape(-1)
+    align_count_kernel[(num_chunks,)](ids_R, counts_CS, num_routed, num_experts,
+                                      S_PAD=s_pad, CHUNK=chunk)
+    align_scan_kernel[(1,)](
+        counts_CS, sorted_ids_P, block_expert_ids_B, num_padded_rows,
+        num_routed, num_experts, num_chunks, num_blocks,
+        BLOCK_M=block_m, S_PAD=s_pad, FILL_COLS=min(_FILL_COLS, block_m),
+        BLOCKS_PER_STEP=_BLOCKS_PER_STEP, num_warps=4,
+    )
+    align_scatter_kernel[(num_chunks,)](ids_R, counts_CS, sorted_ids_P, num_routed,
+                                        num_experts, S_PAD=s_pad, CHUNK=chunk, num_warps=8)
+    return AlignedRouting(sorted_ids_P, block_expert_ids_B, num_padded_rows, block_m,
+                          num_routed)

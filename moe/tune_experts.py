@@ -1,0 +1,370 @@
+"""Sweep the fused-MoE kernel's tiles on one GPU: which tile and BLOCK_M is fastest where.
+
+    python -m moe.tune_experts --shapes ds-e32 --tokens 2048,4096          # ~1 min on an H100
+    python -m moe.tune_experts --shapes qwen-e128 --tokens 4096 --block-m 32,64,128 --out tune/
+    python -m moe.tune_experts --dry-run                                   # list tiles; no GPU
+
+For each shape (`moe.bench_experts.SHAPES`) and token count, with uniform random top-k
+routing and bf16 data: for each BLOCK_M (rows per expert block) every candidate tile of
+GEMM1 (x @ w13, SiLU-gated) and of GEMM2 (act @ w2, routing-weighted) is launched on its
+own and timed with CUDA events (median); the best tile of each is then tried with other
+GROUP_M values. Beside them: the align step, the k-sum, the shipped (autotuned)
+`fused_moe`, and dense `torch.matmul` GEMMs of the same sizes. Candidates compile first in
+worker processes (Triton's on-disk cache then serves this one). Per point a table of the
+fastest tiles, and at the end one JSON line with every timing.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from moe.bench_experts import SHAPES, _event_times
+
+# Tile space: BLOCK_N, BLOCK_K, num_warps, num_stages (GROUP_M 8, varied for the winner).
+BLOCK_NS = (64, 128, 256)
+BLOCK_KS = (64, 128)
+WARPS = (4, 8)
+STAGES = (3, 4, 5)
+GROUP_MS = (1, 4, 8, 16, 32)
+DEFAULT_GROUP_M = 8
+GEMMS = ("gemm1", "gemm2")
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One launch configuration of `fused_moe_kernel` (BLOCK_M comes from the routing)."""
+
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+    def meta(self) -> dict[str, int]:
+        return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m,
+                "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def __str__(self) -> str:
+        return (f"N{self.block_n} K{self.block_k} G{self.group_m} "
+                f"w{self.num_warps} s{self.num_stages}")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One timed launch (or step) at one point."""
+
+    shape: str
+    tokens: int
+    what: str  # gemm1 / gemm2 / align / sum / fused_moe / dense1 / dense2
+    block_m: int | None
+    tile: str | None
+    ms: float
+    tflops: float | None
+
+
+def candidate_tiles(
+    block_m: int, *, gated: bool, n: int, k: int, elem_bytes: int = 2
+) -> list[Tile]:
+    """The tile space less what does not fit (`moe.kernels.fused_moe.tile_fits`)."""
+    from moe.kernels.fused_moe import tile_fits
+
+    return [
+        Tile(block_n, block_k, DEFAULT_GROUP_M, warps, stages)
+        for block_n, block_k, warps, stages in itertools.product(BLOCK_NS, BLOCK_KS, WARPS, STAGES)
+        if tile_fits(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps,
+                     num_stages=stages, gated=gated, elem_bytes=elem_bytes, n=n, k=k)
+    ]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m moe.tune_experts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--shapes", default="ds-e32", help=f"comma list of {', '.join(SHAPES)}")
+    add("--tokens", default="2048,4096", help="comma list of tokens per rank")
+    add("--block-m", default="64,128", help="comma list of BLOCK_M (powers of two, >= 16)")
+    add("--top", type=int, default=5, help="tiles shown per GEMM and BLOCK_M")
+    add("--reps", type=int, default=10, help="timed launches per candidate")
+    add("--workers", type=int, default=min(16, os.cpu_count() or 1),
+        help="processes that compile candidates ahead (0: compile on first launch)")
+    add("--out", type=Path, default=None, help="also write tune.json / tune.txt here")
+    add("--dry-run", action="store_true", help="print the candidate tiles and exit")
+    add("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad or not shapes:
+        parser.error(f"--shapes {args.shapes!r}: unknown {bad}; use {', '.join(SHAPES)}")
+    args.shapes = shapes
+    try:
+        args.tokens = [int(t) for t in args.tokens.split(",") if t]
+        args.block_m = [int(b) for b in args.block_m.split(",") if b]
+    except ValueError:
+        parser.error("--tokens and --block-m take comma-separated integers, e.g. 2048,4096")
+    if not args.tokens or min(args.tokens) < 1:
+        parser.error(f"--tokens {args.tokens}: give positive integers")
+    if not args.block_m or any(b < 16 or b & (b - 1) for b in args.block_m):
+        parser.error(f"--block-m {args.block_m}: give powers of two >= 16")
+    return args
+
+
+@dataclass
+class Point:
+    """The inputs and scratch buffers of one (shape, tokens)."""
+
+    shape: str
+    x_NH: torch.Tensor
+    w13_EIH: torch.Tensor
+    w2_EHI: torch.Tensor
+    topk_ids_NK: torch.Tensor
+    topk_weights_NK: torch.Tensor
+    act_RI: torch.Tensor
+    y_RH: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return self.x_NH.shape[0]
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """(H, I, K, E)."""
+        return SHAPES[self.shape]
+
+    def gemm_flops(self, gemm: str) -> float:
+        hidden, inter, top_k, _ = self.dims
+        rows = self.tokens * top_k
+        return 2.0 * rows * hidden * inter * (2 if gemm in ("gemm1", "dense1") else 1)
+
+
+def make_point(shape: str, tokens: int, weights: tuple[torch.Tensor, torch.Tensor],
+               gen: torch.Generator) -> Point:
+    hidden, inter, top_k, num_experts = SHAPES[shape]
+    w13, w2 = weights
+    device, dtype = w13.device, w13.dtype
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device, generator=gen)
+    scores = torch.rand(tokens, num_experts, device=device, generator=gen)
+    topk_weights, topk_ids = scores.topk(top_k, dim=1)
+    rows = tokens * top_k
+    return Point(
+        shape=shape, x_NH=x, w13_EIH=w13, w2_EHI=w2, topk_ids_NK=topk_ids,
+        topk_weights_NK=(topk_weights / topk_weights.sum(1, keepdim=True)).float(),
+        act_RI=torch.empty(rows, inter, dtype=dtype, device=device),
+        y_RH=torch.empty(rows, hidden, dtype=dtype, device=device),
+    )
+
+
+def launches(point: Point, block_m: int) -> dict[str, Any]:
+    """The two GEMM launches (`KernelLaunch`) of `point` with rows aligned to `block_m`."""
+    from moe.kernels.align_triton import align_routing_triton as align_routing
+    from moe.kernels.fused_moe import kernel_launch
+
+    hidden, inter, top_k, num_experts = point.dims
+    routing = align_routing(point.topk_ids_NK, num_experts, block_m)
+    weights_R = point.topk_weights_NK.reshape(-1)
+    return {
+        "gemm1": kernel_launch(point.x_NH, point.w13_EIH, point.act_RI, None, routing,
+                               n=inter, k=hidden, a_rows_div=top_k),
+        "gemm2": kernel_launch(point.act_RI, point.w2_EHI, point.y_RH, weights_R, routing,
+                               n=hidden, k=inter, a_rows_div=1),
+    }
+
+
+def _warmup_spec(launch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A picklable stand-in of a launch: tensors become their dtypes (Triton's warmup
+    treats a dtype as an aligned tensor), integers stay (they pick the specialisation)."""
+    args = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in launch.args)
+    return args, dict(launch.flags)
+
+
+def _compile_one(job: tuple[tuple[Any, ...], dict[str, Any], dict[str, int]]) -> str | None:
+    """Worker: compile one candidate into Triton's cache; the error text if it fails."""
+    args, flags, meta = job
+    try:
+        from moe.kernels.fused_moe import fused_moe_kernel
+
+        fused_moe_kernel.warmup(*args, grid=(1,), **flags, **meta)
+    except Exception as exc:  # a tile the compiler rejects is reported, not fatal
+        return f"{meta}: {type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+def precompile(jobs: list[tuple[Any, ...]], workers: int) -> list[str]:
+    """Compile candidates in `workers` fresh processes; returns the failures."""
+    if workers <= 0 or not jobs:
+        return []
+    unique = list({repr(job): job for job in jobs}.values())
+    print(f"compiling {len(unique)} candidates in {workers} processes ...", file=sys.stderr,
+          flush=True)
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        return [err for err in pool.map(_compile_one, unique) if err]
+
+
+def time_launch(launch: Any, tile: Tile, reps: int) -> float:
+    """Median ms of one tile after a first (compiling) launch."""
+    from moe.kernels.fused_moe import fused_moe_kernel
+
+    grid = launch.grid(tile.block_n)
+
+    def fn() -> None:
+        fused_moe_kernel[grid](*launch.args, **launch.flags, **tile.meta())
+
+    fn()
+    return statistics.median(_event_times(fn, launch.args[0].device, reps))
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    fn()
+    return statistics.median(_event_times(fn, device, reps))
+
+
+def tune_point(point: Point, args: argparse.Namespace) -> list[Timing]:
+    """Every candidate of both GEMMs at each BLOCK_M, then GROUP_M for the winners."""
+    from moe.kernels.align_triton import align_routing_triton as align_routing
+    from moe.kernels.fused_moe import fused_moe
+
+    hidden, inter, top_k, num_experts = point.dims
+    device = point.x_NH.device
+    out: list[Timing] = []
+
+    def record(what: str, block_m: int | None, tile: object, ms: float,
+               flops: float | None = None) -> Timing:
+        timing = Timing(point.shape, point.tokens, what, block_m,
+                        None if tile is None else str(tile), ms,
+                        None if flops is None else flops / ms / 1e9)
+        out.append(timing)
+        return timing
+
+    # Dense GEMMs of the same sizes (one expert's weights), the k-sum, the shipped path.
+    a_RH = point.x_NH.repeat_interleave(top_k, dim=0)
+    w1_t, w2_t = point.w13_EIH[0].t(), point.w2_EHI[0].t()
+    record("dense1", None, None, time_fn(lambda: a_RH @ w1_t, device, args.reps),
+           point.gemm_flops("dense1"))
+    record("dense2", None, None, time_fn(lambda: point.act_RI @ w2_t, device, args.reps),
+           point.gemm_flops("dense2"))
+    del a_RH
+    y_NKH = point.y_RH.view(point.tokens, top_k, hidden)
+    record("sum", None, None, time_fn(lambda: y_NKH.sum(dim=1), device, args.reps))
+    record("fused_moe", None, "autotuned", time_fn(
+        lambda: fused_moe(point.x_NH, point.w13_EIH, point.w2_EHI, point.topk_ids_NK,
+                          point.topk_weights_NK), device, args.reps),
+        point.gemm_flops("gemm1") + point.gemm_flops("gemm2"))
+
+    for block_m in args.block_m:
+        record("align", block_m, None, time_fn(
+            lambda: align_routing(point.topk_ids_NK, num_experts, block_m), device, args.reps))
+        for gemm, launch in launches(point, block_m).items():
+            n, k = (inter, hidden) if gemm == "gemm1" else (hidden, inter)
+            tiles = candidate_tiles(block_m, gated=gemm == "gemm1", n=n, k=k,
+                                    elem_bytes=point.x_NH.element_size())
+            timed = [(time_launch(launch, tile, args.reps), tile) for tile in tiles]
+            best_ms, best = min(timed, key=lambda t: t[0])
+            for group_m in GROUP_MS:
+                if group_m != best.group_m:
+                    tile = Tile(best.block_n, best.block_k, group_m, best.num_warps,
+                                best.num_stages)
+                    timed.append((time_launch(launch, tile, args.reps), tile))
+            for ms, tile in timed:
+                record(gemm, block_m, tile, ms, point.gemm_flops(gemm))
+    return out
+
+
+def point_table(timings: list[Timing], top: int) -> str:
+    """The fastest tiles per GEMM and BLOCK_M, the other steps, and the best total."""
+    by = {t.what: t for t in timings if t.what in ("dense1", "dense2", "sum", "fused_moe")}
+    lines = []
+    for block_m in sorted({t.block_m for t in timings if t.what == "gemm1"}):
+        best_total = by["sum"].ms
+        for gemm, dense in (("gemm1", "dense1"), ("gemm2", "dense2")):
+            rows = sorted((t for t in timings if t.what == gemm and t.block_m == block_m),
+                          key=lambda t: t.ms)
+            best_total += rows[0].ms
+            for t in rows[:top]:
+                share = t.ms and by[dense].ms / t.ms
+                lines.append(f"  BLOCK_M {block_m:>3} {gemm}  {t.tile:<22} {t.ms:8.3f} ms "
+                             f"{t.tflops:6.1f} TFLOP/s  {share:6.1%} of dense")
+        align = next(t for t in timings if t.what == "align" and t.block_m == block_m)
+        best_total += align.ms
+        lines.append(f"  BLOCK_M {block_m:>3} best total (align {align.ms:.3f} + GEMMs + sum "
+                     f"{by['sum'].ms:.3f}) = {best_total:.3f} ms")
+    dense = by["dense1"].ms + by["dense2"].ms
+    shipped = by["fused_moe"]
+    lines.append(f"  dense GEMMs {dense:.3f} ms; shipped fused_moe {shipped.ms:.3f} ms "
+                 f"({shipped.tflops:.1f} TFLOP/s, {dense / shipped.ms:.1%} of dense)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        for shape in args.shapes:
+            hidden, inter, _, _ = SHAPES[shape]
+            for block_m in args.block_m:
+                for gemm, (n, k) in zip(GEMMS, ((inter, hidden), (hidden, inter))):
+                    tiles = candidate_tiles(block_m, gated=gemm == "gemm1", n=n, k=k)
+                    print(f"{shape} BLOCK_M {block_m} {gemm}: {len(tiles)} tiles: "
+                          + ", ".join(map(str, tiles)))
+        return 0
+    if not torch.cuda.is_available():
+        print("error: moe.tune_experts needs a CUDA GPU (none visible to torch); "
+              "--dry-run lists the candidates without one", file=sys.stderr)
+        return 2
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    timings: list[Timing] = []
+    report = []
+    with torch.inference_mode():
+        for shape in args.shapes:
+            hidden, inter, _, num_experts = SHAPES[shape]
+            w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=torch.bfloat16,
+                              device=device, generator=gen).mul_(hidden**-0.5)
+            w2 = torch.randn(num_experts, hidden, inter, dtype=torch.bfloat16,
+                             device=device, generator=gen).mul_(inter**-0.5)
+            for tokens in args.tokens:
+                point = make_point(shape, tokens, (w13, w2), gen)
+                jobs = []
+                for block_m in args.block_m:
+                    for gemm, launch in launches(point, block_m).items():
+                        n, k = (inter, hidden) if gemm == "gemm1" else (hidden, inter)
+                        spec_args, flags = _warmup_spec(launch)
+                        for tile in candidate_tiles(block_m, gated=gemm == "gemm1", n=n, k=k):
+                            jobs.append((spec_args, flags, tile.meta()))
+                for err in precompile(jobs, args.workers):
+                    print(f"compile failed: {err}", file=sys.stderr)
+                print(f"timing {shape} T={tokens} ...", file=sys.stderr, flush=True)
+                point_timings = tune_point(point, args)
+                timings += point_timings
+                block = f"{shape} T={tokens}\n" + point_table(point_timings, args.top)
+                report.append(block)
+                print(block, flush=True)
+                del point
+            del w13, w2
+            torch.cuda.empty_cache()
+
+    record = {"bench": "tune_experts", "device": torch.cuda.get_device_name(device),
+              "timings": [asdict(t) for t in timings]}
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "tune.txt").write_text("\n".join(report) + "\n")
+        (args.out / "tune.json").write_text(json.dumps(record) + "\n")
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
