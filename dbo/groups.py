@@ -7,8 +7,9 @@ A rank that stops taking part in a step (it failed, or skipped the step) leaves 
 peers blocked in their next collective. The group's timeout bounds that wait: the peer's
 collective raises (gloo raises in the calling thread; NCCL's watchdog aborts the
 communicator), and dbo's notes on the error name the rank, ubatch, layer and phase it
-was in. Groups that dbo creates next to an EP group (the count-exchange communicator of
-`a2a`) take the EP group's timeout when it was made here; otherwise torch's default.
+was in. Groups that dbo creates next to an EP group (`twin_group`: the count-exchange
+communicator of `a2a`, the host-side group of the vote) take the EP group's timeout when
+it was made here; otherwise torch's default.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import torch.distributed as dist
 
 # Timeouts of the groups made by new_group (process groups are process-wide objects).
 _TIMEOUTS: dict[dist.ProcessGroup, timedelta] = {}
+# (group, backend) -> its twin (see twin_group); None where none can be made.
+_TWINS: dict[tuple[dist.ProcessGroup, Optional[str]], Optional[dist.ProcessGroup]] = {}
 
 
 def new_group(ranks: Optional[Sequence[int]] = None, *, timeout_s: Optional[float] = None,
@@ -44,3 +47,26 @@ def new_group(ranks: Optional[Sequence[int]] = None, *, timeout_s: Optional[floa
 def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
     """The timeout `group` was made with here, or None when unknown (torch's default)."""
     return None if group is None else _TIMEOUTS.get(group)
+
+
+def twin_group(group: dist.ProcessGroup, *, backend: Optional[str] = None
+               ) -> Optional[dist.ProcessGroup]:
+    """A second process group over the same ranks as `group` (on `backend`, or the default
+    one), with `group`'s timeout; made on the first call for (group, backend), then cached.
+
+    Making a group is collective over the whole world, so call this at a point every rank
+    reaches in the same order (a layer's construction, a step's vote). When `group` is a
+    subgroup of the world the other ranks are not there: returns None, and the caller
+    uses `group` itself.
+    """
+    key = (group, backend)
+    if key not in _TWINS:
+        twin = None
+        if dist.get_world_size(group) == dist.get_world_size():
+            timeout = group_timeout(group)
+            twin = dist.new_group(ranks=list(range(dist.get_world_size())), backend=backend,
+                                  **({} if timeout is None else {"timeout": timeout}))
+            if timeout is not None:
+                _TIMEOUTS[twin] = timeout
+        _TWINS[key] = twin
+    return _TWINS[key]

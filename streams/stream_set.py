@@ -25,12 +25,25 @@ from streams.standins import OpLog, StandInEvent, StandInStream
 _COMM_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 
 
+def new_comm_stream(device: torch.device | int) -> "torch.cuda.Stream":
+    """A CUDA stream for communication kernels, at the device's highest priority.
+
+    Why: a comm kernel queued while a large compute grid is running gets SMs only as the
+    grid's blocks retire, and at equal priority the block scheduler keeps handing them
+    to the compute grid, so the transfer can start a whole GEMM late (measured: 1.9 ms
+    behind a fused-MoE GEMM on an H200). At higher priority its few blocks are placed as
+    soon as any SM frees up.
+    """
+    _, highest = torch.cuda.Stream.priority_range()  # (least, greatest): greatest is lowest
+    return torch.cuda.Stream(device=device, priority=highest)
+
+
 def comm_stream_for(device: torch.device) -> "torch.cuda.Stream":
-    """The process-wide comm stream of a CUDA device (created on first use)."""
+    """The process-wide comm stream of a CUDA device (created on first use, high priority)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _COMM_STREAMS.get(index)
     if stream is None:
-        stream = torch.cuda.Stream(device=index)
+        stream = new_comm_stream(index)
         _COMM_STREAMS[index] = stream
     return stream
 

@@ -137,3 +137,36 @@ def capacity_overflow(rank: int, world_size: int) -> str:
 def test_a2a_ll_capacity_overflow_is_an_error_not_a_drop():
     for message in run_distributed(2, capacity_overflow):
         assert "max_tokens_per_rank=4" in message and "5 tokens" in message
+
+
+def collective_order(rank: int, world_size: int, backend: str) -> list[tuple[str, int]]:
+    """(collective, ubatch) in issue order for a DBO step over two MoE layers."""
+    from dbo.failures import record_collectives
+
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                    max_tokens_per_rank=16)
+    layers = [MoELayer(cfg, group=dist.group.WORLD, backend=backend, experts="reference")
+              for _ in range(2)]
+    for layer in layers:
+        layer.load_weights(init_moe_weights(cfg, seed=1))
+    x = torch.randn(10, 8)
+
+    def stack(x_TH: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x_TH = x_TH + layer(x_TH)
+        return x_TH
+
+    with torch.no_grad(), record_collectives() as log:
+        UBatchScheduler("cpu").run([lambda: stack(x[:5]), lambda: stack(x[5:])])
+    return list(log)
+
+
+@pytest.mark.parametrize("backend", ["a2a", "a2a_ll"])
+def test_transfers_alternate_between_ubatches(backend):
+    """One in-order comm stream: a ubatch's transfers must be issued in the order
+    dispatch 0, dispatch 1, combine 0, combine 1 per layer, whether the backend yields
+    before its send (a2a, which reads counts) or after it (a2a_ll)."""
+    for log in run_distributed(2, collective_order, backend):
+        # (a2a's count exchanges run on a side stream: noted as "... (counts)")
+        transfers = [ubatch for name, ubatch in log if name == "all_to_all_single"]
+        assert transfers == [0, 1, 0, 1] * 2, log

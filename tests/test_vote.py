@@ -127,3 +127,31 @@ def test_vote_without_process_group() -> None:
         vote_split(True, object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="must be a bool"):
         vote_split(1)  # type: ignore[arg-type]
+
+
+def _twin_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from dbo import vote
+    from dbo.groups import new_group, twin_group
+
+    world = dist.group.WORLD
+    sub = new_group([0, 1], timeout_s=30)
+    twin = twin_group(world, backend="gloo")
+    out = {"distinct": twin is not world, "cached": twin_group(world, backend="gloo") is twin,
+           "size": dist.get_world_size(twin), "subgroup": twin_group(sub) is None}
+    # Treat gloo as a device backend: the vote must then run on its gloo twin (the path an
+    # NCCL group takes), and still agree.
+    vote._DEVICE_BACKENDS["gloo"] = "cpu"
+    try:
+        used, _ = vote._vote_group(world)
+        out["vote_on_twin"] = used is twin
+        out["vote"] = vote_split(rank != 2)
+    finally:
+        del vote._DEVICE_BACKENDS["gloo"]
+    return out
+
+
+@pytest.mark.distributed
+def test_twin_groups_and_the_host_side_vote() -> None:
+    for out in run_distributed(3, _twin_worker):
+        assert out == {"distinct": True, "cached": True, "size": 3, "subgroup": True,
+                       "vote_on_twin": True, "vote": False}, out

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from dbo.bench.timing import Timing, time_steps
 from dbo.bench.workload import Workload
 from moe.layer import MoELayer
+from streams.stream_set import new_comm_stream
 
 # The collectives the dispatch/combine backends (and the vote) issue.
 RECORDED_COLLECTIVES: tuple[str, ...] = (
@@ -250,7 +251,7 @@ def probe_ceiling(workload: Workload, *, device: torch.device,
 def _overlapped_comm(workload: Workload, replay: CommReplay,
                      device: torch.device) -> Iterator[Callable[[], None]]:
     """A step function running the workload (compute stream) and the replay (side stream)."""
-    comm_stream = torch.cuda.Stream(device=device)
+    comm_stream = new_comm_stream(device)  # as DBO's: high priority
     next_segment = [0]
 
     def issue_next() -> None:

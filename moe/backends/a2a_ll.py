@@ -12,6 +12,14 @@ source rank's slot in order; the combine sends each row's partial output back to
 same slot position and the source sums a token's rows over ranks.
 
 More tokens than the capacity is an error naming the capacity: a token is never dropped.
+
+Streams: with nothing to read on the host, each half queues its collective first and
+yields after it (the `a2a` backend must yield first, to read its counts). The transfer
+then starts as soon as the packing before it has run, not when the other ubatch has
+queued its compute and yielded back (at a step's start, when the host is not ahead of the
+GPU, that wait left the compute stream idle for ~1.2 ms on 2x H200). Both halves send
+before they yield, so the comm stream still gets the ubatches' transfers alternating:
+dispatch 0, dispatch 1, combine 0, combine 1, dispatch 0 of the next layer, ...
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dbo.failures import note_collective
-from dbo.yield_points import dbo_switch_to_compute_async, dbo_yield_and_switch_from_compute_to_comm
+from dbo.yield_points import dbo_switch_to_comm_sync, dbo_switch_to_compute_async, dbo_yield
 from moe.backends.a2a import destination_mask
 from moe.backends.base import Dispatched, Pending, PrepareFinalize
 from moe.backends.naive import check_capacity
@@ -77,10 +85,11 @@ class AllToAllLLBackend(PrepareFinalize):
         recv_RB = workspace.get("a2a_ll.recv", (world * cap, layout.row_bytes),
                                 torch.uint8, device)
 
-        dbo_yield_and_switch_from_compute_to_comm()
+        dbo_switch_to_comm_sync()
         note_collective("all_to_all_single")
         dist.all_to_all_single(recv_RB, send_XB[:world * cap], group=self.group)
         wait = dbo_switch_to_compute_async()
+        dbo_yield()  # after the send: see the module doc
         handle = LLHandle(slot_TW, num_tokens)
 
         def receiver() -> Dispatched:
@@ -98,11 +107,12 @@ class AllToAllLLBackend(PrepareFinalize):
         back_XH[rows].zero_()  # the dump row: pairs that do not exist add zero
         send_RH = expert_out_RH.contiguous()
 
-        dbo_yield_and_switch_from_compute_to_comm()
+        dbo_switch_to_comm_sync()
         note_collective("all_to_all_single")
         dist.all_to_all_single(back_XH[:rows], send_RH, group=self.group)
         record_on_current_stream(send_RH)
         wait = dbo_switch_to_compute_async()
+        dbo_yield()
 
         def receiver() -> Tensor:
             wait.wait()

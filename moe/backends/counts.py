@@ -5,9 +5,10 @@ Shape legend: W ranks.
 On the single in-order comm stream a count exchange queues behind the data transfers
 already there (the other ubatch's dispatch), so the host, which needs the counts, waits
 for those transfers too, and the next dispatch starts late. `CountExchange.start` issues
-the exchange at once on a side CUDA stream and a communicator of its own (a second
-process group over the same ranks), copies the result to pinned host memory without
-blocking, and returns a `PendingCounts`; `result()` later waits for that copy alone.
+the exchange at once on a side CUDA stream (high priority, like the comm stream) and a
+communicator of its own (a second process group over the same ranks), copies the result
+to pinned host memory without blocking, and returns a `PendingCounts`; `result()` later
+waits for that copy alone.
 
 The side group is created once per EP group (collectively, in construction order, like
 every process group), with the EP group's timeout when it was made by `dbo.new_group`. When the EP group is a subgroup of the world, creating one
@@ -24,29 +25,26 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dbo.failures import note_collective
-from dbo.groups import group_timeout
+from dbo.groups import twin_group
+from streams.stream_set import new_comm_stream
 
 logger = logging.getLogger(__name__)
 
-# EP group -> its side group for count exchanges (process groups are process-wide).
-_SIDE_GROUPS: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
+# EP groups whose count exchanges share the group's own communicator (logged once).
+_WARNED: set[dist.ProcessGroup] = set()
 
 
 def side_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     """A second process group over `group`'s ranks (or `group` itself, see module doc)."""
     if group is None:
         return None
-    side = _SIDE_GROUPS.get(group)
+    side = twin_group(group)
     if side is None:
-        if dist.get_world_size(group) == dist.get_world_size():
-            timeout = group_timeout(group)
-            side = dist.new_group(ranks=list(range(dist.get_world_size())),
-                                  **({} if timeout is None else {"timeout": timeout}))
-        else:
+        if group not in _WARNED:
             logger.info("count exchanges share the EP group's communicator: a separate one "
                         "for a subgroup would need every rank of the world to create it")
-            side = group
-        _SIDE_GROUPS[group] = side
+            _WARNED.add(group)
+        return group
     return side
 
 
@@ -76,17 +74,17 @@ class CountExchange:
         """Start exchanging `send_counts_W` (int64 [W], on the current stream's device)."""
         recv_counts_W = torch.empty_like(send_counts_W)
         if not send_counts_W.is_cuda:
-            note_collective("all_to_all_single")
+            note_collective("all_to_all_single (counts)")
             dist.all_to_all_single(recv_counts_W, send_counts_W, group=self.group)
             return PendingCounts(torch.cat([send_counts_W, recv_counts_W]), None)
         device = send_counts_W.device
         stream = self._streams.get(device.index)
         if stream is None:
-            stream = self._streams[device.index] = torch.cuda.Stream(device=device)
+            stream = self._streams[device.index] = new_comm_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # the counts are computed there
         host_2W = torch.empty(2 * send_counts_W.shape[0], dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(stream):  # no yield inside: the stream is restored on exit
-            note_collective("all_to_all_single")
+            note_collective("all_to_all_single (counts)")
             dist.all_to_all_single(recv_counts_W, send_counts_W, group=self.group)
             world = send_counts_W.shape[0]
             host_2W[:world].copy_(send_counts_W, non_blocking=True)
