@@ -57,6 +57,20 @@ def dbo_current_ubatch_id() -> int:
     return 0 if s is None else s._running.ubatch_id
 
 
+def dbo_other_ubatch_started() -> bool:
+    """Whether the other ubatch of the running step has begun (run up to a yield, or
+    finished). False outside a step and in a step of one ubatch.
+
+    Lets a backend that must block the host (a2a reads its counts) do so before its first
+    yield of the step: the other ubatch has queued nothing the GPU could run meanwhile.
+    """
+    s = getattr(_local, "scheduler", None)
+    if s is None:
+        return False
+    other = s.other(s._running)
+    return other is not None and (other.done or bool(other.glet))
+
+
 def dbo_yield() -> None:
     """Hand control to the other ubatch; resume on this ubatch's stream."""
     s = getattr(_local, "scheduler", None)

@@ -421,3 +421,19 @@ def test_cli_comm_pattern_and_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["devices"]["0"]["comm_us"] == 5
     assert main([str(tmp_path / "nope.json")]) == 2
     assert "nope.json" in capsys.readouterr().err
+
+
+def test_gpu_step_label_is_widened_by_kernels_the_step_launched(tmp_path: Path) -> None:
+    """A DBO step queues its kernels from the ubatches' greenlets: the profiler gives
+    the step's GPU label only the first kernels; the window still spans the step."""
+    dev = one_device(tmp_path, [
+        cpu_label("step/0", 50, 100),                                          # CPU [50, 150)
+        gpu_label("step/0", 100, 5),                                           # GPU [100, 105)
+        kernel("cudaLaunchKernel", 60, 2, pid=4242, tid=100, cat="cuda_runtime", correlation=1),
+        kernel("cudaLaunchKernel", 90, 2, pid=4242, tid=100, cat="cuda_runtime", correlation=2),
+        kernel("gemm", 100, 5, correlation=1),
+        kernel("gemm", 120, 60, correlation=2),   # queued inside a ubatch: GPU [120, 180)
+        kernel("gemm", 300, 10),                  # a later step's: outside
+    ])
+    assert dev["window_source"] == "gpu step labels" and dev["wall_us"] == 80  # [100, 180)
+    assert dev["compute_busy_us"] == 65

@@ -178,3 +178,21 @@ def test_get_previous_event_runs_on_compute_stream():
 def test_register_recv_hook_rejects_non_callable():
     with pytest.raises(TypeError, match="callable"):
         dbo_register_recv_hook(3)  # type: ignore[arg-type]
+
+
+def test_other_ubatch_started():
+    seen = []
+
+    def fn():
+        seen.append((dbo_current_ubatch_id(), dbo.dbo_other_ubatch_started()))
+        dbo_yield()
+        seen.append((dbo_current_ubatch_id(), dbo.dbo_other_ubatch_started()))
+
+    assert dbo.dbo_other_ubatch_started() is False  # outside a step
+    UBatchScheduler("cpu").run([fn, fn])
+    # ubatch 0 begins before ubatch 1 has run; every later check sees both started, and
+    # ubatch 1's last check sees ubatch 0 finished (done still counts as started).
+    assert seen == [(0, False), (1, True), (0, True), (1, True)]
+    single = []
+    UBatchScheduler("cpu").run([lambda: single.append(dbo.dbo_other_ubatch_started())])
+    assert single == [False]

@@ -176,14 +176,18 @@ def _window(
     steps = [lb for lb in labels if step_re.match(lb.name)]
     gpu = _extent([Span(lb.start_us, lb.end_us) for lb in steps if lb.device == device])
     cpu = _extent([Span(lb.start_us, lb.end_us) for lb in steps if lb.device is None])
-    if gpu is not None:
-        return gpu, "gpu step labels", cpu
+    launched = None
     if cpu is not None:
-        launched = [Span(k.start_us, k.end_us) for k in kernels
-                    if k.launch_us is not None and cpu.start <= k.launch_us <= cpu.end]
-        found = _extent(launched)
-        if found is not None:
-            return found, "cpu step labels", cpu
+        launched = _extent([Span(k.start_us, k.end_us) for k in kernels
+                            if k.launch_us is not None and cpu.start <= k.launch_us <= cpu.end])
+    if gpu is not None:
+        # The profiler ties a kernel to the innermost range open on its thread when it
+        # was queued; kernels queued from a ubatch's greenlet go to the ubatch's ranges,
+        # and the step's GPU label can cover only its first few kernels (a DBO step that
+        # queues nothing before its ubatches start). Widen it by what the step launched.
+        return _extent([gpu, launched] if launched else [gpu]), "gpu step labels", cpu
+    if launched is not None:
+        return launched, "cpu step labels", cpu
     return whole, "kernels", cpu
 
 
