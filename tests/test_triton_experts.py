@@ -384,3 +384,23 @@ def test_gpu_shapes(
         num_tokens, hidden, inter, num_experts, top_k, dtype=dtype, drop_frac=0.1
     )
     check_against_reference(*problem)
+
+
+def test_tune_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    """The tile sweep's CPU side: the candidate list, argument errors, the no-CUDA exit."""
+    from moe import tune_experts
+
+    assert tune_experts.main(["--dry-run", "--shapes", "ds-e8,qwen-e128", "--block-m", "64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 * 2 and all("tiles:" in line for line in lines)
+    # Every listed tile fits the register budget (GEMM1 holds two fp32 accumulators).
+    gemm1 = tune_experts.candidate_tiles(64, gated=True, n=2048, k=7168)
+    assert gemm1 and all(t.block_n * 64 * 2 // (t.num_warps * 32) <= 128 for t in gemm1)
+    assert any(t.block_n == 256 for t in tune_experts.candidate_tiles(64, gated=False, n=7168,
+                                                                        k=2048))
+    for bad in (["--block-m", "48"], ["--shapes", "nope"], ["--tokens", "x"]):
+        with pytest.raises(SystemExit):
+            tune_experts.main(bad)
+    if not torch.cuda.is_available():
+        assert tune_experts.main(["--shapes", "tiny", "--tokens", "4"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
