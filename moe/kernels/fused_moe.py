@@ -288,8 +288,10 @@ def fused_moe(
     y_RH = empty_from(workspace, "triton.rows", (num_routed, hidden), dtype, device)
     weights_R = topk_weights_NK.reshape(-1)
 
-    _launch(x_NH, w13_EIH, act_RI, None, routing, n=inter, k=hidden, a_rows_div=top_k)
-    _launch(act_RI, w2_EHI, y_RH, weights_R, routing, n=hidden, k=inter, a_rows_div=1)
+    _launch(kernel_launch(x_NH, w13_EIH, act_RI, None, routing, n=inter, k=hidden,
+                          a_rows_div=top_k))
+    _launch(kernel_launch(act_RI, w2_EHI, y_RH, weights_R, routing, n=hidden, k=inter,
+                          a_rows_div=1))
 
     out_NH = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
     # Reduced-precision sums accumulate in fp32 inside torch's reduction kernels.
@@ -345,20 +347,9 @@ def kernel_launch(
     return KernelLaunch(args=args, flags=flags, max_rows=max_rows, n=n)
 
 
-def _launch(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor,
-    weights_R: torch.Tensor | None,
-    routing: AlignedRouting,
-    *,
-    n: int,
-    k: int,
-    a_rows_div: int,
-) -> None:
+def _launch(launch: KernelLaunch) -> None:
     """Queue one GEMM of the pair on the current stream (autotuned tile on the GPU)."""
-    launch = kernel_launch(a, b, c, weights_R, routing, n=n, k=k, a_rows_div=a_rows_div)
-    if a.device.type == "cpu":  # TRITON_INTERPRET=1
+    if launch.args[0].device.type == "cpu":  # TRITON_INTERPRET=1
         meta = _INTERPRETER_CONFIG
         fused_moe_kernel[launch.grid(meta["BLOCK_N"])](*launch.args, **launch.flags, **meta)
         return
