@@ -78,18 +78,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--dry-run", action="store_true", help="print the points and exit")
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    args.shapes = _split(args.shapes, SHAPES, "--shapes")
-    args.paths = _split(args.paths, PATHS, "--paths")
-    try:
-        args.tokens = [int(t) for t in args.tokens.split(",") if t]
-    except ValueError:
-        parser.error(f"--tokens {args.tokens!r}: give comma-separated integers, e.g. 64,4096")
-    if not args.tokens or min(args.tokens) < 1:
-        parser.error(f"--tokens {args.tokens}: give positive integers")
+    args.shapes = split_names(args.shapes, SHAPES, "--shapes")
+    args.paths = split_names(args.paths, PATHS, "--paths")
+    args.tokens = split_tokens(parser, args.tokens)
     return args
 
 
-def _split(text: str, valid: object, flag: str) -> list[str]:
+def split_names(text: str, valid: object, flag: str) -> list[str]:
+    """A comma list of names from `valid`; exits 2 naming the unknown ones."""
     items = [s for s in text.split(",") if s]
     bad = [s for s in items if s not in valid]
     if bad or not items:
@@ -97,6 +93,17 @@ def _split(text: str, valid: object, flag: str) -> list[str]:
               file=sys.stderr)
         raise SystemExit(2)
     return items
+
+
+def split_tokens(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """`--tokens`: a comma list of positive integers (a parser error otherwise)."""
+    try:
+        tokens = [int(t) for t in text.split(",") if t]
+    except ValueError:
+        parser.error(f"--tokens {text!r}: give comma-separated integers, e.g. 64,4096")
+    if not tokens or min(tokens) < 1:
+        parser.error(f"--tokens {tokens}: give positive integers")
+    return tokens
 
 
 def gemm_flops(tokens: int, hidden: int, inter: int, top_k: int) -> float:
@@ -171,6 +178,28 @@ class Problem:
         return self.x_NH.shape[0]
 
 
+def random_weights(shape: str, dtype: torch.dtype, gen: torch.Generator
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [E, 2I, H], w2 [E, H, I]) of `shape`, unit-variance outputs, on gen's device."""
+    hidden, inter, _, num_experts = SHAPES[shape]
+    device = gen.device
+    w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=dtype, device=device, generator=gen)
+    w2 = torch.randn(num_experts, hidden, inter, dtype=dtype, device=device, generator=gen)
+    return w13.mul_(hidden**-0.5), w2.mul_(inter**-0.5)
+
+
+def random_tokens(shape: str, tokens: int, dtype: torch.dtype, gen: torch.Generator
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [T, H], topk_weights [T, K] float32 summing to 1, topk_ids [T, K]): uniform
+    routing to K distinct experts, on gen's device."""
+    hidden, _, top_k, num_experts = SHAPES[shape]
+    device = gen.device
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device, generator=gen)
+    scores = torch.rand(tokens, num_experts, device=device, generator=gen)
+    topk_weights, topk_ids = scores.topk(top_k, dim=1)
+    return x, (topk_weights / topk_weights.sum(1, keepdim=True)).float(), topk_ids
+
+
 def bench_shape(
     name: str, args: argparse.Namespace, device: torch.device, total: int, done: list[int]
 ) -> list[Point]:
@@ -180,10 +209,7 @@ def bench_shape(
     hidden, inter, top_k, num_experts = SHAPES[name]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # interpreter: no bf16 dot
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=dtype, device=device, generator=gen)
-    w13.mul_(hidden**-0.5)
-    w2 = torch.randn(num_experts, hidden, inter, dtype=dtype, device=device, generator=gen)
-    w2.mul_(inter**-0.5)
+    w13, w2 = random_weights(name, dtype, gen)
     kernels: dict[str, object] = {}
     for path in args.paths:
         if path != "dense":
@@ -194,12 +220,10 @@ def bench_shape(
 
     points = []
     for tokens in args.tokens:
-        x = torch.randn(tokens, hidden, dtype=dtype, device=device, generator=gen)
-        scores = torch.rand(tokens, num_experts, device=device, generator=gen)
-        topk_weights, topk_ids = scores.topk(top_k, dim=1)  # uniform, distinct experts
+        x, topk_weights, topk_ids = random_tokens(name, tokens, dtype, gen)
         problem = Problem(
             shape=name, x_NH=x, w13_EIH=w13, w2_EHI=w2, topk_ids_NK=topk_ids,
-            topk_weights_NK=(topk_weights / topk_weights.sum(1, keepdim=True)).float(),
+            topk_weights_NK=topk_weights,
             flops=gemm_flops(tokens, hidden, inter, top_k),
             min_gb=min_bytes(tokens, hidden, inter, top_k, num_experts, x.element_size()) / 1e9,
         )

@@ -29,7 +29,14 @@ from typing import Any, Callable
 
 import torch
 
-from moe.bench_experts import SHAPES, _event_times
+from moe.bench_experts import (
+    SHAPES,
+    _event_times,
+    random_tokens,
+    random_weights,
+    split_names,
+    split_tokens,
+)
 
 # Tile space: BLOCK_N, BLOCK_K, num_warps, num_stages (GROUP_M 8, varied for the winner).
 BLOCK_NS = (64, 128, 256)
@@ -105,18 +112,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--dry-run", action="store_true", help="print the candidate tiles and exit")
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    shapes = [s for s in args.shapes.split(",") if s]
-    bad = [s for s in shapes if s not in SHAPES]
-    if bad or not shapes:
-        parser.error(f"--shapes {args.shapes!r}: unknown {bad}; use {', '.join(SHAPES)}")
-    args.shapes = shapes
+    args.shapes = split_names(args.shapes, SHAPES, "--shapes")
+    args.tokens = split_tokens(parser, args.tokens)
     try:
-        args.tokens = [int(t) for t in args.tokens.split(",") if t]
         args.block_m = [int(b) for b in args.block_m.split(",") if b]
     except ValueError:
-        parser.error("--tokens and --block-m take comma-separated integers, e.g. 2048,4096")
-    if not args.tokens or min(args.tokens) < 1:
-        parser.error(f"--tokens {args.tokens}: give positive integers")
+        parser.error(f"--block-m {args.block_m!r}: give comma-separated integers, e.g. 64,128")
     if not args.block_m or any(b < 16 or b & (b - 1) for b in args.block_m):
         parser.error(f"--block-m {args.block_m}: give powers of two >= 16")
     return args
@@ -152,16 +153,14 @@ class Point:
 
 def make_point(shape: str, tokens: int, weights: tuple[torch.Tensor, torch.Tensor],
                gen: torch.Generator) -> Point:
-    hidden, inter, top_k, num_experts = SHAPES[shape]
+    hidden, inter, top_k, _ = SHAPES[shape]
     w13, w2 = weights
     device, dtype = w13.device, w13.dtype
-    x = torch.randn(tokens, hidden, dtype=dtype, device=device, generator=gen)
-    scores = torch.rand(tokens, num_experts, device=device, generator=gen)
-    topk_weights, topk_ids = scores.topk(top_k, dim=1)
+    x, topk_weights, topk_ids = random_tokens(shape, tokens, dtype, gen)
     rows = tokens * top_k
     return Point(
         shape=shape, x_NH=x, w13_EIH=w13, w2_EHI=w2, topk_ids_NK=topk_ids,
-        topk_weights_NK=(topk_weights / topk_weights.sum(1, keepdim=True)).float(),
+        topk_weights_NK=topk_weights,
         act_RI=torch.empty(rows, inter, dtype=dtype, device=device),
         y_RH=torch.empty(rows, hidden, dtype=dtype, device=device),
     )
@@ -223,11 +222,11 @@ def time_launch(launch: Any, tile: Tile, reps: int) -> float:
     def fn() -> None:
         fused_moe_kernel[grid](*launch.args, **launch.flags, **tile.meta())
 
-    fn()
-    return statistics.median(_event_times(fn, launch.args[0].device, reps))
+    return time_fn(fn, launch.args[0].device, reps)
 
 
 def time_fn(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median ms of `fn` over `reps` CUDA-event-timed calls, after a first call."""
     fn()
     return statistics.median(_event_times(fn, device, reps))
 
@@ -330,11 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     report = []
     with torch.inference_mode():
         for shape in args.shapes:
-            hidden, inter, _, num_experts = SHAPES[shape]
-            w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=torch.bfloat16,
-                              device=device, generator=gen).mul_(hidden**-0.5)
-            w2 = torch.randn(num_experts, hidden, inter, dtype=torch.bfloat16,
-                             device=device, generator=gen).mul_(inter**-0.5)
+            hidden, inter, _, _ = SHAPES[shape]
+            w13, w2 = random_weights(shape, torch.bfloat16, gen)
             for tokens in args.tokens:
                 point = make_point(shape, tokens, (w13, w2), gen)
                 jobs = []
