@@ -5,17 +5,24 @@
     python -m moe.tune_experts --dry-run                                   # list tiles; no GPU
 
 For each shape (`moe.bench_experts.SHAPES`) and token count, with uniform random top-k
-routing and bf16 data: for each BLOCK_M (rows per expert block) every candidate tile of
-GEMM1 (x @ w13, SiLU-gated) and of GEMM2 (act @ w2, routing-weighted) is launched on its
-own and timed with CUDA events (median); the best tile of each is then tried with other
-GROUP_M values. Beside them: the align step, the k-sum, the shipped (autotuned)
-`fused_moe`, and dense `torch.matmul` GEMMs of the same sizes. Candidates compile first in
+routing and bf16 data: for each BLOCK_M (rows per expert block) and each load variant,
+every candidate tile of GEMM1 (x @ w13, SiLU-gated) and of GEMM2 (act @ w2,
+routing-weighted) is launched on its own and timed with CUDA events (median); the best
+tile of each is then tried with other GROUP_M values. Load variants (`--variants`):
+
+    ptr     pointer loads everywhere (GEMM1 gathers x rows by routed id)
+    tma     weight tiles (and GEMM2's sorted activation) by TMA; GEMM1 still gathers x
+    sorted  x is first gathered into the sorted order (timed as "gather"), then all TMA
+
+Beside them: the align step, the k-sum, the shipped (autotuned) `fused_moe`, and dense
+`torch.matmul` GEMMs of the same sizes. Candidates compile first in
 worker processes (Triton's on-disk cache then serves this one). Per point a table of the
 fastest tiles, and at the end one JSON line with every timing.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import multiprocessing
@@ -46,6 +53,7 @@ STAGES = (3, 4, 5)
 GROUP_MS = (1, 4, 8, 16, 32)
 DEFAULT_GROUP_M = 8
 GEMMS = ("gemm1", "gemm2")
+VARIANTS = ("ptr", "tma", "sorted")
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,7 @@ class Timing:
 
     shape: str
     tokens: int
-    what: str  # gemm1 / gemm2 / align / sum / fused_moe / dense1 / dense2
+    what: str  # gemm1:<variant> / gemm2:<variant> / align / gather / sum / fused_moe / dense*
     block_m: int | None
     tile: str | None
     ms: float
@@ -81,14 +89,15 @@ class Timing:
 
 
 def candidate_tiles(
-    block_m: int, *, gated: bool, n: int, k: int, elem_bytes: int = 2
+    block_m: int, *, gated: bool, n: int, k: int, elem_bytes: int = 2,
+    block_ks: tuple[int, ...] = BLOCK_KS,
 ) -> list[Tile]:
     """The tile space less what does not fit (`moe.kernels.fused_moe.tile_fits`)."""
     from moe.kernels.fused_moe import tile_fits
 
     return [
         Tile(block_n, block_k, DEFAULT_GROUP_M, warps, stages)
-        for block_n, block_k, warps, stages in itertools.product(BLOCK_NS, BLOCK_KS, WARPS, STAGES)
+        for block_n, block_k, warps, stages in itertools.product(BLOCK_NS, block_ks, WARPS, STAGES)
         if tile_fits(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps,
                      num_stages=stages, gated=gated, elem_bytes=elem_bytes, n=n, k=k)
     ]
@@ -104,6 +113,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--shapes", default="ds-e32", help=f"comma list of {', '.join(SHAPES)}")
     add("--tokens", default="2048,4096", help="comma list of tokens per rank")
     add("--block-m", default="64,128", help="comma list of BLOCK_M (powers of two, >= 16)")
+    add("--block-k", default=",".join(map(str, BLOCK_KS)), help="comma list of BLOCK_K to sweep")
+    add("--variants", default="tma,sorted", help=f"comma list of {', '.join(VARIANTS)}")
     add("--top", type=int, default=5, help="tiles shown per GEMM and BLOCK_M")
     add("--reps", type=int, default=10, help="timed launches per candidate")
     add("--workers", type=int, default=min(16, os.cpu_count() or 1),
@@ -114,12 +125,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.shapes = split_names(args.shapes, SHAPES, "--shapes")
     args.tokens = split_tokens(parser, args.tokens)
-    try:
-        args.block_m = [int(b) for b in args.block_m.split(",") if b]
-    except ValueError:
-        parser.error(f"--block-m {args.block_m!r}: give comma-separated integers, e.g. 64,128")
-    if not args.block_m or any(b < 16 or b & (b - 1) for b in args.block_m):
-        parser.error(f"--block-m {args.block_m}: give powers of two >= 16")
+    args.variants = split_names(args.variants, VARIANTS, "--variants")
+    for flag in ("block_m", "block_k"):
+        text = getattr(args, flag)
+        option = "--" + flag.replace("_", "-")
+        try:
+            values = [int(b) for b in text.split(",") if b]
+        except ValueError:
+            parser.error(f"{option} {text!r}: give comma-separated integers, e.g. 64,128")
+        if not values or any(b < 16 or b & (b - 1) for b in values):
+            parser.error(f"{option} {values}: give powers of two >= 16")
+        setattr(args, flag, values)
+    args.block_k = tuple(args.block_k)
     return args
 
 
@@ -133,7 +150,6 @@ class Point:
     w2_EHI: torch.Tensor
     topk_ids_NK: torch.Tensor
     topk_weights_NK: torch.Tensor
-    act_RI: torch.Tensor
     y_RH: torch.Tensor
 
     @property
@@ -148,7 +164,7 @@ class Point:
     def gemm_flops(self, gemm: str) -> float:
         hidden, inter, top_k, _ = self.dims
         rows = self.tokens * top_k
-        return 2.0 * rows * hidden * inter * (2 if gemm in ("gemm1", "dense1") else 1)
+        return 2.0 * rows * hidden * inter * (2 if gemm.startswith(("gemm1", "dense1")) else 1)
 
 
 def make_point(shape: str, tokens: int, weights: tuple[torch.Tensor, torch.Tensor],
@@ -161,25 +177,42 @@ def make_point(shape: str, tokens: int, weights: tuple[torch.Tensor, torch.Tenso
     return Point(
         shape=shape, x_NH=x, w13_EIH=w13, w2_EHI=w2, topk_ids_NK=topk_ids,
         topk_weights_NK=topk_weights,
-        act_RI=torch.empty(rows, inter, dtype=dtype, device=device),
         y_RH=torch.empty(rows, hidden, dtype=dtype, device=device),
     )
 
 
-def launches(point: Point, block_m: int) -> dict[str, Any]:
-    """The two GEMM launches (`KernelLaunch`) of `point` with rows aligned to `block_m`."""
+def launches(point: Point, block_m: int, variants: list[str]) -> dict[str, Any]:
+    """The GEMM launches (`KernelLaunch`) of `point` with rows aligned to `block_m`, keyed
+    "gemm1:<variant>" and "gemm2:<ptr|tma>" (GEMM2 always reads the sorted activation),
+    plus "gather": the call that fills the sorted x of the "sorted" variant."""
     from moe.kernels.align_triton import align_routing_triton as align_routing
-    from moe.kernels.fused_moe import kernel_launch
+    from moe.kernels.fused_moe import gather_rows, kernel_launch
 
     hidden, inter, top_k, num_experts = point.dims
     routing = align_routing(point.topk_ids_NK, num_experts, block_m)
+    max_rows = routing.sorted_ids_P.numel()
+    act_PI = point.x_NH.new_empty(max_rows, inter)
     weights_R = point.topk_weights_NK.reshape(-1)
-    return {
-        "gemm1": kernel_launch(point.x_NH, point.w13_EIH, point.act_RI, None, routing,
-                               n=inter, k=hidden, a_rows_div=top_k),
-        "gemm2": kernel_launch(point.act_RI, point.w2_EHI, point.y_RH, weights_R, routing,
-                               n=hidden, k=inter, a_rows_div=1),
-    }
+    out: dict[str, Any] = {}
+    for variant in variants:
+        tma, a_x = variant != "ptr", point.x_NH
+        if variant == "sorted":
+            a_x = point.x_NH.new_empty(max_rows, hidden)
+            out["gather"] = functools.partial(gather_rows, point.x_NH, a_x, routing,
+                                              rows_div=top_k)
+            out["gather"]()
+        out[f"gemm1:{variant}"] = kernel_launch(
+            a_x, point.w13_EIH, act_PI, None, routing, n=inter, k=hidden, a_rows_div=top_k,
+            a_sorted=variant == "sorted", tma=tma)
+        out[f"gemm2:{'tma' if tma else 'ptr'}"] = kernel_launch(
+            act_PI, point.w2_EHI, point.y_RH, weights_R, routing, n=hidden, k=inter,
+            a_rows_div=1, a_sorted=True, tma=tma)
+    return out
+
+
+def gemm_launches(launches_: dict[str, Any]) -> dict[str, Any]:
+    """The `KernelLaunch`es of `launches`' result (without "gather")."""
+    return {what: launch for what, launch in launches_.items() if what.startswith("gemm")}
 
 
 def _warmup_spec(launch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -215,9 +248,12 @@ def precompile(jobs: list[tuple[Any, ...]], workers: int) -> list[str]:
 
 def time_launch(launch: Any, tile: Tile, reps: int) -> float:
     """Median ms of one tile after a first (compiling) launch."""
-    from moe.kernels.fused_moe import fused_moe_kernel
+    import triton
+
+    from moe.kernels.fused_moe import _tma_scratch, fused_moe_kernel
 
     grid = launch.grid(tile.block_n)
+    triton.set_allocator(_tma_scratch)
 
     def fn() -> None:
         fused_moe_kernel[grid](*launch.args, **launch.flags, **tile.meta())
@@ -253,9 +289,10 @@ def tune_point(point: Point, args: argparse.Namespace) -> list[Timing]:
     w1_t, w2_t = point.w13_EIH[0].t(), point.w2_EHI[0].t()
     record("dense1", None, None, time_fn(lambda: a_RH @ w1_t, device, args.reps),
            point.gemm_flops("dense1"))
-    record("dense2", None, None, time_fn(lambda: point.act_RI @ w2_t, device, args.reps),
+    act_RI = point.x_NH.new_empty(point.tokens * top_k, inter)
+    record("dense2", None, None, time_fn(lambda: act_RI @ w2_t, device, args.reps),
            point.gemm_flops("dense2"))
-    del a_RH
+    del a_RH, act_RI
     y_NKH = point.y_RH.view(point.tokens, top_k, hidden)
     record("sum", None, None, time_fn(lambda: y_NKH.sum(dim=1), device, args.reps))
     record("fused_moe", None, "autotuned", time_fn(
@@ -266,40 +303,65 @@ def tune_point(point: Point, args: argparse.Namespace) -> list[Timing]:
     for block_m in args.block_m:
         record("align", block_m, None, time_fn(
             lambda: align_routing(point.topk_ids_NK, num_experts, block_m), device, args.reps))
-        for gemm, launch in launches(point, block_m).items():
+        calls = launches(point, block_m, args.variants)
+        if "gather" in calls:
+            record("gather", block_m, None, time_fn(calls["gather"], device, args.reps))
+        for what, launch in gemm_launches(calls).items():
+            gemm = what.split(":")[0]
             n, k = (inter, hidden) if gemm == "gemm1" else (hidden, inter)
             tiles = candidate_tiles(block_m, gated=gemm == "gemm1", n=n, k=k,
-                                    elem_bytes=point.x_NH.element_size())
-            timed = [(time_launch(launch, tile, args.reps), tile) for tile in tiles]
+                                    elem_bytes=point.x_NH.element_size(),
+                                    block_ks=args.block_k)
+            timed = _time_tiles(launch, tiles, args.reps, what)
+            if not timed:
+                continue
             best_ms, best = min(timed, key=lambda t: t[0])
-            for group_m in GROUP_MS:
-                if group_m != best.group_m:
-                    tile = Tile(best.block_n, best.block_k, group_m, best.num_warps,
-                                best.num_stages)
-                    timed.append((time_launch(launch, tile, args.reps), tile))
+            timed += _time_tiles(launch, [
+                Tile(best.block_n, best.block_k, group_m, best.num_warps, best.num_stages)
+                for group_m in GROUP_MS if group_m != best.group_m], args.reps, what)
             for ms, tile in timed:
-                record(gemm, block_m, tile, ms, point.gemm_flops(gemm))
+                record(what, block_m, tile, ms, point.gemm_flops(gemm))
     return out
 
 
+def _time_tiles(launch: Any, tiles: list[Tile], reps: int, what: str) -> list[tuple[float, Tile]]:
+    """(ms, tile) for each tile that compiles and runs; the others are reported and skipped."""
+    timed = []
+    for tile in tiles:
+        try:
+            timed.append((time_launch(launch, tile, reps), tile))
+        except Exception as exc:  # noqa: BLE001 - a tile the compiler rejects is not fatal
+            print(f"{what} {tile}: skipped: {type(exc).__name__}: {str(exc)[:200]}",
+                  file=sys.stderr)
+    return timed
+
+
 def point_table(timings: list[Timing], top: int) -> str:
-    """The fastest tiles per GEMM and BLOCK_M, the other steps, and the best total."""
+    """The fastest tiles per GEMM, variant and BLOCK_M, the other steps, and the best
+    total of each variant."""
     by = {t.what: t for t in timings if t.what in ("dense1", "dense2", "sum", "fused_moe")}
     lines = []
-    for block_m in sorted({t.block_m for t in timings if t.what == "gemm1"}):
-        best_total = by["sum"].ms
-        for gemm, dense in (("gemm1", "dense1"), ("gemm2", "dense2")):
-            rows = sorted((t for t in timings if t.what == gemm and t.block_m == block_m),
-                          key=lambda t: t.ms)
-            best_total += rows[0].ms
+    for block_m in sorted({t.block_m for t in timings if t.what.startswith("gemm")}):
+        here = [t for t in timings if t.block_m == block_m]
+        best: dict[str, float] = {}
+        for what in sorted({t.what for t in here if t.what.startswith("gemm")}):
+            rows = sorted((t for t in here if t.what == what), key=lambda t: t.ms)
+            best[what] = rows[0].ms
+            dense = by["dense1" if what.startswith("gemm1") else "dense2"]
             for t in rows[:top]:
-                share = t.ms and by[dense].ms / t.ms
-                lines.append(f"  BLOCK_M {block_m:>3} {gemm}  {t.tile:<22} {t.ms:8.3f} ms "
+                share = t.ms and dense.ms / t.ms
+                lines.append(f"  BLOCK_M {block_m:>3} {what:<13} {t.tile:<22} {t.ms:8.3f} ms "
                              f"{t.tflops:6.1f} TFLOP/s  {share:6.1%} of dense")
-        align = next(t for t in timings if t.what == "align" and t.block_m == block_m)
-        best_total += align.ms
-        lines.append(f"  BLOCK_M {block_m:>3} best total (align {align.ms:.3f} + GEMMs + sum "
-                     f"{by['sum'].ms:.3f}) = {best_total:.3f} ms")
+        steps = {t.what: t.ms for t in here if t.what in ("align", "gather")}
+        for variant in VARIANTS:
+            gemm2 = "gemm2:ptr" if variant == "ptr" else "gemm2:tma"
+            if f"gemm1:{variant}" not in best or gemm2 not in best:
+                continue
+            extra = steps.get("gather", 0.0) if variant == "sorted" else 0.0
+            total = steps["align"] + extra + best[f"gemm1:{variant}"] + best[gemm2] + by["sum"].ms
+            lines.append(f"  BLOCK_M {block_m:>3} best total, {variant}: align {steps['align']:.3f}"
+                         + (f" + gather {extra:.3f}" if variant == "sorted" else "")
+                         + f" + GEMMs + sum {by['sum'].ms:.3f} = {total:.3f} ms")
     dense = by["dense1"].ms + by["dense2"].ms
     shipped = by["fused_moe"]
     lines.append(f"  dense GEMMs {dense:.3f} ms; shipped fused_moe {shipped.ms:.3f} ms "
@@ -314,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             hidden, inter, _, _ = SHAPES[shape]
             for block_m in args.block_m:
                 for gemm, (n, k) in zip(GEMMS, ((inter, hidden), (hidden, inter))):
-                    tiles = candidate_tiles(block_m, gated=gemm == "gemm1", n=n, k=k)
+                    tiles = candidate_tiles(block_m, gated=gemm == "gemm1", n=n, k=k,
+                                            block_ks=args.block_k)
                     print(f"{shape} BLOCK_M {block_m} {gemm}: {len(tiles)} tiles: "
                           + ", ".join(map(str, tiles)))
         return 0
@@ -322,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: moe.tune_experts needs a CUDA GPU (none visible to torch); "
               "--dry-run lists the candidates without one", file=sys.stderr)
         return 2
+
+    from moe.kernels.fused_moe import autotune_configs
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -335,11 +400,20 @@ def main(argv: list[str] | None = None) -> int:
                 point = make_point(shape, tokens, (w13, w2), gen)
                 jobs = []
                 for block_m in args.block_m:
-                    for gemm, launch in launches(point, block_m).items():
-                        n, k = (inter, hidden) if gemm == "gemm1" else (hidden, inter)
+                    calls = launches(point, block_m, args.variants)
+                    for what, launch in gemm_launches(calls).items():
+                        gated = what.startswith("gemm1")
+                        n, k = (inter, hidden) if gated else (hidden, inter)
                         spec_args, flags = _warmup_spec(launch)
-                        for tile in candidate_tiles(block_m, gated=gemm == "gemm1", n=n, k=k):
+                        for tile in candidate_tiles(block_m, gated=gated, n=n, k=k,
+                                                    block_ks=args.block_k):
                             jobs.append((spec_args, flags, tile.meta()))
+                        # The shipped autotune list too: the fused_moe timing tunes over it.
+                        for config in autotune_configs(block_m):
+                            jobs.append((spec_args, flags, {**config.kwargs,
+                                         "num_warps": config.num_warps,
+                                         "num_stages": config.num_stages}))
+                    del calls
                 for err in precompile(jobs, args.workers):
                     print(f"compile failed: {err}", file=sys.stderr)
                 print(f"timing {shape} T={tokens} ...", file=sys.stderr, flush=True)

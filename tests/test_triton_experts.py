@@ -236,6 +236,73 @@ def test_matches_reference_fp16(
     check_against_reference(*problem)
 
 
+@pytest.mark.parametrize("tma, sorted_x", [(True, False), (True, True)])
+@pytest.mark.parametrize(
+    "num_tokens, hidden, inter, num_experts, top_k, block_m",
+    [
+        (9, 32, 24, 3, 2, 16),  # I = 24: a weight tile runs past the gate into the up rows
+        (37, 72, 40, 8, 8, 16),  # many experts, the last tile reads past the last expert
+        (40, 16, 8, 1, 1, 32),  # one expert, two blocks
+    ],
+)
+def test_load_variants_match_reference(
+    tma: bool, sorted_x: bool, num_tokens: int, hidden: int, inter: int, num_experts: int,
+    top_k: int, block_m: int,
+) -> None:
+    """Tensor-descriptor (TMA) loads and the pre-sorted x, emulated by the interpreter on
+    CPU (the GPU picks them by itself): same results as the pointer loads."""
+    from moe.kernels.fused_moe import fused_moe
+
+    problem = make_problem(num_tokens, hidden, inter, num_experts, top_k,
+                           dtype=torch.float16, drop_frac=0.2)
+    ref = ReferenceExperts().apply(*problem)
+    out = fused_moe(*problem, block_m=block_m, tma=tma, sorted_x=sorted_x)
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[torch.float16])
+    plain = fused_moe(*problem, block_m=block_m, tma=False, sorted_x=False)
+    # The same tiles in the same order: only the load path differs.
+    assert torch.equal(out, plain)
+    # From a workspace (the sorted x and GEMM2's rows share one buffer), twice.
+    ws = Workspace()
+    for _ in range(2):
+        out_ws = fused_moe(*problem, block_m=block_m, tma=tma, sorted_x=sorted_x, workspace=ws)
+        assert torch.equal(out_ws, plain)
+
+
+def test_tma_and_sorted_x_reject_what_they_cannot_load() -> None:
+    from moe.kernels.fused_moe import fused_moe, tma_unsupported_reason
+
+    fp32 = make_problem(4, 16, 8, 2, 1)
+    assert "16-bit" in tma_unsupported_reason(*fp32[:3])
+    with pytest.raises(ValueError, match="16-bit"):
+        fused_moe(*fp32, tma=True)
+    odd = make_problem(4, 20, 8, 2, 1, dtype=torch.float16)  # 40-byte rows
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        fused_moe(*odd, tma=True)
+    x, w13, w2, ids, weights = make_problem(4, 16, 8, 2, 1, dtype=torch.float16)
+    strided = w13.transpose(0, 1).contiguous().transpose(0, 1)  # rows contiguous, experts not
+    with pytest.raises(ValueError, match="contiguous"):
+        fused_moe(x, strided, w2, ids, weights, tma=True)
+    with pytest.raises(ValueError, match="needs tma"):
+        fused_moe(x, w13, w2, ids, weights, tma=False, sorted_x=True)
+
+
+def test_gather_rows_copies_routed_rows_and_zeros_padding() -> None:
+    from moe.kernels.fused_moe import gather_rows
+
+    num_tokens, top_k, hidden = 10, 2, 24
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ids = torch.tensor([[0, 2], [1, -1], [2, 0], [0, 1], [2, 2]] * 2).to(DEVICE)
+    routing = align_routing_triton(ids, 3, 16)
+    dst = torch.full((routing.sorted_ids_P.numel(), hidden), float("nan"), device=DEVICE)
+    gather_rows(x, dst, routing, rows_div=top_k)
+    used = int(routing.num_padded_rows)
+    sorted_ids = routing.sorted_ids_P[:used].long()
+    real = sorted_ids < ids.numel()
+    assert torch.equal(dst[:used][real], x[sorted_ids[real] // top_k])
+    assert torch.equal(dst[:used][~real], torch.zeros_like(dst[:used][~real]))
+    assert torch.isnan(dst[used:]).all(), "rows past num_padded_rows are not touched"
+
+
 def test_dropped_rows_are_zero() -> None:
     x, w13, w2, ids, weights = make_problem(6, 16, 8, 4, 2)
     ids[1] = -1
@@ -379,11 +446,26 @@ _BF16 = torch.bfloat16
 def test_gpu_shapes(
     dtype: torch.dtype, num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int
 ) -> None:
-    """Compiled, autotuned kernels on CUDA (the first run compiles ~60 configs: minutes)."""
+    """Compiled, autotuned kernels on CUDA (the first run compiles ~60 configs: minutes);
+    16-bit aligned shapes take the TMA loads there."""
     problem = make_problem(
         num_tokens, hidden, inter, num_experts, top_k, dtype=dtype, drop_frac=0.1
     )
     check_against_reference(*problem)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma, sorted_x", [(False, False), (True, False), (True, True)])
+def test_gpu_load_variants(tma: bool, sorted_x: bool) -> None:
+    """Each load path compiled on CUDA gives the pointer path's result bit for bit."""
+    from moe.kernels.fused_moe import fused_moe
+
+    if tma and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs compute capability 9.0+")
+    problem = make_problem(2048, 1024, 384, 64, 8, dtype=_BF16, drop_frac=0.1)
+    ref = ReferenceExperts().apply(*problem)
+    out = fused_moe(*problem, tma=tma, sorted_x=sorted_x)
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[_BF16])
 
 
 def test_tune_cli(capsys: pytest.CaptureFixture[str]) -> None:
@@ -398,7 +480,8 @@ def test_tune_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert gemm1 and all(t.block_n * 64 * 2 // (t.num_warps * 32) <= 128 for t in gemm1)
     assert any(t.block_n == 256 for t in tune_experts.candidate_tiles(64, gated=False, n=7168,
                                                                         k=2048))
-    for bad in (["--block-m", "48"], ["--shapes", "nope"], ["--tokens", "x"]):
+    for bad in (["--block-m", "48"], ["--shapes", "nope"], ["--tokens", "x"],
+                ["--block-k", "24"], ["--variants", "tma,fast"]):
         with pytest.raises(SystemExit):
             tune_experts.main(bad)
     if not torch.cuda.is_available():

@@ -7,10 +7,16 @@ One kernel serves both GEMMs of an expert MLP; constexpr flags pick the epilogue
     then                       out[n]  = sum_k y[n*K + k]      (torch, fp32 accumulation)
 
 where r = n*K + k is a flat routed row and e = topk_ids[n, k]. Rows are visited in the
-expert-sorted, BLOCK_M-padded order from `moe.kernels.align_triton`, so each program multiplies
-BLOCK_M rows of one expert by a BLOCK_N slice of that expert's weights. Every output row is
-written by exactly one program and the k-sum is a plain reduction: the result is
-deterministic (no atomics).
+expert-sorted, BLOCK_M-padded order p from `moe.kernels.align_triton`, so each program
+multiplies BLOCK_M rows of one expert by a BLOCK_N slice of that expert's weights. GEMM1
+writes act in that sorted order ([P, I]), so GEMM2 reads contiguous row blocks. Every
+output row is written by exactly one program and the k-sum is a plain reduction: the
+result is deterministic (no atomics).
+
+Load paths (constexpr flags, chosen per GEMM by the host, see `fused_moe`): pointer loads;
+TMA (tensor descriptors, Hopper and newer) for the weight tiles and for A when A is in the
+sorted order; GEMM1 gathers x rows by pointer, or reads x copied into the sorted order
+first (`gather_rows`), which pays only when x is much larger than L2.
 
 Legend (host side): N tokens, K top-k, H hidden, I intermediate, E local experts,
 R = N*K routed rows, P padded rows. Inside the kernel M/N/K are the GEMM's own sizes.
@@ -41,9 +47,9 @@ _SMEM_BYTES = 220 * 1024  # H100/H200 allow 227 KiB per block; keep a margin.
 @triton.jit
 def fused_moe_kernel(
     # Pointers
-    a_ptr,  # A rows: x [N_tok, K] (GEMM1, gathered) or act [R, K] (GEMM2)
+    a_ptr,  # A rows: x [N_tok, K] (gathered), or [P, K] in sorted row order (A_SORTED)
     b_ptr,  # expert weights [E, rows, K]: w13 [E, 2N, K] (GATED) or w2 [E, N, K]
-    c_ptr,  # output [R, N], row = flat routed id
+    c_ptr,  # output: [R, N] by flat routed id, or [P, N] in sorted row order (C_SORTED)
     topk_weights_ptr,  # float32 [R]; read only when MUL_ROUTED_WEIGHT
     # Routing from moe.kernels.align
     sorted_ids_ptr,  # int32 [P]: flat routed id per row, `num_routed` = padding
@@ -55,6 +61,7 @@ def fused_moe_kernel(
     num_routed,  # R, also the padding sentinel
     max_padded_rows,  # P, the launch bound (a multiple of BLOCK_M)
     rows_bucket,  # next power of two of P: autotune key only (unused in the body)
+    num_experts,  # E: the extent of B's descriptor (USE_TMA)
     # Strides
     stride_am,
     stride_ak,
@@ -64,7 +71,10 @@ def fused_moe_kernel(
     stride_cm,
     stride_cn,
     # Epilogue / addressing switches
-    A_ROWS_DIV: tl.constexpr,  # A row = routed id // A_ROWS_DIV (top-k for x, 1 for act)
+    A_ROWS_DIV: tl.constexpr,  # gathered A row = routed id // A_ROWS_DIV (top-k for x)
+    A_SORTED: tl.constexpr,  # A row = sorted row (act, or x gathered by `gather_rows`)
+    C_SORTED: tl.constexpr,  # C row = sorted row (the [P, I] activation)
+    USE_TMA: tl.constexpr,  # load B, and A when A_SORTED, through tensor descriptors
     GATED: tl.constexpr,  # B holds gate rows [0, N) then up rows [N, 2N): silu(g) * u
     MUL_ROUTED_WEIGHT: tl.constexpr,  # scale each row by its routing weight
     ZERO_DROPPED: tl.constexpr,  # write zero rows for blocks of expert -1
@@ -75,11 +85,14 @@ def fused_moe_kernel(
     GROUP_M: tl.constexpr,  # M blocks per group, so neighbours reuse a weight tile in L2
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 inputs: "ieee" or "tf32"
 ):
-    """One [BLOCK_M, BLOCK_N] tile: C[r, n] = epilogue(sum_k A[r // A_ROWS_DIV, k] * B[e, n, k])
-    for the BLOCK_M routed rows r of one expert-e block (GATED: B rows n and N + n).
+    """One [BLOCK_M, BLOCK_N] tile: C[r, n] = epilogue(sum_k A[r, k] * B[e, n, k]) for the
+    BLOCK_M rows r of one expert-e block (GATED: B rows n and N + n).
 
-    Shapes: A [*, K], B [E, N or 2N, K], C [R, N], topk weights [R] fp32; the 1-D grid is
-    cdiv(P, BLOCK_M) * cdiv(N, BLOCK_N) programs in grouped order. Accumulates in fp32.
+    Shapes: B [E, N or 2N, K], topk weights [R] fp32; A and C as the flags say. The 1-D
+    grid is cdiv(P, BLOCK_M) * cdiv(N, BLOCK_N) programs in grouped order. Accumulates
+    in fp32. With USE_TMA the weight tile is one TMA copy of rows [e*rows + n0, +BLOCK_N):
+    past an expert's last row it reads the next expert's (or zeros past the tensor), and
+    those columns are dropped by the store mask, as the wrapped columns are without TMA.
     """
     # Grouped ordering: walk GROUP_M row blocks down one column of tiles before moving on.
     pid = tl.program_id(axis=0)
@@ -100,8 +113,12 @@ def fused_moe_kernel(
     row_ids = tl.load(sorted_ids_ptr + offs_m)
     row_mask = row_ids < num_routed
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + row_ids.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-    c_mask = row_mask[:, None] & (offs_cn[None, :] < N)
+    if C_SORTED:  # padding rows are written too (zeros or junk; never summed)
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+        c_mask = (offs_m[:, None] >= 0) & (offs_cn[None, :] < N)
+    else:
+        c_ptrs = c_ptr + row_ids.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+        c_mask = row_mask[:, None] & (offs_cn[None, :] < N)
 
     expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -111,24 +128,48 @@ def fused_moe_kernel(
             tl.store(c_ptrs, zeros, mask=c_mask)
         return
 
+    offs_k = tl.arange(0, BLOCK_K)
+    if A_SORTED:
+        a_rows = offs_m.to(tl.int64)
+        a_row_mask = offs_m >= 0  # every sorted row below num_padded_rows exists
+    else:
+        a_rows = (row_ids // A_ROWS_DIV).to(tl.int64)
+        a_row_mask = row_mask
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     # Weight columns wrap around N so loads stay in bounds; the store mask drops them.
     offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_rows = (row_ids // A_ROWS_DIV).to(tl.int64)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + offs_bn[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    up_ptrs = b_ptrs + N * stride_bn
+    if USE_TMA:
+        expert_rows = 2 * N if GATED else N
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr, shape=[num_experts * expert_rows, K], strides=[stride_bn, 1],
+            block_shape=[BLOCK_N, BLOCK_K])
+        b_row = (expert * expert_rows + pid_n * BLOCK_N).to(tl.int32)
+        if A_SORTED:
+            a_desc = tl.make_tensor_descriptor(
+                a_ptr, shape=[max_padded_rows, K], strides=[stride_am, 1],
+                block_shape=[BLOCK_M, BLOCK_K])
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GATED:
-        up_ptrs = b_ptrs + N * stride_bn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if USE_TMA and A_SORTED:
+            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+        else:
+            a = tl.load(a_ptrs, mask=a_row_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_TMA:
+            b = b_desc.load([b_row, k * BLOCK_K]).T
+        else:
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         if GATED:
-            up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
+            if USE_TMA:
+                up = b_desc.load([b_row + N, k * BLOCK_K]).T
+            else:
+                up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
             acc_up = tl.dot(a, up, acc_up, input_precision=INPUT_PRECISION)
             up_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
@@ -142,21 +183,55 @@ def fused_moe_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+@triton.jit
+def gather_rows_kernel(
+    src_ptr,  # [N_tok, H]
+    dst_ptr,  # [P, H]: row p = src[sorted_ids[p] // ROWS_DIV], zeros for padding rows
+    sorted_ids_ptr,  # int32 [P]
+    num_padded_rows_ptr,  # int32 [1]
+    num_routed,
+    H,
+    stride_src,
+    stride_dst,
+    ROWS_DIV: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # divides BLOCK_M, so a block is wholly used or wholly idle
+    BLOCK_H: tl.constexpr,
+):
+    """Copy the routed rows of x into the sorted order (GEMM1's A for TMA loads)."""
+    pid_r = tl.program_id(0)
+    if pid_r * BLOCK_R >= tl.load(num_padded_rows_ptr):
+        return
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ids = tl.load(sorted_ids_ptr + offs_r)
+    valid = ids < num_routed
+    src = src_ptr + (ids // ROWS_DIV).to(tl.int64)[:, None] * stride_src + offs_h[None, :]
+    h_mask = offs_h[None, :] < H
+    rows = tl.load(src, mask=valid[:, None] & h_mask, other=0.0)
+    dst = dst_ptr + offs_r.to(tl.int64)[:, None] * stride_dst + offs_h[None, :]
+    tl.store(dst, rows, mask=h_mask)
+
+
 # (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per regime. Few rows per block
 # (decode) is weight-bandwidth bound: wide loads, 4 warps, deep pipelines. Full blocks are
 # tensor-core bound. The large-block list holds the winners of `python -m moe.tune_experts`
-# on an H200 (DeepSeek-V3 and Qwen3 expert shapes, 2048-16384 tokens, BLOCK_M 64 and 128):
+# on an H200 (DeepSeek-V3 and Qwen3 expert shapes, 2048-16384 tokens, BLOCK_M 64 and 128;
+# then, with the TMA and sorted-x load variants, BLOCK_M 128):
 # GEMM1 (gated, two accumulators) mostly wins with 64-128 wide tiles, GEMM2 with 256; a
 # larger GROUP_M (more row blocks share a weight tile in L2) gained up to 15% at some points.
 _SMALL_M_TILES = ((64, 64, 8, 4, 4), (64, 128, 8, 4, 4), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3))
 _LARGE_M_TILES = (
+    (64, 64, 1, 4, 3),
     (64, 64, 8, 8, 3),
     (64, 64, 16, 4, 3),
     (128, 64, 8, 4, 3),
     (128, 64, 8, 4, 5),
     (128, 64, 16, 8, 3),
+    (128, 64, 16, 8, 4),
+    (128, 64, 32, 8, 3),
     (128, 64, 32, 8, 4),
     (256, 64, 8, 4, 4),
+    (256, 64, 8, 8, 4),
     (256, 64, 16, 8, 3),
     (256, 64, 32, 8, 4),
 )
@@ -221,7 +296,7 @@ def _tuned_kernel() -> Any:
         configs=autotune_configs(),
         # rows_bucket: the best tile at 256 tokens is not the best at 16384, yet keying on
         # the exact row count would re-tune for every batch size.
-        key=["N", "K", "BLOCK_M", "GATED", "rows_bucket"],
+        key=["N", "K", "BLOCK_M", "GATED", "A_SORTED", "USE_TMA", "rows_bucket"],
         prune_configs_by={"early_config_prune": _prune_configs},
     )(fused_moe_kernel)
 
@@ -243,6 +318,26 @@ def choose_block_m(num_routed: int, num_experts: int) -> int:
     return 128
 
 
+def tma_unsupported_reason(*tensors: torch.Tensor) -> str | None:
+    """None when tensor-descriptor (TMA) loads can read these operands, else why not.
+
+    TMA needs a Hopper-class GPU (compute capability 9.0 or newer; on CPU the interpreter
+    emulates it), 16-bit data, 16-byte aligned base pointers and row strides, and
+    expert weights that are contiguous (the kernel views [E, rows, K] as [E*rows, K]).
+    """
+    device = tensors[0].device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        return f"TMA needs compute capability 9.0+, {device} has {torch.cuda.get_device_capability(device)}"
+    for t in tensors:
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            return f"TMA loads are used for 16-bit data only, got {t.dtype}"
+        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return f"a {tuple(t.shape)} operand is not 16-byte aligned (pointer or row stride)"
+        if t.dim() == 3 and not t.is_contiguous():
+            return "expert weights are not contiguous: call .contiguous() on w13 / w2 once"
+    return None
+
+
 def fused_moe(
     x_NH: torch.Tensor,
     w13_EIH: torch.Tensor,
@@ -252,6 +347,8 @@ def fused_moe(
     *,
     workspace: Workspace | None = None,
     block_m: int | None = None,
+    tma: bool | None = None,
+    sorted_x: bool | None = None,
 ) -> torch.Tensor:
     """Routed expert MLPs: out[n] = sum_k w[n,k] * W2_e(silu(gate_e x[n]) * up_e x[n]).
 
@@ -262,9 +359,16 @@ def fused_moe(
         topk_ids_NK: int64 [N, K] local expert ids in [0, E) or -1 (no contribution); not
             range-checked (that would sync).
         topk_weights_NK: float32 [N, K] routing weights.
-        workspace: source of the intermediates (routing, [R, I] activation, [R, H] rows);
-            fresh allocations when None. The returned tensor is always a fresh allocation.
+        workspace: source of the intermediates (routing, [P, I] activation, [R, H] rows,
+            which share memory with the [P, H] sorted x); fresh allocations when None. The returned tensor is always
+            a fresh allocation.
         block_m: rows per block; `choose_block_m` when None (tests pin it).
+        tma: load weight tiles (and sorted A tiles) with TMA. None: on a GPU where
+            `tma_unsupported_reason` allows it, per GEMM where `prefer_tma` says it pays;
+            True (both GEMMs) raises ValueError where TMA cannot load the operands (on CPU
+            the interpreter emulates it, for tests); False: pointer loads only.
+        sorted_x: copy x's routed rows into the sorted order first (one gather kernel),
+            so GEMM1 loads A with TMA too; needs GEMM1 on TMA. None: `prefer_sorted_x`.
 
     Returns:
         [N, H] in x's dtype on x's device, valid on the current stream. GEMMs accumulate in
@@ -282,21 +386,80 @@ def fused_moe(
     if num_routed == 0:
         return torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
 
+    reason = tma_unsupported_reason(w13_EIH, w2_EHI, x_NH)
+    if tma is None:
+        auto = reason is None and device.type == "cuda"
+        tma1, tma2 = auto and prefer_tma(hidden), auto and prefer_tma(inter)
+    elif tma and reason is not None:
+        raise ValueError(f"fused_moe(tma=True): {reason}")
+    else:
+        tma1 = tma2 = tma
+    if sorted_x is None:
+        sorted_x = tma1 and prefer_sorted_x(x_NH)
+    elif sorted_x and not tma1:
+        raise ValueError("fused_moe(sorted_x=True) needs tma: the gather only pays for TMA loads")
+
     block_m = block_m or choose_block_m(num_routed, num_experts)
     routing = align_routing_triton(topk_ids_NK, num_experts, block_m, workspace=workspace)
-    act_RI = empty_from(workspace, "triton.act", (num_routed, inter), dtype, device)
-    y_RH = empty_from(workspace, "triton.rows", (num_routed, hidden), dtype, device)
+    max_rows = routing.sorted_ids_P.numel()
+    act_PI = empty_from(workspace, "triton.act", (max_rows, inter), dtype, device)
     weights_R = topk_weights_NK.reshape(-1)
 
-    _launch(kernel_launch(x_NH, w13_EIH, act_RI, None, routing, n=inter, k=hidden,
-                          a_rows_div=top_k))
-    _launch(kernel_launch(act_RI, w2_EHI, y_RH, weights_R, routing, n=hidden, k=inter,
-                          a_rows_div=1))
+    a_x = x_NH
+    if sorted_x:
+        # The sorted x is dead once GEMM1 has run (same stream), so GEMM2's rows reuse it.
+        a_x = empty_from(workspace, "triton.rows", (max_rows, hidden), dtype, device)
+        gather_rows(x_NH, a_x, routing, rows_div=top_k)
+        y_RH = a_x[:num_routed]
+    else:
+        y_RH = empty_from(workspace, "triton.rows", (num_routed, hidden), dtype, device)
+    _launch(kernel_launch(a_x, w13_EIH, act_PI, None, routing, n=inter, k=hidden,
+                          a_rows_div=top_k, a_sorted=sorted_x, tma=tma1))
+    _launch(kernel_launch(act_PI, w2_EHI, y_RH, weights_R, routing, n=hidden, k=inter,
+                          a_rows_div=1, a_sorted=True, tma=tma2))
 
     out_NH = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
     # Reduced-precision sums accumulate in fp32 inside torch's reduction kernels.
     torch.sum(y_RH.view(num_tokens, top_k, hidden), dim=1, out=out_NH)
     return out_NH
+
+
+# When the load paths pay, from `python -m moe.tune_experts --variants ptr,tma,sorted` on an
+# H200 (BLOCK_M 128, best tile of each; BENCHMARKS.md section 2, session 3):
+# - TMA weight tiles: 1-5% faster GEMMs at depth K >= 2048 (DeepSeek-V3 shapes, Qwen3's
+#   GEMM1), 7% slower at K = 768 (Qwen3's GEMM2), where the in-kernel descriptor set-up
+#   is a larger share of a short k-loop.
+# - Sorting x first: GEMM1 11% faster at DeepSeek-V3 H = 7168, 16384 tokens (x is 235 MB,
+#   about 4x L2), a net 0.8 ms of 21 ms after the gather; a net loss at 4096 tokens
+#   (x 59 MB) and at Qwen3's 16384 tokens (x 67 MB).
+TMA_MIN_K = 1024
+SORTED_X_MIN_BYTES = 128 * 2**20
+
+
+def prefer_tma(k: int) -> bool:
+    """Whether a GEMM of depth `k` loads its tiles by TMA (where TMA can load them)."""
+    return k >= TMA_MIN_K
+
+
+def prefer_sorted_x(x_NH: torch.Tensor) -> bool:
+    """Whether to gather x into the sorted order for GEMM1 (GEMM1 on TMA)."""
+    return x_NH.numel() * x_NH.element_size() >= SORTED_X_MIN_BYTES
+
+
+_GATHER_ROWS = 16  # divides every BLOCK_M (>= 16)
+_GATHER_COLS = 512
+
+
+def gather_rows(src_NH: torch.Tensor, dst_PH: torch.Tensor, routing: AlignedRouting, *,
+                rows_div: int) -> None:
+    """dst[p] = src[sorted_ids[p] // rows_div] for the used rows; zeros for padding rows."""
+    hidden = src_NH.shape[1]
+    grid = (dst_PH.shape[0] // _GATHER_ROWS, triton.cdiv(hidden, _GATHER_COLS))
+    gather_rows_kernel[grid](
+        src_NH, dst_PH, routing.sorted_ids_P, routing.num_padded_rows, routing.num_routed,
+        hidden, src_NH.stride(0), dst_PH.stride(0),
+        ROWS_DIV=rows_div, BLOCK_R=_GATHER_ROWS, BLOCK_H=_GATHER_COLS,
+    )
 
 
 @dataclass(frozen=True)
@@ -323,9 +486,12 @@ def kernel_launch(
     n: int,
     k: int,
     a_rows_div: int,
+    a_sorted: bool,
+    tma: bool,
 ) -> KernelLaunch:
-    """The launch of one GEMM of the pair: GEMM1 (gated, `weights_R` None) or GEMM2
-    (weighted by `weights_R`, zero rows for dropped ids)."""
+    """The launch of one GEMM of the pair: GEMM1 (gated, `weights_R` None, writes the
+    sorted [P, N] activation) or GEMM2 (weighted by `weights_R`, writes rows by routed
+    id, zero rows for dropped ids). `a_sorted`: A is [P, K] in the sorted row order."""
     max_rows = routing.sorted_ids_P.numel()
     final = weights_R is not None
     ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
@@ -333,10 +499,14 @@ def kernel_launch(
         a, b, c, weights_R if final else c,  # the pointer is unused when not final
         routing.sorted_ids_P, routing.block_expert_ids_B, routing.num_padded_rows,
         n, k, routing.num_routed, max_rows, triton.next_power_of_2(max(max_rows, 1)),
+        b.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
     )
     flags = {
         "A_ROWS_DIV": a_rows_div,
+        "A_SORTED": a_sorted,
+        "C_SORTED": not final,
+        "USE_TMA": tma,
         "GATED": not final,
         "MUL_ROUTED_WEIGHT": final,
         "ZERO_DROPPED": final,
@@ -353,7 +523,16 @@ def _launch(launch: KernelLaunch) -> None:
         meta = _INTERPRETER_CONFIG
         fused_moe_kernel[launch.grid(meta["BLOCK_N"])](*launch.args, **launch.flags, **meta)
         return
+    if launch.flags["USE_TMA"]:
+        # A context variable: every thread and greenlet (each DBO ubatch) has its own.
+        triton.set_allocator(_tma_scratch)
     _tuned_kernel()[lambda meta: launch.grid(meta["BLOCK_N"])](*launch.args, **launch.flags)
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for in-kernel tensor descriptors, from torch's caching allocator
+    (stream-ordered on the current stream, where the kernel runs)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _check(
