@@ -2,6 +2,8 @@
 
     python -m moe.tune_experts --shapes ds-e32 --tokens 2048,4096          # ~1 min on an H100
     python -m moe.tune_experts --shapes qwen-e128 --tokens 4096 --block-m 32,64,128 --out tune/
+    python -m moe.tune_experts --shapes ds-e32 --tokens 16384 --block-m 128 --block-k 64 \
+        --variants ptr,tma,sorted                                         # compare load paths
     python -m moe.tune_experts --dry-run                                   # list tiles; no GPU
 
 For each shape (`moe.bench_experts.SHAPES`) and token count, with uniform random top-k

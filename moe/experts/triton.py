@@ -66,8 +66,9 @@ class TritonExperts(Experts):
         *,
         workspace: Workspace | None = None,
     ) -> Tensor:
-        """See `Experts.apply`. Routing, the [N*K, I] activation and the [N*K, H] weighted
-        rows come from ``workspace`` when given; ids are not range-checked (no host sync)."""
+        """See `Experts.apply`. Routing, the expert-sorted [P, I] activation and the
+        [N*K, H] weighted rows (sharing memory with the sorted x where that path is taken)
+        come from ``workspace`` when given; ids are not range-checked (no host sync)."""
         from moe.kernels.fused_moe import fused_moe  # lazy: imports triton
 
         return fused_moe(
