@@ -326,8 +326,10 @@ def tma_unsupported_reason(*tensors: torch.Tensor) -> str | None:
     expert weights that are contiguous (the kernel views [E, rows, K] as [E*rows, K]).
     """
     device = tensors[0].device
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
-        return f"TMA needs compute capability 9.0+, {device} has {torch.cuda.get_device_capability(device)}"
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (9, 0):
+            return f"TMA needs compute capability 9.0 or newer, {device} has {capability}"
     for t in tensors:
         if t.dtype not in (torch.bfloat16, torch.float16):
             return f"TMA loads are used for 16-bit data only, got {t.dtype}"
@@ -360,8 +362,8 @@ def fused_moe(
             range-checked (that would sync).
         topk_weights_NK: float32 [N, K] routing weights.
         workspace: source of the intermediates (routing, [P, I] activation, [R, H] rows,
-            which share memory with the [P, H] sorted x); fresh allocations when None. The returned tensor is always
-            a fresh allocation.
+            which share memory with the [P, H] sorted x); fresh allocations when None.
+            The returned tensor is always a fresh allocation.
         block_m: rows per block; `choose_block_m` when None (tests pin it).
         tma: load weight tiles (and sorted A tiles) with TMA. None: on a GPU where
             `tma_unsupported_reason` allows it, per GEMM where `prefer_tma` says it pays;
