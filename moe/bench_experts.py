@@ -95,15 +95,22 @@ def split_names(text: str, valid: object, flag: str) -> list[str]:
     return items
 
 
+def split_ints(parser: argparse.ArgumentParser, text: str, option: str, *, example: str,
+               valid: Callable[[int], bool], need: str) -> list[int]:
+    """A comma list of integers that are all `valid` (a parser error naming `need` otherwise)."""
+    try:
+        values = [int(t) for t in text.split(",") if t]
+    except ValueError:
+        parser.error(f"{option} {text!r}: give comma-separated integers, e.g. {example}")
+    if not values or not all(map(valid, values)):
+        parser.error(f"{option} {values}: give {need}")
+    return values
+
+
 def split_tokens(parser: argparse.ArgumentParser, text: str) -> list[int]:
     """`--tokens`: a comma list of positive integers (a parser error otherwise)."""
-    try:
-        tokens = [int(t) for t in text.split(",") if t]
-    except ValueError:
-        parser.error(f"--tokens {text!r}: give comma-separated integers, e.g. 64,4096")
-    if not tokens or min(tokens) < 1:
-        parser.error(f"--tokens {tokens}: give positive integers")
-    return tokens
+    return split_ints(parser, text, "--tokens", example="64,4096", valid=lambda t: t >= 1,
+                      need="positive integers")
 
 
 def gemm_flops(tokens: int, hidden: int, inter: int, top_k: int) -> float:

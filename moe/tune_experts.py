@@ -43,6 +43,7 @@ from moe.bench_experts import (
     _event_times,
     random_tokens,
     random_weights,
+    split_ints,
     split_names,
     split_tokens,
 )
@@ -129,14 +130,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.tokens = split_tokens(parser, args.tokens)
     args.variants = split_names(args.variants, VARIANTS, "--variants")
     for flag in ("block_m", "block_k"):
-        text = getattr(args, flag)
-        option = "--" + flag.replace("_", "-")
-        try:
-            values = [int(b) for b in text.split(",") if b]
-        except ValueError:
-            parser.error(f"{option} {text!r}: give comma-separated integers, e.g. 64,128")
-        if not values or any(b < 16 or b & (b - 1) for b in values):
-            parser.error(f"{option} {values}: give powers of two >= 16")
+        values = split_ints(parser, getattr(args, flag), "--" + flag.replace("_", "-"),
+                            example="64,128", valid=lambda b: b >= 16 and not b & (b - 1),
+                            need="powers of two >= 16")
         setattr(args, flag, values)
     args.block_k = tuple(args.block_k)
     return args
@@ -200,9 +196,9 @@ def launches(point: Point, block_m: int, variants: list[str]) -> dict[str, Any]:
         tma, a_x = variant != "ptr", point.x_NH
         if variant == "sorted":
             a_x = point.x_NH.new_empty(max_rows, hidden)
+            # Filled where tune_point times it, before any GEMM reads it.
             out["gather"] = functools.partial(gather_rows, point.x_NH, a_x, routing,
                                               rows_div=top_k)
-            out["gather"]()
         out[f"gemm1:{variant}"] = kernel_launch(
             a_x, point.w13_EIH, act_PI, None, routing, n=inter, k=hidden, a_rows_div=top_k,
             a_sorted=variant == "sorted", tma=tma)

@@ -388,11 +388,10 @@ def fused_moe(
     if num_routed == 0:
         return torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
 
-    reason = tma_unsupported_reason(w13_EIH, w2_EHI, x_NH)
     if tma is None:
-        auto = reason is None and device.type == "cuda"
+        auto = device.type == "cuda" and tma_unsupported_reason(w13_EIH, w2_EHI, x_NH) is None
         tma1, tma2 = auto and prefer_tma(hidden), auto and prefer_tma(inter)
-    elif tma and reason is not None:
+    elif tma and (reason := tma_unsupported_reason(w13_EIH, w2_EHI, x_NH)) is not None:
         raise ValueError(f"fused_moe(tma=True): {reason}")
     else:
         tma1 = tma2 = tma
