@@ -333,6 +333,73 @@ def test_block_sizes_and_determinism() -> None:
     assert torch.equal(outs[0], outs[2]), "same inputs and tiles give bitwise equal output"
 
 
+def _counted_ids(counts: dict[int, int], seed: int = 3) -> torch.Tensor:
+    """[N, 1] ids with `counts[e]` rows for each expert e (-1: elsewhere), shuffled."""
+    ids = torch.cat([torch.full((n,), e) for e, n in counts.items()])
+    return ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(seed))]
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_half_tail_tiles(tma: bool) -> None:
+    """GEMM1 with half tiles: a block whose lower half is padding computes only its upper
+    half (those activation rows stay unwritten); every used row is as with full tiles."""
+    from moe.kernels.fused_moe import _launch, kernel_launch
+
+    block_m, hidden, inter = 32, 32, 8
+    # Expert 0: 40 rows (a full block, then 8: half); expert 1: 20 (more than half used:
+    # full); expert 2: 16 (exactly half: half); expert 3: none; 5 rows elsewhere.
+    ids = _counted_ids({0: 40, 1: 20, 2: 16, -1: 5}).view(-1, 1).to(DEVICE)
+    x, w13, *_ = make_problem(ids.shape[0], hidden, inter, 4, 1, dtype=torch.float16)
+    routing = align_routing_triton(ids, 4, block_m)
+    num_rows = routing.sorted_ids_P.numel()
+    # Sorted rows: expert 0 in [0, 64), expert 1 in [64, 96), expert 2 in [96, 128).
+    lower_halves = list(range(48, 64)) + list(range(112, 128))
+    used = (routing.sorted_ids_P[:128] < routing.num_routed).nonzero().view(-1)  # experts' rows
+    acts = {}
+    for half in (True, False):
+        act = torch.full((num_rows, inter), float("nan"), dtype=x.dtype, device=DEVICE)
+        _launch(kernel_launch(x, w13, act, None, routing, n=inter, k=hidden, a_rows_div=1,
+                              a_sorted=False, tma=tma, half_tail=half))
+        assert torch.isnan(act[lower_halves]).all() == half, f"half_tail={half}"
+        assert not torch.isnan(act[64:96]).any(), "expert 1's block is more than half used"
+        acts[half] = act
+    torch.testing.assert_close(acts[True][used], acts[False][used], rtol=0, atol=0)
+
+
+def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 128-row blocks GEMM1 runs 64-row tiles (padding-only tiles return at once) and
+    GEMM2 128-row tiles with half tails: same output as one tile height, and the
+    padding-only tiles of GEMM1 leave their activation rows unwritten."""
+    import moe.kernels.fused_moe as fm
+
+    assert fm.gemm_tiles(128, gated=True, rows_per_expert=1024) == (64, False)
+    assert fm.gemm_tiles(128, gated=True, rows_per_expert=4096) == (128, False)
+    assert fm.gemm_tiles(128, gated=False, rows_per_expert=4096) == (128, True)
+    assert fm.gemm_tiles(64, gated=True, rows_per_expert=100) == (64, False)
+    # Expert 0: 160 rows (blocks [0, 256): rows [192, 256) are padding only); expert 1:
+    # 100 (one block, every 64-row tile used); expert 2: 64 (rows [448, 512) padding).
+    ids = _counted_ids({0: 160, 1: 100, 2: 64, -1: 10}).view(-1, 1)
+    x, w13, w2, _, weights = make_problem(ids.shape[0], 32, 8, 4, 1, dtype=torch.float16)
+    problem = (x, w13, w2, ids.to(DEVICE), weights)
+    num_rows = max_padded_rows(ids.shape[0], 4, 128)
+    outs = {}
+    for short in (True, False):
+        monkeypatch.setattr(fm, "SHORT_TILES", short)
+        ws = Workspace()
+        ws.get("triton.act", (num_rows, 8), x.dtype, DEVICE).fill_(float("nan"))
+        outs[short] = fm.fused_moe(*problem, block_m=128, workspace=ws)
+        act = ws.get("triton.act", (num_rows, 8), x.dtype, DEVICE)
+        skipped = list(range(192, 256)) + list(range(448, 512))
+        assert torch.isnan(act[skipped]).all() == short, f"SHORT_TILES={short}"
+        assert not torch.isnan(act[256:384]).any()
+    ref = ReferenceExperts().apply(*problem)
+    torch.testing.assert_close(outs[True].float(), ref.float(), **TOLERANCES[torch.float16])
+    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="divide"):
+        fm.kernel_launch(x, w13, x, None, fm.align_routing_triton(ids, 4, 32), n=8, k=32,
+                         a_rows_div=1, a_sorted=False, tma=False, tile_m=64)
+
+
 def test_workspace_reuse() -> None:
     ws = Workspace()
     big = make_problem(20, 16, 8, 3, 2, seed=1)

@@ -18,6 +18,10 @@ TMA (tensor descriptors, Hopper and newer) for the weight tiles and for A when A
 sorted order; GEMM1 gathers x rows by pointer, or reads x copied into the sorted order
 first (`gather_rows`), which pays only when x is much larger than L2.
 
+Tile heights (`gemm_tiles`): on 128-row routing blocks GEMM1 may run 64-row tiles (a
+tile of padding rows returns at once), and GEMM2 runs a half-height copy of its tile for
+an expert's last block when that block is at most half used (`HALF_TAIL`).
+
 Legend (host side): N tokens, K top-k, H hidden, I intermediate, E local experts,
 R = N*K routed rows, P padded rows. Inside the kernel M/N/K are the GEMM's own sizes.
 
@@ -78,7 +82,9 @@ def fused_moe_kernel(
     GATED: tl.constexpr,  # B holds gate rows [0, N) then up rows [N, 2N): silu(g) * u
     MUL_ROUTED_WEIGHT: tl.constexpr,  # scale each row by its routing weight
     ZERO_DROPPED: tl.constexpr,  # write zero rows for blocks of expert -1
+    HALF_TAIL: tl.constexpr,  # a block whose lower half is padding does half the math
     # Tiles
+    ROUTE_BLOCK_M: tl.constexpr,  # the routing's block (its layout); a multiple of BLOCK_M
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -89,10 +95,19 @@ def fused_moe_kernel(
     BLOCK_M rows r of one expert-e block (GATED: B rows n and N + n).
 
     Shapes: B [E, N or 2N, K], topk weights [R] fp32; A and C as the flags say. The 1-D
-    grid is cdiv(P, BLOCK_M) * cdiv(N, BLOCK_N) programs in grouped order. Accumulates
+    grid is cdiv(P, BLOCK_M) * cdiv(N, BLOCK_N) programs in grouped order. A tile may be
+    shorter than the routing's blocks (BLOCK_M < ROUTE_BLOCK_M, dividing it): it reads
+    its expert from the block that holds it, and a tile of padding rows only returns. Accumulates
     in fp32. With USE_TMA the weight tile is one TMA copy of rows [e*rows + n0, +BLOCK_N):
     past an expert's last row it reads the next expert's (or zeros past the tensor), and
     those columns are dropped by the store mask, as the wrapped columns are without TMA.
+
+    HALF_TAIL: an expert's rows come first in its segment and padding fills the rest, so
+    when the block's row BLOCK_M // 2 is padding, so is every row after it: the block's
+    last-block-of-an-expert case. Such a block multiplies only its upper BLOCK_M // 2
+    rows (a second, half-height copy of the tile code), instead of spending up to half
+    of its math on padding. The lower half of a sorted C is then left unwritten (padding
+    rows are never summed).
     """
     # Grouped ordering: walk GROUP_M row blocks down one column of tiles before moving on.
     pid = tl.program_id(axis=0)
@@ -109,7 +124,66 @@ def fused_moe_kernel(
     if pid_m * BLOCK_M >= tl.load(num_padded_rows_ptr):
         return
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = pid_m * BLOCK_M
+    expert = tl.load(block_expert_ids_ptr + row0 // ROUTE_BLOCK_M).to(tl.int64)
+    if expert < 0:
+        # Rows routed to other ranks: no math; zeros keep the k-sum free of a memset.
+        if ZERO_DROPPED:
+            offs_m = row0 + tl.arange(0, BLOCK_M)
+            row_ids = tl.load(sorted_ids_ptr + offs_m)
+            offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            c_ptrs = (c_ptr + row_ids.to(tl.int64)[:, None] * stride_cm
+                      + offs_cn[None, :] * stride_cn)
+            c_mask = (row_ids < num_routed)[:, None] & (offs_cn[None, :] < N)
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
+            tl.store(c_ptrs, zeros, mask=c_mask)
+        return
+    if BLOCK_M < ROUTE_BLOCK_M:
+        # A tile in the padded tail of an expert's segment: nothing to compute or write.
+        if tl.load(sorted_ids_ptr + row0) >= num_routed:
+            return
+
+    half_used = False
+    if HALF_TAIL:
+        half_used = tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) >= num_routed
+    if half_used:
+        _expert_tile(
+            a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, row0, pid_n, expert,
+            N, K, num_routed, max_padded_rows, num_experts,
+            stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+            A_ROWS_DIV, A_SORTED, C_SORTED, USE_TMA, GATED, MUL_ROUTED_WEIGHT,
+            BLOCK_M // 2, BLOCK_N, BLOCK_K, INPUT_PRECISION)
+    else:
+        _expert_tile(
+            a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, row0, pid_n, expert,
+            N, K, num_routed, max_padded_rows, num_experts,
+            stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+            A_ROWS_DIV, A_SORTED, C_SORTED, USE_TMA, GATED, MUL_ROUTED_WEIGHT,
+            BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION)
+
+
+@triton.jit
+def _expert_tile(
+    a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr,
+    row0,  # first sorted row of the tile
+    pid_n,  # column block of the output
+    expert,  # int64, >= 0
+    N, K, num_routed, max_padded_rows, num_experts,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    A_ROWS_DIV: tl.constexpr,
+    A_SORTED: tl.constexpr,
+    C_SORTED: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    GATED: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BM: tl.constexpr,  # rows of this tile: BLOCK_M, or BLOCK_M // 2 for a half-used block
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """The body of `fused_moe_kernel` for the BM sorted rows from `row0`: k-loop, epilogue
+    and store (see there for the arguments)."""
+    offs_m = row0 + tl.arange(0, BM)
     row_ids = tl.load(sorted_ids_ptr + offs_m)
     row_mask = row_ids < num_routed
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,14 +193,6 @@ def fused_moe_kernel(
     else:
         c_ptrs = c_ptr + row_ids.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
         c_mask = row_mask[:, None] & (offs_cn[None, :] < N)
-
-    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        # Rows routed to other ranks: no math; zeros keep the k-sum free of a memset.
-        if ZERO_DROPPED:
-            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
-            tl.store(c_ptrs, zeros, mask=c_mask)
-        return
 
     offs_k = tl.arange(0, BLOCK_K)
     if A_SORTED:
@@ -149,15 +215,15 @@ def fused_moe_kernel(
         if A_SORTED:
             a_desc = tl.make_tensor_descriptor(
                 a_ptr, shape=[max_padded_rows, K], strides=[stride_am, 1],
-                block_shape=[BLOCK_M, BLOCK_K])
+                block_shape=[BM, BLOCK_K])
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     if GATED:
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - k * BLOCK_K
         if USE_TMA and A_SORTED:
-            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            a = a_desc.load([row0, k * BLOCK_K])
         else:
             a = tl.load(a_ptrs, mask=a_row_mask[:, None] & k_mask[None, :], other=0.0)
         if USE_TMA:
@@ -219,6 +285,7 @@ def gather_rows_kernel(
 # then, with the TMA and sorted-x load variants, BLOCK_M 128):
 # GEMM1 (gated, two accumulators) mostly wins with 64-128 wide tiles, GEMM2 with 256; a
 # larger GROUP_M (more row blocks share a weight tile in L2) gained up to 15% at some points.
+# GEMM1 in 64-row tiles (`gemm_tiles`) wins with 256 wide ones (the last two rows).
 _SMALL_M_TILES = ((64, 64, 8, 4, 4), (64, 128, 8, 4, 4), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3))
 _LARGE_M_TILES = (
     (64, 64, 1, 4, 3),
@@ -234,6 +301,9 @@ _LARGE_M_TILES = (
     (256, 64, 8, 8, 4),
     (256, 64, 16, 8, 3),
     (256, 64, 32, 8, 4),
+    (128, 64, 8, 8, 3),
+    (256, 64, 8, 8, 3),
+    (256, 64, 32, 8, 3),
 )
 
 
@@ -296,7 +366,8 @@ def _tuned_kernel() -> Any:
         configs=autotune_configs(),
         # rows_bucket: the best tile at 256 tokens is not the best at 16384, yet keying on
         # the exact row count would re-tune for every batch size.
-        key=["N", "K", "BLOCK_M", "GATED", "A_SORTED", "USE_TMA", "rows_bucket"],
+        key=["N", "K", "BLOCK_M", "ROUTE_BLOCK_M", "GATED", "A_SORTED", "USE_TMA", "HALF_TAIL",
+             "rows_bucket"],
         prune_configs_by={"early_config_prune": _prune_configs},
     )(fused_moe_kernel)
 
@@ -414,10 +485,13 @@ def fused_moe(
         y_RH = a_x[:num_routed]
     else:
         y_RH = empty_from(workspace, "triton.rows", (num_routed, hidden), dtype, device)
+    tile1, half1 = gemm_tiles(block_m, gated=True, rows_per_expert=num_routed / num_experts)
+    tile2, half2 = gemm_tiles(block_m, gated=False, rows_per_expert=num_routed / num_experts)
     _launch(kernel_launch(a_x, w13_EIH, act_PI, None, routing, n=inter, k=hidden,
-                          a_rows_div=top_k, a_sorted=sorted_x, tma=tma1))
+                          a_rows_div=top_k, a_sorted=sorted_x, tma=tma1,
+                          tile_m=tile1, half_tail=half1))
     _launch(kernel_launch(act_PI, w2_EHI, y_RH, weights_R, routing, n=hidden, k=inter,
-                          a_rows_div=1, a_sorted=True, tma=tma2))
+                          a_rows_div=1, a_sorted=True, tma=tma2, tile_m=tile2, half_tail=half2))
 
     out_NH = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
     # Reduced-precision sums accumulate in fp32 inside torch's reduction kernels.
@@ -434,6 +508,29 @@ def fused_moe(
 #   about 4x L2), a net 0.8 ms of 21 ms after the gather; a net loss at 4096 tokens
 #   (x 59 MB) and at Qwen3's 16384 tokens (x 67 MB).
 TMA_MIN_K = 1024
+# Tiles shorter than the routing's 128-row blocks, from `python -m moe.tune_experts` on an
+# H200 (DeepSeek-V3 and Qwen3 shapes, 2048-4096 tokens; BENCHMARKS.md section 2, session 4):
+# - GEMM1 (gated) in 64-row tiles: DeepSeek-V3 at 1024 rows per expert 15% faster (a
+#   64 x 256 tile beats 128 x 64-128), equal within 2% at 256-512 rows and at Qwen3.
+#   With many more rows per expert each weight tile is read twice as often, and
+#   `bench_experts` at 4096-16384 rows per expert ran 2-4% slower: there GEMM1 keeps
+#   128-row tiles (SHORT_GEMM1_MAX_ROWS, by routed rows per local expert).
+# - GEMM2 in 128-row tiles, with half-height tiles for half-used blocks (`HALF_TAIL`):
+#   0-4% faster at DeepSeek-V3, 6% at Qwen3. In GEMM1 the half tiles cost 3-4% at
+#   K = 7168 (the kernel then holds two copies of the k-loop).
+# A module switch, so that benchmarks can compare against one tile height per call.
+SHORT_TILES = True
+SHORT_GEMM1_MAX_ROWS = 1024
+
+
+def gemm_tiles(block_m: int, *, gated: bool, rows_per_expert: float) -> tuple[int, bool]:
+    """(rows per tile, half tiles) for GEMM1 (`gated`) or GEMM2 on `block_m`-row blocks;
+    `rows_per_expert`: routed rows (dropped ids included) over local experts."""
+    if not SHORT_TILES or block_m != 128:
+        return block_m, False
+    if gated:
+        return (64 if rows_per_expert <= SHORT_GEMM1_MAX_ROWS else 128), False
+    return 128, True
 SORTED_X_MIN_BYTES = 128 * 2**20
 
 
@@ -489,10 +586,18 @@ def kernel_launch(
     a_rows_div: int,
     a_sorted: bool,
     tma: bool,
+    tile_m: int | None = None,
+    half_tail: bool = False,
 ) -> KernelLaunch:
     """The launch of one GEMM of the pair: GEMM1 (gated, `weights_R` None, writes the
     sorted [P, N] activation) or GEMM2 (weighted by `weights_R`, writes rows by routed
-    id, zero rows for dropped ids). `a_sorted`: A is [P, K] in the sorted row order."""
+    id, zero rows for dropped ids). `a_sorted`: A is [P, K] in the sorted row order.
+    `tile_m`: rows per tile, dividing the routing's block (None: the block);
+    `half_tail`: half-height tiles for half-used blocks (tiles of >= 32 rows)."""
+    tile_m = tile_m or routing.block_m
+    if routing.block_m % tile_m or (half_tail and tile_m < 32):
+        raise ValueError(f"tile_m={tile_m}, half_tail={half_tail}: tiles must divide the "
+                         f"routing's {routing.block_m}-row blocks, and half tiles need >= 32 rows")
     max_rows = routing.sorted_ids_P.numel()
     final = weights_R is not None
     ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
@@ -511,7 +616,9 @@ def kernel_launch(
         "GATED": not final,
         "MUL_ROUTED_WEIGHT": final,
         "ZERO_DROPPED": final,
-        "BLOCK_M": routing.block_m,
+        "HALF_TAIL": half_tail,
+        "ROUTE_BLOCK_M": routing.block_m,
+        "BLOCK_M": tile_m,
         # Follow torch's matmul: exact fp32 unless the user allowed TF32 (16-bit: unused).
         "INPUT_PRECISION": "ieee" if ieee else "tf32",
     }
