@@ -268,7 +268,7 @@ def time_fn(fn: Callable[[], object], device: torch.device, reps: int) -> float:
 def tune_point(point: Point, args: argparse.Namespace) -> list[Timing]:
     """Every candidate of both GEMMs at each BLOCK_M, then GROUP_M for the winners."""
     from moe.kernels.align_triton import align_routing_triton as align_routing
-    from moe.kernels.fused_moe import fused_moe
+    from moe.kernels.fused_moe import fused_moe, sum_routed_rows
 
     hidden, inter, top_k, num_experts = point.dims
     device = point.x_NH.device
@@ -291,8 +291,9 @@ def tune_point(point: Point, args: argparse.Namespace) -> list[Timing]:
     record("dense2", None, None, time_fn(lambda: act_RI @ w2_t, device, args.reps),
            point.gemm_flops("dense2"))
     del a_RH, act_RI
-    y_NKH = point.y_RH.view(point.tokens, top_k, hidden)
-    record("sum", None, None, time_fn(lambda: y_NKH.sum(dim=1), device, args.reps))
+    out_NH = point.x_NH.new_empty(point.tokens, hidden)
+    record("sum", None, None, time_fn(
+        lambda: sum_routed_rows(point.y_RH, point.topk_ids_NK, out_NH), device, args.reps))
     record("fused_moe", None, "autotuned", time_fn(
         lambda: fused_moe(point.x_NH, point.w13_EIH, point.w2_EHI, point.topk_ids_NK,
                           point.topk_weights_NK), device, args.reps),

@@ -315,6 +315,43 @@ def test_dropped_rows_are_zero() -> None:
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_dropped_rows_are_skipped(skip: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of ids -1 are neither written by GEMM2 nor read by the k-sum (they stay as the
+    workspace left them, here NaN), and the output matches the reference either way."""
+    import moe.kernels.fused_moe as fm
+
+    monkeypatch.setattr(fm, "SKIP_DROPPED_ROWS", skip)
+    x, w13, w2, ids, weights = make_problem(24, 16, 8, 4, 3, dtype=torch.float16,
+                                            drop_frac=0.5)
+    ws = Workspace()
+    ws.get("triton.rows", (ids.numel(), 16), x.dtype, DEVICE).fill_(float("nan"))
+    out = fm.fused_moe(x, w13, w2, ids, weights, block_m=16, workspace=ws)
+    y = ws.get("triton.rows", (ids.numel(), 16), x.dtype, DEVICE)
+    dropped = ids.reshape(-1) < 0
+    assert dropped.any() and (~dropped).any()
+    if skip:
+        assert torch.isnan(y[dropped]).all(), "GEMM2 skips the rows of ids -1"
+    else:
+        assert torch.equal(y[dropped], torch.zeros_like(y[dropped]))
+    assert not torch.isnan(y[~dropped]).any()
+    ref = ReferenceExperts().apply(x, w13, w2, ids, weights)
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[torch.float16])
+
+
+def test_sum_routed_rows() -> None:
+    """The k-sum adds the rows of ids >= 0 in k order in fp32, over column blocks."""
+    from moe.kernels.fused_moe import sum_routed_rows
+
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(-1, 3, (9, 5), generator=gen)
+    y = torch.randn(45, 1100, generator=gen).to(torch.bfloat16)  # > one 1024-column block
+    out = torch.empty(9, 1100, dtype=torch.bfloat16, device=DEVICE)
+    sum_routed_rows(y.to(DEVICE), ids.to(DEVICE), out)
+    want = (y.float().view(9, 5, 1100) * (ids >= 0).unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(out.cpu().float(), want, rtol=8e-3, atol=1e-2)
+
+
 def test_zero_tokens() -> None:
     x, w13, w2, ids, weights = make_problem(0, 16, 8, 4, 2)
     out = TritonExperts().apply(x, w13, w2, ids, weights)

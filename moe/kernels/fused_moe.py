@@ -4,14 +4,16 @@ One kernel serves both GEMMs of an expert MLP; constexpr flags pick the epilogue
 
     GEMM1 (GATED):             act[r]  = silu(x[r // K] @ gate_e^T) * (x[r // K] @ up_e^T)
     GEMM2 (MUL_ROUTED_WEIGHT): y[r]    = topk_weight[r] * (act[r] @ w2_e^T)
-    then                       out[n]  = sum_k y[n*K + k]      (torch, fp32 accumulation)
+    then                       out[n]  = sum over k with id[n, k] >= 0 of y[n*K + k]
+                               (`ksum_kernel`, fp32 accumulation, k in order)
 
 where r = n*K + k is a flat routed row and e = topk_ids[n, k]. Rows are visited in the
 expert-sorted, BLOCK_M-padded order p from `moe.kernels.align_triton`, so each program
 multiplies BLOCK_M rows of one expert by a BLOCK_N slice of that expert's weights. GEMM1
 writes act in that sorted order ([P, I]), so GEMM2 reads contiguous row blocks. Every
-output row is written by exactly one program and the k-sum is a plain reduction: the
-result is deterministic (no atomics).
+output row is written by exactly one program and the k-sum adds in a fixed order: the
+result is deterministic (no atomics). Rows of ids routed to other ranks (-1) are neither
+computed, written nor read: under expert parallelism they are half or more of the rows.
 
 Load paths (constexpr flags, chosen per GEMM by the host, see `fused_moe`): pointer loads;
 TMA (tensor descriptors, Hopper and newer) for the weight tiles and for A when A is in the
@@ -81,7 +83,7 @@ def fused_moe_kernel(
     USE_TMA: tl.constexpr,  # load B, and A when A_SORTED, through tensor descriptors
     GATED: tl.constexpr,  # B holds gate rows [0, N) then up rows [N, 2N): silu(g) * u
     MUL_ROUTED_WEIGHT: tl.constexpr,  # scale each row by its routing weight
-    ZERO_DROPPED: tl.constexpr,  # write zero rows for blocks of expert -1
+    ZERO_DROPPED: tl.constexpr,  # write zero rows for blocks of expert -1 (torch k-sum)
     HALF_TAIL: tl.constexpr,  # a block whose lower half is padding does half the math
     # Tiles
     ROUTE_BLOCK_M: tl.constexpr,  # the routing's block (its layout); a multiple of BLOCK_M
@@ -127,7 +129,8 @@ def fused_moe_kernel(
     row0 = pid_m * BLOCK_M
     expert = tl.load(block_expert_ids_ptr + row0 // ROUTE_BLOCK_M).to(tl.int64)
     if expert < 0:
-        # Rows routed to other ranks: no math; zeros keep the k-sum free of a memset.
+        # Rows routed to other ranks: no math. Zero rows only for the torch k-sum, which
+        # reads all K rows of a token (SKIP_DROPPED_ROWS off).
         if ZERO_DROPPED:
             offs_m = row0 + tl.arange(0, BLOCK_M)
             row_ids = tl.load(sorted_ids_ptr + offs_m)
@@ -276,6 +279,35 @@ def gather_rows_kernel(
     rows = tl.load(src, mask=valid[:, None] & h_mask, other=0.0)
     dst = dst_ptr + offs_r.to(tl.int64)[:, None] * stride_dst + offs_h[None, :]
     tl.store(dst, rows, mask=h_mask)
+
+
+@triton.jit
+def ksum_kernel(
+    y_ptr,  # [R, H]: GEMM2's weighted rows by flat routed id; rows of id -1 unwritten
+    ids_ptr,  # [R] expert ids (-1: routed elsewhere, skipped)
+    out_ptr,  # [N, H]
+    num_tokens,
+    H,
+    stride_y,
+    stride_out,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out[n] = sum of y[n*K + k] over the k with ids[n*K + k] >= 0, in k order, in fp32."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_mask = offs_t < num_tokens
+    h_mask = offs_h[None, :] < H
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        rows = offs_t * TOP_K + k
+        used = tl.load(ids_ptr + rows, mask=t_mask, other=-1) >= 0
+        y = tl.load(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_h[None, :],
+                    mask=used[:, None] & h_mask, other=0.0)
+        acc += y.to(tl.float32)
+    out = out_ptr + offs_t.to(tl.int64)[:, None] * stride_out + offs_h[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & h_mask)
 
 
 # (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per regime. Few rows per block
@@ -494,8 +526,10 @@ def fused_moe(
                           a_rows_div=1, a_sorted=True, tma=tma2, tile_m=tile2, half_tail=half2))
 
     out_NH = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
-    # Reduced-precision sums accumulate in fp32 inside torch's reduction kernels.
-    torch.sum(y_RH.view(num_tokens, top_k, hidden), dim=1, out=out_NH)
+    if SKIP_DROPPED_ROWS:
+        sum_routed_rows(y_RH, topk_ids_NK, out_NH)
+    else:  # GEMM2 wrote zero rows for the dropped ids (torch sums in fp32)
+        torch.sum(y_RH.view(num_tokens, top_k, hidden), dim=1, out=out_NH)
     return out_NH
 
 
@@ -542,6 +576,24 @@ def prefer_tma(k: int) -> bool:
 def prefer_sorted_x(x_NH: torch.Tensor) -> bool:
     """Whether to gather x into the sorted order for GEMM1 (GEMM1 on TMA)."""
     return x_NH.numel() * x_NH.element_size() >= SORTED_X_MIN_BYTES
+
+
+# Rows of ids routed elsewhere (-1): GEMM2 skips them and the k-sum (`ksum_kernel`) reads
+# only the rows it wrote. False: GEMM2 writes zero rows there and torch sums all K rows
+# (the path before session 4, kept for comparison).
+SKIP_DROPPED_ROWS = True
+_KSUM_TOKENS = 4
+_KSUM_COLS = 1024
+
+
+def sum_routed_rows(y_RH: torch.Tensor, topk_ids_NK: torch.Tensor, out_NH: torch.Tensor) -> None:
+    """out[n] = sum over the k with ids[n, k] >= 0 of y[n*K + k] (fp32, k in order)."""
+    num_tokens, top_k = topk_ids_NK.shape
+    hidden = out_NH.shape[1]
+    block_h = min(_KSUM_COLS, triton.next_power_of_2(hidden))
+    grid = (triton.cdiv(num_tokens, _KSUM_TOKENS), triton.cdiv(hidden, block_h))
+    ksum_kernel[grid](y_RH, topk_ids_NK.reshape(-1), out_NH, num_tokens, hidden, y_RH.stride(0),
+                      out_NH.stride(0), TOP_K=top_k, BLOCK_T=_KSUM_TOKENS, BLOCK_H=block_h)
 
 
 _GATHER_ROWS = 16  # divides every BLOCK_M (>= 16)
@@ -591,7 +643,8 @@ def kernel_launch(
 ) -> KernelLaunch:
     """The launch of one GEMM of the pair: GEMM1 (gated, `weights_R` None, writes the
     sorted [P, N] activation) or GEMM2 (weighted by `weights_R`, writes rows by routed
-    id, zero rows for dropped ids). `a_sorted`: A is [P, K] in the sorted row order.
+    id; zero rows for dropped ids unless SKIP_DROPPED_ROWS). `a_sorted`: A is [P, K] in
+    the sorted row order.
     `tile_m`: rows per tile, dividing the routing's block (None: the block);
     `half_tail`: half-height tiles for half-used blocks (tiles of >= 32 rows)."""
     tile_m = tile_m or routing.block_m
@@ -615,7 +668,7 @@ def kernel_launch(
         "USE_TMA": tma,
         "GATED": not final,
         "MUL_ROUTED_WEIGHT": final,
-        "ZERO_DROPPED": final,
+        "ZERO_DROPPED": final and not SKIP_DROPPED_ROWS,
         "HALF_TAIL": half_tail,
         "ROUTE_BLOCK_M": routing.block_m,
         "BLOCK_M": tile_m,
