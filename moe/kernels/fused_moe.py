@@ -99,10 +99,11 @@ def fused_moe_kernel(
     Shapes: B [E, N or 2N, K], topk weights [R] fp32; A and C as the flags say. The 1-D
     grid is cdiv(P, BLOCK_M) * cdiv(N, BLOCK_N) programs in grouped order. A tile may be
     shorter than the routing's blocks (BLOCK_M < ROUTE_BLOCK_M, dividing it): it reads
-    its expert from the block that holds it, and a tile of padding rows only returns. Accumulates
-    in fp32. With USE_TMA the weight tile is one TMA copy of rows [e*rows + n0, +BLOCK_N):
-    past an expert's last row it reads the next expert's (or zeros past the tensor), and
-    those columns are dropped by the store mask, as the wrapped columns are without TMA.
+    its expert from the block that holds it, and a tile of padding rows only returns.
+    Accumulates in fp32. With USE_TMA the weight tile is one TMA copy of rows
+    [e*rows + n0, +BLOCK_N): past an expert's last row it reads the next expert's (or
+    zeros past the tensor), and those columns are dropped by the store mask, as the
+    wrapped columns are without TMA.
 
     HALF_TAIL: an expert's rows come first in its segment and padding fills the rest, so
     when the block's row BLOCK_M // 2 is padding, so is every row after it: the block's
@@ -542,6 +543,19 @@ def fused_moe(
 #   about 4x L2), a net 0.8 ms of 21 ms after the gather; a net loss at 4096 tokens
 #   (x 59 MB) and at Qwen3's 16384 tokens (x 67 MB).
 TMA_MIN_K = 1024
+SORTED_X_MIN_BYTES = 128 * 2**20
+
+
+def prefer_tma(k: int) -> bool:
+    """Whether a GEMM of depth `k` loads its tiles by TMA (where TMA can load them)."""
+    return k >= TMA_MIN_K
+
+
+def prefer_sorted_x(x_NH: torch.Tensor) -> bool:
+    """Whether to gather x into the sorted order for GEMM1 (GEMM1 on TMA)."""
+    return x_NH.numel() * x_NH.element_size() >= SORTED_X_MIN_BYTES
+
+
 # Tiles shorter than the routing's 128-row blocks, from `python -m moe.tune_experts` on an
 # H200 (DeepSeek-V3 and Qwen3 shapes, 2048-4096 tokens; BENCHMARKS.md section 2, session 4):
 # - GEMM1 (gated) in 64-row tiles: DeepSeek-V3 at 1024 rows per expert 15% faster (a
@@ -565,17 +579,6 @@ def gemm_tiles(block_m: int, *, gated: bool, rows_per_expert: float) -> tuple[in
     if gated:
         return (64 if rows_per_expert <= SHORT_GEMM1_MAX_ROWS else 128), False
     return 128, True
-SORTED_X_MIN_BYTES = 128 * 2**20
-
-
-def prefer_tma(k: int) -> bool:
-    """Whether a GEMM of depth `k` loads its tiles by TMA (where TMA can load them)."""
-    return k >= TMA_MIN_K
-
-
-def prefer_sorted_x(x_NH: torch.Tensor) -> bool:
-    """Whether to gather x into the sorted order for GEMM1 (GEMM1 on TMA)."""
-    return x_NH.numel() * x_NH.element_size() >= SORTED_X_MIN_BYTES
 
 
 # Rows of ids routed elsewhere (-1): GEMM2 skips them and the k-sum (`ksum_kernel`) reads
