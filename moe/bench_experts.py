@@ -4,11 +4,17 @@
     python -m moe.bench_experts --shapes ds-e8,qwen-e128 --tokens 64,4096 --paths triton,grouped
     python -m moe.bench_experts --out results/           # also writes experts.json, experts.txt
     python -m moe.bench_experts --dry-run                # list the points; no GPU needed
+    python -m moe.bench_experts --shapes ds-e32 --tokens 4096,8192 --ep-ranks 2
+                                                         # one rank's view under EP (ids -1)
     TRITON_INTERPRET=1 python -m moe.bench_experts --device cpu --shapes tiny --tokens 4,16
                                                          # CPU smoke run; timings meaningless
 
 Each point is a shape (below) and T tokens per rank with uniform random top-k routing, bf16
-activations and weights. Per path: the median time over repeats (CUDA events, after a first
+activations and weights. With `--ep-ranks W` (W > 1) the routing is one rank's view under
+expert parallelism over W ranks, as the dispatch hands it to the experts: top-k over W * E
+experts, the ids of the other ranks' experts -1, and T the tokens this rank received
+(each has at least one local expert). FLOPs and the dense chain then count the local
+rows only. Per path: the median time over repeats (CUDA events, after a first
 call that compiles/autotunes and a warmup), TFLOP/s = 2 * T * K * 3 * H * I / time, and the
 peak of `torch.cuda.max_memory_allocated` over one call (inputs and weights included) beside
 the minimum any path needs (x, routing, weights, output, the [T*K, I] activation). `dense`
@@ -76,8 +82,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--out", type=Path, default=None, help="also write experts.json / experts.txt here")
     add("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: interpreter smoke run")
     add("--dry-run", action="store_true", help="print the points and exit")
+    add("--ep-ranks", type=int, default=1,
+        help="routing as one rank of W under expert parallelism sees it (ids elsewhere -1)")
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.ep_ranks < 1:
+        parser.error(f"--ep-ranks {args.ep_ranks}: give the number of EP ranks, >= 1")
     args.shapes = split_names(args.shapes, SHAPES, "--shapes")
     args.paths = split_names(args.paths, PATHS, "--paths")
     args.tokens = split_tokens(parser, args.tokens)
@@ -179,6 +189,7 @@ class Problem:
     topk_weights_NK: torch.Tensor
     flops: float
     min_gb: float
+    local_rows: int  # routed rows with a local expert (all T*K without EP)
 
     @property
     def tokens(self) -> int:
@@ -195,15 +206,23 @@ def random_weights(shape: str, dtype: torch.dtype, gen: torch.Generator
     return w13.mul_(hidden**-0.5), w2.mul_(inter**-0.5)
 
 
-def random_tokens(shape: str, tokens: int, dtype: torch.dtype, gen: torch.Generator
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def random_tokens(shape: str, tokens: int, dtype: torch.dtype, gen: torch.Generator,
+                  ep_ranks: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x [T, H], topk_weights [T, K] float32 summing to 1, topk_ids [T, K]): uniform
-    routing to K distinct experts, on gen's device."""
+    routing to K distinct experts, on gen's device. `ep_ranks` W > 1: K of W * E experts,
+    this rank holding the first E; other ids are -1, and every token has a local one
+    (tokens without one are drawn again: the dispatch would not have sent them)."""
     hidden, _, top_k, num_experts = SHAPES[shape]
     device = gen.device
     x = torch.randn(tokens, hidden, dtype=dtype, device=device, generator=gen)
-    scores = torch.rand(tokens, num_experts, device=device, generator=gen)
+    scores = torch.rand(tokens, num_experts * ep_ranks, device=device, generator=gen)
     topk_weights, topk_ids = scores.topk(top_k, dim=1)
+    if ep_ranks > 1:
+        while not_here := (topk_ids >= num_experts).all(dim=1).nonzero().view(-1).tolist():
+            redraw = torch.rand(len(not_here), num_experts * ep_ranks, device=device,
+                                generator=gen).topk(top_k, dim=1)
+            topk_weights[not_here], topk_ids[not_here] = redraw.values, redraw.indices
+        topk_ids = topk_ids.masked_fill(topk_ids >= num_experts, -1)
     return x, (topk_weights / topk_weights.sum(1, keepdim=True)).float(), topk_ids
 
 
@@ -227,12 +246,14 @@ def bench_shape(
 
     points = []
     for tokens in args.tokens:
-        x, topk_weights, topk_ids = random_tokens(name, tokens, dtype, gen)
+        x, topk_weights, topk_ids = random_tokens(name, tokens, dtype, gen, args.ep_ranks)
+        local_rows = int((topk_ids >= 0).sum())
         problem = Problem(
             shape=name, x_NH=x, w13_EIH=w13, w2_EHI=w2, topk_ids_NK=topk_ids,
             topk_weights_NK=topk_weights,
-            flops=gemm_flops(tokens, hidden, inter, top_k),
+            flops=gemm_flops(local_rows, hidden, inter, 1),
             min_gb=min_bytes(tokens, hidden, inter, top_k, num_experts, x.element_size()) / 1e9,
+            local_rows=local_rows,
         )
         outputs: dict[str, torch.Tensor] = {}  # on the CPU, so they do not count in peaks
         for path in args.paths:
@@ -293,7 +314,7 @@ def _bench_dense(problem: Problem, args: argparse.Namespace, device: torch.devic
     """The same FLOPs as one dense GEMM chain on one expert's weights."""
     x, w13, w2 = problem.x_NH, problem.w13_EIH, problem.w2_EHI
     top_k, inter = problem.topk_ids_NK.shape[1], w2.shape[2]
-    a = x.repeat_interleave(top_k, dim=0)
+    a = x.repeat_interleave(top_k, dim=0)[:problem.local_rows]
     w1_t, w2_t = w13[0].t(), w2[0].t()
 
     def fn() -> torch.Tensor:
@@ -356,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
 
     table = format_table(points)
+    if args.ep_ranks > 1:
+        table = (f"one rank of {args.ep_ranks} under EP: T = tokens received, FLOPs over "
+                 f"local rows\n{table}")
     on_gpu = device.type == "cuda"
     record = {
         "bench": "experts",
@@ -363,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": _triton_version(),
         "dtype": "bf16" if on_gpu else "fp16",
+        "ep_ranks": args.ep_ranks,
         "points": [asdict(p) for p in points],
     }
     if "triton" in args.paths and device.type == "cuda":

@@ -532,6 +532,36 @@ def test_bench_cli(capsys: pytest.CaptureFixture[str]) -> None:
         assert triton_point["err"] < 1e-2 and triton_point["tokens"] == 5
 
 
+def test_bench_ep_routing(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--ep-ranks W`: one rank's view of EP routing (ids of other ranks -1, every token
+    with a local expert), FLOPs over the local rows; a bad W is a usage error."""
+    import json
+
+    from moe import bench_experts
+
+    ids_1 = bench_experts.random_tokens("tiny", 200, torch.float32,
+                                        torch.Generator().manual_seed(0))[2]
+    gen = torch.Generator().manual_seed(0)
+    x, weights, ids = bench_experts.random_tokens("tiny", 200, torch.float32, gen, ep_ranks=4)
+    num_experts = bench_experts.SHAPES["tiny"][3]
+    assert ((ids >= -1) & (ids < num_experts)).all() and (ids_1 >= 0).all()
+    assert (ids >= 0).any(dim=1).all(), "every received token has a local expert"
+    assert (ids == -1).any(), "ids of the other ranks' experts arrive as -1"
+    torch.testing.assert_close(weights.sum(1), torch.ones(200))
+    with pytest.raises(SystemExit):
+        bench_experts.main(["--ep-ranks", "0", "--dry-run"])
+    if DEVICE.type == "cpu":
+        argv = ["--device", "cpu", "--shapes", "tiny", "--tokens", "6", "--ep-ranks", "2",
+                "--paths", "triton,reference,dense"]
+        assert bench_experts.main(argv) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith("one rank of 2 under EP")
+        record = json.loads(out[-1])
+        assert record["ep_ranks"] == 2
+        triton_point = next(p for p in record["points"] if p["path"] == "triton")
+        assert triton_point["err"] < 1e-2
+
+
 _BF16 = torch.bfloat16
 
 
