@@ -187,13 +187,18 @@ class Problem:
     w2_EHI: torch.Tensor
     topk_ids_NK: torch.Tensor
     topk_weights_NK: torch.Tensor
-    flops: float
     min_gb: float
     local_rows: int  # routed rows with a local expert (all T*K without EP)
 
     @property
     def tokens(self) -> int:
         return self.x_NH.shape[0]
+
+    @property
+    def flops(self) -> float:
+        """FLOPs of the expert MLPs over the local rows."""
+        _, hidden, inter = self.w2_EHI.shape
+        return gemm_flops(self.local_rows, hidden, inter, 1)
 
 
 def random_weights(shape: str, dtype: torch.dtype, gen: torch.Generator
@@ -251,7 +256,6 @@ def bench_shape(
         problem = Problem(
             shape=name, x_NH=x, w13_EIH=w13, w2_EHI=w2, topk_ids_NK=topk_ids,
             topk_weights_NK=topk_weights,
-            flops=gemm_flops(local_rows, hidden, inter, 1),
             min_gb=min_bytes(tokens, hidden, inter, top_k, num_experts, x.element_size()) / 1e9,
             local_rows=local_rows,
         )

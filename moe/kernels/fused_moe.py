@@ -518,8 +518,9 @@ def fused_moe(
         y_RH = a_x[:num_routed]
     else:
         y_RH = empty_from(workspace, "triton.rows", (num_routed, hidden), dtype, device)
-    tile1, half1 = gemm_tiles(block_m, gated=True, rows_per_expert=num_routed / num_experts)
-    tile2, half2 = gemm_tiles(block_m, gated=False, rows_per_expert=num_routed / num_experts)
+    rows_per_expert = num_routed / num_experts
+    tile1, half1 = gemm_tiles(block_m, gated=True, rows_per_expert=rows_per_expert)
+    tile2, half2 = gemm_tiles(block_m, gated=False, rows_per_expert=rows_per_expert)
     _launch(kernel_launch(a_x, w13_EIH, act_PI, None, routing, n=inter, k=hidden,
                           a_rows_div=top_k, a_sorted=sorted_x, tma=tma1,
                           tile_m=tile1, half_tail=half1))
