@@ -14,10 +14,13 @@ activations and weights. With `--ep-ranks W` (W > 1) the routing is one rank's v
 expert parallelism over W ranks, as the dispatch hands it to the experts: top-k over W * E
 experts, the ids of the other ranks' experts -1, and T the tokens this rank received
 (each has at least one local expert). FLOPs and the dense chain then count the local
-rows only. Per path: the median time over repeats (CUDA events, after a first
-call that compiles/autotunes and a warmup), TFLOP/s = 2 * T * K * 3 * H * I / time, and the
+rows only. Per path: the median time over repeats (CUDA events, after a first call
+that compiles/autotunes and a warmup per round), TFLOP/s = 2 * T * K * 3 * H * I / time, the
 peak of `torch.cuda.max_memory_allocated` over one call (inputs and weights included) beside
-the minimum any path needs (x, routing, weights, output, the [T*K, I] activation). `dense`
+the minimum any path needs (x, routing, weights, output, the [T*K, I] activation), and
+"of dense": the path's TFLOP/s over the dense chain's at the same point. The paths of a
+point are timed in `--rounds` alternating rounds (a path's time is the median of its
+round medians), so clock or thermal drift during a point reaches every path alike. `dense`
 is `torch.matmul` on [T*K, H] x [H, 2I] then [T*K, I] x [I, H] with one expert's weights:
 the same FLOPs without routing or the weight traffic of E experts, i.e. the GEMM ceiling.
 `err` is triton's max |difference| against the reference (or grouped) relative to the
@@ -64,6 +67,7 @@ class Point:
     min_gb: float
     err: float | None = None
     note: str = ""
+    vs_dense: float | None = None  # this path's TFLOP/s over the dense chain's, same point
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,7 +82,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--paths", default=",".join(PATHS), help=f"comma list of {', '.join(PATHS)}")
     add("--ref-max-tokens", type=int, default=4096,
         help="skip the (slow, float32) reference above this many tokens; 0 = never skip")
-    add("--budget-ms", type=float, default=300.0, help="timed repeats per path aim at this")
+    add("--budget-ms", type=float, default=300.0,
+        help="timed repeats per path and point aim at this, over all rounds")
+    add("--rounds", type=int, default=3,
+        help="time the paths of a point in this many alternating rounds (median of rounds)")
     add("--out", type=Path, default=None, help="also write experts.json / experts.txt here")
     add("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: interpreter smoke run")
     add("--dry-run", action="store_true", help="print the points and exit")
@@ -86,6 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="routing as one rank of W under expert parallelism sees it (ids elsewhere -1)")
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give at least 1")
     if args.ep_ranks < 1:
         parser.error(f"--ep-ranks {args.ep_ranks}: give the number of EP ranks, >= 1")
     args.shapes = split_names(args.shapes, SHAPES, "--shapes")
@@ -259,36 +268,67 @@ def bench_shape(
             min_gb=min_bytes(tokens, hidden, inter, top_k, num_experts, x.element_size()) / 1e9,
             local_rows=local_rows,
         )
-        outputs: dict[str, torch.Tensor] = {}  # on the CPU, so they do not count in peaks
-        for path in args.paths:
+        new_points = bench_point(problem, kernels, args, device)
+        for point in new_points:
             done[0] += 1
-            try:
-                point = bench_path(path, kernels.get(path), problem, args, device, outputs)
-            except Exception as exc:  # keep sweeping: one broken path must not hide the rest
-                traceback.print_exc(file=sys.stderr)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                point = Point(name, tokens, path, None, None, None, problem.min_gb,
-                              note=f"failed: {type(exc).__name__}: {str(exc)[:120]}")
-            points.append(point)
             ms = f"{point.ms:9.3f} ms" if point.ms is not None else "skipped"
             rate = f"{point.tflops:7.1f} TFLOP/s" if point.tflops is not None else ""
-            line = f"[{done[0]}/{total}] {name} T={tokens} {path}: {ms} {rate} {point.note}"
+            line = f"[{done[0]}/{total}] {name} T={tokens} {point.path}: {ms} {rate} {point.note}"
             print(line.rstrip(), file=sys.stderr, flush=True)
-        _attach_error(points, outputs)
-        del x, problem, outputs
+        points += new_points
+        del x, problem
     return points
 
 
-def bench_path(
+def bench_point(problem: Problem, kernels: dict[str, object], args: argparse.Namespace,
+                device: torch.device) -> list[Point]:
+    """Every path at one point: each made ready (compiled, its output and peak memory
+    taken) on its own, then all timed in `args.rounds` alternating rounds, so that clock
+    or thermal drift reaches every path alike; a path's time is the median of its rounds."""
+    outputs: dict[str, torch.Tensor] = {}  # on the CPU, so they do not count in peaks
+    ready: dict[str, tuple[Callable[[], Callable[[], object]], float | None, str]] = {}
+    results: dict[str, Point] = {}
+    for path in args.paths:
+        try:
+            made = make_path(path, kernels.get(path), problem, args, device, outputs)
+        except Exception as exc:  # keep sweeping: one broken path must not hide the rest
+            made = _failed(problem, path, exc, device)
+        if isinstance(made, Point):
+            results[path] = made
+        else:
+            ready[path] = made
+    rounds: dict[str, list[float]] = {path: [] for path in ready}
+    timed = {path: factory() for path, (factory, _, _) in ready.items()}
+    for _ in range(args.rounds):
+        for path in list(ready):
+            try:
+                rounds[path].append(time_ms(timed[path], device, args.budget_ms / args.rounds))
+            except Exception as exc:
+                results[path] = _failed(problem, path, exc, device)
+                del ready[path], timed[path]
+    for path, (_, peak, note) in ready.items():
+        ms = statistics.median(rounds[path])
+        results[path] = Point(problem.shape, problem.tokens, path, ms, problem.flops / ms / 1e9,
+                              peak, problem.min_gb if path != "dense" else _dense_min_gb(problem),
+                              note=note)
+    del timed
+    points = [results[path] for path in args.paths]
+    _attach_error(points, outputs)
+    return _attach_dense_share(points)
+
+
+def make_path(
     path: str,
     kernel: object,
     problem: Problem,
     args: argparse.Namespace,
     device: torch.device,
     outputs: dict[str, torch.Tensor],
-) -> Point:
-    """Time one path at one point; keeps its output (on the CPU) for the error column."""
+) -> Point | tuple[Callable[[], Callable[[], object]], float | None, str]:
+    """A skipped Point, or (factory, peak GB, note) for a path that is ready to time:
+    `factory()` gives a fresh call with its own workspace. Here one such call compiles /
+    autotunes, keeps its output (on the CPU) for the error column, and takes the peak
+    with only this path's buffers alive."""
     from moe.workspace import Workspace
 
     skipped = Point(problem.shape, problem.tokens, path, None, None, None, problem.min_gb)
@@ -297,38 +337,66 @@ def bench_path(
     if isinstance(kernel, Exception):
         return replace(skipped, note=f"unavailable: {kernel}")
     if path == "dense":
-        return _bench_dense(problem, args, device)
+        dense = _dense_chain(problem)
+        dense()
+        return (lambda: dense), peak_gb(dense, device), "one expert's weights, same FLOPs"
 
-    workspace = Workspace()  # per path and point: its buffers count in the peak
+    def factory() -> Callable[[], torch.Tensor]:
+        workspace = Workspace()  # per call site: its buffers count in the peak
 
-    def fn() -> torch.Tensor:
-        return kernel.apply(  # type: ignore[attr-defined]
-            problem.x_NH, problem.w13_EIH, problem.w2_EHI, problem.topk_ids_NK,
-            problem.topk_weights_NK, workspace=workspace,
-        )
+        def fn() -> torch.Tensor:
+            return kernel.apply(  # type: ignore[attr-defined]
+                problem.x_NH, problem.w13_EIH, problem.w2_EHI, problem.topk_ids_NK,
+                problem.topk_weights_NK, workspace=workspace,
+            )
+        return fn
 
-    outputs[path] = fn().cpu()  # the first call compiles / autotunes
-    ms = time_ms(fn, device, args.budget_ms)
-    peak = peak_gb(fn, device)
-    tflops = problem.flops / ms / 1e9
-    return Point(problem.shape, problem.tokens, path, ms, tflops, peak, problem.min_gb)
+    fn = factory()
+    outputs[path] = fn().cpu()
+    return factory, peak_gb(fn, device), ""
 
 
-def _bench_dense(problem: Problem, args: argparse.Namespace, device: torch.device) -> Point:
-    """The same FLOPs as one dense GEMM chain on one expert's weights."""
+def _failed(problem: Problem, path: str, exc: Exception, device: torch.device) -> Point:
+    traceback.print_exc(file=sys.stderr)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return Point(problem.shape, problem.tokens, path, None, None, None, problem.min_gb,
+                 note=f"failed: {type(exc).__name__}: {str(exc)[:120]}")
+
+
+def _dense_operands(problem: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[local rows, H] activations and one expert's two weights, transposed."""
     x, w13, w2 = problem.x_NH, problem.w13_EIH, problem.w2_EHI
-    top_k, inter = problem.topk_ids_NK.shape[1], w2.shape[2]
+    top_k = problem.topk_ids_NK.shape[1]
     a = x.repeat_interleave(top_k, dim=0)[:problem.local_rows]
-    w1_t, w2_t = w13[0].t(), w2[0].t()
+    return a, w13[0].t(), w2[0].t()
+
+
+def _dense_chain(problem: Problem) -> Callable[[], torch.Tensor]:
+    """The same FLOPs as one dense GEMM chain on one expert's weights."""
+    a, w1_t, w2_t = _dense_operands(problem)
+    inter = w2_t.shape[0]
 
     def fn() -> torch.Tensor:
         return torch.matmul(torch.matmul(a, w1_t)[:, :inter], w2_t)
 
-    elems = a.numel() + w1_t.numel() + w2_t.numel() + a.shape[0] * (2 * inter + x.shape[1])
-    ms = time_ms(fn, device, args.budget_ms)
-    peak = peak_gb(fn, device)
-    return Point(problem.shape, problem.tokens, "dense", ms, problem.flops / ms / 1e9, peak,
-                 elems * a.element_size() / 1e9, note="one expert's weights, same FLOPs")
+    return fn
+
+
+def _dense_min_gb(problem: Problem) -> float:
+    a, w1_t, w2_t = _dense_operands(problem)
+    inter, hidden = w2_t.shape
+    elems = a.numel() + w1_t.numel() + w2_t.numel() + a.shape[0] * (2 * inter + hidden)
+    return elems * a.element_size() / 1e9
+
+
+def _attach_dense_share(points: list[Point]) -> list[Point]:
+    """Set `vs_dense` (TFLOP/s over the dense chain's, same point) where both were timed."""
+    dense = next((p for p in points if p.path == "dense" and p.tflops), None)
+    if dense is None:
+        return points
+    return [replace(p, vs_dense=p.tflops / dense.tflops) if p.tflops and p is not dense else p
+            for p in points]
 
 
 def _attach_error(points: list[Point], outputs: dict[str, torch.Tensor]) -> None:
@@ -346,15 +414,16 @@ def _attach_error(points: list[Point], outputs: dict[str, torch.Tensor]) -> None
 
 
 def format_table(points: list[Point]) -> str:
-    header = (f"{'shape':<10} {'T':>6} {'path':<10} {'ms':>10} {'TFLOP/s':>8} {'peak GB':>8} "
-              f"{'min GB':>7} {'err':>8}  note")
+    header = (f"{'shape':<10} {'T':>6} {'path':<10} {'ms':>10} {'TFLOP/s':>8} {'of dense':>8} "
+              f"{'peak GB':>8} {'min GB':>7} {'err':>8}  note")
     lines = [header, "-" * len(header)]
     for p in points:
         ms = f"{p.ms:10.3f}" if p.ms is not None else f"{'-':>10}"
         rate = f"{p.tflops:8.1f}" if p.tflops is not None else f"{'-':>8}"
         peak = f"{p.peak_gb:8.2f}" if p.peak_gb is not None else f"{'-':>8}"
         err = f"{p.err:8.1e}" if p.err is not None else f"{'-':>8}"
-        lines.append(f"{p.shape:<10} {p.tokens:>6} {p.path:<10} {ms} {rate} {peak} "
+        share = f"{p.vs_dense:8.1%}" if p.vs_dense is not None else f"{'-':>8}"
+        lines.append(f"{p.shape:<10} {p.tokens:>6} {p.path:<10} {ms} {rate} {share} {peak} "
                      f"{p.min_gb:7.2f} {err}  {p.note}")
     return "\n".join(lines)
 

@@ -25,8 +25,17 @@ from dbo.bench.config import (
 )
 from dbo.bench.gating import GatePolicy
 from dbo.bench.launch import build_parser, config_from_args
-from dbo.bench.sweep import ETA_NO_HEADROOM, PROBE_SKIPPED_CPU, SweepResult, efficiency, make_point
-from dbo.bench.timing import Timing
+from dbo.bench.ceiling import Ceiling
+from dbo.bench.sweep import (
+    ETA_NO_HEADROOM,
+    PROBE_SKIPPED_CPU,
+    Round,
+    SweepResult,
+    add_rounds,
+    efficiency,
+    make_point,
+)
+from dbo.bench.timing import Timing, median_of_rounds
 from tests.dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +59,7 @@ POINT_KEYS = {"backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
     (["--num-experts", "8", "--experts-per-rank", "4"], "not allowed with argument"),
     (["--mode", "model", "--tokens", "2", "--requests", "4"], "requests=4 per rank exceeds"),
     (["--iters", "0"], "iters=0 must be an int >= 1"),
+    (["--rounds", "0"], "rounds=0 must be an int >= 1"),
     (["--world-size", "0"], "--world-size=0"),
     pytest.param(["--device", "cuda"], "CUDA is not available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
@@ -129,6 +139,34 @@ def test_derived_figures_with_a_ceiling() -> None:
     assert efficiency(5.0, 4.0, 5.0) == (None, ETA_NO_HEADROOM)
 
 
+def test_rounds_fold_to_per_rank_medians_and_keep_eta_spread() -> None:
+    assert median_of_rounds([_timing(1.0, 9.0), _timing(3.0, 2.0), _timing(2.0, 4.0)]) == \
+        _timing(2.0, 4.0)  # per rank, not per round: rank 1's median comes from round 3
+    with pytest.raises(ValueError, match="disagree on the number of ranks"):
+        median_of_rounds([_timing(1.0), _timing(1.0, 2.0)])
+
+    def one(off: float, on: float, both: float) -> Round:
+        ceiling = Ceiling(_timing(both - 1, both - 1), _timing(4.0, 4.0), _timing(both, both), 6)
+        return Round(_timing(off, off), _timing(on, on), ceiling, True, "halved")
+
+    rounds = [one(20.0, 16.0, 15.0), one(21.0, 16.5, 16.0), one(30.0, 29.0, 16.0)]
+    merged = Round.median(rounds)
+    assert (merged.t_off.max_ms, merged.t_on.max_ms) == (21.0, 16.5)
+    assert merged.ceiling is not None and merged.ceiling.both.max_ms == 16.0
+    assert merged.ceiling.compute.max_ms == 15.0 and merged.ceiling.num_collectives == 6
+    point = make_point(BenchConfig(), backend="a2a", tokens=1024, world_size=2,
+                       t_off=merged.t_off, t_on=merged.t_on, ceiling=merged.ceiling,
+                       split=merged.split, split_reason=merged.split_reason, use_dbo=True,
+                       gate_reason="")
+    add_rounds(point, rounds)
+    assert point.eta == pytest.approx((21.0 - 16.5) / (21.0 - 16.0))
+    assert point.eta_rounds == pytest.approx([0.8, 0.9, 1 / 14])
+    assert (point.eta_min, point.eta_max) == (pytest.approx(1 / 14), pytest.approx(0.9))
+    assert point.rounds == 3 and point.rounds_ms["t_dbo"] == [16.0, 16.5, 29.0]
+    cpu = Round(_timing(2.0), _timing(1.0), None, True, "")
+    assert Round.median([cpu, cpu]).ceiling is None
+
+
 def test_plot_draws_the_ceiling(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from dbo.bench.plot import plot_sweep
@@ -153,7 +191,7 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path) -> None:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "dbo.bench", "--device", "cpu", "--mode", "layer",
            "--tokens", "16,64", "--backends", "a2a,naive", "--iters", "2", "--warmup", "1",
-           "--layers", "2", "--gate-min-tokens", "32", "--out", str(tmp_path)]
+           "--layers", "2", "--gate-min-tokens", "32", "--rounds", "2", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -165,7 +203,7 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path) -> None:
     assert "[dbo bench]" in proc.stderr  # the progress bar
     table = "\n".join(lines[:-1])
     assert "regime=CPU gloo" in table and "ceiling probe: skipped on CPU" in table
-    assert "gate decisions:" in table
+    assert "gate decisions:" in table and "median of 2 alternating rounds" in table
     points = final["points"]
     assert len(points) == 4
     assert {(p["backend"], p["tokens_per_rank"]) for p in points} == {
@@ -174,6 +212,7 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path) -> None:
         assert POINT_KEYS <= set(p)
         assert p["t_nodbo_ms"] > 0 and p["t_dbo_ms"] > 0 and p["dbo_split"] is True
         assert p["t_both_ms"] is None and p["ceiling"] is None and p["eta"] is None
+        assert p["rounds"] == 2 and p["eta_min"] is None
         if p["tokens_per_rank"] < 32:
             assert p["gate"] == "off" and p["gate_reason"].startswith("threshold")
         elif p["gate"] == "off":  # the separate trial saw DBO lose (usual with gloo)
@@ -194,6 +233,8 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path) -> None:
     doc = json.loads(Path(files["json"]).read_text())
     assert doc["regime"] == CPU_REGIME and "eta" in doc["definitions"]
     assert all(len(p["per_rank_ms"]["t_dbo"]) == 2 for p in doc["points"])
+    assert all(len(p["rounds_ms"]["t_nodbo"]) == 2 and p["eta_rounds"] == []
+               for p in doc["points"])
 
 
 def _model_mode_and_probe_pieces(rank: int, world_size: int, out_dir: str) -> dict:
@@ -207,8 +248,10 @@ def _model_mode_and_probe_pieces(rank: int, world_size: int, out_dir: str) -> di
     group, cpu = dist.group.WORLD, torch.device("cpu")
     out: dict = {}
     # Model mode, two token counts x two backends (a2a_ll capacity set automatically).
+    # Two rounds: a2a_ll's DBO-off and DBO-on models differ, so each round rebuilds them.
     cfg = BenchConfig(mode="model", preset="tiny", tokens=(12, 40), backends=("a2a", "a2a_ll"),
-                      iters=1, warmup=1, gate_min_tokens=20, out_dir=out_dir, progress=False)
+                      iters=1, warmup=1, rounds=2, gate_min_tokens=20, out_dir=out_dir,
+                      progress=False)
     result = run_sweep(cfg, group=group, device=cpu)
     if rank == 0:
         files = write_outputs(result)
@@ -241,7 +284,7 @@ def test_model_mode_and_probe_pieces_on_gloo(tmp_path: Path) -> None:
     assert {(p["backend"], p["tokens_per_rank"]) for p in final["points"]} == {
         (b, t) for b in ("a2a", "a2a_ll") for t in (12, 40)}
     for p in final["points"]:
-        assert p["dbo_split"] is True, p
+        assert p["dbo_split"] is True and p["rounds"] == 2, p
         if p["tokens_per_rank"] < 20:
             assert p["gate"] == "off" and p["gate_reason"].startswith("threshold"), p
         else:  # decided by the separate trial (DBO usually loses with gloo)

@@ -550,16 +550,23 @@ def test_bench_ep_routing(capsys: pytest.CaptureFixture[str]) -> None:
     torch.testing.assert_close(weights.sum(1), torch.ones(200))
     with pytest.raises(SystemExit):
         bench_experts.main(["--ep-ranks", "0", "--dry-run"])
+    with pytest.raises(SystemExit):
+        bench_experts.main(["--rounds", "0", "--dry-run"])
     if DEVICE.type == "cpu":
         argv = ["--device", "cpu", "--shapes", "tiny", "--tokens", "6", "--ep-ranks", "2",
-                "--paths", "triton,reference,dense"]
+                "--paths", "triton,reference,dense", "--rounds", "2"]
         assert bench_experts.main(argv) == 0
         out = capsys.readouterr().out.splitlines()
         assert out[0].startswith("one rank of 2 under EP")
         record = json.loads(out[-1])
         assert record["ep_ranks"] == 2
-        triton_point = next(p for p in record["points"] if p["path"] == "triton")
-        assert triton_point["err"] < 1e-2
+        points = {p["path"]: p for p in record["points"]}
+        assert points["triton"]["err"] < 1e-2
+        # "of dense": each path's rate over the dense chain's at the same point.
+        for path in ("triton", "reference"):
+            assert points[path]["vs_dense"] == pytest.approx(
+                points[path]["tflops"] / points["dense"]["tflops"])
+        assert points["dense"]["vs_dense"] is None and "of dense" in out[1]
 
 
 _BF16 = torch.bfloat16

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dbo.bench.timing import Timing, time_steps
+from dbo.bench.timing import Timing, median_of_rounds, time_steps
 from dbo.bench.workload import Workload
 from moe.layer import MoELayer
 from streams.stream_set import new_comm_stream
@@ -225,6 +225,13 @@ class Ceiling:
     def ceiling(self) -> float:
         """T_serial / T_both: the speedup a perfect overlap of this step would give."""
         return self.serial_ms / self.both.max_ms
+
+
+def median_ceiling(rounds: list[Ceiling]) -> Ceiling:
+    """Compute, comm and both, each folded over rounds (`timing.median_of_rounds`)."""
+    return Ceiling(median_of_rounds([c.compute for c in rounds]),
+                   median_of_rounds([c.comm for c in rounds]),
+                   median_of_rounds([c.both for c in rounds]), rounds[0].num_collectives)
 
 
 def probe_ceiling(workload: Workload, *, device: torch.device,

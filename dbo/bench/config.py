@@ -79,6 +79,10 @@ class BenchConfig:
     """Timed steps per measurement; the median is reported."""
     warmup: int = 5
     """Untimed steps before each measurement (allocations, autotuning, NCCL setup)."""
+    rounds: int = 3
+    """Each point is measured this many times in alternation (DBO off, probe, DBO on, then
+    again), so slow drift of clocks or host load hits all three alike; times are medians
+    over the rounds, and eta's spread over the rounds is reported beside it."""
     min_gain: float = 0.03
     """Gate: keep DBO off where the measured ceiling T_serial / T_both is below 1 + min_gain."""
     gate_min_tokens: int = 512
@@ -127,7 +131,8 @@ class BenchConfig:
             raise ValueError(f"num_experts={self.num_experts} and experts_per_rank="
                              f"{self.experts_per_rank} are both set: give only one")
         for name, low in (("attn_context", 0), ("requests", 1), ("iters", 1), ("warmup", 0),
-                          ("gate_min_tokens", 0), ("gate_trial_iters", 1), ("seed", 0)):
+                          ("rounds", 1), ("gate_min_tokens", 0), ("gate_trial_iters", 1),
+                          ("seed", 0)):
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
@@ -176,6 +181,7 @@ class BenchConfig:
                 "num_experts": self.num_experts, "experts_per_rank": self.experts_per_rank,
                 "attn_context": self.attn_context, "requests": self.requests,
                 "experts": self.experts, "iters": self.iters, "warmup": self.warmup,
+                "rounds": self.rounds,
                 "min_gain": self.min_gain, "gate_min_tokens": self.gate_min_tokens,
                 "device": self.device, "seed": self.seed}
 

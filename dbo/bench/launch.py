@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "grouped, triton)")
     p.add_argument("--iters", type=int, default=None, help="timed steps (GPU 20, CPU 5)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (GPU 5, CPU 2)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="measure each point this many times, alternating DBO off, probe and "
+                        "DBO on; report medians and eta's spread (GPU 3, CPU 1)")
     p.add_argument("--min-gain", type=float, default=0.03,
                    help="gate: DBO off where the measured ceiling < 1 + this (default 0.03)")
     p.add_argument("--gate-min-tokens", type=int, default=512,
@@ -121,6 +124,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         attn_context=args.attn_context, requests=args.requests, experts=args.experts,
         iters=args.iters if args.iters is not None else (20 if gpu else 5),
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
+        rounds=args.rounds if args.rounds is not None else (3 if gpu else 1),
         min_gain=args.min_gain, gate_min_tokens=args.gate_min_tokens,
         gate_trial_iters=args.gate_trial_iters, device=device,
         regime=regime_label(device, p2p_disabled=p2p_disabled), out_dir=args.out,

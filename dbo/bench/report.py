@@ -48,7 +48,8 @@ def write_outputs(result: SweepResult) -> dict[str, Any]:
     else:
         files["png_note"] = "plot off (--no-plot)"
     doc = {**header(result), "definitions": DEFINITIONS, "summary": summarize(result.points),
-           "points": [{**p.row(), "per_rank_ms": p.per_rank_ms} for p in result.points],
+           "points": [{**p.row(), "per_rank_ms": p.per_rank_ms, "rounds_ms": p.rounds_ms,
+                       "eta_rounds": p.eta_rounds} for p in result.points],
            "files": files}
     with open(files["json"], "w") as f:
         json.dump(_clean(doc), f, indent=2)
@@ -85,8 +86,8 @@ def final_line(result: SweepResult, files: dict[str, Any]) -> str:
     """The one JSON line for programs (stdout, last line)."""
     keys = ("backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
             "tokens_per_s_nodbo", "tokens_per_s_dbo", "t_compute_ms", "t_comm_ms",
-            "t_both_ms", "ceiling", "eta", "eta_note", "dbo_split", "gate", "gate_reason",
-            "gated_speedup")
+            "t_both_ms", "ceiling", "eta", "eta_min", "eta_max", "rounds", "eta_note",
+            "dbo_split", "gate", "gate_reason", "gated_speedup")
     doc = {**header(result), "summary": summarize(result.points),
            "points": [{k: p.row()[k] for k in keys} for p in result.points], "files": files}
     doc.pop("config")
@@ -103,14 +104,16 @@ def format_table(result: SweepResult) -> str:
         f"  shapes: H={shapes['hidden_size']} experts={shapes['num_experts']} "
         f"({shapes['experts_per_rank']}/rank) top_k={shapes['top_k']} "
         f"I={shapes['intermediate_size']} layers={shapes['layers']} {shapes['dtype']}",
-        f"  times in ms, median of {cfg.iters} steps after {cfg.warmup} warmup, shown "
-        f"rank0/max over ranks; derived figures use the max",
+        f"  times in ms, median of {cfg.iters} steps after {cfg.warmup} warmup"
+        + (f", median of {cfg.rounds} alternating rounds" if cfg.rounds > 1 else "")
+        + "; shown rank0/max over ranks; derived figures use the max",
         f"  ceiling probe: {result.probe}",
         "",
     ]
     cols = [("T/rank", 7), ("backend", 7), ("noDBO ms", 15), ("DBO ms", 15), ("speedup", 7),
             ("tok/s noDBO", 11), ("tok/s DBO", 11), ("comp ms", 8), ("comm ms", 8),
-            ("both ms", 8), ("ceiling", 7), ("eta", 6), ("gate", 4), ("gated", 6)]
+            ("both ms", 8), ("ceiling", 7), ("eta", 6), ("eta range", 9), ("gate", 4),
+            ("gated", 6)]
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
     for p in result.points:
         cells = [str(p.tokens_per_rank), p.backend,
@@ -118,7 +121,7 @@ def format_table(result: SweepResult) -> str:
                  f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}", f"{p.speedup:.3f}",
                  _num(p.tokens_per_s_nodbo), _num(p.tokens_per_s_dbo),
                  _opt(p.t_compute_ms), _opt(p.t_comm_ms), _opt(p.t_both_ms),
-                 _opt(p.ceiling), _opt(p.eta, "{:.2f}"), p.gate, f"{p.gated_speedup:.3f}"]
+                 _opt(p.ceiling), _opt(p.eta, "{:.2f}"), _eta_range(p), p.gate, f"{p.gated_speedup:.3f}"]
         lines.append("  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, cols)))
     lines.append("")
     lines.append("gate decisions:")
@@ -132,6 +135,13 @@ def format_table(result: SweepResult) -> str:
                  f"{s['min_gated_speedup']:.3f}x; gated never >1% slower: "
                  f"{s['gated_never_slower_than_1pct']}  [{cfg.regime}]")
     return "\n".join(lines)
+
+
+def _eta_range(p: Point) -> str:
+    """eta's min-max over the rounds ("-" with one round or no probe)."""
+    if p.rounds < 2 or p.eta_min is None or p.eta_max is None:
+        return "-"
+    return f"{p.eta_min:.2f}-{p.eta_max:.2f}"
 
 
 def _num(v: float) -> str:

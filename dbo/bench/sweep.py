@@ -3,11 +3,14 @@
     result = run_sweep(cfg, group=dist.group.WORLD, device=device)   # on every rank
     result.points[0].speedup, result.points[0].gate, ...
 
-Per point (backend outer, tokens inner, so a model is rebuilt only when it must be):
-DBO off timed, the ceiling probed on that same workload (GPU), DBO on timed, the gate
-decided from the tokens and the measured ceiling. Times are medians of `iters` steps per
-rank (see `dbo.bench.timing`); the derived figures use the slowest rank's median (the
-step time the group sees), and rank 0's medians are reported beside them.
+Per point (backend outer, tokens inner, so a model is rebuilt only when it must be),
+`rounds` times in a row: DBO off timed, the ceiling probed on that same workload (GPU),
+DBO on timed. Then the gate is decided from the tokens and the measured ceiling. Times
+are medians of `iters` steps per rank (see `dbo.bench.timing`), folded over the rounds
+(per rank, the median of the round medians); the derived figures use the slowest rank's
+time (the step time the group sees), and rank 0's are reported beside them. Alternating
+the three measurements puts slow drift (clocks, host load) into all of them alike; each
+round's eta is kept, and its range is reported beside the eta of the medians.
 
 Definitions (also in every JSON output):
     tokens/s      = tokens per rank * world size / step time
@@ -27,10 +30,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from dbo.bench.ceiling import Ceiling, probe_ceiling
+from dbo.bench.ceiling import Ceiling, median_ceiling, probe_ceiling
 from dbo.bench.config import BenchConfig
 from dbo.bench.gating import GatePolicy
-from dbo.bench.timing import Timing, time_steps
+from dbo.bench.timing import Timing, median_of_rounds, time_steps
 from dbo.bench.workload import WorkloadFactory
 from dbo.capture import capture
 
@@ -40,12 +43,14 @@ PROBE_MEASURED = ("measured: compute alone (collectives replaced by their record
                   "alone (the step's recorded collectives replayed), both on two CUDA streams")
 DEFINITIONS = {
     "tokens_per_s": "tokens per rank * world size / step time",
-    "step_time": "median over iters of each rank's step; the max over ranks unless *_rank0",
+    "step_time": ("per rank, the median over rounds of the median over iters of its steps; "
+                  "the max over ranks unless *_rank0"),
     "speedup": "T_noDBO / T_DBO",
     "t_serial": "T_compute + T_comm, each measured alone",
     "ceiling": "T_serial / T_both",
     "ceiling_vs_nodbo": "T_noDBO / T_both",
     "eta": "(T_noDBO - T_DBO) / (T_noDBO - T_both); null when T_noDBO <= T_both or no probe",
+    "eta_min/eta_max": "the range of eta over the rounds, each round's eta from its own times",
     "gated": "T_DBO where the gate chose dbo, else T_noDBO; gated_speedup = T_noDBO / gated",
 }
 ETA_NO_PROBE = "no probe, no T_both"
@@ -89,11 +94,17 @@ class Point:
     tokens_per_s_ceiling: Optional[float] = None
     eta: Optional[float] = None
     eta_note: str = ""
+    rounds: int = 1
+    eta_min: Optional[float] = None
+    eta_max: Optional[float] = None
     per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
+    rounds_ms: dict[str, list[float]] = field(default_factory=dict)
+    eta_rounds: list[Optional[float]] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
-        out = {k: v for k, v in asdict(self).items() if k != "per_rank_ms"}
+        nested = ("per_rank_ms", "rounds_ms", "eta_rounds")
+        out = {k: v for k, v in asdict(self).items() if k not in nested}
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
@@ -113,7 +124,7 @@ def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
     gate = GatePolicy(min_tokens_per_rank=cfg.gate_min_tokens, min_gain=cfg.min_gain)
     probe_note = PROBE_MEASURED if device.type == "cuda" else PROBE_SKIPPED_CPU
     show = cfg.progress and factory.rank == 0
-    progress = Progress(len(cfg.backends) * len(cfg.tokens) * 2, enabled=show)
+    progress = Progress(len(cfg.backends) * len(cfg.tokens) * 2 * cfg.rounds, enabled=show)
     timing = dict(device=device, group=group, warmup=cfg.warmup, iters=cfg.iters)
     points = []
     for backend in cfg.backends:
@@ -128,29 +139,78 @@ def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
 def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                    progress: "Progress", *, backend: str, tokens: int,
                    timing: dict[str, Any]) -> Point:
-    """DBO off, the probe (GPU), DBO on, the gate. Workloads die on return, so the
-    factory can free a model before building the next one."""
+    """`cfg.rounds` rounds of (DBO off, the probe (GPU), DBO on), then the gate. Workloads
+    die within a round, so the factory can free a model before building the next one."""
     on_gpu = factory.device.type == "cuda"
-    progress.step(f"{backend} T={tokens}/rank: DBO off" + (" + ceiling probe" if on_gpu else ""))
-    off = factory.get(tokens=tokens, backend=backend, dbo=False)
-    t_off = time_steps(off.step, **timing)
-    _maybe_trace(cfg, factory, off.step, f"{backend}_T{tokens}_dbo-off")
-    ceiling = probe_ceiling(off, **timing) if on_gpu else None
-    del off  # a2a_ll's DBO-on model differs: let the factory free this one first
-    progress.step(f"{backend} T={tokens}/rank: DBO on")
-    on = factory.get(tokens=tokens, backend=backend, dbo=True)
-    # The gate's trial: its own short timing, before (and apart from) the reported one.
-    trial = time_steps(on.step, **{**timing, "warmup": 1, "iters": cfg.gate_trial_iters})
-    t_on = time_steps(on.step, **timing)
-    _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
+    rounds: list[Round] = []
+    trial: Optional[Timing] = None
+    for index in range(cfg.rounds):
+        tag = f" (round {index + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""
+        progress.step(f"{backend} T={tokens}/rank: DBO off" +
+                      (" + ceiling probe" if on_gpu else "") + tag)
+        off = factory.get(tokens=tokens, backend=backend, dbo=False)
+        t_off = time_steps(off.step, **timing)
+        if index == 0:
+            _maybe_trace(cfg, factory, off.step, f"{backend}_T{tokens}_dbo-off")
+        ceiling = probe_ceiling(off, **timing) if on_gpu else None
+        del off  # a2a_ll's DBO-on model differs: let the factory free this one first
+        progress.step(f"{backend} T={tokens}/rank: DBO on" + tag)
+        on = factory.get(tokens=tokens, backend=backend, dbo=True)
+        if index == 0:
+            # The gate's trial: its own short timing, before (and apart from) the reported one.
+            trial = time_steps(on.step, **{**timing, "warmup": 1, "iters": cfg.gate_trial_iters})
+        t_on = time_steps(on.step, **timing)
+        if index == 0:
+            _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
+        rounds.append(Round(t_off, t_on, ceiling, on.was_split, on.split_reason))
+        del on
+    assert trial is not None
+    merged = Round.median(rounds)
     decision = gate.decide(tokens_per_rank=tokens,
-                           ceiling=None if ceiling is None else ceiling.ceiling,
-                           trial_speedup=t_off.max_ms / trial.max_ms,
+                           ceiling=None if merged.ceiling is None else merged.ceiling.ceiling,
+                           trial_speedup=rounds[0].t_off.max_ms / trial.max_ms,
                            no_probe_reason="probe skipped on CPU")
-    return make_point(cfg, backend=backend, tokens=tokens, world_size=factory.world_size,
-                      t_off=t_off, t_on=t_on, ceiling=ceiling, split=on.was_split,
-                      split_reason=on.split_reason, use_dbo=decision.use_dbo,
-                      gate_reason=decision.reason)
+    point = make_point(cfg, backend=backend, tokens=tokens, world_size=factory.world_size,
+                       t_off=merged.t_off, t_on=merged.t_on, ceiling=merged.ceiling,
+                       split=merged.split, split_reason=merged.split_reason,
+                       use_dbo=decision.use_dbo, gate_reason=decision.reason)
+    add_rounds(point, rounds)
+    return point
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of a point: DBO off, the probe (None on CPU), DBO on."""
+
+    t_off: Timing
+    t_on: Timing
+    ceiling: Optional[Ceiling]
+    split: bool
+    split_reason: str
+
+    @staticmethod
+    def median(rounds: list["Round"]) -> "Round":
+        """Every timing folded over the rounds (per rank, the median of round medians)."""
+        ceilings = [r.ceiling for r in rounds if r.ceiling is not None]
+        return Round(median_of_rounds([r.t_off for r in rounds]),
+                     median_of_rounds([r.t_on for r in rounds]),
+                     median_ceiling(ceilings) if len(ceilings) == len(rounds) else None,
+                     all(r.split for r in rounds), rounds[-1].split_reason)
+
+
+def add_rounds(point: Point, rounds: list[Round]) -> None:
+    """Record each round's step times (max over ranks) and eta, and eta's range."""
+    point.rounds = len(rounds)
+    point.rounds_ms = {"t_nodbo": [r.t_off.max_ms for r in rounds],
+                       "t_dbo": [r.t_on.max_ms for r in rounds]}
+    if all(r.ceiling is not None for r in rounds):
+        point.rounds_ms["t_both"] = [r.ceiling.both.max_ms for r in rounds]  # type: ignore[union-attr]
+        etas = [efficiency(r.t_off.max_ms, r.t_on.max_ms, r.ceiling.both.max_ms)[0]  # type: ignore[union-attr]
+                for r in rounds]
+        point.eta_rounds = etas
+        known = [e for e in etas if e is not None]
+        if known:
+            point.eta_min, point.eta_max = min(known), max(known)
 
 
 def _maybe_trace(cfg: BenchConfig, factory: WorkloadFactory, step: Any, name: str) -> None:

@@ -8,14 +8,15 @@ synchronize, start event, the step, end event. So a step's time includes its own
 launch overhead and host syncs (DBO's greenlet switches included), and no rank's skew
 leaks into another's step. Steps are not pipelined back to back. Each rank reports the
 median over `iters` of its own steps; the ranks' medians are gathered (one small
-collective, after the timed loop).
+collective, after the timed loop). `median_of_rounds` folds the Timings of repeated
+rounds into one: per rank, the median of that rank's round medians.
 """
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,18 @@ class Timing:
     def max_ms(self) -> float:
         """The slowest rank's median: the step time the group sees."""
         return max(self.per_rank_ms)
+
+
+def median_of_rounds(rounds: Sequence[Timing]) -> Timing:
+    """One Timing from several rounds of the same measurement: per rank, the median of its
+    round medians (so one slow round moves the result less than a mean would)."""
+    if not rounds:
+        raise ValueError("median_of_rounds needs at least one round")
+    ranks = {len(t.per_rank_ms) for t in rounds}
+    if len(ranks) != 1:
+        raise ValueError(f"rounds disagree on the number of ranks: {sorted(ranks)}")
+    return Timing(tuple(statistics.median(t.per_rank_ms[r] for t in rounds)
+                        for r in range(ranks.pop())))
 
 
 def time_steps(fn: Callable[[], Any], *, device: torch.device,
