@@ -25,6 +25,7 @@ from dbo.bench.config import (
 )
 from dbo.bench.gating import GatePolicy
 from dbo.bench.launch import build_parser, config_from_args
+from dbo.bench.report import eta_rounds_cell
 from dbo.bench.ceiling import Ceiling
 from dbo.bench.sweep import (
     ETA_NO_HEADROOM,
@@ -163,6 +164,9 @@ def test_rounds_fold_to_per_rank_medians_and_keep_eta_spread() -> None:
     assert point.eta_rounds == pytest.approx([0.8, 0.9, 1 / 14])
     assert (point.eta_min, point.eta_max) == (pytest.approx(1 / 14), pytest.approx(0.9))
     assert point.rounds == 3 and point.rounds_ms["t_dbo"] == [16.0, 16.5, 29.0]
+    assert eta_rounds_cell(point) == "0.07..0.90"
+    point.eta = None  # no headroom at the medians: the rounds' spread is not shown
+    assert eta_rounds_cell(point) == "-"
     cpu = Round(_timing(2.0), _timing(1.0), None, True, "")
     assert Round.median([cpu, cpu]).ceiling is None
 

@@ -112,7 +112,7 @@ def format_table(result: SweepResult) -> str:
     ]
     cols = [("T/rank", 7), ("backend", 7), ("noDBO ms", 15), ("DBO ms", 15), ("speedup", 7),
             ("tok/s noDBO", 11), ("tok/s DBO", 11), ("comp ms", 8), ("comm ms", 8),
-            ("both ms", 8), ("ceiling", 7), ("eta", 6), ("eta range", 9), ("gate", 4),
+            ("both ms", 8), ("ceiling", 7), ("eta", 6), ("eta rounds", 10), ("gate", 4),
             ("gated", 6)]
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
     for p in result.points:
@@ -121,7 +121,7 @@ def format_table(result: SweepResult) -> str:
                  f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}", f"{p.speedup:.3f}",
                  _num(p.tokens_per_s_nodbo), _num(p.tokens_per_s_dbo),
                  _opt(p.t_compute_ms), _opt(p.t_comm_ms), _opt(p.t_both_ms),
-                 _opt(p.ceiling), _opt(p.eta, "{:.2f}"), _eta_range(p), p.gate, f"{p.gated_speedup:.3f}"]
+                 _opt(p.ceiling), _opt(p.eta, "{:.2f}"), eta_rounds_cell(p), p.gate, f"{p.gated_speedup:.3f}"]
         lines.append("  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, cols)))
     lines.append("")
     lines.append("gate decisions:")
@@ -137,11 +137,12 @@ def format_table(result: SweepResult) -> str:
     return "\n".join(lines)
 
 
-def _eta_range(p: Point) -> str:
-    """eta's min-max over the rounds ("-" with one round or no probe)."""
-    if p.rounds < 2 or p.eta_min is None or p.eta_max is None:
+def eta_rounds_cell(p: Point) -> str:
+    """eta's lowest..highest over the rounds; "-" with one round, without a probe, or
+    where the point's own eta is undefined (no headroom: the rounds' values mean little)."""
+    if p.rounds < 2 or p.eta is None or p.eta_min is None or p.eta_max is None:
         return "-"
-    return f"{p.eta_min:.2f}-{p.eta_max:.2f}"
+    return f"{p.eta_min:.2f}..{p.eta_max:.2f}"
 
 
 def _num(v: float) -> str:
