@@ -121,7 +121,8 @@ def format_table(result: SweepResult) -> str:
                  f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}", f"{p.speedup:.3f}",
                  _num(p.tokens_per_s_nodbo), _num(p.tokens_per_s_dbo),
                  _opt(p.t_compute_ms), _opt(p.t_comm_ms), _opt(p.t_both_ms),
-                 _opt(p.ceiling), _opt(p.eta, "{:.2f}"), eta_rounds_cell(p), p.gate, f"{p.gated_speedup:.3f}"]
+                 _opt(p.ceiling), _opt(p.eta, "{:.2f}"), eta_rounds_cell(p), p.gate,
+                 f"{p.gated_speedup:.3f}"]
         lines.append("  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, cols)))
     lines.append("")
     lines.append("gate decisions:")

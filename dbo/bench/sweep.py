@@ -203,10 +203,11 @@ def add_rounds(point: Point, rounds: list[Round]) -> None:
     point.rounds = len(rounds)
     point.rounds_ms = {"t_nodbo": [r.t_off.max_ms for r in rounds],
                        "t_dbo": [r.t_on.max_ms for r in rounds]}
-    if all(r.ceiling is not None for r in rounds):
-        point.rounds_ms["t_both"] = [r.ceiling.both.max_ms for r in rounds]  # type: ignore[union-attr]
-        etas = [efficiency(r.t_off.max_ms, r.t_on.max_ms, r.ceiling.both.max_ms)[0]  # type: ignore[union-attr]
-                for r in rounds]
+    ceilings = [r.ceiling for r in rounds if r.ceiling is not None]
+    if len(ceilings) == len(rounds):
+        point.rounds_ms["t_both"] = [c.both.max_ms for c in ceilings]
+        etas = [efficiency(r.t_off.max_ms, r.t_on.max_ms, c.both.max_ms)[0]
+                for r, c in zip(rounds, ceilings)]
         point.eta_rounds = etas
         known = [e for e in etas if e is not None]
         if known:
