@@ -37,7 +37,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -68,6 +68,16 @@ class Point:
     err: float | None = None
     note: str = ""
     vs_dense: float | None = None  # this path's TFLOP/s over the dense chain's, same point
+
+
+class ReadyPath(NamedTuple):
+    """A path made ready to time at one point: `factory()` gives a fresh call (with its
+    own workspace); peak and minimum memory in GB; the note for its table row."""
+
+    factory: Callable[[], Callable[[], object]]
+    peak_gb: float | None
+    min_gb: float
+    note: str
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -286,7 +296,7 @@ def bench_point(problem: Problem, kernels: dict[str, object], args: argparse.Nam
     taken) on its own, then all timed in `args.rounds` alternating rounds, so that clock
     or thermal drift reaches every path alike; a path's time is the median of its rounds."""
     outputs: dict[str, torch.Tensor] = {}  # on the CPU, so they do not count in peaks
-    ready: dict[str, tuple[Callable[[], Callable[[], object]], float | None, str]] = {}
+    ready: dict[str, ReadyPath] = {}
     results: dict[str, Point] = {}
     for path in args.paths:
         try:
@@ -298,7 +308,7 @@ def bench_point(problem: Problem, kernels: dict[str, object], args: argparse.Nam
         else:
             ready[path] = made
     rounds: dict[str, list[float]] = {path: [] for path in ready}
-    timed = {path: factory() for path, (factory, _, _) in ready.items()}
+    timed = {path: made.factory() for path, made in ready.items()}
     for _ in range(args.rounds):
         for path in list(ready):
             try:
@@ -306,11 +316,10 @@ def bench_point(problem: Problem, kernels: dict[str, object], args: argparse.Nam
             except Exception as exc:
                 results[path] = _failed(problem, path, exc, device)
                 del ready[path], timed[path]
-    for path, (_, peak, note) in ready.items():
+    for path, made in ready.items():
         ms = statistics.median(rounds[path])
         results[path] = Point(problem.shape, problem.tokens, path, ms, problem.flops / ms / 1e9,
-                              peak, problem.min_gb if path != "dense" else _dense_min_gb(problem),
-                              note=note)
+                              made.peak_gb, made.min_gb, note=made.note)
     del timed
     points = [results[path] for path in args.paths]
     _attach_error(points, outputs)
@@ -324,9 +333,8 @@ def make_path(
     args: argparse.Namespace,
     device: torch.device,
     outputs: dict[str, torch.Tensor],
-) -> Point | tuple[Callable[[], Callable[[], object]], float | None, str]:
-    """A skipped Point, or (factory, peak GB, note) for a path that is ready to time:
-    `factory()` gives a fresh call with its own workspace. Here one such call compiles /
+) -> Point | ReadyPath:
+    """A skipped Point, or the path made ready to time. Here one call compiles /
     autotunes, keeps its output (on the CPU) for the error column, and takes the peak
     with only this path's buffers alive."""
     from moe.workspace import Workspace
@@ -337,9 +345,10 @@ def make_path(
     if isinstance(kernel, Exception):
         return replace(skipped, note=f"unavailable: {kernel}")
     if path == "dense":
-        dense = _dense_chain(problem)
+        dense, min_gb = _dense_chain(problem)
         dense()
-        return (lambda: dense), peak_gb(dense, device), "one expert's weights, same FLOPs"
+        return ReadyPath(lambda: dense, peak_gb(dense, device), min_gb,
+                         "one expert's weights, same FLOPs")
 
     def factory() -> Callable[[], torch.Tensor]:
         workspace = Workspace()  # per call site: its buffers count in the peak
@@ -353,7 +362,7 @@ def make_path(
 
     fn = factory()
     outputs[path] = fn().cpu()
-    return factory, peak_gb(fn, device), ""
+    return ReadyPath(factory, peak_gb(fn, device), problem.min_gb, "")
 
 
 def _failed(problem: Problem, path: str, exc: Exception, device: torch.device) -> Point:
@@ -364,30 +373,19 @@ def _failed(problem: Problem, path: str, exc: Exception, device: torch.device) -
                  note=f"failed: {type(exc).__name__}: {str(exc)[:120]}")
 
 
-def _dense_operands(problem: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[local rows, H] activations and one expert's two weights, transposed."""
+def _dense_chain(problem: Problem) -> tuple[Callable[[], torch.Tensor], float]:
+    """The same FLOPs as one dense GEMM chain on one expert's weights, and the GB it
+    needs at least ([local rows, H] activations, the two weights, both outputs)."""
     x, w13, w2 = problem.x_NH, problem.w13_EIH, problem.w2_EHI
-    top_k = problem.topk_ids_NK.shape[1]
+    top_k, inter, hidden = problem.topk_ids_NK.shape[1], w2.shape[2], x.shape[1]
     a = x.repeat_interleave(top_k, dim=0)[:problem.local_rows]
-    return a, w13[0].t(), w2[0].t()
-
-
-def _dense_chain(problem: Problem) -> Callable[[], torch.Tensor]:
-    """The same FLOPs as one dense GEMM chain on one expert's weights."""
-    a, w1_t, w2_t = _dense_operands(problem)
-    inter = w2_t.shape[0]
+    w1_t, w2_t = w13[0].t(), w2[0].t()
 
     def fn() -> torch.Tensor:
         return torch.matmul(torch.matmul(a, w1_t)[:, :inter], w2_t)
 
-    return fn
-
-
-def _dense_min_gb(problem: Problem) -> float:
-    a, w1_t, w2_t = _dense_operands(problem)
-    inter, hidden = w2_t.shape
     elems = a.numel() + w1_t.numel() + w2_t.numel() + a.shape[0] * (2 * inter + hidden)
-    return elems * a.element_size() / 1e9
+    return fn, elems * a.element_size() / 1e9
 
 
 def _attach_dense_share(points: list[Point]) -> list[Point]:
