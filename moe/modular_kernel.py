@@ -98,8 +98,12 @@ class ModularKernel:
 
     def _run_experts(self, dispatched: Dispatched, w13_EIH: Tensor, w2_EHI: Tensor,
                      workspace: Workspace) -> Tensor:
-        """Experts over the received rows, `expert_chunk_size` rows at a time."""
-        x_RH = dispatched.x_RH.contiguous()
+        """Experts over the received rows, `expert_chunk_size` rows at a time. The rows are
+        read in place, in the backend's packed buffer (a strided view; every expert
+        kernel takes a row stride), which spares a [R, H] copy per layer."""
+        x_RH = dispatched.x_RH
+        if x_RH.stride(-1) != 1:
+            x_RH = x_RH.contiguous()
         ids_RK, weights_RK = dispatched.topk_ids_RK, dispatched.topk_weights_RK
         num_rows, chunk = x_RH.shape[0], self.config.expert_chunk_size
         if num_rows <= chunk:

@@ -106,6 +106,20 @@ def test_backend_matches_reference_three_ranks(backend):
     assert_close_everywhere(run_distributed(3, check_backend, backend), 3)
 
 
+def check_backend_triton_rows(rank: int, world_size: int, backend: str) -> dict:
+    """`check_backend` with the packing and combine sums on their Triton kernels (the GPU
+    path; interpreted here)."""
+    from moe.kernels import rows
+
+    rows.IMPLEMENTATION = "triton"
+    return check_backend(rank, world_size, backend)
+
+
+@pytest.mark.parametrize("backend", ["a2a", "a2a_ll"])
+def test_backend_with_triton_row_kernels(backend):
+    assert_close_everywhere(run_distributed(2, check_backend_triton_rows, backend), 2)
+
+
 def naive_without_capacity(rank: int, world_size: int) -> float:
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
     layer = MoELayer(cfg, group=dist.group.WORLD, backend="naive", experts="reference")

@@ -7,7 +7,8 @@ Shape legend: T tokens here, H hidden, K top-k, W ranks, S rows this rank sends
 Each token goes once to every rank that holds at least one of its experts, carrying all
 K ids and weights; the receiver maps them to local ids (-1 for experts elsewhere), so the
 experts' weighted sum over k gives that rank's partial output, and the combine adds the
-partials back per token. The host needs the counts, so the dispatch starts the count
+partials back per token. Packing the send rows and that sum are one kernel each on the
+GPU (`moe.kernels.rows`). The host needs the counts, so the dispatch starts the count
 exchange on a side stream and communicator (`moe.backends.counts`), yields, and reads
 them only after the other ubatch has queued its compute.
 
@@ -40,18 +41,20 @@ from moe.backends.base import Dispatched, Pending, PrepareFinalize
 from moe.backends.counts import CountExchange
 from moe.backends.packing import RowLayout
 from moe.config import MoEConfig
+from moe.kernels.rows import pack_rows, sum_rows
 from moe.workspace import Workspace
 from streams.memory import record_on_current_stream
 
 
 @dataclass(frozen=True)
 class A2AHandle:
-    """What the combine needs: where each sent row came from, and the split sizes."""
+    """What the combine needs: the split sizes, and slot_TW, the row of the send order
+    that carried token t to rank w (-1 where it did not go): the combine's sum reads its
+    partials back from those rows."""
 
-    send_token_idx_S: Tensor
+    slot_TW: Tensor
     send_counts: tuple[int, ...]
     recv_counts: tuple[int, ...]
-    num_tokens: int
 
 
 def destination_mask(topk_ids_TK: Tensor, num_local_experts: int, world_size: int) -> Tensor:
@@ -83,10 +86,14 @@ class AllToAllBackend(PrepareFinalize):
         # that do not exist sort last and are never sent (only the first S rows go).
         key_WT = torch.where(mask_TW.t(), torch.arange(world, device=x_TH.device)[:, None],
                              world)
-        order_X = torch.sort(key_WT.reshape(-1), stable=True).indices
-        token_idx_X = order_X % max(num_tokens, 1)
-        rows_XB = layout.pack(x_TH[token_idx_X], topk_ids_TK[token_idx_X],
-                              topk_weights_TK[token_idx_X])
+        sorted_key_X, order_X = torch.sort(key_WT.reshape(-1), stable=True)
+        src_X = torch.where(sorted_key_X < world, order_X % max(num_tokens, 1), -1)
+        rows_XB = torch.empty(src_X.shape[0], layout.row_bytes, dtype=torch.uint8,
+                              device=x_TH.device)
+        pack_rows(rows_XB, layout, x_TH, topk_ids_TK, topk_weights_TK, src_X)
+        slot_X = torch.empty_like(order_X)
+        slot_X[order_X] = torch.arange(order_X.shape[0], device=x_TH.device)
+        slot_TW = torch.where(mask_TW, slot_X.view(world, num_tokens).t(), -1)
 
         # Start the count exchange now (side stream and communicator: it does not queue
         # behind data transfers); read it on the host only after the other ubatch has
@@ -111,7 +118,7 @@ class AllToAllBackend(PrepareFinalize):
         wait = dbo_switch_to_compute_async()
         if send_first:
             dbo_yield()
-        handle = A2AHandle(token_idx_X[:num_send], send_counts, recv_counts, num_tokens)
+        handle = A2AHandle(slot_TW, send_counts, recv_counts)
 
         def receiver() -> Dispatched:
             wait.wait(recv_RB)
@@ -135,9 +142,6 @@ class AllToAllBackend(PrepareFinalize):
 
         def receiver() -> Tensor:
             wait.wait(back_SH)
-            out_TH = torch.zeros(handle.num_tokens, hidden, dtype=torch.float32,
-                                 device=back_SH.device)
-            out_TH.index_add_(0, handle.send_token_idx_S, back_SH.float())
-            return out_TH.to(back_SH.dtype)
+            return sum_rows(back_SH, handle.slot_TW)
 
         return Pending(None, receiver)

@@ -5,7 +5,7 @@ One kernel serves both GEMMs of an expert MLP; constexpr flags pick the epilogue
     GEMM1 (GATED):             act[r]  = silu(x[r // K] @ gate_e^T) * (x[r // K] @ up_e^T)
     GEMM2 (MUL_ROUTED_WEIGHT): y[r]    = topk_weight[r] * (act[r] @ w2_e^T)
     then                       out[n]  = sum over k with id[n, k] >= 0 of y[n*K + k]
-                               (`ksum_kernel`, fp32 accumulation, k in order)
+                               (`sum_routed_rows`, fp32 accumulation, k in order)
 
 where r = n*K + k is a flat routed row and e = topk_ids[n, k]. Rows are visited in the
 expert-sorted, BLOCK_M-padded order p from `moe.kernels.align_triton`, so each program
@@ -43,6 +43,7 @@ import triton.language as tl
 from moe.experts.base import check_expert_inputs
 from moe.kernels.align import AlignedRouting
 from moe.kernels.align_triton import align_routing_triton
+from moe.kernels.rows_triton import launch_sum_rows
 from moe.workspace import Workspace, empty_from
 
 # Fixed tile for CPU tensors (the interpreter): autotuning there would take minutes.
@@ -280,35 +281,6 @@ def gather_rows_kernel(
     rows = tl.load(src, mask=valid[:, None] & h_mask, other=0.0)
     dst = dst_ptr + offs_r.to(tl.int64)[:, None] * stride_dst + offs_h[None, :]
     tl.store(dst, rows, mask=h_mask)
-
-
-@triton.jit
-def ksum_kernel(
-    y_ptr,  # [R, H]: GEMM2's weighted rows by flat routed id; rows of id -1 unwritten
-    ids_ptr,  # [R] expert ids (-1: routed elsewhere, skipped)
-    out_ptr,  # [N, H]
-    num_tokens,
-    H,
-    stride_y,
-    stride_out,
-    TOP_K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """out[n] = sum of y[n*K + k] over the k with ids[n*K + k] >= 0, in k order, in fp32."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    t_mask = offs_t < num_tokens
-    h_mask = offs_h[None, :] < H
-    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        rows = offs_t * TOP_K + k
-        used = tl.load(ids_ptr + rows, mask=t_mask, other=-1) >= 0
-        y = tl.load(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_h[None, :],
-                    mask=used[:, None] & h_mask, other=0.0)
-        acc += y.to(tl.float32)
-    out = out_ptr + offs_t.to(tl.int64)[:, None] * stride_out + offs_h[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & h_mask)
 
 
 # (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per regime. Few rows per block
@@ -582,22 +554,15 @@ def gemm_tiles(block_m: int, *, gated: bool, rows_per_expert: float) -> tuple[in
     return 128, True
 
 
-# Rows of ids routed elsewhere (-1): GEMM2 skips them and the k-sum (`ksum_kernel`) reads
+# Rows of ids routed elsewhere (-1): GEMM2 skips them and the k-sum (`sum_routed_rows`) reads
 # only the rows it wrote. False: GEMM2 writes zero rows there and torch sums all K rows
 # (the path before session 4, kept for comparison).
 SKIP_DROPPED_ROWS = True
-_KSUM_TOKENS = 4
-_KSUM_COLS = 1024
 
 
 def sum_routed_rows(y_RH: torch.Tensor, topk_ids_NK: torch.Tensor, out_NH: torch.Tensor) -> None:
     """out[n] = sum over the k with ids[n, k] >= 0 of y[n*K + k] (fp32, k in order)."""
-    num_tokens, top_k = topk_ids_NK.shape
-    hidden = out_NH.shape[1]
-    block_h = min(_KSUM_COLS, triton.next_power_of_2(hidden))
-    grid = (triton.cdiv(num_tokens, _KSUM_TOKENS), triton.cdiv(hidden, block_h))
-    ksum_kernel[grid](y_RH, topk_ids_NK.reshape(-1), out_NH, num_tokens, hidden, y_RH.stride(0),
-                      out_NH.stride(0), TOP_K=top_k, BLOCK_T=_KSUM_TOKENS, BLOCK_H=block_h)
+    launch_sum_rows(y_RH, topk_ids_NK, out_NH, sel_is_row=False)
 
 
 _GATHER_ROWS = 16  # divides every BLOCK_M (>= 16)

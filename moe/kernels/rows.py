@@ -1,0 +1,100 @@
+"""Token-row movers for the dispatch/combine backends and the expert k-sum.
+
+Shape legend: T tokens, W rows per token (ranks, or top-k), H hidden, X packed rows,
+B bytes per packed row (`moe.backends.packing.RowLayout`).
+
+    pack_rows(rows_XB, layout, x, ids, weights, src_X)
+        rows[s] = [ids[t] | weights[t] | x[t]]  for t = src[s] >= 0,
+                  [-1 ... | 0 ...      | 0 ...] for src[s] < 0 (a padding row)
+    sum_rows(rows_RH, sel_TW)
+        out[t]  = sum over w with sel[t, w] >= 0 of rows[sel[t, w]]   (a gather-sum)
+
+The expert k-sum (`moe.kernels.fused_moe.sum_routed_rows`) is the same kernel, reading
+row t*W + w where ids[t, w] >= 0 (`moe.kernels.rows_triton`).
+
+Sums accumulate in fp32, w in order, and round once to the rows' dtype. On CUDA each
+call is one Triton kernel that reads each source row once and writes each output row
+once. The torch versions (CPU, and the reference in tests) give the same results with a
+few torch ops. What the kernels replaced on the GPU, per layer at 4096 tokens on 2x H200
+(profiler trace, BENCHMARKS.md section 3, session 6): `a2a_ll`'s index_put_ of uint8 rows
+and a cumulative sum down a [T, W] column, 0.9 ms per dispatch; the combines' fp32
+index_add_ or gather, convert and sum, 0.6 ms (`a2a`) and 0.4 ms (`a2a_ll`).
+
+`IMPLEMENTATION` picks the path: "auto" (Triton for CUDA tensors, torch otherwise),
+"triton" (everywhere: on CPU only under TRITON_INTERPRET=1, for tests) or "torch".
+Triton is imported on first use, so importing this module never needs it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moe.backends.packing import RowLayout
+
+IMPLEMENTATION = "auto"
+_IMPLEMENTATIONS = ("auto", "triton", "torch")
+
+
+def pack_rows(rows_XB: Tensor, layout: RowLayout, x_TH: Tensor, topk_ids_TK: Tensor,
+              topk_weights_TK: Tensor, src_X: Tensor) -> None:
+    """Write token src[s]'s packed row into rows[s] (a padding row where src[s] < 0).
+
+    rows_XB: uint8 [X, B], rows 16-byte aligned; src_X: int64 [X], values < T (not
+    range-checked: that would sync); x_TH's last dim contiguous.
+    """
+    if rows_XB.shape[0] != src_X.shape[0]:
+        raise ValueError(f"pack_rows: {rows_XB.shape[0]} rows but {src_X.shape[0]} sources")
+    if rows_XB.shape[0] == 0:
+        return
+    ids_XK, weights_XK, x_XH = layout.unpack(rows_XB)
+    if x_TH.shape[0] == 0:  # nothing to pack: every row is padding
+        ids_XK.fill_(-1)
+        weights_XK.zero_()
+        x_XH.zero_()
+        return
+    if not _use_triton(rows_XB):
+        valid_X = src_X >= 0
+        token_X = src_X.clamp(min=0)
+        ids_XK.copy_(torch.where(valid_X[:, None], topk_ids_TK[token_X], -1))
+        weights_XK.copy_(topk_weights_TK[token_X] * valid_X[:, None])
+        x_XH.copy_(torch.where(valid_X[:, None], x_TH[token_X], 0))
+        return
+    _triton().launch_pack_rows(ids_XK, weights_XK, x_XH, x_TH, topk_ids_TK, topk_weights_TK,
+                               src_X)
+
+
+def sum_rows(rows_RH: Tensor, sel_TW: Tensor) -> Tensor:
+    """out[t] = sum over w with sel[t, w] >= 0 of rows[sel[t, w]]: fp32, w in order, then
+    rows' dtype; zeros where nothing is selected. sel_TW: int64 [T, W], values < R (not
+    range-checked); rows' last dim contiguous. Returns a fresh [T, H] tensor."""
+    num_tokens, width = sel_TW.shape
+    hidden = rows_RH.shape[1]
+    out_TH = torch.empty(num_tokens, hidden, dtype=rows_RH.dtype, device=rows_RH.device)
+    if num_tokens == 0:
+        return out_TH
+    if not _use_triton(rows_RH):
+        valid_TW = sel_TW >= 0
+        picked = rows_RH.index_select(0, sel_TW.clamp(min=0).reshape(-1))
+        picked = picked.view(num_tokens, width, hidden).float()
+        out_TH.copy_(torch.where(valid_TW[..., None], picked, 0.0).sum(dim=1))
+        return out_TH
+    _triton().launch_sum_rows(rows_RH, sel_TW, out_TH, sel_is_row=True)
+    return out_TH
+
+
+def _use_triton(t: Tensor) -> bool:
+    if IMPLEMENTATION not in _IMPLEMENTATIONS:
+        raise ValueError(f"moe.kernels.rows.IMPLEMENTATION={IMPLEMENTATION!r}: use one of "
+                         f"{_IMPLEMENTATIONS}")
+    if IMPLEMENTATION == "auto":
+        return t.device.type == "cuda"
+    return IMPLEMENTATION == "triton"
+
+
+def _triton() -> Any:
+    """The Triton kernels' module, imported on first use (TRITON_INTERPRET is read then)."""
+    from moe.kernels import rows_triton
+
+    return rows_triton
