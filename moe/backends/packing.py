@@ -46,11 +46,6 @@ class RowLayout:
         weights.copy_(topk_weights_NK)
         x.copy_(x_NH)
 
-    def pack(self, x_NH: Tensor, topk_ids_NK: Tensor, topk_weights_NK: Tensor) -> Tensor:
-        rows = torch.empty(x_NH.shape[0], self.row_bytes, dtype=torch.uint8, device=x_NH.device)
-        self.pack_into(rows, x_NH, topk_ids_NK, topk_weights_NK)
-        return rows
-
     def unpack(self, rows_NB: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Views (topk_ids_NK int64, topk_weights_NK float32, x_NH) into packed rows."""
         k, h = self.top_k, self.hidden_size

@@ -55,11 +55,11 @@ def pack_rows(rows_XB: Tensor, layout: RowLayout, x_TH: Tensor, topk_ids_TK: Ten
         x_XH.zero_()
         return
     if not _use_triton(rows_XB):
-        valid_X = src_X >= 0
+        valid_X1 = (src_X >= 0)[:, None]
         token_X = src_X.clamp(min=0)
-        ids_XK.copy_(torch.where(valid_X[:, None], topk_ids_TK[token_X], -1))
-        weights_XK.copy_(topk_weights_TK[token_X] * valid_X[:, None])
-        x_XH.copy_(torch.where(valid_X[:, None], x_TH[token_X], 0))
+        layout.pack_into(rows_XB, torch.where(valid_X1, x_TH[token_X], 0),
+                         torch.where(valid_X1, topk_ids_TK[token_X], -1),
+                         topk_weights_TK[token_X] * valid_X1)
         return
     _triton().launch_pack_rows(ids_XK, weights_XK, x_XH, x_TH, topk_ids_TK, topk_weights_TK,
                                src_X)
