@@ -190,7 +190,6 @@ def launches(point: Point, block_m: int, variants: list[str]) -> dict[str, Any]:
     routing = align_routing(point.topk_ids_NK, num_experts, block_m)
     max_rows = routing.sorted_ids_P.numel()
     act_PI = point.x_NH.new_empty(max_rows, inter)
-    weights_R = point.topk_weights_NK.reshape(-1)
     out: dict[str, Any] = {}
     for variant in variants:
         tma, a_x = variant != "ptr", point.x_NH
@@ -203,7 +202,7 @@ def launches(point: Point, block_m: int, variants: list[str]) -> dict[str, Any]:
             a_x, point.w13_EIH, act_PI, None, routing, n=inter, k=hidden, a_rows_div=top_k,
             a_sorted=variant == "sorted", tma=tma)
         out[f"gemm2:{'tma' if tma else 'ptr'}"] = kernel_launch(
-            act_PI, point.w2_EHI, point.y_RH, weights_R, routing, n=hidden, k=inter,
+            act_PI, point.w2_EHI, point.y_RH, point.topk_weights_NK, routing, n=hidden, k=inter,
             a_rows_div=1, a_sorted=True, tma=tma)
     return out
 

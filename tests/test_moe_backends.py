@@ -184,3 +184,20 @@ def test_transfers_alternate_between_ubatches(backend):
         # (a2a's count exchanges run on a side stream: noted as "... (counts)")
         transfers = [ubatch for name, ubatch in log if name == "all_to_all_single"]
         assert transfers == [0, 1, 0, 1] * 2, log
+
+
+def test_local_ids_maps_this_ranks_experts_and_keeps_minus_one():
+    """Rank 1 of 3 with 9 experts holds experts 3..5: they become 0..2, all else -1."""
+    from moe.backends.base import ExpertPlacement, PrepareFinalize
+
+    class Stub(PrepareFinalize):
+        name = "stub"
+        prepare_async = finalize_async = None
+
+    cfg = MoEConfig(num_experts=9, top_k=3, hidden_size=8, intermediate_size=8)
+    backend = Stub(cfg, None)
+    backend.placement = ExpertPlacement(rank=1, world_size=3, num_experts=9)
+    ids = torch.tensor([[0, 3, -1], [5, 4, 8], [-1, -1, -1], [2, 6, 3]])
+    expected = torch.tensor([[-1, 0, -1], [2, 1, -1], [-1, -1, -1], [-1, -1, 0]])
+    assert torch.equal(backend.local_ids(ids), expected)
+    assert torch.equal(backend.local_ids(ids[:0]), expected[:0])

@@ -449,6 +449,21 @@ def test_workspace_reuse() -> None:
     assert out_small.data_ptr() != out_big.data_ptr(), "outputs are fresh, never workspace"
 
 
+def test_strided_routing_weights_are_read_in_place() -> None:
+    """Weights as a strided view (as unpacked from a backend's packed rows) give the
+    contiguous weights' result exactly: GEMM2 reads them by row stride, no copy."""
+    from moe.kernels.fused_moe import fused_moe
+
+    x, w13, w2, ids, weights = make_problem(19, 24, 16, 6, 3, drop_frac=0.2, seed=3)
+    wide = torch.full((19, 11), float("nan"), device=DEVICE)  # NaN: a wrong column shows
+    wide[:, 2:5] = weights
+    strided = wide[:, 2:5]
+    assert not strided.is_contiguous()
+    out = fused_moe(x, w13, w2, ids, strided)
+    assert torch.equal(out, fused_moe(x, w13, w2, ids, weights))
+    assert torch.isfinite(out).all()
+
+
 def test_rejects_bad_inputs() -> None:
     x, w13, w2, ids, weights = make_problem(4, 16, 8, 2, 1)
     with pytest.raises(TypeError, match="dtype"):

@@ -106,3 +106,27 @@ def test_empty_from() -> None:
     a = empty_from(ws, "x", (3, 2), torch.bfloat16, CPU)
     b = empty_from(ws, "x", (3, 2), torch.bfloat16, CPU)
     assert a.data_ptr() == b.data_ptr()
+
+
+def test_repeated_request_returns_the_cached_view_until_the_buffer_grows() -> None:
+    ws = Workspace()
+    a = ws.get("x", (4, 8), torch.float32, CPU)
+    assert ws.get("x", (4, 8), torch.float32, CPU) is a  # the cached view object
+    assert ws.get("x", (8, 4), torch.float32, CPU) is not a  # another shape: another view
+    other = ws.get("y", (4, 8), torch.float32, CPU)
+    assert other.data_ptr() != a.data_ptr()
+    ws.get("x", (64, 64), torch.float32, CPU)  # grows: views of the old buffer are dropped
+    again = ws.get("x", (4, 8), torch.float32, CPU)
+    assert again is not a and again.data_ptr() != a.data_ptr()
+    assert ws.get("y", (4, 8), torch.float32, CPU) is other  # other names keep theirs
+    ws.clear()
+    fresh = ws.get("x", (4, 8), torch.float32, CPU)
+    assert fresh is not again and ws.num_allocations == 4
+
+
+def test_uncached_requests_still_work() -> None:
+    """A list shape or an unindexed device string skips the view cache, same result."""
+    ws = Workspace()
+    a = ws.get("x", [4, 8], torch.float32, "cpu")
+    b = ws.get("x", [4, 8], torch.float32, "cpu")
+    assert a is not b and a.data_ptr() == b.data_ptr() and b.shape == (4, 8)

@@ -106,12 +106,16 @@ class PrepareFinalize(ABC):
         return self.placement.world_size
 
     def local_ids(self, topk_ids_NK: Tensor) -> Tensor:
-        """Global ids -> local ids of this rank (-1 elsewhere); -1 stays -1."""
-        emap = self._expert_maps.get(topk_ids_NK.device)
-        if emap is None:
+        """Global ids -> local ids of this rank (-1 elsewhere); -1 stays -1. Ids must be in
+        [-1, E) (not checked: that would sync)."""
+        emap_E1 = self._expert_maps.get(topk_ids_NK.device)
+        if emap_E1 is None:
+            # [E + 1]: the last entry, -1, is where index -1 lands (tensor indexing counts
+            # negative indices from the end), so the map is one gather kernel.
             emap = self.placement.expert_map(topk_ids_NK.device)
-            self._expert_maps[topk_ids_NK.device] = emap
-        return torch.where(topk_ids_NK >= 0, emap[topk_ids_NK.clamp(min=0)], -1)
+            emap_E1 = torch.cat([emap, emap.new_full((1,), -1)])
+            self._expert_maps[topk_ids_NK.device] = emap_E1
+        return emap_E1[topk_ids_NK]
 
     def dispatched_from_rows(self, layout: RowLayout, rows_RB: Tensor, handle: Any) -> Dispatched:
         """Unpack received rows (views, no copy) and map their ids to this rank's."""

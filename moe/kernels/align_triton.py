@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from moe.kernels.align import AlignedRouting, check_align_args, max_padded_rows
+from moe.kernels.launch import FastLauncher
 from moe.workspace import Workspace, empty_from
 
 CHUNK = 1024  # rows per count/scatter program: one in-register sort of CHUNK keys
@@ -136,6 +137,12 @@ def align_scatter_kernel(
     tl.store(sorted_ids_ptr + dest, row, mask=seg_sorted < S_PAD - 1)
 
 
+# Launch through the compiled handles: three launches per ubatch and layer (moe.kernels.launch).
+_COUNT = FastLauncher(align_count_kernel)
+_SCAN = FastLauncher(align_scan_kernel)
+_SCATTER = FastLauncher(align_scatter_kernel)
+
+
 def align_routing_triton(
     topk_ids_NK: torch.Tensor,
     num_experts: int,
@@ -175,15 +182,15 @@ def align_routing_triton(
     counts_CS = empty_from(workspace, "triton.align.counts", (num_chunks, s_pad), torch.int32,
                            device)
     ids_R = topk_ids_NK.reshape(-1)
-    align_count_kernel[(num_chunks,)](ids_R, counts_CS, num_routed, num_experts,
-                                      S_PAD=s_pad, CHUNK=chunk)
-    align_scan_kernel[(1,)](
+    _COUNT((num_chunks,), ids_R, counts_CS, num_routed, num_experts, S_PAD=s_pad, CHUNK=chunk)
+    _SCAN(
+        (1,),
         counts_CS, sorted_ids_P, block_expert_ids_B, num_padded_rows,
         num_routed, num_experts, num_chunks, num_blocks,
         BLOCK_M=block_m, S_PAD=s_pad, FILL_COLS=min(_FILL_COLS, block_m),
         BLOCKS_PER_STEP=_BLOCKS_PER_STEP, num_warps=4,
     )
-    align_scatter_kernel[(num_chunks,)](ids_R, counts_CS, sorted_ids_P, num_routed,
-                                        num_experts, S_PAD=s_pad, CHUNK=chunk, num_warps=8)
+    _SCATTER((num_chunks,), ids_R, counts_CS, sorted_ids_P, num_routed, num_experts,
+             S_PAD=s_pad, CHUNK=chunk, num_warps=8)
     return AlignedRouting(sorted_ids_P, block_expert_ids_B, num_padded_rows, block_m,
                           num_routed)

@@ -43,6 +43,7 @@ import triton.language as tl
 from moe.experts.base import check_expert_inputs
 from moe.kernels.align import AlignedRouting
 from moe.kernels.align_triton import align_routing_triton
+from moe.kernels.launch import AutotunedLauncher, FastLauncher
 from moe.kernels.rows_triton import launch_sum_rows
 from moe.workspace import Workspace, empty_from
 
@@ -57,7 +58,7 @@ def fused_moe_kernel(
     a_ptr,  # A rows: x [N_tok, K] (gathered), or [P, K] in sorted row order (A_SORTED)
     b_ptr,  # expert weights [E, rows, K]: w13 [E, 2N, K] (GATED) or w2 [E, N, K]
     c_ptr,  # output: [R, N] by flat routed id, or [P, N] in sorted row order (C_SORTED)
-    topk_weights_ptr,  # float32 [R]; read only when MUL_ROUTED_WEIGHT
+    topk_weights_ptr,  # float32 [N_tok, K] (row stride stride_wn); MUL_ROUTED_WEIGHT only
     # Routing from moe.kernels.align
     sorted_ids_ptr,  # int32 [P]: flat routed id per row, `num_routed` = padding
     block_expert_ids_ptr,  # int32 [P // BLOCK_M]: expert per row block, -1 = dropped/idle
@@ -69,6 +70,7 @@ def fused_moe_kernel(
     max_padded_rows,  # P, the launch bound (a multiple of BLOCK_M)
     rows_bucket,  # next power of two of P: autotune key only (unused in the body)
     num_experts,  # E: the extent of B's descriptor (USE_TMA)
+    weights_top_k,  # K of the routing weights: routed id r is weight [r // K, r % K]
     # Strides
     stride_am,
     stride_ak,
@@ -77,6 +79,7 @@ def fused_moe_kernel(
     stride_bk,
     stride_cm,
     stride_cn,
+    stride_wn,  # routing weights' row stride (they may be a view into packed rows)
     # Epilogue / addressing switches
     A_ROWS_DIV: tl.constexpr,  # gathered A row = routed id // A_ROWS_DIV (top-k for x)
     A_SORTED: tl.constexpr,  # A row = sorted row (act, or x gathered by `gather_rows`)
@@ -154,15 +157,17 @@ def fused_moe_kernel(
     if half_used:
         _expert_tile(
             a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, row0, pid_n, expert,
-            N, K, num_routed, max_padded_rows, num_experts,
+            N, K, num_routed, max_padded_rows, num_experts, weights_top_k,
             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+            stride_wn,
             A_ROWS_DIV, A_SORTED, C_SORTED, USE_TMA, GATED, MUL_ROUTED_WEIGHT,
             BLOCK_M // 2, BLOCK_N, BLOCK_K, INPUT_PRECISION)
     else:
         _expert_tile(
             a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, row0, pid_n, expert,
-            N, K, num_routed, max_padded_rows, num_experts,
+            N, K, num_routed, max_padded_rows, num_experts, weights_top_k,
             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+            stride_wn,
             A_ROWS_DIV, A_SORTED, C_SORTED, USE_TMA, GATED, MUL_ROUTED_WEIGHT,
             BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION)
 
@@ -173,8 +178,8 @@ def _expert_tile(
     row0,  # first sorted row of the tile
     pid_n,  # column block of the output
     expert,  # int64, >= 0
-    N, K, num_routed, max_padded_rows, num_experts,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    N, K, num_routed, max_padded_rows, num_experts, weights_top_k,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_wn,
     A_ROWS_DIV: tl.constexpr,
     A_SORTED: tl.constexpr,
     C_SORTED: tl.constexpr,
@@ -249,7 +254,8 @@ def _expert_tile(
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_ROUTED_WEIGHT:
-        weight = tl.load(topk_weights_ptr + row_ids, mask=row_mask, other=0.0)
+        weight_offs = (row_ids // weights_top_k).to(tl.int64) * stride_wn + row_ids % weights_top_k
+        weight = tl.load(topk_weights_ptr + weight_offs, mask=row_mask, other=0.0)
         acc = acc * weight[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
@@ -377,6 +383,13 @@ def _tuned_kernel() -> Any:
     )(fused_moe_kernel)
 
 
+@functools.cache
+def _tuned_launcher() -> AutotunedLauncher:
+    """Launches `_tuned_kernel`'s pick for a key without the autotuner's per-call work
+    (`moe.kernels.launch`)."""
+    return AutotunedLauncher(_tuned_kernel())
+
+
 def tuned_configs() -> dict[str, str]:
     """The autotuner's picks so far: tuning key (N, K, BLOCK_M, GATED, dtypes) -> config."""
     return {str(key): str(config) for key, config in _tuned_kernel().cache.items()}
@@ -394,6 +407,11 @@ def choose_block_m(num_routed: int, num_experts: int) -> int:
     return 128
 
 
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def tma_unsupported_reason(*tensors: torch.Tensor) -> str | None:
     """None when tensor-descriptor (TMA) loads can read these operands, else why not.
 
@@ -403,7 +421,7 @@ def tma_unsupported_reason(*tensors: torch.Tensor) -> str | None:
     """
     device = tensors[0].device
     if device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
+        capability = _capability(device.index)
         if capability < (9, 0):
             return f"TMA needs compute capability 9.0 or newer, {device} has {capability}"
     for t in tensors:
@@ -480,7 +498,6 @@ def fused_moe(
     routing = align_routing_triton(topk_ids_NK, num_experts, block_m, workspace=workspace)
     max_rows = routing.sorted_ids_P.numel()
     act_PI = empty_from(workspace, "triton.act", (max_rows, inter), dtype, device)
-    weights_R = topk_weights_NK.reshape(-1)
 
     a_x = x_NH
     if sorted_x:
@@ -496,7 +513,7 @@ def fused_moe(
     _launch(kernel_launch(a_x, w13_EIH, act_PI, None, routing, n=inter, k=hidden,
                           a_rows_div=top_k, a_sorted=sorted_x, tma=tma1,
                           tile_m=tile1, half_tail=half1))
-    _launch(kernel_launch(act_PI, w2_EHI, y_RH, weights_R, routing, n=hidden, k=inter,
+    _launch(kernel_launch(act_PI, w2_EHI, y_RH, topk_weights_NK, routing, n=hidden, k=inter,
                           a_rows_div=1, a_sorted=True, tma=tma2, tile_m=tile2, half_tail=half2))
 
     out_NH = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
@@ -565,6 +582,7 @@ def sum_routed_rows(y_RH: torch.Tensor, topk_ids_NK: torch.Tensor, out_NH: torch
     launch_sum_rows(y_RH, topk_ids_NK, out_NH, sel_is_row=False)
 
 
+_GATHER = FastLauncher(gather_rows_kernel)
 _GATHER_ROWS = 16  # divides every BLOCK_M (>= 16)
 _GATHER_COLS = 512
 
@@ -574,7 +592,8 @@ def gather_rows(src_NH: torch.Tensor, dst_PH: torch.Tensor, routing: AlignedRout
     """dst[p] = src[sorted_ids[p] // rows_div] for the used rows; zeros for padding rows."""
     hidden = src_NH.shape[1]
     grid = (dst_PH.shape[0] // _GATHER_ROWS, triton.cdiv(hidden, _GATHER_COLS))
-    gather_rows_kernel[grid](
+    _GATHER(
+        grid,
         src_NH, dst_PH, routing.sorted_ids_P, routing.num_padded_rows, routing.num_routed,
         hidden, src_NH.stride(0), dst_PH.stride(0),
         ROWS_DIV=rows_div, BLOCK_R=_GATHER_ROWS, BLOCK_H=_GATHER_COLS,
@@ -590,16 +609,24 @@ class KernelLaunch:
     flags: dict[str, Any]
     max_rows: int
     n: int
+    k: int
 
     def grid(self, block_n: int) -> tuple[int]:
         return (triton.cdiv(self.max_rows, self.flags["BLOCK_M"]) * triton.cdiv(self.n, block_n),)
+
+    def tune_key(self) -> tuple[Any, ...]:
+        """Determines the autotuner's key (`_tuned_kernel`): the flags, the GEMM's sizes,
+        the row count (finer than its power-of-two bucket) and the operands' dtypes."""
+        a, b, c = self.args[:3]
+        return (tuple(self.flags.values()), self.n, self.k, self.max_rows, a.dtype, b.dtype,
+                c.dtype)
 
 
 def kernel_launch(
     a: torch.Tensor,
     b: torch.Tensor,
     c: torch.Tensor,
-    weights_R: torch.Tensor | None,
+    weights_NK: torch.Tensor | None,
     routing: AlignedRouting,
     *,
     n: int,
@@ -610,8 +637,9 @@ def kernel_launch(
     tile_m: int | None = None,
     half_tail: bool = False,
 ) -> KernelLaunch:
-    """The launch of one GEMM of the pair: GEMM1 (gated, `weights_R` None, writes the
-    sorted [P, N] activation) or GEMM2 (weighted by `weights_R`, writes rows by routed
+    """The launch of one GEMM of the pair: GEMM1 (gated, `weights_NK` None, writes the
+    sorted [P, N] activation) or GEMM2 (weighted by `weights_NK`, float32 [N, K] with a
+    unit last stride, maybe a view into packed rows; writes rows by routed
     id; zero rows for dropped ids unless SKIP_DROPPED_ROWS). `a_sorted`: A is [P, K] in
     the sorted row order.
     `tile_m`: rows per tile, dividing the routing's block (None: the block);
@@ -621,14 +649,17 @@ def kernel_launch(
         raise ValueError(f"tile_m={tile_m}, half_tail={half_tail}: tiles must divide the "
                          f"routing's {routing.block_m}-row blocks, and half tiles need >= 32 rows")
     max_rows = routing.sorted_ids_P.numel()
-    final = weights_R is not None
+    final = weights_NK is not None
+    if final and weights_NK.stride(1) != 1:
+        weights_NK = weights_NK.contiguous()
     ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     args = (
-        a, b, c, weights_R if final else c,  # the pointer is unused when not final
+        a, b, c, weights_NK if final else c,  # the pointer is unused when not final
         routing.sorted_ids_P, routing.block_expert_ids_B, routing.num_padded_rows,
         n, k, routing.num_routed, max_rows, triton.next_power_of_2(max(max_rows, 1)),
-        b.shape[0],
+        b.shape[0], weights_NK.shape[1] if final else 1,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        weights_NK.stride(0) if final else 1,
     )
     flags = {
         "A_ROWS_DIV": a_rows_div,
@@ -644,7 +675,7 @@ def kernel_launch(
         # Follow torch's matmul: exact fp32 unless the user allowed TF32 (16-bit: unused).
         "INPUT_PRECISION": "ieee" if ieee else "tf32",
     }
-    return KernelLaunch(args=args, flags=flags, max_rows=max_rows, n=n)
+    return KernelLaunch(args=args, flags=flags, max_rows=max_rows, n=n, k=k)
 
 
 def _launch(launch: KernelLaunch) -> None:
@@ -656,7 +687,8 @@ def _launch(launch: KernelLaunch) -> None:
     if launch.flags["USE_TMA"]:
         # A context variable: every thread and greenlet (each DBO ubatch) has its own.
         triton.set_allocator(_tma_scratch)
-    _tuned_kernel()[lambda meta: launch.grid(meta["BLOCK_N"])](*launch.args, **launch.flags)
+    _tuned_launcher()(launch.tune_key(), lambda meta: launch.grid(meta["BLOCK_N"]),
+                      *launch.args, **launch.flags)
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe.kernels.launch import FastLauncher
+
 _BLOCK_ROWS = 4  # rows per program
 _BLOCK_COLS = 1024  # hidden columns per program
 
@@ -95,6 +97,10 @@ def sum_rows_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & h_mask)
 
 
+_PACK = FastLauncher(pack_rows_kernel)
+_SUM = FastLauncher(sum_rows_kernel)
+
+
 def launch_pack_rows(dst_ids_XK: torch.Tensor, dst_weights_XK: torch.Tensor,
                      dst_x_XH: torch.Tensor, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
                      topk_weights_TK: torch.Tensor, src_X: torch.Tensor) -> None:
@@ -103,7 +109,8 @@ def launch_pack_rows(dst_ids_XK: torch.Tensor, dst_weights_XK: torch.Tensor,
     top_k = dst_ids_XK.shape[1]
     block_h = min(_BLOCK_COLS, triton.next_power_of_2(hidden))
     grid = (triton.cdiv(num_rows, _BLOCK_ROWS), triton.cdiv(hidden, block_h))
-    pack_rows_kernel[grid](
+    _PACK(
+        grid,
         src_X.contiguous(), x_TH, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(),
         dst_ids_XK, dst_weights_XK, dst_x_XH, num_rows, hidden, x_TH.stride(0),
         dst_ids_XK.stride(0), dst_weights_XK.stride(0), dst_x_XH.stride(0),
@@ -119,7 +126,8 @@ def launch_sum_rows(rows_RH: torch.Tensor, sel_TW: torch.Tensor, out_TH: torch.T
     hidden = out_TH.shape[1]
     block_h = min(_BLOCK_COLS, triton.next_power_of_2(hidden))
     grid = (triton.cdiv(num_tokens, _BLOCK_ROWS), triton.cdiv(hidden, block_h))
-    sum_rows_kernel[grid](
+    _SUM(
+        grid,
         rows_RH, sel_TW.contiguous(), out_TH, num_tokens, hidden, rows_RH.stride(0),
         out_TH.stride(0), WIDTH=width, SEL_IS_ROW=sel_is_row,
         BLOCK_T=_BLOCK_ROWS, BLOCK_H=block_h,

@@ -1,0 +1,135 @@
+"""Host (CPU) time of the Triton expert path per call: what a DBO step waits for where
+the GPU has run out of queued work.
+
+    python -m moe.bench_host                                  # ds-e32, one of 2 EP ranks, 2048 tokens
+    python -m moe.bench_host --shape qwen-e128 --tokens 256 --ep-ranks 1
+    TRITON_INTERPRET=1 python -m moe.bench_host --device cpu --shape tiny --tokens 16 --reps 3
+                                                              # CPU smoke run
+
+For one routed input (`moe.bench_experts.random_tokens`: T tokens received by one rank of
+`--ep-ranks`), the wall time from call to return of each step, with the GPU idle before
+every call (a synchronize, outside the timed span) so that no launch waits for a full
+queue: `fused_moe` whole, the align step (three launches), one GEMM launch, and the
+k-sum launch, each with the compiled-handle launches of `moe.kernels.launch` on ("fast")
+and off ("triton", Triton's own `kernel[grid](...)` and autotuner). Medians over `--reps`
+calls after a warmup that compiles and autotunes. Progress on stderr, a table on stdout,
+then one JSON line. Without CUDA it exits 2 (unless --device cpu).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from moe.bench_experts import SHAPES, random_tokens, random_weights
+
+STEPS = ("fused_moe", "align", "gemm2_launch", "ksum_launch")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m moe.bench_host", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="ds-e32", choices=sorted(SHAPES),
+                        help="expert shape of moe.bench_experts (default ds-e32)")
+    parser.add_argument("--tokens", type=int, default=2048,
+                        help="tokens this rank received (default 2048: one DBO ubatch of 4096)")
+    parser.add_argument("--ep-ranks", type=int, default=2,
+                        help="EP ranks: ids of the other ranks' experts are -1 (default 2)")
+    parser.add_argument("--reps", type=int, default=50, help="timed calls per step (default 50)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.tokens < 1 or args.reps < 1 or args.ep_ranks < 1:
+        parser.error("--tokens, --reps and --ep-ranks must be >= 1")
+    return args
+
+
+def host_us(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median host microseconds of `fn`, the device idle before each call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 1e6 * statistics.median(times)
+
+
+def measure(args: argparse.Namespace, device: torch.device) -> dict[str, dict[str, float]]:
+    """{"fast" | "triton": {step: median us}}."""
+    from moe.kernels import fused_moe as fm
+    from moe.kernels import launch
+    from moe.kernels.align_triton import align_routing_triton
+    from moe.workspace import Workspace
+
+    _, inter, top_k, num_experts = SHAPES[args.shape]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    w13, w2 = random_weights(args.shape, dtype, gen)
+    x, weights, ids = random_tokens(args.shape, args.tokens, dtype, gen, args.ep_ranks)
+    ws = Workspace()
+    fm.fused_moe(x, w13, w2, ids, weights, workspace=ws)  # compile and autotune
+    block_m = fm.choose_block_m(ids.numel(), num_experts)
+    routing = align_routing_triton(ids, num_experts, block_m, workspace=ws)
+    max_rows = routing.sorted_ids_P.numel()
+    act = torch.zeros(max_rows, inter, dtype=dtype, device=device)
+    y = torch.empty(ids.numel(), x.shape[1], dtype=dtype, device=device)
+    out = torch.empty_like(x)
+    tile, half = fm.gemm_tiles(block_m, gated=False, rows_per_expert=ids.numel() / num_experts)
+    tma = device.type == "cuda" and fm.tma_unsupported_reason(w13, w2, x) is None
+    gemm2 = fm.kernel_launch(act, w2, y, weights, routing, n=x.shape[1], k=inter,
+                             a_rows_div=1, a_sorted=True, tma=tma and fm.prefer_tma(inter),
+                             tile_m=tile, half_tail=half)
+    steps: dict[str, Callable[[], object]] = {
+        "fused_moe": lambda: fm.fused_moe(x, w13, w2, ids, weights, workspace=ws),
+        "align": lambda: align_routing_triton(ids, num_experts, block_m, workspace=ws),
+        "gemm2_launch": lambda: fm._launch(gemm2),
+        "ksum_launch": lambda: fm.sum_routed_rows(y, ids, out),
+    }
+    results: dict[str, dict[str, float]] = {}
+    enabled = launch.ENABLED
+    try:
+        for mode in ("fast", "triton"):
+            launch.ENABLED = mode == "fast"
+            results[mode] = {}
+            for step in STEPS:
+                results[mode][step] = host_us(steps[step], device, args.reps)
+                print(f"{mode:6s} {step:13s} {results[mode][step]:8.1f} us", file=sys.stderr,
+                      flush=True)
+    finally:
+        launch.ENABLED = enabled
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("moe.bench_host: no CUDA device (use --device cpu under TRITON_INTERPRET=1 "
+              "for a smoke run)", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    results = measure(args, device)
+    print(f"host time per call, {args.shape}, T={args.tokens} received of {args.ep_ranks} "
+          f"EP ranks, median of {args.reps} (us)")
+    print(f"{'step':14s} {'fast':>9s} {'triton':>9s} {'saved':>9s}")
+    for step in STEPS:
+        fast, slow = results["fast"][step], results["triton"][step]
+        print(f"{step:14s} {fast:9.1f} {slow:9.1f} {slow - fast:9.1f}")
+    print(json.dumps({"shape": args.shape, "tokens": args.tokens, "ep_ranks": args.ep_ranks,
+                      "reps": args.reps, "device": torch.cuda.get_device_name(device)
+                      if device.type == "cuda" else "cpu", "host_us": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Launch Triton kernels through their compiled handles, skipping most of the per-call
+Python work of `kernel[grid](...)`.
+
+Host time per launch on Triton 3.6 (2x H200 machine, BENCHMARKS.md section 3, session 7):
+`fused_moe_kernel` (33 arguments) costs ~38 us through `kernel[grid](...)` and ~57 us
+through `triton.autotune`, of which ~8 us bind and specialize the arguments and ~14 us
+are the launch itself. The rest (option parsing, building a string cache key,
+checking globals, launch metadata, the autotuner's key and dicts) repeats identical work
+on every call. In a DBO step that host time is on the critical path: the GPU waits for
+the host where one ubatch's experts start.
+
+`FastLauncher(kernel)(grid, *args, **kwargs)` binds the arguments with Triton's own
+binder (so the specialization — dtypes, 16-byte alignment, integers equal to 1 or
+divisible by 16, constexpr values — is exactly Triton's), keys its own cache on that
+specialization, and launches the compiled kernel found there. The first call for a
+specialization goes through `kernel[grid](...)`, which compiles (or finds) the kernel
+and launches it. `AutotunedLauncher` keeps the autotuner's pick per tuning key and
+launches it the same way; a key it has not seen goes through the autotuner once.
+
+The plain `kernel[grid](...)` path is used instead where the fast one cannot stand in:
+on CPU tensors (the interpreter), when a Triton launch hook is installed (a profiler
+such as Proton), and when `ENABLED` is False (benchmarks compare the two).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+
+ENABLED = True
+
+Grid = Sequence[int]
+
+
+class FastLauncher:
+    """Launches one `@triton.jit` kernel; see the module doc.
+
+    Args:
+        kernel: the `triton.jit` function (not an autotuner).
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._compiled: dict[Hashable, Any] = {}
+
+    def __call__(self, grid: Grid, *args: Any, **kwargs: Any) -> None:
+        """`kernel[grid](*args, **kwargs)` on the current stream."""
+        if not _fast_path_allowed(args):
+            self.kernel[grid](*args, **kwargs)
+            return
+        device = torch.cuda.current_device()
+        binder = self.kernel.device_caches[device][4]
+        bound, specialization, options = binder(*args, **kwargs)
+        key = (device, tuple(specialization), tuple(options.items()))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            self._compiled[key] = compiled
+            return
+        grid = tuple(grid) + (1, 1)
+        stream = _current_stream(device)
+        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
+                     compiled.packed_metadata, None, None, None, *bound.values())
+
+    @property
+    def num_compiled(self) -> int:
+        """Specializations launched so far through the compiled-handle cache."""
+        return len(self._compiled)
+
+
+class AutotunedLauncher:
+    """Launches a `triton.autotune`d kernel with the config the autotuner picked for the
+    caller's tuning key (`tune_key`, which must determine the autotuner's own key).
+
+    Args:
+        autotuner: the `triton.autotune(...)(kernel)` object.
+    """
+
+    def __init__(self, autotuner: Any) -> None:
+        self.autotuner = autotuner
+        self.launcher = FastLauncher(autotuner.fn)
+        self._configs: dict[Hashable, Any] = {}
+
+    def __call__(self, tune_key: Hashable, grid: Callable[[dict[str, Any]], Grid], *args: Any,
+                 **kwargs: Any) -> None:
+        """Launch with the tuned config; `grid(meta)` maps the config's kwargs to a grid."""
+        config = self._configs.get(tune_key)
+        if config is None or not _fast_path_allowed(args):
+            self.autotuner[grid](*args, **kwargs)
+            if _fast_path_allowed(args):
+                self._configs[tune_key] = self.autotuner.best_config
+            return
+        meta = config.all_kwargs()
+        self.launcher(grid(meta), *args, **kwargs, **meta)
+
+    def configs(self) -> dict[str, str]:
+        """tuning key -> the config launched for it."""
+        return {str(key): str(config) for key, config in self._configs.items()}
+
+
+def _fast_path_allowed(args: Sequence[Any]) -> bool:
+    if not ENABLED:
+        return False
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is None or not _is_cuda(first):
+        return False
+    return _unhooked(knobs.runtime.launch_enter_hook) and _unhooked(knobs.runtime.launch_exit_hook)
+
+
+def _unhooked(hook: Any) -> bool:
+    """No launch hook installed: None, or an empty `HookChain` (Triton >= 3.5 keeps one)."""
+    return hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls)
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _current_stream(device: int) -> int:
+    return driver.active.get_current_stream(device)
