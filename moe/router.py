@@ -17,8 +17,20 @@ The maths, all in float32 whatever the logits dtype (``s`` = scores, ``b`` = cor
 
 A ``custom_routing_function`` replaces steps 1-5; its output is checked for shape and
 converted to float32 weights / int64 ids; step 6 still applies.
+
+On CUDA the built-in routing (steps 1-6) is one Triton kernel (`moe.kernels.route_triton`);
+the torch version (CPU, custom routing, and the reference in tests) takes about twenty
+ops, each a ~7 us launch on the host, which is on the critical path of the DBO schedule.
+Both pick the same experts; on exact ties the kernel takes the lower expert id first,
+where the torch version leaves the order to ``torch.topk``.
+
+`IMPLEMENTATION` picks the path for the built-in routing: "auto" (Triton for CUDA logits,
+torch otherwise), "triton" (everywhere: on CPU only under TRITON_INTERPRET=1, for tests)
+or "torch". Triton is imported on first use, so importing this module never needs it.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,6 +38,9 @@ from torch import Tensor
 from moe.config import MoEConfig
 
 __all__ = ["route"]
+
+IMPLEMENTATION = "auto"
+_IMPLEMENTATIONS = ("auto", "triton", "torch")
 
 
 def route(
@@ -45,6 +60,8 @@ def route(
     """
     _check_logits(logits_TE, config)
     bias_E = _check_bias(correction_bias_E, config, logits_TE)
+    if _use_triton(logits_TE) and config.custom_routing_function is None:
+        return _triton().launch_route(logits_TE, config, bias_E)  # step 6 included
     logits_TE = logits_TE.float()
     if config.custom_routing_function is not None:
         weights_TK, ids_TK = _custom_route(logits_TE, config)
@@ -120,6 +137,22 @@ def _custom_route(logits_TE: Tensor, config: MoEConfig) -> tuple[Tensor, Tensor]
         )
     # Value ranges are not checked: that would cost a host sync on every call.
     return weights_TK.float(), ids_TK.long()
+
+
+def _use_triton(logits_TE: Tensor) -> bool:
+    if IMPLEMENTATION not in _IMPLEMENTATIONS:
+        raise ValueError(f"moe.router.IMPLEMENTATION={IMPLEMENTATION!r}: use one of "
+                         f"{_IMPLEMENTATIONS}")
+    if IMPLEMENTATION == "auto":
+        return logits_TE.device.type == "cuda"
+    return IMPLEMENTATION == "triton"
+
+
+def _triton() -> Any:
+    """The Triton kernel's module, imported on first use (TRITON_INTERPRET is read then)."""
+    from moe.kernels import route_triton
+
+    return route_triton
 
 
 def _check_logits(logits_TE: Tensor, config: MoEConfig) -> None:
