@@ -107,11 +107,12 @@ def test_backend_matches_reference_three_ranks(backend):
 
 
 def check_backend_triton_rows(rank: int, world_size: int, backend: str) -> dict:
-    """`check_backend` with the packing and combine sums on their Triton kernels (the GPU
-    path; interpreted here)."""
-    from moe.kernels import rows
+    """`check_backend` with the packing, the combine sums and `a2a_ll`'s slot layout on
+    their Triton kernels (the GPU path; interpreted here)."""
+    from moe.kernels import rows, slots
 
     rows.IMPLEMENTATION = "triton"
+    slots.IMPLEMENTATION = "triton"
     return check_backend(rank, world_size, backend)
 
 

@@ -9,8 +9,9 @@ dispatch never blocks the CPU and is CUDA-graph friendly. Token t's row for rank
 to slot position pos[t, w] = (number of earlier tokens also bound for w); unused slot
 rows are padding (ids -1, zero x) and route to no expert. The receiver sees [W*C] rows,
 the source rank's slot in order; the combine sends each row's partial output back to the
-same slot position and the source sums a token's rows over ranks. Packing and that sum
-are one kernel each on the GPU (`moe.kernels.rows`).
+same slot position and the source sums a token's rows over ranks. The slot layout, the
+packing and that sum are one kernel each on the GPU (`moe.kernels.slots`,
+`moe.kernels.rows`).
 
 More tokens than the capacity is an error naming the capacity: a token is never dropped.
 
@@ -33,12 +34,12 @@ from torch import Tensor
 
 from dbo.failures import note_collective
 from dbo.yield_points import dbo_switch_to_comm_sync, dbo_switch_to_compute_async, dbo_yield
-from moe.backends.a2a import destination_mask
 from moe.backends.base import Dispatched, Pending, PrepareFinalize
 from moe.backends.naive import check_capacity
 from moe.backends.packing import RowLayout
 from moe.config import MoEConfig
 from moe.kernels.rows import pack_rows, sum_rows
+from moe.kernels.slots import ll_slots
 from moe.workspace import Workspace
 from streams.memory import record_on_current_stream
 
@@ -69,21 +70,11 @@ class AllToAllLLBackend(PrepareFinalize):
         check_capacity(num_tokens, cap, self.name)
         device = x_TH.device
         layout = RowLayout(x_TH.shape[1], topk_ids_TK.shape[1], x_TH.dtype)
-        mask_TW = destination_mask(topk_ids_TK, self.placement.num_local_experts, world)
-        # Position among the earlier tokens bound for the same rank: a scan along T of the
-        # [W, T] transpose (down a [T, W] column it runs as a serial scan, ~0.4 ms).
-        mask_WT = mask_TW.t().contiguous()
-        pos_WT = torch.cumsum(mask_WT, dim=1, dtype=torch.int32) - 1
-        base_W1 = torch.arange(world, device=device)[:, None] * cap
-        slot_TW = torch.where(mask_WT, base_W1 + pos_WT, -1).t().contiguous()
-        # The token of every slot row (-1: padding); pairs that do not exist write a dump
-        # entry past the end.
-        src_X = torch.full((world * cap + 1,), -1, dtype=torch.int64, device=device)
-        tokens_TW = torch.arange(num_tokens, device=device)[:, None].expand(num_tokens, world)
-        src_X.index_put_((torch.where(mask_TW, slot_TW, world * cap),), tokens_TW)
+        slot_TW, src_X = ll_slots(topk_ids_TK, num_local_experts=self.placement.num_local_experts,
+                                  world_size=world, capacity=cap, workspace=workspace)
         send_XB = workspace.get("a2a_ll.send", (world * cap, layout.row_bytes), torch.uint8,
                                 device)
-        pack_rows(send_XB, layout, x_TH, topk_ids_TK, topk_weights_TK, src_X[:world * cap])
+        pack_rows(send_XB, layout, x_TH, topk_ids_TK, topk_weights_TK, src_X)
         recv_RB = workspace.get("a2a_ll.recv", (world * cap, layout.row_bytes),
                                 torch.uint8, device)
 
