@@ -30,17 +30,15 @@ or "torch". Triton is imported on first use, so importing this module never need
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from moe.config import MoEConfig
+from moe.kernels.implementation import triton_module, use_triton
 
 __all__ = ["route"]
 
-IMPLEMENTATION = "auto"
-_IMPLEMENTATIONS = ("auto", "triton", "torch")
+IMPLEMENTATION = "auto"  # see moe.kernels.implementation
 
 
 def route(
@@ -61,7 +59,8 @@ def route(
     _check_logits(logits_TE, config)
     bias_E = _check_bias(correction_bias_E, config, logits_TE)
     if _use_triton(logits_TE) and config.custom_routing_function is None:
-        return _triton().launch_route(logits_TE, config, bias_E)  # step 6 included
+        route_triton = triton_module("moe.kernels.route_triton")
+        return route_triton.launch_route(logits_TE, config, bias_E)  # step 6 included
     logits_TE = logits_TE.float()
     if config.custom_routing_function is not None:
         weights_TK, ids_TK = _custom_route(logits_TE, config)
@@ -140,19 +139,7 @@ def _custom_route(logits_TE: Tensor, config: MoEConfig) -> tuple[Tensor, Tensor]
 
 
 def _use_triton(logits_TE: Tensor) -> bool:
-    if IMPLEMENTATION not in _IMPLEMENTATIONS:
-        raise ValueError(f"moe.router.IMPLEMENTATION={IMPLEMENTATION!r}: use one of "
-                         f"{_IMPLEMENTATIONS}")
-    if IMPLEMENTATION == "auto":
-        return logits_TE.device.type == "cuda"
-    return IMPLEMENTATION == "triton"
-
-
-def _triton() -> Any:
-    """The Triton kernel's module, imported on first use (TRITON_INTERPRET is read then)."""
-    from moe.kernels import route_triton
-
-    return route_triton
+    return use_triton(IMPLEMENTATION, "moe.router", logits_TE)
 
 
 def _check_logits(logits_TE: Tensor, config: MoEConfig) -> None:

@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 
 from moe.backends.packing import RowLayout
+from moe.kernels.implementation import triton_module, use_triton
 
-IMPLEMENTATION = "auto"
-_IMPLEMENTATIONS = ("auto", "triton", "torch")
+IMPLEMENTATION = "auto"  # see moe.kernels.implementation
 
 
 def pack_rows(rows_XB: Tensor, layout: RowLayout, x_TH: Tensor, topk_ids_TK: Tensor,
@@ -85,16 +85,8 @@ def sum_rows(rows_RH: Tensor, sel_TW: Tensor) -> Tensor:
 
 
 def _use_triton(t: Tensor) -> bool:
-    if IMPLEMENTATION not in _IMPLEMENTATIONS:
-        raise ValueError(f"moe.kernels.rows.IMPLEMENTATION={IMPLEMENTATION!r}: use one of "
-                         f"{_IMPLEMENTATIONS}")
-    if IMPLEMENTATION == "auto":
-        return t.device.type == "cuda"
-    return IMPLEMENTATION == "triton"
+    return use_triton(IMPLEMENTATION, "moe.kernels.rows", t)
 
 
 def _triton() -> Any:
-    """The Triton kernels' module, imported on first use (TRITON_INTERPRET is read then)."""
-    from moe.kernels import rows_triton
-
-    return rows_triton
+    return triton_module("moe.kernels.rows_triton")

@@ -28,10 +28,10 @@ import torch
 from torch import Tensor
 
 from moe.backends.a2a import destination_mask
+from moe.kernels.implementation import triton_module, use_triton
 from moe.workspace import Workspace, empty_from
 
-IMPLEMENTATION = "auto"
-_IMPLEMENTATIONS = ("auto", "triton", "torch")
+IMPLEMENTATION = "auto"  # see moe.kernels.implementation
 TRITON_MAX_WORLD_SIZE = 64  # the kernel keeps a token's ranks as the bits of an int64
 
 
@@ -73,20 +73,15 @@ def ll_slots(topk_ids_TK: Tensor, *, num_local_experts: int, world_size: int, ca
 
 
 def _use_triton(t: Tensor, world_size: int) -> bool:
-    if IMPLEMENTATION not in _IMPLEMENTATIONS:
-        raise ValueError(f"moe.kernels.slots.IMPLEMENTATION={IMPLEMENTATION!r}: use one of "
-                         f"{_IMPLEMENTATIONS}")
-    if IMPLEMENTATION == "auto":
-        return t.device.type == "cuda" and world_size <= TRITON_MAX_WORLD_SIZE
-    if IMPLEMENTATION == "triton" and world_size > TRITON_MAX_WORLD_SIZE:
+    triton = use_triton(IMPLEMENTATION, "moe.kernels.slots", t)
+    if world_size <= TRITON_MAX_WORLD_SIZE:
+        return triton
+    if IMPLEMENTATION == "triton":
         raise ValueError(f"moe.kernels.slots: the Triton kernel takes at most "
                          f"{TRITON_MAX_WORLD_SIZE} ranks, got {world_size}: use "
                          f"IMPLEMENTATION='auto' or 'torch'")
-    return IMPLEMENTATION == "triton"
+    return False
 
 
 def _triton() -> Any:
-    """The Triton kernel's module, imported on first use (TRITON_INTERPRET is read then)."""
-    from moe.kernels import slots_triton
-
-    return slots_triton
+    return triton_module("moe.kernels.slots_triton")
