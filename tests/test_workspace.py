@@ -112,7 +112,10 @@ def test_repeated_request_returns_the_cached_view_until_the_buffer_grows() -> No
     ws = Workspace()
     a = ws.get("x", (4, 8), torch.float32, CPU)
     assert ws.get("x", (4, 8), torch.float32, CPU) is a  # the cached view object
-    assert ws.get("x", (8, 4), torch.float32, CPU) is not a  # another shape: another view
+    b = ws.get("x", (8, 4), torch.float32, CPU)  # another shape: another view, now cached
+    assert b is not a and ws.get("x", (8, 4), torch.float32, CPU) is b
+    a = ws.get("x", (4, 8), torch.float32, CPU)  # one entry per name: a new view again
+    assert a is not b and a.shape == (4, 8) and len(ws._views) == 1
     other = ws.get("y", (4, 8), torch.float32, CPU)
     assert other.data_ptr() != a.data_ptr()
     ws.get("x", (64, 64), torch.float32, CPU)  # grows: views of the old buffer are dropped

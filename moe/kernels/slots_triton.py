@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from moe.kernels.launch import FastLauncher
-
 from moe.kernels.slots import TRITON_MAX_WORLD_SIZE
 
 _BLOCK_T = 256  # tokens per program
