@@ -366,7 +366,13 @@ def test_nsys_sqlite_gives_the_same_answers_as_chrome(tmp_path: Path) -> None:
     chrome = read_trace(write_equivalent_chrome(tmp_path / "t.json"))
     nsys = read_trace(write_nsys_sqlite(tmp_path / "t.sqlite"))
     a, b = analyze(chrome).to_json(), analyze(nsys).to_json()
+    # The gap before the last gemm (host 5 of 10 us) is named by the kernel: Nsight keeps
+    # the demangled name.
+    befores = [[g.pop("before") for g in r["devices"]["0"]["compute_idle"]["largest"]]
+               for r in (a, b)]
+    assert befores == [["gemm"], ["void gemm(int)"]]
     assert a["devices"] == b["devices"]
+    assert a["devices"]["0"]["compute_idle"]["host_us"] == 5
     dev0 = a["devices"]["0"]
     assert (dev0["comm_us"], dev0["comm_overlapped_us"], dev0["comm_exposed_us"]) == (35, 25, 10)
     assert dev0["phase_source"] == "cpu"
@@ -437,3 +443,55 @@ def test_gpu_step_label_is_widened_by_kernels_the_step_launched(tmp_path: Path) 
     ])
     assert dev["window_source"] == "gpu step labels" and dev["wall_us"] == 80  # [100, 180)
     assert dev["compute_busy_us"] == 65
+
+
+# ------------------------------------------------------------------ compute-stream idle
+
+
+def launch(ts: float, correlation: int) -> dict[str, Any]:
+    """A cudaLaunchKernel call linked to the kernel with the same correlation id."""
+    return kernel("cudaLaunchKernel", ts, 2, pid=4242, tid=100, cat="cuda_runtime",
+                  correlation=correlation)
+
+
+def test_compute_idle_splits_host_and_held_back_gaps(tmp_path: Path) -> None:
+    """Compute [0,10) [30,40) [50,60) on stream 7, comm [10,50) on stream 9, window [-5, 65).
+    The second kernel was launched at 25, after the first ended at 10: 15 of its 20-us gap
+    waited for the host. The third was launched at 5, long before: its 10-us gap was held
+    back (here by the transfer it follows)."""
+    dev = one_device(tmp_path, [
+        gpu_label("ProfilerStep#1", -5, 70),
+        kernel("gemm_a", 0, 10, correlation=1), launch(-1, 1),
+        kernel("gemm_b", 30, 10, correlation=2), launch(25, 2),
+        kernel("sum_rows", 50, 10, correlation=3), launch(5, 3),
+        kernel("ncclDevKernel_SendRecv", 10, 40, tid=9),
+        gpu_label("ub0/L0/experts", 30, 15), gpu_label("ub1/L0/combine_recv", 50, 10),
+        gpu_label("ub1/run", 0, 60),
+    ])
+    idle = dev["compute_idle"]
+    assert idle["stream"] == 7 and dev["wall_us"] == 70
+    assert idle["idle_us"] == 40 and idle["num_gaps"] == 2
+    assert (idle["host_us"], idle["wait_us"], idle["edges_us"]) == (15, 15, 10)
+    assert [(g["offset_us"], g["length_us"], g["host_us"], g["before"]) for g in idle["largest"]] \
+        == [(15, 20, 15, "ub0/L0/experts"), (45, 10, 0, "ub1/L0/combine_recv")]
+
+
+def test_compute_idle_without_launch_links_or_compute(tmp_path: Path) -> None:
+    """No linked launches: every gap counts as held back, named by the next kernel; a
+    device with comm only has no compute stream to report."""
+    dev = one_device(tmp_path, [kernel("gemm_a", 0, 10), kernel("gemm_b", 25, 5),
+                                kernel("gemm_c", 28, 10)])  # overlaps gemm_b: one busy span
+    idle = dev["compute_idle"]
+    assert (idle["idle_us"], idle["host_us"], idle["wait_us"], idle["num_gaps"]) == (15, 0, 15, 1)
+    assert idle["largest"][0]["before"] == "gemm_b"
+    comm_only = one_device(tmp_path, [kernel("ncclDevKernel_SendRecv", 0, 10)])
+    assert comm_only["compute_idle"] is None
+
+
+def test_compute_idle_in_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_chrome(tmp_path / "t.json", [kernel("gemm", 0, 10, correlation=1), launch(-3, 1),
+                                              kernel("gemm", 40, 10, correlation=2), launch(30, 2)])
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "compute stream 7 idle 30.0 us" in out and "waiting for the host 20.0" in out
+    assert "gap      30.0 us at +10.0 (host 20.0) before gemm" in out

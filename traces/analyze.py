@@ -21,6 +21,9 @@ Per device (all in microseconds, within the device's window):
   label durations (device-side labels when the device has any, else CPU-side labels);
   spans of one label name are merged first, so a range Kineto split over two streams
   counts once.
+- ``compute_idle``: the compute stream's idle time, split into waiting for the host,
+  held back by a cross-stream wait, and before/after its kernels, with the largest gaps
+  (`traces.idle`).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from traces.classify import ClassifyConfig, Classifier, Kind
+from traces.idle import IdleReport, compute_idle
 from traces.intervals import Span, clip, intersect, merge, subtract, total
 from traces.model import KernelInterval, Label, ReadConfig, Trace, parse_label_name
 
@@ -89,6 +93,8 @@ class DeviceReport:
     """``device`` (device-side labels), ``cpu`` (CPU-side labels) or ``none``."""
     exposed_comm: list[Span]
     """Where comm ran with no compute beside it (for the timeline)."""
+    idle: IdleReport | None
+    """The compute stream's idle time by cause (`traces.idle`); None without compute."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready numbers (rounded to 1 ns)."""
@@ -112,6 +118,7 @@ class DeviceReport:
             "phases": {ub: {p: r(t) for p, t in sorted(ph.items())}
                        for ub, ph in sorted(self.phases.items())},
             "phase_source": self.phase_source,
+            "compute_idle": None if self.idle is None else self.idle.to_json(),
         }
 
 
@@ -159,6 +166,8 @@ class Report:
                 for ub, ph in sorted(rep.phases.items()):
                     cells = "  ".join(f"{p}={t:.1f}" for p, t in sorted(ph.items()))
                     lines.append(f"    {ub}: {cells}")
+            if rep.idle is not None:
+                lines += rep.idle.format_lines()
         return "\n".join(lines)
 
 
@@ -264,6 +273,7 @@ def _device_report(
         phases=_phases(phase_labels, phase_window),
         phase_source=phase_source,
         exposed_comm=subtract(comm, compute),
+        idle=compute_idle(kernels, labels, window, classifier, device=device),
     )
 
 
