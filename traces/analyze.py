@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from traces.classify import ClassifyConfig, Classifier, Kind
-from traces.idle import IdleReport, compute_idle
+from traces.idle import IdleReport, compute_idle, compute_stream
 from traces.intervals import Span, clip, intersect, merge, subtract, total
 from traces.model import KernelInterval, Label, ReadConfig, Trace, parse_label_name
 
@@ -252,6 +252,7 @@ def _device_report(
             num_kernels=len(in_window),
         )
 
+    idle_stream = compute_stream({s: st.compute_us for s, st in streams.items()})
     phase_labels = [lb for lb in labels if lb.phase is not None and lb.device == device]
     phase_source, phase_window = "device", (window if source == "gpu step labels" else None)
     if not phase_labels:
@@ -273,7 +274,8 @@ def _device_report(
         phases=_phases(phase_labels, phase_window),
         phase_source=phase_source,
         exposed_comm=subtract(comm, compute),
-        idle=compute_idle(kernels, labels, window, classifier, device=device),
+        idle=None if idle_stream is None else compute_idle(kernels, labels, window,
+                                                           device=device, stream=idle_stream),
     )
 
 

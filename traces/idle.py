@@ -19,11 +19,9 @@ Kernels without a linked launch (traces that do not record them) count as ``wait
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from traces.classify import Classifier, Kind
 from traces.intervals import Span, clip, merge, total
 from traces.model import KernelInterval, Label
 
@@ -75,17 +73,16 @@ class IdleReport:
         return lines
 
 
-def compute_idle(kernels: list[KernelInterval], labels: list[Label], window: Span,
-                 classifier: Classifier, *, device: int) -> IdleReport | None:
-    """The idle report of `device`'s compute stream in `window` (None without compute)."""
-    compute_by_stream: dict[int, list[Span]] = defaultdict(list)
-    for k in kernels:
-        if classifier.kind(k) is Kind.COMPUTE:
-            compute_by_stream[k.stream].append(Span(k.start_us, k.end_us))
-    busy = {s: total(clip(merge(spans), window)) for s, spans in compute_by_stream.items()}
-    if not busy or max(busy.values()) <= 0:
+def compute_stream(compute_us: dict[int, float]) -> int | None:
+    """The stream with the most compute time (the lower id on a tie); None without any."""
+    if not compute_us or max(compute_us.values()) <= 0:
         return None
-    stream = max(busy, key=lambda s: (busy[s], -s))
+    return max(compute_us, key=lambda s: (compute_us[s], -s))
+
+
+def compute_idle(kernels: list[KernelInterval], labels: list[Label], window: Span, *,
+                 device: int, stream: int) -> IdleReport:
+    """The idle report of `device`'s compute stream `stream` (`compute_stream`) in `window`."""
     on_stream = sorted((k for k in kernels if k.stream == stream
                         and k.end_us > window.start and k.start_us < window.end),
                        key=lambda k: k.start_us)

@@ -100,7 +100,8 @@ def fused_moe_kernel(
     """One [BLOCK_M, BLOCK_N] tile: C[r, n] = epilogue(sum_k A[r, k] * B[e, n, k]) for the
     BLOCK_M rows r of one expert-e block (GATED: B rows n and N + n).
 
-    Shapes: B [E, N or 2N, K], topk weights [R] fp32; A and C as the flags say. The 1-D
+    Shapes: B [E, N or 2N, K], topk weights [N_tok, top-k] fp32 (row stride stride_wn);
+    A and C as the flags say. The 1-D
     grid is cdiv(P, BLOCK_M) * cdiv(N, BLOCK_N) programs in grouped order. A tile may be
     shorter than the routing's blocks (BLOCK_M < ROUTE_BLOCK_M, dividing it): it reads
     its expert from the block that holds it, and a tile of padding rows only returns.

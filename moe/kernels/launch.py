@@ -50,6 +50,10 @@ class FastLauncher:
         if not _fast_path_allowed(args):
             self.kernel[grid](*args, **kwargs)
             return
+        self.launch_compiled(grid, *args, **kwargs)
+
+    def launch_compiled(self, grid: Grid, *args: Any, **kwargs: Any) -> None:
+        """The fast path alone, for callers that have checked `_fast_path_allowed`."""
         device = torch.cuda.current_device()
         binder = self.kernel.device_caches[device][4]
         bound, specialization, options = binder(*args, **kwargs)
@@ -86,14 +90,15 @@ class AutotunedLauncher:
     def __call__(self, tune_key: Hashable, grid: Callable[[dict[str, Any]], Grid], *args: Any,
                  **kwargs: Any) -> None:
         """Launch with the tuned config; `grid(meta)` maps the config's kwargs to a grid."""
-        config = self._configs.get(tune_key)
-        if config is None or not _fast_path_allowed(args):
+        fast = _fast_path_allowed(args)
+        config = self._configs.get(tune_key) if fast else None
+        if config is None:
             self.autotuner[grid](*args, **kwargs)
-            if _fast_path_allowed(args):
+            if fast:
                 self._configs[tune_key] = self.autotuner.best_config
             return
         meta = config.all_kwargs()
-        self.launcher(grid(meta), *args, **kwargs, **meta)
+        self.launcher.launch_compiled(grid(meta), *args, **kwargs, **meta)
 
     def configs(self) -> dict[str, str]:
         """tuning key -> the config launched for it."""

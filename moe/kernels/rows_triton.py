@@ -101,14 +101,19 @@ _PACK = FastLauncher(pack_rows_kernel)
 _SUM = FastLauncher(sum_rows_kernel)
 
 
+def _grid(num_rows: int, hidden: int) -> tuple[tuple[int, int], int]:
+    """((row blocks, column blocks), BLOCK_H) for `num_rows` rows of `hidden` columns."""
+    block_h = min(_BLOCK_COLS, triton.next_power_of_2(hidden))
+    return (triton.cdiv(num_rows, _BLOCK_ROWS), triton.cdiv(hidden, block_h)), block_h
+
+
 def launch_pack_rows(dst_ids_XK: torch.Tensor, dst_weights_XK: torch.Tensor,
                      dst_x_XH: torch.Tensor, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
                      topk_weights_TK: torch.Tensor, src_X: torch.Tensor) -> None:
     """`pack_rows_kernel` over the X rows of the three field views, on the current stream."""
     num_rows, hidden = dst_x_XH.shape
     top_k = dst_ids_XK.shape[1]
-    block_h = min(_BLOCK_COLS, triton.next_power_of_2(hidden))
-    grid = (triton.cdiv(num_rows, _BLOCK_ROWS), triton.cdiv(hidden, block_h))
+    grid, block_h = _grid(num_rows, hidden)
     _PACK(
         grid,
         src_X.contiguous(), x_TH, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(),
@@ -124,8 +129,7 @@ def launch_sum_rows(rows_RH: torch.Tensor, sel_TW: torch.Tensor, out_TH: torch.T
     """`sum_rows_kernel` into out_TH [T, H], on the current stream."""
     num_tokens, width = sel_TW.shape
     hidden = out_TH.shape[1]
-    block_h = min(_BLOCK_COLS, triton.next_power_of_2(hidden))
-    grid = (triton.cdiv(num_tokens, _BLOCK_ROWS), triton.cdiv(hidden, block_h))
+    grid, block_h = _grid(num_tokens, hidden)
     _SUM(
         grid,
         rows_RH, sel_TW.contiguous(), out_TH, num_tokens, hidden, rows_RH.stride(0),
