@@ -15,6 +15,7 @@ returns None.
 | dbo_register_recv_hook(fn) | hand a receive-half to the other ubatch, run after it queued its compute |
 | dbo_maybe_run_recv_hook() | run the hooks the other ubatch handed to this one, if any |
 | dbo_get_previous_event(fn, *a) | run fn on the compute stream, return its result (an event) |
+| dbo_is_last_ubatch() | whether the running ubatch is the step's last |
 | dbo_switch_to_compute_async() | record comm-done, switch to compute, return a `ComputeWait` whose wait() adds the dependency later |
 
 The last one is ours (the peer runtime has no such call): a backend that issues a
@@ -69,6 +70,13 @@ def dbo_other_ubatch_started() -> bool:
         return False
     other = s.other(s._running)
     return other is not None and (other.done or bool(other.glet))
+
+
+def dbo_is_last_ubatch() -> bool:
+    """Whether the running ubatch is the step's last (the highest id): the one whose final
+    combine has no other ubatch's compute left to overlap. False outside a step."""
+    s = getattr(_local, "scheduler", None)
+    return s is not None and s._running.ubatch_id == len(s._ubatches) - 1
 
 
 def dbo_yield() -> None:

@@ -74,6 +74,10 @@ class MoEConfig:
     """Tokens one rank may send per step (fixed-capacity backends size buffers by it)."""
     expert_chunk_size: int = 8192
     """Most tokens sent through the experts at once; larger batches go in chunks."""
+    split_last_combine: bool = True
+    """In a DBO step, the last ubatch of the model's last MoE layer (`MoELayer(last_layer=
+    True)`) sends the other ranks' expert outputs first and computes its own rows while
+    that combine is in flight (a2a, a2a_ll): the step's final combine is otherwise exposed."""
     check_finite_logits: bool = False
     """Raise ValueError when router logits hold NaN/Inf (one host sync per layer); off: those tokens' outputs are NaN/Inf and every other token's output is unaffected."""
 
@@ -118,9 +122,10 @@ class MoEConfig:
                 f"MoEConfig.max_tokens_per_rank={self.max_tokens_per_rank!r}: must be a "
                 f"positive int, or None for backends without a fixed capacity."
             )
-        if not isinstance(self.check_finite_logits, bool):
-            raise ValueError(f"MoEConfig.check_finite_logits={self.check_finite_logits!r}: "
-                             f"must be True or False.")
+        for name in ("check_finite_logits", "split_last_combine"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r}: must be True or "
+                                 f"False.")
         if not _is_int(self.expert_chunk_size) or self.expert_chunk_size < 1:
             raise ValueError(
                 f"MoEConfig.expert_chunk_size={self.expert_chunk_size!r}: must be a positive int."

@@ -58,13 +58,15 @@ class MoELayer(nn.Module):
         experts: expert kernel name (see `moe.experts`); "auto" picks the fastest
             available on the device of the first input.
         layer_id: the layer's index, used in trace range names.
+        last_layer: this is the model's last MoE layer: in a DBO step its last ubatch
+            splits the combine (`ModularKernel`, `MoEConfig.split_last_combine`).
         device: where the parameters are created (uninitialised: load them with
             `load_weights` or `init_weights`).
     """
 
     def __init__(self, config: MoEConfig, *, group: Optional[dist.ProcessGroup] = None,
                  backend: str = "auto", experts: str = "auto", layer_id: int = 0,
-                 device: torch.device | str | None = None) -> None:
+                 last_layer: bool = False, device: torch.device | str | None = None) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"MoELayer takes a moe.MoEConfig, got {type(config).__name__}")
@@ -74,6 +76,7 @@ class MoELayer(nn.Module):
                              f"the EP size {world}: use a multiple of {world} experts")
         self.config = config
         self.layer_id = layer_id
+        self.last_layer = last_layer
         self.experts_name = experts
         self.backend = make_backend(backend, config, group)
         self._check_experts_name(experts)
@@ -121,7 +124,8 @@ class MoELayer(nn.Module):
                 logits_TE, self.config, correction_bias_E=self.router.e_score_correction_bias)
         return self._kernel(x_TH.device).forward(
             x_TH, topk_weights_TK, topk_ids_TK, w13_EIH=self.w13, w2_EHI=self.w2,
-            shared_experts=self.shared_experts, layer=self.layer_id)
+            shared_experts=self.shared_experts, layer=self.layer_id,
+            split_combine=self.last_layer and self.config.split_last_combine)
 
     # ------------------------------------------------------------------ internals
     def _kernel(self, device: torch.device) -> ModularKernel:

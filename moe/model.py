@@ -174,7 +174,8 @@ class DecoderLayer(nn.Module):
                                      dtype=config.dtype, device=device)
         else:
             self.ffn = MoELayer(config.moe, group=group, backend=backend, experts=experts,
-                                layer_id=layer_id, device=device)
+                                layer_id=layer_id, last_layer=layer_id == config.num_layers - 1,
+                                device=device)
 
     def forward(self, x_TH: Tensor, cos_TD2: Tensor, sin_TD2: Tensor,
                 seq_lens: Sequence[int]) -> Tensor:

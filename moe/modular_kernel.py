@@ -12,6 +12,13 @@ the other ubatch with `dbo_register_recv_hook`, then this ubatch yields; the oth
 the hook after queueing its own compute (`dbo_maybe_run_recv_hook` at the start of each
 half). Outside a DBO step the hook simply runs at once: the synchronous path is the
 async path plus its wait.
+
+The split combine (`split_combine=True`, for the model's last MoE layer): the step's last
+ubatch has no other ubatch's compute left to hide its final combine behind, so there it
+runs the experts on the rows other ranks sent first (this rank's own rows masked to -1),
+queues the combine, then computes its own rows -- which return by a local copy -- while
+that combine is in flight (phase `own_experts`), and hands them to the receiver
+(`OwnRows`). Elsewhere, and for backends without `own_rows`, the layer runs as above.
 """
 from __future__ import annotations
 
@@ -24,11 +31,12 @@ from dbo.failures import phase_scope
 from dbo.yield_points import (
     dbo_current_ubatch_id,
     dbo_enabled,
+    dbo_is_last_ubatch,
     dbo_maybe_run_recv_hook,
     dbo_register_recv_hook,
     dbo_yield,
 )
-from moe.backends.base import Dispatched, Pending, PrepareFinalize, R
+from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, R
 from moe.config import MoEConfig
 from moe.experts.base import Experts
 from moe.workspace import Workspace, WorkspaceSets
@@ -61,13 +69,14 @@ class ModularKernel:
 
     def forward(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                 w13_EIH: Tensor, w2_EHI: Tensor, shared_experts: Optional[nn.Module] = None,
-                layer: Optional[int] = None) -> Tensor:
+                layer: Optional[int] = None, split_combine: bool = False) -> Tensor:
         """out_TH (x's dtype, compute stream) = routed experts' weighted sum + shared experts.
 
         topk_ids are global expert ids. Each phase (dispatch_send, dispatch_recv, experts,
-        combine_send, shared_experts, combine_recv) is a `phase_scope`: a trace range
-        `ub<u>/L<layer>/<phase>` when tracing is on, and the place named in the notes of
-        an exception raised inside it.
+        combine_send, own_experts, shared_experts, combine_recv) is a `phase_scope`: a
+        trace range `ub<u>/L<layer>/<phase>` when tracing is on, and the place named in
+        the notes of an exception raised inside it. `split_combine`: this is the model's
+        last MoE layer (see the module doc).
         """
         workspace = self.workspaces.for_ubatch(dbo_current_ubatch_id())
         expert_in_TH = x_TH
@@ -82,12 +91,27 @@ class ModularKernel:
                                                  workspace=workspace)
         with phase_scope("dispatch_recv", layer=layer):
             dispatched = await_pending(pending)
+        own = None
+        if split_combine and dbo_enabled() and dbo_is_last_ubatch():
+            rows = self.backend.own_rows(dispatched)
+            own = None if rows is None else OwnRows(rows)
         with phase_scope("experts", layer=layer):
-            expert_out_RH = self._run_experts(dispatched, w13_EIH, w2_EHI, workspace)
+            ids_RK = dispatched.topk_ids_RK
+            if own is not None:
+                ids_RK = ids_RK.clone()
+                ids_RK[own.rows] = -1  # computed after the send
+            expert_out_RH = self._run_experts(dispatched.x_RH, ids_RK,
+                                              dispatched.topk_weights_RK, w13_EIH, w2_EHI,
+                                              workspace)
         with phase_scope("combine_send", layer=layer):
             dbo_maybe_run_recv_hook()
             pending_out = self.backend.finalize_async(expert_out_RH, dispatched,
-                                                      workspace=workspace)
+                                                      workspace=workspace, **_own_kwarg(own))
+        if own is not None:
+            with phase_scope("own_experts", layer=layer):
+                own.out_NH = self._run_experts(
+                    dispatched.x_RH[own.rows], dispatched.topk_ids_RK[own.rows],
+                    dispatched.topk_weights_RK[own.rows], w13_EIH, w2_EHI, workspace)
         shared_TH = None
         if shared_experts is not None:
             with phase_scope("shared_experts", layer=layer):
@@ -96,15 +120,13 @@ class ModularKernel:
             out_TH = await_pending(pending_out)
         return out_TH if shared_TH is None else out_TH + shared_TH
 
-    def _run_experts(self, dispatched: Dispatched, w13_EIH: Tensor, w2_EHI: Tensor,
-                     workspace: Workspace) -> Tensor:
-        """Experts over the received rows, `expert_chunk_size` rows at a time. The rows are
+    def _run_experts(self, x_RH: Tensor, ids_RK: Tensor, weights_RK: Tensor, w13_EIH: Tensor,
+                     w2_EHI: Tensor, workspace: Workspace) -> Tensor:
+        """Experts over the given rows, `expert_chunk_size` rows at a time. The rows are
         read in place, in the backend's packed buffer (a strided view; every expert
         kernel takes a row stride), which spares a [R, H] copy per layer."""
-        x_RH = dispatched.x_RH
         if x_RH.stride(-1) != 1:
             x_RH = x_RH.contiguous()
-        ids_RK, weights_RK = dispatched.topk_ids_RK, dispatched.topk_weights_RK
         num_rows, chunk = x_RH.shape[0], self.config.expert_chunk_size
         if num_rows <= chunk:
             return self.experts.apply(x_RH, w13_EIH, w2_EHI, ids_RK, weights_RK,
@@ -116,3 +138,9 @@ class ModularKernel:
                 x_RH[start:end], w13_EIH, w2_EHI, ids_RK[start:end], weights_RK[start:end],
                 workspace=workspace)
         return out_RH
+
+
+def _own_kwarg(own: Optional[OwnRows]) -> dict:
+    """`own=` only when splitting, so backends written before the split combine (whose
+    finalize_async takes no `own`) keep working."""
+    return {} if own is None else {"own": own}

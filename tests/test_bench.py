@@ -90,6 +90,18 @@ def test_regime_labels() -> None:
     assert config_from_args(args, {"NCCL_P2P_DISABLE": "1"}).regime == CPU_REGIME
 
 
+def test_split_combine_switch_reaches_the_layers() -> None:
+    from dbo.bench.workload import WorkloadFactory
+
+    for argv, split in (([], True), (["--no-split-combine"], False)):
+        cfg = config_from_args(build_parser().parse_args(["--device", "cpu", *argv]), {})
+        assert cfg.split_last_combine is split and cfg.summary()["split_last_combine"] is split
+        factory = WorkloadFactory(cfg, group=None, device=torch.device("cpu"))
+        stack = factory.get(tokens=8, backend="a2a", dbo=False).model
+        assert [layer.last_layer for layer in stack.moe] == [False] * 3 + [True]
+        assert all(layer.config.split_last_combine is split for layer in stack.moe)
+
+
 def test_gate_thresholds_then_probe_then_trial() -> None:
     gate = GatePolicy(min_tokens_per_rank=512, min_gain=0.03)
     small = gate.decide(tokens_per_rank=256, ceiling=1.4, trial_speedup=1.3)

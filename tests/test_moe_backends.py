@@ -55,8 +55,9 @@ SCENARIOS = {
 }
 
 
-def check_backend(rank: int, world_size: int, backend: str) -> dict[str, tuple[float, float]]:
-    """Per scenario: (max |DBO off - reference|, max |DBO on - reference|)."""
+def check_backend(rank: int, world_size: int, backend: str) -> dict[str, tuple]:
+    """Per scenario: (max |DBO off - reference|, max |DBO on - reference|, the same with
+    the layer as the model's last (a2a/a2a_ll split the last ubatch's combine), shapes)."""
     torch.manual_seed(1234 + rank)
     errors = {}
     for name, (overrides, tokens) in SCENARIOS.items():
@@ -81,19 +82,23 @@ def check_backend(rank: int, world_size: int, backend: str) -> dict[str, tuple[f
             half = x.shape[0] // 2
             on = torch.cat(UBatchScheduler("cpu").run(
                 [lambda: layer(x[:half]), lambda: layer(x[half:])]))
-        errors[name] = ((off - ref).abs().max().item() if x.numel() else 0.0,
-                        (on - ref).abs().max().item() if x.numel() else 0.0,
-                        tuple(off.shape), tuple(on.shape))
+            layer.last_layer = True
+            on_split = torch.cat(UBatchScheduler("cpu").run(
+                [lambda: layer(x[:half]), lambda: layer(x[half:])]))
+        errors[name] = tuple((out - ref).abs().max().item() if x.numel() else 0.0
+                             for out in (off, on, on_split)) + (
+                                 tuple(off.shape), tuple(on.shape), tuple(on_split.shape))
     return errors
 
 
 def assert_close_everywhere(results: list, world_size: int) -> None:
     for rank, errors in enumerate(results):
-        for name, (err_off, err_on, shape_off, shape_on) in errors.items():
+        for name, (err_off, err_on, err_split, *shapes) in errors.items():
             tokens = SCENARIOS[name][1][rank]
-            assert shape_off == shape_on == (tokens, 24), (rank, name)
+            assert shapes == [(tokens, 24)] * 3, (rank, name)
             assert err_off <= ATOL, f"rank {rank} {name}: DBO off differs by {err_off}"
             assert err_on <= ATOL, f"rank {rank} {name}: DBO on differs by {err_on}"
+            assert err_split <= ATOL, f"rank {rank} {name}: split combine differs by {err_split}"
 
 
 @pytest.mark.parametrize("backend", ["naive", "a2a", "a2a_ll"])

@@ -45,6 +45,7 @@ PHASES: tuple[str, ...] = (
     "dispatch_recv",
     "experts",
     "combine_send",
+    "own_experts",
     "combine_recv",
     "shared_experts",
 )

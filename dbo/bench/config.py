@@ -104,6 +104,9 @@ class BenchConfig:
     trace: bool = False
     """Also capture one DBO-off and one DBO-on step per point under torch.profiler into
     <out>/traces/ (rank 0's Chrome trace, analysis JSON and timeline PNG)."""
+    split_last_combine: bool = True
+    """The last MoE layer's last ubatch sends the other ranks' rows before computing its
+    own (`MoEConfig.split_last_combine`); False runs that layer like the others."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -181,7 +184,7 @@ class BenchConfig:
                 "num_experts": self.num_experts, "experts_per_rank": self.experts_per_rank,
                 "attn_context": self.attn_context, "requests": self.requests,
                 "experts": self.experts, "iters": self.iters, "warmup": self.warmup,
-                "rounds": self.rounds,
+                "rounds": self.rounds, "split_last_combine": self.split_last_combine,
                 "min_gain": self.min_gain, "gate_min_tokens": self.gate_min_tokens,
                 "device": self.device, "seed": self.seed}
 

@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="capture one DBO-off and one DBO-on step per point (torch.profiler) "
                         "into <out>/traces/")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-split-combine", action="store_true",
+                   help="run the last MoE layer's last ubatch like the others (by default "
+                        "it sends the other ranks' rows first and computes its own while "
+                        "that combine is in flight)")
     return p
 
 
@@ -129,7 +133,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         gate_trial_iters=args.gate_trial_iters, device=device,
         regime=regime_label(device, p2p_disabled=p2p_disabled), out_dir=args.out,
         seed=args.seed, plot=not args.no_plot, progress=not args.no_progress,
-        trace=args.trace)
+        trace=args.trace, split_last_combine=not args.no_split_combine)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

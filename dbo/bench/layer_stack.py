@@ -74,7 +74,7 @@ class LayerStack(nn.Module):
             for _ in range(num_layers))
         self.moe = nn.ModuleList(
             MoELayer(moe_config, group=group, backend=backend, experts=experts, layer_id=i,
-                     device=device)
+                     last_layer=i == num_layers - 1, device=device)
             for i in range(num_layers))
 
     def forward(self, x_TH: Tensor) -> Tensor:

@@ -82,8 +82,10 @@ class WorkloadFactory:
         self.rank = 0 if group is None else dist.get_rank(group)
         preset = get_preset(cfg.preset)
         self.num_experts = cfg.resolve_num_experts(self.world_size, preset.moe.num_experts)
-        self.base_moe = layer_moe_config(preset.moe, num_experts=self.num_experts,
-                                         max_tokens_per_rank=None)
+        self.base_moe = dataclasses.replace(
+            layer_moe_config(preset.moe, num_experts=self.num_experts,
+                             max_tokens_per_rank=None),
+            split_last_combine=cfg.split_last_combine)
         self.hidden_size = preset.hidden_size
         self.dtype = preset.dtype
         if cfg.mode == "layer":

@@ -32,7 +32,8 @@ class SoakModel(nn.Module):
                                     max_tokens_per_rank=job.max_tokens)
         self.moe = nn.ModuleList(
             MoELayer(self.moe_config, group=group, backend=job.backend, experts=experts,
-                     layer_id=i, device=device) for i in range(job.layers))
+                     layer_id=i, last_layer=i == job.layers - 1, device=device)
+            for i in range(job.layers))
         self.dense = nn.ModuleList(
             nn.Linear(job.hidden, job.hidden, device=device) for _ in range(job.layers))
 

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from dbo.failures import note_collective
 from dbo.yield_points import dbo_switch_to_comm_sync, dbo_switch_to_compute_async, dbo_yield
-from moe.backends.base import Dispatched, Pending, PrepareFinalize
+from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize
 from moe.backends.naive import check_capacity
 from moe.backends.packing import RowLayout
 from moe.config import MoEConfig
@@ -91,8 +91,13 @@ class AllToAllLLBackend(PrepareFinalize):
 
         return Pending(None, receiver)
 
+    def own_rows(self, dispatched: Dispatched) -> Optional[slice]:
+        """Rows from this rank: its slot of C rows (padding included)."""
+        start = self.placement.rank * self.capacity
+        return slice(start, start + self.capacity)
+
     def finalize_async(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
-                       workspace: Workspace) -> Pending[Tensor]:
+                       workspace: Workspace, own: Optional[OwnRows] = None) -> Pending[Tensor]:
         handle: LLHandle = dispatched.handle
         rows, hidden = expert_out_RH.shape
         dtype, device = expert_out_RH.dtype, expert_out_RH.device
@@ -108,6 +113,10 @@ class AllToAllLLBackend(PrepareFinalize):
 
         def receiver() -> Tensor:
             wait.wait()
+            if own is not None:
+                # The collective's copy to this rank carried rows not computed yet (never
+                # read); the slot returns to the same position, so overwrite it.
+                back_XH[own.rows].copy_(own.take())
             return sum_rows(back_XH, handle.slot_TW)
 
         return Pending(None, receiver)

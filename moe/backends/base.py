@@ -16,6 +16,11 @@ kernel) yields between the two halves. Per-call state lives in the frozen `Dispa
 handle that the calling ubatch owns, never in backend attributes, so the two ubatches
 cannot overwrite each other's state. The synchronous `prepare` / `finalize` are the
 async path followed by its wait.
+
+A split combine (`own_rows`, `OwnRows`): the rows a rank sent itself come back by a local
+copy, not over the network. A backend that can say which rows those are lets the caller
+send the other ranks' outputs first and compute its own rows while that combine is in
+flight, handing their outputs over before it receives.
 """
 from __future__ import annotations
 
@@ -60,6 +65,23 @@ class Dispatched:
     topk_ids_RK: Tensor
     topk_weights_RK: Tensor
     handle: Any
+
+
+@dataclass
+class OwnRows:
+    """The expert outputs of the rows this rank sent itself, delivered after the combine's
+    send. `rows`: those rows of `Dispatched.x_RH` (from `PrepareFinalize.own_rows`);
+    `out_NH`: their outputs, set by the caller on the compute stream before the
+    combine's receiver runs (the receiver raises if it is still None)."""
+
+    rows: slice
+    out_NH: Optional[Tensor] = None
+
+    def take(self) -> Tensor:
+        if self.out_NH is None:
+            raise RuntimeError("split combine: the own rows' expert outputs were not handed "
+                               "over (OwnRows.out_NH) before the combine's receiver ran")
+        return self.out_NH
 
 
 @dataclass(frozen=True)
@@ -129,9 +151,24 @@ class PrepareFinalize(ABC):
 
     @abstractmethod
     def finalize_async(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
-                       workspace: Workspace) -> Pending[Tensor]:
+                       workspace: Workspace, own: Optional[OwnRows] = None) -> Pending[Tensor]:
         """Start returning the weighted expert outputs; the receiver gives out_TH, the
-        sum over each token's experts, in x's dtype on the compute stream."""
+        sum over each token's experts, in x's dtype on the compute stream.
+
+        With `own` (only where `own_rows` gave its rows), expert_out_RH's rows
+        `own.rows` are not read: their outputs arrive later, in `own.out_NH`."""
+
+    def own_rows(self, dispatched: Dispatched) -> Optional[slice]:
+        """The rows of `dispatched.x_RH` that this rank sent itself, when the combine can
+        take their outputs after its send (`finalize_async(own=...)`); None (this
+        default) where the backend cannot split its combine."""
+        return None
+
+    def refuse_split(self, own: Optional[OwnRows]) -> None:
+        """For backends without a split combine: `own` must be None."""
+        if own is not None:
+            raise ValueError(f"backend {self.name!r} cannot split its combine (its own_rows "
+                             f"is None): call finalize_async without own=")
 
     def prepare(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                 workspace: Workspace) -> Dispatched:

@@ -6,7 +6,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch import Tensor
 
-from moe.backends.base import Dispatched, Pending, PrepareFinalize
+from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize
 from moe.config import MoEConfig
 from moe.workspace import Workspace
 
@@ -28,5 +28,6 @@ class LocalBackend(PrepareFinalize):
         return Pending(None, lambda: dispatched)
 
     def finalize_async(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
-                       workspace: Workspace) -> Pending[Tensor]:
+                       workspace: Workspace, own: Optional[OwnRows] = None) -> Pending[Tensor]:
+        self.refuse_split(own)
         return Pending(None, lambda: expert_out_RH)

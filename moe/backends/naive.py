@@ -12,6 +12,7 @@ static shapes. Padding rows carry ids of -1 and route to no expert.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from dbo.failures import note_collective
 from dbo.yield_points import dbo_switch_to_compute_async, dbo_yield_and_switch_from_compute_to_comm
-from moe.backends.base import Dispatched, Pending, PrepareFinalize
+from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize
 from moe.backends.packing import RowLayout
 from moe.workspace import Workspace
 from streams.memory import record_on_current_stream
@@ -76,7 +77,8 @@ class NaiveBackend(PrepareFinalize):
         return Pending(None, receiver)
 
     def finalize_async(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
-                       workspace: Workspace) -> Pending[Tensor]:
+                       workspace: Workspace, own: Optional[OwnRows] = None) -> Pending[Tensor]:
+        self.refuse_split(own)
         handle: NaiveHandle = dispatched.handle
         dbo_yield_and_switch_from_compute_to_comm()
         send_RH = expert_out_RH.contiguous()
