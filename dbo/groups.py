@@ -7,8 +7,8 @@ A rank that stops taking part in a step (it failed, or skipped the step) leaves 
 peers blocked in their next collective. The group's timeout bounds that wait: the peer's
 collective raises (gloo raises in the calling thread; NCCL's watchdog aborts the
 communicator), and dbo's notes on the error name the rank, ubatch, layer and phase it
-was in. Groups that dbo creates next to an EP group (`twin_group`: the count-exchange
-communicator of `a2a`, the host-side group of the vote) take the EP group's timeout when
+was in. Groups that dbo creates next to an EP group (`twin_group`: the communicator of
+`a2a`'s count exchange and of the vote) take the EP group's timeout when
 it was made here; otherwise torch's default.
 """
 from __future__ import annotations

@@ -130,28 +130,40 @@ def test_vote_without_process_group() -> None:
 
 
 def _twin_worker(rank: int, world_size: int) -> dict[str, Any]:
-    from dbo import vote
     from dbo.groups import new_group, twin_group
 
     world = dist.group.WORLD
     sub = new_group([0, 1], timeout_s=30)
     twin = twin_group(world, backend="gloo")
-    out = {"distinct": twin is not world, "cached": twin_group(world, backend="gloo") is twin,
-           "size": dist.get_world_size(twin), "subgroup": twin_group(sub) is None}
-    # Treat gloo as a device backend: the vote must then run on its gloo twin (the path an
-    # NCCL group takes), and still agree.
-    vote._DEVICE_BACKENDS["gloo"] = "cpu"
-    try:
-        used, _ = vote._vote_group(world)
-        out["vote_on_twin"] = used is twin
-        out["vote"] = vote_split(rank != 2)
-    finally:
-        del vote._DEVICE_BACKENDS["gloo"]
-    return out
+    return {"distinct": twin is not world, "cached": twin_group(world, backend="gloo") is twin,
+            "size": dist.get_world_size(twin), "subgroup": twin_group(sub) is None,
+            "vote": vote_split(rank != 2)}
 
 
 @pytest.mark.distributed
-def test_twin_groups_and_the_host_side_vote() -> None:
+def test_twin_groups() -> None:
     for out in run_distributed(3, _twin_worker):
         assert out == {"distinct": True, "cached": True, "size": 3, "subgroup": True,
-                       "vote_on_twin": True, "vote": False}, out
+                       "vote": False}, out
+
+
+def _device_vote_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from dbo.vote import vote_step
+
+    vote_step(True, 1, dist.group.WORLD)  # the side communicator's lazy set-up
+    torch.cuda.synchronize()
+    # ~0.5 s of GPU sleep on the compute stream: the vote must not wait for it.
+    torch.cuda._sleep(1_000_000_000)
+    both = vote_step(True, 10 + rank, dist.group.WORLD)
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    return {"both": both, "one": vote_step(rank == 0, 5, dist.group.WORLD),
+            "busy_after_vote": busy}
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_device_vote_agrees_without_waiting_for_the_compute_stream() -> None:
+    for out in run_distributed(2, _device_vote_worker, backend="nccl"):
+        assert out["both"] == (True, 11) and out["one"] == (False, 5), out
+        assert out["busy_after_vote"], out
