@@ -13,15 +13,20 @@ it was made here; otherwise torch's default.
 """
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
+
 # Timeouts of the groups made by new_group (process groups are process-wide objects).
 _TIMEOUTS: dict[dist.ProcessGroup, timedelta] = {}
 # (group, backend) -> its twin (see twin_group); None where none can be made.
 _TWINS: dict[tuple[dist.ProcessGroup, Optional[str]], Optional[dist.ProcessGroup]] = {}
+# Groups whose side traffic shares the group's own communicator (logged once each).
+_SHARED: set[dist.ProcessGroup] = set()
 
 
 def new_group(ranks: Optional[Sequence[int]] = None, *, timeout_s: Optional[float] = None,
@@ -70,3 +75,19 @@ def twin_group(group: dist.ProcessGroup, *, backend: Optional[str] = None
                 _TIMEOUTS[twin] = timeout
         _TWINS[key] = twin
     return _TWINS[key]
+
+
+def side_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """The communicator for `group`'s side traffic (`a2a`'s count exchange, the vote on
+    the device): its twin on the same backend, or, for a subgroup of the world, `group`
+    itself (logged once). None for None."""
+    if group is None:
+        return None
+    twin = twin_group(group)
+    if twin is not None:
+        return twin
+    if group not in _SHARED:
+        logger.info("count exchanges and votes share the EP group's communicator: a separate "
+                    "one for a subgroup would need every rank of the world to create it")
+        _SHARED.add(group)
+    return group

@@ -18,10 +18,11 @@ returns None.
 | dbo_is_last_ubatch() | whether the running ubatch is the step's last |
 | dbo_switch_to_compute_async() | record comm-done, switch to compute, return a `ComputeWait` whose wait() adds the dependency later |
 
-The last one is ours (the peer runtime has no such call): a backend that issues a
-collective on the comm stream records comm-done at once, returns to the compute stream
-without waiting, lets the caller queue independent work (shared experts) and yield,
-and waits only in its receiver.
+The last two are ours (the peer runtime has no such calls). `dbo_is_last_ubatch` tells a
+layer that its combine is the step's last (the split combine, `moe.modular_kernel`). With
+`dbo_switch_to_compute_async`, a backend that issues a collective on the comm stream
+records comm-done at once, returns to the compute stream without waiting, lets the caller
+queue independent work (shared experts) and yield, and waits only in its receiver.
 
 Events are recorded *before* the hand-off: an event recorded on the shared compute
 stream after a yield would also cover the other ubatch's queued work.

@@ -10,14 +10,15 @@ communicator of its own (a second process group over the same ranks), copies the
 to pinned host memory without blocking, and returns a `PendingCounts`; `result()` later
 waits for that copy alone.
 
-The side group is created once per EP group (collectively, in construction order, like
-every process group), with the EP group's timeout when it was made by `dbo.new_group`. When the EP group is a subgroup of the world, creating one
-would need every rank of the world to join, so the exchange then shares the EP group's
-communicator (still on the side stream). On CPU (gloo) the exchange runs synchronously.
+The side group (`dbo.groups.side_group`, which the vote uses too) is created once per EP
+group (collectively, in construction order, like every process group), with the EP
+group's timeout when it was made by `dbo.new_group`. When the EP group is a subgroup of
+the world, creating one would need every rank of the world to join, so the exchange then
+shares the EP group's communicator (still on the side stream). On CPU (gloo) the exchange
+runs synchronously.
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -25,28 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dbo.failures import note_collective
-from dbo.groups import twin_group
+from dbo.groups import side_group
 from streams.stream_set import new_comm_stream
-
-logger = logging.getLogger(__name__)
-
-# EP groups whose count exchanges share the group's own communicator (logged once).
-_WARNED: set[dist.ProcessGroup] = set()
-
-
-def side_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """A second process group over `group`'s ranks (or `group` itself, see module doc)."""
-    if group is None:
-        return None
-    side = twin_group(group)
-    if side is None:
-        if group not in _WARNED:
-            logger.info("count exchanges share the EP group's communicator: a separate one "
-                        "for a subgroup would need every rank of the world to create it")
-            _WARNED.add(group)
-        return group
-    return side
-
 
 class PendingCounts:
     """Counts on their way to the host; `result()` returns (sent, received) per rank."""
