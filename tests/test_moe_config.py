@@ -66,6 +66,8 @@ def test_valid_variants() -> None:
         (dict(dtype="bfloat16"), "dtype='bfloat16'"),
         (dict(max_tokens_per_rank=0), "max_tokens_per_rank=0"),
         (dict(expert_chunk_size=0), "expert_chunk_size=0"),
+        (dict(check_finite_logits=1), "check_finite_logits=1: must be True or False"),
+        (dict(split_last_combine="yes"), "split_last_combine='yes': must be True or False"),
     ],
 )
 def test_invalid(overrides: dict, match: str) -> None:
