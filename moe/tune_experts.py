@@ -245,12 +245,11 @@ def precompile(jobs: list[tuple[Any, ...]], workers: int) -> list[str]:
 
 def time_launch(launch: Any, tile: Tile, reps: int) -> float:
     """Median ms of one tile after a first (compiling) launch."""
-    import triton
-
-    from moe.kernels.fused_moe import _tma_scratch, fused_moe_kernel
+    from moe.kernels.fused_moe import fused_moe_kernel
+    from moe.kernels.moe_tile import use_tma_scratch
 
     grid = launch.grid(tile.block_n)
-    triton.set_allocator(_tma_scratch)
+    use_tma_scratch()
 
     def fn() -> None:
         fused_moe_kernel[grid](*launch.args, **launch.flags, **tile.meta())

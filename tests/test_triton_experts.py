@@ -134,6 +134,17 @@ def test_align_layout(
         rows = sorted_ids[:used][real & (row_expert == expert)]
         assert torch.equal(rows, rows.sort().values)
 
+    # Tile table: the blocks of experts (no padding-only, dropped or idle block), those
+    # with more than half their rows used first, then the half-used ones, each in order.
+    num_full, num_half = routing.num_tiles.cpu().tolist()
+    tiles = routing.tile_rows_B.cpu().long()[: num_full + num_half]
+    used_rows = real.view(-1, block_m).sum(1)
+    is_expert = blocks >= 0
+    want_full = (torch.nonzero(is_expert & (used_rows > block_m // 2)).view(-1)) * block_m
+    want_half = torch.nonzero(is_expert & (used_rows > 0) & (used_rows <= block_m // 2))
+    assert torch.equal(tiles[:num_full], want_full)
+    assert torch.equal(tiles[num_full:], want_half.view(-1) * block_m)
+
 
 def assert_same_routing(ids: torch.Tensor, num_experts: int, block_m: int, **kwargs: int) -> None:
     """The Triton align equals the torch one (whose layout test_align_layout checks) on
@@ -146,6 +157,9 @@ def assert_same_routing(ids: torch.Tensor, num_experts: int, block_m: int, **kwa
     assert got.sorted_ids_P.shape == want.sorted_ids_P.shape
     assert torch.equal(got.sorted_ids_P[:used], want.sorted_ids_P[:used])
     assert torch.equal(got.block_expert_ids_B, want.block_expert_ids_B)
+    assert torch.equal(got.num_tiles, want.num_tiles)
+    num_tiles = int(want.num_tiles.sum())
+    assert torch.equal(got.tile_rows_B[:num_tiles], want.tile_rows_B[:num_tiles])
 
 
 @pytest.mark.parametrize("chunk", [16, None])  # 16: many count/scatter programs
@@ -189,7 +203,7 @@ def test_align_empty_and_workspace() -> None:
     ids = torch.tensor([[2, 0], [1, -1], [2, 2]], device=DEVICE)
     first = align_routing(ids, 3, 16, workspace=ws)
     again = align_routing(ids[:2], 3, 16, workspace=ws)
-    assert ws.num_allocations == 2, "sorted ids + block experts, reused by the smaller call"
+    assert ws.num_allocations == 3, "sorted ids, block experts and tiles, reused by the smaller call"
     assert again.sorted_ids_P.data_ptr() == first.sorted_ids_P.data_ptr()
     num_blocks = int(again.num_padded_rows.item()) // 16
     assert again.block_expert_ids_B[:num_blocks].tolist() == [0, 1, 2, -1]
@@ -266,6 +280,90 @@ def test_load_variants_match_reference(
     for _ in range(2):
         out_ws = fused_moe(*problem, block_m=block_m, tma=tma, sorted_x=sorted_x, workspace=ws)
         assert torch.equal(out_ws, plain)
+
+
+@pytest.mark.parametrize("sorted_x", [False, True])
+@pytest.mark.parametrize(
+    "num_tokens, hidden, inter, num_experts, top_k, block_m, drop_frac",
+    [
+        (37, 72, 40, 8, 8, 16, 0.2),  # many tiles over 3 programs; no half tiles (16 rows)
+        (40, 16, 8, 1, 1, 32, 0.0),  # one expert: a full block, then a half-used one
+        (45, 32, 24, 4, 4, 32, 0.3),  # 4 full and 2 half tiles, ids -1 (no tiles for them)
+        (20, 16, 8, 4, 2, 64, 1.0),  # every id elsewhere: an empty tile table
+    ],
+)
+def test_persistent_matches_reference(
+    sorted_x: bool, num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
+    block_m: int, drop_frac: float,
+) -> None:
+    """The persistent GEMMs (tile table, round-robin programs, half tiles), emulated by the
+    interpreter: the reference's result, and the one-program-per-tile kernel's bit for bit
+    (same k order per row)."""
+    from moe.kernels.fused_moe import fused_moe
+
+    problem = make_problem(num_tokens, hidden, inter, num_experts, top_k,
+                           dtype=torch.float16, drop_frac=drop_frac)
+    out = fused_moe(*problem, block_m=block_m, tma=True, sorted_x=sorted_x, persistent=True)
+    ref = ReferenceExperts().apply(*problem)
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[torch.float16])
+    plain = fused_moe(*problem, block_m=block_m, tma=True, sorted_x=sorted_x,
+                      persistent=False)
+    assert torch.equal(out, plain)
+
+
+def test_persistent_half_tiles_and_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half-used blocks compute only their upper half (the lower stays unwritten) and
+    every used row equals the full-height result; the host's choice of kernel."""
+    import moe.kernels.fused_moe as fm
+    from moe.kernels.fused_moe_persistent import launch_persistent
+
+    block_m, hidden, inter = 32, 32, 8
+    ids = _counted_ids({0: 40, 1: 20, 2: 16, -1: 5}).view(-1, 1).to(DEVICE)  # as above
+    x, w13, *_ = make_problem(ids.shape[0], hidden, inter, 4, 1, dtype=torch.float16)
+    routing = align_routing_triton(ids, 4, block_m)
+    assert routing.num_tiles.tolist() == [2, 2]  # full: 0's first, 1's; half: 0's last, 2's
+    lower_halves = list(range(48, 64)) + list(range(112, 128))
+    used = (routing.sorted_ids_P[:128] < routing.num_routed).nonzero().view(-1)
+    acts = {}
+    for half in (True, False):
+        act = torch.full((routing.sorted_ids_P.numel(), inter), float("nan"), dtype=x.dtype,
+                         device=DEVICE)
+        launch_persistent(x, w13, act, None, routing, n=inter, k=hidden, a_rows_div=1,
+                          a_sorted=False, half_tail=half)
+        assert torch.isnan(act[lower_halves]).all() == half, f"half_tail={half}"
+        assert not torch.isnan(act[used]).any()
+        acts[half] = act
+    torch.testing.assert_close(acts[True][used], acts[False][used], rtol=0, atol=0)
+
+    prefer = fm.prefer_persistent
+    assert prefer(128, gated=False, k=768, rows_per_expert=256)
+    assert prefer(128, gated=True, k=7168, rows_per_expert=1024)
+    assert not prefer(128, gated=True, k=7168, rows_per_expert=256), "2 tiles per expert"
+    assert not prefer(128, gated=True, k=2048, rows_per_expert=1024), "shallow GEMM1"
+    assert not prefer(64, gated=False, k=768, rows_per_expert=128), "tuned on 128-row blocks"
+    monkeypatch.setattr(fm, "PERSISTENT", False)
+    assert not prefer(128, gated=False, k=768, rows_per_expert=256)
+    fp32 = make_problem(4, 16, 8, 2, 1)
+    with pytest.raises(ValueError, match=r"persistent=True.*16-bit"):
+        fm.fused_moe(*fp32, persistent=True)
+
+
+def test_no_persistent_gemms_where_sms_are_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The experts let fused_moe pick (None) unless other streams' kernels run beside
+    them: inside `sharing_sms()` or a DBO step they forbid the persistent kernel."""
+    import moe.experts.triton as triton_experts
+    import moe.kernels.fused_moe as fm
+
+    seen = []
+    monkeypatch.setattr(fm, "fused_moe", lambda x, *a, **kw: seen.append(kw["persistent"]) or x)
+    problem = make_problem(4, 16, 8, 2, 1)
+    TritonExperts().apply(*problem)
+    with triton_experts.sharing_sms():
+        TritonExperts().apply(*problem)
+    TritonExperts().apply(*problem)
+    monkeypatch.setattr(triton_experts, "dbo_enabled", lambda: True)
+    TritonExperts().apply(*problem)
+    assert seen == [None, False, None, False]
 
 
 def test_tma_and_sorted_x_reject_what_they_cannot_load() -> None:
@@ -622,6 +720,24 @@ def test_gpu_load_variants(tma: bool, sorted_x: bool) -> None:
     ref = ReferenceExperts().apply(*problem)
     out = fused_moe(*problem, tma=tma, sorted_x=sorted_x)
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[_BF16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, num_experts", [(2048, 64), (4096, 16)])
+def test_gpu_persistent(num_tokens: int, num_experts: int) -> None:
+    """The persistent kernel compiled and autotuned on CUDA (128-row blocks, half tiles,
+    sorted x or not), against the reference and the one-program-per-tile kernel."""
+    from moe.kernels.fused_moe import fused_moe
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the persistent kernel loads by TMA: compute capability 9.0+")
+    problem = make_problem(num_tokens, 1024, 384, num_experts, 8, dtype=_BF16, drop_frac=0.3)
+    ref = ReferenceExperts().apply(*problem)
+    for sorted_x in (False, True):
+        out = fused_moe(*problem, block_m=128, tma=True, sorted_x=sorted_x, persistent=True)
+        torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[_BF16])
+        plain = fused_moe(*problem, block_m=128, tma=True, sorted_x=sorted_x, persistent=False)
+        torch.testing.assert_close(out.float(), plain.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_tune_cli(capsys: pytest.CaptureFixture[str]) -> None:

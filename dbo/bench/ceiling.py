@@ -11,7 +11,8 @@ All three are built from the DBO-off step of the same workload:
   collectives on buffers of the same sizes: the dispatch and combine traffic of the
   step, its count exchanges included, without the host syncs or any compute.
 - **compute alone**: the same step with every collective replaced by a copy of the
-  output it produced in the recorded step (`replayed_results`): no communication, but
+  output it produced in the recorded step (`replayed_results`), with the expert kernels
+  a DBO step uses (`moe.experts.triton.sharing_sms`): no communication, but
   exactly the data the real step received, so packing, the host syncs, the experts over
   the rows this rank really gets (masked slots included), attention and shared experts
   all cost what they cost in the real step. (An earlier version routed tokens locally
@@ -42,6 +43,7 @@ from torch import Tensor, nn
 
 from dbo.bench.timing import Timing, median_of_rounds, time_steps
 from dbo.bench.workload import Workload
+from moe.experts.triton import sharing_sms
 from moe.layer import MoELayer
 from streams.stream_set import new_comm_stream
 
@@ -245,7 +247,9 @@ def probe_ceiling(workload: Workload, *, device: torch.device,
         workload.step()
     replay = CommReplay(recording)
     comm = time_steps(replay.run_all, device=device, group=group, warmup=warmup, iters=iters)
-    with replayed_results(recording):
+    # Compute alone and both run the kernels a DBO step runs: none that holds every SM
+    # (moe.experts.triton.sharing_sms).
+    with replayed_results(recording), sharing_sms():
         compute = time_steps(workload.step, device=device, group=group, warmup=warmup,
                              iters=iters)
         with _overlapped_comm(workload, replay, device) as both_step:

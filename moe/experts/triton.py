@@ -5,21 +5,47 @@ Shape legend: N rows (tokens), K top-k, E local experts, H hidden, I intermediat
 Triton is imported lazily, on the first `apply`, so that importing `moe` never needs it and
 so that TRITON_INTERPRET (read by Triton when the kernel is defined) is settled by then.
 On CPU the kernel runs only under TRITON_INTERPRET=1 (tests at small shapes).
+
+Where kernels of other streams run beside the experts (in a DBO step, and wherever
+`sharing_sms()` says so), the GEMMs never take the persistent kernel: its one program per
+SM holds every SM until the GEMM ends, so communication kernels queued meanwhile on
+another stream wait for it. Measured on 2 H200s (BENCHMARKS.md section 3, session 9): the
+DBO step took 5.8-6.6 ms longer with it, the step without DBO 0.6 ms less.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
-from typing import ClassVar
+from contextvars import ContextVar
+from typing import ClassVar, Iterator
 
 import torch
 from torch import Tensor
 
+from dbo.yield_points import dbo_enabled
 from moe.experts.base import Experts
 from moe.workspace import Workspace
 
-__all__ = ["TritonExperts"]
+__all__ = ["TritonExperts", "sharing_sms"]
+
+_SHARING_SMS: ContextVar[bool] = ContextVar("moe_experts_sharing_sms", default=False)
+
+
+@contextlib.contextmanager
+def sharing_sms() -> Iterator[None]:
+    """Within: kernels of other streams may run beside the experts (the ceiling probe's
+    overlapped steps say so; a DBO step needs no marking), so they use no persistent GEMM."""
+    token = _SHARING_SMS.set(True)
+    try:
+        yield
+    finally:
+        _SHARING_SMS.reset(token)
+
+
+def _sms_shared() -> bool:
+    return _SHARING_SMS.get() or dbo_enabled()
 
 _INSTALL_HINT = "pip install triton"
 
@@ -68,11 +94,13 @@ class TritonExperts(Experts):
     ) -> Tensor:
         """See `Experts.apply`. Routing, the expert-sorted [P, I] activation and the
         [N*K, H] weighted rows (sharing memory with the sorted x where that path is taken)
-        come from ``workspace`` when given; ids are not range-checked (no host sync)."""
+        come from ``workspace`` when given; ids are not range-checked (no host sync).
+        No persistent GEMMs where SMs are shared (module doc)."""
         from moe.kernels.fused_moe import fused_moe  # lazy: imports triton
 
         return fused_moe(
-            x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, workspace=workspace
+            x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, workspace=workspace,
+            persistent=False if _sms_shared() else None,
         )
 
 

@@ -13,6 +13,11 @@ Layout: one segment per expert in id order, each padded to a multiple of BLOCK_M
 segment for the rows with id -1 (routed to another rank). Those "dropped" rows do no math,
 but the final GEMM writes zeros for them, so every flat id appears exactly once and the
 [R, H] output needs no memset. Padding rows hold the sentinel R.
+
+Tile table (for the persistent GEMMs, `moe.kernels.fused_moe_persistent`): the blocks
+that hold an expert's rows, listed without the padding, dropped and idle blocks. Blocks
+with more than BLOCK_M // 2 used rows come first, in row order; then the half-used ones
+(at most BLOCK_M // 2 used rows: only an expert's last block can be one), in row order.
 """
 from __future__ import annotations
 
@@ -44,6 +49,11 @@ class AlignedRouting:
     """Rows per block."""
     num_routed: int
     """R = N*K, also the padding sentinel in `sorted_ids_P`."""
+    tile_rows_B: torch.Tensor
+    """int32 [B]: first row of each block in the tile table (see the module doc); entries
+    at or past `num_tiles[0] + num_tiles[1]` are never read (left as they were)."""
+    num_tiles: torch.Tensor
+    """int32 [2]: (blocks with more than BLOCK_M // 2 used rows, half-used blocks)."""
 
 
 def max_padded_rows(num_routed: int, num_experts: int, block_m: int) -> int:
@@ -101,6 +111,9 @@ def align_routing(
     block_expert_ids_B = empty_from(
         workspace, "triton.align.block_expert_ids", (num_blocks,), torch.int32, device
     )
+    tile_rows_B = empty_from(
+        workspace, "triton.align.tile_rows", (num_blocks,), torch.int32, device
+    )
     if num_routed == 0:
         return AlignedRouting(
             sorted_ids_P=sorted_ids_P,
@@ -108,6 +121,8 @@ def align_routing(
             num_padded_rows=torch.zeros(1, dtype=torch.int32, device=device),
             block_m=block_m,
             num_routed=0,
+            tile_rows_B=tile_rows_B,
+            num_tiles=torch.zeros(2, dtype=torch.int32, device=device),
         )
 
     # Segment index per row: the expert, or E for -1. Python-style modulo maps -1 to E in
@@ -137,6 +152,8 @@ def align_routing(
         padded_end_S[:-1], block_start_B, right=True, out_int32=True, out=block_expert_ids_B
     )
     block_expert_ids_B.masked_fill_(block_expert_ids_B == num_experts, -1)
+    num_tiles = _tile_table(block_start_B, block_expert_ids_B, bounds_S, padded_end_S - padded_S,
+                            block_m, out=tile_rows_B)
 
     return AlignedRouting(
         sorted_ids_P=sorted_ids_P,
@@ -144,5 +161,36 @@ def align_routing(
         num_padded_rows=padded_end_S[-1:].to(torch.int32),
         block_m=block_m,
         num_routed=num_routed,
+        tile_rows_B=tile_rows_B,
+        num_tiles=num_tiles,
     )
+
+
+def _tile_table(
+    block_start_B: torch.Tensor,
+    block_expert_ids_B: torch.Tensor,
+    bounds_S: torch.Tensor,
+    padded_start_S: torch.Tensor,
+    block_m: int,
+    *,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Fill `out` [B] with the tile table (module doc) and return `num_tiles` [2], with
+    no host sync: each block's slot comes from running counts over the blocks."""
+    num_blocks = block_start_B.numel()
+    expert_B = block_expert_ids_B.long()
+    is_expert_B = expert_B >= 0
+    safe_B = expert_B.clamp(min=0)
+    total_B = bounds_S[safe_B + 1] - bounds_S[safe_B]  # rows of the block's expert
+    used_B = (total_B - (block_start_B - padded_start_S[safe_B])).clamp(0, block_m)
+    half_B = is_expert_B & (used_B > 0) & (used_B <= block_m // 2)
+    full_B = is_expert_B & (used_B > block_m // 2)
+    num_full = full_B.sum()
+    slot_B = torch.where(full_B, torch.cumsum(full_B, 0) - 1, num_blocks)
+    slot_B = torch.where(half_B, num_full + torch.cumsum(half_B, 0) - 1, slot_B)
+    spill = out.new_empty(num_blocks + 1)  # slot B collects the blocks not in the table
+    spill[:num_blocks] = out
+    spill.index_copy_(0, slot_B, block_start_B.to(torch.int32))
+    out.copy_(spill[:num_blocks])
+    return torch.stack([num_full, half_B.sum()]).to(torch.int32)
 

@@ -8,8 +8,8 @@ aligns its own rows in every layer.
     1. count:   per chunk of CHUNK routed rows, a histogram over segments
                 (expert 0..E-1, E = dropped id -1, and one junk bin for the tail).
     2. scan:    one program: segment totals, BLOCK_M-padded segment starts, each chunk's
-                base offset per segment, the block -> expert table, the padding sentinels
-                and the used row count.
+                base offset per segment, the block -> expert table, the padding sentinels,
+                the used row count and the tile table (`moe.kernels.align`).
     3. scatter: per chunk, a sort of (segment, position) keys gives every row its rank
                 among the chunk's rows of its segment; row -> base + rank.
 
@@ -67,6 +67,8 @@ def align_scan_kernel(
     sorted_ids_ptr,  # int32 [P] out: the padding rows get the sentinel R
     block_expert_ids_ptr,  # int32 [B] out: expert per block, -1 for dropped/idle
     num_padded_rows_ptr,  # int32 [1] out
+    tile_rows_ptr,  # int32 [B] out: the tile table's first rows
+    num_tiles_ptr,  # int32 [2] out: (more than half-used blocks, half-used blocks)
     num_routed,
     num_experts,
     num_chunks,
@@ -112,6 +114,27 @@ def align_scan_kernel(
         seg = tl.sum(ended.to(tl.int32), axis=1)
         expert = tl.where(seg < num_experts, seg, -1)
         tl.store(block_expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
+
+    # Tile table: per expert, its blocks but the last in full, then the last one as full
+    # or half-used; the half-used ones go after every full one.
+    is_expert = segs < num_experts
+    num_blocks_e = tl.where(is_expert, padded // BLOCK_M, 0)
+    last_used = totals - (num_blocks_e - 1) * BLOCK_M
+    half = is_expert & (totals > 0) & (last_used <= BLOCK_M // 2)
+    full = num_blocks_e - half.to(tl.int32)
+    full_end = tl.cumsum(full, axis=0)
+    full_start = full_end - full
+    num_full = tl.sum(full, axis=0)
+    half_slot = num_full + tl.cumsum(half.to(tl.int32), axis=0) - 1
+    tl.store(tile_rows_ptr + half_slot, padded_start + full * BLOCK_M, mask=half)
+    for t in range(0, num_blocks, BLOCKS_PER_STEP):
+        slots = t + tl.arange(0, BLOCKS_PER_STEP)
+        owns = (full_start[None, :] <= slots[:, None]) & (slots[:, None] < full_end[None, :])
+        first = padded_start[None, :] + (slots[:, None] - full_start[None, :]) * BLOCK_M
+        row = tl.sum(tl.where(owns, first, 0), axis=1)
+        tl.store(tile_rows_ptr + slots, row, mask=slots < num_full)
+    tl.store(num_tiles_ptr, num_full)
+    tl.store(num_tiles_ptr + 1, tl.sum(half.to(tl.int32), axis=0))
 
     tl.store(num_padded_rows_ptr, tl.sum(padded, axis=0))
 
@@ -169,9 +192,14 @@ def align_routing_triton(
                                     torch.int32, device)
     num_padded_rows = empty_from(workspace, "triton.align.num_padded_rows", (1,), torch.int32,
                                  device)
+    tile_rows_B = empty_from(workspace, "triton.align.tile_rows", (num_blocks,), torch.int32,
+                             device)
+    num_tiles = empty_from(workspace, "triton.align.num_tiles", (2,), torch.int32, device)
     if num_routed == 0:
         num_padded_rows.zero_()
-        return AlignedRouting(sorted_ids_P, block_expert_ids_B, num_padded_rows, block_m, 0)
+        num_tiles.zero_()
+        return AlignedRouting(sorted_ids_P, block_expert_ids_B, num_padded_rows, block_m, 0,
+                              tile_rows_B, num_tiles)
 
     if chunk is None:
         chunk = SMALL_CHUNK if num_routed <= SMALL_CHUNK else CHUNK
@@ -185,7 +213,7 @@ def align_routing_triton(
     _COUNT((num_chunks,), ids_R, counts_CS, num_routed, num_experts, S_PAD=s_pad, CHUNK=chunk)
     _SCAN(
         (1,),
-        counts_CS, sorted_ids_P, block_expert_ids_B, num_padded_rows,
+        counts_CS, sorted_ids_P, block_expert_ids_B, num_padded_rows, tile_rows_B, num_tiles,
         num_routed, num_experts, num_chunks, num_blocks,
         BLOCK_M=block_m, S_PAD=s_pad, FILL_COLS=min(_FILL_COLS, block_m),
         BLOCKS_PER_STEP=_BLOCKS_PER_STEP, num_warps=4,
@@ -193,4 +221,4 @@ def align_routing_triton(
     _SCATTER((num_chunks,), ids_R, counts_CS, sorted_ids_P, num_routed, num_experts,
              S_PAD=s_pad, CHUNK=chunk, num_warps=8)
     return AlignedRouting(sorted_ids_P, block_expert_ids_B, num_padded_rows, block_m,
-                          num_routed)
+                          num_routed, tile_rows_B, num_tiles)

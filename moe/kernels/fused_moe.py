@@ -43,7 +43,9 @@ import triton.language as tl
 from moe.experts.base import check_expert_inputs
 from moe.kernels.align import AlignedRouting
 from moe.kernels.align_triton import align_routing_triton
+from moe.kernels.fused_moe_persistent import launch_persistent
 from moe.kernels.launch import AutotunedLauncher, FastLauncher
+from moe.kernels.moe_tile import store_tile, use_tma_scratch
 from moe.kernels.rows_triton import launch_sum_rows
 from moe.workspace import Workspace, empty_from
 
@@ -197,13 +199,6 @@ def _expert_tile(
     offs_m = row0 + tl.arange(0, BM)
     row_ids = tl.load(sorted_ids_ptr + offs_m)
     row_mask = row_ids < num_routed
-    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if C_SORTED:  # padding rows are written too (zeros or junk; never summed)
-        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-        c_mask = (offs_m[:, None] >= 0) & (offs_cn[None, :] < N)
-    else:
-        c_ptrs = c_ptr + row_ids.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-        c_mask = row_mask[:, None] & (offs_cn[None, :] < N)
 
     offs_k = tl.arange(0, BLOCK_K)
     if A_SORTED:
@@ -229,8 +224,7 @@ def _expert_tile(
                 block_shape=[BM, BLOCK_K])
 
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
-    if GATED:
-        acc_up = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BLOCK_N), dtype=tl.float32)  # GATED only (else unused)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - k * BLOCK_K
         if USE_TMA and A_SORTED:
@@ -252,13 +246,9 @@ def _expert_tile(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up
-    if MUL_ROUTED_WEIGHT:
-        weight_offs = (row_ids // weights_top_k).to(tl.int64) * stride_wn + row_ids % weights_top_k
-        weight = tl.load(topk_weights_ptr + weight_offs, mask=row_mask, other=0.0)
-        acc = acc * weight[:, None]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    store_tile(acc, acc_up, c_ptr, topk_weights_ptr, offs_m, row_ids, pid_n,
+               N, num_routed, weights_top_k, stride_cm, stride_cn, stride_wn,
+               C_SORTED, GATED, MUL_ROUTED_WEIGHT, BLOCK_N)
 
 
 @triton.jit
@@ -446,6 +436,7 @@ def fused_moe(
     block_m: int | None = None,
     tma: bool | None = None,
     sorted_x: bool | None = None,
+    persistent: bool | None = None,
 ) -> torch.Tensor:
     """Routed expert MLPs: out[n] = sum_k w[n,k] * W2_e(silu(gate_e x[n]) * up_e x[n]).
 
@@ -466,6 +457,10 @@ def fused_moe(
             the interpreter emulates it, for tests); False: pointer loads only.
         sorted_x: copy x's routed rows into the sorted order first (one gather kernel),
             so GEMM1 loads A with TMA too; needs GEMM1 on TMA. None: `prefer_sorted_x`.
+        persistent: run a GEMM as `moe.kernels.fused_moe_persistent` (one program per
+            SM over the tile table, TMA loads). None: on a GPU where TMA can load the
+            operands and `tma` is not False, per GEMM where `prefer_persistent` says;
+            True (both GEMMs) raises ValueError where TMA cannot load them; False: never.
 
     Returns:
         [N, H] in x's dtype on x's device, valid on the current stream. GEMMs accumulate in
@@ -496,6 +491,19 @@ def fused_moe(
         raise ValueError("fused_moe(sorted_x=True) needs tma: the gather only pays for TMA loads")
 
     block_m = block_m or choose_block_m(num_routed, num_experts)
+    rows_per_expert = num_routed / num_experts
+    if persistent is None:
+        allowed = (tma is not False and device.type == "cuda"
+                   and tma_unsupported_reason(w13_EIH, w2_EHI, x_NH) is None)
+        persist1 = allowed and prefer_persistent(block_m, gated=True, k=hidden,
+                                                 rows_per_expert=rows_per_expert)
+        persist2 = allowed and prefer_persistent(block_m, gated=False, k=inter,
+                                                 rows_per_expert=rows_per_expert)
+    elif persistent and (reason := tma_unsupported_reason(w13_EIH, w2_EHI, x_NH)) is not None:
+        raise ValueError(f"fused_moe(persistent=True): {reason}")
+    else:
+        persist1 = persist2 = persistent
+    persist2 = persist2 and SKIP_DROPPED_ROWS  # it writes no zero rows for dropped ids
     routing = align_routing_triton(topk_ids_NK, num_experts, block_m, workspace=workspace)
     max_rows = routing.sorted_ids_P.numel()
     act_PI = empty_from(workspace, "triton.act", (max_rows, inter), dtype, device)
@@ -508,14 +516,23 @@ def fused_moe(
         y_RH = a_x[:num_routed]
     else:
         y_RH = empty_from(workspace, "triton.rows", (num_routed, hidden), dtype, device)
-    rows_per_expert = num_routed / num_experts
     tile1, half1 = gemm_tiles(block_m, gated=True, rows_per_expert=rows_per_expert)
     tile2, half2 = gemm_tiles(block_m, gated=False, rows_per_expert=rows_per_expert)
-    _launch(kernel_launch(a_x, w13_EIH, act_PI, None, routing, n=inter, k=hidden,
-                          a_rows_div=top_k, a_sorted=sorted_x, tma=tma1,
-                          tile_m=tile1, half_tail=half1))
-    _launch(kernel_launch(act_PI, w2_EHI, y_RH, topk_weights_NK, routing, n=hidden, k=inter,
-                          a_rows_div=1, a_sorted=True, tma=tma2, tile_m=tile2, half_tail=half2))
+    half_tail = block_m >= 32  # half tiles of at least 16 rows (tl.dot's minimum)
+    if persist1:
+        launch_persistent(a_x, w13_EIH, act_PI, None, routing, n=inter, k=hidden,
+                          a_rows_div=top_k, a_sorted=sorted_x, half_tail=half_tail)
+    else:
+        _launch(kernel_launch(a_x, w13_EIH, act_PI, None, routing, n=inter, k=hidden,
+                              a_rows_div=top_k, a_sorted=sorted_x, tma=tma1,
+                              tile_m=tile1, half_tail=half1))
+    if persist2:
+        launch_persistent(act_PI, w2_EHI, y_RH, topk_weights_NK, routing, n=hidden, k=inter,
+                          a_rows_div=1, a_sorted=True, half_tail=half_tail)
+    else:
+        _launch(kernel_launch(act_PI, w2_EHI, y_RH, topk_weights_NK, routing, n=hidden,
+                              k=inter, a_rows_div=1, a_sorted=True, tma=tma2, tile_m=tile2,
+                              half_tail=half2))
 
     out_NH = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
     if SKIP_DROPPED_ROWS:
@@ -545,6 +562,33 @@ def prefer_tma(k: int) -> bool:
 def prefer_sorted_x(x_NH: torch.Tensor) -> bool:
     """Whether to gather x into the sorted order for GEMM1 (GEMM1 on TMA)."""
     return x_NH.numel() * x_NH.element_size() >= SORTED_X_MIN_BYTES
+
+
+# The persistent kernel (`moe.kernels.fused_moe_persistent`), from per-GEMM timings of
+# both kernels on an H200 (BENCHMARKS.md section 2, session 9; DeepSeek-V3 shapes with
+# 8/32/128 local experts and the Qwen3 shape, 4096 and 16384 tokens, 128-row blocks):
+# - GEMM2 (reads the sorted activation by TMA): 5-15% faster at every DeepSeek-V3 point,
+#   15% at Qwen3 with 16384 tokens, within +-2% at Qwen3 with 4096.
+# - GEMM1 at depth K = 7168 with 1024 or more rows per expert: 3-18% faster (ds-e8 and
+#   ds-e32 at 4096 and 16384 tokens, ds-e128 at 16384); with 256 rows per expert (ds-e128
+#   at 4096 tokens) slower in two runs of three (each expert spans only two 128-row
+#   tiles; the other kernel runs 64-row ones there); at K = 2048 (Qwen3) 9% slower at
+#   4096 tokens and even at 16384. Hence the two GEMM1 limits below.
+# Only on 128-row blocks (large batches), where its tile list was tuned. PERSISTENT is a
+# module switch, so that benchmarks can compare the two kernels.
+PERSISTENT = True
+PERSISTENT_GEMM1_MIN_K = 4096
+PERSISTENT_GEMM1_MIN_ROWS = 512
+
+
+def prefer_persistent(block_m: int, *, gated: bool, k: int, rows_per_expert: float) -> bool:
+    """Whether a GEMM of depth `k` (`gated`: GEMM1) on `block_m`-row blocks runs the
+    persistent kernel (where TMA can load its operands); `rows_per_expert`: routed rows
+    (dropped ids included) over local experts."""
+    if not PERSISTENT or block_m != 128:
+        return False
+    return not gated or (k >= PERSISTENT_GEMM1_MIN_K
+                         and rows_per_expert >= PERSISTENT_GEMM1_MIN_ROWS)
 
 
 # Tiles shorter than the routing's 128-row blocks, from `python -m moe.tune_experts` on an
@@ -686,16 +730,9 @@ def _launch(launch: KernelLaunch) -> None:
         fused_moe_kernel[launch.grid(meta["BLOCK_N"])](*launch.args, **launch.flags, **meta)
         return
     if launch.flags["USE_TMA"]:
-        # A context variable: every thread and greenlet (each DBO ubatch) has its own.
-        triton.set_allocator(_tma_scratch)
+        use_tma_scratch()
     _tuned_launcher()(launch.tune_key(), lambda meta: launch.grid(meta["BLOCK_N"]),
                       *launch.args, **launch.flags)
-
-
-def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch for in-kernel tensor descriptors, from torch's caching allocator
-    (stream-ordered on the current stream, where the kernel runs)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _check(

@@ -1,0 +1,295 @@
+"""Persistent variant of the fused-MoE GEMM: one program per SM walks a table of tiles.
+
+Same math, operands and epilogues as `moe.kernels.fused_moe.fused_moe_kernel` (see there);
+the difference is the schedule. That kernel launches one program per possible tile and
+lets the ones over padding, dropped or idle blocks return. This one launches one program
+per multiprocessor; each builds its TMA descriptors once and then loops over the used
+tiles in grouped order, from the routing's tile table (`moe.kernels.align`): blocks with
+more than BLOCK_M // 2 used rows first, then the half-used last blocks of experts as
+half-height tiles (HALF_TAIL), so little math goes to padding rows. With FLATTEN, Triton
+pipelines across the tile loop (the next tile's loads start during this one's epilogue).
+
+The host picks it per GEMM where `fused_moe.prefer_persistent` says, from per-GEMM
+timings of both kernels on an H200 (BENCHMARKS.md section 2, session 9).
+
+Weights and sorted A tiles load through tensor descriptors (TMA), so this needs a Hopper
+class GPU, 16-bit data and contiguous weights (`fused_moe.tma_unsupported_reason`); the
+interpreter emulates it on CPU for the tests. Import only after TRITON_INTERPRET is
+settled; nothing is compiled or launched at import.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from moe.kernels.align import AlignedRouting
+from moe.kernels.launch import AutotunedLauncher
+from moe.kernels.moe_tile import store_tile, use_tma_scratch
+
+# CPU (interpreter) tile: small and fixed.
+_INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "FLATTEN": False}
+_INTERPRETER_PROGRAMS = 3
+
+
+@triton.jit
+def fused_moe_persistent_kernel(
+    # Pointers
+    a_ptr,  # A rows: x [N_tok, K] (gathered), or [P, K] in sorted row order (A_SORTED)
+    b_ptr,  # expert weights [E, rows, K] (contiguous): w13 [E, 2N, K] (GATED) or w2 [E, N, K]
+    c_ptr,  # output: [R, N] by flat routed id, or [P, N] in sorted row order (C_SORTED)
+    topk_weights_ptr,  # float32 [N_tok, K] (row stride stride_wn); MUL_ROUTED_WEIGHT only
+    # Routing from moe.kernels.align
+    sorted_ids_ptr,  # int32 [P]: flat routed id per row, `num_routed` = padding
+    block_expert_ids_ptr,  # int32 [P // ROUTE_BLOCK_M]: expert per row block
+    tile_rows_ptr,  # int32 [B]: the tile table (first row per tile)
+    num_tiles_ptr,  # int32 [2]: (full tiles, half-used tiles)
+    # GEMM sizes: C[R, N] = A[R, K] @ B_e[N, K]^T
+    N,
+    K,
+    num_routed,  # R, also the padding sentinel
+    max_padded_rows,  # P
+    rows_bucket,  # next power of two of P: autotune key only (unused in the body)
+    num_experts,  # E: the extent of B's descriptor
+    weights_top_k,  # K of the routing weights: routed id r is weight [r // K, r % K]
+    # Strides
+    stride_am,
+    stride_ak,
+    stride_bn,  # row stride of B viewed as [E * rows, K]
+    stride_cm,
+    stride_cn,
+    stride_wn,
+    # Epilogue / addressing switches
+    A_ROWS_DIV: tl.constexpr,  # gathered A row = routed id // A_ROWS_DIV (top-k for x)
+    A_SORTED: tl.constexpr,  # A row = sorted row, loaded by TMA
+    C_SORTED: tl.constexpr,  # C row = sorted row (the [P, I] activation)
+    GATED: tl.constexpr,  # B holds gate rows [0, N) then up rows [N, 2N): silu(g) * u
+    MUL_ROUTED_WEIGHT: tl.constexpr,  # scale each row by its routing weight
+    HALF_TAIL: tl.constexpr,  # half-used tiles run BLOCK_M // 2 rows (else full height)
+    # Tiles
+    BLOCK_M: tl.constexpr,  # the routing's block: one tile per table entry
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,  # tiles of GROUP_M table entries per column, for L2 reuse
+    NUM_PROGRAMS: tl.constexpr,  # the grid: one program per SM
+    FLATTEN: tl.constexpr,  # pipeline across the tile loop
+    INPUT_PRECISION: tl.constexpr,
+):
+    """C[r, n] = epilogue(sum_k A[r, k] * B[e, n, k]) for every used row r, over the tile
+    table: program p takes tiles p, p + NUM_PROGRAMS, ... of the full tiles, then of the
+    half-used ones (continuing the round-robin, so the programs that took one more full
+    tile take their half tiles last). Rows are never written twice; padding rows of a
+    sorted C are written with junk (never summed), rows of a half tile's lower half not
+    at all."""
+    num_full = tl.load(num_tiles_ptr)
+    num_half = tl.load(num_tiles_ptr + 1)
+    if not HALF_TAIL:
+        num_full += num_half
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(axis=0)
+    _tile_loop(
+        a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ids_ptr,
+        tile_rows_ptr, 0, num_full, pid,
+        N, K, num_routed, max_padded_rows, num_experts, weights_top_k,
+        stride_am, stride_ak, stride_bn, stride_cm, stride_cn, stride_wn,
+        A_ROWS_DIV, A_SORTED, C_SORTED, GATED, MUL_ROUTED_WEIGHT,
+        BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, FLATTEN, INPUT_PRECISION)
+    if HALF_TAIL:
+        # Continue the round-robin where the full tiles stopped.
+        shift = (num_full * num_pid_n) % NUM_PROGRAMS
+        _tile_loop(
+            a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ids_ptr,
+            tile_rows_ptr, num_full, num_half, (pid + NUM_PROGRAMS - shift) % NUM_PROGRAMS,
+            N, K, num_routed, max_padded_rows, num_experts, weights_top_k,
+            stride_am, stride_ak, stride_bn, stride_cm, stride_cn, stride_wn,
+            A_ROWS_DIV, A_SORTED, C_SORTED, GATED, MUL_ROUTED_WEIGHT,
+            BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, FLATTEN,
+            INPUT_PRECISION)
+
+
+@triton.jit
+def _tile_loop(
+    a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ids_ptr,
+    tile_rows_ptr,
+    first_entry,  # table index of this loop's first tile row
+    num_pid_m,  # table entries this loop covers
+    start,  # this program's first tile of the loop
+    N, K, num_routed, max_padded_rows, num_experts, weights_top_k,
+    stride_am, stride_ak, stride_bn, stride_cm, stride_cn, stride_wn,
+    A_ROWS_DIV: tl.constexpr,
+    A_SORTED: tl.constexpr,
+    C_SORTED: tl.constexpr,
+    GATED: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BM: tl.constexpr,  # rows computed per tile: BLOCK_M, or BLOCK_M // 2 for half tiles
+    ROUTE_BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """The tiles of `num_pid_m` table entries x all output columns, BM rows each."""
+    expert_rows = 2 * N if GATED else N
+    b_desc = tl.make_tensor_descriptor(
+        b_ptr, shape=[num_experts * expert_rows, K], strides=[stride_bn, 1],
+        block_shape=[BLOCK_N, BLOCK_K])
+    if A_SORTED:
+        a_desc = tl.make_tensor_descriptor(
+            a_ptr, shape=[max_padded_rows, K], strides=[stride_am, 1],
+            block_shape=[BM, BLOCK_K])
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in tl.range(start, num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN):
+        group_id = tile // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+        pid_n = (tile % num_pid_in_group) // group_size_m
+
+        row0 = tl.load(tile_rows_ptr + first_entry + pid_m)
+        expert = tl.load(block_expert_ids_ptr + row0 // ROUTE_BLOCK_M).to(tl.int64)
+        offs_m = row0 + tl.arange(0, BM)
+        row_ids = tl.load(sorted_ids_ptr + offs_m)
+        row_mask = row_ids < num_routed
+        a_rows = (row_ids // A_ROWS_DIV).to(tl.int64)
+        # Past an expert's last weight row the descriptor reads the next expert's rows
+        # (or zeros past the tensor); the store mask drops those columns.
+        b_row = (expert * expert_rows + pid_n * BLOCK_N).to(tl.int32)
+
+        acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            k0 = ki * BLOCK_K
+            if A_SORTED:
+                a = a_desc.load([row0, k0])
+            else:
+                a_ptrs = (a_ptr + a_rows[:, None] * stride_am
+                          + (k0 + offs_k)[None, :] * stride_ak)
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & (k0 + offs_k < K)[None, :],
+                            other=0.0)
+            b = b_desc.load([b_row, k0]).T
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if GATED:
+                up = b_desc.load([b_row + N, k0]).T
+                acc_up = tl.dot(a, up, acc_up, input_precision=INPUT_PRECISION)
+        store_tile(acc, acc_up, c_ptr, topk_weights_ptr, offs_m, row_ids, pid_n,
+                   N, num_routed, weights_top_k, stride_cm, stride_cn, stride_wn,
+                   C_SORTED, GATED, MUL_ROUTED_WEIGHT, BLOCK_N)
+
+
+# (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, FLATTEN) on 128-row tiles, from
+# per-config timings on an H200 (session 9, BENCHMARKS.md section 2): GEMM2 won with
+# 256-wide columns, 8 warps, 3 stages, flattened at most points; GEMM1 (two accumulators)
+# with 128 x 128 and no flattening (flattened, it ran 20-50% slower); 64-wide columns lost
+# by 10-30% in both. Tiles of 64 rows need a table per tile height (not built).
+_GEMM2_TILES = (
+    (256, 64, 8, 8, 3, True),
+    (256, 64, 16, 8, 3, True),
+    (256, 64, 8, 8, 3, False),
+    (128, 64, 8, 8, 4, True),
+)
+_GEMM1_TILES = (
+    (128, 64, 8, 8, 3, False),
+    (128, 64, 16, 8, 3, False),
+    (64, 64, 8, 8, 4, False),
+)
+
+
+def autotune_configs(*, gated: bool | None = None) -> list[triton.Config]:
+    """GPU tile candidates for GEMM1 (`gated`), GEMM2, or both (None)."""
+    if gated is None:
+        tiles = _GEMM1_TILES + _GEMM2_TILES
+    else:
+        tiles = _GEMM1_TILES if gated else _GEMM2_TILES
+    return [
+        triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m,
+                       "FLATTEN": flatten}, num_warps=num_warps, num_stages=num_stages)
+        for block_n, block_k, group_m, num_warps, num_stages, flatten in tiles
+    ]
+
+
+def _prune_configs(configs: list[triton.Config], named_args: dict[str, Any],
+                   **kwargs: Any) -> list[triton.Config]:
+    """Keep the configs of this GEMM (gated or not) that are no wider than it."""
+    regime = set(map(str, autotune_configs(gated=kwargs["GATED"])))
+    width = max(16, triton.next_power_of_2(named_args["N"]))
+    kept = [c for c in configs if str(c) in regime and c.kwargs["BLOCK_N"] <= width]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"])]
+
+
+@functools.cache
+def _tuned_launcher() -> AutotunedLauncher:
+    kernel = triton.autotune(
+        configs=autotune_configs(),
+        key=["N", "K", "BLOCK_M", "GATED", "A_SORTED", "HALF_TAIL", "rows_bucket"],
+        prune_configs_by={"early_config_prune": _prune_configs},
+    )(fused_moe_persistent_kernel)
+    return AutotunedLauncher(kernel)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch_persistent(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    weights_NK: torch.Tensor | None,
+    routing: AlignedRouting,
+    *,
+    n: int,
+    k: int,
+    a_rows_div: int,
+    a_sorted: bool,
+    half_tail: bool = True,
+) -> None:
+    """Queue one GEMM of the pair on the current stream, as `fused_moe.kernel_launch`
+    describes it (GEMM1 when `weights_NK` is None: gated, writes the sorted [P, n]
+    activation; GEMM2: weighted, writes rows by routed id), over `routing`'s tile table.
+    `b` must be contiguous [E, rows, k] and the operands TMA-loadable."""
+    final = weights_NK is not None
+    if final and weights_NK.stride(1) != 1:
+        weights_NK = weights_NK.contiguous()
+    if not b.is_contiguous():
+        raise ValueError("launch_persistent: expert weights must be contiguous")
+    max_rows = routing.sorted_ids_P.numel()
+    ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    args = (
+        a, b, c, weights_NK if final else c,
+        routing.sorted_ids_P, routing.block_expert_ids_B, routing.tile_rows_B,
+        routing.num_tiles,
+        n, k, routing.num_routed, max_rows, triton.next_power_of_2(max(max_rows, 1)),
+        b.shape[0], weights_NK.shape[1] if final else 1,
+        a.stride(0), a.stride(1), b.stride(1), c.stride(0), c.stride(1),
+        weights_NK.stride(0) if final else 1,
+    )
+    flags = {
+        "A_ROWS_DIV": a_rows_div,
+        "A_SORTED": a_sorted,
+        "C_SORTED": not final,
+        "GATED": not final,
+        "MUL_ROUTED_WEIGHT": final,
+        "HALF_TAIL": half_tail,
+        "BLOCK_M": routing.block_m,
+        "INPUT_PRECISION": "ieee" if ieee else "tf32",
+    }
+    use_tma_scratch()
+    if a.device.type == "cpu":  # TRITON_INTERPRET=1
+        grid = (_INTERPRETER_PROGRAMS,)
+        fused_moe_persistent_kernel[grid](*args, **flags, NUM_PROGRAMS=grid[0],
+                                          **_INTERPRETER_CONFIG)
+        return
+    programs = _num_sms(a.device.index if a.device.index is not None else
+                        torch.cuda.current_device())
+    flags["NUM_PROGRAMS"] = programs
+    tune_key = (tuple(flags.values()), n, k, max_rows, a.dtype, b.dtype, c.dtype)
+    _tuned_launcher()(tune_key, lambda meta: (programs,), *args, **flags)

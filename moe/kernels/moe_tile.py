@@ -1,0 +1,62 @@
+"""Pieces shared by the two fused-MoE GEMM kernels (`fused_moe`, `fused_moe_persistent`):
+the tile epilogue and the scratch allocator for in-kernel tensor descriptors.
+
+Import only after TRITON_INTERPRET is settled; nothing is compiled at import.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def store_tile(
+    acc,  # fp32 [BM, BLOCK_N]: the GEMM (GATED: the gate half)
+    acc_up,  # fp32 [BM, BLOCK_N]: the up half (GATED only)
+    c_ptr,
+    topk_weights_ptr,
+    offs_m,  # int [BM]: the tile's sorted rows
+    row_ids,  # int32 [BM]: their flat routed ids, num_routed for padding
+    pid_n,
+    N,
+    num_routed,
+    weights_top_k,
+    stride_cm,
+    stride_cn,
+    stride_wn,
+    C_SORTED: tl.constexpr,
+    GATED: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Epilogue of one tile: silu(gate) * up (GATED), times the routing weight
+    (MUL_ROUTED_WEIGHT), rounded to C's dtype and stored at the sorted row (C_SORTED,
+    padding rows too) or at the routed id (used rows only)."""
+    row_mask = row_ids < num_routed
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_ROUTED_WEIGHT:
+        weight_offs = (row_ids // weights_top_k).to(tl.int64) * stride_wn + row_ids % weights_top_k
+        weight = tl.load(topk_weights_ptr + weight_offs, mask=row_mask, other=0.0)
+        acc = acc * weight[:, None]
+    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if C_SORTED:
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+        c_mask = (offs_m[:, None] >= 0) & (offs_cn[None, :] < N)
+    else:
+        c_ptrs = c_ptr + row_ids.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+        c_mask = row_mask[:, None] & (offs_cn[None, :] < N)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for in-kernel tensor descriptors, from torch's caching allocator
+    (stream-ordered on the current stream, where the kernel runs)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def use_tma_scratch() -> None:
+    """Install `tma_scratch` for this thread / greenlet (Triton keeps the allocator in a
+    context variable: every DBO ubatch has its own)."""
+    triton.set_allocator(tma_scratch)
