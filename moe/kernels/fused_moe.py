@@ -24,6 +24,10 @@ Tile heights (`gemm_tiles`): on 128-row routing blocks GEMM1 may run 64-row tile
 tile of padding rows returns at once), and GEMM2 runs a half-height copy of its tile for
 an expert's last block when that block is at most half used (`HALF_TAIL`).
 
+Schedule: one program per tile here; for large batches outside DBO the host may run a
+GEMM as `moe.kernels.fused_moe_persistent` instead (one program per SM over a table of
+the used tiles; `prefer_persistent`).
+
 Legend (host side): N tokens, K top-k, H hidden, I intermediate, E local experts,
 R = N*K routed rows, P padded rows. Inside the kernel M/N/K are the GEMM's own sizes.
 
@@ -567,15 +571,16 @@ def prefer_sorted_x(x_NH: torch.Tensor) -> bool:
 # The persistent kernel (`moe.kernels.fused_moe_persistent`), from per-GEMM timings of
 # both kernels on an H200 (BENCHMARKS.md section 2, session 9; DeepSeek-V3 shapes with
 # 8/32/128 local experts and the Qwen3 shape, 4096 and 16384 tokens, 128-row blocks):
-# - GEMM2 (reads the sorted activation by TMA): 5-15% faster at every DeepSeek-V3 point,
-#   15% at Qwen3 with 16384 tokens, within +-2% at Qwen3 with 4096.
-# - GEMM1 at depth K = 7168 with 1024 or more rows per expert: 3-18% faster (ds-e8 and
+# - GEMM2 (reads the sorted activation by TMA): 0-10% faster at every DeepSeek-V3 point,
+#   15% at Qwen3 with 16384 tokens, 2% slower at Qwen3 with 4096.
+# - GEMM1 at depth K = 7168 with 1024 or more rows per expert: 0-18% faster (ds-e8 and
 #   ds-e32 at 4096 and 16384 tokens, ds-e128 at 16384); with 256 rows per expert (ds-e128
 #   at 4096 tokens) slower in two runs of three (each expert spans only two 128-row
-#   tiles; the other kernel runs 64-row ones there); at K = 2048 (Qwen3) 9% slower at
-#   4096 tokens and even at 16384. Hence the two GEMM1 limits below.
+#   tiles; the other kernel runs 64-row ones there); at K = 2048 (Qwen3) 10% slower at
+#   4096 tokens and 0-8% at 16384. Hence the two GEMM1 limits below.
 # Only on 128-row blocks (large batches), where its tile list was tuned. PERSISTENT is a
-# module switch, so that benchmarks can compare the two kernels.
+# module switch, so that benchmarks can compare the two kernels. The experts never ask
+# for it where other streams' kernels run beside them (`moe.experts.triton`).
 PERSISTENT = True
 PERSISTENT_GEMM1_MIN_K = 4096
 PERSISTENT_GEMM1_MIN_ROWS = 512

@@ -187,7 +187,7 @@ def _tile_loop(
 # (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, FLATTEN) on 128-row tiles, from
 # per-config timings on an H200 (session 9, BENCHMARKS.md section 2): GEMM2 won with
 # 256-wide columns, 8 warps, 3 stages, flattened at most points; GEMM1 (two accumulators)
-# with 128 x 128 and no flattening (flattened, it ran 20-50% slower); 64-wide columns lost
+# with 128 x 128 and no flattening (flattened, it ran 10-50% slower); 64-wide columns lost
 # by 10-30% in both. Tiles of 64 rows need a table per tile height (not built).
 _GEMM2_TILES = (
     (256, 64, 8, 8, 3, True),
