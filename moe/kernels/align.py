@@ -51,7 +51,8 @@ class AlignedRouting:
     """R = N*K, also the padding sentinel in `sorted_ids_P`."""
     tile_rows_B: torch.Tensor
     """int32 [B]: first row of each block in the tile table (see the module doc); entries
-    at or past `num_tiles[0] + num_tiles[1]` are never read (left as they were)."""
+    at or past `num_tiles[0] + num_tiles[1]` are never read (the torch version fills them
+    with 0, the Triton version leaves them as they were)."""
     num_tiles: torch.Tensor
     """int32 [2]: (blocks with more than BLOCK_M // 2 used rows, half-used blocks)."""
 
@@ -188,8 +189,7 @@ def _tile_table(
     num_full = full_B.sum()
     slot_B = torch.where(full_B, torch.cumsum(full_B, 0) - 1, num_blocks)
     slot_B = torch.where(half_B, num_full + torch.cumsum(half_B, 0) - 1, slot_B)
-    spill = out.new_empty(num_blocks + 1)  # slot B collects the blocks not in the table
-    spill[:num_blocks] = out
+    spill = out.new_zeros(num_blocks + 1)  # slot B collects the blocks not in the table
     spill.index_copy_(0, slot_B, block_start_B.to(torch.int32))
     out.copy_(spill[:num_blocks])
     return torch.stack([num_full, half_B.sum()]).to(torch.int32)

@@ -49,7 +49,7 @@ from moe.kernels.align import AlignedRouting
 from moe.kernels.align_triton import align_routing_triton
 from moe.kernels.fused_moe_persistent import launch_persistent
 from moe.kernels.launch import AutotunedLauncher, FastLauncher
-from moe.kernels.moe_tile import store_tile, use_tma_scratch
+from moe.kernels.moe_tile import gemm_role, store_tile, use_tma_scratch
 from moe.kernels.rows_triton import launch_sum_rows
 from moe.workspace import Workspace, empty_from
 
@@ -482,11 +482,13 @@ def fused_moe(
     if num_routed == 0:
         return torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
 
+    # Whether TMA can load the operands decides the load paths and the persistent kernel.
+    tma_reason = tma_unsupported_reason(w13_EIH, w2_EHI, x_NH)
+    tma_auto = device.type == "cuda" and tma_reason is None
     if tma is None:
-        auto = device.type == "cuda" and tma_unsupported_reason(w13_EIH, w2_EHI, x_NH) is None
-        tma1, tma2 = auto and prefer_tma(hidden), auto and prefer_tma(inter)
-    elif tma and (reason := tma_unsupported_reason(w13_EIH, w2_EHI, x_NH)) is not None:
-        raise ValueError(f"fused_moe(tma=True): {reason}")
+        tma1, tma2 = tma_auto and prefer_tma(hidden), tma_auto and prefer_tma(inter)
+    elif tma and tma_reason is not None:
+        raise ValueError(f"fused_moe(tma=True): {tma_reason}")
     else:
         tma1 = tma2 = tma
     if sorted_x is None:
@@ -497,14 +499,13 @@ def fused_moe(
     block_m = block_m or choose_block_m(num_routed, num_experts)
     rows_per_expert = num_routed / num_experts
     if persistent is None:
-        allowed = (tma is not False and device.type == "cuda"
-                   and tma_unsupported_reason(w13_EIH, w2_EHI, x_NH) is None)
+        allowed = tma is not False and tma_auto
         persist1 = allowed and prefer_persistent(block_m, gated=True, k=hidden,
                                                  rows_per_expert=rows_per_expert)
         persist2 = allowed and prefer_persistent(block_m, gated=False, k=inter,
                                                  rows_per_expert=rows_per_expert)
-    elif persistent and (reason := tma_unsupported_reason(w13_EIH, w2_EHI, x_NH)) is not None:
-        raise ValueError(f"fused_moe(persistent=True): {reason}")
+    elif persistent and tma_reason is not None:
+        raise ValueError(f"fused_moe(persistent=True): {tma_reason}")
     else:
         persist1 = persist2 = persistent
     persist2 = persist2 and SKIP_DROPPED_ROWS  # it writes no zero rows for dropped ids
@@ -699,31 +700,22 @@ def kernel_launch(
         raise ValueError(f"tile_m={tile_m}, half_tail={half_tail}: tiles must divide the "
                          f"routing's {routing.block_m}-row blocks, and half tiles need >= 32 rows")
     max_rows = routing.sorted_ids_P.numel()
-    final = weights_NK is not None
-    if final and weights_NK.stride(1) != 1:
-        weights_NK = weights_NK.contiguous()
-    ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    role = gemm_role(a, c, weights_NK, a_rows_div=a_rows_div, a_sorted=a_sorted)
     args = (
-        a, b, c, weights_NK if final else c,  # the pointer is unused when not final
+        a, b, c, role.weights,
         routing.sorted_ids_P, routing.block_expert_ids_B, routing.num_padded_rows,
         n, k, routing.num_routed, max_rows, triton.next_power_of_2(max(max_rows, 1)),
-        b.shape[0], weights_NK.shape[1] if final else 1,
+        b.shape[0], role.weights_top_k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        weights_NK.stride(0) if final else 1,
+        role.stride_wn,
     )
     flags = {
-        "A_ROWS_DIV": a_rows_div,
-        "A_SORTED": a_sorted,
-        "C_SORTED": not final,
+        **role.flags,
         "USE_TMA": tma,
-        "GATED": not final,
-        "MUL_ROUTED_WEIGHT": final,
-        "ZERO_DROPPED": final and not SKIP_DROPPED_ROWS,
+        "ZERO_DROPPED": weights_NK is not None and not SKIP_DROPPED_ROWS,
         "HALF_TAIL": half_tail,
         "ROUTE_BLOCK_M": routing.block_m,
         "BLOCK_M": tile_m,
-        # Follow torch's matmul: exact fp32 unless the user allowed TF32 (16-bit: unused).
-        "INPUT_PRECISION": "ieee" if ieee else "tf32",
     }
     return KernelLaunch(args=args, flags=flags, max_rows=max_rows, n=n, k=k)
 

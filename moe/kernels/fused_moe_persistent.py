@@ -28,7 +28,7 @@ import triton.language as tl
 
 from moe.kernels.align import AlignedRouting
 from moe.kernels.launch import AutotunedLauncher
-from moe.kernels.moe_tile import store_tile, use_tma_scratch
+from moe.kernels.moe_tile import gemm_role, store_tile, use_tma_scratch
 
 # CPU (interpreter) tile: small and fixed.
 _INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "FLATTEN": False}
@@ -256,32 +256,19 @@ def launch_persistent(
     describes it (GEMM1 when `weights_NK` is None: gated, writes the sorted [P, n]
     activation; GEMM2: weighted, writes rows by routed id), over `routing`'s tile table.
     `b` must be contiguous [E, rows, k] and the operands TMA-loadable."""
-    final = weights_NK is not None
-    if final and weights_NK.stride(1) != 1:
-        weights_NK = weights_NK.contiguous()
     if not b.is_contiguous():
         raise ValueError("launch_persistent: expert weights must be contiguous")
     max_rows = routing.sorted_ids_P.numel()
-    ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    role = gemm_role(a, c, weights_NK, a_rows_div=a_rows_div, a_sorted=a_sorted)
     args = (
-        a, b, c, weights_NK if final else c,
+        a, b, c, role.weights,
         routing.sorted_ids_P, routing.block_expert_ids_B, routing.tile_rows_B,
         routing.num_tiles,
         n, k, routing.num_routed, max_rows, triton.next_power_of_2(max(max_rows, 1)),
-        b.shape[0], weights_NK.shape[1] if final else 1,
-        a.stride(0), a.stride(1), b.stride(1), c.stride(0), c.stride(1),
-        weights_NK.stride(0) if final else 1,
+        b.shape[0], role.weights_top_k,
+        a.stride(0), a.stride(1), b.stride(1), c.stride(0), c.stride(1), role.stride_wn,
     )
-    flags = {
-        "A_ROWS_DIV": a_rows_div,
-        "A_SORTED": a_sorted,
-        "C_SORTED": not final,
-        "GATED": not final,
-        "MUL_ROUTED_WEIGHT": final,
-        "HALF_TAIL": half_tail,
-        "BLOCK_M": routing.block_m,
-        "INPUT_PRECISION": "ieee" if ieee else "tf32",
-    }
+    flags = {**role.flags, "HALF_TAIL": half_tail, "BLOCK_M": routing.block_m}
     use_tma_scratch()
     if a.device.type == "cpu":  # TRITON_INTERPRET=1
         grid = (_INTERPRETER_PROGRAMS,)

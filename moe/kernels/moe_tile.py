@@ -1,9 +1,13 @@
 """Pieces shared by the two fused-MoE GEMM kernels (`fused_moe`, `fused_moe_persistent`):
-the tile epilogue and the scratch allocator for in-kernel tensor descriptors.
+the tile epilogue, the launch arguments that make a GEMM GEMM1 or GEMM2 (`GemmRole`), and
+the scratch allocator for in-kernel tensor descriptors.
 
 Import only after TRITON_INTERPRET is settled; nothing is compiled at import.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -48,6 +52,36 @@ def store_tile(
         c_ptrs = c_ptr + row_ids.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
         c_mask = row_mask[:, None] & (offs_cn[None, :] < N)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@dataclass(frozen=True)
+class GemmRole:
+    """What makes a launch GEMM1 or GEMM2 of the pair, in both kernels' terms."""
+
+    weights: torch.Tensor
+    """The routing weights' pointer argument (C when unused, for GEMM1)."""
+    weights_top_k: int
+    stride_wn: int
+    flags: dict[str, Any]
+    """A_ROWS_DIV, A_SORTED, C_SORTED, GATED, MUL_ROUTED_WEIGHT, INPUT_PRECISION."""
+
+
+def gemm_role(a: torch.Tensor, c: torch.Tensor, weights_NK: torch.Tensor | None, *,
+              a_rows_div: int, a_sorted: bool) -> GemmRole:
+    """GEMM1 when `weights_NK` is None (gated, writes the sorted activation), else GEMM2
+    (weighted by float32 [N, K] routing weights, made unit-stride in their last dim if
+    needed; writes rows by routed id). `a_sorted`: A is in the sorted row order."""
+    final = weights_NK is not None
+    if final and weights_NK.stride(1) != 1:
+        weights_NK = weights_NK.contiguous()
+    # Follow torch's matmul: exact fp32 unless the user allowed TF32 (16-bit: unused).
+    ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    flags = {"A_ROWS_DIV": a_rows_div, "A_SORTED": a_sorted, "C_SORTED": not final,
+             "GATED": not final, "MUL_ROUTED_WEIGHT": final,
+             "INPUT_PRECISION": "ieee" if ieee else "tf32"}
+    if not final:
+        return GemmRole(c, 1, 1, flags)
+    return GemmRole(weights_NK, weights_NK.shape[1], weights_NK.stride(0), flags)
 
 
 def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
