@@ -6,6 +6,8 @@
     python -m moe.bench_experts --dry-run                # list the points; no GPU needed
     python -m moe.bench_experts --shapes ds-e32 --tokens 4096,8192 --ep-ranks 2
                                                          # one rank's view under EP (ids -1)
+    python -m moe.bench_experts --sustain 2              # each round after 2 s of load:
+                                                         # the power-capped steady state
     TRITON_INTERPRET=1 python -m moe.bench_experts --device cpu --shapes tiny --tokens 4,16
                                                          # CPU smoke run; timings meaningless
 
@@ -20,7 +22,14 @@ peak of `torch.cuda.max_memory_allocated` over one call (inputs and weights incl
 the minimum any path needs (x, routing, weights, output, the [T*K, I] activation), and
 "of dense": the path's TFLOP/s over the dense chain's at the same point. The paths of a
 point are timed in `--rounds` alternating rounds (a path's time is the median of its
-round medians), so clock or thermal drift during a point reaches every path alike. `dense`
+round medians), so clock or thermal drift during a point reaches every path alike.
+`--sustain S` runs a path back to back for S seconds before each of its timed rounds: a
+GPU under continuous load sits at its power limit with a lower SM clock than in a short
+burst (an H200 at 700 W: 1300-1600 MHz against 1980), and a path pays for its own memory
+traffic there. `SM MHz` is the median SM clock of one sample per round, taken as the
+round's timed calls run (from `nvidia-smi`, `moe.gpu_clocks`; rounds shorter than the
+query, ~50 ms, are read just after), and `capped` how many samples found the clock held
+back by the power limit. `dense`
 is `torch.matmul` on [T*K, H] x [H, 2I] then [T*K, I] x [I, H] with one expert's weights:
 the same FLOPs without routing or the weight traffic of E experts, i.e. the GEMM ceiling.
 `err` is triton's max |difference| against the reference (or grouped) relative to the
@@ -40,6 +49,8 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
+
+from moe.gpu_clocks import ClockSample, read_clocks
 
 # name -> (hidden H, intermediate I, top-k K, local experts E)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -68,6 +79,8 @@ class Point:
     err: float | None = None
     note: str = ""
     vs_dense: float | None = None  # this path's TFLOP/s over the dense chain's, same point
+    sm_mhz: float | None = None  # median SM clock while the timed calls ran
+    capped: str = ""  # "k/n": samples that found the clock held back by the power limit
 
 
 class ReadyPath(NamedTuple):
@@ -99,12 +112,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--out", type=Path, default=None, help="also write experts.json / experts.txt here")
     add("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: interpreter smoke run")
     add("--dry-run", action="store_true", help="print the points and exit")
+    add("--sustain", type=float, default=0.0, metavar="S",
+        help="run each path back to back for S seconds before each timed round (0: no)")
     add("--ep-ranks", type=int, default=1,
         help="routing as one rank of W under expert parallelism sees it (ids elsewhere -1)")
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give at least 1")
+    if not args.sustain >= 0:  # also rejects nan
+        parser.error(f"--sustain {args.sustain}: give seconds >= 0")
     if args.ep_ranks < 1:
         parser.error(f"--ep-ranks {args.ep_ranks}: give the number of EP ranks, >= 1")
     args.shapes = split_names(args.shapes, SHAPES, "--shapes")
@@ -158,20 +175,27 @@ def min_bytes(tokens: int, hidden: int, inter: int, top_k: int, experts: int, el
     )
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, budget_ms: float) -> float:
-    """Median milliseconds of `fn` after one warmup, over repeats filling ~budget_ms."""
+def time_ms(fn: Callable[[], object], device: torch.device, budget_ms: float, *,
+            during: Callable[[], object] | None = None) -> float:
+    """Median milliseconds of `fn` after one warmup, over repeats filling ~budget_ms.
+    `during` is called once while the timed calls run on the GPU (after they are queued)."""
     fn()
     if device.type != "cuda":
         start = time.perf_counter()
         fn()
-        return (time.perf_counter() - start) * 1e3
+        elapsed = (time.perf_counter() - start) * 1e3
+        if during is not None:
+            during()
+        return elapsed
     probe = statistics.median(_event_times(fn, device, 3))
     reps = int(min(50, max(5, budget_ms / max(probe, 1e-3))))
-    return statistics.median(_event_times(fn, device, reps))
+    return statistics.median(_event_times(fn, device, reps, during=during))
 
 
-def _event_times(fn: Callable[[], object], device: torch.device, reps: int) -> list[float]:
-    """Per-call milliseconds from CUDA events around each of `reps` back-to-back calls."""
+def _event_times(fn: Callable[[], object], device: torch.device, reps: int, *,
+                 during: Callable[[], object] | None = None) -> list[float]:
+    """Per-call milliseconds from CUDA events around each of `reps` back-to-back calls;
+    `during()` runs on the host after the last call is queued, before the sync."""
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(reps)
@@ -180,8 +204,23 @@ def _event_times(fn: Callable[[], object], device: torch.device, reps: int) -> l
         start.record()
         fn()
         end.record()
+    if during is not None:
+        during()
     torch.cuda.synchronize(device)
     return [start.elapsed_time(end) for start, end in events]
+
+
+def sustain(fn: Callable[[], object], device: torch.device, seconds: float) -> int:
+    """Call `fn` back to back for about `seconds` (syncing every few calls, so the host
+    never runs far ahead); returns the number of calls."""
+    calls, deadline = 0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(4):
+            fn()
+        calls += 4
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return calls
 
 
 def peak_gb(fn: Callable[[], object], device: torch.device) -> float | None:
@@ -308,22 +347,37 @@ def bench_point(problem: Problem, kernels: dict[str, object], args: argparse.Nam
         else:
             ready[path] = made
     rounds: dict[str, list[float]] = {path: [] for path in ready}
+    clocks: dict[str, list[ClockSample | None]] = {path: [] for path in ready}
     timed = {path: made.factory() for path, made in ready.items()}
     for _ in range(args.rounds):
         for path in list(ready):
             try:
-                rounds[path].append(time_ms(timed[path], device, args.budget_ms / args.rounds))
+                if args.sustain > 0:
+                    sustain(timed[path], device, args.sustain)
+                rounds[path].append(time_ms(
+                    timed[path], device, args.budget_ms / args.rounds,
+                    during=lambda path=path: clocks[path].append(read_clocks(device))))
             except Exception as exc:
                 results[path] = _failed(problem, path, exc, device)
                 del ready[path], timed[path]
     for path, made in ready.items():
         ms = statistics.median(rounds[path])
         results[path] = Point(problem.shape, problem.tokens, path, ms, problem.flops / ms / 1e9,
-                              made.peak_gb, made.min_gb, note=made.note)
+                              made.peak_gb, made.min_gb, note=made.note,
+                              **clock_fields(clocks[path]))
     del timed
     points = [results[path] for path in args.paths]
     _attach_error(points, outputs)
     return _attach_dense_share(points)
+
+
+def clock_fields(samples: list[ClockSample | None]) -> dict[str, object]:
+    """`sm_mhz` and `capped` of a Point from its rounds' samples (unread ones left out)."""
+    read = [s for s in samples if s is not None]
+    if not read:
+        return {}
+    return {"sm_mhz": statistics.median(s.sm_mhz for s in read),
+            "capped": f"{sum(s.power_capped for s in read)}/{len(read)}"}
 
 
 def make_path(
@@ -413,7 +467,7 @@ def _attach_error(points: list[Point], outputs: dict[str, torch.Tensor]) -> None
 
 def format_table(points: list[Point]) -> str:
     header = (f"{'shape':<10} {'T':>6} {'path':<10} {'ms':>10} {'TFLOP/s':>8} {'of dense':>8} "
-              f"{'peak GB':>8} {'min GB':>7} {'err':>8}  note")
+              f"{'SM MHz':>6} {'capped':>6} {'peak GB':>8} {'min GB':>7} {'err':>8}  note")
     lines = [header, "-" * len(header)]
     for p in points:
         ms = f"{p.ms:10.3f}" if p.ms is not None else f"{'-':>10}"
@@ -421,8 +475,9 @@ def format_table(points: list[Point]) -> str:
         peak = f"{p.peak_gb:8.2f}" if p.peak_gb is not None else f"{'-':>8}"
         err = f"{p.err:8.1e}" if p.err is not None else f"{'-':>8}"
         share = f"{p.vs_dense:8.1%}" if p.vs_dense is not None else f"{'-':>8}"
-        lines.append(f"{p.shape:<10} {p.tokens:>6} {p.path:<10} {ms} {rate} {share} {peak} "
-                     f"{p.min_gb:7.2f} {err}  {p.note}")
+        clock = f"{p.sm_mhz:6.0f}" if p.sm_mhz is not None else f"{'-':>6}"
+        lines.append(f"{p.shape:<10} {p.tokens:>6} {p.path:<10} {ms} {rate} {share} {clock} "
+                     f"{p.capped or '-':>6} {peak} {p.min_gb:7.2f} {err}  {p.note}")
     return "\n".join(lines)
 
 
@@ -459,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": _triton_version(),
         "dtype": "bf16" if on_gpu else "fp16",
         "ep_ranks": args.ep_ranks,
+        "sustain_s": args.sustain,
         "points": [asdict(p) for p in points],
     }
     if "triton" in args.paths and device.type == "cuda":

@@ -682,6 +682,46 @@ def test_bench_ep_routing(capsys: pytest.CaptureFixture[str]) -> None:
         assert points["dense"]["vs_dense"] is None and "of dense" in out[1]
 
 
+def test_bench_sustain(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--sustain S` loads each path for S seconds before each timed round; the table
+    and JSON carry the clock columns ('-' / null where no clock can be read)."""
+    import json
+    import time
+
+    from moe import bench_experts
+
+    calls = []
+    start = time.perf_counter()
+    assert bench_experts.sustain(lambda: calls.append(1), torch.device("cpu"), 0.05) == len(calls)
+    assert len(calls) >= 4 and time.perf_counter() - start >= 0.05
+    assert bench_experts.sustain(lambda: calls.append(1), torch.device("cpu"), 0.0) == 0
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit):
+            bench_experts.main(["--sustain", bad, "--dry-run"])
+    capsys.readouterr()
+    if DEVICE.type == "cpu":
+        argv = ["--device", "cpu", "--shapes", "tiny", "--tokens", "4", "--paths",
+                "triton,dense", "--rounds", "2", "--sustain", "0.02"]
+        assert bench_experts.main(argv) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert "SM MHz" in out[0] and "capped" in out[0]
+        record = json.loads(out[-1])
+        assert record["sustain_s"] == 0.02
+        for point in record["points"]:
+            assert point["ms"] > 0 and point["sm_mhz"] is None and point["capped"] == ""
+
+
+def test_bench_clock_fields() -> None:
+    """A point's clock: the median over the rounds that were read, and the capped count."""
+    from moe.bench_experts import clock_fields
+    from moe.gpu_clocks import ClockSample
+
+    samples = [ClockSample(1500, 690.0, True), None, ClockSample(1900, 300.0, False),
+               ClockSample(1400, 700.0, True)]
+    assert clock_fields(samples) == {"sm_mhz": 1500, "capped": "2/3"}
+    assert clock_fields([None, None]) == {}
+
+
 _BF16 = torch.bfloat16
 
 

@@ -1,0 +1,93 @@
+"""`moe.gpu_clocks` (layer 1: plain CPU; the nvidia-smi call is faked) and the GPU read.
+
+The parser against nvidia-smi's CSV (power-cap bits, "[N/A]" fields, other GPUs'
+lines, the "GPU-" prefix), `read_clocks` on CPU tensors and without the tool, and the
+whole read with `nvidia-smi` and the device properties stubbed. On CUDA, one real read.
+"""
+from __future__ import annotations
+
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe import gpu_clocks
+from moe.gpu_clocks import ClockSample, parse_smi, read_clocks
+
+UUID = "3e8f5a2c-1111-2222-3333-444455556666"
+SMI = (
+    "GPU-0000aaaa-1111-2222-3333-444455556666, 1980, 81.20, 0x0000000000000000\n"
+    f"GPU-{UUID}, 1470, 692.51, 0x0000000000000004\n"
+)
+
+
+def test_parse_picks_the_gpu_and_reads_the_power_cap() -> None:
+    assert parse_smi(SMI, UUID) == ClockSample(1470.0, 692.51, True)
+    assert parse_smi(SMI, "GPU-" + UUID) == ClockSample(1470.0, 692.51, True)
+    assert parse_smi(SMI, "0000aaaa-1111-2222-3333-444455556666") == ClockSample(
+        1980.0, 81.2, False)
+    # HW power brake counts as capped; thermal slowdown (0x20) alone does not.
+    assert parse_smi(f"GPU-{UUID}, 1200, 500, 0x80", UUID).power_capped
+    assert not parse_smi(f"GPU-{UUID}, 1200, 500, 0x20", UUID).power_capped
+
+
+def test_parse_tolerates_missing_fields_and_rejects_others() -> None:
+    sample = parse_smi(f"GPU-{UUID}, 1410, [N/A], [N/A]", UUID)
+    assert sample == ClockSample(1410.0, None, False)
+    assert parse_smi(f"GPU-{UUID}, [N/A], 100, 0x0", UUID) is None
+    assert parse_smi(SMI, "ffffffff-0000-0000-0000-000000000000") is None
+    assert parse_smi("", UUID) is None
+    assert parse_smi("No devices were found", UUID) is None
+
+
+def test_read_clocks_is_none_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert read_clocks(torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: None)
+    assert read_clocks(torch.device("cuda", 0)) is None
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, run: object) -> list[list[str]]:
+    calls: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kwargs: object) -> object:
+        calls.append(cmd)
+        return run(cmd) if callable(run) else run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(uuid=UUID if index == 1 else "other"))
+    monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(gpu_clocks.subprocess, "run", fake_run)
+    return calls
+
+
+def test_read_clocks_matches_the_device_by_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_cuda(monkeypatch, SimpleNamespace(returncode=0, stdout=SMI))
+    assert read_clocks(torch.device("cuda")) == ClockSample(1470.0, 692.51, True)
+    assert calls[0][0] == "/usr/bin/nvidia-smi" and "clocks.sm" in calls[0][1]
+    assert read_clocks(torch.device("cuda", 0)) is None  # index 0's uuid is not listed
+
+
+@pytest.mark.parametrize("outcome", ["exit 9", "timeout", "oserror"])
+def test_read_clocks_survives_a_failing_tool(monkeypatch: pytest.MonkeyPatch,
+                                             outcome: str) -> None:
+    def run(cmd: list[str]) -> object:
+        if outcome == "timeout":
+            raise subprocess.TimeoutExpired(cmd, 5.0)
+        if outcome == "oserror":
+            raise PermissionError("nvidia-smi")
+        return SimpleNamespace(returncode=9, stdout=SMI)
+
+    _fake_cuda(monkeypatch, run)
+    assert read_clocks(torch.device("cuda", 1)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_read_clocks() -> None:
+    sample = read_clocks(torch.device("cuda"))
+    assert sample is not None, "nvidia-smi did not list this GPU's uuid"
+    assert 100 < sample.sm_mhz < 5000
