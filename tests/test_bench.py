@@ -28,7 +28,9 @@ from dbo.bench.launch import build_parser, config_from_args
 from dbo.bench.report import eta_rounds_cell
 from dbo.bench.ceiling import Ceiling
 from dbo.bench.sweep import (
+    ETA_ABOVE_ONE,
     ETA_NO_HEADROOM,
+    ETA_SMALL_HEADROOM,
     PROBE_SKIPPED_CPU,
     Round,
     SweepResult,
@@ -150,6 +152,12 @@ def test_derived_figures_with_a_ceiling() -> None:
                      use_dbo=False, gate_reason="threshold")
     assert off.gated_speedup == 1.0 and off.speedup == 0.5 and off.eta is None
     assert efficiency(5.0, 4.0, 5.0) == (None, ETA_NO_HEADROOM)
+    # A headroom under 1% of T_noDBO is timing noise: no eta (NVLink once gave -181).
+    assert efficiency(11.975, 15.227, 11.957) == (None, ETA_SMALL_HEADROOM)
+    assert efficiency(10.0, 9.8, 9.7) == (pytest.approx(0.2 / 0.3), "")
+    assert efficiency(10.0, 9.5, 9.91)[0] is None
+    # DBO faster than the probe's both (4 ranks, session 10): eta kept, with a note.
+    assert efficiency(83.4, 53.4, 58.8) == (pytest.approx(30.0 / 24.6), ETA_ABOVE_ONE)
 
 
 def test_rounds_fold_to_per_rank_medians_and_keep_eta_spread() -> None:
@@ -181,6 +189,26 @@ def test_rounds_fold_to_per_rank_medians_and_keep_eta_spread() -> None:
     assert eta_rounds_cell(point) == "-"
     cpu = Round(_timing(2.0), _timing(1.0), None, True, "")
     assert Round.median([cpu, cpu]).ceiling is None
+
+
+def test_table_says_why_eta_is_missing_or_above_one() -> None:
+    from dbo.bench.report import format_table
+
+    cfg = BenchConfig(regime=EMULATED_REGIME, tokens=(1024, 4096), backends=("a2a",))
+    shapes = {"hidden_size": 8, "num_experts": 4, "experts_per_rank": 2, "top_k": 2,
+              "intermediate_size": 8, "layers": 2, "dtype": "float32"}
+    # 1024: headroom 0.02 ms of 12 (noise); 4096: DBO below the probe's both.
+    points = [make_point(cfg, backend="a2a", tokens=t, world_size=2, t_off=_timing(off, off),
+                         t_on=_timing(on, on), ceiling=_FakeCeiling(c, m, b), split=True,
+                         split_reason="", use_dbo=True, gate_reason="probe")
+              for t, off, on, c, m, b in ((1024, 11.975, 15.227, 11.0, 0.65, 11.957),
+                                          (4096, 83.4, 53.4, 41.0, 48.5, 58.8))]
+    assert points[0].eta is None and points[0].eta_note == ETA_SMALL_HEADROOM
+    assert points[1].eta == pytest.approx(30.0 / 24.6) and points[1].eta_note == ETA_ABOVE_ONE
+    table = format_table(SweepResult(cfg, 2, shapes, "measured", points))
+    decisions = table.split("gate decisions:")[1].splitlines()
+    assert f"(eta n/a: {ETA_SMALL_HEADROOM})" in decisions[1]
+    assert f"({ETA_ABOVE_ONE})" in decisions[2] and " 1.22 " in table
 
 
 def test_plot_draws_the_ceiling(tmp_path: Path) -> None:

@@ -128,7 +128,11 @@ def format_table(result: SweepResult) -> str:
     lines.append("gate decisions:")
     for p in result.points:
         split = "" if p.dbo_split else f" [DBO-on step NOT split: {p.dbo_split_reason}]"
-        note = f" (eta n/a: {p.eta_note})" if p.eta is None and p.t_both_ms is not None else ""
+        note = ""
+        if p.eta is None and p.t_both_ms is not None:
+            note = f" (eta n/a: {p.eta_note})"
+        elif p.eta is not None and p.eta_note:
+            note = f" ({p.eta_note})"
         lines.append(f"  {p.backend:>7} T={p.tokens_per_rank:<6} {p.gate:>3}: "
                      f"{p.gate_reason}{note}{split}")
     s = summarize(result.points)

@@ -17,7 +17,10 @@ Definitions (also in every JSON output):
     speedup       = T_noDBO / T_DBO
     T_serial      = T_compute + T_comm             (both measured alone)
     ceiling       = T_serial / T_both
-    eta           = (T_noDBO - T_DBO) / (T_noDBO - T_both); None when T_noDBO <= T_both
+    eta           = (T_noDBO - T_DBO) / (T_noDBO - T_both); None when T_noDBO - T_both
+                    is under 1% of T_noDBO (no headroom, or less than the timing noise);
+                    above 1 where DBO's schedule beat the probe's interleaving (a note
+                    says so)
     gated time    = T_DBO where the gate chose DBO, else T_noDBO
 """
 from __future__ import annotations
@@ -49,13 +52,26 @@ DEFINITIONS = {
     "t_serial": "T_compute + T_comm, each measured alone",
     "ceiling": "T_serial / T_both",
     "ceiling_vs_nodbo": "T_noDBO / T_both",
-    "eta": "(T_noDBO - T_DBO) / (T_noDBO - T_both); null when T_noDBO <= T_both or no probe",
+    "eta": ("(T_noDBO - T_DBO) / (T_noDBO - T_both); null without a probe or when "
+            "T_noDBO - T_both < 1% of T_noDBO"),
     "eta_min/eta_max": "the range of eta over the rounds, each round's eta from its own times",
     "gated": "T_DBO where the gate chose dbo, else T_noDBO; gated_speedup = T_noDBO / gated",
 }
 ETA_NO_PROBE = "no probe, no T_both"
 ETA_NO_HEADROOM = ("T_noDBO <= T_both: the unsplit step already runs at or under the "
                    "measured floor, there is nothing for DBO to recover")
+# Below this share of T_noDBO the denominator of eta is within the spread of repeated
+# step timings (~1% between rounds on one machine), and eta only amplifies that noise:
+# a 0.02 ms headroom on a 12 ms step once printed eta = -181.
+ETA_MIN_HEADROOM = 0.01
+# The probe's `both` is one interleaving (each MoE layer's collectives issued beside its
+# compute), not a bound on every schedule: on 4 ranks, where comm outweighs compute, its
+# full-size transfers took 16-23% longer in sum beside the GEMMs than in a step without
+# DBO, and DBO's half-size ones 5-16% (BENCHMARKS.md section 3, session 10).
+ETA_ABOVE_ONE = ("eta > 1: the DBO step beat the probe's both; the probe's interleaving "
+                 "slowed its transfers beside the GEMMs more than DBO's schedule did")
+ETA_SMALL_HEADROOM = ("T_noDBO - T_both is under 1% of T_noDBO, inside the timing noise: "
+                      "there is no measurable overlap for DBO to recover")
 
 
 @dataclass
@@ -263,7 +279,10 @@ def efficiency(t_nodbo: float, t_dbo: float, t_both: float) -> tuple[Optional[fl
     headroom = t_nodbo - t_both
     if headroom <= 0:
         return None, ETA_NO_HEADROOM
-    return (t_nodbo - t_dbo) / headroom, ""
+    if headroom < ETA_MIN_HEADROOM * t_nodbo:
+        return None, ETA_SMALL_HEADROOM
+    eta = (t_nodbo - t_dbo) / headroom
+    return eta, ETA_ABOVE_ONE if eta > 1 else ""
 
 
 def _rate(tokens: int, ms: float) -> float:
