@@ -12,8 +12,12 @@ every call (a synchronize, outside the timed span) so that no launch waits for a
 queue: `fused_moe` whole, the align step (three launches), one GEMM launch, and the
 k-sum launch, each with the compiled-handle launches of `moe.kernels.launch` on ("fast")
 and off ("triton", Triton's own `kernel[grid](...)` and autotuner). Medians over `--reps`
-calls after a warmup that compiles and autotunes. Progress on stderr, a table on stdout,
-then one JSON line. Without CUDA it exits 2 (unless --device cpu).
+calls after a warmup that compiles and autotunes. The two modes alternate, step by step,
+in `--rounds` rounds, and each figure is the median of its rounds: host time on the GPU
+machines moved 2x between back-to-back runs (BENCHMARKS.md section 5, session 10), so the
+two modes must see the same host load. Progress on stderr, a table on stdout, then one
+JSON line (`host_us`, and each round's figures in `rounds_us`). Without CUDA it exits 2
+(unless --device cpu).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import torch
 from moe.bench_experts import SHAPES, random_tokens, random_weights
 
 STEPS = ("fused_moe", "align", "gemm2_launch", "ksum_launch")
+MODES = ("fast", "triton")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,11 +47,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ep-ranks", type=int, default=2,
                         help="EP ranks: ids of the other ranks' experts are -1 (default 2)")
     parser.add_argument("--reps", type=int, default=50, help="timed calls per step (default 50)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds of both modes; median of rounds (default 3)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.tokens < 1 or args.reps < 1 or args.ep_ranks < 1:
-        parser.error("--tokens, --reps and --ep-ranks must be >= 1")
+    if args.tokens < 1 or args.reps < 1 or args.ep_ranks < 1 or args.rounds < 1:
+        parser.error("--tokens, --reps, --rounds and --ep-ranks must be >= 1")
     return args
 
 
@@ -65,8 +72,9 @@ def host_us(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     return 1e6 * statistics.median(times)
 
 
-def measure(args: argparse.Namespace, device: torch.device) -> dict[str, dict[str, float]]:
-    """{"fast" | "triton": {step: median us}}."""
+def measure(args: argparse.Namespace, device: torch.device
+            ) -> dict[str, dict[str, list[float]]]:
+    """{"fast" | "triton": {step: [median us of each round]}}."""
     from moe.kernels import fused_moe as fm
     from moe.kernels import launch
     from moe.kernels.align_triton import align_routing_triton
@@ -96,16 +104,18 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, dict[st
         "gemm2_launch": lambda: fm._launch(gemm2),
         "ksum_launch": lambda: fm.sum_routed_rows(y, ids, out),
     }
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, list[float]]] = {
+        mode: {step: [] for step in STEPS} for mode in MODES}
     enabled = launch.ENABLED
     try:
-        for mode in ("fast", "triton"):
-            launch.ENABLED = mode == "fast"
-            results[mode] = {}
+        for index in range(args.rounds):
             for step in STEPS:
-                results[mode][step] = host_us(steps[step], device, args.reps)
-                print(f"{mode:6s} {step:13s} {results[mode][step]:8.1f} us", file=sys.stderr,
-                      flush=True)
+                for mode in MODES:
+                    launch.ENABLED = mode == "fast"
+                    us = host_us(steps[step], device, args.reps)
+                    results[mode][step].append(us)
+                    print(f"round {index + 1}/{args.rounds} {mode:6s} {step:13s} {us:8.1f} us",
+                          file=sys.stderr, flush=True)
     finally:
         launch.ENABLED = enabled
     return results
@@ -118,16 +128,22 @@ def main(argv: list[str] | None = None) -> int:
               "for a smoke run)", file=sys.stderr)
         return 2
     device = torch.device(args.device)
-    results = measure(args, device)
+    rounds = measure(args, device)
+    medians = {mode: {step: statistics.median(us) for step, us in steps.items()}
+               for mode, steps in rounds.items()}
     print(f"host time per call, {args.shape}, T={args.tokens} received of {args.ep_ranks} "
-          f"EP ranks, median of {args.reps} (us)")
-    print(f"{'step':14s} {'fast':>9s} {'triton':>9s} {'saved':>9s}")
+          f"EP ranks, median of {args.reps} calls, median of {args.rounds} alternating "
+          f"rounds (us)")
+    print(f"{'step':14s} {'fast':>9s} {'triton':>9s} {'saved':>9s}  fast, per round")
     for step in STEPS:
-        fast, slow = results["fast"][step], results["triton"][step]
-        print(f"{step:14s} {fast:9.1f} {slow:9.1f} {slow - fast:9.1f}")
+        fast, slow = medians["fast"][step], medians["triton"][step]
+        spread = " ".join(f"{us:.1f}" for us in rounds["fast"][step])
+        print(f"{step:14s} {fast:9.1f} {slow:9.1f} {slow - fast:9.1f}  {spread}")
     print(json.dumps({"shape": args.shape, "tokens": args.tokens, "ep_ranks": args.ep_ranks,
-                      "reps": args.reps, "device": torch.cuda.get_device_name(device)
-                      if device.type == "cuda" else "cpu", "host_us": results}))
+                      "reps": args.reps, "rounds": args.rounds,
+                      "device": torch.cuda.get_device_name(device)
+                      if device.type == "cuda" else "cpu", "host_us": medians,
+                      "rounds_us": rounds}))
     return 0
 
 

@@ -132,11 +132,17 @@ def test_bench_host_cli(capsys):
         argv = ["--device", "cpu", "--shape", "tiny", "--tokens", "8", "--reps", "1"]
     else:
         argv = ["--shape", "tiny", "--tokens", "64", "--reps", "3"]
-    assert bench_host.main(argv) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    assert bench_host.main(argv + ["--rounds", "2"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
     record = json.loads(lines[-1])
-    assert set(record["host_us"]) == {"fast", "triton"}
-    for mode in record["host_us"].values():
-        assert set(mode) == set(bench_host.STEPS) and all(us > 0 for us in mode.values())
+    assert set(record["host_us"]) == {"fast", "triton"} and record["rounds"] == 2
+    for mode, steps in record["host_us"].items():
+        assert set(steps) == set(bench_host.STEPS) and all(us > 0 for us in steps.values())
+        for step, us in steps.items():  # the median of its two rounds
+            assert us == pytest.approx(sum(record["rounds_us"][mode][step]) / 2)
+    # The modes alternate within each round (progress lines, in order).
+    order = [line.split()[2] for line in captured.err.splitlines() if line.startswith("round")]
+    assert order[:4] == ["fast", "triton", "fast", "triton"] and len(order) == 16
     assert any(line.startswith("fused_moe") for line in lines)
     assert launch.ENABLED  # the switch is restored
