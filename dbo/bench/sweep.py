@@ -64,14 +64,14 @@ ETA_NO_HEADROOM = ("T_noDBO <= T_both: the unsplit step already runs at or under
 # step timings (~1% between rounds on one machine), and eta only amplifies that noise:
 # a 0.02 ms headroom on a 12 ms step once printed eta = -181.
 ETA_MIN_HEADROOM = 0.01
+ETA_SMALL_HEADROOM = ("T_noDBO - T_both is under 1% of T_noDBO, inside the timing noise: "
+                      "there is no measurable overlap for DBO to recover")
 # The probe's `both` is one interleaving (each MoE layer's collectives issued beside its
 # compute), not a bound on every schedule: on 4 ranks, where comm outweighs compute, its
 # full-size transfers took 16-23% longer in sum beside the GEMMs than in a step without
 # DBO, and DBO's half-size ones 5-16% (BENCHMARKS.md section 3, session 10).
 ETA_ABOVE_ONE = ("eta > 1: the DBO step beat the probe's both; the probe's interleaving "
                  "slowed its transfers beside the GEMMs more than DBO's schedule did")
-ETA_SMALL_HEADROOM = ("T_noDBO - T_both is under 1% of T_noDBO, inside the timing noise: "
-                      "there is no measurable overlap for DBO to recover")
 
 
 @dataclass
