@@ -9,16 +9,26 @@ other. Printing the clock beside each time tells them apart.
 Read with one `nvidia-smi` query (tens of ms; call it while the GPU is busy, not in a
 timed region). `read_clocks` returns None where that cannot work (a CPU device, no
 `nvidia-smi`, a GPU it does not list): callers print "-".
+
+`ClockLog` samples in the background instead (`nvidia-smi -lms`), for code whose timed
+steps leave no moment to ask: name stretches of time with `span(key)`, then `stop()`
+and read each key's median clock with `summary(key)`.
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
+import statistics
 import subprocess
+import tempfile
+import time
 from dataclasses import dataclass
+from datetime import datetime
+from typing import IO, Hashable, Iterator, Optional
 
 import torch
 
-__all__ = ["ClockSample", "parse_smi", "read_clocks"]
+__all__ = ["ClockLog", "ClockSample", "parse_smi", "read_clocks"]
 
 # Bits of NVML's clocks-event (throttle) reasons that mean "held back by power".
 _SW_POWER_CAP = 0x4
@@ -60,9 +70,8 @@ def parse_smi(text: str, uuid: str) -> ClockSample | None:
     return None
 
 
-def read_clocks(device: torch.device, *, timeout_s: float = 5.0) -> ClockSample | None:
-    """The current sample of `device` (matched by UUID, so CUDA_VISIBLE_DEVICES does not
-    matter), or None where it cannot be read."""
+def _tool_and_uuid(device: torch.device) -> tuple[str, str] | None:
+    """(nvidia-smi's path, the device's UUID), or None where the clock cannot be read."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     smi = shutil.which("nvidia-smi")
@@ -70,8 +79,16 @@ def read_clocks(device: torch.device, *, timeout_s: float = 5.0) -> ClockSample 
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
-    if not uuid:
+    return (smi, uuid) if uuid else None
+
+
+def read_clocks(device: torch.device, *, timeout_s: float = 5.0) -> ClockSample | None:
+    """The current sample of `device` (matched by UUID, so CUDA_VISIBLE_DEVICES does not
+    matter), or None where it cannot be read."""
+    found = _tool_and_uuid(device)
+    if found is None:
         return None
+    smi, uuid = found
     try:
         done = subprocess.run(
             [smi, f"--query-gpu={_QUERY}", "--format=csv,noheader,nounits"],
@@ -79,3 +96,86 @@ def read_clocks(device: torch.device, *, timeout_s: float = 5.0) -> ClockSample 
     except (OSError, subprocess.TimeoutExpired):
         return None
     return parse_smi(done.stdout, uuid) if done.returncode == 0 else None
+
+
+def parse_log_line(line: str, uuid: str) -> tuple[float, ClockSample] | None:
+    """(wall time in s since the epoch, sample) from one line of `nvidia-smi
+    --query-gpu=timestamp,<_QUERY> --format=csv,noheader,nounits -lms N`, or None."""
+    stamp, _, rest = line.partition(",")
+    try:
+        when = datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    except ValueError:
+        return None
+    sample = parse_smi(rest, uuid)
+    return None if sample is None else (when, sample)
+
+
+class ClockLog:
+    """One GPU's clock, sampled every `interval_ms` by an `nvidia-smi -lms` process from
+    `start` to `stop`, and named stretches of time (`span`) to summarize.
+
+    nvidia-smi stamps each line with the wall clock (local time, as `time.time()` reads it),
+    so samples are matched to spans by time. It writes to a temporary file (a pipe would
+    fill and stall it on a long run), read once, at `stop`.
+    """
+
+    def __init__(self, process: subprocess.Popen, output: IO[str], uuid: str) -> None:
+        self._process = process
+        self._output = output
+        self._uuid = uuid
+        self._spans: list[tuple[Hashable, float, float]] = []
+        self._samples: Optional[list[tuple[float, ClockSample]]] = None
+
+    @classmethod
+    def start(cls, device: torch.device, *, interval_ms: int = 100) -> Optional["ClockLog"]:
+        """A running log of `device`, or None where the clock cannot be read."""
+        found = _tool_and_uuid(device)
+        if found is None:
+            return None
+        smi, uuid = found
+        output = tempfile.TemporaryFile("w+")
+        try:
+            process = subprocess.Popen(
+                [smi, f"--query-gpu=timestamp,{_QUERY}", "--format=csv,noheader,nounits",
+                 "-lms", str(interval_ms)],
+                stdout=output, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            output.close()
+            return None
+        return cls(process, output, uuid)
+
+    @contextlib.contextmanager
+    def span(self, key: Hashable) -> Iterator[None]:
+        """Name the time spent inside the block `key` (a key may have many spans)."""
+        begin = time.time()
+        try:
+            yield
+        finally:
+            self._spans.append((key, begin, time.time()))
+
+    def stop(self, *, timeout_s: float = 5.0) -> None:
+        """End the sampling and read what it wrote (idempotent)."""
+        if self._samples is not None:
+            return
+        self._process.terminate()
+        try:
+            self._process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._output.seek(0)
+        parsed = (parse_log_line(line, self._uuid) for line in self._output.read().splitlines())
+        self._output.close()
+        self._samples = [p for p in parsed if p is not None]
+
+    def summary(self, key: Hashable) -> Optional[dict[str, object]]:
+        """{"sm_mhz": median clock, "capped": "k/n"} over the samples inside `key`'s spans
+        (after `stop`), or None when none fell inside."""
+        if self._samples is None:
+            raise RuntimeError("ClockLog.summary: call stop() first")
+        spans = [(a, b) for k, a, b in self._spans if k == key]
+        inside = [s for t, s in self._samples if any(a <= t <= b for a, b in spans)]
+        if not inside:
+            return None
+        return {"sm_mhz": statistics.median(s.sm_mhz for s in inside),
+                "capped": f"{sum(s.power_capped for s in inside)}/{len(inside)}"}

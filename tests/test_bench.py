@@ -211,6 +211,57 @@ def test_table_says_why_eta_is_missing_or_above_one() -> None:
     assert f"({ETA_ABOVE_ONE})" in decisions[2] and " 1.22 " in table
 
 
+def test_time_steps_span_covers_the_timed_steps_only() -> None:
+    import contextlib
+
+    from dbo.bench.timing import time_steps
+
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def span():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    timing = time_steps(lambda: events.append("step"), device=torch.device("cpu"), group=None,
+                        warmup=2, iters=3, span=span())
+    assert events == ["step", "step", "enter", "step", "step", "step", "exit"]
+    assert len(timing.per_rank_ms) == 1
+
+
+def test_points_report_the_clock_of_each_timing() -> None:
+    from dbo.bench.report import format_table
+    from dbo.bench.sweep import CLOCKED, attach_clocks
+
+    class Log:  # ClockLog's read side: summaries by (backend, tokens, timing)
+        def summary(self, key: tuple) -> dict | None:
+            backend, tokens, name = key
+            if tokens != 4096 or name == "comm":
+                return None  # no samples fell inside
+            return {"sm_mhz": 1400 + 10 * list(CLOCKED).index(name), "capped": "2/3"}
+
+    cfg = BenchConfig(regime=EMULATED_REGIME, tokens=(1024, 4096), backends=("a2a",))
+    points = [make_point(cfg, backend="a2a", tokens=t, world_size=2, t_off=_timing(2.0, 2.0),
+                         t_on=_timing(1.5, 1.5), ceiling=_FakeCeiling(1.2, 0.6, 1.4),
+                         split=True, split_reason="", use_dbo=True, gate_reason="probe")
+              for t in (1024, 4096)]
+    for point in points:
+        attach_clocks(point, Log())  # type: ignore[arg-type]
+    assert points[0].sm_mhz == {} and points[0].capped == {}
+    assert points[1].sm_mhz == {"nodbo": 1400.0, "dbo": 1410.0, "compute": 1420.0,
+                                "both": 1440.0}
+    assert points[1].capped["both"] == "2/3" and "sm_mhz" not in points[1].row()
+    shapes = {"hidden_size": 8, "num_experts": 4, "experts_per_rank": 2, "top_k": 2,
+              "intermediate_size": 8, "layers": 2, "dtype": "float32"}
+    table = format_table(SweepResult(cfg, 2, shapes, "measured", points))
+    clock_lines = table.split("SM clock, rank 0")[1].splitlines()[1:]
+    assert clock_lines[0].split() == ["a2a", "T=4096", "no", "DBO", "1400", "(2/3),", "DBO",
+                                      "1410", "(2/3),", "compute", "1420", "(2/3),", "both",
+                                      "1440", "(2/3)"]
+    assert "T=1024" not in table.split("SM clock, rank 0")[1]
+
+
 def test_plot_draws_the_ceiling(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from dbo.bench.plot import plot_sweep

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe import gpu_clocks
-from moe.gpu_clocks import ClockSample, parse_smi, read_clocks
+from moe.gpu_clocks import ClockLog, ClockSample, parse_log_line, parse_smi, read_clocks
 
 UUID = "3e8f5a2c-1111-2222-3333-444455556666"
 SMI = (
@@ -83,6 +83,88 @@ def test_read_clocks_survives_a_failing_tool(monkeypatch: pytest.MonkeyPatch,
 
     _fake_cuda(monkeypatch, run)
     assert read_clocks(torch.device("cuda", 1)) is None
+
+
+def _stamp(t: float) -> str:
+    from datetime import datetime
+
+    return datetime.fromtimestamp(t).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+
+
+def test_log_line_parsing() -> None:
+    when, sample = parse_log_line(f"{_stamp(1000.25)}, GPU-{UUID}, 1455, 650.1, 0x4", UUID)
+    assert when == pytest.approx(1000.25, abs=1e-3) and sample == ClockSample(1455, 650.1, True)
+    assert parse_log_line(f"garbage, GPU-{UUID}, 1455, 650.1, 0x4", UUID) is None
+    assert parse_log_line(f"{_stamp(1.0)}, GPU-ffff, 1455, 650.1, 0x4", UUID) is None
+
+
+class _FakeLoop:
+    """An `nvidia-smi -lms` process: writes its canned lines to stdout when stopped."""
+
+    def __init__(self, lines: list[str], cmd: list[str], stdout: object, **kwargs: object) -> None:
+        self.cmd, self.stdout, self.lines = cmd, stdout, lines
+        self.terminated = False
+
+    def terminate(self) -> None:
+        self.terminated = True
+        self.stdout.write("".join(line + "\n" for line in self.lines))  # type: ignore[attr-defined]
+        self.stdout.flush()  # type: ignore[attr-defined]
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+def test_clock_log_summarizes_each_key_over_its_spans(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ClockLog.start(torch.device("cpu")) is None
+    _fake_cuda(monkeypatch, SimpleNamespace(returncode=0, stdout=""))
+    other = "GPU-0000aaaa-1111-2222-3333-444455556666"
+    lines = [f"{_stamp(100.5)}, GPU-{UUID}, 1500, 690, 0x4",   # in a (1st span)
+             f"{_stamp(100.6)}, {other}, 1980, 80, 0x0",        # another GPU: ignored
+             f"{_stamp(101.5)}, GPU-{UUID}, 1900, 300, 0x0",    # in b
+             f"{_stamp(102.5)}, GPU-{UUID}, 1000, 700, 0x4",    # between spans
+             f"{_stamp(103.2)}, GPU-{UUID}, 1400, 695, 0x4",    # in a (2nd span)
+             f"{_stamp(103.8)}, GPU-{UUID}, 1300, 699, 0x0",    # in a (2nd span)
+             "not a line"]
+    made: list[_FakeLoop] = []
+
+    def popen(cmd: list[str], **kwargs: object) -> _FakeLoop:
+        made.append(_FakeLoop(lines, cmd, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(gpu_clocks.subprocess, "Popen", popen)
+    log = ClockLog.start(torch.device("cuda", 1), interval_ms=50)
+    assert log is not None and made[0].cmd[-2:] == ["-lms", "50"]
+    clock = iter([100.0, 101.0, 101.0, 102.0, 103.0, 104.0])
+    monkeypatch.setattr(gpu_clocks.time, "time", lambda: next(clock))
+    for key in ("a", "b", "a"):
+        with log.span(key):
+            pass
+    with pytest.raises(RuntimeError, match="stop"):
+        log.summary("a")
+    log.stop()
+    log.stop()  # idempotent
+    assert made[0].terminated
+    assert log.summary("a") == {"sm_mhz": 1400, "capped": "2/3"}
+    assert log.summary("b") == {"sm_mhz": 1900, "capped": "0/1"}
+    assert log.summary("never") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_clock_log() -> None:
+    import time
+
+    log = ClockLog.start(torch.device("cuda"), interval_ms=50)
+    assert log is not None
+    x = torch.randn(4096, 4096, device="cuda")
+    with log.span("load"):
+        end = time.time() + 0.5
+        while time.time() < end:
+            x @ x
+        torch.cuda.synchronize()
+    log.stop()
+    summary = log.summary("load")
+    assert summary is not None and 100 < summary["sm_mhz"] < 5000
 
 
 @pytest.mark.gpu

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -237,8 +237,12 @@ def median_ceiling(rounds: list[Ceiling]) -> Ceiling:
 
 
 def probe_ceiling(workload: Workload, *, device: torch.device,
-                  group: Optional[dist.ProcessGroup], warmup: int, iters: int) -> Ceiling:
-    """Measure compute alone, comm alone and both on two CUDA streams (GPU only)."""
+                  group: Optional[dist.ProcessGroup], warmup: int, iters: int,
+                  span: Optional[Callable[[str], ContextManager[None]]] = None) -> Ceiling:
+    """Measure compute alone, comm alone and both on two CUDA streams (GPU only).
+    `span(name)`, when given, wraps each timing's timed steps ("comm", "compute", "both")."""
+    if span is None:
+        span = lambda name: contextlib.nullcontext()  # noqa: E731
     if device.type != "cuda":
         raise ValueError(f"the ceiling probe overlaps two CUDA streams; device is {device}")
     assert workload.runner is None, "probe the DBO-off workload"
@@ -246,15 +250,16 @@ def probe_ceiling(workload: Workload, *, device: torch.device,
     with record_collectives(model) as recording:
         workload.step()
     replay = CommReplay(recording)
-    comm = time_steps(replay.run_all, device=device, group=group, warmup=warmup, iters=iters)
+    comm = time_steps(replay.run_all, device=device, group=group, warmup=warmup, iters=iters,
+                      span=span("comm"))
     # Compute alone and both run the kernels a DBO step runs: none that holds every SM
     # (moe.experts.triton.sharing_sms).
     with replayed_results(recording), sharing_sms():
         compute = time_steps(workload.step, device=device, group=group, warmup=warmup,
-                             iters=iters)
+                             iters=iters, span=span("compute"))
         with _overlapped_comm(workload, replay, device) as both_step:
             both = time_steps(both_step, device=device, group=group, warmup=warmup,
-                              iters=iters)
+                              iters=iters, span=span("both"))
     return Ceiling(compute, comm, both, recording.num_collectives)
 
 

@@ -14,7 +14,7 @@ import os
 from typing import Any, Optional
 
 from dbo.bench.config import CPU_REGIME, EMULATED_REGIME
-from dbo.bench.sweep import DEFINITIONS, Point, SweepResult
+from dbo.bench.sweep import CLOCKED, DEFINITIONS, Point, SweepResult
 
 MAX_GATED_SLOWDOWN = 0.01
 """The acceptance check: with gating on, no point may be more than 1% slower than DBO off."""
@@ -49,7 +49,8 @@ def write_outputs(result: SweepResult) -> dict[str, Any]:
         files["png_note"] = "plot off (--no-plot)"
     doc = {**header(result), "definitions": DEFINITIONS, "summary": summarize(result.points),
            "points": [{**p.row(), "per_rank_ms": p.per_rank_ms, "rounds_ms": p.rounds_ms,
-                       "eta_rounds": p.eta_rounds} for p in result.points],
+                       "eta_rounds": p.eta_rounds, "sm_mhz": p.sm_mhz, "capped": p.capped}
+                      for p in result.points],
            "files": files}
     with open(files["json"], "w") as f:
         json.dump(_clean(doc), f, indent=2)
@@ -89,7 +90,8 @@ def final_line(result: SweepResult, files: dict[str, Any]) -> str:
             "t_both_ms", "ceiling", "eta", "eta_min", "eta_max", "rounds", "eta_note",
             "dbo_split", "gate", "gate_reason", "gated_speedup")
     doc = {**header(result), "summary": summarize(result.points),
-           "points": [{k: p.row()[k] for k in keys} for p in result.points], "files": files}
+           "points": [{**{k: p.row()[k] for k in keys}, "sm_mhz": p.sm_mhz}
+                      for p in result.points], "files": files}
     doc.pop("config")
     return json.dumps(_clean(doc), separators=(",", ":"))
 
@@ -135,6 +137,13 @@ def format_table(result: SweepResult) -> str:
             note = f" ({p.eta_note})"
         lines.append(f"  {p.backend:>7} T={p.tokens_per_rank:<6} {p.gate:>3}: "
                      f"{p.gate_reason}{note}{split}")
+    clocked = [p for p in result.points if p.sm_mhz]
+    if clocked:
+        lines.append("SM clock, rank 0 (median MHz, samples held back by the power limit):")
+        for p in clocked:
+            cells = [f"{label} {p.sm_mhz[name]:.0f} ({p.capped.get(name, '-')})"
+                     for name, label in CLOCKED.items() if name in p.sm_mhz]
+            lines.append(f"  {p.backend:>7} T={p.tokens_per_rank:<6} " + ", ".join(cells))
     s = summarize(result.points)
     lines.append(f"summary: best speedup {s['max_speedup']:.3f}x; worst gated speedup "
                  f"{s['min_gated_speedup']:.3f}x; gated never >1% slower: "

@@ -10,7 +10,10 @@ are medians of `iters` steps per rank (see `dbo.bench.timing`), folded over the 
 (per rank, the median of the round medians); the derived figures use the slowest rank's
 time (the step time the group sees), and rank 0's are reported beside them. Alternating
 the three measurements puts slow drift (clocks, host load) into all of them alike; each
-round's eta is kept, and its range is reported beside the eta of the medians.
+round's eta is kept, and its range is reported beside the eta of the medians. On a GPU,
+rank 0's SM clock is logged in the background (`moe.gpu_clocks.ClockLog`), and each point
+reports its median over the no-DBO, DBO and probe timings (`sm_mhz`, `capped`): the GPU
+runs these steps at its power limit, where the clock moves with the load.
 
 Definitions (also in every JSON output):
     tokens/s      = tokens per rank * world size / step time
@@ -25,10 +28,11 @@ Definitions (also in every JSON output):
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +43,7 @@ from dbo.bench.gating import GatePolicy
 from dbo.bench.timing import Timing, median_of_rounds, time_steps
 from dbo.bench.workload import WorkloadFactory
 from dbo.capture import capture
+from moe.gpu_clocks import ClockLog
 
 PROBE_SKIPPED_CPU = ("skipped on CPU: gloo runs each collective synchronously on the "
                      "calling thread, there are no streams to overlap")
@@ -56,6 +61,8 @@ DEFINITIONS = {
             "T_noDBO - T_both < 1% of T_noDBO"),
     "eta_min/eta_max": "the range of eta over the rounds, each round's eta from its own times",
     "gated": "T_DBO where the gate chose dbo, else T_noDBO; gated_speedup = T_noDBO / gated",
+    "sm_mhz/capped": ("rank 0's median SM clock and power-capped samples (k/n) while each "
+                      "timing ran: nodbo, dbo, and the probe's compute, comm, both"),
 }
 ETA_NO_PROBE = "no probe, no T_both"
 ETA_NO_HEADROOM = ("T_noDBO <= T_both: the unsplit step already runs at or under the "
@@ -116,10 +123,14 @@ class Point:
     per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
     rounds_ms: dict[str, list[float]] = field(default_factory=dict)
     eta_rounds: list[Optional[float]] = field(default_factory=list)
+    # Rank 0's median SM clock (MHz) and power-capped samples ("k/n") per timing:
+    # "nodbo", "dbo", and the probe's "compute", "comm", "both" (GPU, where readable).
+    sm_mhz: dict[str, float] = field(default_factory=dict)
+    capped: dict[str, str] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
-        nested = ("per_rank_ms", "rounds_ms", "eta_rounds")
+        nested = ("per_rank_ms", "rounds_ms", "eta_rounds", "sm_mhz", "capped")
         out = {k: v for k, v in asdict(self).items() if k not in nested}
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
@@ -142,19 +153,50 @@ def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
     show = cfg.progress and factory.rank == 0
     progress = Progress(len(cfg.backends) * len(cfg.tokens) * 2 * cfg.rounds, enabled=show)
     timing = dict(device=device, group=group, warmup=cfg.warmup, iters=cfg.iters)
+    clocks = ClockLog.start(device) if factory.rank == 0 else None
     points = []
-    for backend in cfg.backends:
-        for tokens in cfg.tokens:
-            points.append(_measure_point(cfg, factory, gate, progress, backend=backend,
-                                         tokens=tokens, timing=timing))
+    try:
+        for backend in cfg.backends:
+            for tokens in cfg.tokens:
+                span = _clock_spans(clocks, backend, tokens)
+                points.append(_measure_point(cfg, factory, gate, progress, backend=backend,
+                                             tokens=tokens, timing=timing, span=span))
+    finally:
+        if clocks is not None:
+            clocks.stop()
+    if clocks is not None:
+        for point in points:
+            attach_clocks(point, clocks)
     progress.close()
     factory.release()
     return SweepResult(cfg, factory.world_size, factory.describe(), probe_note, points)
 
 
+#: The timings whose clock a point reports (name -> label), in the report's order.
+CLOCKED = {"nodbo": "no DBO", "dbo": "DBO", "compute": "compute", "comm": "comm",
+           "both": "both"}
+Span = Callable[[str], ContextManager[None]]
+
+
+def _clock_spans(clocks: Optional[ClockLog], backend: str, tokens: int) -> Span:
+    """`span(name)` marks a timing of this point in the clock log (nothing without one)."""
+    if clocks is None:
+        return lambda name: contextlib.nullcontext()
+    return lambda name: clocks.span((backend, tokens, name))
+
+
+def attach_clocks(point: Point, clocks: ClockLog) -> None:
+    """Set `sm_mhz` / `capped` of `point` from the (stopped) log, per timing with samples."""
+    for name in CLOCKED:
+        summary = clocks.summary((point.backend, point.tokens_per_rank, name))
+        if summary is not None:
+            point.sm_mhz[name] = float(summary["sm_mhz"])  # type: ignore[arg-type]
+            point.capped[name] = str(summary["capped"])
+
+
 def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                    progress: "Progress", *, backend: str, tokens: int,
-                   timing: dict[str, Any]) -> Point:
+                   timing: dict[str, Any], span: Span) -> Point:
     """`cfg.rounds` rounds of (DBO off, the probe (GPU), DBO on), then the gate. Workloads
     die within a round, so the factory can free a model before building the next one."""
     on_gpu = factory.device.type == "cuda"
@@ -165,17 +207,17 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
         progress.step(f"{backend} T={tokens}/rank: DBO off" +
                       (" + ceiling probe" if on_gpu else "") + tag)
         off = factory.get(tokens=tokens, backend=backend, dbo=False)
-        t_off = time_steps(off.step, **timing)
+        t_off = time_steps(off.step, **timing, span=span("nodbo"))
         if index == 0:
             _maybe_trace(cfg, factory, off.step, f"{backend}_T{tokens}_dbo-off")
-        ceiling = probe_ceiling(off, **timing) if on_gpu else None
+        ceiling = probe_ceiling(off, **timing, span=span) if on_gpu else None
         del off  # a2a_ll's DBO-on model differs: let the factory free this one first
         progress.step(f"{backend} T={tokens}/rank: DBO on" + tag)
         on = factory.get(tokens=tokens, backend=backend, dbo=True)
         if index == 0:
             # The gate's trial: its own short timing, before (and apart from) the reported one.
             trial = time_steps(on.step, **{**timing, "warmup": 1, "iters": cfg.gate_trial_iters})
-        t_on = time_steps(on.step, **timing)
+        t_on = time_steps(on.step, **timing, span=span("dbo"))
         if index == 0:
             _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
         rounds.append(Round(t_off, t_on, ceiling, on.was_split, on.split_reason))

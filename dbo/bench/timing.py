@@ -13,10 +13,11 @@ rounds into one: per rank, the median of that rank's round medians.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,12 +52,16 @@ def median_of_rounds(rounds: Sequence[Timing]) -> Timing:
 
 
 def time_steps(fn: Callable[[], Any], *, device: torch.device,
-               group: Optional[dist.ProcessGroup], warmup: int, iters: int) -> Timing:
-    """Run `fn` `warmup` times untimed, then `iters` times timed; gather the medians."""
+               group: Optional[dist.ProcessGroup], warmup: int, iters: int,
+               span: Optional[ContextManager[Any]] = None) -> Timing:
+    """Run `fn` `warmup` times untimed, then `iters` times timed (inside `span`, when
+    given: e.g. a clock-log span that should not see warmup or compilation); gather the
+    medians."""
     for _ in range(warmup):
         fn()
     _sync(device)
-    samples = [_time_one(fn, device, group) for _ in range(iters)]
+    with span if span is not None else contextlib.nullcontext():
+        samples = [_time_one(fn, device, group) for _ in range(iters)]
     return Timing(gather_floats(statistics.median(samples), group))
 
 
