@@ -50,7 +50,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from moe.gpu_clocks import ClockSample, read_clocks
+from moe.gpu_clocks import ClockSample, read_clocks, summarize
 
 # name -> (hidden H, intermediate I, top-k K, local experts E)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -373,11 +373,7 @@ def bench_point(problem: Problem, kernels: dict[str, object], args: argparse.Nam
 
 def clock_fields(samples: list[ClockSample | None]) -> dict[str, object]:
     """`sm_mhz` and `capped` of a Point from its rounds' samples (unread ones left out)."""
-    read = [s for s in samples if s is not None]
-    if not read:
-        return {}
-    return {"sm_mhz": statistics.median(s.sm_mhz for s in read),
-            "capped": f"{sum(s.power_capped for s in read)}/{len(read)}"}
+    return summarize(s for s in samples if s is not None) or {}
 
 
 def make_path(

@@ -24,11 +24,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import IO, Hashable, Iterator, Optional
+from typing import IO, Hashable, Iterable, Iterator, Optional
 
 import torch
 
-__all__ = ["ClockLog", "ClockSample", "parse_smi", "read_clocks"]
+__all__ = ["ClockLog", "ClockSample", "parse_smi", "read_clocks", "summarize"]
 
 # Bits of NVML's clocks-event (throttle) reasons that mean "held back by power".
 _SW_POWER_CAP = 0x4
@@ -68,6 +68,16 @@ def parse_smi(text: str, uuid: str) -> ClockSample | None:
             reasons = 0
         return ClockSample(sm_mhz, power_w, bool(reasons & (_SW_POWER_CAP | _HW_POWER_BRAKE)))
     return None
+
+
+def summarize(samples: Iterable[ClockSample]) -> Optional[dict[str, object]]:
+    """{"sm_mhz": median clock, "capped": "k/n" power-capped of n} over `samples`, or None
+    when there are none."""
+    samples = list(samples)
+    if not samples:
+        return None
+    return {"sm_mhz": statistics.median(s.sm_mhz for s in samples),
+            "capped": f"{sum(s.power_capped for s in samples)}/{len(samples)}"}
 
 
 def _tool_and_uuid(device: torch.device) -> tuple[str, str] | None:
@@ -174,8 +184,4 @@ class ClockLog:
         if self._samples is None:
             raise RuntimeError("ClockLog.summary: call stop() first")
         spans = [(a, b) for k, a, b in self._spans if k == key]
-        inside = [s for t, s in self._samples if any(a <= t <= b for a, b in spans)]
-        if not inside:
-            return None
-        return {"sm_mhz": statistics.median(s.sm_mhz for s in inside),
-                "capped": f"{sum(s.power_capped for s in inside)}/{len(inside)}"}
+        return summarize(s for t, s in self._samples if any(a <= t <= b for a, b in spans))
