@@ -88,6 +88,7 @@ ALIGN_CASES = [
     (33, 8, 8, 32, 0.25),  # ids -1 in the mix
     (20, 4, 5, 16, 1.0),  # everything dropped
     (50, 3, 4, 64, 0.1),
+    (1100, 1, 1, 16, 0.0),  # 69 blocks of one expert, 69 chunks of 16: many scan steps
 ]
 
 
@@ -343,6 +344,11 @@ def test_persistent_half_tiles_and_policy(monkeypatch: pytest.MonkeyPatch) -> No
     assert not prefer(64, gated=False, k=768, rows_per_expert=128), "tuned on 128-row blocks"
     monkeypatch.setattr(fm, "PERSISTENT", False)
     assert not prefer(128, gated=False, k=768, rows_per_expert=256)
+    # x is sorted first only for the one-program-per-tile GEMM1, and only when large.
+    monkeypatch.setattr(fm, "SORTED_X_MIN_BYTES", x.numel() * x.element_size())
+    assert fm.prefer_sorted_x(x, persistent_gemm1=False)
+    assert not fm.prefer_sorted_x(x[1:], persistent_gemm1=False)
+    assert not fm.prefer_sorted_x(x, persistent_gemm1=True)
     fp32 = make_problem(4, 16, 8, 2, 1)
     with pytest.raises(ValueError, match=r"persistent=True.*16-bit"):
         fm.fused_moe(*fp32, persistent=True)

@@ -33,7 +33,9 @@ from moe.workspace import Workspace, empty_from
 CHUNK = 1024  # rows per count/scatter program: one in-register sort of CHUNK keys
 SMALL_CHUNK = 64  # for at most this many rows: a shorter sort (decode; the interpreter)
 _FILL_COLS = 16  # padding sentinels are written [S_PAD, _FILL_COLS] at a time
-_BLOCKS_PER_STEP = 32  # block -> expert entries computed [_BLOCKS_PER_STEP, S_PAD] at a time
+_SCAN_TILE = 4096  # elements per step of the scan's loops: [S_PAD, a power of two]
+_CHUNK_STEP = 16  # at most this many chunk histograms per step
+_BLOCK_STEP = 64  # at most this many blocks of each segment per step
 
 
 @triton.jit
@@ -76,14 +78,21 @@ def align_scan_kernel(
     BLOCK_M: tl.constexpr,
     S_PAD: tl.constexpr,
     FILL_COLS: tl.constexpr,
-    BLOCKS_PER_STEP: tl.constexpr,
+    CHUNK_STEP: tl.constexpr,  # chunk histograms read [CHUNK_STEP, S_PAD] at a time
+    BLOCK_STEP: tl.constexpr,  # blocks of each segment written [S_PAD, BLOCK_STEP] at a time
 ):
     """One program. Segments are laid out in id order, each padded to BLOCK_M; the junk
-    bin (tail rows) gets no space."""
+    bin (tail rows) gets no space. Every loop works on a whole tile of chunks, blocks or
+    columns per step, so a step is one wide vector operation, not one per chunk or block:
+    this program runs alone between the count and the scatter launches."""
     segs = tl.arange(0, S_PAD)
+    steps = tl.arange(0, CHUNK_STEP)
     totals = tl.zeros((S_PAD,), dtype=tl.int32)
-    for c in range(num_chunks):
-        totals += tl.load(counts_ptr + c * S_PAD + segs)
+    for c0 in range(0, num_chunks, CHUNK_STEP):
+        chunks = c0 + steps
+        tile = tl.load(counts_ptr + chunks[:, None] * S_PAD + segs[None, :],
+                       mask=(chunks < num_chunks)[:, None], other=0)
+        totals += tl.sum(tile, axis=0)
     totals = tl.where(segs <= num_experts, totals, 0)
     padded = (totals + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
@@ -93,11 +102,15 @@ def align_scan_kernel(
     # there, less the rows of lower segments in this chunk (the scatter adds the row's
     # position among the chunk's rows sorted by segment).
     running = padded_start
-    for c in range(num_chunks):
-        counts = tl.load(counts_ptr + c * S_PAD + segs)
-        below = tl.cumsum(counts, axis=0) - counts
-        tl.store(counts_ptr + c * S_PAD + segs, running - below)
-        running += counts
+    for c0 in range(0, num_chunks, CHUNK_STEP):
+        chunks = c0 + steps
+        offs = chunks[:, None] * S_PAD + segs[None, :]
+        in_range = (chunks < num_chunks)[:, None]
+        tile = tl.load(counts_ptr + offs, mask=in_range, other=0)
+        earlier = tl.cumsum(tile, axis=0) - tile
+        below = tl.cumsum(tile, axis=1) - tile
+        tl.store(counts_ptr + offs, running[None, :] + earlier - below, mask=in_range)
+        running += tl.sum(tile, axis=0)
 
     # Padding rows of each segment: [start + total, padded end).
     fill_start = padded_start + totals
@@ -106,33 +119,37 @@ def align_scan_kernel(
         sentinel = tl.full((S_PAD, FILL_COLS), 0, tl.int32) + num_routed
         tl.store(sorted_ids_ptr + rows, sentinel, mask=rows < padded_end[:, None])
 
-    # Expert of each block: the number of segments that end at or before its first row.
-    for b in range(0, num_blocks, BLOCKS_PER_STEP):
-        blocks = b + tl.arange(0, BLOCKS_PER_STEP)
-        first_row = blocks * BLOCK_M
-        ended = (padded_end[None, :] <= first_row[:, None]) & (segs[None, :] < S_PAD - 1)
-        seg = tl.sum(ended.to(tl.int32), axis=1)
-        expert = tl.where(seg < num_experts, seg, -1)
-        tl.store(block_expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
-
     # Tile table: per expert, its blocks but the last in full, then the last one as full
     # or half-used; the half-used ones go after every full one.
     is_expert = segs < num_experts
-    num_blocks_e = tl.where(is_expert, padded // BLOCK_M, 0)
+    num_blocks_s = padded // BLOCK_M
+    num_blocks_e = tl.where(is_expert, num_blocks_s, 0)
     last_used = totals - (num_blocks_e - 1) * BLOCK_M
     half = is_expert & (totals > 0) & (last_used <= BLOCK_M // 2)
     full = num_blocks_e - half.to(tl.int32)
-    full_end = tl.cumsum(full, axis=0)
-    full_start = full_end - full
+    full_start = tl.cumsum(full, axis=0) - full
     num_full = tl.sum(full, axis=0)
     half_slot = num_full + tl.cumsum(half.to(tl.int32), axis=0) - 1
     tl.store(tile_rows_ptr + half_slot, padded_start + full * BLOCK_M, mask=half)
-    for t in range(0, num_blocks, BLOCKS_PER_STEP):
-        slots = t + tl.arange(0, BLOCKS_PER_STEP)
-        owns = (full_start[None, :] <= slots[:, None]) & (slots[:, None] < full_end[None, :])
-        first = padded_start[None, :] + (slots[:, None] - full_start[None, :]) * BLOCK_M
-        row = tl.sum(tl.where(owns, first, 0), axis=1)
-        tl.store(tile_rows_ptr + slots, row, mask=slots < num_full)
+
+    # Each segment writes its own blocks: the expert per block (-1 for the dropped
+    # segment) and its full tiles' first rows.
+    first_block = padded_start // BLOCK_M
+    expert = tl.where(is_expert, segs, -1)
+    blocks_per_seg = tl.max(num_blocks_s, axis=0)
+    for j0 in range(0, blocks_per_seg, BLOCK_STEP):
+        j = j0 + tl.arange(0, BLOCK_STEP)[None, :]
+        in_seg = j < num_blocks_s[:, None]
+        tl.store(block_expert_ids_ptr + first_block[:, None] + j,
+                 expert[:, None] + 0 * j, mask=in_seg)
+        tl.store(tile_rows_ptr + full_start[:, None] + j,
+                 padded_start[:, None] + j * BLOCK_M, mask=j < full[:, None])
+    # The idle blocks past the used rows.
+    used_blocks = tl.sum(num_blocks_s, axis=0)
+    for b0 in range(used_blocks, num_blocks, S_PAD * BLOCK_STEP):
+        blocks = b0 + tl.arange(0, S_PAD * BLOCK_STEP)
+        tl.store(block_expert_ids_ptr + blocks, tl.full(blocks.shape, -1, tl.int32),
+                 mask=blocks < num_blocks)
     tl.store(num_tiles_ptr, num_full)
     tl.store(num_tiles_ptr + 1, tl.sum(half.to(tl.int32), axis=0))
 
@@ -210,13 +227,14 @@ def align_routing_triton(
     counts_CS = empty_from(workspace, "triton.align.counts", (num_chunks, s_pad), torch.int32,
                            device)
     ids_R = topk_ids_NK.reshape(-1)
+    per_seg = max(1, _SCAN_TILE // s_pad)
     _COUNT((num_chunks,), ids_R, counts_CS, num_routed, num_experts, S_PAD=s_pad, CHUNK=chunk)
     _SCAN(
         (1,),
         counts_CS, sorted_ids_P, block_expert_ids_B, num_padded_rows, tile_rows_B, num_tiles,
         num_routed, num_experts, num_chunks, num_blocks,
         BLOCK_M=block_m, S_PAD=s_pad, FILL_COLS=min(_FILL_COLS, block_m),
-        BLOCKS_PER_STEP=_BLOCKS_PER_STEP, num_warps=4,
+        CHUNK_STEP=min(_CHUNK_STEP, per_seg), BLOCK_STEP=min(_BLOCK_STEP, per_seg), num_warps=4,
     )
     _SCATTER((num_chunks,), ids_R, counts_CS, sorted_ids_P, num_routed, num_experts,
              S_PAD=s_pad, CHUNK=chunk, num_warps=8)

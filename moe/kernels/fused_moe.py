@@ -18,7 +18,8 @@ computed, written nor read: under expert parallelism they are half or more of th
 Load paths (constexpr flags, chosen per GEMM by the host, see `fused_moe`): pointer loads;
 TMA (tensor descriptors, Hopper and newer) for the weight tiles and for A when A is in the
 sorted order; GEMM1 gathers x rows by pointer, or reads x copied into the sorted order
-first (`gather_rows`), which pays only when x is much larger than L2.
+first (`gather_rows`), which pays only when x is much larger than L2 and GEMM1 runs
+one program per tile.
 
 Tile heights (`gemm_tiles`): on 128-row routing blocks GEMM1 may run 64-row tiles (a
 tile of padding rows returns at once), and GEMM2 runs a half-height copy of its tile for
@@ -460,7 +461,8 @@ def fused_moe(
             True (both GEMMs) raises ValueError where TMA cannot load the operands (on CPU
             the interpreter emulates it, for tests); False: pointer loads only.
         sorted_x: copy x's routed rows into the sorted order first (one gather kernel),
-            so GEMM1 loads A with TMA too; needs GEMM1 on TMA. None: `prefer_sorted_x`.
+            so GEMM1 loads A with TMA too; needs GEMM1 on TMA. None: `prefer_sorted_x`,
+            where GEMM1 runs one program per tile (never before the persistent GEMM1).
         persistent: run a GEMM as `moe.kernels.fused_moe_persistent` (one program per
             SM over the tile table, TMA loads). None: on a GPU where TMA can load the
             operands and `tma` is not False, per GEMM where `prefer_persistent` says;
@@ -491,9 +493,7 @@ def fused_moe(
         raise ValueError(f"fused_moe(tma=True): {tma_reason}")
     else:
         tma1 = tma2 = tma
-    if sorted_x is None:
-        sorted_x = tma1 and prefer_sorted_x(x_NH)
-    elif sorted_x and not tma1:
+    if sorted_x and not tma1:
         raise ValueError("fused_moe(sorted_x=True) needs tma: the gather only pays for TMA loads")
 
     block_m = block_m or choose_block_m(num_routed, num_experts)
@@ -509,6 +509,8 @@ def fused_moe(
     else:
         persist1 = persist2 = persistent
     persist2 = persist2 and SKIP_DROPPED_ROWS  # it writes no zero rows for dropped ids
+    if sorted_x is None:
+        sorted_x = tma1 and prefer_sorted_x(x_NH, persistent_gemm1=persist1)
     routing = align_routing_triton(topk_ids_NK, num_experts, block_m, workspace=workspace)
     max_rows = routing.sorted_ids_P.numel()
     act_PI = empty_from(workspace, "triton.act", (max_rows, inter), dtype, device)
@@ -554,7 +556,10 @@ def fused_moe(
 #   is a larger share of a short k-loop.
 # - Sorting x first: GEMM1 11% faster at DeepSeek-V3 H = 7168, 16384 tokens (x is 235 MB,
 #   about 4x L2), a net 0.8 ms of 21 ms after the gather; a net loss at 4096 tokens
-#   (x 59 MB) and at Qwen3's 16384 tokens (x 67 MB).
+#   (x 59 MB) and at Qwen3's 16384 tokens (x 67 MB). That was the one-program-per-tile
+#   GEMM1. Before the persistent GEMM1, whose gate and up halves run as one dot (session
+#   11), the 0.73 ms gather no longer pays: `fused_moe` end to end at DeepSeek-V3 shapes
+#   with 16384 tokens was 0.8-1.2% faster without it (BENCHMARKS.md section 2).
 TMA_MIN_K = 1024
 SORTED_X_MIN_BYTES = 128 * 2**20
 
@@ -564,9 +569,10 @@ def prefer_tma(k: int) -> bool:
     return k >= TMA_MIN_K
 
 
-def prefer_sorted_x(x_NH: torch.Tensor) -> bool:
-    """Whether to gather x into the sorted order for GEMM1 (GEMM1 on TMA)."""
-    return x_NH.numel() * x_NH.element_size() >= SORTED_X_MIN_BYTES
+def prefer_sorted_x(x_NH: torch.Tensor, *, persistent_gemm1: bool) -> bool:
+    """Whether to gather x into the sorted order for GEMM1 (GEMM1 on TMA), which runs
+    the persistent kernel when `persistent_gemm1`."""
+    return not persistent_gemm1 and x_NH.numel() * x_NH.element_size() >= SORTED_X_MIN_BYTES
 
 
 # The persistent kernel (`moe.kernels.fused_moe_persistent`), from per-GEMM timings of

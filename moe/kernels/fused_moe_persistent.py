@@ -8,6 +8,9 @@ tiles in grouped order, from the routing's tile table (`moe.kernels.align`): blo
 more than BLOCK_M // 2 used rows first, then the half-used last blocks of experts as
 half-height tiles (HALF_TAIL), so little math goes to padding rows. With FLATTEN, Triton
 pipelines across the tile loop (the next tile's loads start during this one's epilogue).
+GEMM1 loads a column block's gate and up rows as one TMA box and runs them as one dot
+twice as wide (`_tile_loop`); the other kernel runs two dots of BLOCK_N. Per element the
+k order is the same, so both give the same bits.
 
 The host picks it per GEMM where `fused_moe.prefer_persistent` says, from per-GEMM
 timings of both kernels on an H200 (BENCHMARKS.md section 2, session 9).
@@ -133,11 +136,22 @@ def _tile_loop(
     FLATTEN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    """The tiles of `num_pid_m` table entries x all output columns, BM rows each."""
-    expert_rows = 2 * N if GATED else N
-    b_desc = tl.make_tensor_descriptor(
-        b_ptr, shape=[num_experts * expert_rows, K], strides=[stride_bn, 1],
-        block_shape=[BLOCK_N, BLOCK_K])
+    """The tiles of `num_pid_m` table entries x all output columns, BM rows each.
+
+    GATED: the gate and up rows of a column block load as one [2, BLOCK_N, BLOCK_K] TMA
+    box of w13 viewed [E * 2, N, K] and multiply as one [BM, 2 * BLOCK_N] dot; the
+    accumulator is split into the two halves for the epilogue. Past an expert's last
+    row the box reads zeros. Else B is viewed [E * N, K]: past an expert's last weight
+    row the descriptor reads the next expert's rows (or zeros past the tensor), and the
+    store mask drops those columns."""
+    if GATED:
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr, shape=[num_experts * 2, N, K], strides=[N * stride_bn, stride_bn, 1],
+            block_shape=[2, BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr, shape=[num_experts * N, K], strides=[stride_bn, 1],
+            block_shape=[BLOCK_N, BLOCK_K])
     if A_SORTED:
         a_desc = tl.make_tensor_descriptor(
             a_ptr, shape=[max_padded_rows, K], strides=[stride_am, 1],
@@ -154,17 +168,16 @@ def _tile_loop(
         pid_n = (tile % num_pid_in_group) // group_size_m
 
         row0 = tl.load(tile_rows_ptr + first_entry + pid_m)
-        expert = tl.load(block_expert_ids_ptr + row0 // ROUTE_BLOCK_M).to(tl.int64)
+        expert = tl.load(block_expert_ids_ptr + row0 // ROUTE_BLOCK_M)
         offs_m = row0 + tl.arange(0, BM)
         row_ids = tl.load(sorted_ids_ptr + offs_m)
         row_mask = row_ids < num_routed
         a_rows = (row_ids // A_ROWS_DIV).to(tl.int64)
-        # Past an expert's last weight row the descriptor reads the next expert's rows
-        # (or zeros past the tensor); the store mask drops those columns.
-        b_row = (expert * expert_rows + pid_n * BLOCK_N).to(tl.int32)
 
-        acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+        if GATED:
+            acc_pair = tl.zeros((BM, 2 * BLOCK_N), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             k0 = ki * BLOCK_K
             if A_SORTED:
@@ -174,21 +187,29 @@ def _tile_loop(
                           + (k0 + offs_k)[None, :] * stride_ak)
                 a = tl.load(a_ptrs, mask=row_mask[:, None] & (k0 + offs_k < K)[None, :],
                             other=0.0)
-            b = b_desc.load([b_row, k0]).T
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
             if GATED:
-                up = b_desc.load([b_row + N, k0]).T
-                acc_up = tl.dot(a, up, acc_up, input_precision=INPUT_PRECISION)
+                b = b_desc.load([2 * expert, pid_n * BLOCK_N, k0])
+                b = b.reshape(2 * BLOCK_N, BLOCK_K).T
+                acc_pair = tl.dot(a, b, acc_pair, input_precision=INPUT_PRECISION)
+            else:
+                b = b_desc.load([expert * N + pid_n * BLOCK_N, k0]).T
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if GATED:
+            # Columns [0, BLOCK_N) are the gate's, [BLOCK_N, 2 * BLOCK_N) the up's.
+            acc, acc_up = tl.split(tl.permute(tl.reshape(acc_pair, (BM, 2, BLOCK_N)), (0, 2, 1)))
+        else:
+            acc_up = acc  # unused by the epilogue
         store_tile(acc, acc_up, c_ptr, topk_weights_ptr, offs_m, row_ids, pid_n,
                    N, num_routed, weights_top_k, stride_cm, stride_cn, stride_wn,
                    C_SORTED, GATED, MUL_ROUTED_WEIGHT, BLOCK_N)
 
 
 # (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, FLATTEN) on 128-row tiles, from
-# per-config timings on an H200 (session 9, BENCHMARKS.md section 2): GEMM2 won with
-# 256-wide columns, 8 warps, 3 stages, flattened at most points; GEMM1 (two accumulators)
-# with 128 x 128 and no flattening (flattened, it ran 10-50% slower); 64-wide columns lost
-# by 10-30% in both. Tiles of 64 rows need a table per tile height (not built).
+# per-config timings on an H200 (sessions 9 and 11, BENCHMARKS.md section 2): GEMM2 won
+# with 256-wide columns, 8 warps, 3 stages, flattened at most points; GEMM1 with 128 x 128
+# (one 128 x 256 dot of gate and up) and no flattening (flattened, it ran 10-50% slower);
+# 64-wide columns lost by 10-30% in both. Tiles of 64 rows need a table per tile height
+# (not built).
 _GEMM2_TILES = (
     (256, 64, 8, 8, 3, True),
     (256, 64, 16, 8, 3, True),
