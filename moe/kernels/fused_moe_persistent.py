@@ -10,7 +10,8 @@ half-height tiles (HALF_TAIL), so little math goes to padding rows. With FLATTEN
 pipelines across the tile loop (the next tile's loads start during this one's epilogue).
 GEMM1 loads a column block's gate and up rows as one TMA box and runs them as one dot
 twice as wide (`_tile_loop`); the other kernel runs two dots of BLOCK_N. Per element the
-k order is the same, so both give the same bits.
+k order is unchanged: on an H200, `fused_moe` gave the same bits with the two-dot form
+of this kernel and with this one (BENCHMARKS.md section 2, session 11).
 
 The host picks it per GEMM where `fused_moe.prefer_persistent` says, from per-GEMM
 timings of both kernels on an H200 (BENCHMARKS.md section 2, session 9).
