@@ -35,13 +35,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dbo.bench.timing import Timing, median_of_rounds, time_steps
+from dbo.bench.timing import SpanFn, Timing, median_of_rounds, no_spans, time_steps
 from dbo.bench.workload import Workload
 from moe.experts.triton import sharing_sms
 from moe.layer import MoELayer
@@ -238,11 +238,9 @@ def median_ceiling(rounds: list[Ceiling]) -> Ceiling:
 
 def probe_ceiling(workload: Workload, *, device: torch.device,
                   group: Optional[dist.ProcessGroup], warmup: int, iters: int,
-                  span: Optional[Callable[[str], ContextManager[None]]] = None) -> Ceiling:
+                  span: SpanFn = no_spans) -> Ceiling:
     """Measure compute alone, comm alone and both on two CUDA streams (GPU only).
-    `span(name)`, when given, wraps each timing's timed steps ("comm", "compute", "both")."""
-    if span is None:
-        span = lambda name: contextlib.nullcontext()  # noqa: E731
+    `span(name)` wraps each timing's timed steps ("comm", "compute", "both")."""
     if device.type != "cuda":
         raise ValueError(f"the ceiling probe overlaps two CUDA streams; device is {device}")
     assert workload.runner is None, "probe the DBO-off workload"

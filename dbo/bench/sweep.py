@@ -28,11 +28,10 @@ Definitions (also in every JSON output):
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,7 +39,7 @@ import torch.distributed as dist
 from dbo.bench.ceiling import Ceiling, median_ceiling, probe_ceiling
 from dbo.bench.config import BenchConfig
 from dbo.bench.gating import GatePolicy
-from dbo.bench.timing import Timing, median_of_rounds, time_steps
+from dbo.bench.timing import SpanFn, Timing, median_of_rounds, no_spans, time_steps
 from dbo.bench.workload import WorkloadFactory
 from dbo.capture import capture
 from moe.gpu_clocks import ClockLog
@@ -175,13 +174,12 @@ def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
 #: The timings whose clock a point reports (name -> label), in the report's order.
 CLOCKED = {"nodbo": "no DBO", "dbo": "DBO", "compute": "compute", "comm": "comm",
            "both": "both"}
-Span = Callable[[str], ContextManager[None]]
 
 
-def _clock_spans(clocks: Optional[ClockLog], backend: str, tokens: int) -> Span:
+def _clock_spans(clocks: Optional[ClockLog], backend: str, tokens: int) -> SpanFn:
     """`span(name)` marks a timing of this point in the clock log (nothing without one)."""
     if clocks is None:
-        return lambda name: contextlib.nullcontext()
+        return no_spans
     return lambda name: clocks.span((backend, tokens, name))
 
 
@@ -196,7 +194,7 @@ def attach_clocks(point: Point, clocks: ClockLog) -> None:
 
 def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                    progress: "Progress", *, backend: str, tokens: int,
-                   timing: dict[str, Any], span: Span) -> Point:
+                   timing: dict[str, Any], span: SpanFn) -> Point:
     """`cfg.rounds` rounds of (DBO off, the probe (GPU), DBO on), then the gate. Workloads
     die within a round, so the factory can free a model before building the next one."""
     on_gpu = factory.device.type == "cuda"

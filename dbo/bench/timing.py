@@ -51,6 +51,16 @@ def median_of_rounds(rounds: Sequence[Timing]) -> Timing:
                         for r in range(ranks.pop())))
 
 
+SpanFn = Callable[[str], ContextManager[Any]]
+"""`span(name)`: a context around the timed steps of the timing called `name` (e.g. a
+clock-log span, `dbo.bench.sweep`); `no_spans` marks nothing."""
+
+
+def no_spans(name: str) -> ContextManager[Any]:
+    """The `SpanFn` that marks nothing."""
+    return contextlib.nullcontext()
+
+
 def time_steps(fn: Callable[[], Any], *, device: torch.device,
                group: Optional[dist.ProcessGroup], warmup: int, iters: int,
                span: Optional[ContextManager[Any]] = None) -> Timing:
