@@ -115,7 +115,10 @@ def fused_moe_kernel(
     Accumulates in fp32. With USE_TMA the weight tile is one TMA copy of rows
     [e*rows + n0, +BLOCK_N): past an expert's last row it reads the next expert's (or
     zeros past the tensor), and those columns are dropped by the store mask, as the
-    wrapped columns are without TMA.
+    wrapped columns are without TMA. GATED with USE_TMA, the gate and up rows of the
+    column block load as one [2, BLOCK_N, BLOCK_K] box of w13 viewed [E * 2, N, K]
+    (zeros past an expert's last row) and multiply as one dot twice as wide, as in
+    `moe.kernels.fused_moe_persistent`.
 
     HALF_TAIL: an expert's rows come first in its segment and padding fills the rest, so
     when the block's row BLOCK_M // 2 is padding, so is every row after it: the block's
@@ -218,11 +221,17 @@ def _expert_tile(
     b_ptrs = b_ptr + expert * stride_be + offs_bn[None, :] * stride_bn + offs_k[:, None] * stride_bk
     up_ptrs = b_ptrs + N * stride_bn
     if USE_TMA:
-        expert_rows = 2 * N if GATED else N
-        b_desc = tl.make_tensor_descriptor(
-            b_ptr, shape=[num_experts * expert_rows, K], strides=[stride_bn, 1],
-            block_shape=[BLOCK_N, BLOCK_K])
-        b_row = (expert * expert_rows + pid_n * BLOCK_N).to(tl.int32)
+        if GATED:
+            # Gate and up rows of the column block as one box of w13 viewed [E * 2, N, K].
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[num_experts * 2, N, K], strides=[N * stride_bn, stride_bn, 1],
+                block_shape=[2, BLOCK_N, BLOCK_K])
+            b_half = (2 * expert).to(tl.int32)
+        else:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[num_experts * N, K], strides=[stride_bn, 1],
+                block_shape=[BLOCK_N, BLOCK_K])
+            b_row = (expert * N + pid_n * BLOCK_N).to(tl.int32)
         if A_SORTED:
             a_desc = tl.make_tensor_descriptor(
                 a_ptr, shape=[max_padded_rows, K], strides=[stride_am, 1],
@@ -230,26 +239,32 @@ def _expert_tile(
 
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BM, BLOCK_N), dtype=tl.float32)  # GATED only (else unused)
+    acc_pair = tl.zeros((BM, 2 * BLOCK_N), dtype=tl.float32)  # GATED on TMA only
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - k * BLOCK_K
         if USE_TMA and A_SORTED:
             a = a_desc.load([row0, k * BLOCK_K])
         else:
             a = tl.load(a_ptrs, mask=a_row_mask[:, None] & k_mask[None, :], other=0.0)
-        if USE_TMA:
-            b = b_desc.load([b_row, k * BLOCK_K]).T
+        if USE_TMA and GATED:  # gate and up as one dot twice as wide
+            b = b_desc.load([b_half, pid_n * BLOCK_N, k * BLOCK_K])
+            b = b.reshape(2 * BLOCK_N, BLOCK_K).T
+            acc_pair = tl.dot(a, b, acc_pair, input_precision=INPUT_PRECISION)
         else:
-            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        if GATED:
             if USE_TMA:
-                up = b_desc.load([b_row + N, k * BLOCK_K]).T
+                b = b_desc.load([b_row, k * BLOCK_K]).T
             else:
+                b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if GATED:
                 up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
-            acc_up = tl.dot(a, up, acc_up, input_precision=INPUT_PRECISION)
-            up_ptrs += BLOCK_K * stride_bk
+                acc_up = tl.dot(a, up, acc_up, input_precision=INPUT_PRECISION)
+                up_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if USE_TMA and GATED:
+        # Columns [0, BLOCK_N) are the gate's, [BLOCK_N, 2 * BLOCK_N) the up's.
+        acc, acc_up = tl.split(tl.permute(tl.reshape(acc_pair, (BM, 2, BLOCK_N)), (0, 2, 1)))
 
     store_tile(acc, acc_up, c_ptr, topk_weights_ptr, offs_m, row_ids, pid_n,
                N, num_routed, weights_top_k, stride_cm, stride_cn, stride_wn,
