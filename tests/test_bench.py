@@ -46,8 +46,8 @@ FINAL_KEYS = {"bench", "regime", "mode", "preset", "world_size", "device", "shap
               "summary", "points", "files"}
 POINT_KEYS = {"backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
               "tokens_per_s_nodbo", "tokens_per_s_dbo", "t_compute_ms", "t_comm_ms",
-              "t_both_ms", "ceiling", "eta", "dbo_split", "gate", "gate_reason",
-              "gated_speedup"}
+              "t_both_ms", "t_split_ms", "ceiling", "eta", "dbo_split", "gate",
+              "gate_reason", "gated_speedup"}
 
 
 # ----------------------------------------------------------------- layer 1: in-process
@@ -168,18 +168,23 @@ def test_rounds_fold_to_per_rank_medians_and_keep_eta_spread() -> None:
 
     def one(off: float, on: float, both: float) -> Round:
         ceiling = Ceiling(_timing(both - 1, both - 1), _timing(4.0, 4.0), _timing(both, both), 6)
-        return Round(_timing(off, off), _timing(on, on), ceiling, True, "halved")
+        return Round(_timing(off, off), _timing(on, on), ceiling, True, "halved",
+                     _timing(on - 0.5, on - 0.25))
 
     rounds = [one(20.0, 16.0, 15.0), one(21.0, 16.5, 16.0), one(30.0, 29.0, 16.0)]
     merged = Round.median(rounds)
     assert (merged.t_off.max_ms, merged.t_on.max_ms) == (21.0, 16.5)
+    assert merged.t_split is not None and merged.t_split.per_rank_ms == (16.0, 16.25)
     assert merged.ceiling is not None and merged.ceiling.both.max_ms == 16.0
     assert merged.ceiling.compute.max_ms == 15.0 and merged.ceiling.num_collectives == 6
     point = make_point(BenchConfig(), backend="a2a", tokens=1024, world_size=2,
                        t_off=merged.t_off, t_on=merged.t_on, ceiling=merged.ceiling,
                        split=merged.split, split_reason=merged.split_reason, use_dbo=True,
-                       gate_reason="")
+                       gate_reason="", t_split=merged.t_split)
     add_rounds(point, rounds)
+    assert (point.t_split_ms, point.t_split_ms_rank0) == (16.25, 16.0)
+    assert point.rounds_ms["t_split"] == [15.75, 16.25, 28.75]
+    assert point.per_rank_ms["t_split"] == [16.0, 16.25]
     assert point.eta == pytest.approx((21.0 - 16.5) / (21.0 - 16.0))
     assert point.eta_rounds == pytest.approx([0.8, 0.9, 1 / 14])
     assert (point.eta_min, point.eta_max) == (pytest.approx(1 / 14), pytest.approx(0.9))
@@ -188,7 +193,7 @@ def test_rounds_fold_to_per_rank_medians_and_keep_eta_spread() -> None:
     point.eta = None  # no headroom at the medians: the rounds' spread is not shown
     assert eta_rounds_cell(point) == "-"
     cpu = Round(_timing(2.0), _timing(1.0), None, True, "")
-    assert Round.median([cpu, cpu]).ceiling is None
+    assert Round.median([cpu, cpu]).ceiling is None and Round.median([cpu, cpu]).t_split is None
 
 
 def test_table_says_why_eta_is_missing_or_above_one() -> None:
@@ -249,16 +254,16 @@ def test_points_report_the_clock_of_each_timing() -> None:
     for point in points:
         attach_clocks(point, Log())  # type: ignore[arg-type]
     assert points[0].sm_mhz == {} and points[0].capped == {}
-    assert points[1].sm_mhz == {"nodbo": 1400.0, "dbo": 1410.0, "compute": 1420.0,
-                                "both": 1440.0}
+    assert points[1].sm_mhz == {"nodbo": 1400.0, "dbo": 1410.0, "split": 1420.0,
+                                "compute": 1430.0, "both": 1450.0}
     assert points[1].capped["both"] == "2/3" and "sm_mhz" not in points[1].row()
     shapes = {"hidden_size": 8, "num_experts": 4, "experts_per_rank": 2, "top_k": 2,
               "intermediate_size": 8, "layers": 2, "dtype": "float32"}
     table = format_table(SweepResult(cfg, 2, shapes, "measured", points))
     clock_lines = table.split("SM clock, rank 0")[1].splitlines()[1:]
     assert clock_lines[0].split() == ["a2a", "T=4096", "no", "DBO", "1400", "(2/3),", "DBO",
-                                      "1410", "(2/3),", "compute", "1420", "(2/3),", "both",
-                                      "1440", "(2/3)"]
+                                      "1410", "(2/3),", "split", "1420", "(2/3),", "compute",
+                                      "1430", "(2/3),", "both", "1450", "(2/3)"]
     assert "T=1024" not in table.split("SM clock, rank 0")[1]
 
 
@@ -307,6 +312,7 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path) -> None:
         assert POINT_KEYS <= set(p)
         assert p["t_nodbo_ms"] > 0 and p["t_dbo_ms"] > 0 and p["dbo_split"] is True
         assert p["t_both_ms"] is None and p["ceiling"] is None and p["eta"] is None
+        assert p["t_split_ms"] is None  # GPU only, like the probe
         assert p["rounds"] == 2 and p["eta_min"] is None
         if p["tokens_per_rank"] < 32:
             assert p["gate"] == "off" and p["gate_reason"].startswith("threshold")
@@ -335,7 +341,8 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path) -> None:
 def _model_mode_and_probe_pieces(rank: int, world_size: int, out_dir: str) -> dict:
     import torch.distributed as dist
 
-    from dbo.bench.ceiling import CommReplay, record_collectives, replayed_results
+    from dbo.bench.ceiling import (CommReplay, probe_split_compute, record_collectives,
+                                   replayed_results)
     from dbo.bench.report import final_line, write_outputs
     from dbo.bench.sweep import run_sweep
     from dbo.bench.workload import WorkloadFactory
@@ -367,6 +374,20 @@ def _model_mode_and_probe_pieces(rank: int, world_size: int, out_dir: str) -> di
         replayed_out = off.step() if rank == 0 else expected
     out["replayed_equal"] = torch.equal(replayed_out, expected)
     out["after_ok"] = torch.equal(off.step(), expected)  # the real collectives are back
+
+    # The same for a DBO step (split compute): its ubatches issue the collectives in the
+    # same order every step, so a replay matches call by call.
+    on = factory.get(tokens=10, backend="a2a", dbo=True)
+    expected_on = on.step()
+    with record_collectives(on.model) as recording:
+        on.step()
+    out["dbo_collectives"] = sorted(op.name for seg in recording.segments for op in seg)
+    with replayed_results(recording):
+        replayed_on = on.step() if rank == 0 else expected_on
+    out["dbo_replayed_equal"] = torch.equal(replayed_on, expected_on) and on.was_split
+    split = probe_split_compute(on, device=cpu, group=group, warmup=1, iters=2)
+    out["split_ms"] = list(split.per_rank_ms)
+    out["dbo_after_ok"] = torch.equal(on.step(), expected_on)
     return out
 
 
@@ -390,3 +411,7 @@ def test_model_mode_and_probe_pieces_on_gloo(tmp_path: Path) -> None:
         # Segment 0 precedes the first MoE layer; each layer: count exchange, data, combine.
         assert r["segments"] == [[]] + [["all_to_all_single"] * 3] * 2
         assert r["replayed_equal"] and r["after_ok"]
+        # The runner's vote, then two ubatches x 2 layers x (count exchange, data, combine).
+        assert r["dbo_collectives"] == ["all_reduce"] + ["all_to_all_single"] * 12
+        assert r["dbo_replayed_equal"] and r["dbo_after_ok"]
+        assert len(r["split_ms"]) == 2 and all(t > 0 for t in r["split_ms"])

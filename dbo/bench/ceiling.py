@@ -23,7 +23,14 @@ All three are built from the DBO-off step of the same workload:
   dependencies between the two: the best any schedule of this step could do, including
   the SM and memory-bandwidth contention of running comm kernels beside the GEMMs.
 
-T_serial = T_compute + T_comm; the ceiling is T_serial / T_both. GPU only: on CPU gloo
+T_serial = T_compute + T_comm; the ceiling is T_serial / T_both.
+
+`probe_split_compute` measures a fourth time, from the DBO-on step: **split compute**,
+that step with every collective replaced by its recorded result, as compute alone above
+but split into the ubatches the runner makes. T_DBO - T_split is what communication still
+costs the DBO step (exposed, or slowing the kernels beside it); T_split - T_compute is the
+compute the split itself adds (half-size GEMMs, each expert's weights read once per
+ubatch, twice the launches). GPU only: on CPU gloo
 runs each collective synchronously on the calling thread and there are no streams to
 overlap, so the sweep skips the probe there (and says so).
 
@@ -35,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -234,6 +241,20 @@ def median_ceiling(rounds: list[Ceiling]) -> Ceiling:
     return Ceiling(median_of_rounds([c.compute for c in rounds]),
                    median_of_rounds([c.comm for c in rounds]),
                    median_of_rounds([c.both for c in rounds]), rounds[0].num_collectives)
+
+
+def probe_split_compute(workload: Workload, *, device: torch.device,
+                        group: Optional[dist.ProcessGroup], warmup: int, iters: int,
+                        span: Optional[ContextManager[Any]] = None) -> Timing:
+    """Time the DBO-on `workload` with its collectives replaced by the results they gave
+    in one recorded step (module doc: split compute). The runner's schedule issues them
+    in the same order every step, so the replay matches call by call (else it raises)."""
+    assert workload.runner is not None, "time the DBO-on workload"
+    with record_collectives(workload.model) as recording:
+        workload.step()
+    with replayed_results(recording):
+        return time_steps(workload.step, device=device, group=group, warmup=warmup,
+                          iters=iters, span=span)
 
 
 def probe_ceiling(workload: Workload, *, device: torch.device,

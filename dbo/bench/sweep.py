@@ -5,7 +5,7 @@
 
 Per point (backend outer, tokens inner, so a model is rebuilt only when it must be),
 `rounds` times in a row: DBO off timed, the ceiling probed on that same workload (GPU),
-DBO on timed. Then the gate is decided from the tokens and the measured ceiling. Times
+DBO on timed, then its split compute (GPU; `dbo.bench.ceiling.probe_split_compute`). Then the gate is decided from the tokens and the measured ceiling. Times
 are medians of `iters` steps per rank (see `dbo.bench.timing`), folded over the rounds
 (per rank, the median of the round medians); the derived figures use the slowest rank's
 time (the step time the group sees), and rank 0's are reported beside them. Alternating
@@ -20,6 +20,8 @@ Definitions (also in every JSON output):
     speedup       = T_noDBO / T_DBO
     T_serial      = T_compute + T_comm             (both measured alone)
     ceiling       = T_serial / T_both
+    T_split       = the DBO step with its collectives replaced by their results: its
+                    compute alone, split in ubatches (GPU)
     eta           = (T_noDBO - T_DBO) / (T_noDBO - T_both); None when T_noDBO - T_both
                     is under 1% of T_noDBO (no headroom, or less than the timing noise);
                     above 1 where DBO's schedule beat the probe's interleaving (a note
@@ -36,7 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from dbo.bench.ceiling import Ceiling, median_ceiling, probe_ceiling
+from dbo.bench.ceiling import Ceiling, median_ceiling, probe_ceiling, probe_split_compute
 from dbo.bench.config import BenchConfig
 from dbo.bench.gating import GatePolicy
 from dbo.bench.timing import SpanFn, Timing, median_of_rounds, no_spans, time_steps
@@ -47,7 +49,8 @@ from moe.gpu_clocks import ClockLog
 PROBE_SKIPPED_CPU = ("skipped on CPU: gloo runs each collective synchronously on the "
                      "calling thread, there are no streams to overlap")
 PROBE_MEASURED = ("measured: compute alone (collectives replaced by their recorded results), comm "
-                  "alone (the step's recorded collectives replayed), both on two CUDA streams")
+                  "alone (the step's recorded collectives replayed), both on two CUDA streams; "
+                  "split: the DBO step's compute alone, the same way")
 DEFINITIONS = {
     "tokens_per_s": "tokens per rank * world size / step time",
     "step_time": ("per rank, the median over rounds of the median over iters of its steps; "
@@ -56,12 +59,16 @@ DEFINITIONS = {
     "t_serial": "T_compute + T_comm, each measured alone",
     "ceiling": "T_serial / T_both",
     "ceiling_vs_nodbo": "T_noDBO / T_both",
+    "t_split": ("the DBO step with every collective replaced by its recorded result: the "
+                "compute a DBO step runs, split in ubatches, without communication (GPU). "
+                "T_DBO - T_split: what comm still costs DBO; T_split - T_compute: what the "
+                "split adds"),
     "eta": ("(T_noDBO - T_DBO) / (T_noDBO - T_both); null without a probe or when "
             "T_noDBO - T_both < 1% of T_noDBO"),
     "eta_min/eta_max": "the range of eta over the rounds, each round's eta from its own times",
     "gated": "T_DBO where the gate chose dbo, else T_noDBO; gated_speedup = T_noDBO / gated",
     "sm_mhz/capped": ("rank 0's median SM clock and power-capped samples (k/n) while each "
-                      "timing ran: nodbo, dbo, and the probe's compute, comm, both"),
+                      "timing ran: nodbo, dbo, split, and the probe's compute, comm, both"),
 }
 ETA_NO_PROBE = "no probe, no T_both"
 ETA_NO_HEADROOM = ("T_noDBO <= T_both: the unsplit step already runs at or under the "
@@ -110,6 +117,8 @@ class Point:
     t_comm_ms_rank0: Optional[float] = None
     t_both_ms: Optional[float] = None
     t_both_ms_rank0: Optional[float] = None
+    t_split_ms: Optional[float] = None
+    t_split_ms_rank0: Optional[float] = None
     t_serial_ms: Optional[float] = None
     ceiling: Optional[float] = None
     ceiling_vs_nodbo: Optional[float] = None
@@ -123,7 +132,8 @@ class Point:
     rounds_ms: dict[str, list[float]] = field(default_factory=dict)
     eta_rounds: list[Optional[float]] = field(default_factory=list)
     # Rank 0's median SM clock (MHz) and power-capped samples ("k/n") per timing:
-    # "nodbo", "dbo", and the probe's "compute", "comm", "both" (GPU, where readable).
+    # "nodbo", "dbo", "split", and the probe's "compute", "comm", "both" (GPU, where
+    # readable).
     sm_mhz: dict[str, float] = field(default_factory=dict)
     capped: dict[str, str] = field(default_factory=dict)
 
@@ -172,8 +182,8 @@ def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
 
 
 #: The timings whose clock a point reports (name -> label), in the report's order.
-CLOCKED = {"nodbo": "no DBO", "dbo": "DBO", "compute": "compute", "comm": "comm",
-           "both": "both"}
+CLOCKED = {"nodbo": "no DBO", "dbo": "DBO", "split": "split", "compute": "compute",
+           "comm": "comm", "both": "both"}
 
 
 def _clock_spans(clocks: Optional[ClockLog], backend: str, tokens: int) -> SpanFn:
@@ -195,7 +205,8 @@ def attach_clocks(point: Point, clocks: ClockLog) -> None:
 def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                    progress: "Progress", *, backend: str, tokens: int,
                    timing: dict[str, Any], span: SpanFn) -> Point:
-    """`cfg.rounds` rounds of (DBO off, the probe (GPU), DBO on), then the gate. Workloads
+    """`cfg.rounds` rounds of (DBO off, the probe (GPU), DBO on, its split compute (GPU)),
+    then the gate. Workloads
     die within a round, so the factory can free a model before building the next one."""
     on_gpu = factory.device.type == "cuda"
     rounds: list[Round] = []
@@ -218,7 +229,10 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
         t_on = time_steps(on.step, **timing, span=span("dbo"))
         if index == 0:
             _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
-        rounds.append(Round(t_off, t_on, ceiling, on.was_split, on.split_reason))
+        was_split, split_reason = on.was_split, on.split_reason  # of the timed steps
+        t_split = (probe_split_compute(on, **timing, span=span("split")) if on_gpu
+                   else None)
+        rounds.append(Round(t_off, t_on, ceiling, was_split, split_reason, t_split))
         del on
     assert trial is not None
     merged = Round.median(rounds)
@@ -229,7 +243,8 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
     point = make_point(cfg, backend=backend, tokens=tokens, world_size=factory.world_size,
                        t_off=merged.t_off, t_on=merged.t_on, ceiling=merged.ceiling,
                        split=merged.split, split_reason=merged.split_reason,
-                       use_dbo=decision.use_dbo, gate_reason=decision.reason)
+                       use_dbo=decision.use_dbo, gate_reason=decision.reason,
+                       t_split=merged.t_split)
     add_rounds(point, rounds)
     return point
 
@@ -243,15 +258,18 @@ class Round:
     ceiling: Optional[Ceiling]
     split: bool
     split_reason: str
+    t_split: Optional[Timing] = None
 
     @staticmethod
     def median(rounds: list["Round"]) -> "Round":
         """Every timing folded over the rounds (per rank, the median of round medians)."""
         ceilings = [r.ceiling for r in rounds if r.ceiling is not None]
+        splits = [r.t_split for r in rounds if r.t_split is not None]
         return Round(median_of_rounds([r.t_off for r in rounds]),
                      median_of_rounds([r.t_on for r in rounds]),
                      median_ceiling(ceilings) if len(ceilings) == len(rounds) else None,
-                     all(r.split for r in rounds), rounds[-1].split_reason)
+                     all(r.split for r in rounds), rounds[-1].split_reason,
+                     median_of_rounds(splits) if len(splits) == len(rounds) else None)
 
 
 def add_rounds(point: Point, rounds: list[Round]) -> None:
@@ -260,6 +278,8 @@ def add_rounds(point: Point, rounds: list[Round]) -> None:
     point.rounds_ms = {"t_nodbo": [r.t_off.max_ms for r in rounds],
                        "t_dbo": [r.t_on.max_ms for r in rounds]}
     ceilings = [r.ceiling for r in rounds if r.ceiling is not None]
+    if all(r.t_split is not None for r in rounds):
+        point.rounds_ms["t_split"] = [r.t_split.max_ms for r in rounds]  # type: ignore[union-attr]
     if len(ceilings) == len(rounds):
         point.rounds_ms["t_both"] = [c.both.max_ms for c in ceilings]
         etas = [efficiency(r.t_off.max_ms, r.t_on.max_ms, c.both.max_ms)[0]
@@ -281,7 +301,7 @@ def _maybe_trace(cfg: BenchConfig, factory: WorkloadFactory, step: Any, name: st
 
 def make_point(cfg: BenchConfig, *, backend: str, tokens: int, world_size: int, t_off: Timing,
                t_on: Timing, ceiling: Optional[Ceiling], split: bool, split_reason: str,
-               use_dbo: bool, gate_reason: str) -> Point:
+               use_dbo: bool, gate_reason: str, t_split: Optional[Timing] = None) -> Point:
     """Derive one point's figures from its timings (see the module doc)."""
     total = tokens * world_size
     off_ms, on_ms = t_off.max_ms, t_on.max_ms
@@ -297,6 +317,9 @@ def make_point(cfg: BenchConfig, *, backend: str, tokens: int, world_size: int, 
         gated_speedup=off_ms / gated_ms, tokens_per_s_gated=_rate(total, gated_ms),
         eta_note=ETA_NO_PROBE,
         per_rank_ms={"t_nodbo": list(t_off.per_rank_ms), "t_dbo": list(t_on.per_rank_ms)})
+    if t_split is not None:
+        point.t_split_ms, point.t_split_ms_rank0 = t_split.max_ms, t_split.rank0_ms
+        point.per_rank_ms["t_split"] = list(t_split.per_rank_ms)
     if ceiling is not None:
         both_ms = ceiling.both.max_ms
         point.t_compute_ms = ceiling.compute.max_ms
