@@ -248,7 +248,10 @@ def probe_split_compute(workload: Workload, *, device: torch.device,
                         span: Optional[ContextManager[Any]] = None) -> Timing:
     """Time the DBO-on `workload` with its collectives replaced by the results they gave
     in one recorded step (module doc: split compute). The runner's schedule issues them
-    in the same order every step, so the replay matches call by call (else it raises)."""
+    in the same order every step, so the replay matches call by call (else it raises).
+    The copies of the results are kernel time of their own (at DeepSeek-V3 shapes with
+    4096 tokens per rank on 2 ranks, 1.2 ms per step against 0.14 ms of copies in the
+    real step): the figure is a little high, as compute alone is."""
     assert workload.runner is not None, "time the DBO-on workload"
     with record_collectives(workload.model) as recording:
         workload.step()

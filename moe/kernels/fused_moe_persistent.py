@@ -9,9 +9,9 @@ more than BLOCK_M // 2 used rows first, then the half-used last blocks of expert
 half-height tiles (HALF_TAIL), so little math goes to padding rows. With FLATTEN, Triton
 pipelines across the tile loop (the next tile's loads start during this one's epilogue).
 GEMM1 loads a column block's gate and up rows as one TMA box and runs them as one dot
-twice as wide (`_tile_loop`); the other kernel runs two dots of BLOCK_N. Per element the
+twice as wide (`_tile_loop`), as the other kernel does on its TMA path. Per element the
 k order is unchanged: on an H200, `fused_moe` gave the same bits with the two-dot form
-of this kernel and with this one (BENCHMARKS.md section 2, session 11).
+and the one-dot form of each kernel (BENCHMARKS.md section 2, sessions 11 and 12).
 
 The host picks it per GEMM where `fused_moe.prefer_persistent` says, from per-GEMM
 timings of both kernels on an H200 (BENCHMARKS.md section 2, session 9).
