@@ -87,8 +87,8 @@ def final_line(result: SweepResult, files: dict[str, Any]) -> str:
     """The one JSON line for programs (stdout, last line)."""
     keys = ("backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
             "tokens_per_s_nodbo", "tokens_per_s_dbo", "t_compute_ms", "t_comm_ms",
-            "t_both_ms", "t_split_ms", "ceiling", "eta", "eta_min", "eta_max", "rounds", "eta_note",
-            "dbo_split", "gate", "gate_reason", "gated_speedup")
+            "t_both_ms", "t_split_ms", "ceiling", "eta", "eta_min", "eta_max", "rounds",
+            "eta_note", "dbo_split", "gate", "gate_reason", "gated_speedup")
     doc = {**header(result), "summary": summarize(result.points),
            "points": [{**{k: p.row()[k] for k in keys}, "sm_mhz": p.sm_mhz}
                       for p in result.points], "files": files}
@@ -114,8 +114,8 @@ def format_table(result: SweepResult) -> str:
     ]
     cols = [("T/rank", 7), ("backend", 7), ("noDBO ms", 15), ("DBO ms", 15), ("speedup", 7),
             ("tok/s noDBO", 11), ("tok/s DBO", 11), ("comp ms", 8), ("comm ms", 8),
-            ("both ms", 8), ("split ms", 8), ("ceiling", 7), ("eta", 6), ("eta rounds", 10), ("gate", 4),
-            ("gated", 6)]
+            ("both ms", 8), ("split ms", 8), ("ceiling", 7), ("eta", 6), ("eta rounds", 10),
+            ("gate", 4), ("gated", 6)]
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
     for p in result.points:
         cells = [str(p.tokens_per_rank), p.backend,
@@ -123,8 +123,8 @@ def format_table(result: SweepResult) -> str:
                  f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}", f"{p.speedup:.3f}",
                  _num(p.tokens_per_s_nodbo), _num(p.tokens_per_s_dbo),
                  _opt(p.t_compute_ms), _opt(p.t_comm_ms), _opt(p.t_both_ms),
-                 _opt(p.t_split_ms), _opt(p.ceiling), _opt(p.eta, "{:.2f}"), eta_rounds_cell(p), p.gate,
-                 f"{p.gated_speedup:.3f}"]
+                 _opt(p.t_split_ms), _opt(p.ceiling), _opt(p.eta, "{:.2f}"),
+                 eta_rounds_cell(p), p.gate, f"{p.gated_speedup:.3f}"]
         lines.append("  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, cols)))
     lines.append("")
     lines.append("gate decisions:")

@@ -5,14 +5,15 @@
 
 Per point (backend outer, tokens inner, so a model is rebuilt only when it must be),
 `rounds` times in a row: DBO off timed, the ceiling probed on that same workload (GPU),
-DBO on timed, then its split compute (GPU; `dbo.bench.ceiling.probe_split_compute`). Then the gate is decided from the tokens and the measured ceiling. Times
-are medians of `iters` steps per rank (see `dbo.bench.timing`), folded over the rounds
-(per rank, the median of the round medians); the derived figures use the slowest rank's
-time (the step time the group sees), and rank 0's are reported beside them. Alternating
-the three measurements puts slow drift (clocks, host load) into all of them alike; each
+DBO on timed, then its split compute (GPU; `dbo.bench.ceiling.probe_split_compute`).
+Then the gate is decided from the tokens and the measured ceiling. Times are medians
+of `iters` steps per rank (see `dbo.bench.timing`), folded over the rounds (per rank,
+the median of the round medians); the derived figures use the slowest rank's time (the
+step time the group sees), and rank 0's are reported beside them. Alternating the
+measurements puts slow drift (clocks, host load) into all of them alike; each
 round's eta is kept, and its range is reported beside the eta of the medians. On a GPU,
 rank 0's SM clock is logged in the background (`moe.gpu_clocks.ClockLog`), and each point
-reports its median over the no-DBO, DBO and probe timings (`sm_mhz`, `capped`): the GPU
+reports its median over the no-DBO, DBO, split and probe timings (`sm_mhz`, `capped`): the GPU
 runs these steps at its power limit, where the clock moves with the load.
 
 Definitions (also in every JSON output):
@@ -206,8 +207,8 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                    progress: "Progress", *, backend: str, tokens: int,
                    timing: dict[str, Any], span: SpanFn) -> Point:
     """`cfg.rounds` rounds of (DBO off, the probe (GPU), DBO on, its split compute (GPU)),
-    then the gate. Workloads
-    die within a round, so the factory can free a model before building the next one."""
+    then the gate. Workloads die within a round, so the factory can free a model before
+    building the next one."""
     on_gpu = factory.device.type == "cuda"
     rounds: list[Round] = []
     trial: Optional[Timing] = None
@@ -279,7 +280,8 @@ def add_rounds(point: Point, rounds: list[Round]) -> None:
                        "t_dbo": [r.t_on.max_ms for r in rounds]}
     ceilings = [r.ceiling for r in rounds if r.ceiling is not None]
     if all(r.t_split is not None for r in rounds):
-        point.rounds_ms["t_split"] = [r.t_split.max_ms for r in rounds]  # type: ignore[union-attr]
+        point.rounds_ms["t_split"] = [r.t_split.max_ms  # type: ignore[union-attr]
+                                      for r in rounds]
     if len(ceilings) == len(rounds):
         point.rounds_ms["t_both"] = [c.both.max_ms for c in ceilings]
         etas = [efficiency(r.t_off.max_ms, r.t_on.max_ms, c.both.max_ms)[0]
