@@ -50,7 +50,8 @@ from moe.kernels.align import AlignedRouting
 from moe.kernels.align_triton import align_routing_triton
 from moe.kernels.fused_moe_persistent import launch_persistent
 from moe.kernels.launch import AutotunedLauncher, FastLauncher
-from moe.kernels.moe_tile import gemm_role, store_tile, use_tma_scratch
+from moe.kernels.moe_tile import (gate_up_descriptor, gate_up_dot, gemm_role, split_gate_up,
+                                  store_tile, use_tma_scratch)
 from moe.kernels.rows_triton import launch_sum_rows
 from moe.workspace import Workspace, empty_from
 
@@ -222,11 +223,8 @@ def _expert_tile(
     up_ptrs = b_ptrs + N * stride_bn
     if USE_TMA:
         if GATED:
-            # Gate and up rows of the column block as one box of w13 viewed [E * 2, N, K].
-            b_desc = tl.make_tensor_descriptor(
-                b_ptr, shape=[num_experts * 2, N, K], strides=[N * stride_bn, stride_bn, 1],
-                block_shape=[2, BLOCK_N, BLOCK_K])
-            b_half = (2 * expert).to(tl.int32)
+            b_desc = gate_up_descriptor(b_ptr, num_experts, N, K, stride_bn, BLOCK_N, BLOCK_K)
+            expert32 = expert.to(tl.int32)
         else:
             b_desc = tl.make_tensor_descriptor(
                 b_ptr, shape=[num_experts * N, K], strides=[stride_bn, 1],
@@ -246,10 +244,9 @@ def _expert_tile(
             a = a_desc.load([row0, k * BLOCK_K])
         else:
             a = tl.load(a_ptrs, mask=a_row_mask[:, None] & k_mask[None, :], other=0.0)
-        if USE_TMA and GATED:  # gate and up as one dot twice as wide
-            b = b_desc.load([b_half, pid_n * BLOCK_N, k * BLOCK_K])
-            b = b.reshape(2 * BLOCK_N, BLOCK_K).T
-            acc_pair = tl.dot(a, b, acc_pair, input_precision=INPUT_PRECISION)
+        if USE_TMA and GATED:
+            acc_pair = gate_up_dot(b_desc, a, acc_pair, expert32, pid_n * BLOCK_N,
+                                   k * BLOCK_K, BLOCK_N, BLOCK_K, INPUT_PRECISION)
         else:
             if USE_TMA:
                 b = b_desc.load([b_row, k * BLOCK_K]).T
@@ -263,8 +260,7 @@ def _expert_tile(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if USE_TMA and GATED:
-        # Columns [0, BLOCK_N) are the gate's, [BLOCK_N, 2 * BLOCK_N) the up's.
-        acc, acc_up = tl.split(tl.permute(tl.reshape(acc_pair, (BM, 2, BLOCK_N)), (0, 2, 1)))
+        acc, acc_up = split_gate_up(acc_pair, BM, BLOCK_N)
 
     store_tile(acc, acc_up, c_ptr, topk_weights_ptr, offs_m, row_ids, pid_n,
                N, num_routed, weights_top_k, stride_cm, stride_cn, stride_wn,

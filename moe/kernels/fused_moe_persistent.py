@@ -32,7 +32,8 @@ import triton.language as tl
 
 from moe.kernels.align import AlignedRouting
 from moe.kernels.launch import AutotunedLauncher
-from moe.kernels.moe_tile import gemm_role, store_tile, use_tma_scratch
+from moe.kernels.moe_tile import (gate_up_descriptor, gate_up_dot, gemm_role, split_gate_up,
+                                  store_tile, use_tma_scratch)
 
 # CPU (interpreter) tile: small and fixed.
 _INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "FLATTEN": False}
@@ -146,9 +147,7 @@ def _tile_loop(
     row the descriptor reads the next expert's rows (or zeros past the tensor), and the
     store mask drops those columns."""
     if GATED:
-        b_desc = tl.make_tensor_descriptor(
-            b_ptr, shape=[num_experts * 2, N, K], strides=[N * stride_bn, stride_bn, 1],
-            block_shape=[2, BLOCK_N, BLOCK_K])
+        b_desc = gate_up_descriptor(b_ptr, num_experts, N, K, stride_bn, BLOCK_N, BLOCK_K)
     else:
         b_desc = tl.make_tensor_descriptor(
             b_ptr, shape=[num_experts * N, K], strides=[stride_bn, 1],
@@ -189,15 +188,13 @@ def _tile_loop(
                 a = tl.load(a_ptrs, mask=row_mask[:, None] & (k0 + offs_k < K)[None, :],
                             other=0.0)
             if GATED:
-                b = b_desc.load([2 * expert, pid_n * BLOCK_N, k0])
-                b = b.reshape(2 * BLOCK_N, BLOCK_K).T
-                acc_pair = tl.dot(a, b, acc_pair, input_precision=INPUT_PRECISION)
+                acc_pair = gate_up_dot(b_desc, a, acc_pair, expert, pid_n * BLOCK_N, k0,
+                                       BLOCK_N, BLOCK_K, INPUT_PRECISION)
             else:
                 b = b_desc.load([expert * N + pid_n * BLOCK_N, k0]).T
                 acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         if GATED:
-            # Columns [0, BLOCK_N) are the gate's, [BLOCK_N, 2 * BLOCK_N) the up's.
-            acc, acc_up = tl.split(tl.permute(tl.reshape(acc_pair, (BM, 2, BLOCK_N)), (0, 2, 1)))
+            acc, acc_up = split_gate_up(acc_pair, BM, BLOCK_N)
         else:
             acc_up = acc  # unused by the epilogue
         store_tile(acc, acc_up, c_ptr, topk_weights_ptr, offs_m, row_ids, pid_n,

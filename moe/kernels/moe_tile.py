@@ -1,5 +1,5 @@
 """Pieces shared by the two fused-MoE GEMM kernels (`fused_moe`, `fused_moe_persistent`):
-the tile epilogue, the launch arguments that make a GEMM GEMM1 or GEMM2 (`GemmRole`), and
+GEMM1's gate-and-up dot on TMA loads, the tile epilogue, the launch arguments that make a GEMM GEMM1 or GEMM2 (`GemmRole`), and
 the scratch allocator for in-kernel tensor descriptors.
 
 Import only after TRITON_INTERPRET is settled; nothing is compiled at import.
@@ -12,6 +12,33 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def gate_up_descriptor(b_ptr, num_experts, N, K, stride_bn,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w13 [E, 2N, K] viewed [E * 2, N, K] for `gate_up_dot`'s boxes: box (2e, n0, k0) holds
+    expert e's gate rows [n0, n0 + BLOCK_N) over it and its up rows under it (zeros past
+    row N of either half)."""
+    return tl.make_tensor_descriptor(
+        b_ptr, shape=[num_experts * 2, N, K], strides=[N * stride_bn, stride_bn, 1],
+        block_shape=[2, BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def gate_up_dot(b_desc, a, acc_pair, expert, n0, k0,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """acc_pair [BM, 2 * BLOCK_N] += a [BM, BLOCK_K] @ (gate | up columns [n0, n0 + BLOCK_N)
+    of expert `expert` (int32), depth [k0, k0 + BLOCK_K)): one box, one dot twice as wide."""
+    b = b_desc.load([2 * expert, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
+    return tl.dot(a, b, acc_pair, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def split_gate_up(acc_pair, BM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(gate, up) [BM, BLOCK_N] each from `gate_up_dot`'s accumulator: columns [0, BLOCK_N)
+    are the gate's, [BLOCK_N, 2 * BLOCK_N) the up's."""
+    return tl.split(tl.permute(tl.reshape(acc_pair, (BM, 2, BLOCK_N)), (0, 2, 1)))
 
 
 @triton.jit
