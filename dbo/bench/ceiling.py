@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -245,9 +245,10 @@ def median_ceiling(rounds: list[Ceiling]) -> Ceiling:
 
 def probe_split_compute(workload: Workload, *, device: torch.device,
                         group: Optional[dist.ProcessGroup], warmup: int, iters: int,
-                        span: Optional[ContextManager[Any]] = None) -> Timing:
+                        span: SpanFn = no_spans) -> Timing:
     """Time the DBO-on `workload` with its collectives replaced by the results they gave
-    in one recorded step (module doc: split compute). The runner's schedule issues them
+    in one recorded step (module doc: split compute); `span("split")` wraps the timed
+    steps, as `probe_ceiling`'s spans do. The runner's schedule issues them
     in the same order every step, so the replay matches call by call (else it raises).
     The copies of the results are kernel time of their own (at DeepSeek-V3 shapes with
     4096 tokens per rank on 2 ranks, 1.2 ms per step against 0.14 ms of copies in the
@@ -257,7 +258,7 @@ def probe_split_compute(workload: Workload, *, device: torch.device,
         workload.step()
     with replayed_results(recording):
         return time_steps(workload.step, device=device, group=group, warmup=warmup,
-                          iters=iters, span=span)
+                          iters=iters, span=span("split"))
 
 
 def probe_ceiling(workload: Workload, *, device: torch.device,

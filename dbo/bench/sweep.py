@@ -231,7 +231,7 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
         if index == 0:
             _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
         was_split, split_reason = on.was_split, on.split_reason  # of the timed steps
-        t_split = (probe_split_compute(on, **timing, span=span("split")) if on_gpu
+        t_split = (probe_split_compute(on, **timing, span=span) if on_gpu
                    else None)
         rounds.append(Round(t_off, t_on, ceiling, was_split, split_reason, t_split))
         del on
