@@ -39,6 +39,8 @@ class DBOConfig:
     """Largest |n0 - n1| / total of the best request-boundary split before a request is split inside (1.0: never)."""
     max_tokens_per_rank: Optional[int] = None
     """Capacity of the step (e.g. a fixed-capacity backend's): when any rank of the group has more tokens, every rank raises the same error instead of one rank failing alone."""
+    gemm_sm_carveout: Optional[int] = 4
+    """SMs that torch's (cuBLAS) GEMMs leave free for the comm kernels while a split step runs (`streams.gemm_carveout`); None or 0: every SM. NCCL runs the scale-out all-to-all on 4 CTAs."""
     merge: Union[MergeFn, None] = None
     """Custom merge of the per-ubatch outputs, `merge([out0, out1])`; None: concatenate along dim 0."""
 
@@ -62,6 +64,10 @@ class DBOConfig:
                 not _is_int(self.max_tokens_per_rank) or self.max_tokens_per_rank < 1):
             raise ValueError(f"DBOConfig.max_tokens_per_rank={self.max_tokens_per_rank!r}: "
                              f"a positive int, or None for no capacity check")
+        if self.gemm_sm_carveout is not None and (
+                not _is_int(self.gemm_sm_carveout) or self.gemm_sm_carveout < 0):
+            raise ValueError(f"DBOConfig.gemm_sm_carveout={self.gemm_sm_carveout!r}: an int >= 0 "
+                             f"(SMs left to the comm kernels), or None for every SM")
         for name in ("min_decode_tokens", "min_prefill_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:

@@ -8,7 +8,9 @@ One step: plan the split (thresholds, token balance; `dbo.split`), vote across t
 (`dbo.vote`: every rank splits or none does), then either call the model once, or run
 `model(ubatch 0 inputs)` and `model(ubatch 1 inputs)` as two greenlets of a
 `UBatchScheduler` — they interleave where the model calls `dbo_yield*()` — and merge
-the outputs (`dbo.merge`). Nothing here assumes MoE: any model whose rows are
+the outputs (`dbo.merge`). While the ubatches run, torch's GEMMs leave
+`DBOConfig.gemm_sm_carveout` SMs to the comm kernels beside them (`streams.gemm_carveout`).
+Nothing here assumes MoE: any model whose rows are
 independent outside its own request/sequence works, yields or not.
 
 Split modes (`DBOConfig.split`); only top-level arguments are split, the others are
@@ -38,6 +40,7 @@ from dbo.failures import annotate_step_failure, reset_collectives
 from dbo.merge import merge_outputs
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, UBatchSlice, plan_split, plan_token_split
+from streams.gemm_carveout import gemm_sm_carveout
 from dbo.vote import apply_vote, vote_split
 from dbo.yield_points import dbo_enabled
 
@@ -112,8 +115,11 @@ class DBORunner:
         if not plan.split:
             return self.model(*args, **kwargs)
 
-        scheduler = self._scheduler(_first_tensor(args, kwargs))
-        outputs = scheduler.run([_bind(self.model, a, k) for a, k in ubatch_args])
+        x = _first_tensor(args, kwargs)
+        scheduler = self._scheduler(x)
+        device = x.device if x is not None else torch.device("cpu")
+        with gemm_sm_carveout(self.config.gemm_sm_carveout, device):
+            outputs = scheduler.run([_bind(self.model, a, k) for a, k in ubatch_args])
         if self.config.merge is not None:
             return self.config.merge(outputs)
         return merge_outputs(outputs, rows=rows)

@@ -21,7 +21,8 @@ All three are built from the DBO-off step of the same workload:
 - **both**: compute alone on the compute stream while the replay runs on a second CUDA
   stream, layer by layer (MoE layer i's pre-hook issues layer i's collectives), with no
   dependencies between the two: the best any schedule of this step could do, including
-  the SM and memory-bandwidth contention of running comm kernels beside the GEMMs.
+  the SM and memory-bandwidth contention of running comm kernels beside the GEMMs. Its
+  GEMMs leave the SMs free that a DBO step's leave (`streams.gemm_carveout`).
 
 T_serial = T_compute + T_comm; the ceiling is T_serial / T_both.
 
@@ -52,6 +53,7 @@ from dbo.bench.timing import SpanFn, Timing, median_of_rounds, no_spans, time_st
 from dbo.bench.workload import Workload
 from moe.experts.triton import sharing_sms
 from moe.layer import MoELayer
+from streams import gemm_carveout
 from streams.stream_set import new_comm_stream
 
 # The collectives the dispatch/combine backends (and the vote) issue.
@@ -263,9 +265,11 @@ def probe_split_compute(workload: Workload, *, device: torch.device,
 
 def probe_ceiling(workload: Workload, *, device: torch.device,
                   group: Optional[dist.ProcessGroup], warmup: int, iters: int,
-                  span: SpanFn = no_spans) -> Ceiling:
+                  span: SpanFn = no_spans, gemm_sm_carveout: Optional[int] = None) -> Ceiling:
     """Measure compute alone, comm alone and both on two CUDA streams (GPU only).
-    `span(name)` wraps each timing's timed steps ("comm", "compute", "both")."""
+    `span(name)` wraps each timing's timed steps ("comm", "compute", "both").
+    `gemm_sm_carveout`: SMs torch's GEMMs leave free in `both`, as a DBO step's do
+    (`DBOConfig.gemm_sm_carveout`); compute alone uses every SM."""
     if device.type != "cuda":
         raise ValueError(f"the ceiling probe overlaps two CUDA streams; device is {device}")
     assert workload.runner is None, "probe the DBO-off workload"
@@ -280,7 +284,8 @@ def probe_ceiling(workload: Workload, *, device: torch.device,
     with replayed_results(recording), sharing_sms():
         compute = time_steps(workload.step, device=device, group=group, warmup=warmup,
                              iters=iters, span=span("compute"))
-        with _overlapped_comm(workload, replay, device) as both_step:
+        with _overlapped_comm(workload, replay, device) as both_step, \
+                gemm_carveout.gemm_sm_carveout(gemm_sm_carveout, device):
             both = time_steps(both_step, device=device, group=group, warmup=warmup,
                               iters=iters, span=span("both"))
     return Ceiling(compute, comm, both, recording.num_collectives)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from dbo.config import DBOConfig
+
 MODES: tuple[str, ...] = ("layer", "model")
 """`layer`: a stack of MoE layers with attention-sized GEMMs between them; `model`: the
 reference MoE transformer (`moe.model.MoETransformer`) of a preset."""
@@ -107,6 +109,9 @@ class BenchConfig:
     split_last_combine: bool = True
     """The last MoE layer's last ubatch sends the other ranks' rows before computing its
     own (`MoEConfig.split_last_combine`); False runs that layer like the others."""
+    gemm_sm_carveout: int = DBOConfig().gemm_sm_carveout or 0
+    """SMs that torch's GEMMs leave to the comm kernels in DBO steps and in the probe's
+    `both` (`DBOConfig.gemm_sm_carveout`); 0: every SM."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -135,7 +140,7 @@ class BenchConfig:
                              f"{self.experts_per_rank} are both set: give only one")
         for name, low in (("attn_context", 0), ("requests", 1), ("iters", 1), ("warmup", 0),
                           ("rounds", 1), ("gate_min_tokens", 0), ("gate_trial_iters", 1),
-                          ("seed", 0)):
+                          ("seed", 0), ("gemm_sm_carveout", 0)):
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
@@ -185,6 +190,7 @@ class BenchConfig:
                 "attn_context": self.attn_context, "requests": self.requests,
                 "experts": self.experts, "iters": self.iters, "warmup": self.warmup,
                 "rounds": self.rounds, "split_last_combine": self.split_last_combine,
+                "gemm_sm_carveout": self.gemm_sm_carveout,
                 "min_gain": self.min_gain, "gate_min_tokens": self.gate_min_tokens,
                 "device": self.device, "seed": self.seed}
 

@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the last MoE layer's last ubatch like the others (by default "
                         "it sends the other ranks' rows first and computes its own while "
                         "that combine is in flight)")
+    p.add_argument("--gemm-sm-carveout", type=int, default=BenchConfig.gemm_sm_carveout,
+                   metavar="N",
+                   help="SMs that torch's GEMMs leave to the comm kernels in DBO steps and "
+                        "in the probe's overlapped step (default %(default)s; 0: every SM)")
     return p
 
 
@@ -133,7 +137,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         gate_trial_iters=args.gate_trial_iters, device=device,
         regime=regime_label(device, p2p_disabled=p2p_disabled), out_dir=args.out,
         seed=args.seed, plot=not args.no_plot, progress=not args.no_progress,
-        trace=args.trace, split_last_combine=not args.no_split_combine)
+        trace=args.trace, split_last_combine=not args.no_split_combine,
+        gemm_sm_carveout=args.gemm_sm_carveout)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

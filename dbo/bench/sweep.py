@@ -220,7 +220,8 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
         t_off = time_steps(off.step, **timing, span=span("nodbo"))
         if index == 0:
             _maybe_trace(cfg, factory, off.step, f"{backend}_T{tokens}_dbo-off")
-        ceiling = probe_ceiling(off, **timing, span=span) if on_gpu else None
+        ceiling = (probe_ceiling(off, **timing, span=span,
+                                 gemm_sm_carveout=cfg.gemm_sm_carveout) if on_gpu else None)
         del off  # a2a_ll's DBO-on model differs: let the factory free this one first
         progress.step(f"{backend} T={tokens}/rank: DBO on" + tag)
         on = factory.get(tokens=tokens, backend=backend, dbo=True)

@@ -93,7 +93,8 @@ class WorkloadFactory:
         else:
             self.num_layers = cfg.layers if cfg.layers is not None else preset.num_layers
         split = "tokens" if cfg.mode == "layer" else "requests"
-        self.dbo_config = DBOConfig(split=split, **_SPLIT_ALWAYS)
+        self.dbo_config = DBOConfig(split=split, gemm_sm_carveout=cfg.gemm_sm_carveout,
+                                    **_SPLIT_ALWAYS)
         self._model_key: Optional[tuple] = None
         self._model: Optional[nn.Module] = None
         self._inputs: dict[int, tuple[tuple, dict]] = {}
