@@ -10,8 +10,8 @@ One step: plan the split (thresholds, token balance; `dbo.split`), vote across t
 `UBatchScheduler` — they interleave where the model calls `dbo_yield*()` — and merge
 the outputs (`dbo.merge`). While the ubatches run, torch's GEMMs leave
 `DBOConfig.gemm_sm_carveout` SMs to the comm kernels beside them (`streams.gemm_carveout`).
-Nothing here assumes MoE: any model whose rows are
-independent outside its own request/sequence works, yields or not.
+Nothing here assumes MoE: any model whose rows are independent outside its own
+request/sequence works, yields or not.
 
 Split modes (`DBOConfig.split`); only top-level arguments are split, the others are
 passed to both ubatches unchanged:
@@ -40,9 +40,9 @@ from dbo.failures import annotate_step_failure, reset_collectives
 from dbo.merge import merge_outputs
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, UBatchSlice, plan_split, plan_token_split
-from streams.gemm_carveout import gemm_sm_carveout
 from dbo.vote import apply_vote, vote_split
 from dbo.yield_points import dbo_enabled
+from streams.gemm_carveout import gemm_sm_carveout
 
 # The inputs of one ubatch: positional and keyword arguments of one model call.
 UBatchArgs = tuple[tuple, dict]
