@@ -279,10 +279,10 @@ def add_rounds(point: Point, rounds: list[Round]) -> None:
     point.rounds = len(rounds)
     point.rounds_ms = {"t_nodbo": [r.t_off.max_ms for r in rounds],
                        "t_dbo": [r.t_on.max_ms for r in rounds]}
+    splits = [r.t_split for r in rounds if r.t_split is not None]
+    if len(splits) == len(rounds):
+        point.rounds_ms["t_split"] = [t.max_ms for t in splits]
     ceilings = [r.ceiling for r in rounds if r.ceiling is not None]
-    if all(r.t_split is not None for r in rounds):
-        point.rounds_ms["t_split"] = [r.t_split.max_ms  # type: ignore[union-attr]
-                                      for r in rounds]
     if len(ceilings) == len(rounds):
         point.rounds_ms["t_both"] = [c.both.max_ms for c in ceilings]
         etas = [efficiency(r.t_off.max_ms, r.t_on.max_ms, c.both.max_ms)[0]

@@ -1,6 +1,7 @@
 """Pieces shared by the two fused-MoE GEMM kernels (`fused_moe`, `fused_moe_persistent`):
-GEMM1's gate-and-up dot on TMA loads, the tile epilogue, the launch arguments that make a GEMM GEMM1 or GEMM2 (`GemmRole`), and
-the scratch allocator for in-kernel tensor descriptors.
+GEMM1's gate-and-up dot on TMA loads, the tile epilogue, the launch arguments that make a
+GEMM GEMM1 or GEMM2 (`GemmRole`), and the scratch allocator for in-kernel tensor
+descriptors.
 
 Import only after TRITON_INTERPRET is settled; nothing is compiled at import.
 """
