@@ -102,7 +102,8 @@ class BenchConfig:
     progress: bool = True
     """Show a progress bar on stderr (rank 0)."""
     gate_trial_iters: int = 3
-    """Steps of the gate's separate DBO trial (see dbo.bench.gating)."""
+    """Steps of each of the gate's separate DBO trials, one per round (see
+    dbo.bench.gating)."""
     trace: bool = False
     """Also capture one DBO-off and one DBO-on step per point under torch.profiler into
     <out>/traces/ (rank 0's Chrome trace, analysis JSON and timeline PNG)."""

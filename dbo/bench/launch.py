@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gate-min-tokens", type=int, default=512,
                    help="gate: DBO off below this many tokens per rank (default 512)")
     p.add_argument("--gate-trial-iters", type=int, default=3,
-                   help="gate: steps of its separate DBO trial (default 3)")
+                   help="gate: steps of each of its separate DBO trials, one per "
+                        "round; the worst trial decides (default 3)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks to spawn when not under torchrun (default 2)")

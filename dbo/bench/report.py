@@ -49,7 +49,8 @@ def write_outputs(result: SweepResult) -> dict[str, Any]:
         files["png_note"] = "plot off (--no-plot)"
     doc = {**header(result), "definitions": DEFINITIONS, "summary": summarize(result.points),
            "points": [{**p.row(), "per_rank_ms": p.per_rank_ms, "rounds_ms": p.rounds_ms,
-                       "eta_rounds": p.eta_rounds, "sm_mhz": p.sm_mhz, "capped": p.capped}
+                       "eta_rounds": p.eta_rounds, "trial_speedups": p.trial_speedups,
+                       "sm_mhz": p.sm_mhz, "capped": p.capped}
                       for p in result.points],
            "files": files}
     with open(files["json"], "w") as f:
@@ -90,7 +91,8 @@ def final_line(result: SweepResult, files: dict[str, Any]) -> str:
             "t_both_ms", "t_split_ms", "ceiling", "eta", "eta_min", "eta_max", "rounds",
             "eta_note", "dbo_split", "gate", "gate_reason", "gated_speedup")
     doc = {**header(result), "summary": summarize(result.points),
-           "points": [{**{k: p.row()[k] for k in keys}, "sm_mhz": p.sm_mhz}
+           "points": [{**{k: p.row()[k] for k in keys}, "trial_speedups": p.trial_speedups,
+                       "sm_mhz": p.sm_mhz}
                       for p in result.points], "files": files}
     doc.pop("config")
     return json.dumps(_clean(doc), separators=(",", ":"))

@@ -132,6 +132,8 @@ class Point:
     per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
     rounds_ms: dict[str, list[float]] = field(default_factory=dict)
     eta_rounds: list[Optional[float]] = field(default_factory=list)
+    # The gate's trial speedups, one per round (T_noDBO of the round / the trial's step).
+    trial_speedups: list[float] = field(default_factory=list)
     # Rank 0's median SM clock (MHz) and power-capped samples ("k/n") per timing:
     # "nodbo", "dbo", "split", and the probe's "compute", "comm", "both" (GPU, where
     # readable).
@@ -140,7 +142,8 @@ class Point:
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
-        nested = ("per_rank_ms", "rounds_ms", "eta_rounds", "sm_mhz", "capped")
+        nested = ("per_rank_ms", "rounds_ms", "eta_rounds", "trial_speedups", "sm_mhz",
+                  "capped")
         out = {k: v for k, v in asdict(self).items() if k not in nested}
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
@@ -211,7 +214,7 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
     building the next one."""
     on_gpu = factory.device.type == "cuda"
     rounds: list[Round] = []
-    trial: Optional[Timing] = None
+    trial_speedups: list[float] = []
     for index in range(cfg.rounds):
         tag = f" (round {index + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""
         progress.step(f"{backend} T={tokens}/rank: DBO off" +
@@ -225,9 +228,10 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
         del off  # a2a_ll's DBO-on model differs: let the factory free this one first
         progress.step(f"{backend} T={tokens}/rank: DBO on" + tag)
         on = factory.get(tokens=tokens, backend=backend, dbo=True)
-        if index == 0:
-            # The gate's trial: its own short timing, before (and apart from) the reported one.
-            trial = time_steps(on.step, **{**timing, "warmup": 1, "iters": cfg.gate_trial_iters})
+        # The gate's trial of this round: its own short timing, before (and apart from)
+        # the reported one, against this round's DBO-off time.
+        trial = time_steps(on.step, **{**timing, "warmup": 1, "iters": cfg.gate_trial_iters})
+        trial_speedups.append(t_off.max_ms / trial.max_ms)
         t_on = time_steps(on.step, **timing, span=span("dbo"))
         if index == 0:
             _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
@@ -236,11 +240,10 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                    else None)
         rounds.append(Round(t_off, t_on, ceiling, was_split, split_reason, t_split))
         del on
-    assert trial is not None
     merged = Round.median(rounds)
     decision = gate.decide(tokens_per_rank=tokens,
                            ceiling=None if merged.ceiling is None else merged.ceiling.ceiling,
-                           trial_speedup=rounds[0].t_off.max_ms / trial.max_ms,
+                           trial_speedups=trial_speedups,
                            no_probe_reason="probe skipped on CPU")
     point = make_point(cfg, backend=backend, tokens=tokens, world_size=factory.world_size,
                        t_off=merged.t_off, t_on=merged.t_on, ceiling=merged.ceiling,
@@ -248,6 +251,7 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                        use_dbo=decision.use_dbo, gate_reason=decision.reason,
                        t_split=merged.t_split)
     add_rounds(point, rounds)
+    point.trial_speedups = trial_speedups
     return point
 
 
