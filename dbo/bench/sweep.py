@@ -209,9 +209,9 @@ def attach_clocks(point: Point, clocks: ClockLog) -> None:
 def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                    progress: "Progress", *, backend: str, tokens: int,
                    timing: dict[str, Any], span: SpanFn) -> Point:
-    """`cfg.rounds` rounds of (DBO off, the probe (GPU), DBO on, its split compute (GPU)),
-    then the gate. Workloads die within a round, so the factory can free a model before
-    building the next one."""
+    """`cfg.rounds` rounds of (DBO off, the probe (GPU), the gate's trial, DBO on, its
+    split compute (GPU)), then the gate. Workloads die within a round, so the factory can
+    free a model before building the next one."""
     on_gpu = factory.device.type == "cuda"
     rounds: list[Round] = []
     trial_speedups: list[float] = []
