@@ -1,5 +1,6 @@
 """dbo: dual-batch overlap for Mixture-of-Experts models in PyTorch."""
 from dbo.config import SPLIT_MODES, DBOConfig
+from dbo.graphs import GraphedRunner
 from dbo.groups import new_group
 from dbo.merge import merge_outputs
 from dbo.runner import DBORunner
@@ -27,6 +28,7 @@ from dbo.yield_points import (
 __all__ = [
     "DBOConfig",
     "DBORunner",
+    "GraphedRunner",
     "SPLIT_MODES",
     "SplitPlan",
     "UBatchScheduler",

@@ -112,9 +112,15 @@ class DBORunner:
         plan = apply_vote(plan, self.group)
         self.last_decision = plan
         self._check_capacity(plan)
+        return self._execute(plan, ubatch_args, rows, args, kwargs)
+
+    def _execute(self, plan: SplitPlan, ubatch_args: list[UBatchArgs],
+                 rows: Optional[tuple[int, ...]], args: tuple, kwargs: dict) -> Any:
+        """Run a step whose split every rank has agreed on (`plan`, after the vote), with
+        the ubatches' inputs `_plan` gave. No collective of its own: `dbo.graphs`
+        captures this."""
         if not plan.split:
             return self.model(*args, **kwargs)
-
         x = _first_tensor(args, kwargs)
         scheduler = self._scheduler(x)
         device = x.device if x is not None else torch.device("cpu")

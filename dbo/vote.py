@@ -11,7 +11,7 @@ want to split — or the group's collective sequence diverges and the ranks hang
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,11 @@ def _device_vote(values: list[int], group: Optional[dist.ProcessGroup]) -> list[
     a2a_ll 0.86-0.93, 1.05-1.09 and 0.33-0.40 ms.
     """
     device = vote_device(group)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the DBO vote ran inside a CUDA graph capture: the ranks' vote is read on the "
+            "host, which a graph cannot do. Capture DBO steps with dbo.graphs.GraphedRunner "
+            "(it votes outside the graph on every call)")
     stream = _STREAMS.get(device)
     if stream is None:
         stream = _STREAMS[device] = new_comm_stream(device)
@@ -93,23 +98,34 @@ def vote_step(want_split: bool, num_tokens: int, group: Optional[dist.ProcessGro
     """
     if not isinstance(want_split, bool):
         raise TypeError(f"want_split must be a bool, got {want_split!r}")
+    agreed, neg_max = vote_min([1 if want_split else 0, -num_tokens], group, device=device)
+    return bool(agreed), -neg_max
+
+
+def vote_min(values: Sequence[int], group: Optional[dist.ProcessGroup] = None, *,
+             device: Union[torch.device, str, None] = None) -> list[int]:
+    """The minimum over the ranks of `group` of each of `values` (ints), read on the host.
+
+    The vote's one collective, for callers that agree on more than the split (e.g.
+    `dbo.graphs.GraphedRunner`: whether every rank has a graph for this step). With one
+    rank, or without an initialised process group, no collective is issued. `device`:
+    as in `vote_step`.
+    """
+    values = [int(v) for v in values]
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
-            raise RuntimeError(f"vote_split got group={group!r} but torch.distributed is "
+            raise RuntimeError(f"the DBO vote got group={group!r} but torch.distributed is "
                                f"not initialised: call dist.init_process_group first")
-        return want_split, num_tokens
+        return values
     if dist.get_world_size(group) == 1:
-        return want_split, num_tokens
-    votes = [1 if want_split else 0, -num_tokens]
+        return values
     if device is None and vote_device(group).type == "cuda":
-        agreed, neg_max = _device_vote(votes, group)
-        return bool(agreed), -neg_max
-    values = torch.tensor(votes, dtype=torch.int64,
+        return _device_vote(values, group)
+    tensor = torch.tensor(values, dtype=torch.int64,
                           device=device if device is not None else vote_device(group))
     note_collective("all_reduce")
-    dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
-    agreed, neg_max = values.tolist()
-    return bool(agreed), -neg_max
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return [int(v) for v in tensor.tolist()]
 
 
 def apply_vote(plan: SplitPlan, group: Optional[dist.ProcessGroup] = None, *,
@@ -117,6 +133,12 @@ def apply_vote(plan: SplitPlan, group: Optional[dist.ProcessGroup] = None, *,
     """Vote on `plan.split` across `group`; return `plan` or its unsplit, vetoed form,
     with `group_max_tokens` set."""
     agreed, max_tokens = vote_step(plan.split, plan.total_tokens, group, device=device)
+    return plan_after_vote(plan, agreed, max_tokens)
+
+
+def plan_after_vote(plan: SplitPlan, agreed: bool, max_tokens: int) -> SplitPlan:
+    """`plan` as the vote left it: `group_max_tokens` set, and unsplit (vetoed, with the
+    reason) where this rank wanted to split but a peer did not."""
     plan = dataclasses.replace(plan, group_max_tokens=max_tokens)
     if agreed or not plan.split:
         return plan

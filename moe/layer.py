@@ -100,6 +100,20 @@ class MoELayer(nn.Module):
     def first_expert(self) -> int:
         return self.backend.placement.first_expert
 
+    @property
+    def cuda_graph_blocker(self) -> Optional[str]:
+        """Why a step through this layer cannot be captured in a CUDA graph (something
+        reads a device value on the host), or None when it can (`dbo.graphs`)."""
+        if not self.backend.graph_safe:
+            return (f"backend {self.backend.name!r} reads device values on the host (use "
+                    f"backend 'a2a_ll', 'naive' with MoEConfig.max_tokens_per_rank, or "
+                    f"'local' on one rank)")
+        if self.experts_name == "reference":
+            return "experts 'reference' select each expert's rows on the host (use 'triton')"
+        if self.config.check_finite_logits:
+            return "MoEConfig.check_finite_logits reads its check on the host (set it False)"
+        return None
+
     def load_weights(self, weights: dict[str, Tensor], *, global_experts: bool = True) -> None:
         """Copy `router_weight`, `w13`, `w2` (and `e_score_correction_bias`) in.
 

@@ -247,29 +247,34 @@ def median_ceiling(rounds: list[Ceiling]) -> Ceiling:
 
 def probe_split_compute(workload: Workload, *, device: torch.device,
                         group: Optional[dist.ProcessGroup], warmup: int, iters: int,
-                        span: SpanFn = no_spans) -> Timing:
+                        span: SpanFn = no_spans, cuda_graph: bool = False) -> Timing:
     """Time the DBO-on `workload` with its collectives replaced by the results they gave
     in one recorded step (module doc: split compute); `span("split")` wraps the timed
     steps, as `probe_ceiling`'s spans do. The runner's schedule issues them
     in the same order every step, so the replay matches call by call (else it raises).
     The copies of the results are kernel time of their own (at DeepSeek-V3 shapes with
     4096 tokens per rank on 2 ranks, 1.2 ms per step against 0.14 ms of copies in the
-    real step): the figure is a little high, as compute alone is."""
+    real step): the figure is a little high, as compute alone is. With `cuda_graph` the
+    split step (decided, no vote) is captured and its replays timed."""
     assert workload.runner is not None, "time the DBO-on workload"
+    # Graphs capture the step after the vote (`Workload.split_step`): record that one.
+    step = workload.split_step if cuda_graph else workload.step
     with record_collectives(workload.model) as recording:
-        workload.step()
+        step()
     with replayed_results(recording):
-        return time_steps(workload.step, device=device, group=group, warmup=warmup,
-                          iters=iters, span=span("split"))
+        return time_steps(step, device=device, group=group, warmup=warmup, iters=iters,
+                          span=span("split"), cuda_graph=cuda_graph)
 
 
 def probe_ceiling(workload: Workload, *, device: torch.device,
                   group: Optional[dist.ProcessGroup], warmup: int, iters: int,
-                  span: SpanFn = no_spans, gemm_sm_carveout: Optional[int] = None) -> Ceiling:
+                  span: SpanFn = no_spans, gemm_sm_carveout: Optional[int] = None,
+                  cuda_graph: bool = False) -> Ceiling:
     """Measure compute alone, comm alone and both on two CUDA streams (GPU only).
     `span(name)` wraps each timing's timed steps ("comm", "compute", "both").
     `gemm_sm_carveout`: SMs torch's GEMMs leave free in `both`, as a DBO step's do
-    (`DBOConfig.gemm_sm_carveout`); compute alone uses every SM."""
+    (`DBOConfig.gemm_sm_carveout`); compute alone uses every SM. With `cuda_graph` each
+    timing captures its step and times the replays, as the bench's steps are then."""
     if device.type != "cuda":
         raise ValueError(f"the ceiling probe overlaps two CUDA streams; device is {device}")
     assert workload.runner is None, "probe the DBO-off workload"
@@ -277,17 +282,16 @@ def probe_ceiling(workload: Workload, *, device: torch.device,
     with record_collectives(model) as recording:
         workload.step()
     replay = CommReplay(recording)
-    comm = time_steps(replay.run_all, device=device, group=group, warmup=warmup, iters=iters,
-                      span=span("comm"))
+    timing = dict(device=device, group=group, warmup=warmup, iters=iters,
+                  cuda_graph=cuda_graph)
+    comm = time_steps(replay.run_all, **timing, span=span("comm"))
     # Compute alone and both run the kernels a DBO step runs: none that holds every SM
     # (moe.experts.triton.sharing_sms).
     with replayed_results(recording), sharing_sms():
-        compute = time_steps(workload.step, device=device, group=group, warmup=warmup,
-                             iters=iters, span=span("compute"))
+        compute = time_steps(workload.step, **timing, span=span("compute"))
         with _overlapped_comm(workload, replay, device) as both_step, \
                 gemm_carveout.gemm_sm_carveout(gemm_sm_carveout, device):
-            both = time_steps(both_step, device=device, group=group, warmup=warmup,
-                              iters=iters, span=span("both"))
+            both = time_steps(both_step, **timing, span=span("both"))
     return Ceiling(compute, comm, both, recording.num_collectives)
 
 

@@ -21,6 +21,10 @@ reference MoE transformer (`moe.model.MoETransformer`) of a preset."""
 BENCH_BACKENDS: tuple[str, ...] = ("a2a", "a2a_ll", "naive")
 """Dispatch/combine backends the sweep can compare (all need EP size >= 2 to move data)."""
 
+GRAPH_BACKENDS: tuple[str, ...] = ("a2a_ll",)
+"""Backends whose steps `--cuda-graph` can capture: nothing read on the host (a2a reads its
+counts; the bench runs naive without a fixed capacity, so it reads their maximum)."""
+
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 
 NVLINK_REGIME = "NVLink"
@@ -113,6 +117,9 @@ class BenchConfig:
     gemm_sm_carveout: int = DBOConfig().gemm_sm_carveout or 0
     """SMs that torch's GEMMs leave to the comm kernels in DBO steps and in the probe's
     `both` (`DBOConfig.gemm_sm_carveout`); 0: every SM."""
+    cuda_graph: bool = False
+    """Time every step as a CUDA graph replay (`dbo.graphs`): DBO on through a
+    `GraphedRunner` (vote, then replay), DBO off and the probe's timings captured whole."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -160,6 +167,23 @@ class BenchConfig:
         if self.experts not in ("auto", "reference", "grouped", "triton"):
             raise ValueError(f"unknown experts kernel {self.experts!r}: use auto, reference, "
                              f"grouped or triton")
+        if self.cuda_graph:
+            self._check_cuda_graph()
+
+    def _check_cuda_graph(self) -> None:
+        if self.device != "cuda":
+            raise ValueError("--cuda-graph captures CUDA graphs: it needs --device cuda")
+        unsafe = [b for b in self.backends if b not in GRAPH_BACKENDS]
+        if unsafe:
+            raise ValueError(f"--cuda-graph cannot capture backend {unsafe[0]!r}: it reads "
+                             f"device values on the host; use --backends "
+                             f"{','.join(GRAPH_BACKENDS)}")
+        if self.experts == "reference":
+            raise ValueError("--cuda-graph cannot capture the reference experts (they select "
+                             "rows on the host): use --experts triton or auto")
+        if self.trace:
+            raise ValueError("--trace labels phases from the host, which a graph replay "
+                             "does not run: trace without --cuda-graph")
 
     def _check_int_tuple(self, name: str, hint: str) -> None:
         value = getattr(self, name)
@@ -191,7 +215,7 @@ class BenchConfig:
                 "attn_context": self.attn_context, "requests": self.requests,
                 "experts": self.experts, "iters": self.iters, "warmup": self.warmup,
                 "rounds": self.rounds, "split_last_combine": self.split_last_combine,
-                "gemm_sm_carveout": self.gemm_sm_carveout,
+                "gemm_sm_carveout": self.gemm_sm_carveout, "cuda_graph": self.cuda_graph,
                 "min_gain": self.min_gain, "gate_min_tokens": self.gate_min_tokens,
                 "device": self.device, "seed": self.seed}
 

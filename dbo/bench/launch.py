@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from dbo.bench.config import (
     BENCH_BACKENDS,
+    GRAPH_BACKENDS,
     DEFAULT_CPU_PRESET,
     DEFAULT_CPU_TOKENS,
     DEFAULT_GPU_PRESET,
@@ -110,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N",
                    help="SMs that torch's GEMMs leave to the comm kernels in DBO steps and "
                         "in the probe's overlapped step (default %(default)s; 0: every SM)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time every step as a CUDA graph replay (DBO on: vote, then "
+                        "replay); backends: " + ", ".join(GRAPH_BACKENDS) +
+                        " (the default with this flag)")
     return p
 
 
@@ -124,7 +129,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
     tokens = ([t for group in args.tokens for t in group] if args.tokens else
               list(DEFAULT_GPU_TOKENS if gpu else DEFAULT_CPU_TOKENS))
     backends = ([b for group in args.backends for b in group] if args.backends else
-                list(BENCH_BACKENDS))
+                list(GRAPH_BACKENDS if args.cuda_graph else BENCH_BACKENDS))
     p2p_disabled = env.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0")
     return BenchConfig(
         mode=args.mode, preset=args.preset or (DEFAULT_GPU_PRESET if gpu else DEFAULT_CPU_PRESET),
@@ -139,7 +144,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         regime=regime_label(device, p2p_disabled=p2p_disabled), out_dir=args.out,
         seed=args.seed, plot=not args.no_plot, progress=not args.no_progress,
         trace=args.trace, split_last_combine=not args.no_split_combine,
-        gemm_sm_carveout=args.gemm_sm_carveout)
+        gemm_sm_carveout=args.gemm_sm_carveout, cuda_graph=args.cuda_graph)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -63,7 +63,8 @@ def plot_sweep(result: SweepResult, path: str) -> None:
     ax_speed.set_ylabel("speedup vs DBO off")
     note = "" if has_ceiling else "  (ceiling not measured: " + result.probe.split(":")[0] + ")"
     fig.suptitle(f"dbo bench [{cfg.regime}] {cfg.mode} mode, {cfg.preset}, "
-                 f"{result.world_size} ranks{note}", fontsize=11)
+                 f"{result.world_size} ranks{', CUDA graphs' if cfg.cuda_graph else ''}{note}",
+                 fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

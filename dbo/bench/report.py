@@ -2,7 +2,8 @@
 summary dict that becomes the final JSON line on stdout.
 
 Files, under `out_dir`, named `bench_<mode>_<preset>_w<world>_<regime tag>.{csv,json,png}`
-(regime tag: nvlink, p2p-disabled, cpu), so runs of different regimes sit side by side.
+(regime tag: nvlink, p2p-disabled, cpu; `_graphs` appended under `--cuda-graph`), so runs
+of different regimes sit side by side.
 Every output carries the regime label.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ MAX_GATED_SLOWDOWN = 0.01
 def file_stem(result: SweepResult) -> str:
     cfg = result.config
     tag = {CPU_REGIME: "cpu", EMULATED_REGIME: "p2p-disabled"}.get(cfg.regime, "nvlink")
-    return f"bench_{cfg.mode}_{cfg.preset}_w{result.world_size}_{tag}"
+    graphs = "_graphs" if cfg.cuda_graph else ""
+    return f"bench_{cfg.mode}_{cfg.preset}_w{result.world_size}_{tag}{graphs}"
 
 
 def write_outputs(result: SweepResult) -> dict[str, Any]:
@@ -62,7 +64,8 @@ def write_outputs(result: SweepResult) -> dict[str, Any]:
 def header(result: SweepResult) -> dict[str, Any]:
     cfg = result.config
     return {"bench": "dbo", "regime": cfg.regime, "mode": cfg.mode, "preset": cfg.preset,
-            "world_size": result.world_size, "device": cfg.device, "shapes": result.shapes,
+            "world_size": result.world_size, "device": cfg.device,
+            "cuda_graph": cfg.cuda_graph, "shapes": result.shapes,
             "probe": result.probe, "config": cfg.summary()}
 
 
@@ -104,7 +107,7 @@ def format_table(result: SweepResult) -> str:
     shapes = result.shapes
     lines = [
         f"dbo bench: mode={cfg.mode} preset={cfg.preset} world={result.world_size} "
-        f"regime={cfg.regime}",
+        f"regime={cfg.regime}" + (" cuda_graph=on" if cfg.cuda_graph else ""),
         f"  shapes: H={shapes['hidden_size']} experts={shapes['num_experts']} "
         f"({shapes['experts_per_rank']}/rank) top_k={shapes['top_k']} "
         f"I={shapes['intermediate_size']} layers={shapes['layers']} {shapes['dtype']}",

@@ -15,6 +15,10 @@ round's eta is kept, and its range is reported beside the eta of the medians. On
 rank 0's SM clock is logged in the background (`moe.gpu_clocks.ClockLog`), and each point
 reports its median over the no-DBO, DBO, split and probe timings (`sm_mhz`, `capped`): the GPU
 runs these steps at its power limit, where the clock moves with the load.
+With `cuda_graph` (`--cuda-graph`) every timing is of CUDA graph replays: DBO off, the
+probe's timings and the split compute are each captured whole after their warmup
+(`timing.time_steps`); DBO on runs through a `dbo.graphs.GraphedRunner`, which votes on
+each step and replays its graph.
 
 Definitions (also in every JSON output):
     tokens/s      = tokens per rank * world size / step time
@@ -220,11 +224,11 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
         progress.step(f"{backend} T={tokens}/rank: DBO off" +
                       (" + ceiling probe" if on_gpu else "") + tag)
         off = factory.get(tokens=tokens, backend=backend, dbo=False)
-        t_off = time_steps(off.step, **timing, span=span("nodbo"))
+        t_off = time_steps(off.step, **timing, span=span("nodbo"), cuda_graph=cfg.cuda_graph)
         if index == 0:
             _maybe_trace(cfg, factory, off.step, f"{backend}_T{tokens}_dbo-off")
-        ceiling = (probe_ceiling(off, **timing, span=span,
-                                 gemm_sm_carveout=cfg.gemm_sm_carveout) if on_gpu else None)
+        ceiling = (probe_ceiling(off, **timing, span=span, gemm_sm_carveout=cfg.gemm_sm_carveout,
+                                 cuda_graph=cfg.cuda_graph) if on_gpu else None)
         del off  # a2a_ll's DBO-on model differs: let the factory free this one first
         progress.step(f"{backend} T={tokens}/rank: DBO on" + tag)
         on = factory.get(tokens=tokens, backend=backend, dbo=True)
@@ -238,8 +242,8 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
         if index == 0:
             _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
         was_split, split_reason = on.was_split, on.split_reason  # of the timed steps
-        t_split = (probe_split_compute(on, **timing, span=span) if on_gpu
-                   else None)
+        t_split = (probe_split_compute(on, **timing, span=span, cuda_graph=cfg.cuda_graph)
+                   if on_gpu else None)
         rounds.append(Round(t_off, t_on, ceiling, was_split, split_reason, t_split))
         del on
     merged = Round.median(rounds)

@@ -22,6 +22,8 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dbo.graphs import capture_graph
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -63,12 +65,18 @@ def no_spans(name: str) -> ContextManager[Any]:
 
 def time_steps(fn: Callable[[], Any], *, device: torch.device,
                group: Optional[dist.ProcessGroup], warmup: int, iters: int,
-               span: Optional[ContextManager[Any]] = None) -> Timing:
+               span: Optional[ContextManager[Any]] = None, cuda_graph: bool = False) -> Timing:
     """Run `fn` `warmup` times untimed, then `iters` times timed (inside `span`, when
     given: e.g. a clock-log span that should not see warmup or compilation); gather the
-    medians."""
-    for _ in range(warmup):
-        fn()
+    medians. With `cuda_graph`, the warmup steps are followed by a capture of `fn` in a
+    CUDA graph (`dbo.graphs.capture_graph`), and replays of the graph are timed (the
+    graph is released on return)."""
+    if cuda_graph:
+        fn = capture_graph(fn, device=device, warmup=max(warmup, 1)).replay
+        fn()  # the first replay uploads the graph: keep it out of the timed steps
+    else:
+        for _ in range(warmup):
+            fn()
     _sync(device)
     with span if span is not None else contextlib.nullcontext():
         samples = [_time_one(fn, device, group) for _ in range(iters)]

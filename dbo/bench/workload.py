@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from dbo.bench.config import BenchConfig
 from dbo.bench.layer_stack import LayerStack, layer_moe_config, make_input
 from dbo.bench.timing import gather_floats
 from dbo.config import DBOConfig
+from dbo.graphs import GraphedRunner, decided_step
 from dbo.runner import DBORunner
 from dbo.split import plan_split, plan_token_split
 from moe.config import MoEConfig
@@ -44,18 +45,40 @@ _SPLIT_ALWAYS = dict(min_decode_tokens=2, min_prefill_tokens=2)
 
 @dataclass
 class Workload:
-    """One step's model and inputs; `step()` runs it (through the runner when DBO is on)."""
+    """One step's model and inputs; `step()` runs it (through the runner when DBO is on:
+    a `GraphedRunner` under `--cuda-graph`, which votes and replays)."""
 
     model: nn.Module
     args: tuple
     kwargs: dict
     num_tokens: int
-    runner: Optional[DBORunner]
+    runner: Optional[Union[DBORunner, GraphedRunner]]
 
     def step(self) -> Any:
         call: Callable[..., Any] = self.runner if self.runner is not None else self.model
         with torch.no_grad():
             return call(*self.args, **self.kwargs)
+
+    @property
+    def eager_runner(self) -> Optional[DBORunner]:
+        """The DBORunner itself (inside the GraphedRunner, if any)."""
+        if isinstance(self.runner, GraphedRunner):
+            return self.runner.runner
+        return self.runner
+
+    def eager_step(self) -> Any:
+        """One step run eagerly (the runner votes; no graph)."""
+        call: Callable[..., Any] = self.eager_runner or self.model
+        with torch.no_grad():
+            return call(*self.args, **self.kwargs)
+
+    def split_step(self) -> Any:
+        """One DBO step split as the runner plans it, without the vote (every rank must
+        call it together): what a graph of the split compute captures."""
+        runner = self.eager_runner
+        assert runner is not None, "split_step needs the DBO-on workload"
+        with torch.no_grad():
+            return decided_step(runner, self.args, self.kwargs, split=True)()
 
     @property
     def split_reason(self) -> str:
@@ -118,7 +141,11 @@ class WorkloadFactory:
             capacity = self.ubatch_capacity(tokens) if dbo else tokens
         model = self._get_model(backend, capacity)
         args, kwargs = self._get_inputs(tokens)
-        runner = DBORunner(model, self.dbo_config, group=self.group) if dbo else None
+        runner: Optional[Union[DBORunner, GraphedRunner]] = None
+        if dbo:
+            runner = DBORunner(model, self.dbo_config, group=self.group)
+            if self.cfg.cuda_graph:
+                runner = GraphedRunner(runner, warmup=max(self.cfg.warmup, 1))
         return Workload(model, args, kwargs, tokens, runner)
 
     def ubatch_capacity(self, tokens: int) -> int:

@@ -55,6 +55,7 @@ class AllToAllLLBackend(PrepareFinalize):
     """Padded, fixed-capacity all-to-all: static shapes, no count exchange."""
 
     name = "a2a_ll"
+    graph_safe = True
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(config, group)

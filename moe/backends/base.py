@@ -112,6 +112,10 @@ class PrepareFinalize(ABC):
     """Base of the dispatch/combine backends (one subclass per file, registered by name)."""
 
     name: ClassVar[str]
+    #: Whether a step through this backend can be captured in a CUDA graph: nothing it
+    #: does reads a device value on the host (`dbo.graphs`). Backends where that depends
+    #: on the config override it with a property.
+    graph_safe: bool = False
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         self.config = config

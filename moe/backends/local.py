@@ -15,6 +15,7 @@ class LocalBackend(PrepareFinalize):
     """Identity dispatch and combine; global expert ids are the local ids."""
 
     name = "local"
+    graph_safe = True
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(config, group)

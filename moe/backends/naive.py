@@ -45,6 +45,11 @@ class NaiveBackend(PrepareFinalize):
 
     name = "naive"
 
+    @property
+    def graph_safe(self) -> bool:  # type: ignore[override]
+        """Capturable with a fixed capacity; without one it reads the counts' max."""
+        return self.config.max_tokens_per_rank is not None
+
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:
         num_tokens, world = x_TH.shape[0], self.world_size

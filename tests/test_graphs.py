@@ -1,0 +1,221 @@
+"""CUDA graphs of DBO steps (`dbo.graphs`): input checks and keys on CPU, the vote's
+extra values over gloo, and capture/replay on one and two GPUs (marked gpu).
+
+Run the GPU part on a GPU machine: `python -m pytest tests/test_graphs.py -q`.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dbo import DBOConfig, DBORunner
+from dbo.bench.config import BenchConfig
+from dbo.bench.launch import build_parser, config_from_args
+from dbo.graphs import GraphedRunner, _signature, capture_graph, graph_blockers
+from dbo.vote import vote_min
+from moe.config import MoEConfig
+from moe.layer import MoELayer
+from tests.dist_utils import run_distributed
+
+SPLIT = DBOConfig(split="tokens", min_decode_tokens=2, min_prefill_tokens=2)
+
+
+def _layer(backend: str, *, experts: str = "triton", device: str = "cpu",
+           group: Any = None, **moe: Any) -> MoELayer:
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16, **moe)
+    return MoELayer(cfg, group=group, backend=backend, experts=experts, device=device)
+
+
+# ------------------------------------------------------------------------------- CPU
+def test_graphed_runner_rejects_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="wraps a DBORunner"):
+        GraphedRunner(lambda x: x)  # type: ignore[arg-type]
+    runner = DBORunner(lambda x: x, SPLIT)
+    for kwargs in ({"warmup": 0}, {"max_graphs": 0}, {"warmup": True}):
+        with pytest.raises(ValueError, match="must be an int >= 1"):
+            GraphedRunner(runner, **kwargs)
+    with pytest.raises(ValueError, match="first tensor argument must be on a CUDA device"):
+        GraphedRunner(runner)(torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        capture_graph(lambda: None, device=torch.device("cpu"))
+
+
+def test_layers_that_read_device_values_on_the_host_are_refused_before_any_capture() -> None:
+    assert _layer("a2a_ll", max_tokens_per_rank=8).cuda_graph_blocker is None
+    assert _layer("local").cuda_graph_blocker is None
+    assert _layer("naive", max_tokens_per_rank=8).cuda_graph_blocker is None
+    assert "backend 'naive'" in _layer("naive").cuda_graph_blocker
+    assert "experts 'reference'" in _layer("local", experts="reference").cuda_graph_blocker
+    assert "check_finite_logits" in _layer("local", check_finite_logits=True).cuda_graph_blocker
+    model = torch.nn.Sequential(_layer("local"), _layer("naive"))
+    assert graph_blockers(model) == [f"1: {_layer('naive').cuda_graph_blocker}"]
+    with pytest.raises(ValueError, match="cannot run in a CUDA graph: 1: backend 'naive'"):
+        GraphedRunner(DBORunner(model, SPLIT))
+
+
+def test_signature_keys_shapes_and_values_not_cuda_contents() -> None:
+    a = _signature((torch.zeros(3, 2),), {"seq_lens": [1, 2]})
+    assert a == _signature((torch.zeros(3, 2),), {"seq_lens": [1, 2]})
+    assert a != _signature((torch.ones(3, 2),), {"seq_lens": [1, 2]})  # CPU: by value
+    assert a != _signature((torch.zeros(3, 2),), {"seq_lens": [2, 1]})
+    assert a != _signature((torch.zeros(3, 2),), {"seq_lens": (1, 2)})
+    with pytest.raises(ValueError, match="pass it on the CUDA device"):
+        _signature((torch.zeros(5000),), {})
+    with pytest.raises(TypeError, match="cannot be hashed"):
+        _signature((bytearray(b"x"),), {})
+
+
+def test_bench_cuda_graph_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        BenchConfig(device="cpu", cuda_graph=True)
+    with pytest.raises(ValueError, match="cannot capture backend 'a2a'"):
+        BenchConfig(device="cuda", backends=("a2a", "a2a_ll"), cuda_graph=True)
+    with pytest.raises(ValueError, match="reference experts"):
+        BenchConfig(device="cuda", backends=("a2a_ll",), experts="reference", cuda_graph=True)
+    with pytest.raises(ValueError, match="trace without --cuda-graph"):
+        BenchConfig(device="cuda", backends=("a2a_ll",), trace=True, cuda_graph=True)
+    ok = BenchConfig(device="cuda", backends=("a2a_ll",), cuda_graph=True)
+    assert ok.summary()["cuda_graph"] is True
+    args = build_parser().parse_args(["--cuda-graph", "--device", "cpu"])
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        config_from_args(args, {})
+
+
+def _vote_min_worker(rank: int, world_size: int) -> list[int]:
+    return vote_min([3 - rank, 1 + 4 * rank, rank], dist.group.WORLD)
+
+
+@pytest.mark.distributed
+def test_vote_min_takes_each_value_s_minimum_over_ranks() -> None:
+    assert vote_min([1, -5, 0]) == [1, -5, 0]  # no process group: this rank's values
+    assert run_distributed(2, _vote_min_worker) == [[2, 1, 0], [2, 1, 0]]
+
+
+def _split_step_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from dbo.bench.ceiling import record_collectives
+    from dbo.bench.workload import WorkloadFactory
+
+    factory = WorkloadFactory(BenchConfig(layers=2), group=dist.group.WORLD,
+                              device=torch.device("cpu"))
+    on = factory.get(tokens=10, backend="a2a_ll", dbo=True)
+    expected = on.step()
+    with record_collectives(on.model) as voted:
+        on.step()
+    with record_collectives(on.model) as decided:
+        split = on.split_step()
+    names = lambda rec: sorted({op.name for seg in rec.segments for op in seg})  # noqa: E731
+    return {"equal": torch.equal(split, expected), "voted": names(voted),
+            "decided": names(decided)}
+
+
+@pytest.mark.distributed
+def test_the_bench_s_decided_split_step_matches_and_skips_the_vote() -> None:
+    """What `--cuda-graph` captures for the split-compute probe: the runner's split step
+    without its vote (a graph cannot read the vote), recorded the same way."""
+    for out in run_distributed(2, _split_step_worker):
+        assert out["equal"], out
+        assert "all_reduce" in out["voted"] and "all_reduce" not in out["decided"], out
+        assert out["decided"] == ["all_to_all_single"], out
+
+
+# ------------------------------------------------------------------------------- GPU
+def _stack(group: Any, backend: str, device: torch.device, capacity: int) -> torch.nn.Module:
+    from dbo.bench.layer_stack import LayerStack
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64,
+                    num_shared_experts=1, dtype=torch.bfloat16, max_tokens_per_rank=capacity)
+    model = LayerStack(cfg, num_layers=2, attn_context=64, group=group, backend=backend,
+                       experts="triton", device=device)
+    model.init_weights(seed=5)
+    return model
+
+
+def _inputs(tokens: int, seed: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(tokens, 128, generator=gen, device=device).to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_graphed_steps_replay_the_eager_results_on_one_gpu() -> None:
+    device = torch.device("cuda", 0)
+    model = _stack(None, "local", device, capacity=64)
+    runner = DBORunner(model, SPLIT)
+    graphed = GraphedRunner(runner, max_graphs=2)
+    with torch.no_grad():
+        x1, x2, x3 = (_inputs(48, s, device) for s in (1, 2, 3))
+        first = graphed(x1)
+        assert runner.last_decision.split and graphed.num_captures == 1
+        assert torch.equal(first, runner(x1))
+        second = graphed(x2)  # same shape: the new values are copied in, no capture
+        assert graphed.num_captures == 1 and torch.equal(second, runner(x2))
+        assert torch.equal(first, runner(x1)), "an earlier result was overwritten"
+        y = _inputs(20, 4, device)
+        assert torch.equal(graphed(y), runner(y)) and graphed.num_captures == 2
+        graphed(x3[:10])  # a third shape: the least recently used graph (48 rows) goes
+        assert torch.equal(graphed(x3), runner(x3)) and graphed.num_captures == 4
+    # The timing helper's graph path gives a time for the replays.
+    from dbo.bench.timing import time_steps
+    with torch.no_grad():
+        t = time_steps(lambda: model(x1), device=device, group=None, warmup=1, iters=3,
+                       cuda_graph=True)
+    assert t.max_ms > 0
+
+
+def _two_gpu_worker(rank: int, world_size: int) -> dict[str, Any]:
+    device = torch.device("cuda", rank)
+    model = _stack(dist.group.WORLD, "a2a_ll", device, capacity=32)
+    runner = DBORunner(model, SPLIT, group=dist.group.WORLD)
+    graphed = GraphedRunner(runner)
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        x = _inputs(40 + 8 * rank, 10 + rank, device)  # ranks differ in tokens
+        out["same"] = torch.equal(graphed(x), runner(x))
+        out["split"] = graphed.last_decision.split
+        x2 = _inputs(40 + 8 * rank, 20 + rank, device)
+        out["same2"] = torch.equal(graphed(x2), runner(x2))
+        if rank == 1:
+            graphed.reset()  # only rank 1 lost its graph: the vote makes both capture
+        out["same3"] = torch.equal(graphed(x), runner(x))
+        out["captures"] = graphed.num_captures
+        try:  # the eager runner's vote cannot be captured
+            capture_graph(lambda: runner(x), device=device, warmup=1)
+            out["eager_capture"] = "no error"
+        except RuntimeError as exc:
+            out["eager_capture"] = str(exc)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_graphed_dbo_steps_over_nccl_match_eager_and_recapture_together() -> None:
+    for rank, out in enumerate(run_distributed(2, _two_gpu_worker, backend="nccl")):
+        assert out["same"] and out["same2"] and out["same3"] and out["split"], out
+        assert out["captures"] == 2, out  # rank 0 too: a peer lacked its graph
+        assert "dbo.graphs.GraphedRunner" in out["eager_capture"], out
+
+
+def _graph_bench_worker(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    from dbo.bench.report import final_line, write_outputs
+    from dbo.bench.sweep import run_sweep
+
+    cfg = BenchConfig(preset="tiny", tokens=(64,), backends=("a2a_ll",), iters=2, warmup=1,
+                      rounds=2, device="cuda", cuda_graph=True, out_dir=out_dir,
+                      plot=False, progress=False, gate_min_tokens=0)
+    result = run_sweep(cfg, group=dist.group.WORLD, device=torch.device("cuda", rank))
+    return json.loads(final_line(result, write_outputs(result))) if rank == 0 else {}
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_bench_sweep_with_cuda_graphs_times_every_step_and_probe(tmp_path) -> None:
+    final = run_distributed(2, _graph_bench_worker, str(tmp_path), backend="nccl")[0]
+    assert final["cuda_graph"] is True, final
+    (point,) = final["points"]
+    assert point["dbo_split"] and len(point["trial_speedups"]) == 2, point
+    for name in ("t_nodbo_ms", "t_dbo_ms", "t_compute_ms", "t_comm_ms", "t_both_ms",
+                 "t_split_ms"):
+        assert point[name] > 0, (name, point)
