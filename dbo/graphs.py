@@ -146,6 +146,8 @@ class GraphedRunner:
         max_graphs: graphs kept at once (>= 1); the least recently used go first.
 
     Every rank of the runner's group must call this on every step, as with the runner.
+    A rank whose inputs are rejected still votes; its peers then raise RuntimeError
+    instead of waiting in the step's collectives.
     """
 
     def __init__(self, runner: DBORunner, *, warmup: int = DEFAULT_WARMUP,
@@ -179,24 +181,29 @@ class GraphedRunner:
         self._graphs.clear()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        x = _first_tensor(args, kwargs)
-        if x is None or not x.is_cuda:
-            raise ValueError(f"GraphedRunner replays CUDA graphs: the first tensor argument "
-                             f"must be on a CUDA device, got "
-                             f"{'none' if x is None else x.device}; call the DBORunner "
-                             f"itself on CPU")
         runner = self.runner
         try:
+            x = _first_tensor(args, kwargs)
+            if x is None or not x.is_cuda:
+                raise ValueError(f"GraphedRunner replays CUDA graphs: the first tensor "
+                                 f"argument must be on a CUDA device, got "
+                                 f"{'none' if x is None else x.device}; call the DBORunner "
+                                 f"itself on CPU")
             signature = _signature(args, kwargs)
             plan = self._plan(args, kwargs)
         except Exception:
-            vote_min([0, 0, 0, 0], runner.group)  # the peers' votes must complete
+            # Still vote, saying this rank cannot run the step: every rank then stops
+            # here, rather than waiting in the step's collectives.
+            vote_min([0, 0, 0, 0, 0], runner.group)
             raise
         keys = {split: (signature, split, _boundaries(plan) if split else ())
                 for split in (False, True)}
         have = [int(keys[split] in self._graphs) for split in (True, False)]
-        agreed, neg_max, all_split, all_unsplit = vote_min(
-            [int(plan.split), -plan.total_tokens, *have], runner.group)
+        all_ok, agreed, neg_max, all_split, all_unsplit = vote_min(
+            [1, int(plan.split), -plan.total_tokens, *have], runner.group)
+        if not all_ok:
+            raise RuntimeError("a peer rank of the group rejected its inputs to this step "
+                               "(its own error says why); no rank ran the step")
         plan = plan_after_vote(plan, bool(agreed), -neg_max)
         runner.last_decision = plan
         runner._check_capacity(plan)
@@ -287,7 +294,8 @@ def _signature(args: tuple, kwargs: dict) -> Hashable:
         except TypeError:
             raise TypeError(f"GraphedRunner keys its graphs on the values of non-tensor "
                             f"arguments; a {type(value).__name__} cannot be hashed: pass "
-                            f"tuples rather than lists or dicts") from None
+                            f"numbers, strings, tensors, or lists, tuples and dicts of "
+                            f"them") from None
         return value
     flat_args = tuple(_tree_key(a, key) for a in args)
     flat_kwargs = tuple((k, _tree_key(v, key)) for k, v in kwargs.items())

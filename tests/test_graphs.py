@@ -180,6 +180,12 @@ def _two_gpu_worker(rank: int, world_size: int) -> dict[str, Any]:
             graphed.reset()  # only rank 1 lost its graph: the vote makes both capture
         out["same3"] = torch.equal(graphed(x), runner(x))
         out["captures"] = graphed.num_captures
+        try:  # rank 1's inputs are rejected: rank 0 must not wait in the step for it
+            graphed(x, junk=bytearray(b"x")) if rank == 1 else graphed(x)
+            out["bad"] = "no error"
+        except (TypeError, RuntimeError) as exc:
+            out["bad"] = f"{type(exc).__name__}: {exc}"
+        out["after_bad"] = torch.equal(graphed(x), runner(x))
         try:  # the eager runner's vote cannot be captured
             capture_graph(lambda: runner(x), device=device, warmup=1)
             out["eager_capture"] = "no error"
@@ -195,6 +201,8 @@ def test_graphed_dbo_steps_over_nccl_match_eager_and_recapture_together() -> Non
     for rank, out in enumerate(run_distributed(2, _two_gpu_worker, backend="nccl")):
         assert out["same"] and out["same2"] and out["same3"] and out["split"], out
         assert out["captures"] == 2, out  # rank 0 too: a peer lacked its graph
+        expected = "TypeError: GraphedRunner keys" if rank else "RuntimeError: a peer rank"
+        assert out["bad"].startswith(expected) and out["after_bad"], out
         assert "dbo.graphs.GraphedRunner" in out["eager_capture"], out
 
 

@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 from dbo.bench.config import (
     BENCH_BACKENDS,
-    GRAPH_BACKENDS,
     DEFAULT_CPU_PRESET,
     DEFAULT_CPU_TOKENS,
     DEFAULT_GPU_PRESET,
     DEFAULT_GPU_TOKENS,
+    GRAPH_BACKENDS,
     MODES,
     BenchConfig,
     regime_label,
@@ -36,6 +36,7 @@ examples:
   torchrun --nproc_per_node=2 -m dbo.bench --mode layer  # GPU, NVLink
   NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.bench --mode layer
   torchrun --nproc_per_node=2 -m dbo.bench --mode model --preset deepseek-v3-like
+  torchrun --nproc_per_node=2 -m dbo.bench --mode layer --cuda-graph   # a2a_ll as graphs
 """
 
 

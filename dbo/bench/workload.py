@@ -66,12 +66,6 @@ class Workload:
             return self.runner.runner
         return self.runner
 
-    def eager_step(self) -> Any:
-        """One step run eagerly (the runner votes; no graph)."""
-        call: Callable[..., Any] = self.eager_runner or self.model
-        with torch.no_grad():
-            return call(*self.args, **self.kwargs)
-
     def split_step(self) -> Any:
         """One DBO step split as the runner plans it, without the vote (every rank must
         call it together): what a graph of the split compute captures."""
