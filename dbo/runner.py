@@ -24,7 +24,8 @@ passed to both ubatches unchanged:
 - a callable `split(args, kwargs) -> [(args0, kwargs0), (args1, kwargs1)] | None`.
 
 Every rank of `group` must call the runner on every step (with 0 tokens too), with the
-same config: the vote is a collective. A rank whose inputs are rejected still votes
+same config: the vote is a collective. To replay steps as CUDA graphs, wrap the runner in
+`dbo.graphs.GraphedRunner` (the vote stays outside the graph). A rank whose inputs are rejected still votes
 (no) before raising, so its peers' votes complete.
 """
 from __future__ import annotations
