@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from dbo.runner import DBORunner, UBatchArgs, _first_tensor
+from dbo.runner import DISABLED_REASON, DBORunner, UBatchArgs, _first_tensor, _num_rows
 from dbo.split import SplitPlan
 from dbo.vote import plan_after_vote, vote_min
 
@@ -190,7 +190,7 @@ class GraphedRunner:
                                  f"{'none' if x is None else x.device}; call the DBORunner "
                                  f"itself on CPU")
             signature = _signature(args, kwargs)
-            plan = self._plan(args, kwargs)
+            plan = _plan_of(runner, args, kwargs)[0]
         except Exception:
             # Still vote, saying this rank cannot run the step: every rank then stops
             # here, rather than waiting in the step's collectives.
@@ -219,9 +219,6 @@ class GraphedRunner:
         return tree_map(_clone, entry.captured.replay())
 
     # ------------------------------------------------------------------ internals
-    def _plan(self, args: tuple, kwargs: dict) -> SplitPlan:
-        return _plan_of(self.runner, args, kwargs)[0]
-
     def _capture(self, decided: SplitPlan, args: tuple, kwargs: dict,
                  device: torch.device) -> _Entry:
         """Capture the step `decided` (after the vote) on copies of the inputs."""
@@ -251,10 +248,8 @@ def _plan_of(runner: DBORunner, args: tuple, kwargs: dict
              ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
     """The runner's plan (before any vote), also when its config disables DBO."""
     if not runner.config.enabled:
-        x = _first_tensor(args, kwargs)
-        total = x.shape[0] if x is not None and x.dim() > 0 else 0
-        return SplitPlan(split=False, num_tokens=(total,),
-                         reason="DBO disabled (DBOConfig.enabled=False)"), [], None
+        return SplitPlan(split=False, num_tokens=(_num_rows(args, kwargs),),
+                         reason=DISABLED_REASON), [], None
     return runner._plan(args, kwargs)
 
 

@@ -49,6 +49,7 @@ from streams.gemm_carveout import gemm_sm_carveout
 UBatchArgs = tuple[tuple, dict]
 
 SEQ_LENS_KWARG = "seq_lens"
+DISABLED_REASON = "DBO disabled (DBOConfig.enabled=False)"
 
 
 class DBORunner:
@@ -87,7 +88,7 @@ class DBORunner:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.config.enabled:
             self.last_decision = SplitPlan(split=False, num_tokens=(),
-                                           reason="DBO disabled (DBOConfig.enabled=False)")
+                                           reason=DISABLED_REASON)
             return self.model(*args, **kwargs)
         if dbo_enabled():
             # Already inside a ubatch of an outer step (the outer runner voted).
@@ -191,9 +192,7 @@ class DBORunner:
         name = getattr(split_fn, "__name__", repr(split_fn))
         result = split_fn(args, kwargs)
         if result is None:
-            x = _first_tensor(args, kwargs)
-            total = x.shape[0] if x is not None and x.dim() > 0 else 0
-            return SplitPlan(split=False, num_tokens=(total,),
+            return SplitPlan(split=False, num_tokens=(_num_rows(args, kwargs),),
                              reason=f"the split callable {name} returned None"), [], None
         if (not isinstance(result, (list, tuple)) or len(result) != self.config.num_ubatches
                 or not all(_is_args_pair(r) for r in result)):
@@ -202,10 +201,7 @@ class DBORunner:
                 f"None (no split) or a list of {self.config.num_ubatches} (args: tuple, "
                 f"kwargs: dict) pairs, one per ubatch")
         ubatch_args = [(tuple(a), dict(k)) for a, k in result]
-        rows = []
-        for a, k in ubatch_args:
-            x = _first_tensor(a, k)
-            rows.append(x.shape[0] if x is not None and x.dim() > 0 else 0)
+        rows = [_num_rows(a, k) for a, k in ubatch_args]
         plan = SplitPlan(split=True, num_tokens=tuple(rows), ubatches=(),
                          reason=f"split by the callable {name}")
         return plan, ubatch_args, None
@@ -231,6 +227,12 @@ def _first_tensor(args: Sequence[Any], kwargs: dict) -> Optional[torch.Tensor]:
         if isinstance(value, torch.Tensor):
             return value
     return None
+
+
+def _num_rows(args: Sequence[Any], kwargs: dict) -> int:
+    """Dim 0 of the first tensor argument (0 without one, or for a 0-dim tensor)."""
+    x = _first_tensor(args, kwargs)
+    return x.shape[0] if x is not None and x.dim() > 0 else 0
 
 
 def _require_tensor(args: tuple, kwargs: dict, mode: str) -> torch.Tensor:

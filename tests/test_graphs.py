@@ -15,7 +15,8 @@ import torch.distributed as dist
 from dbo import DBOConfig, DBORunner
 from dbo.bench.config import BenchConfig
 from dbo.bench.launch import build_parser, config_from_args
-from dbo.graphs import GraphedRunner, _signature, capture_graph, graph_blockers
+from dbo.graphs import (GraphedRunner, _signature, capture_graph, decided_step,
+                        graph_blockers)
 from dbo.vote import vote_min
 from moe.config import MoEConfig
 from moe.layer import MoELayer
@@ -67,6 +68,25 @@ def test_signature_keys_shapes_and_values_not_cuda_contents() -> None:
         _signature((torch.zeros(5000),), {})
     with pytest.raises(TypeError, match="cannot be hashed"):
         _signature((bytearray(b"x"),), {})
+
+
+def test_decided_step_runs_the_runner_s_plan_without_a_vote() -> None:
+    calls: list[int] = []
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return x * 2
+
+    x = torch.arange(6.0).reshape(6, 1)
+    assert torch.equal(decided_step(DBORunner(model, SPLIT), (x,), {}, split=True)(), x * 2)
+    assert calls == [3, 3]  # split as planned
+    calls.clear()
+    assert torch.equal(decided_step(DBORunner(model, SPLIT), (x,), {}, split=False)(), x * 2)
+    assert calls == [6]  # as a veto would leave it
+    calls.clear()
+    disabled = DBORunner(model, DBOConfig(enabled=False))
+    assert torch.equal(decided_step(disabled, (x,), {}, split=True)(), x * 2)
+    assert calls == [6]  # DBO disabled: never split
 
 
 def test_bench_cuda_graph_options_are_checked() -> None:
