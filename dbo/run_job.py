@@ -3,14 +3,22 @@
     dbo run                                   # CPU: 2 gloo ranks, tiny preset
     dbo run --preset tiny --tokens 512 --backend a2a_ll --steps 5 --out dbo_out/run
     torchrun --nproc_per_node=2 -m dbo.cli run --preset qwen3-moe-like --tokens 4096
+    dbo run --preset deepseek-v3-like --tokens 1024 --cuda-graph   # GPUs: graph replays
 
 Each rank builds the same model (experts split across ranks), draws its own batch
 (ranks get different token counts), and runs it once without DBO and once through the
-DBORunner. It checks that the two outputs match, times `--steps` steps of each after
-warm-up, captures one DBO step under torch.profiler with the phase labels, and prints:
-the timing table, the split decision, and the order in which the two ubatches issued
-the phases of one MoE layer. Into `--out` it writes `summary.json`, the Chrome trace
+DBORunner. It checks that the two outputs match (in bf16, tokens that a near-tie in
+their top-k choice sent to other experts in one of the runs are counted and left out:
+`moe.routing_log`), times `--steps` steps of each after warm-up, captures one DBO step
+under torch.profiler with the phase labels, and prints: the timing table, the split
+decision, and the order in which the two ubatches issued the phases of one MoE layer. Into `--out` it writes `summary.json`, the Chrome trace
 `trace.json` (open in Perfetto), `trace_analysis.json` and `trace_timeline.png`.
+
+With `--cuda-graph` (GPUs only) both modes run as CUDA graph replays: DBO off as one
+captured forward, DBO on through a `dbo.graphs.GraphedRunner` (the vote still runs every
+step). The output check then compares the graphed DBO step with the eager model. The
+backend must be capturable: `auto` becomes `a2a_ll` on more than one rank. The trace is
+of an eager DBO step, as replays run no host code to label their phases.
 """
 from __future__ import annotations
 
@@ -28,10 +36,15 @@ import torch.distributed as dist
 
 from dbo.capture import capture, phase_order
 from dbo.config import DBOConfig
+from dbo.graphs import GraphedRunner, capture_graph
 from dbo.launch import RankContext, launch
 from dbo.runner import DBORunner
+from moe.routing_log import record_routing, routing_ties
 
 BACKENDS = ("auto", "local", "naive", "a2a", "a2a_ll")
+# Backends whose steps read nothing back on the host (`PrepareFinalize.graph_safe`; naive
+# only with a fixed capacity, which `dbo run` does not set).
+GRAPH_BACKENDS = ("auto", "local", "a2a_ll")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +73,8 @@ class RunConfig:
     """Output folder."""
     trace: bool = True
     """Capture one DBO step under torch.profiler (trace, analysis, timeline)."""
+    cuda_graph: bool = False
+    """Run and time both modes as CUDA graph replays (GPUs only)."""
 
     def __post_init__(self) -> None:
         for name in ("tokens", "requests", "steps"):
@@ -71,6 +86,13 @@ class RunConfig:
             raise ValueError(f"--backend={self.backend!r}: choose one of {BACKENDS}")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"--layers={self.layers}: must be >= 1")
+        if self.cuda_graph and self.backend not in GRAPH_BACKENDS:
+            raise ValueError(f"--cuda-graph with --backend={self.backend}: that backend reads "
+                             f"device values on the host, which a CUDA graph cannot; use "
+                             f"one of {GRAPH_BACKENDS} (auto picks a2a_ll on several ranks)")
+        if self.cuda_graph and self.experts == "reference":
+            raise ValueError("--cuda-graph with --experts=reference: the reference experts "
+                             "read their token counts on the host; use triton or auto")
 
 
 def tokens_for_rank(job: RunConfig, rank: int) -> int:
@@ -114,6 +136,14 @@ class RankSetup:
     def on(self) -> Any:
         return self.runner(*self.args, **self.kwargs)
 
+    def graphed(self, device: torch.device, warmup: int) -> tuple[Any, Any]:
+        """The two modes as CUDA graph replays: (DBO off, DBO on). Both return a fresh
+        tensor, as the eager modes do (DBO on: the GraphedRunner clones its output)."""
+        off_graph = capture_graph(self.off, device=device, warmup=max(warmup, 1))
+        graphed = GraphedRunner(self.runner, warmup=max(warmup, 1))
+        return (lambda: off_graph.replay().clone(),
+                lambda: graphed(*self.args, **self.kwargs))
+
 
 def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
     """Build the preset model (same global weights on every rank), this rank's batch
@@ -125,9 +155,11 @@ def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
     if job.layers is not None:
         overrides["num_layers"] = job.layers
     config = get_preset(job.preset, **overrides)
+    if job.cuda_graph and ctx.device.type != "cuda":
+        raise ValueError(f"--cuda-graph needs CUDA GPUs; this rank runs on {ctx.device}")
     backend = job.backend
     if backend == "auto" and ctx.world_size > 1:
-        backend = "a2a"
+        backend = "a2a_ll" if job.cuda_graph else "a2a"
     model = MoETransformer(config, group=ctx.group, backend=backend, experts=job.experts,
                            device=ctx.device)
     model.init_weights(job.seed)
@@ -149,27 +181,42 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
     model, runner, backend = job_setup.model, job_setup.runner, job_setup.backend
 
     with torch.no_grad():
-        out_off = job_setup.off()
-        out_on = job_setup.on()
+        step_off, step_on = job_setup.off, job_setup.on
+        if job.cuda_graph:
+            step_off, step_on = job_setup.graphed(ctx.device, job.warmup)
+        # Routing is recorded on eager runs (a replay runs no host code; it runs the
+        # eager DBO step's kernels, so its routing is the same).
+        with record_routing(model) as routed_off:
+            out_off = job_setup.off()
+        with record_routing(model) as routed_on:
+            out_on = job_setup.on()
+        if job.cuda_graph:
+            out_on = step_on()
         decision = runner.last_decision
-        err = (out_on.float() - out_off.float()).abs().max().item() if out_on.numel() else 0.0
-        scale = out_off.float().abs().max().item() if out_off.numel() else 0.0
         # fp32: only summation order differs (per-rank partial sums, row-count-dependent
         # matmul blocking); bf16 also rounds those partial sums.
         rel = 1e-4 if job_setup.dtype == torch.float32 else 2e-2
+        scale = out_off.float().abs().max().item() if out_off.numel() else 0.0
         tol = rel * max(1.0, scale)
+        # Tokens that met a near-tie in their top-k choice may be routed to another
+        # expert in one of the two runs (moe.routing_log): checked by their logits.
+        ties_T = routing_ties(routed_off, routed_on, num_tokens=job_setup.num_tokens,
+                              logit_atol=rel * max(1.0, routed_off.logit_scale()))
+        diff_T = (out_on.float() - out_off.float()).abs().amax(dim=-1).cpu()
+        checked_T = diff_T[~ties_T]
+        err = checked_T.max().item() if checked_T.numel() else 0.0
         for _ in range(job.warmup):
-            job_setup.off()
-            job_setup.on()
-        t_off = _timed(job_setup.off, job.steps, ctx.device)
-        t_on = _timed(job_setup.on, job.steps, ctx.device)
+            step_off()
+            step_on()
+        t_off = _timed(step_off, job.steps, ctx.device)
+        t_on = _timed(step_on, job.steps, ctx.device)
         captured = None
         if job.trace:
             captured = capture(job_setup.on,
                                Path(job.out) / f"rank{ctx.rank}" if ctx.rank else job.out,
                                title=f"dbo run {job.preset}, rank {ctx.rank}")
 
-    stats = torch.tensor([err, tol, 0.0, statistics.median(t_off),
+    stats = torch.tensor([err, tol, float(ties_T.sum()), statistics.median(t_off),
                           statistics.median(t_on), float(job_setup.num_tokens)],
                          dtype=torch.float64, device=ctx.device)
     gathered = [torch.zeros_like(stats) for _ in range(ctx.world_size)]
@@ -185,9 +232,11 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
     summary = {
         "job": "dbo run", "config": asdict(job), "backend": backend, "world_size": ctx.world_size,
         "device": str(ctx.device.type), "dtype": str(job_setup.dtype),
+        "cuda_graph": job.cuda_graph,
         "split": decision.split, "reason": decision.reason,
         "outputs_match": all(r[0] <= r[1] for r in per_rank),
         "max_abs_diff": [r[0] for r in per_rank], "tolerance": [r[1] for r in per_rank],
+        "routing_ties": [int(r[2]) for r in per_rank],
         "tokens_per_rank": [int(r[5]) for r in per_rank],
         "step_ms": {"dbo_off": step_off * 1e3, "dbo_on": step_on * 1e3},
         "tokens_per_s": {"dbo_off": total_tokens / step_off, "dbo_on": total_tokens / step_on},
@@ -210,6 +259,11 @@ def print_summary(s: dict) -> None:
     verdict = "match" if s["outputs_match"] else "DIFFER"
     print(f"outputs DBO on vs off: {verdict} (max |diff| per rank {['%.2e' % d for d in s['max_abs_diff']]}, "
           f"tolerance {['%.1e' % t for t in s['tolerance']]})")
+    if any(s["routing_ties"]):
+        print(f"  not compared: tokens per rank routed to other experts at a near-tie, their "
+              f"router logits agreeing: {s['routing_ties']} (moe/routing_log.py)")
+    if s["cuda_graph"]:
+        print("both modes ran as CUDA graph replays; the trace is of an eager DBO step")
     print(f"\n{'mode':<10} {'step ms (median, slowest rank)':>32} {'tokens/s':>12}")
     for mode in ("dbo_off", "dbo_on"):
         print(f"{mode:<10} {s['step_ms'][mode]:>32.3f} {s['tokens_per_s'][mode]:>12.0f}")
@@ -241,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default=d.out)
     p.add_argument("--no-trace", dest="trace", action="store_false")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="run and time both modes as CUDA graph replays (GPUs only)")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks to start (default: every GPU, or 2 CPU ranks)")
     return p
@@ -254,6 +310,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         job = RunConfig(**vars(args))
         from moe.model import get_preset
         get_preset(job.preset)  # fail here, not inside every rank
+        if job.cuda_graph and not torch.cuda.is_available():
+            raise ValueError("--cuda-graph needs CUDA GPUs, and none is visible here: "
+                             "run without it on CPU")
     except ValueError as exc:
         print(f"dbo run: {exc}", file=sys.stderr)
         return 2
@@ -262,7 +321,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0  # a non-zero torchrun rank
     print_summary(summary)
     print(json.dumps({k: summary[k] for k in ("split", "outputs_match", "speedup", "step_ms",
-                                              "tokens_per_s", "world_size", "backend")}))
+                                              "tokens_per_s", "world_size", "backend",
+                                              "cuda_graph")}))
     return 0 if summary["outputs_match"] else 1
 
 

@@ -25,6 +25,7 @@ from moe.experts import make_experts
 from moe.experts.base import Experts
 from moe.modular_kernel import ModularKernel
 from moe.router import route
+from moe.routing_log import RoutingLog
 from moe.shared import SharedExperts
 
 
@@ -95,6 +96,8 @@ class MoELayer(nn.Module):
         self.register_buffer("expert_map", self.backend.placement.expert_map(
             device if device is not None else "cpu"), persistent=False)
         self._kernels: dict[torch.device, ModularKernel] = {}
+        # Set by moe.routing_log.record_routing: every call appends its logits and ids.
+        self.routing_log: Optional[RoutingLog] = None
 
     @property
     def first_expert(self) -> int:
@@ -136,6 +139,8 @@ class MoELayer(nn.Module):
                 self._check_finite(logits_TE)
             topk_weights_TK, topk_ids_TK = route(
                 logits_TE, self.config, correction_bias_E=self.router.e_score_correction_bias)
+            if self.routing_log is not None:
+                self.routing_log.add(self.layer_id, logits_TE, topk_ids_TK)
         return self._kernel(x_TH.device).forward(
             x_TH, topk_weights_TK, topk_ids_TK, w13_EIH=self.w13, w2_EHI=self.w2,
             shared_experts=self.shared_experts, layer=self.layer_id,

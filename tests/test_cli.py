@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.distributed
 
@@ -31,6 +32,7 @@ def test_dbo_run_end_to_end(run_out):
     assert summary["world_size"] == 2 and summary["backend"] == "a2a"
     assert summary["split"] is True and summary["outputs_match"] is True
     assert summary["tokens_per_rank"] == [96, 84]
+    assert summary["routing_ties"] == [0, 0]  # fp32: every token compared
     assert summary["step_ms"]["dbo_on"] > 0 and summary["step_ms"]["dbo_off"] > 0
     # The two ubatches interleave: ubatch 1 starts its attention before ubatch 0 receives.
     order = summary["phase_order"]
@@ -63,8 +65,18 @@ def test_dbo_trace_writes_analysis(tmp_path):
     (("run", "--tokens", "0"), "--tokens=0: must be >= 1"),
     (("run", "--preset", "nope"), "nope"),
     (("nope",), "unknown command 'nope'"),
+    (("run", "--cuda-graph", "--backend", "a2a"), "--cuda-graph with --backend=a2a"),
+    (("run", "--cuda-graph", "--backend", "naive"), "--cuda-graph with --backend=naive"),
+    (("run", "--cuda-graph", "--experts", "reference"), "--cuda-graph with --experts=reference"),
 ])
 def test_bad_arguments_fail_fast(args, message):
     proc = dbo(*args, timeout=60)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_run_with_cuda_graphs_is_refused_without_a_gpu():
+    proc = dbo("run", "--cuda-graph", timeout=60)
+    assert proc.returncode == 2
+    assert "--cuda-graph needs CUDA GPUs" in proc.stderr

@@ -6,6 +6,8 @@ Run the GPU part on a GPU machine: `python -m pytest tests/test_graphs.py -q`.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -226,6 +228,26 @@ def test_graphed_dbo_steps_over_nccl_match_eager_and_recapture_together() -> Non
         assert "dbo.graphs.GraphedRunner" in out["eager_capture"], out
 
 
+def _naive_capacity_worker(rank: int, world_size: int) -> dict[str, Any]:
+    device = torch.device("cuda", rank)
+    model = _stack(dist.group.WORLD, "naive", device, capacity=32)
+    runner = DBORunner(model, SPLIT, group=dist.group.WORLD)
+    graphed = GraphedRunner(runner)
+    with torch.no_grad():
+        xs = [_inputs(40 + 8 * rank, seed + rank, device) for seed in (30, 40)]
+        same = [torch.equal(graphed(x), runner(x)) for x in xs]
+    torch.cuda.synchronize()
+    return {"same": same, "split": graphed.last_decision.split,
+            "captures": graphed.num_captures}
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_naive_with_a_fixed_capacity_is_captured_and_matches_eager() -> None:
+    for out in run_distributed(2, _naive_capacity_worker, backend="nccl"):
+        assert out == {"same": [True, True], "split": True, "captures": 1}, out
+
+
 def _graph_bench_worker(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     from dbo.bench.report import final_line, write_outputs
     from dbo.bench.sweep import run_sweep
@@ -247,3 +269,19 @@ def test_bench_sweep_with_cuda_graphs_times_every_step_and_probe(tmp_path) -> No
     for name in ("t_nodbo_ms", "t_dbo_ms", "t_compute_ms", "t_comm_ms", "t_both_ms",
                  "t_split_ms"):
         assert point[name] > 0, (name, point)
+
+
+@pytest.mark.gpu
+def test_dbo_run_with_cuda_graphs_checks_the_graphed_step_against_eager(tmp_path) -> None:
+    # Every visible GPU as a rank (auto: a2a_ll on several, local on one).
+    proc = subprocess.run([sys.executable, "-m", "dbo.cli", "run", "--cuda-graph", "--tokens",
+                           "96", "--requests", "6", "--steps", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["cuda_graph"] is True and summary["device"] == "cuda", summary
+    assert summary["backend"] == ("a2a_ll" if summary["world_size"] > 1 else "auto"), summary
+    assert summary["split"] is True and summary["outputs_match"] is True, summary
+    assert summary["step_ms"]["dbo_on"] > 0 and summary["step_ms"]["dbo_off"] > 0
+    assert "both modes ran as CUDA graph replays" in proc.stdout
+    assert (tmp_path / "trace.json").stat().st_size > 0
