@@ -270,6 +270,11 @@ def print_summary(s: dict) -> None:
     print(f"speedup: {s['speedup']:.3f}x"
           + ("  (CPU gloo: no separate comm stream, so no overlap is expected)"
              if s["device"] == "cpu" else ""))
+    if s["device"] == "cuda" and s["speedup"] < 1.0:
+        print("  DBO lost here: at this size its split compute and extra launches cost more "
+              "than the overlap hides" + ("" if s["cuda_graph"] else " (--cuda-graph cuts "
+              "the launches)") + "; `dbo bench` measures where it wins, and gates it off "
+              "elsewhere")
     if s["phase_order"]:
         print(f"\norder in which the ubatches issued the phases of layer {s['phase_order_layer']}:")
         for i, item in enumerate(s["phase_order"], 1):

@@ -80,3 +80,30 @@ def test_run_with_cuda_graphs_is_refused_without_a_gpu():
     proc = dbo("run", "--cuda-graph", timeout=60)
     assert proc.returncode == 2
     assert "--cuda-graph needs CUDA GPUs" in proc.stderr
+
+
+def _summary(**overrides) -> dict:
+    s = {"config": {"preset": "tiny", "out": "o"}, "world_size": 2, "device": "cuda",
+         "dtype": "torch.bfloat16", "backend": "a2a_ll", "tokens_per_rank": [8, 7],
+         "split": True, "reason": "r", "outputs_match": True, "max_abs_diff": [0.0, 0.0],
+         "tolerance": [0.1, 0.1], "routing_ties": [0, 2], "cuda_graph": False,
+         "step_ms": {"dbo_off": 1.0, "dbo_on": 2.0}, "tokens_per_s": {"dbo_off": 1.0,
+                                                                      "dbo_on": 0.5},
+         "speedup": 0.5, "phase_order": [], "files": {}}
+    s.update(overrides)
+    return s
+
+
+def test_run_summary_reports_ties_and_explains_a_loss_on_gpu(capsys):
+    from dbo.run_job import print_summary
+
+    print_summary(_summary())
+    out = capsys.readouterr().out
+    assert "near-tie, their router logits agreeing: [0, 2]" in out
+    assert "DBO lost here" in out and "--cuda-graph cuts the launches" in out
+    print_summary(_summary(cuda_graph=True))
+    out = capsys.readouterr().out
+    assert "DBO lost here" in out and "--cuda-graph cuts" not in out
+    print_summary(_summary(speedup=1.2, routing_ties=[0, 0]))
+    out = capsys.readouterr().out
+    assert "DBO lost here" not in out and "near-tie" not in out
