@@ -11,8 +11,9 @@ DBORunner. It checks that the two outputs match (in bf16, tokens that a near-tie
 their top-k choice sent to other experts in one of the runs are counted and left out:
 `moe.routing_log`), times `--steps` steps of each after warm-up, captures one DBO step
 under torch.profiler with the phase labels, and prints: the timing table, the split
-decision, and the order in which the two ubatches issued the phases of one MoE layer. Into `--out` it writes `summary.json`, the Chrome trace
-`trace.json` (open in Perfetto), `trace_analysis.json` and `trace_timeline.png`.
+decision, and the order in which the two ubatches issued the phases of one MoE layer.
+Into `--out` it writes `summary.json`, the Chrome trace `trace.json` (open in Perfetto),
+`trace_analysis.json` and `trace_timeline.png`.
 
 With `--cuda-graph` (GPUs only) both modes run as CUDA graph replays: DBO off as one
 captured forward, DBO on through a `dbo.graphs.GraphedRunner` (the vote still runs every
