@@ -80,6 +80,11 @@ def causal_attention(q_TND: Tensor, k_TND: Tensor, v_TND: Tensor,
     back to back (a decode step, a single request, equal-length prefill), else a row
     gather whose index goes to the GPU from pinned memory (no host sync, which would
     stall the other ubatch). Returns [T, N, D] in q's dtype.
+
+    Not torch's varlen attention (`torch.nn.attention.varlen`, FlashAttention-2 in torch
+    2.11): on an H200 at DeepSeek-V3 head shapes and 8 requests it was faster at 2048
+    tokens (0.29 against 0.43 ms) but slower at 4096 and 8192 (0.63 / 1.97 against 0.57 /
+    1.29 ms) than SDPA's cuDNN kernel (BENCHMARKS.md section 3, session 16).
     """
     num_tokens, heads_dims = q_TND.shape[0], q_TND.shape[1:]
     by_length: dict[int, list[int]] = {}
@@ -109,10 +114,22 @@ def causal_attention(q_TND: Tensor, k_TND: Tensor, v_TND: Tensor,
     return torch.empty_like(q_TND) if out_TND is None else out_TND  # T = 0
 
 
+# Host tensors whose copy to the GPU was captured in a CUDA graph, by value. The graph's
+# copy node reads the pinned buffer again at every replay, so it must outlive the graph
+# unchanged; once the tensor is freed, torch's pinned-memory cache may hand the block out
+# again (torch 2.11 did not in the churn of tests/test_model.py; we do not rely on it).
+_CAPTURED_HOST_TENSORS: dict[tuple, Tensor] = {}
+
+
 def _to_device(x: Tensor, device: torch.device) -> Tensor:
-    if device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
+    """`x` (a small CPU tensor) on `device`, without a host sync on CUDA."""
+    if device.type != "cuda":
+        return x.to(device)
+    pinned = x.pin_memory()
+    if torch.cuda.is_current_stream_capturing():
+        key = (x.dtype, tuple(x.shape), tuple(x.flatten().tolist()))
+        pinned = _CAPTURED_HOST_TENSORS.setdefault(key, pinned)
+    return pinned.to(device, non_blocking=True)
 
 
 def _sdpa(q_BLND: Tensor, k_BLND: Tensor, v_BLND: Tensor) -> Tensor:

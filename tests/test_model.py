@@ -309,3 +309,38 @@ def test_ep_two_ranks_matches_single_process(backend):
     for rank, errors in enumerate(run_distributed(2, ep_matches_single_process, backend)):
         bad = {k: v for k, v in errors.items() if not v <= ATOL}
         assert not bad, f"rank {rank}: {bad}"
+
+
+# ---------------------------------------------------------------- attention in graphs
+def _qkv(tokens: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(tokens, 4, 64, generator=gen, device="cuda").to(dtype)
+                 for _ in range(3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_replayed_from_a_graph_reads_its_host_indices_unchanged(dtype):
+    from moe.model import causal_attention
+
+    seq_lens = [3, 5, 3, 5, 2]  # equal lengths apart: SDPA needs a row index
+    q, k, v = _qkv(sum(seq_lens), dtype)
+    eager = causal_attention(q, k, v, seq_lens)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        causal_attention(q, k, v, seq_lens)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = causal_attention(q, k, v, seq_lens)
+    # Churn the pinned-memory cache: blocks freed after the capture may be handed out again.
+    for i in range(16):
+        for size in range(1, 9):
+            for idtype in (torch.int64, torch.int32):
+                junk = torch.full((size,), 1000 + i, dtype=idtype).pin_memory()
+                torch.empty(size, dtype=idtype, device="cuda").copy_(junk, non_blocking=True)
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
