@@ -25,8 +25,8 @@ passed to both ubatches unchanged:
 
 Every rank of `group` must call the runner on every step (with 0 tokens too), with the
 same config: the vote is a collective. To replay steps as CUDA graphs, wrap the runner in
-`dbo.graphs.GraphedRunner` (the vote stays outside the graph). A rank whose inputs are rejected still votes
-(no) before raising, so its peers' votes complete.
+`dbo.graphs.GraphedRunner` (the vote stays outside the graph). A rank whose inputs are
+rejected still votes (no) before raising, so its peers' votes complete.
 """
 from __future__ import annotations
 
