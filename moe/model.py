@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dbo.failures import phase_scope
+from moe.kernels.rotary import apply_rotary
 from moe.layer import MoELayer
 from moe.presets import PRESETS, ModelConfig, estimate_param_bytes, get_preset
 from moe.shared import SharedExperts
@@ -52,9 +53,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
     def forward(self, x_TH: Tensor) -> Tensor:
-        x = x_TH.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * self.weight.float()).to(x_TH.dtype)
+        # One fused kernel on CUDA (fp32 math for 16-bit x); on CPU the same bits as
+        # casting x and the weight to fp32, scaling, and casting back.
+        return F.rms_norm(x_TH, (x_TH.shape[-1],), self.weight, self.eps)
 
 
 def rotary_cos_sin(positions_T: Tensor, *, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -65,16 +66,10 @@ def rotary_cos_sin(positions_T: Tensor, *, head_dim: int, theta: float) -> tuple
     return angles_TD2.cos(), angles_TD2.sin()
 
 
-def apply_rotary(x_TND: Tensor, cos_TD2: Tensor, sin_TD2: Tensor) -> Tensor:
-    """Rotate channel pairs (j, j + D/2) of every head (the "rotate half" convention)."""
-    x1, x2 = x_TND.float().chunk(2, dim=-1)
-    cos, sin = cos_TD2[:, None, :], sin_TD2[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x_TND.dtype)
-
-
 def causal_attention(q_TND: Tensor, k_TND: Tensor, v_TND: Tensor,
                      seq_lens: Sequence[int]) -> Tensor:
-    """Causal SDPA inside each packed request; [T, N, D] each (kv heads already repeated).
+    """Causal SDPA inside each packed request: q [T, N, D], k and v [T, Nk, D] with Nk
+    dividing N (query head n reads kv head n // (N / Nk); SDPA's `enable_gqa`, no copies).
 
     Requests of equal length go through one batched SDPA call: a reshape when they lie
     back to back (a decode step, a single request, equal-length prefill), else a row
@@ -86,7 +81,7 @@ def causal_attention(q_TND: Tensor, k_TND: Tensor, v_TND: Tensor,
     tokens (0.29 against 0.43 ms) but slower at 4096 and 8192 (0.63 / 1.97 against 0.57 /
     1.29 ms) than SDPA's cuDNN kernel (BENCHMARKS.md section 3, session 16).
     """
-    num_tokens, heads_dims = q_TND.shape[0], q_TND.shape[1:]
+    num_tokens = q_TND.shape[0]
     by_length: dict[int, list[int]] = {}
     start = 0
     for length in seq_lens:
@@ -98,19 +93,19 @@ def causal_attention(q_TND: Tensor, k_TND: Tensor, v_TND: Tensor,
         count, first = len(starts), starts[0]
         if starts == list(range(first, first + count * length, length)):
             rows = slice(first, first + count * length)
-            o_BLND = _sdpa(*(t[rows].view(count, length, *heads_dims)
+            o_BLND = _sdpa(*(t[rows].view(count, length, *t.shape[1:])
                              for t in (q_TND, k_TND, v_TND)))
             if count * length == num_tokens:
-                return o_BLND.reshape(num_tokens, *heads_dims)  # one group holds every row
+                return o_BLND.reshape(q_TND.shape)  # one group holds every row
             out_TND = torch.empty_like(q_TND) if out_TND is None else out_TND
-            out_TND[rows] = o_BLND.reshape(count * length, *heads_dims)
+            out_TND[rows] = o_BLND.reshape(count * length, *q_TND.shape[1:])
             continue
         idx = (_to_device(torch.tensor(starts), q_TND.device)[:, None]
                + torch.arange(length, device=q_TND.device)[None, :]).reshape(-1)
-        o_BLND = _sdpa(*(t.index_select(0, idx).view(count, length, *heads_dims)
+        o_BLND = _sdpa(*(t.index_select(0, idx).view(count, length, *t.shape[1:])
                          for t in (q_TND, k_TND, v_TND)))
         out_TND = torch.empty_like(q_TND) if out_TND is None else out_TND
-        out_TND.index_copy_(0, idx, o_BLND.reshape(count * length, *heads_dims))
+        out_TND.index_copy_(0, idx, o_BLND.reshape(count * length, *q_TND.shape[1:]))
     return torch.empty_like(q_TND) if out_TND is None else out_TND  # T = 0
 
 
@@ -133,8 +128,16 @@ def _to_device(x: Tensor, device: torch.device) -> Tensor:
 
 
 def _sdpa(q_BLND: Tensor, k_BLND: Tensor, v_BLND: Tensor) -> Tensor:
+    """Causal attention of [B, L, N, D] queries over [B, L, Nk, D] keys and values.
+
+    Grouped kv heads go to SDPA as they are (`enable_gqa`): on an H200 at the
+    deepseek-v3-like shapes (128 query heads, 8 kv heads of 128) that ran the same cuDNN
+    kernel, gave the same bits, and took 0.18 / 0.50 / 0.98 ms against 0.46 / 0.77 /
+    1.19 ms with the kv heads repeated first, at 8 x 512 / 2 x 2048 / 1 x 4096 tokens
+    (BENCHMARKS.md section 3, session 17)."""
     o_BNLD = F.scaled_dot_product_attention(q_BLND.transpose(1, 2), k_BLND.transpose(1, 2),
-                                            v_BLND.transpose(1, 2), is_causal=True)
+                                            v_BLND.transpose(1, 2), is_causal=True,
+                                            enable_gqa=k_BLND.shape[2] != q_BLND.shape[2])
     return o_BNLD.transpose(1, 2)
 
 
@@ -165,9 +168,6 @@ class Attention(nn.Module):
         q_TND = apply_rotary(q.view(num_tokens, heads, dim), cos_TD2, sin_TD2)
         k_TND = apply_rotary(k.view(num_tokens, kv_heads, dim), cos_TD2, sin_TD2)
         v_TND = v.reshape(num_tokens, kv_heads, dim)
-        if kv_heads != heads:
-            k_TND = k_TND.repeat_interleave(heads // kv_heads, dim=1)
-            v_TND = v_TND.repeat_interleave(heads // kv_heads, dim=1)
         o_TND = causal_attention(q_TND, k_TND, v_TND, seq_lens)
         return self.o_proj(o_TND.reshape(num_tokens, heads * dim))
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from dbo.config import DBOConfig
 from dbo.runner import DBORunner
 from moe.config import MoEConfig
-from moe.model import PRESETS, Batch, ModelConfig, MoETransformer, get_preset, make_batch
+from moe.model import (PRESETS, Batch, ModelConfig, MoETransformer, causal_attention, get_preset,
+                       make_batch)
 from moe.presets import estimate_param_bytes
 from tests.dist_utils import run_distributed
 
@@ -87,6 +88,22 @@ def test_init_is_deterministic_in_the_seed():
             assert not torch.equal(pa, pc), name
     batch = make_batch(a.config, num_tokens=16, num_requests=2, seed=0, device="cpu")
     assert torch.equal(logits(a, batch), logits(b, batch))
+
+
+@pytest.mark.parametrize("seq_lens", [(6, 6, 6), (5, 3, 5, 1)])  # a reshape; a row gather
+def test_grouped_kv_heads_read_as_if_repeated(seq_lens):
+    """k and v with fewer heads are read without copies: query head n uses kv head
+    n // (N / Nk), the same as repeating each kv head N / Nk times."""
+    gen = torch.Generator().manual_seed(3)
+    num_tokens = sum(seq_lens)
+    q = torch.randn(num_tokens, 6, 8, generator=gen)
+    k, v = (torch.randn(num_tokens, 2, 8, generator=gen) for _ in range(2))
+    out = causal_attention(q, k, v, seq_lens)
+    repeated = causal_attention(q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1),
+                                seq_lens)
+    torch.testing.assert_close(out, repeated, atol=ATOL, rtol=RTOL)
+    # Head groups differ: a wrong head mapping would not pass the check above.
+    assert not torch.allclose(out[:, 0], out[:, 3])
 
 
 def test_attention_is_causal_within_a_request():
