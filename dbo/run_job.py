@@ -43,10 +43,10 @@ from dbo.runner import DBORunner
 from moe.routing_log import record_routing, routing_ties
 
 BACKENDS = ("auto", "local", "naive", "a2a", "a2a_ll")
-# Backends `--cuda-graph` runs. a2a reads its token counts on the host. naive, with the
-# capacity `setup_rank` sets, reads nothing there either (`PrepareFinalize.graph_safe`),
-# but no test runs it through `dbo run --cuda-graph`, so it is not offered.
-GRAPH_BACKENDS = ("auto", "local", "a2a_ll")
+# Backends `--cuda-graph` runs: all but a2a, which reads its token counts on the host.
+# naive reads nothing there with the capacity that `setup_rank` sets
+# (`PrepareFinalize.graph_safe`).
+GRAPH_BACKENDS = ("auto", "local", "naive", "a2a_ll")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,10 +89,9 @@ class RunConfig:
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"--layers={self.layers}: must be >= 1")
         if self.cuda_graph and self.backend not in GRAPH_BACKENDS:
-            why = ("that backend reads device values on the host, which a CUDA graph cannot"
-                   if self.backend == "a2a" else "that backend is not offered with graphs here")
-            raise ValueError(f"--cuda-graph with --backend={self.backend}: {why}; use one of "
-                             f"{GRAPH_BACKENDS} (auto picks a2a_ll on several ranks)")
+            raise ValueError(f"--cuda-graph with --backend={self.backend}: that backend reads "
+                             f"device values on the host, which a CUDA graph cannot; use one "
+                             f"of {GRAPH_BACKENDS} (auto picks a2a_ll on several ranks)")
         if self.cuda_graph and self.experts == "reference":
             raise ValueError("--cuda-graph with --experts=reference: the reference experts "
                              "read their token counts on the host; use triton or auto")

@@ -19,6 +19,7 @@ from dbo.bench.config import BenchConfig
 from dbo.bench.launch import build_parser, config_from_args
 from dbo.graphs import (GraphedRunner, _signature, capture_graph, decided_step,
                         graph_blockers)
+from dbo.run_job import BACKENDS, GRAPH_BACKENDS, RunConfig
 from dbo.vote import vote_min
 from moe.config import MoEConfig
 from moe.layer import MoELayer
@@ -105,6 +106,14 @@ def test_bench_cuda_graph_options_are_checked() -> None:
     args = build_parser().parse_args(["--cuda-graph", "--device", "cpu"])
     with pytest.raises(ValueError, match="needs --device cuda"):
         config_from_args(args, {})
+
+
+def test_dbo_run_takes_every_backend_but_a2a_with_cuda_graphs() -> None:
+    for backend in GRAPH_BACKENDS:
+        assert RunConfig(backend=backend, cuda_graph=True).backend == backend
+    assert set(BACKENDS) - set(GRAPH_BACKENDS) == {"a2a"}
+    with pytest.raises(ValueError, match="a2a: that backend reads device values on the host"):
+        RunConfig(backend="a2a", cuda_graph=True)
 
 
 def _vote_min_worker(rank: int, world_size: int) -> list[int]:
@@ -272,15 +281,21 @@ def test_bench_sweep_with_cuda_graphs_times_every_step_and_probe(tmp_path) -> No
 
 
 @pytest.mark.gpu
-def test_dbo_run_with_cuda_graphs_checks_the_graphed_step_against_eager(tmp_path) -> None:
-    # Every visible GPU as a rank (auto: a2a_ll on several, local on one).
+@pytest.mark.parametrize("backend", ["auto", "naive"])
+def test_dbo_run_with_cuda_graphs_checks_the_graphed_step_against_eager(tmp_path,
+                                                                        backend) -> None:
+    # Every visible GPU as a rank (auto: a2a_ll on several, local on one; naive with the
+    # capacity dbo run sets).
     proc = subprocess.run([sys.executable, "-m", "dbo.cli", "run", "--cuda-graph", "--tokens",
-                           "96", "--requests", "6", "--steps", "2", "--out", str(tmp_path)],
+                           "96", "--requests", "6", "--steps", "2", "--backend", backend,
+                           "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["cuda_graph"] is True and summary["device"] == "cuda", summary
-    assert summary["backend"] == ("a2a_ll" if summary["world_size"] > 1 else "auto"), summary
+    expected = backend if backend != "auto" else (
+        "a2a_ll" if summary["world_size"] > 1 else "auto")
+    assert summary["backend"] == expected, summary
     assert summary["split"] is True and summary["outputs_match"] is True, summary
     assert summary["step_ms"]["dbo_on"] > 0 and summary["step_ms"]["dbo_off"] > 0
     assert "both modes ran as CUDA graph replays" in proc.stdout
