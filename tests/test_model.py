@@ -1,7 +1,7 @@
 """Layers 1-2 (CPU; one process, then two gloo ranks): the reference MoE transformer.
 
-One process: shapes, determinism, causal attention inside a request and no leakage
-across requests, DBO (split by requests) against the plain forward, input checks,
+One process: shapes, determinism, RMSNorm against its fp32 formula, grouped kv heads,
+causal attention inside a request and no leakage across requests, DBO (split by requests) against the plain forward, input checks,
 presets and `make_batch`. Two ranks: the model with EP over both ranks (a2a, a2a_ll)
 against the one-process model on each rank's own batch, DBO on and off.
 
@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from dbo.config import DBOConfig
 from dbo.runner import DBORunner
 from moe.config import MoEConfig
-from moe.model import (PRESETS, Batch, ModelConfig, MoETransformer, causal_attention, get_preset,
-                       make_batch)
+from moe.model import (PRESETS, Batch, ModelConfig, MoETransformer, RMSNorm, causal_attention,
+                       get_preset, make_batch)
 from moe.presets import estimate_param_bytes
 from tests.dist_utils import run_distributed
 
@@ -104,6 +104,34 @@ def test_grouped_kv_heads_read_as_if_repeated(seq_lens):
     torch.testing.assert_close(out, repeated, atol=ATOL, rtol=RTOL)
     # Head groups differ: a wrong head mapping would not pass the check above.
     assert not torch.allclose(out[:, 0], out[:, 3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_its_fp32_formula(dtype):
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(96, eps=1e-6, dtype=dtype, device="cpu")
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=gen) + 0.5)
+    x = (torch.randn(11, 96, generator=gen) * 3).to(dtype)
+    xf = x.float()
+    expected = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+                * norm.weight.float()).to(dtype)
+    assert torch.equal(norm(x), expected)
+
+
+@pytest.mark.gpu
+def test_cuda_rms_norm_close_to_its_fp32_formula():
+    """The fused CUDA kernel sums in another order than the formula: bf16 results may
+    differ by one rounding step, never more."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    norm = RMSNorm(7168, eps=1e-6, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(7168, generator=gen, device="cuda") + 0.5)
+    x = torch.randn(512, 7168, generator=gen, device="cuda").to(torch.bfloat16)
+    xf = x.float()
+    expected = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+                * norm.weight.float()).to(torch.bfloat16)
+    torch.testing.assert_close(norm(x), expected, atol=0, rtol=2 ** -7)
 
 
 def test_attention_is_causal_within_a_request():
