@@ -40,13 +40,14 @@ faster.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from dbo.graph_host import collect_graph_host_buffers
 from dbo.runner import DISABLED_REASON, DBORunner, UBatchArgs, _first_tensor, _num_rows
 from dbo.split import SplitPlan
 from dbo.vote import plan_after_vote, vote_min
@@ -61,10 +62,12 @@ MAX_CPU_KEY_ELEMENTS = 4096
 
 @dataclass
 class CapturedGraph:
-    """A captured CUDA graph and the output its capture returned (refilled by `replay`)."""
+    """A captured CUDA graph and the output its capture returned (refilled by `replay`),
+    with the pinned host buffers its copies read at every replay (`dbo.graph_host`)."""
 
     graph: Any  # torch.cuda.CUDAGraph
     output: Any
+    host_buffers: list = field(default_factory=list)
 
     def replay(self) -> Any:
         """Run the graph on the current stream; returns `output` (valid after it, in
@@ -99,7 +102,8 @@ def capture_graph(fn: Callable[[], Any], *, device: torch.device,
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: NCCL's watchdog thread may query its events meanwhile.
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with (collect_graph_host_buffers() as host_buffers,
+                  torch.cuda.graph(graph, capture_error_mode="thread_local")):
                 output = fn()
         except Exception as exc:
             raise RuntimeError(
@@ -107,7 +111,7 @@ def capture_graph(fn: Callable[[], Any], *, device: torch.device,
                 f"{exc}). A captured step may not read device values on the host (e.g. "
                 f"backend 'a2a' reads its counts: use 'a2a_ll'), nor change what it "
                 f"launches between calls") from exc
-    return CapturedGraph(graph, output)
+    return CapturedGraph(graph, output, host_buffers)
 
 
 def graph_blockers(model: Any) -> list[str]:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dbo.failures import phase_scope
+from dbo.graph_host import keep_for_graph
 from moe.kernels.rotary import apply_rotary
 from moe.layer import MoELayer
 from moe.presets import PRESETS, ModelConfig, estimate_param_bytes, get_preset
@@ -109,21 +110,14 @@ def causal_attention(q_TND: Tensor, k_TND: Tensor, v_TND: Tensor,
     return torch.empty_like(q_TND) if out_TND is None else out_TND  # T = 0
 
 
-# Host tensors whose copy to the GPU was captured in a CUDA graph, by value. The graph's
-# copy node reads the pinned buffer again at every replay, so it must outlive the graph
-# unchanged; once the tensor is freed, torch's pinned-memory cache may hand the block out
-# again (torch 2.11 did not in the churn of tests/test_model.py; we do not rely on it).
-_CAPTURED_HOST_TENSORS: dict[tuple, Tensor] = {}
-
-
 def _to_device(x: Tensor, device: torch.device) -> Tensor:
-    """`x` (a small CPU tensor) on `device`, without a host sync on CUDA."""
+    """`x` (a small CPU tensor) on `device`, without a host sync on CUDA. In a CUDA graph
+    capture the pinned copy's source is kept as long as the graph (`dbo.graph_host`)."""
     if device.type != "cuda":
         return x.to(device)
     pinned = x.pin_memory()
     if torch.cuda.is_current_stream_capturing():
-        key = (x.dtype, tuple(x.shape), tuple(x.flatten().tolist()))
-        pinned = _CAPTURED_HOST_TENSORS.setdefault(key, pinned)
+        pinned = keep_for_graph(pinned)
     return pinned.to(device, non_blocking=True)
 
 

@@ -153,6 +153,24 @@ def test_the_bench_s_decided_split_step_matches_and_skips_the_vote() -> None:
         assert out["decided"] == ["all_to_all_single"], out
 
 
+def test_host_buffers_go_to_the_collecting_capture_else_live_for_the_process() -> None:
+    from dbo import graph_host
+
+    a, b = torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3])
+    with graph_host.collect_graph_host_buffers() as outer:
+        with graph_host.collect_graph_host_buffers() as inner:
+            assert graph_host.keep_for_graph(a) is a
+        assert graph_host.keep_for_graph(b) is b
+    assert inner == [a] and outer == [b], "each buffer joins the innermost collection"
+    before = graph_host.num_process_lifetime_buffers()
+    value = torch.tensor([7, -1, 123456789])  # no other test keeps this value
+    kept = graph_host.keep_for_graph(value)
+    assert kept is value and graph_host.num_process_lifetime_buffers() == before + 1
+    again = graph_host.keep_for_graph(value.clone())
+    assert again is value, "an equal buffer kept for the process is shared"
+    assert graph_host.num_process_lifetime_buffers() == before + 1
+
+
 # ------------------------------------------------------------------------------- GPU
 def _stack(group: Any, backend: str, device: torch.device, capacity: int) -> torch.nn.Module:
     from dbo.bench.layer_stack import LayerStack
@@ -167,6 +185,32 @@ def _stack(group: Any, backend: str, device: torch.device, capacity: int) -> tor
 def _inputs(tokens: int, seed: int, device: torch.device) -> torch.Tensor:
     gen = torch.Generator(device=device).manual_seed(seed)
     return torch.randn(tokens, 128, generator=gen, device=device).to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_a_captured_graph_owns_its_host_buffers_and_frees_them_with_it() -> None:
+    import gc
+    import weakref
+
+    from dbo import graph_host
+    from moe.model import causal_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    seq_lens = [3, 5, 3, 5, 2]  # unequal groups: attention copies a row index from the host
+    q, k, v = (torch.randn(sum(seq_lens), 4, 64, generator=gen, device="cuda")
+               for _ in range(3))
+    eager = causal_attention(q, k, v, seq_lens)
+    before = graph_host.num_process_lifetime_buffers()
+    captured = capture_graph(lambda: causal_attention(q, k, v, seq_lens),
+                             device=q.device, warmup=1)
+    assert len(captured.host_buffers) >= 1 and all(t.is_pinned() for t in captured.host_buffers)
+    assert graph_host.num_process_lifetime_buffers() == before, "owned by the graph instead"
+    assert torch.equal(captured.replay(), eager)
+    torch.cuda.synchronize()
+    refs = [weakref.ref(t) for t in captured.host_buffers]
+    del captured
+    gc.collect()
+    assert all(r() is None for r in refs), "the buffers are freed with their graph"
 
 
 @pytest.mark.gpu
