@@ -2,7 +2,7 @@
 
     python -m moe.bench_experts                          # default sweep, ~5 min on one H100
     python -m moe.bench_experts --shapes ds-e8,qwen-e128 --tokens 64,4096 --paths triton,grouped
-    python -m moe.bench_experts --out results/           # also writes experts.json, experts.txt
+    python -m moe.bench_experts --out results/           # also writes experts.json, .txt, .png
     python -m moe.bench_experts --dry-run                # list the points; no GPU needed
     python -m moe.bench_experts --shapes ds-e32 --tokens 4096,8192 --ep-ranks 2
                                                          # one rank's view under EP (ids -1)
@@ -34,7 +34,9 @@ is `torch.matmul` on [T*K, H] x [H, 2I] then [T*K, I] x [I, H] with one expert's
 the same FLOPs without routing or the weight traffic of E experts, i.e. the GEMM ceiling.
 `err` is triton's max |difference| against the reference (or grouped) relative to the
 reference's max |value|. Progress goes to stderr, a table to stdout, then one JSON line.
-Without CUDA it exits 2 (unless --device cpu).
+With `--out`, also the table, the JSON and a plot (`experts.png`, `moe.bench_experts_plot`:
+TFLOP/s and share of dense against T, one column per shape; skipped with a note where
+matplotlib is missing, or with `--no-plot`). Without CUDA it exits 2 (unless --device cpu).
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -109,7 +111,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="timed repeats per path and point aim at this, over all rounds")
     add("--rounds", type=int, default=3,
         help="time the paths of a point in this many alternating rounds (median of rounds)")
-    add("--out", type=Path, default=None, help="also write experts.json / experts.txt here")
+    add("--out", type=Path, default=None,
+        help="also write experts.json / experts.txt / experts.png here")
+    add("--no-plot", action="store_true", help="with --out: no experts.png")
     add("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: interpreter smoke run")
     add("--dry-run", action="store_true", help="print the points and exit")
     add("--sustain", type=float, default=0.0, metavar="S",
@@ -523,7 +527,24 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "experts.txt").write_text(table + "\n")
         (args.out / "experts.json").write_text(json.dumps(record, indent=1) + "\n")
+        if not args.no_plot:
+            _write_plot(points, args.out / "experts.png", record)
     return 0
+
+
+def _write_plot(points: list[Point], path: Path, record: dict[str, Any]) -> None:
+    """`experts.png`, or a note on stderr saying why not."""
+    from moe.bench_experts_plot import plot_experts
+
+    title = (f"expert kernels vs dense, {record['device']}, {record['dtype']}"
+             + (f", one rank of {record['ep_ranks']} under EP" if record["ep_ranks"] > 1 else ""))
+    try:
+        drawn = plot_experts(points, path, title=title)
+    except ImportError as exc:
+        print(f"note: no plot: {exc}", file=sys.stderr)
+        return
+    if not drawn:
+        print("note: no plot: no point has a time", file=sys.stderr)
 
 
 def _triton_version() -> str | None:

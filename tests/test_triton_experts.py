@@ -688,6 +688,33 @@ def test_bench_ep_routing(capsys: pytest.CaptureFixture[str]) -> None:
         assert points["dense"]["vs_dense"] is None and "of dense" in out[1]
 
 
+def test_bench_writes_table_json_and_plot(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--out`: the table, the JSON record and a PNG of every timed point; `--no-plot`
+    leaves the PNG out; a plot of points without times is not drawn."""
+    import json
+
+    pytest.importorskip("matplotlib")
+    from moe import bench_experts
+    from moe.bench_experts_plot import plot_experts
+
+    if DEVICE.type != "cpu":
+        pytest.skip("the interpreted smoke run is the CPU path")
+    argv = ["--device", "cpu", "--shapes", "tiny", "--tokens", "4,8",
+            "--paths", "triton,dense", "--rounds", "1", "--out", str(tmp_path / "a")]
+    assert bench_experts.main(argv) == 0
+    record = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert json.loads((tmp_path / "a" / "experts.json").read_text())["points"] == record["points"]
+    assert "of dense" in (tmp_path / "a" / "experts.txt").read_text()
+    png = (tmp_path / "a" / "experts.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    assert bench_experts.main(argv[:-1] + [str(tmp_path / "b"), "--no-plot"]) == 0
+    assert (tmp_path / "b" / "experts.json").exists()
+    assert not (tmp_path / "b" / "experts.png").exists()
+    failed = bench_experts.Point("tiny", 4, "triton", None, None, None, 0.1, note="failed")
+    assert not plot_experts([failed], tmp_path / "c.png", title="t")
+    assert not (tmp_path / "c.png").exists()
+
+
 def test_bench_sustain(capsys: pytest.CaptureFixture[str]) -> None:
     """`--sustain S` loads each path for S seconds before each timed round; the table
     and JSON carry the clock columns ('-' / null where no clock can be read)."""

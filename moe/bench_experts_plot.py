@@ -1,0 +1,75 @@
+"""The expert benchmark's PNG: one column per shape, tokens per rank on the x axis.
+
+Top row: TFLOP/s of each path (solid, one colour per path) and of the dense chain
+(dashed, black), on a log scale, so that a ratio between paths (the triton path against
+the per-expert loop, `reference`, at small T) reads as a distance. Bottom row: each path's share of the dense chain's TFLOP/s at the same
+point, with the 75% target of issue 4 marked from 4096 tokens on. Points that failed or
+were skipped are left out. matplotlib is imported here only (Agg backend).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+TARGET_SHARE = 0.75
+TARGET_MIN_TOKENS = 4096
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("the expert benchmark's plot needs matplotlib: pip install "
+                          "matplotlib (or pip install 'dbo-runtime[plot]')") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_experts(points: Sequence[Any], path: Path, *, title: str) -> bool:
+    """Write the PNG of `points` (`moe.bench_experts.Point`s) to `path`; False (and no
+    file) when no point has a time to draw."""
+    timed = [p for p in points if p.tflops]
+    if not timed:
+        return False
+    plt = _pyplot()
+    shapes = list(dict.fromkeys(p.shape for p in timed))
+    paths = list(dict.fromkeys(p.path for p in timed if p.path != "dense"))
+    fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7.5), squeeze=False,
+                             sharex="col")
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for col, shape in enumerate(shapes):
+        ax_rate, ax_share = axes[0][col], axes[1][col]
+        for i, name in enumerate([*paths, "dense"]):
+            pts = sorted((p for p in timed if p.shape == shape and p.path == name),
+                         key=lambda p: p.tokens)
+            if not pts:
+                continue
+            xs = [p.tokens for p in pts]
+            style = dict(color="black", ls="--", marker="x") if name == "dense" else dict(
+                color=colours[i % len(colours)], ls="-", marker="o")
+            ax_rate.plot(xs, [p.tflops for p in pts], label=name, **style)
+            shares = [(p.tokens, p.vs_dense) for p in pts if p.vs_dense is not None]
+            if shares:
+                ax_share.plot([x for x, _ in shares], [100 * s for _, s in shares], label=name,
+                              **style)
+        largest = max(p.tokens for p in timed if p.shape == shape)
+        if largest >= TARGET_MIN_TOKENS:
+            ax_share.hlines(100 * TARGET_SHARE, TARGET_MIN_TOKENS, largest, colors="grey",
+                            linestyles=":", label=f"target {TARGET_SHARE:.0%}")
+        ax_rate.set_title(shape)
+        ax_rate.set_ylabel("TFLOP/s")
+        ax_share.set_ylabel("% of dense TFLOP/s")
+        ax_share.set_xlabel("tokens per rank")
+        ax_rate.set_yscale("log")
+        ax_share.set_ylim(bottom=0)
+        for ax in (ax_rate, ax_share):
+            ax.set_xscale("log", base=2)
+            ax.grid(True, alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=8)
+    axes[1][0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
