@@ -4,7 +4,8 @@ Top row: TFLOP/s of each path (solid, one colour per path) and of the dense chai
 (dashed, black), on a log scale, so that a ratio between paths (the triton path against
 the per-expert loop, `reference`, at small T) reads as a distance. Bottom row: each path's share of the dense chain's TFLOP/s at the same
 point, with the 75% target of issue 4 marked from 4096 tokens on. Points that failed or
-were skipped are left out. matplotlib is imported here only (Agg backend).
+were skipped are left out. matplotlib is imported here only; the figure draws on the Agg
+canvas directly, so pyplot's backend is left as it was.
 """
 from __future__ import annotations
 
@@ -15,15 +16,16 @@ TARGET_SHARE = 0.75
 TARGET_MIN_TOKENS = 4096
 
 
-def _pyplot() -> Any:
+def _figure_class() -> tuple[Any, Any, Any]:
+    """(Figure, FigureCanvasAgg, rcParams), or ImportError with the install hint."""
     try:
-        import matplotlib
+        from matplotlib import rcParams
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError as exc:
         raise ImportError("the expert benchmark's plot needs matplotlib: pip install "
                           "matplotlib (or pip install 'dbo-runtime[plot]')") from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+    return Figure, FigureCanvasAgg, rcParams
 
 
 def plot_experts(points: Sequence[Any], path: Path, *, title: str) -> bool:
@@ -32,12 +34,13 @@ def plot_experts(points: Sequence[Any], path: Path, *, title: str) -> bool:
     timed = [p for p in points if p.tflops]
     if not timed:
         return False
-    plt = _pyplot()
+    Figure, FigureCanvasAgg, rc_params = _figure_class()
     shapes = list(dict.fromkeys(p.shape for p in timed))
     paths = list(dict.fromkeys(p.path for p in timed if p.path != "dense"))
-    fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7.5), squeeze=False,
-                             sharex="col")
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig = Figure(figsize=(4.2 * len(shapes), 7.5))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, len(shapes), squeeze=False, sharex="col")
+    colours = rc_params["axes.prop_cycle"].by_key()["color"]
     for col, shape in enumerate(shapes):
         ax_rate, ax_share = axes[0][col], axes[1][col]
         for i, name in enumerate([*paths, "dense"]):
@@ -71,5 +74,4 @@ def plot_experts(points: Sequence[Any], path: Path, *, title: str) -> bool:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return True
