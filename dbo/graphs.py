@@ -134,6 +134,7 @@ class _Entry:
     captured: CapturedGraph
     static_args: tuple
     static_kwargs: dict
+    device: torch.device
 
     def load(self, args: tuple, kwargs: dict) -> None:
         for static, new in zip(_leaves(self.static_args, self.static_kwargs),
@@ -183,7 +184,9 @@ class GraphedRunner:
     def reset(self) -> None:
         """Drop every graph (and its memory); the next call captures again. Every rank
         need not reset together: the vote finds out and all ranks capture."""
+        entries = list(self._graphs.values())
         self._graphs.clear()
+        _release(entries)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         runner = self.runner
@@ -214,10 +217,13 @@ class GraphedRunner:
         runner._check_capacity(plan)
         key = keys[plan.split]  # a vetoed plan is unsplit
         if not (all_split if plan.split else all_unsplit):
-            self._graphs.pop(key, None)  # a peer lacks its graph: every rank captures
+            stale = self._graphs.pop(key, None)  # a peer lacks its graph: all ranks capture
+            _release([stale] if stale is not None else [])
             self._graphs[key] = self._capture(plan, args, kwargs, x.device)
+            evicted = []
             while len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
+                evicted.append(self._graphs.popitem(last=False)[1])
+            _release(evicted)
         self._graphs.move_to_end(key)
         entry = self._graphs[key]
         entry.load(args, kwargs)
@@ -232,7 +238,16 @@ class GraphedRunner:
         step = decided_step(self.runner, static_args, static_kwargs, split=decided.split)
         captured = capture_graph(step, device=device, warmup=self.warmup)
         self.num_captures += 1
-        return _Entry(captured, static_args, static_kwargs)
+        return _Entry(captured, static_args, static_kwargs, device)
+
+
+def _release(entries: list[_Entry]) -> None:
+    """Let dropped graphs go only once their GPUs are done with them. A replay may still
+    be queued, and its host-to-device copies read the graph's pinned host buffers
+    (`dbo.graph_host`): freed at once, the host could hand one out and overwrite it first.
+    Graphs are dropped only around a capture or by `reset`, so the wait is rare."""
+    for device in {entry.device for entry in entries}:
+        torch.cuda.synchronize(device)
 
 
 def decided_step(runner: DBORunner, args: tuple, kwargs: dict, *,

@@ -171,6 +171,31 @@ def test_host_buffers_go_to_the_collecting_capture_else_live_for_the_process() -
     assert graph_host.num_process_lifetime_buffers() == before + 1
 
 
+def test_dropped_graphs_are_let_go_only_after_their_gpus_finish(monkeypatch) -> None:
+    """A queued replay may still read a dropped graph's pinned buffers: `_release`
+    waits for each graph's device while the entries are still held."""
+    import weakref
+
+    from dbo import graphs
+
+    class Buffer:  # a stand-in for a pinned tensor, weakly referenceable
+        pass
+
+    buffer = Buffer()
+    entries = [graphs._Entry(graphs.CapturedGraph(None, None, [buffer]), (), {},
+                             torch.device("cuda", i % 2)) for i in range(3)]
+    ref = weakref.ref(buffer)
+    del buffer
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda device=None: synced.append((device, ref() is not None)))
+    graphs._release(entries)
+    assert sorted(d.index for d, _ in synced) == [0, 1], "each device once"
+    assert all(alive for _, alive in synced), "the buffers are held while waiting"
+    graphs._release([])
+    assert len(synced) == 2
+
+
 # ------------------------------------------------------------------------------- GPU
 def _stack(group: Any, backend: str, device: torch.device, capacity: int) -> torch.nn.Module:
     from dbo.bench.layer_stack import LayerStack
