@@ -183,9 +183,9 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
     model, runner, backend = job_setup.model, job_setup.runner, job_setup.backend
 
     with torch.no_grad():
-        step_off, step_on = job_setup.off, job_setup.on
+        run_off, run_on = job_setup.off, job_setup.on
         if job.cuda_graph:
-            step_off, step_on = job_setup.graphed(ctx.device, job.warmup)
+            run_off, run_on = job_setup.graphed(ctx.device, job.warmup)
         # Routing is recorded on eager runs (a replay runs no host code; it runs the
         # eager DBO step's kernels, so its routing is the same).
         with record_routing(model) as routed_off:
@@ -193,7 +193,7 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
         with record_routing(model) as routed_on:
             out_on = job_setup.on()
         if job.cuda_graph:
-            out_on = step_on()
+            out_on = run_on()
         decision = runner.last_decision
         # fp32: only summation order differs (per-rank partial sums, row-count-dependent
         # matmul blocking); bf16 also rounds those partial sums.
@@ -208,10 +208,10 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
         checked_T = diff_T[~ties_T]
         err = checked_T.max().item() if checked_T.numel() else 0.0
         for _ in range(job.warmup):
-            step_off()
-            step_on()
-        t_off = _timed(step_off, job.steps, ctx.device)
-        t_on = _timed(step_on, job.steps, ctx.device)
+            run_off()
+            run_on()
+        t_off = _timed(run_off, job.steps, ctx.device)
+        t_on = _timed(run_on, job.steps, ctx.device)
         captured = None
         if job.trace:
             captured = capture(job_setup.on,
