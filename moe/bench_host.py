@@ -93,11 +93,11 @@ def measure(args: argparse.Namespace, device: torch.device
     act = torch.zeros(max_rows, inter, dtype=dtype, device=device)
     y = torch.empty(ids.numel(), x.shape[1], dtype=dtype, device=device)
     out = torch.empty_like(x)
-    tile, half = fm.gemm_tiles(block_m, gated=False, rows_per_expert=ids.numel() / num_experts)
+    tiles = fm.gemm_tiles(block_m, gated=False, rows_per_expert=ids.numel() / num_experts)
     tma = device.type == "cuda" and fm.tma_unsupported_reason(w13, w2, x) is None
     gemm2 = fm.kernel_launch(act, w2, y, weights, routing, n=x.shape[1], k=inter,
                              a_rows_div=1, a_sorted=True, tma=tma and fm.prefer_tma(inter),
-                             tile_m=tile, half_tail=half)
+                             tiles=tiles)
     steps: dict[str, Callable[[], object]] = {
         "fused_moe": lambda: fm.fused_moe(x, w13, w2, ids, weights, workspace=ws),
         "align": lambda: align_routing_triton(ids, num_experts, block_m, workspace=ws),

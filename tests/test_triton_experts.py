@@ -337,13 +337,14 @@ def test_persistent_half_tiles_and_policy(monkeypatch: pytest.MonkeyPatch) -> No
     torch.testing.assert_close(acts[True][used], acts[False][used], rtol=0, atol=0)
 
     prefer = fm.prefer_persistent
-    assert prefer(128, gated=False, k=768, rows_per_expert=256)
+    assert prefer(128, gated=False, k=768, rows_per_expert=512)
+    assert not prefer(128, gated=False, k=768, rows_per_expert=256), "GEMM2 tails"
     assert prefer(128, gated=True, k=7168, rows_per_expert=1024)
     assert not prefer(128, gated=True, k=7168, rows_per_expert=256), "2 tiles per expert"
     assert not prefer(128, gated=True, k=2048, rows_per_expert=1024), "shallow GEMM1"
     assert not prefer(64, gated=False, k=768, rows_per_expert=128), "tuned on 128-row blocks"
     monkeypatch.setattr(fm, "PERSISTENT", False)
-    assert not prefer(128, gated=False, k=768, rows_per_expert=256)
+    assert not prefer(128, gated=False, k=768, rows_per_expert=512)
     # x is sorted first only for the one-program-per-tile GEMM1, and only when large.
     monkeypatch.setattr(fm, "SORTED_X_MIN_BYTES", x.numel() * x.element_size())
     assert fm.prefer_sorted_x(x, persistent_gemm1=False)
@@ -484,7 +485,7 @@ def _counted_ids(counts: dict[int, int], seed: int = 3) -> torch.Tensor:
 def test_half_tail_tiles(tma: bool) -> None:
     """GEMM1 with half tiles: a block whose lower half is padding computes only its upper
     half (those activation rows stay unwritten); every used row is as with full tiles."""
-    from moe.kernels.fused_moe import _launch, kernel_launch
+    from moe.kernels.fused_moe import GemmTiles, _launch, kernel_launch
 
     block_m, hidden, inter = 32, 32, 8
     # Expert 0: 40 rows (a full block, then 8: half); expert 1: 20 (more than half used:
@@ -500,11 +501,52 @@ def test_half_tail_tiles(tma: bool) -> None:
     for half in (True, False):
         act = torch.full((num_rows, inter), float("nan"), dtype=x.dtype, device=DEVICE)
         _launch(kernel_launch(x, w13, act, None, routing, n=inter, k=hidden, a_rows_div=1,
-                              a_sorted=False, tma=tma, half_tail=half))
+                              a_sorted=False, tma=tma, tiles=GemmTiles(half_tail=half)))
         assert torch.isnan(act[lower_halves]).all() == half, f"half_tail={half}"
         assert not torch.isnan(act[64:96]).any(), "expert 1's block is more than half used"
         acts[half] = act
     torch.testing.assert_close(acts[True][used], acts[False][used], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_gemm2_tail_rows_ride_on_the_block_before(tma: bool) -> None:
+    """GEMM2 tails (`TAIL_M`): an expert's last block with at most 16 used rows is computed
+    by the expert's block before it, on its weight loads, in a swapped dot. Every local
+    row is written and equals the result without tails, bit for bit; GEMM1 and tiles
+    other than whole blocks refuse tails."""
+    from moe.kernels.fused_moe import GemmTiles, _launch, kernel_launch
+
+    block_m, hidden, inter = 32, 32, 16
+    # Sorted 32-row blocks: expert 0: 40 rows in [0, 64), its last 8 ride on block 0;
+    # 1: 20 in [64, 96), a lone block; 2: 16 in [96, 128), short but alone; 3: 81 in
+    # [128, 224), a last block of 17 (> 16) runs itself; 4: 80 in [224, 320), its last
+    # 16 ride on block 8. 5 rows elsewhere (expert -1).
+    ids = _counted_ids({0: 40, 1: 20, 2: 16, 3: 81, 4: 80, -1: 5}).view(-1, 1).to(DEVICE)
+    x, w13, w2, _, weights = make_problem(ids.shape[0], hidden, inter, 5, 1,
+                                          dtype=torch.float16)
+    routing = align_routing_triton(ids, 5, block_m)
+    act = torch.randn(routing.sorted_ids_P.numel(), inter, generator=torch.Generator()
+                      .manual_seed(3)).to(x.dtype).to(DEVICE)
+    local = (ids.view(-1) >= 0).nonzero().view(-1)
+    ys = {}
+    for tiles in (GemmTiles(tail_rows=16), GemmTiles(half_tail=True, tail_rows=16),
+                  GemmTiles(half_tail=True), GemmTiles()):
+        y = torch.full((ids.shape[0], hidden), float("nan"), dtype=x.dtype, device=DEVICE)
+        _launch(kernel_launch(act, w2, y, weights, routing, n=hidden, k=inter, a_rows_div=1,
+                              a_sorted=True, tma=tma, tiles=tiles))
+        assert not torch.isnan(y[local]).any(), f"{tiles}"
+        ys[tiles] = y[local]
+    for tiles, y in ys.items():
+        torch.testing.assert_close(y, ys[GemmTiles()], rtol=0, atol=0, msg=f"{tiles}")
+    for bad, why in ((GemmTiles(tail_rows=24), "power of two"),
+                     (GemmTiles(rows=16, tail_rows=16), "whole-block"),
+                     (GemmTiles(tail_rows=32), "half the block")):
+        with pytest.raises(ValueError, match=why):
+            kernel_launch(act, w2, y, weights, routing, n=hidden, k=inter, a_rows_div=1,
+                          a_sorted=True, tma=tma, tiles=bad)
+    with pytest.raises(ValueError, match="GEMM2"):
+        kernel_launch(x, w13, act, None, routing, n=inter, k=hidden, a_rows_div=1,
+                      a_sorted=False, tma=tma, tiles=GemmTiles(tail_rows=16))
 
 
 def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -513,10 +555,11 @@ def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     padding-only tiles of GEMM1 leave their activation rows unwritten."""
     import moe.kernels.fused_moe as fm
 
-    assert fm.gemm_tiles(128, gated=True, rows_per_expert=1024) == (64, False)
-    assert fm.gemm_tiles(128, gated=True, rows_per_expert=4096) == (128, False)
-    assert fm.gemm_tiles(128, gated=False, rows_per_expert=4096) == (128, True)
-    assert fm.gemm_tiles(64, gated=True, rows_per_expert=100) == (64, False)
+    tiles = fm.GemmTiles
+    assert fm.gemm_tiles(128, gated=True, rows_per_expert=1024) == tiles(64)
+    assert fm.gemm_tiles(128, gated=True, rows_per_expert=4096) == tiles(128)
+    assert fm.gemm_tiles(128, gated=False, rows_per_expert=4096) == tiles(128, True, 32)
+    assert fm.gemm_tiles(64, gated=True, rows_per_expert=100) == tiles(64)
     # Expert 0: 160 rows (blocks [0, 256): rows [192, 256) are padding only); expert 1:
     # 100 (one block, every 64-row tile used); expert 2: 64 (rows [448, 512) padding).
     ids = _counted_ids({0: 160, 1: 100, 2: 64, -1: 10}).view(-1, 1)
@@ -538,7 +581,7 @@ def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
     with pytest.raises(ValueError, match="divide"):
         fm.kernel_launch(x, w13, x, None, fm.align_routing_triton(ids, 4, 32), n=8, k=32,
-                         a_rows_div=1, a_sorted=False, tma=False, tile_m=64)
+                         a_rows_div=1, a_sorted=False, tma=False, tiles=fm.GemmTiles(64))
 
 
 def test_workspace_reuse() -> None:

@@ -23,7 +23,9 @@ one program per tile.
 
 Tile heights (`gemm_tiles`): on 128-row routing blocks GEMM1 may run 64-row tiles (a
 tile of padding rows returns at once), and GEMM2 runs a half-height copy of its tile for
-an expert's last block when that block is at most half used (`HALF_TAIL`).
+an expert's last block when that block is at most half used (`HALF_TAIL`). A GEMM2 last
+block of at most `TAIL_M` rows rides on the expert's block before it instead, as a
+second, swapped tile on the same weight loads (`TAIL_M`).
 
 Schedule: one program per tile here; for large batches outside DBO the host may run a
 GEMM as `moe.kernels.fused_moe_persistent` instead (one program per SM over a table of
@@ -97,6 +99,8 @@ def fused_moe_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,  # scale each row by its routing weight
     ZERO_DROPPED: tl.constexpr,  # write zero rows for blocks of expert -1 (torch k-sum)
     HALF_TAIL: tl.constexpr,  # a block whose lower half is padding does half the math
+    TAIL_M: tl.constexpr,  # > 0 (not GATED): an expert's last block of <= TAIL_M used
+    # rows is computed by the block before it (BLOCK_M == ROUTE_BLOCK_M)
     # Tiles
     ROUTE_BLOCK_M: tl.constexpr,  # the routing's block (its layout); a multiple of BLOCK_M
     BLOCK_M: tl.constexpr,
@@ -127,6 +131,14 @@ def fused_moe_kernel(
     rows (a second, half-height copy of the tile code), instead of spending up to half
     of its math on padding. The lower half of a sorted C is then left unwritten (padding
     rows are never summed).
+
+    TAIL_M: a block whose row TAIL_M is padding holds at most TAIL_M rows and is its
+    expert's last. When the block before it belongs to the same expert, that block
+    computes these rows too, on the weight tiles it loads anyway, and the short block
+    returns at once: the short block would otherwise stream a whole weight tile for a few
+    rows. The tail's dot is swapped, (B_e A_tail^T)^T, so that the weight columns are the
+    MMA's M (warpgroup MMA needs 64) and the tail's TAIL_M rows its N. A sorted C keeps
+    the rows of an absorbed block past TAIL_M unwritten.
     """
     # Grouped ordering: walk GROUP_M row blocks down one column of tiles before moving on.
     pid = tl.program_id(axis=0)
@@ -163,17 +175,40 @@ def fused_moe_kernel(
         if tl.load(sorted_ids_ptr + row0) >= num_routed:
             return
 
+    with_tail = False
+    if TAIL_M > 0:
+        tl.static_assert(BLOCK_M == ROUTE_BLOCK_M and not GATED)
+        block = row0 // ROUTE_BLOCK_M
+        last_block = max_padded_rows // ROUTE_BLOCK_M - 1
+        short = tl.load(sorted_ids_ptr + row0 + TAIL_M) >= num_routed
+        prev_expert = tl.load(block_expert_ids_ptr + tl.maximum(block - 1, 0))
+        if short & (block > 0) & (prev_expert == expert):
+            return  # the block before computes these rows
+        next_row = row0 + BLOCK_M
+        next_expert = tl.load(block_expert_ids_ptr + tl.minimum(block + 1, last_block))
+        next_short = tl.load(
+            sorted_ids_ptr + tl.minimum(next_row + TAIL_M, max_padded_rows - 1)) >= num_routed
+        with_tail = ((next_row < tl.load(num_padded_rows_ptr)) & (next_expert == expert)
+                     & next_short)
     half_used = False
     if HALF_TAIL:
         half_used = tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) >= num_routed
-    if half_used:
+    if with_tail:
         _expert_tile(
             a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, row0, pid_n, expert,
             N, K, num_routed, max_padded_rows, num_experts, weights_top_k,
             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
             stride_wn,
             A_ROWS_DIV, A_SORTED, C_SORTED, USE_TMA, GATED, MUL_ROUTED_WEIGHT,
-            BLOCK_M // 2, BLOCK_N, BLOCK_K, INPUT_PRECISION)
+            BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, TAIL_M)
+    elif half_used:
+        _expert_tile(
+            a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, row0, pid_n, expert,
+            N, K, num_routed, max_padded_rows, num_experts, weights_top_k,
+            stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+            stride_wn,
+            A_ROWS_DIV, A_SORTED, C_SORTED, USE_TMA, GATED, MUL_ROUTED_WEIGHT,
+            BLOCK_M // 2, BLOCK_N, BLOCK_K, INPUT_PRECISION, 0)
     else:
         _expert_tile(
             a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, row0, pid_n, expert,
@@ -181,7 +216,7 @@ def fused_moe_kernel(
             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
             stride_wn,
             A_ROWS_DIV, A_SORTED, C_SORTED, USE_TMA, GATED, MUL_ROUTED_WEIGHT,
-            BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION)
+            BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, 0)
 
 
 @triton.jit
@@ -202,9 +237,11 @@ def _expert_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    TAIL: tl.constexpr,  # > 0 (not GATED): also the TAIL rows from row0 + BM, swapped
 ):
-    """The body of `fused_moe_kernel` for the BM sorted rows from `row0`: k-loop, epilogue
-    and store (see there for the arguments)."""
+    """The body of `fused_moe_kernel` for the BM sorted rows from `row0` (with TAIL, also
+    the next block's first TAIL rows, on the same weight loads): k-loop, epilogue and
+    store (see there for the arguments)."""
     offs_m = row0 + tl.arange(0, BM)
     row_ids = tl.load(sorted_ids_ptr + offs_m)
     row_mask = row_ids < num_routed
@@ -235,6 +272,22 @@ def _expert_tile(
                 a_ptr, shape=[max_padded_rows, K], strides=[stride_am, 1],
                 block_shape=[BM, BLOCK_K])
 
+    if TAIL > 0:
+        offs_t = row0 + BM + tl.arange(0, TAIL)
+        row_ids_t = tl.load(sorted_ids_ptr + offs_t)
+        if A_SORTED:
+            a_rows_t = offs_t.to(tl.int64)
+            a_row_mask_t = offs_t >= 0
+        else:
+            a_rows_t = (row_ids_t // A_ROWS_DIV).to(tl.int64)
+            a_row_mask_t = row_ids_t < num_routed
+        a_ptrs_t = a_ptr + a_rows_t[:, None] * stride_am + offs_k[None, :] * stride_ak
+        if USE_TMA and A_SORTED:
+            a_desc_t = tl.make_tensor_descriptor(
+                a_ptr, shape=[max_padded_rows, K], strides=[stride_am, 1],
+                block_shape=[TAIL, BLOCK_K])
+        acc_t = tl.zeros((BLOCK_N, TAIL), dtype=tl.float32)  # swapped: [columns, rows]
+
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BM, BLOCK_N), dtype=tl.float32)  # GATED only (else unused)
     acc_pair = tl.zeros((BM, 2 * BLOCK_N), dtype=tl.float32)  # GATED on TMA only
@@ -244,6 +297,12 @@ def _expert_tile(
             a = a_desc.load([row0, k * BLOCK_K])
         else:
             a = tl.load(a_ptrs, mask=a_row_mask[:, None] & k_mask[None, :], other=0.0)
+        if TAIL > 0:
+            if USE_TMA and A_SORTED:
+                a_t = a_desc_t.load([row0 + BM, k * BLOCK_K])
+            else:
+                a_t = tl.load(a_ptrs_t, mask=a_row_mask_t[:, None] & k_mask[None, :], other=0.0)
+                a_ptrs_t += BLOCK_K * stride_ak
         if USE_TMA and GATED:
             acc_pair = gate_up_dot(b_desc, a, acc_pair, expert32, pid_n * BLOCK_N,
                                    k * BLOCK_K, BLOCK_N, BLOCK_K, INPUT_PRECISION)
@@ -253,6 +312,8 @@ def _expert_tile(
             else:
                 b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if TAIL > 0:
+                acc_t = tl.dot(b.T, a_t.T, acc_t, input_precision=INPUT_PRECISION)
             if GATED:
                 up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
                 acc_up = tl.dot(a, up, acc_up, input_precision=INPUT_PRECISION)
@@ -265,6 +326,10 @@ def _expert_tile(
     store_tile(acc, acc_up, c_ptr, topk_weights_ptr, offs_m, row_ids, pid_n,
                N, num_routed, weights_top_k, stride_cm, stride_cn, stride_wn,
                C_SORTED, GATED, MUL_ROUTED_WEIGHT, BLOCK_N)
+    if TAIL > 0:
+        store_tile(acc_t.T, acc_t.T, c_ptr, topk_weights_ptr, offs_t, row_ids_t, pid_n,
+                   N, num_routed, weights_top_k, stride_cm, stride_cn, stride_wn,
+                   C_SORTED, GATED, MUL_ROUTED_WEIGHT, BLOCK_N)
 
 
 @triton.jit
@@ -345,17 +410,22 @@ def autotune_configs(block_m: int | None = None) -> list[triton.Config]:
 
 def tile_fits(
     *, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
-    gated: bool, elem_bytes: int, n: int, k: int,
+    gated: bool, elem_bytes: int, n: int, k: int, tail_m: int = 0,
 ) -> bool:
     """Whether a tile suits a GEMM of output width `n` and depth `k`: no wider than the
     GEMM, its pipeline stages of A and B tiles within shared memory, and its fp32
-    accumulators (two when gated) within the register file."""
+    accumulators (two when gated) within the register file. `tail_m`: the rows of a
+    second tile on the same weight loads (`TAIL_M`); its accumulator may take the
+    total to 160 registers per thread (128 x 256 tiles with a 32-row tail compiled to 228
+    registers without spills on an H200, with a 64-row one they spilled)."""
     if block_n > max(16, triton.next_power_of_2(n)) or block_k > max(16, triton.next_power_of_2(k)):
         return False
     num_b = 2 if gated else 1
-    smem = num_stages * (block_m * block_k + num_b * block_n * block_k) * elem_bytes
-    acc_regs = num_b * block_m * block_n // (num_warps * 32)
-    return smem <= _SMEM_BYTES and acc_regs <= 128
+    smem = num_stages * ((block_m + tail_m) * block_k + num_b * block_n * block_k) * elem_bytes
+    threads = num_warps * 32
+    acc_regs = num_b * block_m * block_n // threads
+    tail_regs = tail_m * block_n // threads
+    return smem <= _SMEM_BYTES and acc_regs <= 128 and acc_regs + tail_regs <= 160
 
 
 def _prune_configs(
@@ -372,6 +442,7 @@ def _prune_configs(
             block_m=block_m, block_n=config.kwargs["BLOCK_N"], block_k=config.kwargs["BLOCK_K"],
             num_warps=config.num_warps, num_stages=config.num_stages, gated=kwargs["GATED"],
             elem_bytes=named_args["a_ptr"].element_size(), n=named_args["N"], k=named_args["K"],
+            tail_m=kwargs["TAIL_M"],
         )
     ]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
@@ -385,7 +456,7 @@ def _tuned_kernel() -> Any:
         # rows_bucket: the best tile at 256 tokens is not the best at 16384, yet keying on
         # the exact row count would re-tune for every batch size.
         key=["N", "K", "BLOCK_M", "ROUTE_BLOCK_M", "GATED", "A_SORTED", "USE_TMA", "HALF_TAIL",
-             "rows_bucket"],
+             "TAIL_M", "rows_bucket"],
         prune_configs_by={"early_config_prune": _prune_configs},
     )(fused_moe_kernel)
 
@@ -534,8 +605,8 @@ def fused_moe(
         y_RH = a_x[:num_routed]
     else:
         y_RH = empty_from(workspace, "triton.rows", (num_routed, hidden), dtype, device)
-    tile1, half1 = gemm_tiles(block_m, gated=True, rows_per_expert=rows_per_expert)
-    tile2, half2 = gemm_tiles(block_m, gated=False, rows_per_expert=rows_per_expert)
+    tiles1 = gemm_tiles(block_m, gated=True, rows_per_expert=rows_per_expert)
+    tiles2 = gemm_tiles(block_m, gated=False, rows_per_expert=rows_per_expert)
     half_tail = block_m >= 32  # half tiles of at least 16 rows (tl.dot's minimum)
     if persist1:
         launch_persistent(a_x, w13_EIH, act_PI, None, routing, n=inter, k=hidden,
@@ -543,14 +614,13 @@ def fused_moe(
     else:
         _launch(kernel_launch(a_x, w13_EIH, act_PI, None, routing, n=inter, k=hidden,
                               a_rows_div=top_k, a_sorted=sorted_x, tma=tma1,
-                              tile_m=tile1, half_tail=half1))
+                              tiles=tiles1))
     if persist2:
         launch_persistent(act_PI, w2_EHI, y_RH, topk_weights_NK, routing, n=hidden, k=inter,
                           a_rows_div=1, a_sorted=True, half_tail=half_tail)
     else:
         _launch(kernel_launch(act_PI, w2_EHI, y_RH, topk_weights_NK, routing, n=hidden,
-                              k=inter, a_rows_div=1, a_sorted=True, tma=tma2, tile_m=tile2,
-                              half_tail=half2))
+                              k=inter, a_rows_div=1, a_sorted=True, tma=tma2, tiles=tiles2))
 
     out_NH = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
     if SKIP_DROPPED_ROWS:
@@ -599,9 +669,14 @@ def prefer_sorted_x(x_NH: torch.Tensor, *, persistent_gemm1: bool) -> bool:
 # Only on 128-row blocks (large batches), where its tile list was tuned. PERSISTENT is a
 # module switch, so that benchmarks can compare the two kernels. The experts never ask
 # for it where other streams' kernels run beside them (`moe.experts.triton`).
+# GEMM2 at 256 rows per expert (ds-e128 and qwen-e128 at 4096 tokens): the one-per-tile
+# kernel with its short last blocks riding on the blocks before them (`TAIL_M`, which the
+# persistent kernel lacks) was 4% faster at ds-e128 and level at qwen-e128 (session 19);
+# hence PERSISTENT_GEMM2_MIN_ROWS.
 PERSISTENT = True
 PERSISTENT_GEMM1_MIN_K = 4096
 PERSISTENT_GEMM1_MIN_ROWS = 512
+PERSISTENT_GEMM2_MIN_ROWS = 512
 
 
 def prefer_persistent(block_m: int, *, gated: bool, k: int, rows_per_expert: float) -> bool:
@@ -610,8 +685,9 @@ def prefer_persistent(block_m: int, *, gated: bool, k: int, rows_per_expert: flo
     (dropped ids included) over local experts."""
     if not PERSISTENT or block_m != 128:
         return False
-    return not gated or (k >= PERSISTENT_GEMM1_MIN_K
-                         and rows_per_expert >= PERSISTENT_GEMM1_MIN_ROWS)
+    if not gated:
+        return rows_per_expert >= PERSISTENT_GEMM2_MIN_ROWS
+    return k >= PERSISTENT_GEMM1_MIN_K and rows_per_expert >= PERSISTENT_GEMM1_MIN_ROWS
 
 
 # Tiles shorter than the routing's 128-row blocks, from `python -m moe.tune_experts` on an
@@ -624,19 +700,37 @@ def prefer_persistent(block_m: int, *, gated: bool, k: int, rows_per_expert: flo
 # - GEMM2 in 128-row tiles, with half-height tiles for half-used blocks (`HALF_TAIL`):
 #   0-4% faster at DeepSeek-V3, 6% at Qwen3. In GEMM1 the half tiles cost 3-4% at
 #   K = 7168 (the kernel then holds two copies of the k-loop).
+# - GEMM2 with last blocks of at most 32 rows riding on the block before (`TAIL_M`, a
+#   swapped second tile): 3-5% faster than half tails alone at 256 rows per expert, 1.6%
+#   at 513 (session 19). In GEMM1 a tail, swapped or not, took the kernel to 255
+#   registers and was 5-20% slower (sessions 18 and 19).
 # A module switch, so that benchmarks can compare against one tile height per call.
 SHORT_TILES = True
 SHORT_GEMM1_MAX_ROWS = 1024
+GEMM2_TAIL_ROWS = 32
 
 
-def gemm_tiles(block_m: int, *, gated: bool, rows_per_expert: float) -> tuple[int, bool]:
-    """(rows per tile, half tiles) for GEMM1 (`gated`) or GEMM2 on `block_m`-row blocks;
-    `rows_per_expert`: routed rows (dropped ids included) over local experts."""
+@dataclass(frozen=True)
+class GemmTiles:
+    """How one GEMM's tiles cover the routing's blocks (`kernel_launch`)."""
+
+    rows: int | None = None
+    """Rows per tile, dividing the routing's block; None: the block."""
+    half_tail: bool = False
+    """Half-height tiles for half-used blocks (tiles of >= 32 rows)."""
+    tail_rows: int = 0
+    """> 0: an expert's last block with at most this many used rows rides on the block
+    before it (GEMM2 on whole-block tiles; a power of two from 16 to half the block)."""
+
+
+def gemm_tiles(block_m: int, *, gated: bool, rows_per_expert: float) -> GemmTiles:
+    """The tiles of GEMM1 (`gated`) or GEMM2 on `block_m`-row blocks; `rows_per_expert`:
+    routed rows (dropped ids included) over local experts."""
     if not SHORT_TILES or block_m != 128:
-        return block_m, False
+        return GemmTiles(block_m)
     if gated:
-        return (64 if rows_per_expert <= SHORT_GEMM1_MAX_ROWS else 128), False
-    return 128, True
+        return GemmTiles(64 if rows_per_expert <= SHORT_GEMM1_MAX_ROWS else 128)
+    return GemmTiles(128, half_tail=True, tail_rows=GEMM2_TAIL_ROWS)
 
 
 # Rows of ids routed elsewhere (-1): GEMM2 skips them and the k-sum (`sum_routed_rows`) reads
@@ -702,20 +796,22 @@ def kernel_launch(
     a_rows_div: int,
     a_sorted: bool,
     tma: bool,
-    tile_m: int | None = None,
-    half_tail: bool = False,
+    tiles: GemmTiles = GemmTiles(),
 ) -> KernelLaunch:
     """The launch of one GEMM of the pair: GEMM1 (gated, `weights_NK` None, writes the
     sorted [P, N] activation) or GEMM2 (weighted by `weights_NK`, float32 [N, K] with a
     unit last stride, maybe a view into packed rows; writes rows by routed
     id; zero rows for dropped ids unless SKIP_DROPPED_ROWS). `a_sorted`: A is [P, K] in
-    the sorted row order.
-    `tile_m`: rows per tile, dividing the routing's block (None: the block);
-    `half_tail`: half-height tiles for half-used blocks (tiles of >= 32 rows)."""
-    tile_m = tile_m or routing.block_m
+    the sorted row order. `tiles`: see `GemmTiles`."""
+    tile_m = tiles.rows or routing.block_m
+    half_tail, tail_m = tiles.half_tail, tiles.tail_rows
     if routing.block_m % tile_m or (half_tail and tile_m < 32):
-        raise ValueError(f"tile_m={tile_m}, half_tail={half_tail}: tiles must divide the "
-                         f"routing's {routing.block_m}-row blocks, and half tiles need >= 32 rows")
+        raise ValueError(f"{tiles}: tiles must divide the routing's {routing.block_m}-row "
+                         "blocks, and half tiles need >= 32 rows")
+    if tail_m and (weights_NK is None or tile_m != routing.block_m or tail_m < 16
+                   or tail_m > tile_m // 2 or tail_m & (tail_m - 1)):
+        raise ValueError(f"{tiles} on {routing.block_m}-row blocks: tails are for GEMM2 on "
+                         "whole-block tiles, a power of two from 16 to half the block")
     max_rows = routing.sorted_ids_P.numel()
     role = gemm_role(a, c, weights_NK, a_rows_div=a_rows_div, a_sorted=a_sorted)
     args = (
@@ -731,6 +827,7 @@ def kernel_launch(
         "USE_TMA": tma,
         "ZERO_DROPPED": weights_NK is not None and not SKIP_DROPPED_ROWS,
         "HALF_TAIL": half_tail,
+        "TAIL_M": tail_m,
         "ROUTE_BLOCK_M": routing.block_m,
         "BLOCK_M": tile_m,
     }
