@@ -17,16 +17,18 @@ TARGET_SHARE = 0.75
 TARGET_MIN_TOKENS = 4096
 
 
-def _figure_class() -> tuple[Any, Any, Any]:
-    """(Figure, FigureCanvasAgg, rcParams), or ImportError with the install hint."""
+def _figure_class() -> tuple[Any, Any, Any, Any]:
+    """(Figure, FigureCanvasAgg, rcParams, FuncFormatter), or ImportError with the
+    install hint."""
     try:
         from matplotlib import rcParams
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter
     except ImportError as exc:
         raise ImportError("the expert benchmark's plot needs matplotlib: pip install "
                           "matplotlib (or pip install 'dbo-runtime[plot]')") from exc
-    return Figure, FigureCanvasAgg, rcParams
+    return Figure, FigureCanvasAgg, rcParams, FuncFormatter
 
 
 def plot_experts(points: Sequence[Any], path: Path, *, title: str) -> bool:
@@ -35,7 +37,8 @@ def plot_experts(points: Sequence[Any], path: Path, *, title: str) -> bool:
     timed = [p for p in points if p.tflops]
     if not timed:
         return False
-    Figure, FigureCanvasAgg, rc_params = _figure_class()
+    Figure, FigureCanvasAgg, rc_params, FuncFormatter = _figure_class()
+    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 600, not 6 x 10^2
     shapes = list(dict.fromkeys(p.shape for p in timed))
     paths = list(dict.fromkeys(p.path for p in timed if p.path != "dense"))
     fig = Figure(figsize=(4.2 * len(shapes), 7.5))
@@ -65,9 +68,12 @@ def plot_experts(points: Sequence[Any], path: Path, *, title: str) -> bool:
         ax_share.set_ylabel("% of dense TFLOP/s")
         ax_share.set_xlabel("tokens per rank")
         ax_rate.set_yscale("log")
+        ax_rate.yaxis.set_major_formatter(plain)
+        ax_rate.yaxis.set_minor_formatter(plain)
         ax_share.set_ylim(0, max(100 * TARGET_SHARE + 5, ax_share.get_ylim()[1]))
         for ax in (ax_rate, ax_share):
             ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(plain)
             ax.grid(True, alpha=0.3, which="both")
     axes[0][0].legend(fontsize=8)
     axes[1][0].legend(fontsize=8)
