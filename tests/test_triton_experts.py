@@ -856,6 +856,23 @@ def test_gpu_persistent(num_tokens: int, num_experts: int) -> None:
         torch.testing.assert_close(out.float(), plain.float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.gpu
+def test_gpu_gemm2_tails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMM2 tails compiled on CUDA (the swapped second dot): at 256 rows per expert, where
+    experts end in blocks of at most 32 rows, the same bits as without tails."""
+    import moe.kernels.fused_moe as fm
+
+    problem = make_problem(1024, 1024, 384, 32, 8, dtype=_BF16)
+    counts = torch.bincount(problem[3].view(-1), minlength=32)
+    assert ((counts > 128) & (counts % 128 > 0) & (counts % 128 <= 32)).any(), "no tails"
+    out = fm.fused_moe(*problem, block_m=128, persistent=False)
+    monkeypatch.setattr(fm, "GEMM2_TAIL_ROWS", 0)
+    plain = fm.fused_moe(*problem, block_m=128, persistent=False)
+    assert torch.equal(out, plain)
+    ref = ReferenceExperts().apply(*problem)
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[_BF16])
+
+
 def test_tune_cli(capsys: pytest.CaptureFixture[str]) -> None:
     """The tile sweep's CPU side: the candidate list, argument errors, the no-CUDA exit."""
     from moe import tune_experts
