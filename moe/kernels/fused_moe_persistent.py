@@ -14,7 +14,9 @@ k order is unchanged: on an H200, `fused_moe` gave the same bits with the two-do
 and the one-dot form of each kernel (BENCHMARKS.md section 2, sessions 11 and 12).
 
 The host picks it per GEMM where `fused_moe.prefer_persistent` says, from per-GEMM
-timings of both kernels on an H200 (BENCHMARKS.md section 2, session 9).
+timings of both kernels on an H200 (BENCHMARKS.md section 2, sessions 9 and 19). It has
+no tails (`fused_moe_kernel`'s TAIL_M): below 512 rows per expert GEMM2 runs the other
+kernel, whose short last blocks ride on the blocks before them.
 
 Weights and sorted A tiles load through tensor descriptors (TMA), so this needs a Hopper
 class GPU, 16-bit data and contiguous weights (`fused_moe.tma_unsupported_reason`); the
