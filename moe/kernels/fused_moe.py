@@ -132,13 +132,14 @@ def fused_moe_kernel(
     of its math on padding. The lower half of a sorted C is then left unwritten (padding
     rows are never summed).
 
-    TAIL_M: a block whose row TAIL_M is padding holds at most TAIL_M rows and is its
-    expert's last. When the block before it belongs to the same expert, that block
+    TAIL_M (GEMM2): a block whose row TAIL_M is padding holds at most TAIL_M rows and is
+    its expert's last. When the block before it belongs to the same expert, that block
     computes these rows too, on the weight tiles it loads anyway, and the short block
     returns at once: the short block would otherwise stream a whole weight tile for a few
     rows. The tail's dot is swapped, (B_e A_tail^T)^T, so that the weight columns are the
-    MMA's M (warpgroup MMA needs 64) and the tail's TAIL_M rows its N. A sorted C keeps
-    the rows of an absorbed block past TAIL_M unwritten.
+    MMA's M (warpgroup MMA needs 64) and the tail's TAIL_M rows its N. (In GEMM1 the
+    second accumulator took the kernel to 255 registers and was slower, in every form
+    tried: BENCHMARKS.md section 2, sessions 18 and 19.)
     """
     # Grouped ordering: walk GROUP_M row blocks down one column of tiles before moving on.
     pid = tl.program_id(axis=0)
