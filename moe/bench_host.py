@@ -76,6 +76,7 @@ def measure(args: argparse.Namespace, device: torch.device
             ) -> dict[str, dict[str, list[float]]]:
     """{"fast" | "triton": {step: [median us of each round]}}."""
     from moe.kernels import fused_moe as fm
+    from moe.kernels import gemm_policy as policy
     from moe.kernels import launch
     from moe.kernels.align_triton import align_routing_triton
     from moe.workspace import Workspace
@@ -87,16 +88,16 @@ def measure(args: argparse.Namespace, device: torch.device
     x, weights, ids = random_tokens(args.shape, args.tokens, dtype, gen, args.ep_ranks)
     ws = Workspace()
     fm.fused_moe(x, w13, w2, ids, weights, workspace=ws)  # compile and autotune
-    block_m = fm.choose_block_m(ids.numel(), num_experts)
+    block_m = policy.choose_block_m(ids.numel(), num_experts)
     routing = align_routing_triton(ids, num_experts, block_m, workspace=ws)
     max_rows = routing.sorted_ids_P.numel()
     act = torch.zeros(max_rows, inter, dtype=dtype, device=device)
     y = torch.empty(ids.numel(), x.shape[1], dtype=dtype, device=device)
     out = torch.empty_like(x)
-    tiles = fm.gemm_tiles(block_m, gated=False, rows_per_expert=ids.numel() / num_experts)
+    tiles = policy.gemm_tiles(block_m, gated=False, rows_per_expert=ids.numel() / num_experts)
     tma = device.type == "cuda" and fm.tma_unsupported_reason(w13, w2, x) is None
     gemm2 = fm.kernel_launch(act, w2, y, weights, routing, n=x.shape[1], k=inter,
-                             a_rows_div=1, a_sorted=True, tma=tma and fm.prefer_tma(inter),
+                             a_rows_div=1, a_sorted=True, tma=tma and policy.prefer_tma(inter),
                              tiles=tiles)
     steps: dict[str, Callable[[], object]] = {
         "fused_moe": lambda: fm.fused_moe(x, w13, w2, ids, weights, workspace=ws),

@@ -95,8 +95,8 @@ def candidate_tiles(
     block_m: int, *, gated: bool, n: int, k: int, elem_bytes: int = 2,
     block_ks: tuple[int, ...] = BLOCK_KS,
 ) -> list[Tile]:
-    """The tile space less what does not fit (`moe.kernels.fused_moe.tile_fits`)."""
-    from moe.kernels.fused_moe import tile_fits
+    """The tile space less what does not fit (`moe.kernels.fused_moe_tiles.tile_fits`)."""
+    from moe.kernels.fused_moe_tiles import tile_fits
 
     return [
         Tile(block_n, block_k, DEFAULT_GROUP_M, warps, stages)
@@ -223,7 +223,7 @@ def _compile_one(job: tuple[tuple[Any, ...], dict[str, Any], dict[str, int]]) ->
     """Worker: compile one candidate into Triton's cache; the error text if it fails."""
     args, flags, meta = job
     try:
-        from moe.kernels.fused_moe import fused_moe_kernel
+        from moe.kernels.fused_moe_triton import fused_moe_kernel
 
         fused_moe_kernel.warmup(*args, grid=(1,), **flags, **meta)
     except Exception as exc:  # a tile the compiler rejects is reported, not fatal
@@ -245,7 +245,7 @@ def precompile(jobs: list[tuple[Any, ...]], workers: int) -> list[str]:
 
 def time_launch(launch: Any, tile: Tile, reps: int) -> float:
     """Median ms of one tile after a first (compiling) launch."""
-    from moe.kernels.fused_moe import fused_moe_kernel
+    from moe.kernels.fused_moe_triton import fused_moe_kernel
     from moe.kernels.moe_tile import use_tma_scratch
 
     grid = launch.grid(tile.block_n)
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
               "--dry-run lists the candidates without one", file=sys.stderr)
         return 2
 
-    from moe.kernels.fused_moe import autotune_configs
+    from moe.kernels.fused_moe_tiles import autotune_configs
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(args.seed)

@@ -316,6 +316,7 @@ def test_persistent_half_tiles_and_policy(monkeypatch: pytest.MonkeyPatch) -> No
     """Half-used blocks compute only their upper half (the lower stays unwritten) and
     every used row equals the full-height result; the host's choice of kernel."""
     import moe.kernels.fused_moe as fm
+    from moe.kernels import gemm_policy as policy
     from moe.kernels.fused_moe_persistent import launch_persistent
 
     block_m, hidden, inter = 32, 32, 8
@@ -336,20 +337,20 @@ def test_persistent_half_tiles_and_policy(monkeypatch: pytest.MonkeyPatch) -> No
         acts[half] = act
     torch.testing.assert_close(acts[True][used], acts[False][used], rtol=0, atol=0)
 
-    prefer = fm.prefer_persistent
+    prefer = policy.prefer_persistent
     assert prefer(128, gated=False, k=768, rows_per_expert=512)
     assert not prefer(128, gated=False, k=768, rows_per_expert=256), "GEMM2 tails"
     assert prefer(128, gated=True, k=7168, rows_per_expert=1024)
     assert not prefer(128, gated=True, k=7168, rows_per_expert=256), "2 tiles per expert"
     assert not prefer(128, gated=True, k=2048, rows_per_expert=1024), "shallow GEMM1"
     assert not prefer(64, gated=False, k=768, rows_per_expert=128), "tuned on 128-row blocks"
-    monkeypatch.setattr(fm, "PERSISTENT", False)
+    monkeypatch.setattr(policy, "PERSISTENT", False)
     assert not prefer(128, gated=False, k=768, rows_per_expert=512)
     # x is sorted first only for the one-program-per-tile GEMM1, and only when large.
-    monkeypatch.setattr(fm, "SORTED_X_MIN_BYTES", x.numel() * x.element_size())
-    assert fm.prefer_sorted_x(x, persistent_gemm1=False)
-    assert not fm.prefer_sorted_x(x[1:], persistent_gemm1=False)
-    assert not fm.prefer_sorted_x(x, persistent_gemm1=True)
+    monkeypatch.setattr(policy, "SORTED_X_MIN_BYTES", x.numel() * x.element_size())
+    assert policy.prefer_sorted_x(x, persistent_gemm1=False)
+    assert not policy.prefer_sorted_x(x[1:], persistent_gemm1=False)
+    assert not policy.prefer_sorted_x(x, persistent_gemm1=True)
     fp32 = make_problem(4, 16, 8, 2, 1)
     with pytest.raises(ValueError, match=r"persistent=True.*16-bit"):
         fm.fused_moe(*fp32, persistent=True)
@@ -425,8 +426,9 @@ def test_dropped_rows_are_skipped(skip: bool, monkeypatch: pytest.MonkeyPatch) -
     """Rows of ids -1 are neither written by GEMM2 nor read by the k-sum (they stay as the
     workspace left them, here NaN), and the output matches the reference either way."""
     import moe.kernels.fused_moe as fm
+    from moe.kernels import gemm_policy
 
-    monkeypatch.setattr(fm, "SKIP_DROPPED_ROWS", skip)
+    monkeypatch.setattr(gemm_policy, "SKIP_DROPPED_ROWS", skip)
     x, w13, w2, ids, weights = make_problem(24, 16, 8, 4, 3, dtype=torch.float16,
                                             drop_frac=0.5)
     ws = Workspace()
@@ -464,7 +466,8 @@ def test_zero_tokens() -> None:
 
 
 def test_block_sizes_and_determinism() -> None:
-    from moe.kernels.fused_moe import choose_block_m, fused_moe
+    from moe.kernels.fused_moe import fused_moe
+    from moe.kernels.gemm_policy import choose_block_m
 
     assert [choose_block_m(r, 8) for r in (64, 512, 1024, 16384)] == [16, 32, 64, 128]
     problem = make_problem(30, 24, 8, 2, 2, drop_frac=0.1)
@@ -485,7 +488,8 @@ def _counted_ids(counts: dict[int, int], seed: int = 3) -> torch.Tensor:
 def test_half_tail_tiles(tma: bool) -> None:
     """GEMM1 with half tiles: a block whose lower half is padding computes only its upper
     half (those activation rows stay unwritten); every used row is as with full tiles."""
-    from moe.kernels.fused_moe import GemmTiles, _launch, kernel_launch
+    from moe.kernels.fused_moe import _launch, kernel_launch
+    from moe.kernels.gemm_policy import GemmTiles
 
     block_m, hidden, inter = 32, 32, 8
     # Expert 0: 40 rows (a full block, then 8: half); expert 1: 20 (more than half used:
@@ -514,7 +518,8 @@ def test_gemm2_tail_rows_ride_on_the_block_before(tma: bool) -> None:
     by the expert's block before it, on its weight loads, in a swapped dot. Every local
     row is written and equals the result without tails, bit for bit; GEMM1 and tiles
     other than whole blocks refuse tails."""
-    from moe.kernels.fused_moe import GemmTiles, _launch, kernel_launch
+    from moe.kernels.fused_moe import _launch, kernel_launch
+    from moe.kernels.gemm_policy import GemmTiles
 
     block_m, hidden, inter = 32, 32, 16
     # Sorted 32-row blocks: expert 0: 40 rows in [0, 64), its last 8 ride on block 0;
@@ -554,12 +559,13 @@ def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     GEMM2 128-row tiles with half tails: same output as one tile height, and the
     padding-only tiles of GEMM1 leave their activation rows unwritten."""
     import moe.kernels.fused_moe as fm
+    from moe.kernels import gemm_policy as policy
 
-    tiles = fm.GemmTiles
-    assert fm.gemm_tiles(128, gated=True, rows_per_expert=1024) == tiles(64)
-    assert fm.gemm_tiles(128, gated=True, rows_per_expert=4096) == tiles(128)
-    assert fm.gemm_tiles(128, gated=False, rows_per_expert=4096) == tiles(128, True, 32)
-    assert fm.gemm_tiles(64, gated=True, rows_per_expert=100) == tiles(64)
+    tiles = policy.GemmTiles
+    assert policy.gemm_tiles(128, gated=True, rows_per_expert=1024) == tiles(64)
+    assert policy.gemm_tiles(128, gated=True, rows_per_expert=4096) == tiles(128)
+    assert policy.gemm_tiles(128, gated=False, rows_per_expert=4096) == tiles(128, True, 32)
+    assert policy.gemm_tiles(64, gated=True, rows_per_expert=100) == tiles(64)
     # Expert 0: 160 rows (blocks [0, 256): rows [192, 256) are padding only); expert 1:
     # 100 (one block, every 64-row tile used); expert 2: 64 (rows [448, 512) padding).
     ids = _counted_ids({0: 160, 1: 100, 2: 64, -1: 10}).view(-1, 1)
@@ -568,7 +574,7 @@ def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     num_rows = max_padded_rows(ids.shape[0], 4, 128)
     outs = {}
     for short in (True, False):
-        monkeypatch.setattr(fm, "SHORT_TILES", short)
+        monkeypatch.setattr(policy, "SHORT_TILES", short)
         ws = Workspace()
         ws.get("triton.act", (num_rows, 8), x.dtype, DEVICE).fill_(float("nan"))
         outs[short] = fm.fused_moe(*problem, block_m=128, workspace=ws)
@@ -580,8 +586,8 @@ def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(outs[True].float(), ref.float(), **TOLERANCES[torch.float16])
     torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
     with pytest.raises(ValueError, match="divide"):
-        fm.kernel_launch(x, w13, x, None, fm.align_routing_triton(ids, 4, 32), n=8, k=32,
-                         a_rows_div=1, a_sorted=False, tma=False, tiles=fm.GemmTiles(64))
+        fm.kernel_launch(x, w13, x, None, align_routing_triton(ids, 4, 32), n=8, k=32,
+                         a_rows_div=1, a_sorted=False, tma=False, tiles=tiles(64))
 
 
 def test_workspace_reuse() -> None:
@@ -861,12 +867,13 @@ def test_gpu_gemm2_tails(monkeypatch: pytest.MonkeyPatch) -> None:
     """GEMM2 tails compiled on CUDA (the swapped second dot): at 256 rows per expert, where
     experts end in blocks of at most 32 rows, the same bits as without tails."""
     import moe.kernels.fused_moe as fm
+    from moe.kernels import gemm_policy
 
     problem = make_problem(1024, 1024, 384, 32, 8, dtype=_BF16)
     counts = torch.bincount(problem[3].view(-1), minlength=32)
     assert ((counts > 128) & (counts % 128 > 0) & (counts % 128 <= 32)).any(), "no tails"
     out = fm.fused_moe(*problem, block_m=128, persistent=False)
-    monkeypatch.setattr(fm, "GEMM2_TAIL_ROWS", 0)
+    monkeypatch.setattr(gemm_policy, "GEMM2_TAIL_ROWS", 0)
     plain = fm.fused_moe(*problem, block_m=128, persistent=False)
     assert torch.equal(out, plain)
     ref = ReferenceExperts().apply(*problem)

@@ -69,11 +69,11 @@ class TritonExperts(Experts):
                 return False, "CUDA is not available in this torch build or machine"
             return True, ""
         if device.type == "cpu":
-            kernels = sys.modules.get("moe.kernels.fused_moe")
+            kernels = sys.modules.get("moe.kernels.fused_moe_triton")
             if kernels is not None and not _is_interpreted(kernels.fused_moe_kernel):
                 return False, (
-                    "moe.kernels.fused_moe was imported before TRITON_INTERPRET=1 was set, so "
-                    "its kernel is compiled for the GPU: set it before the first import"
+                    "moe.kernels.fused_moe_triton was imported before TRITON_INTERPRET=1 was "
+                    "set, so its kernel is compiled for the GPU: set it before the first import"
                 )
             if os.environ.get("TRITON_INTERPRET") == "1":
                 return True, ""

@@ -1,11 +1,11 @@
 """Persistent variant of the fused-MoE GEMM: one program per SM walks a table of tiles.
 
-Same math, operands and epilogues as `moe.kernels.fused_moe.fused_moe_kernel` (see there);
-the difference is the schedule. That kernel launches one program per possible tile and
-lets the ones over padding, dropped or idle blocks return. This one launches one program
-per multiprocessor; each builds its TMA descriptors once and then loops over the used
-tiles in grouped order, from the routing's tile table (`moe.kernels.align`): blocks with
-more than BLOCK_M // 2 used rows first, then the half-used last blocks of experts as
+Same math, operands and epilogues as `moe.kernels.fused_moe_triton.fused_moe_kernel` (see
+there); the difference is the schedule. That kernel launches one program per possible
+tile and lets the ones over padding, dropped or idle blocks return. This one launches one
+program per multiprocessor; each builds its TMA descriptors once and then loops over the
+used tiles in grouped order, from the routing's tile table (`moe.kernels.align`): blocks
+with more than BLOCK_M // 2 used rows first, then the half-used last blocks of experts as
 half-height tiles (HALF_TAIL), so little math goes to padding rows. With FLATTEN, Triton
 pipelines across the tile loop (the next tile's loads start during this one's epilogue).
 GEMM1 loads a column block's gate and up rows as one TMA box and runs them as one dot
@@ -13,7 +13,7 @@ twice as wide (`_tile_loop`), as the other kernel does on its TMA path. Per elem
 k order is unchanged: on an H200, `fused_moe` gave the same bits with the two-dot form
 and the one-dot form of each kernel (BENCHMARKS.md section 2, sessions 11 and 12).
 
-The host picks it per GEMM where `fused_moe.prefer_persistent` says, from per-GEMM
+The host picks it per GEMM where `gemm_policy.prefer_persistent` says, from per-GEMM
 timings of both kernels on an H200 (BENCHMARKS.md section 2, sessions 9 and 19). It has
 no tails (`fused_moe_kernel`'s TAIL_M): below 512 rows per expert GEMM2 runs the other
 kernel, whose short last blocks ride on the blocks before them.
