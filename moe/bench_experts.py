@@ -10,6 +10,9 @@
                                                          # the power-capped steady state
     TRITON_INTERPRET=1 python -m moe.bench_experts --device cpu --shapes tiny --tokens 4,16
                                                          # CPU smoke run; timings meaningless
+    ncu --profile-from-start off -k regex:fused_moe --metrics dram__bytes_read.sum \
+        python -m moe.bench_experts --shapes ds-e128 --tokens 4096 --paths triton \
+        --rounds 1 --profile-window                      # hardware counters of one call
 
 Each point is a shape (below) and T tokens per rank with uniform random top-k routing, bf16
 activations and weights. With `--ep-ranks W` (W > 1) the routing is one rank's view under
@@ -37,6 +40,15 @@ reference's max |value|. Progress goes to stderr, a table to stdout, then one JS
 With `--out`, also the table, the JSON and a plot (`experts.png`, `moe.bench_experts_plot`:
 TFLOP/s and share of dense against T, one column per shape; skipped with a note where
 matplotlib is missing, or with `--no-plot`). Without CUDA it exits 2 (unless --device cpu).
+
+`--profile-window`: after a point's timed rounds, one more call of each path runs between
+cudaProfilerStart and cudaProfilerStop, so that a profiler started with its capture off
+(`ncu --profile-from-start off`, `nsys profile --capture-range=cudaProfilerApi`) records
+that call's kernels only, not the compiling, tuning and timed calls. stderr names each
+window with the point's weight and x bytes, which the expert paths must read at least once:
+compare them with `dram__bytes_read.sum` (BENCHMARKS.md section 2, session 20). The
+profiler slows every launch, windowed or not, so times taken under it are not the
+bench's (qwen-e128 at 4096 tokens: 1.34 ms under ncu, 0.78-0.80 ms without).
 """
 from __future__ import annotations
 
@@ -120,8 +132,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run each path back to back for S seconds before each timed round (0: no)")
     add("--ep-ranks", type=int, default=1,
         help="routing as one rank of W under expert parallelism sees it (ids elsewhere -1)")
+    add("--profile-window", action="store_true",
+        help="after a point's rounds, one call per path inside cudaProfilerStart/Stop")
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.profile_window and args.device != "cuda":
+        parser.error("--profile-window needs --device cuda (the CUDA profiler API)")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give at least 1")
     if not args.sustain >= 0:  # also rejects nan
@@ -364,6 +380,12 @@ def bench_point(problem: Problem, kernels: dict[str, object], args: argparse.Nam
             except Exception as exc:
                 results[path] = _failed(problem, path, exc, device)
                 del ready[path], timed[path]
+    if args.profile_window:
+        weight_gb = (problem.w13_EIH.nbytes + problem.w2_EHI.nbytes) / 1e9
+        for path in ready:
+            label = (f"{problem.shape} T={problem.tokens} {path}: weights {weight_gb:.3f} GB, "
+                     f"x {problem.x_NH.nbytes / 1e9:.3f} GB")
+            profile_one_call(timed[path], device, label)
     for path, made in ready.items():
         ms = statistics.median(rounds[path])
         results[path] = Point(problem.shape, problem.tokens, path, ms, problem.flops / ms / 1e9,
@@ -373,6 +395,20 @@ def bench_point(problem: Problem, kernels: dict[str, object], args: argparse.Nam
     points = [results[path] for path in args.paths]
     _attach_error(points, outputs)
     return _attach_dense_share(points)
+
+
+def profile_one_call(fn: Callable[[], object], device: torch.device, label: str) -> None:
+    """One call of `fn` between cudaProfilerStart and cudaProfilerStop (its kernels
+    finished before the stop), named on stderr as `label`. Earlier work is finished
+    before the start, so that nothing else lands in the window."""
+    torch.cuda.synchronize(device)
+    print(f"profile window: {label}", file=sys.stderr, flush=True)
+    torch.cuda.profiler.start()
+    try:
+        fn()
+        torch.cuda.synchronize(device)
+    finally:
+        torch.cuda.profiler.stop()
 
 
 def clock_fields(samples: list[ClockSample | None]) -> dict[str, object]:

@@ -700,6 +700,46 @@ def test_bench_cli(capsys: pytest.CaptureFixture[str]) -> None:
         assert triton_point["err"] < 1e-2 and triton_point["tokens"] == 5
 
 
+def test_bench_profile_window(monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`--profile-window`: one more call per path after the rounds, alone between
+    cudaProfilerStart and Stop (stopped even when the call fails); CUDA only."""
+    from moe import bench_experts
+
+    with pytest.raises(SystemExit):
+        bench_experts.main(["--profile-window", "--device", "cpu", "--dry-run"])
+    assert "--profile-window needs --device cuda" in capsys.readouterr().err
+
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: events.append("start"))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: events.append("stop"))
+    bench_experts.profile_one_call(lambda: events.append("call"), DEVICE, "a point")
+    assert events == ["sync", "start", "call", "sync", "stop"]
+    assert "profile window: a point" in capsys.readouterr().err
+
+    def fail() -> None:
+        raise RuntimeError("kernel failed")
+
+    events.clear()
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        bench_experts.profile_one_call(fail, DEVICE, "a point")
+    assert events == ["sync", "start", "stop"]
+
+    if DEVICE.type == "cpu":  # the wiring: one window per path that ran, after its rounds
+        monkeypatch.undo()
+        windows: list[str] = []
+        monkeypatch.setattr(bench_experts, "profile_one_call",
+                            lambda fn, device, label: windows.append(label) or fn())
+        args = bench_experts.parse_args(["--device", "cpu", "--shapes", "tiny", "--tokens",
+                                         "4", "--paths", "triton,dense", "--rounds", "1"])
+        args.profile_window = True
+        points = bench_experts.bench_shape("tiny", args, DEVICE, 2, [0])
+        assert [p.path for p in points] == ["triton", "dense"]
+        assert [w.split(":")[0] for w in windows] == ["tiny T=4 triton", "tiny T=4 dense"]
+        assert all("GB, x " in w for w in windows)
+
+
 def test_bench_ep_routing(capsys: pytest.CaptureFixture[str]) -> None:
     """`--ep-ranks W`: one rank's view of EP routing (ids of other ranks -1, every token
     with a local expert), FLOPs over the local rows; a bad W is a usage error."""
