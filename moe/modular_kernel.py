@@ -36,7 +36,7 @@ from dbo.yield_points import (
     dbo_register_recv_hook,
     dbo_yield,
 )
-from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, R
+from moe.backends.base import OwnRows, Pending, PrepareFinalize, R
 from moe.config import MoEConfig
 from moe.experts.base import Experts
 from moe.workspace import Workspace, WorkspaceSets
