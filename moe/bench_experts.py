@@ -1,4 +1,4 @@
-"""Expert-kernel throughput on one GPU: triton vs grouped vs reference, beside a dense chain.
+"""Expert-kernel throughput on one GPU: triton vs grouped vs reference, beside GEMM baselines.
 
     python -m moe.bench_experts                          # default sweep, ~5 min on one H100
     python -m moe.bench_experts --shapes ds-e8,qwen-e128 --tokens 64,4096 --paths triton,grouped
@@ -8,6 +8,8 @@
                                                          # one rank's view under EP (ids -1)
     python -m moe.bench_experts --sustain 2              # each round after 2 s of load:
                                                          # the power-capped steady state
+    python -m moe.bench_experts --shapes qwen-e128 --tokens 4096 --paths triton,dense,bmm \
+        --routing balanced                               # no padding: what routing costs
     TRITON_INTERPRET=1 python -m moe.bench_experts --device cpu --shapes tiny --tokens 4,16
                                                          # CPU smoke run; timings meaningless
     ncu --profile-from-start off -k regex:fused_moe --metrics dram__bytes_read.sum \
@@ -32,9 +34,15 @@ burst (an H200 at 700 W: 1300-1600 MHz against 1980), and a path pays for its ow
 traffic there. `SM MHz` is the median SM clock of one sample per round, taken as the
 round's timed calls run (from `nvidia-smi`, `moe.gpu_clocks`; rounds shorter than the
 query, ~50 ms, are read just after), and `capped` how many samples found the clock held
-back by the power limit. `dense`
-is `torch.matmul` on [T*K, H] x [H, 2I] then [T*K, I] x [I, H] with one expert's weights:
-the same FLOPs without routing or the weight traffic of E experts, i.e. the GEMM ceiling.
+back by the power limit. Two paths are GEMM-only baselines (`moe.bench_baselines`), not
+the experts' function: `dense` is `torch.matmul` on [T*K, H] x [H, 2I] then [T*K, I] x
+[I, H] with one expert's weights, the same FLOPs without routing or the weight traffic of
+E experts, i.e. the GEMM ceiling; `bmm` is `torch.bmm` over the E experts with
+ceil(T*K / E) rows each (its TFLOP/s count those rows), every expert's own weights, no
+routing: what a perfectly balanced grouped GEMM reaches at this point's rows per expert.
+`--routing balanced` gives every expert exactly T*K/E rows (token n to experts n*K .. n*K
++ K - 1, mod E): no router draws that, but beside uniform routing it says how much the
+experts' uneven rows (short last blocks, padding) cost the expert paths.
 `err` is triton's max |difference| against the reference (or grouped) relative to the
 reference's max |value|. Progress goes to stderr, a table to stdout, then one JSON line.
 With `--out`, also the table, the JSON and a plot (`experts.png`, `moe.bench_experts_plot`:
@@ -64,6 +72,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from moe.bench_baselines import BASELINES, gemm_flops
 from moe.gpu_clocks import ClockSample, read_clocks, summarize
 
 # name -> (hidden H, intermediate I, top-k K, local experts E)
@@ -76,7 +85,9 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
 }
 DEFAULT_SHAPES = "ds-e8,ds-e32,ds-e128,qwen-e128"
 DEFAULT_TOKENS = "64,256,1024,4096,16384"
-PATHS = ("triton", "grouped", "reference", "dense")
+PATHS = ("triton", "grouped", "reference", "dense", "bmm")
+EXPERT_PATHS = ("triton", "grouped", "reference")  # the rest are `BASELINES`
+ROUTINGS = ("uniform", "balanced")
 
 
 @dataclass(frozen=True)
@@ -99,12 +110,14 @@ class Point:
 
 class ReadyPath(NamedTuple):
     """A path made ready to time at one point: `factory()` gives a fresh call (with its
-    own workspace); peak and minimum memory in GB; the note for its table row."""
+    own workspace); peak and minimum memory in GB; the note for its table row; its FLOPs
+    where they are not the point's (the `bmm` baseline rounds rows up to whole experts)."""
 
     factory: Callable[[], Callable[[], object]]
     peak_gb: float | None
     min_gb: float
     note: str
+    flops: float | None = None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -132,6 +145,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run each path back to back for S seconds before each timed round (0: no)")
     add("--ep-ranks", type=int, default=1,
         help="routing as one rank of W under expert parallelism sees it (ids elsewhere -1)")
+    add("--routing", default="uniform", choices=ROUTINGS,
+        help="uniform: random top-k; balanced: every expert gets T*K/E rows (a diagnostic)")
     add("--profile-window", action="store_true",
         help="after a point's rounds, one call per path inside cudaProfilerStart/Stop")
     add("--seed", type=int, default=0)
@@ -144,6 +159,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--sustain {args.sustain}: give seconds >= 0")
     if args.ep_ranks < 1:
         parser.error(f"--ep-ranks {args.ep_ranks}: give the number of EP ranks, >= 1")
+    if args.routing == "balanced" and args.ep_ranks > 1:
+        parser.error("--routing balanced is one rank's routing without EP: leave out "
+                     "--ep-ranks (or give 1)")
     args.shapes = split_names(args.shapes, SHAPES, "--shapes")
     args.paths = split_names(args.paths, PATHS, "--paths")
     args.tokens = split_tokens(parser, args.tokens)
@@ -177,11 +195,6 @@ def split_tokens(parser: argparse.ArgumentParser, text: str) -> list[int]:
     """`--tokens`: a comma list of positive integers (a parser error otherwise)."""
     return split_ints(parser, text, "--tokens", example="64,4096", valid=lambda t: t >= 1,
                       need="positive integers")
-
-
-def gemm_flops(tokens: int, hidden: int, inter: int, top_k: int) -> float:
-    """FLOPs of the routed expert MLPs: GEMM1 [T*K, H] x [H, 2I], GEMM2 [T*K, I] x [I, H]."""
-    return 2.0 * tokens * top_k * 3 * hidden * inter
 
 
 def min_bytes(tokens: int, hidden: int, inter: int, top_k: int, experts: int, elem: int) -> int:
@@ -290,16 +303,22 @@ def random_weights(shape: str, dtype: torch.dtype, gen: torch.Generator
 
 
 def random_tokens(shape: str, tokens: int, dtype: torch.dtype, gen: torch.Generator,
-                  ep_ranks: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ep_ranks: int = 1, routing: str = "uniform",
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x [T, H], topk_weights [T, K] float32 summing to 1, topk_ids [T, K]): uniform
     routing to K distinct experts, on gen's device. `ep_ranks` W > 1: K of W * E experts,
     this rank holding the first E; other ids are -1, and every token has a local one
-    (tokens without one are drawn again: the dispatch would not have sent them)."""
+    (tokens without one are drawn again: the dispatch would not have sent them).
+    `routing="balanced"` (W = 1 only): `balanced_ids`, random weights."""
     hidden, _, top_k, num_experts = SHAPES[shape]
     device = gen.device
     x = torch.randn(tokens, hidden, dtype=dtype, device=device, generator=gen)
     scores = torch.rand(tokens, num_experts * ep_ranks, device=device, generator=gen)
     topk_weights, topk_ids = scores.topk(top_k, dim=1)
+    if routing == "balanced":
+        if ep_ranks != 1:
+            raise ValueError(f"balanced routing is for one rank, got ep_ranks={ep_ranks}")
+        topk_ids = balanced_ids(tokens, top_k, num_experts, device)
     if ep_ranks > 1:
         while not_here := (topk_ids >= num_experts).all(dim=1).nonzero().view(-1).tolist():
             redraw = torch.rand(len(not_here), num_experts * ep_ranks, device=device,
@@ -307,6 +326,18 @@ def random_tokens(shape: str, tokens: int, dtype: torch.dtype, gen: torch.Genera
             topk_weights[not_here], topk_ids[not_here] = redraw.values, redraw.indices
         topk_ids = topk_ids.masked_fill(topk_ids >= num_experts, -1)
     return x, (topk_weights / topk_weights.sum(1, keepdim=True)).float(), topk_ids
+
+
+def balanced_ids(tokens: int, top_k: int, num_experts: int, device: torch.device
+                 ) -> torch.Tensor:
+    """int64 [T, K]: ids[n, k] = (n*K + k) mod E. A token's K ids are distinct (K <= E)
+    and every expert gets T*K/E rows, rounded down or up: no expert has a short last
+    block unless T*K/E is not a multiple of the block (a diagnostic for padding costs,
+    not a router's output)."""
+    if top_k > num_experts:
+        raise ValueError(f"balanced routing needs top-k <= experts, got {top_k} > {num_experts}")
+    flat = torch.arange(tokens * top_k, device=device)
+    return (flat % num_experts).view(tokens, top_k)
 
 
 def bench_shape(
@@ -321,7 +352,7 @@ def bench_shape(
     w13, w2 = random_weights(name, dtype, gen)
     kernels: dict[str, object] = {}
     for path in args.paths:
-        if path != "dense":
+        if path in EXPERT_PATHS:
             try:
                 kernels[path] = make_experts(path, device)
             except (ValueError, ImportError) as exc:
@@ -329,7 +360,8 @@ def bench_shape(
 
     points = []
     for tokens in args.tokens:
-        x, topk_weights, topk_ids = random_tokens(name, tokens, dtype, gen, args.ep_ranks)
+        x, topk_weights, topk_ids = random_tokens(name, tokens, dtype, gen, args.ep_ranks,
+                                                  args.routing)
         local_rows = int((topk_ids >= 0).sum())
         problem = Problem(
             shape=name, x_NH=x, w13_EIH=w13, w2_EHI=w2, topk_ids_NK=topk_ids,
@@ -388,7 +420,8 @@ def bench_point(problem: Problem, kernels: dict[str, object], args: argparse.Nam
             profile_one_call(timed[path], device, label)
     for path, made in ready.items():
         ms = statistics.median(rounds[path])
-        results[path] = Point(problem.shape, problem.tokens, path, ms, problem.flops / ms / 1e9,
+        flops = made.flops or problem.flops
+        results[path] = Point(problem.shape, problem.tokens, path, ms, flops / ms / 1e9,
                               made.peak_gb, made.min_gb, note=made.note,
                               **clock_fields(clocks[path]))
     del timed
@@ -434,11 +467,12 @@ def make_path(
         return replace(skipped, note=f"skipped: T > --ref-max-tokens {args.ref_max_tokens}")
     if isinstance(kernel, Exception):
         return replace(skipped, note=f"unavailable: {kernel}")
-    if path == "dense":
-        dense, min_gb = _dense_chain(problem)
-        dense()
-        return ReadyPath(lambda: dense, peak_gb(dense, device), min_gb,
-                         "one expert's weights, same FLOPs")
+    if path in BASELINES:
+        chain = BASELINES[path](problem.x_NH, problem.w13_EIH, problem.w2_EHI,
+                                rows=problem.local_rows)
+        chain.fn()
+        return ReadyPath(lambda: chain.fn, peak_gb(chain.fn, device), chain.min_gb, chain.note,
+                         chain.flops)
 
     def factory() -> Callable[[], torch.Tensor]:
         workspace = Workspace()  # per call site: its buffers count in the peak
@@ -461,21 +495,6 @@ def _failed(problem: Problem, path: str, exc: Exception, device: torch.device) -
         torch.cuda.empty_cache()
     return Point(problem.shape, problem.tokens, path, None, None, None, problem.min_gb,
                  note=f"failed: {type(exc).__name__}: {str(exc)[:120]}")
-
-
-def _dense_chain(problem: Problem) -> tuple[Callable[[], torch.Tensor], float]:
-    """The same FLOPs as one dense GEMM chain on one expert's weights, and the GB it
-    needs at least ([local rows, H] activations, the two weights, both outputs)."""
-    x, w13, w2 = problem.x_NH, problem.w13_EIH, problem.w2_EHI
-    top_k, inter, hidden = problem.topk_ids_NK.shape[1], w2.shape[2], x.shape[1]
-    a = x.repeat_interleave(top_k, dim=0)[:problem.local_rows]
-    w1_t, w2_t = w13[0].t(), w2[0].t()
-
-    def fn() -> torch.Tensor:
-        return torch.matmul(torch.matmul(a, w1_t)[:, :inter], w2_t)
-
-    elems = a.numel() + w1_t.numel() + w2_t.numel() + a.shape[0] * (2 * inter + hidden)
-    return fn, elems * a.element_size() / 1e9
 
 
 def _attach_dense_share(points: list[Point]) -> list[Point]:
@@ -542,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ep_ranks > 1:
         table = (f"one rank of {args.ep_ranks} under EP: T = tokens received, FLOPs over "
                  f"local rows\n{table}")
+    if args.routing == "balanced":
+        table = f"balanced routing: every expert gets T*K/E rows (not a router's)\n{table}"
     on_gpu = device.type == "cuda"
     record = {
         "bench": "experts",
@@ -550,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": _triton_version(),
         "dtype": "bf16" if on_gpu else "fp16",
         "ep_ranks": args.ep_ranks,
+        "routing": args.routing,
         "sustain_s": args.sustain,
         "points": [asdict(p) for p in points],
     }
@@ -573,7 +595,8 @@ def _write_plot(points: list[Point], path: Path, record: dict[str, Any]) -> None
     from moe.bench_experts_plot import plot_experts
 
     title = (f"expert kernels vs dense, {record['device']}, {record['dtype']}"
-             + (f", one rank of {record['ep_ranks']} under EP" if record["ep_ranks"] > 1 else ""))
+             + (f", one rank of {record['ep_ranks']} under EP" if record["ep_ranks"] > 1 else "")
+             + (", balanced routing" if record["routing"] == "balanced" else ""))
     try:
         drawn = plot_experts(points, path, title=title)
     except ImportError as exc:

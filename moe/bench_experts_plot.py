@@ -1,7 +1,8 @@
 """The expert benchmark's PNG: one column per shape, tokens per rank on the x axis.
 
-Top row: TFLOP/s of each path (solid, one colour per path) and of the dense chain
-(dashed, black), on a log scale, so that a ratio between paths (the triton path against
+Top row: TFLOP/s of each path (solid, one colour per path) and of the GEMM-only
+baselines (dashed: the dense chain black, the balanced batched chain `bmm` grey), on a
+log scale, so that a ratio between paths (the triton path against
 the per-expert loop, `reference`, at small T) reads as a distance. Bottom row: each
 path's share of the dense chain's TFLOP/s at the same point, with issue 4's 75% target
 (for T >= 4096) marked where such points exist. Points that failed or were skipped are
@@ -15,6 +16,8 @@ from typing import Any, Sequence
 
 TARGET_SHARE = 0.75
 TARGET_MIN_TOKENS = 4096
+BASELINE_STYLES = {"dense": dict(color="black", ls="--", marker="x"),
+                   "bmm": dict(color="grey", ls="--", marker="+")}
 
 
 def _figure_class() -> tuple[Any, Any, Any, Any]:
@@ -40,21 +43,21 @@ def plot_experts(points: Sequence[Any], path: Path, *, title: str) -> bool:
     Figure, FigureCanvasAgg, rc_params, FuncFormatter = _figure_class()
     plain = FuncFormatter(lambda value, _: f"{value:g}")  # 600, not 6 x 10^2
     shapes = list(dict.fromkeys(p.shape for p in timed))
-    paths = list(dict.fromkeys(p.path for p in timed if p.path != "dense"))
+    paths = list(dict.fromkeys(p.path for p in timed if p.path not in BASELINE_STYLES))
     fig = Figure(figsize=(4.2 * len(shapes), 7.5))
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, len(shapes), squeeze=False, sharex="col")
     colours = rc_params["axes.prop_cycle"].by_key()["color"]
     for col, shape in enumerate(shapes):
         ax_rate, ax_share = axes[0][col], axes[1][col]
-        for i, name in enumerate([*paths, "dense"]):
+        for i, name in enumerate([*paths, *BASELINE_STYLES]):
             pts = sorted((p for p in timed if p.shape == shape and p.path == name),
                          key=lambda p: p.tokens)
             if not pts:
                 continue
             xs = [p.tokens for p in pts]
-            style = dict(color="black", ls="--", marker="x") if name == "dense" else dict(
-                color=colours[i % len(colours)], ls="-", marker="o")
+            style = BASELINE_STYLES.get(name) or dict(color=colours[i % len(colours)], ls="-",
+                                                      marker="o")
             ax_rate.plot(xs, [p.tflops for p in pts], label=name, **style)
             shares = [(p.tokens, p.vs_dense) for p in pts if p.vs_dense is not None]
             if shares:
