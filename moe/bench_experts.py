@@ -85,8 +85,8 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
 }
 DEFAULT_SHAPES = "ds-e8,ds-e32,ds-e128,qwen-e128"
 DEFAULT_TOKENS = "64,256,1024,4096,16384"
-PATHS = ("triton", "grouped", "reference", "dense", "bmm")
-EXPERT_PATHS = ("triton", "grouped", "reference")  # the rest are `BASELINES`
+EXPERT_PATHS = ("triton", "grouped", "reference")
+PATHS = (*EXPERT_PATHS, *BASELINES)  # the expert kernels, then the GEMM-only baselines
 ROUTINGS = ("uniform", "balanced")
 
 
