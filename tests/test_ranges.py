@@ -281,3 +281,24 @@ def test_active_time_of_a_paused_range_is_its_ubatchs_run_time(tmp_path: Path) -
         assert intersect(piece.active, runs[1 - lb.ubatch]) == []
         if lb.phase == "dispatch_send" and (lb.ubatch, lb.layer) == (0, 0):
             assert total(piece.paused) > 0  # ub1 ran inside it
+
+
+def test_capture_writes_a_trace_whose_ranges_nest(tmp_path: Path) -> None:
+    """dbo.capture (what `dbo run` and `dbo trace` write) rewrites the trace for Perfetto
+    and, on CPU, analyzes the host ops without being told."""
+    from dbo.capture import capture
+    from dbo.failures import phase_scope
+    from dbo.scheduler import UBatchScheduler
+    from dbo.yield_points import dbo_yield
+
+    x = torch.randn(16, 16)
+
+    def ubatch() -> None:
+        with phase_scope("dispatch_send", layer=0):
+            torch.add(x, 1)
+            dbo_yield()
+            torch.mul(x, 2)
+
+    result = capture(lambda: UBatchScheduler("cpu").run([ubatch, ubatch]), tmp_path)
+    assert nesting_violations(_events(result.trace_path)) == []
+    assert result.report.devices and result.report.devices[next(iter(result.report.devices))].phases
