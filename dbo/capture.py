@@ -4,6 +4,7 @@
 
 writes `<name>.json` (a Chrome trace: open it in Perfetto), `<name>_analysis.json` and
 `<name>_timeline.png`, and returns a `Capture` with the parsed trace and the report.
+The trace is rewritten so that the ubatches' phase ranges nest (`traces.perfetto`).
 Phase labels (`ub0/L3/dispatch_send`, ...) are `record_function` ranges opened through
 `traces.ranges`; each step is labelled `step/N` so the analyzer can bound its window.
 """
@@ -19,7 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from traces.analyze import Report, analyze
-from traces.model import Label, ReadConfig, Trace
+from traces.model import Label, Trace
+from traces.perfetto import rewrite_chrome_trace
 from traces.ranges import TraceConfig, configure, current_config, label_range, step_name
 from traces.readers import read_chrome_trace
 
@@ -67,9 +69,10 @@ def capture(step_fn: Callable[[], Any], out_dir: str | Path, *, steps: int = 1,
         configure(previous)
     trace_path = out / f"{name}.json"
     prof.export_chrome_trace(str(trace_path))
-    # On CPU there are no GPU kernels: analyze the host ops (one row per thread) instead.
-    trace = read_chrome_trace(trace_path, config=ReadConfig(
-        cpu_ops_as_kernels=not torch.cuda.is_available()))
+    # The two ubatches' ranges interleave on one thread; Perfetto needs them nested.
+    rewrite_chrome_trace(trace_path)
+    # On CPU there are no GPU kernels: the reader analyzes the host ops (one row per thread).
+    trace = read_chrome_trace(trace_path)
     report = analyze(trace)
     analysis_path = out / f"{name}_analysis.json"
     analysis_path.write_text(json.dumps(report.to_json(), indent=1))

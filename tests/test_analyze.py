@@ -246,12 +246,48 @@ def test_gzip_memcpy_options_and_cpu_only_trace(tmp_path: Path) -> None:
         kernel("aten::add", 5, 10, pid=77, tid=78, cat="cpu_op"),
         cpu_label("ub0/L0/experts", 0, 20, tid=78),
     ])
-    empty = analyze(read_trace(cpu))
+    empty = analyze(read_trace(cpu, config=ReadConfig(cpu_ops_as_kernels=False)))
     assert empty.devices == {} and any("no GPU kernels" in n for n in empty.notes)
-    as_cpu = read_trace(cpu, config=ReadConfig(cpu_ops_as_kernels=True))
+    as_cpu = read_trace(cpu)  # no GPU kernels: the CPU ops are analyzed by default
+    assert any("CPU ops analyzed" in n for n in as_cpu.notes)
     rep = analyze(as_cpu).to_json()["devices"]["77"]
     assert rep["compute_busy_us"] == 15 and rep["phases"] == {"ub0": {"experts": 20.0}}
     assert kernel_ubatches(as_cpu) == [0, 0]
+    # A trace with GPU kernels leaves its CPU ops out unless asked.
+    mixed = write_chrome(tmp_path / "mixed.json", [kernel("gemm", 0, 10),
+                                                   kernel("aten::mm", 0, 10, pid=77, tid=78, cat="cpu_op")])
+    assert [k.name for k in read_trace(mixed).kernels] == ["gemm"]
+    assert len(read_trace(mixed, config=ReadConfig(cpu_ops_as_kernels=True)).kernels) == 2
+
+
+def test_cli_analyzes_a_cpu_trace_without_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cpu = write_chrome(tmp_path / "cpu.json", [kernel("aten::mm", 0, 10, pid=77, tid=78, cat="cpu_op")])
+    assert main([str(cpu)]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["num_devices"] == 1
+    assert "ReadConfig" not in out  # the CLI's words, not the library's
+
+
+def test_cli_fails_on_a_trace_with_nothing_to_analyze(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    bare = write_chrome(tmp_path / "bare.json", [cpu_label("step/0", 0, 10)])
+    assert main([str(bare)]) == 1
+    err = capsys.readouterr().err
+    assert "nothing to analyze" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cpu_phase_time_leaves_out_time_the_ubatch_was_paused(tmp_path: Path) -> None:
+    """ub0's dispatch_send stays open while ub1 runs (40..70): only 10 + 10 us are active."""
+    dev = analyze(read_chrome_trace(write_chrome(tmp_path / "t.json", [
+        kernel("aten::mm", 0, 100, pid=77, tid=78, cat="cpu_op"),
+        cpu_label("ub0/run", 0, 40, tid=78), cpu_label("ub1/run", 40, 30, tid=78),
+        cpu_label("ub0/run", 70, 30, tid=78),
+        cpu_label("ub0/L1/dispatch_send", 30, 50, tid=78),
+        cpu_label("ub1/L1/attention", 45, 20, tid=78),
+    ]))).to_json()["devices"]["77"]
+    assert dev["phases"]["ub0"]["dispatch_send"] == 20.0
+    assert dev["phases"]["ub1"]["attention"] == 20.0
+    assert (dev["phases"]["ub0"]["run"], dev["phases"]["ub1"]["run"]) == (70.0, 30.0)
 
 
 def test_read_trace_errors_name_the_file(tmp_path: Path) -> None:

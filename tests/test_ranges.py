@@ -1,6 +1,6 @@
 """Layer: CPU unit tests of traces.ranges — phase ranges that two greenlets interleave on
-one thread: NVTX start/end pairing by id, torch.profiler labels in a real CPU trace, and
-the off state doing nothing.
+one thread: NVTX start/end pairing by id, torch.profiler labels in a real CPU trace, the
+trace rewritten so those ranges nest (traces.perfetto), and the off state doing nothing.
 """
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ from traces.ranges import (
     start_phase,
 )
 from traces.readers import ReadConfig, read_chrome_trace
+from traces.active import phase_pieces, run_spans
+from traces.intervals import intersect, total
+from traces.perfetto import ACTIVE_SEGMENT_ARG, nesting_violations, rewrite_chrome_trace
 
 
 @pytest.fixture(autouse=True)
@@ -206,7 +209,7 @@ def test_record_function_labels_interleave_in_a_cpu_profiler_trace(tmp_path: Pat
     path = tmp_path / "cpu_trace.json"
     prof.export_chrome_trace(str(path))
 
-    trace = read_chrome_trace(path)
+    trace = read_chrome_trace(path, config=ReadConfig(cpu_ops_as_kernels=False))
     assert trace.kernels == [] and any("no GPU kernels" in n for n in trace.notes)
     labels = {lb.name: lb for lb in trace.labels if lb.phase is not None}
     a, b, r = labels["ub0/L0/attention"], labels["ub1/L0/attention"], labels["ub0/L0/router"]
@@ -217,3 +220,85 @@ def test_record_function_labels_interleave_in_a_cpu_profiler_trace(tmp_path: Pat
     owner = {k.name: ub for k, ub in zip(cpu.kernels, kernel_ubatches(cpu))}
     assert owner["aten::mm"] == 0 and owner["aten::mul"] == 1
     assert owner["aten::add"] == 0 and owner["aten::sub"] == 1
+
+
+def _dbo_step_trace(path: Path) -> Path:
+    """A real CPU profiler trace of a two-ubatch scheduler step whose phases stay open
+    across yields (as dispatch_send does), with the scheduler's ub<n>/run ranges."""
+    from dbo.failures import phase_scope
+    from dbo.scheduler import UBatchScheduler
+    from dbo.yield_points import dbo_yield
+
+    x = torch.randn(16, 16)
+
+    def ubatch() -> None:
+        for layer in range(2):
+            with phase_scope("attention", layer=layer):
+                torch.mm(x, x)
+            with phase_scope("dispatch_send", layer=layer):
+                torch.add(x, 1)
+                dbo_yield()                 # paused here while the other ubatch runs
+                torch.mul(x, 2)
+
+    configure(TraceConfig(record_function=True))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        UBatchScheduler("cpu").run([ubatch, ubatch])
+    prof.export_chrome_trace(str(path))
+    return path
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    import json
+
+    return json.loads(path.read_text())["traceEvents"]
+
+
+def test_rewritten_trace_nests_phase_ranges_and_reads_back_the_same(tmp_path: Path) -> None:
+    path = _dbo_step_trace(tmp_path / "step.json")
+    before = read_chrome_trace(path)
+    assert nesting_violations(_events(path))  # the profiler's own export does not nest
+    assert rewrite_chrome_trace(path) == 8    # 2 ubatches x 2 layers x 2 phases
+    events = _events(path)
+    assert nesting_violations(events) == []
+    segments = [e for e in events if ACTIVE_SEGMENT_ARG in (e.get("args") or {})]
+    assert {e["tid"] for e in segments} == {e["tid"] for e in events if e.get("name") == "ub0/run"}
+    # A paused dispatch_send becomes two active segments on the thread.
+    assert sum(e["name"] == "ub0/L0/dispatch_send" for e in segments) == 2
+    after = read_chrome_trace(path)
+    key = lambda lb: (lb.start_us, lb.name)  # noqa: E731
+    assert sorted(after.labels, key=key) == sorted(before.labels, key=key)
+    assert rewrite_chrome_trace(path) == 0    # nothing left to move
+
+
+def test_active_time_of_a_paused_range_is_its_ubatchs_run_time(tmp_path: Path) -> None:
+    trace = read_chrome_trace(_dbo_step_trace(tmp_path / "step.json"))
+    runs = {ub: spans for (_, ub), spans in run_spans(trace.labels).items()}
+    for piece in phase_pieces(trace.labels):
+        lb = piece.label
+        extent = lb.end_us - lb.start_us
+        assert total(piece.active) + total(piece.paused) == pytest.approx(extent)
+        assert intersect(piece.paused, runs[lb.ubatch]) == []
+        assert intersect(piece.active, runs[1 - lb.ubatch]) == []
+        if lb.phase == "dispatch_send" and (lb.ubatch, lb.layer) == (0, 0):
+            assert total(piece.paused) > 0  # ub1 ran inside it
+
+
+def test_capture_writes_a_trace_whose_ranges_nest(tmp_path: Path) -> None:
+    """dbo.capture (what `dbo run` and `dbo trace` write) rewrites the trace for Perfetto
+    and, on CPU, analyzes the host ops without being told."""
+    from dbo.capture import capture
+    from dbo.failures import phase_scope
+    from dbo.scheduler import UBatchScheduler
+    from dbo.yield_points import dbo_yield
+
+    x = torch.randn(16, 16)
+
+    def ubatch() -> None:
+        with phase_scope("dispatch_send", layer=0):
+            torch.add(x, 1)
+            dbo_yield()
+            torch.mul(x, 2)
+
+    result = capture(lambda: UBatchScheduler("cpu").run([ubatch, ubatch]), tmp_path)
+    assert nesting_violations(_events(result.trace_path)) == []
+    assert result.report.devices and result.report.devices[next(iter(result.report.devices))].phases

@@ -5,7 +5,7 @@ Commands::
     python -m traces.analyze trace.json                    # table, then one JSON line
     python -m traces.analyze trace.json.gz --png timeline.png --json report.json
     python -m traces.analyze report.sqlite --comm-pattern my_a2a_kernel
-    python -m traces.analyze cpu_trace.json --cpu-ops       # CPU ops per thread as streams
+    python -m traces.analyze cpu_trace.json                 # no GPU kernels: CPU ops per thread
     dbo inspect trace.json                                  # the same main()
 
 Per device (all in microseconds, within the device's window):
@@ -20,7 +20,9 @@ Per device (all in microseconds, within the device's window):
 - ``phases``: per ubatch (``ub0``, ``ub1``, ``none``), per phase: the sum of the phase
   label durations (device-side labels when the device has any, else CPU-side labels);
   spans of one label name are merged first, so a range Kineto split over two streams
-  counts once.
+  counts once. CPU-side labels count their active time only: the time their ubatch was
+  paused (the other ubatch held the thread) is left out (``traces.active``); ``run`` is
+  the time each ubatch held the thread.
 - ``compute_idle``: the compute stream's idle time, split into waiting for the host,
   held back by a cross-stream wait, and before/after its kernels, with the largest gaps
   (`traces.idle`).
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from traces.active import RunKey, run_spans, split_active
 from traces.classify import ClassifyConfig, Classifier, Kind
 from traces.idle import IdleReport, compute_idle, compute_stream
 from traces.intervals import Span, clip, intersect, merge, subtract, total
@@ -162,7 +165,9 @@ class Report:
                 lines.append(f"  stream {s:>6}: busy {st.busy_us:>11.1f} us  compute {st.compute_us:>11.1f}"
                              f"  comm {st.comm_us:>11.1f}  kernels {st.num_kernels}")
             if rep.phases:
-                lines.append(f"  phases ({rep.phase_source} labels, summed durations in us):")
+                how = ("active time in us, paused time left out" if rep.phase_source == "cpu"
+                       else "summed durations in us")
+                lines.append(f"  phases ({rep.phase_source} labels, {how}):")
                 for ub, ph in sorted(rep.phases.items()):
                     cells = "  ".join(f"{p}={t:.1f}" for p, t in sorted(ph.items()))
                     lines.append(f"    {ub}: {cells}")
@@ -209,14 +214,18 @@ def label_spans(labels: list[Label]) -> dict[str, list[Span]]:
     return {name: merge(spans) for name, spans in by_name.items()}
 
 
-def _phases(labels: list[Label], window: Span | None) -> dict[str, dict[str, float]]:
+def _phases(labels: list[Label], window: Span | None,
+            runs: dict[RunKey, list[Span]]) -> dict[str, dict[str, float]]:
     if window is not None:
         labels = [lb for lb in labels if lb.end_us > window.start and lb.start_us < window.end]
+    active: dict[str, list[Span]] = defaultdict(list)
+    for lb in labels:
+        active[lb.name] += split_active(lb, runs).active
     sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for name, spans in label_spans(labels).items():
+    for name, spans in active.items():
         parts = parse_label_name(name)
         ub = "none" if parts.ubatch is None else f"ub{parts.ubatch}"
-        sums[ub][parts.phase or ""] += sum(s.length for s in spans)
+        sums[ub][parts.phase or ""] += total(merge(spans))
     return {ub: dict(ph) for ub, ph in sums.items()}
 
 
@@ -271,7 +280,7 @@ def _device_report(
         copy_us=total(copy),
         num_kernels=sum(s.num_kernels for s in streams.values()),
         streams=streams,
-        phases=_phases(phase_labels, phase_window),
+        phases=_phases(phase_labels, phase_window, run_spans(labels)),
         phase_source=phase_source,
         exposed_comm=subtract(comm, compute),
         idle=None if idle_stream is None else compute_idle(kernels, labels, window,
@@ -312,14 +321,15 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"regex of step label names bounding the window (default {DEFAULT_STEP_PATTERN!r})")
     p.add_argument("--whole-trace", action="store_true", help="ignore step labels: window = all kernels")
     p.add_argument("--cpu-ops", action="store_true",
-                   help="Chrome traces: analyze CPU ops, one stream per thread (for CPU-only traces)")
+                   help="Chrome traces: analyze CPU ops, one stream per thread, also in a trace "
+                        "with GPU kernels (a trace without GPU kernels gets this by default)")
     p.add_argument("--no-memcpy", action="store_true", help="drop memcpy/memset intervals")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: print a table, then one JSON line; optionally write JSON and a PNG. Returns 0,
-    or 2 when the file cannot be read."""
+    1 when the trace has nothing to analyze, or 2 when the file cannot be read."""
     from traces.readers import read_trace  # noqa: PLC0415 (readers import sqlite3, gzip)
 
     args = _parser().parse_args(argv)
@@ -330,13 +340,14 @@ def main(argv: list[str] | None = None) -> int:
         config = AnalyzeConfig(classify=classify,
                                step_pattern=None if args.whole_trace else args.step_pattern)
         read_config = ReadConfig(include_memcpy=not args.no_memcpy, include_memset=not args.no_memcpy,
-                                 cpu_ops_as_kernels=args.cpu_ops)
+                                 cpu_ops_as_kernels=True if args.cpu_ops else None)
         trace = read_trace(args.file, config=read_config)
     except (OSError, ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report = analyze(trace, config)
     print(report.format_table())
+
     if args.png is not None:
         from traces.timeline import draw_timeline  # noqa: PLC0415 (matplotlib is optional)
 
@@ -347,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
     print(json.dumps(payload, sort_keys=True))
+    if not report.devices:
+        print(f"error: {args.file}: nothing to analyze: the trace holds no kernels and no CPU ops",
+              file=sys.stderr)
+        return 1
     return 0
 
 

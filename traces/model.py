@@ -19,9 +19,10 @@ class ReadConfig:
     """Keep memory copies (``gpu_memcpy`` / ``CUPTI_ACTIVITY_KIND_MEMCPY``) as intervals."""
     include_memset: bool = True
     """Keep memsets (``gpu_memset`` / ``CUPTI_ACTIVITY_KIND_MEMSET``) as intervals."""
-    cpu_ops_as_kernels: bool = False
+    cpu_ops_as_kernels: bool | None = None
     """Chrome only: treat ``cpu_op`` events as kernels, device = process id and stream =
-    thread id, so CPU-only traces can be analyzed. Off: a CPU trace has zero devices."""
+    thread id, so CPU-only traces can be analyzed. None: only when the trace has no GPU
+    kernels; False: never (a CPU trace then has zero devices); True: always."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from typing import Any
 
 from traces.model import KernelInterval, Label, LabelName, ReadConfig, Trace, parse_label_name
 from traces.nsys import read_nsys_sqlite
+from traces.perfetto import ACTIVE_SEGMENT_ARG, THREAD_ARG
 
 __all__ = [
     "KernelInterval",
@@ -100,6 +101,7 @@ def read_chrome_trace(path: str | Path, *, config: ReadConfig | None = None) -> 
 
     kernels: list[KernelInterval] = []
     labels: list[Label] = []
+    cpu_ops: list[KernelInterval] = []
     num_gpu = 0
     for ev in events:
         if not isinstance(ev, dict) or ev.get("ph") != "X" or "ts" not in ev:
@@ -124,9 +126,9 @@ def read_chrome_trace(path: str | Path, *, config: ReadConfig | None = None) -> 
                 )
             )
             num_gpu += 1
-        elif cat == "cpu_op" and config.cpu_ops_as_kernels:
+        elif cat == "cpu_op" and config.cpu_ops_as_kernels is not False:
             tid = to_id(ev.get("tid", 0))
-            kernels.append(
+            cpu_ops.append(
                 KernelInterval(
                     device=to_id(ev.get("pid", 0)),
                     stream=tid,
@@ -143,18 +145,24 @@ def read_chrome_trace(path: str | Path, *, config: ReadConfig | None = None) -> 
             stream = to_id(args.get("stream", ev.get("tid", 0)))
             labels.append(Label.from_name(name, start_us=start, end_us=end, device=device, stream=stream))
         elif cat == "user_annotation":
-            tid = to_id(ev.get("tid", 0))
+            if ACTIVE_SEGMENT_ARG in args:
+                continue  # a piece of a range that is also stored whole (traces.perfetto)
+            tid = to_id(args.get(THREAD_ARG, ev.get("tid", 0)))
             labels.append(Label.from_name(name, start_us=start, end_us=end, device=None, tid=tid))
 
     notes: list[str] = []
+    use_cpu_ops = config.cpu_ops_as_kernels or (config.cpu_ops_as_kernels is None and num_gpu == 0)
+    if use_cpu_ops:
+        kernels += cpu_ops
     if num_gpu == 0:
-        if config.cpu_ops_as_kernels:
-            notes.append("no GPU kernels: CPU ops analyzed per thread (device = pid, stream = tid)")
+        if use_cpu_ops and cpu_ops:
+            notes.append("no GPU kernels: CPU ops analyzed instead, one row per thread "
+                         "(device = process id, stream = thread id)")
+        elif cpu_ops:
+            notes.append("no GPU kernels in this trace: 0 devices (its CPU ops are left out "
+                         "by ReadConfig(cpu_ops_as_kernels=False))")
         else:
-            notes.append(
-                "no GPU kernels in this trace: 0 devices (to analyze CPU ops per thread, "
-                "use ReadConfig(cpu_ops_as_kernels=True) or --cpu-ops)"
-            )
+            notes.append("no GPU kernels and no CPU ops in this trace: 0 devices")
     return Trace(kernels=kernels, labels=labels, source=str(path), notes=notes)
 
 

@@ -1,10 +1,22 @@
 """Draw a trace as a timeline PNG: one row per (device, stream), coloured by ubatch.
 
-Per device, top to bottom: one phase band per ubatch (the phase labels; CPU-side labels
-are drawn on their own CPU clock and say so), a red band where comm is exposed (no compute
-running beside it), then one row per stream. Kernels are coloured by the ubatch whose
-label encloses them (grey when unknown); comm kernels are hatched and outlined; copies are
-pale. Spans narrower than about a pixel are widened to one pixel so they stay visible.
+Time runs from the start of the step (the analyzer's window: the step labels, else the
+first kernel), in ms or us. Per device (``GPU 0``, or ``CPU pid N`` for a trace of CPU
+ops), top to bottom: one phase row per ubatch, a red row where comm is exposed (no
+compute running beside it), then one row per stream (a thread, for CPU ops) named by its
+role: what it mostly ran (compute, comm) and for which ubatches. CPU-side labels on a GPU
+trace are drawn on their own CPU clock and say so.
+
+A phase bar is solid where its ubatch ran and hatched where it was paused (the other
+ubatch held the thread; ``traces.active``), so a ``dispatch_send`` that stayed open
+across the other ubatch's attention does not read as long work. The scheduler's ``run``
+ranges are not drawn as phases. A phase's name is written near the middle of its widest
+solid part when it fits inside the phase's extent without overlapping a name already
+written on the row.
+
+Kernels are coloured by the ubatch whose label encloses them (grey when unknown); comm
+kernels are hatched and outlined; copies are pale. Spans narrower than about a pixel are
+widened to one pixel so they stay visible.
 
 Needs matplotlib (``pip install dbo-runtime[plot]``). Uses the Agg canvas directly, so it
 never changes pyplot's backend.
@@ -14,6 +26,7 @@ Usage::
     from traces.readers import read_trace
     from traces.timeline import draw_timeline
     draw_timeline(read_trace("trace.json"), "timeline.png", title="DBO on, 2 GPUs")
+    fig = build_timeline(read_trace("trace.json"))   # the matplotlib Figure, not saved
 """
 from __future__ import annotations
 
@@ -22,15 +35,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from traces.analyze import Report, analyze, label_spans
+from traces.active import RUN_PHASE, phase_pieces
+from traces.analyze import Report, analyze
 from traces.classify import Classifier, Kind, kernel_ubatches
-from traces.intervals import Span
-from traces.model import Label, Trace, parse_label_name
+from traces.intervals import Span, merge, subtract
+from traces.model import Label, Trace
 
 UBATCH_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")
 UNKNOWN_COLOR = "#9e9e9e"
 EXPOSED_COLOR = "#d62728"
 MAX_PHASE_TEXTS = 300
+ROLE_MIN_SHARE = 0.05
+"""A stream is named for a kind of work (compute, comm) that fills this share of its busy time."""
 FIG_WIDTH_IN = 16.0
 DPI = 110
 
@@ -74,11 +90,64 @@ def _coalesce(spans: list[tuple[float, float]], gap: float) -> list[tuple[float,
 
 
 def _device_phase_labels(trace: Trace, device: int) -> tuple[list[Label], bool]:
-    """The phase labels drawn for ``device`` and whether they are CPU-side."""
+    """The phase labels drawn for ``device`` (``run`` ranges included, for the active
+    time) and whether they are CPU-side."""
     own = [lb for lb in trace.labels if lb.phase is not None and lb.device == device]
     if own:
         return own, False
     return [lb for lb in trace.labels if lb.phase is not None and lb.device is None], True
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseBar:
+    """What the timeline draws for one phase label name."""
+
+    name: str
+    ubatch: int | None
+    text: str
+    """``L3 experts`` (``experts`` without a layer)."""
+    active: list[Span]
+    """Where its ubatch ran it (solid)."""
+    paused: list[Span]
+    """Where it was open but its ubatch was paused (hatched)."""
+
+
+def phase_bars(labels: list[Label]) -> list[PhaseBar]:
+    """One bar per phase label name of ``labels`` (not the ``run`` ranges): the pieces
+    of one range that Kineto split over streams, or repeated names, are merged."""
+    active: dict[str, list[Span]] = defaultdict(list)
+    paused: dict[str, list[Span]] = defaultdict(list)
+    first: dict[str, Label] = {}
+    for piece in phase_pieces(labels):
+        name = piece.label.name
+        first.setdefault(name, piece.label)
+        active[name] += piece.active
+        paused[name] += piece.paused
+    bars = []
+    for name, lb in first.items():
+        solid = merge(active[name])
+        text = lb.phase if lb.layer is None else f"L{lb.layer} {lb.phase}"
+        bars.append(PhaseBar(name=name, ubatch=lb.ubatch, text=text or name, active=solid,
+                             paused=subtract(merge(paused[name]), solid)))
+    return bars
+
+
+def _is_cpu_device(trace: Trace, device: int) -> bool:
+    return all(k.category == "cpu_op" for k in trace.kernels if k.device == device)
+
+
+def _stream_role(report: Report, device: int, stream: int, ubatches: set[int | None]) -> str:
+    """``compute, ub0+ub1``: the kinds of work filling the stream, and its ubatches."""
+    st = report.devices[device].streams.get(stream)
+    kinds = []
+    if st is not None and st.busy_us > 0:
+        shares = sorted(((st.compute_us, "compute"), (st.comm_us, "comm")), reverse=True)
+        kinds = [kind for us, kind in shares if us >= ROLE_MIN_SHARE * st.busy_us]
+    known = sorted(u for u in ubatches if u is not None)
+    parts = ["+".join(kinds) or "copies"]
+    if known:
+        parts.append("+".join(f"ub{u}" for u in known))
+    return ", ".join(parts)
 
 
 def draw_timeline(
@@ -89,59 +158,79 @@ def draw_timeline(
     title: str | None = None,
     view: Span | None = None,
 ) -> Path:
-    """Write a timeline PNG of ``trace`` to ``path`` and return the path.
+    """Write a timeline PNG of ``trace`` to ``path`` and return the path (``build_timeline``)."""
+    fig = build_timeline(trace, report=report, title=title, view=view)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def build_timeline(
+    trace: Trace,
+    *,
+    report: Report | None = None,
+    title: str | None = None,
+    view: Span | None = None,
+) -> Any:
+    """The timeline of ``trace`` as a matplotlib ``Figure`` (Agg canvas attached).
 
     ``report`` (from ``analyze``) supplies the comm patterns, each device's window and its
-    exposed-comm spans; it is computed with defaults when None. ``view`` is the x range
-    in trace microseconds (default: from the earliest device window start to the latest
-    end); narrow it to zoom into one layer of a long trace.
+    exposed-comm spans; it is computed with defaults when None. Time 0 is the earliest
+    device window's start. ``view`` is the x range in trace microseconds (default: the
+    windows); narrow it to zoom into one layer of a long trace.
     """
     Figure, FigureCanvasAgg, Patch = _import_matplotlib()
     report = report or analyze(trace)
     classifier = Classifier(report.config.classify)
-    path = Path(path)
     ubatches = kernel_ubatches(trace)
 
     devices = sorted(report.devices)
-    if view is not None:
-        view_start, view_end = view.start, view.end
-    elif devices:
-        view_start = min(report.devices[d].window.start for d in devices)
-        view_end = max(report.devices[d].window.end for d in devices)
+    if devices:
+        origin = min(report.devices[d].window.start for d in devices)
+        window_end = max(report.devices[d].window.end for d in devices)
+        sources = {report.devices[d].window_source for d in devices}
+        from_what = "the step's start" if any("step" in s for s in sources) else "the first kernel"
     else:
-        view_start, view_end = 0.0, 1.0
+        origin, window_end, from_what = 0.0, 1.0, "0"
+    view_start, view_end = (view.start, view.end) if view is not None else (origin, window_end)
     if view_end <= view_start:
         view_end = view_start + 1.0
     scale, unit = (1e-3, "ms") if view_end - view_start > 2000.0 else (1.0, "us")
     min_width = (view_end - view_start) * scale / 2000.0
 
     def x(t: float) -> float:
-        return (t - view_start) * scale
+        return (t - origin) * scale
 
+    stream_ubatches: dict[tuple[int, int], set[int | None]] = defaultdict(set)
+    for k, ub in zip(trace.kernels, ubatches, strict=True):
+        stream_ubatches[(k.device, k.stream)].add(ub)
     rows: list[_Row] = []
     row_of_stream: dict[tuple[int, int], int] = {}
     phase_rows: dict[tuple[int, int | None], int] = {}
     exposed_row: dict[int, int] = {}
-    phase_labels: dict[int, list[Label]] = {}
+    bars_of: dict[int, list[PhaseBar]] = {}
     for d in devices:
-        labels, on_cpu = _device_phase_labels(trace, d)
-        phase_labels[d] = labels
-        clock = " (CPU clock)" if on_cpu else ""
-        for ub in sorted({lb.ubatch for lb in labels}, key=lambda u: (u is None, u or 0)):
+        on_cpu_device = _is_cpu_device(trace, d)
+        dev_name = f"CPU pid {d}" if on_cpu_device else f"GPU {d}"
+        labels, cpu_labels = _device_phase_labels(trace, d)
+        bars_of[d] = phase_bars(labels)
+        clock = " (CPU clock)" if cpu_labels and not on_cpu_device else ""
+        for ub in sorted({b.ubatch for b in bars_of[d]}, key=lambda u: (u is None, u or 0)):
             phase_rows[(d, ub)] = len(rows)
             name = "?" if ub is None else str(ub)
-            rows.append(_Row(label=f"dev {d} ub{name} phases{clock}", kind="phase"))
+            rows.append(_Row(label=f"{dev_name} ub{name} phases{clock}", kind="phase"))
         exposed_row[d] = len(rows)
-        rows.append(_Row(label=f"dev {d} exposed comm", kind="exposed"))
+        rows.append(_Row(label=f"{dev_name} exposed comm", kind="exposed"))
         for s in sorted({k.stream for k in trace.kernels if k.device == d}):
             row_of_stream[(d, s)] = len(rows)
-            rows.append(_Row(label=f"dev {d} stream {s}", kind="stream"))
+            what = "thread" if on_cpu_device else "stream"
+            role = _stream_role(report, d, s, stream_ubatches[(d, s)])
+            rows.append(_Row(label=f"{dev_name} {what} {s}: {role}", kind="stream"))
 
     height = min(40.0, 1.6 + 0.42 * max(len(rows), 1))
     fig = Figure(figsize=(FIG_WIDTH_IN, height), dpi=DPI)
-    # Width of one 7-pt character in x units (the axes take ~80% of the figure width).
-    char_width = 4.6 / (0.8 * FIG_WIDTH_IN * DPI) * (view_end - view_start) * scale
-    FigureCanvasAgg(fig)
+    canvas = FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
 
     # Kernels, grouped so each (row, colour, kind) is one broken_barh call.
@@ -162,21 +251,22 @@ def draw_timeline(
         else:
             ax.broken_barh(spans, (row - 0.38, 0.76), facecolors=color, linewidth=0)
 
-    # Phase bands (one range's per-stream pieces merged), named where wide enough.
-    bands: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
-    num_texts = 0
+    # Phase bars: solid where active, hatched where paused.
+    solid: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    hatched: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    texts: dict[int, list[tuple[float, float, float, str]]] = defaultdict(list)
     for d in devices:
-        for name, merged in label_spans(phase_labels[d]).items():
-            parts = parse_label_name(name)
-            row = phase_rows[(d, parts.ubatch)]
-            text = parts.phase if parts.layer is None else f"L{parts.layer} {parts.phase}"
-            for span in merged:
-                width = max(span.length * scale, min_width)
-                bands[(row, _ubatch_color(parts.ubatch))].append((x(span.start), width))
-                if width > (len(text) + 2) * char_width and num_texts < MAX_PHASE_TEXTS:
-                    ax.text(x(span.start) + width / 2, row, text, ha="center", va="center",
-                            fontsize=7, clip_on=True)
-                    num_texts += 1
+        for bar in bars_of[d]:
+            row, color = phase_rows[(d, bar.ubatch)], _ubatch_color(bar.ubatch)
+            for span in bar.active:
+                solid[(row, color)].append((x(span.start), max(span.length * scale, min_width)))
+            for span in bar.paused:
+                hatched[(row, color)].append((x(span.start), span.length * scale))
+            if bar.active:
+                widest = max(bar.active, key=lambda s: s.length)
+                extent = merge(bar.active + bar.paused)
+                texts[row].append((x((widest.start + widest.end) / 2), x(extent[0].start),
+                                   x(extent[-1].end), bar.text))
         spans = _coalesce([(x(s.start), max(s.length * scale, min_width))
                            for s in report.devices[d].exposed_comm], min_width)
         if spans:
@@ -184,22 +274,27 @@ def draw_timeline(
         dev = report.devices[d]
         ax.text(1.0, exposed_row[d], f"  exposed {dev.comm_exposed_us:.0f} us / comm {dev.comm_us:.0f} us",
                 transform=ax.get_yaxis_transform(), va="center", fontsize=8, color=EXPOSED_COLOR)
+    for (row, color), spans in hatched.items():
+        ax.broken_barh(spans, (row - 0.2, 0.4), facecolors="none", edgecolors=color, hatch="....",
+                       linewidth=0.4, alpha=0.6, gid=f"phase-paused-{row}")
+    for (row, color), spans in solid.items():
+        ax.broken_barh(spans, (row - 0.35, 0.7), facecolors=color, alpha=0.55, edgecolors=color,
+                       linewidth=0.8, gid=f"phase-active-{row}")
 
-    for (row, color), spans in bands.items():
-        ax.broken_barh(spans, (row - 0.35, 0.7), facecolors=color, alpha=0.35, edgecolors=color,
-                       linewidth=0.8)
     for i, row in enumerate(rows):
         if row.kind == "stream" and i + 1 < len(rows) and rows[i + 1].kind != "stream":
             ax.axhline(i + 0.5, color="black", linewidth=0.8)
     ax.set_yticks(range(len(rows)), [r.label for r in rows], fontsize=8)
     ax.set_ylim(max(len(rows), 1) - 0.5, -0.5)
-    ax.set_xlim(-0.01 * (view_end - view_start) * scale, 1.01 * (view_end - view_start) * scale)
-    ax.set_xlabel(f"time ({unit}) from {view_start:.1f} us")
+    pad = 0.01 * (view_end - view_start) * scale
+    ax.set_xlim(x(view_start) - pad, x(view_end) + pad)
+    ax.set_xlabel(f"time ({unit}) from {from_what}")
     ax.grid(axis="x", alpha=0.3)
     legend = [Patch(facecolor=UBATCH_COLORS[0], label="ubatch 0"),
               Patch(facecolor=UBATCH_COLORS[1], label="ubatch 1"),
               Patch(facecolor=UNKNOWN_COLOR, label="ubatch unknown"),
               Patch(facecolor="white", edgecolor="black", hatch="////", label="comm kernel"),
+              Patch(facecolor="white", edgecolor="grey", hatch="....", label="phase open, ubatch paused"),
               Patch(facecolor=EXPOSED_COLOR, label="exposed comm")]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(0.0, 1.0 + 0.9 / height),
               ncol=len(legend), fontsize=8, frameon=False)
@@ -208,6 +303,31 @@ def draw_timeline(
         heading += " (no devices with kernels)"
     fig.suptitle(heading, fontsize=10, x=0.01, ha="left")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    _write_phase_names(ax, canvas.get_renderer(), texts)
+    return fig
+
+
+def _write_phase_names(ax: Any, renderer: Any,
+                       texts: dict[int, list[tuple[float, float, float, str]]]) -> None:
+    """Write each (centre, lo, hi, name) near its centre, left to right per row: moved as
+    little as needed to lie inside [lo, hi] (the phase's extent) and clear of the name
+    before it, as the renderer measures it once the layout is final; a name that cannot
+    stays unwritten."""
+    written = 0
+    for row, candidates in texts.items():
+        right_px = float("-inf")
+        for centre, lo, hi, name in sorted(candidates):
+            if written >= MAX_PHASE_TEXTS:
+                return
+            text = ax.text(centre, row, name, ha="center", va="center", fontsize=7, clip_on=True)
+            half = text.get_window_extent(renderer).width / 2
+            centre_px, y_px = ax.transData.transform((centre, row))
+            lo_px = max(ax.transData.transform((lo, row))[0], right_px + 2)
+            hi_px = ax.transData.transform((hi, row))[0]
+            centre_px = min(max(centre_px, lo_px + half), hi_px - half)
+            if centre_px - half < lo_px:
+                text.remove()
+                continue
+            text.set_x(ax.transData.inverted().transform((centre_px, y_px))[0])
+            right_px = centre_px + half
+            written += 1
