@@ -531,3 +531,28 @@ def test_compute_idle_in_the_table(tmp_path: Path, capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "compute stream 7 idle 30.0 us" in out and "waiting for the host 20.0" in out
     assert "gap      30.0 us at +10.0 (host 20.0) before gemm" in out
+
+
+def test_cpu_labels_of_several_processes_go_to_the_device_each_launched_on() -> None:
+    """One Nsight report of a `torchrun` launcher holds every rank: each rank's CPU-side
+    ranges describe its own GPU only (matched through the threads that launched kernels)."""
+    from traces.model import Label
+
+    def k(device: int, tid: int, start: float) -> KernelInterval:
+        return KernelInterval(device=device, stream=7, name="gemm", start_us=start,
+                              end_us=start + 10, category="kernel", launch_us=start - 1,
+                              launch_tid=tid)
+
+    kernels = [k(0, 100, 10), k(0, 100, 30), k(1, 200, 10), k(1, 200, 30)]
+    labels = [Label.from_name("step/0", start_us=0, end_us=50, device=None, tid=100),
+              Label.from_name("step/0", start_us=0, end_us=50, device=None, tid=200),
+              Label.from_name("ub0/L0/experts", start_us=5, end_us=9, device=None, tid=100),
+              Label.from_name("ub0/L0/experts", start_us=5, end_us=25, device=None, tid=200)]
+    report = analyze(Trace(kernels=kernels, labels=labels, source="two ranks")).to_json()
+    phases = {d: report["devices"][d]["phases"]["ub0"]["experts"] for d in ("0", "1")}
+    assert phases == {"0": pytest.approx(4.0), "1": pytest.approx(20.0)}
+    # Launch threads unknown: every CPU-side label still counts for every device.
+    unknown = [KernelInterval(device=0, stream=7, name="gemm", start_us=10, end_us=20,
+                              category="kernel")]
+    report = analyze(Trace(kernels=unknown, labels=labels[2:], source="no launches")).to_json()
+    assert report["devices"]["0"]["phases"]["ub0"]["experts"] == pytest.approx(20.0)

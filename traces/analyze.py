@@ -205,6 +205,21 @@ def _window(
     return whole, "kernels", cpu
 
 
+def labels_of_device(labels: list[Label], kernels: list[KernelInterval]) -> list[Label]:
+    """The labels that describe one device: its device-side labels, and the CPU-side
+    labels of the threads that launched its kernels.
+
+    One trace can hold several processes (an Nsight Systems report of a `torchrun`
+    launcher holds every rank): each rank's CPU-side ranges belong to its own GPU only.
+    When no CPU-side label was opened on a launching thread (launch threads unknown, or
+    ids that do not match), every CPU-side label is kept.
+    """
+    launchers = {k.launch_tid for k in kernels if k.launch_tid is not None}
+    if not any(lb.device is None and lb.tid in launchers for lb in labels):
+        return labels
+    return [lb for lb in labels if lb.device is not None or lb.tid in launchers]
+
+
 def label_spans(labels: list[Label]) -> dict[str, list[Span]]:
     """Merged spans per label name: the pieces one range leaves on several streams (or
     any same-name overlap) count once."""
@@ -236,6 +251,7 @@ def _device_report(
     classifier: Classifier,
     step_re: re.Pattern[str] | None,
 ) -> DeviceReport:
+    labels = labels_of_device(labels, kernels)
     window, source, cpu_window = _window(device, kernels, labels, step_re)
     by_kind: dict[Kind, list[Span]] = defaultdict(list)
     by_stream: dict[int, dict[Kind, list[Span]]] = defaultdict(lambda: defaultdict(list))
