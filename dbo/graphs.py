@@ -51,6 +51,7 @@ from dbo.graph_host import collect_graph_host_buffers
 from dbo.runner import DISABLED_REASON, DBORunner, UBatchArgs, _first_tensor, _num_rows
 from dbo.split import SplitPlan
 from dbo.agreement import check_inputs
+from dbo.failures import annotate_step_failure, reset_collectives
 from dbo.vote import plan_after_vote
 
 #: Eager steps before a capture: the first compiles and autotunes kernels, allocates the
@@ -190,6 +191,14 @@ class GraphedRunner:
         _release(entries)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        reset_collectives()
+        try:
+            return self._step(args, kwargs)
+        except BaseException as exc:
+            annotate_step_failure(exc)
+            raise
+
+    def _step(self, args: tuple, kwargs: dict) -> Any:
         runner = self.runner
         plan: Optional[SplitPlan] = None
         keys: dict[bool, Hashable] = {}
