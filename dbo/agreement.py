@@ -1,6 +1,6 @@
 """What every rank of a group must agree on before a step, and the errors when they don't.
 
-    agreement = cache.get(model, {"DBOConfig.enabled": True, ...})   # fields + fingerprint
+    agreement = cache.get(model, config, runner_fields)   # fields + fingerprint, cached
     check_inputs(model, args, kwargs)      # the model's cheap input check, if it has one
     tally = cast_ballot(Ballot(..., fingerprint=agreement.fingerprint), group)
     if tally.stops:
@@ -20,8 +20,8 @@ from two duck-typed hooks, so that this core never imports `moe`:
   (no device reads) that raises where the model's forward would.
 
 The fields are hashed into a 62-bit fingerprint carried by every step's vote; they are
-collected on the runner's first step and again only when the runner's own fields or its
-model object change (not when a module is altered in place). Only when the vote says
+collected on the runner's first step and again only when its `model` or `config` object
+is replaced (not when a module is altered in place). Only when the vote says
 a rank rejected its inputs or the fingerprints differ do the ranks exchange their error
 texts and fields (`stop_step`, one `all_gather_object`), then every rank raises, before
 any collective of the model: the rejecting rank its own error, the others a
@@ -110,24 +110,27 @@ def collect_agreement(model: Any) -> Fields:
 
 
 class AgreementCache:
-    """A runner's `Agreement`, recollected only when its own fields or model change, and
-    whether the group has already voted it agreed (a disabled runner then stops voting)."""
+    """A runner's `Agreement`, recollected only when its model or config object is
+    replaced, and whether the group has voted it agreed (a disabled runner then stops
+    voting). Compared by identity: a step costs two `is` tests."""
 
     def __init__(self) -> None:
         self._model: Any = None
-        self._own: Optional[Fields] = None
+        self._config: Any = None
         self._agreement: Optional[Agreement] = None
         self._agreed = False
 
-    def get(self, model: Any, own: Fields) -> Agreement:
-        if self._agreement is None or model is not self._model or own != self._own:
-            self._agreement = Agreement.of({**own, **collect_agreement(model)})
-            self._model, self._own, self._agreed = model, dict(own), False
+    def get(self, model: Any, config: Any, own: Callable[[], Fields]) -> Agreement:
+        """The agreement of `model` and the runner's `own()` fields (made from `config`)."""
+        if self._agreement is None or model is not self._model or config is not self._config:
+            self._agreement = None  # a hook that raises leaves nothing behind
+            self._agreement = Agreement.of({**own(), **collect_agreement(model)})
+            self._model, self._config, self._agreed = model, config, False
         return self._agreement
 
-    def agreed(self, model: Any, own: Fields) -> bool:
-        """The group voted these fields agreed (and nothing changed since)."""
-        return self._agreed and model is self._model and own == self._own
+    def agreed(self, model: Any, config: Any) -> bool:
+        """The group voted this model and config agreed (and neither was replaced)."""
+        return self._agreed and model is self._model and config is self._config
 
     def mark_agreed(self) -> None:
         self._agreed = self._agreement is not None

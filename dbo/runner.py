@@ -97,9 +97,8 @@ class DBORunner:
         return f"DBORunner(model={type(self.model).__name__}, config={self.config!r})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.config.enabled and (
-                dbo_enabled() or self._agreement_caches[False].agreed(
-                    self.model, self.agreement_fields())):
+        agreed = self._agreement_caches[False].agreed
+        if not self.config.enabled and (dbo_enabled() or agreed(self.model, self.config)):
             # The group voted once that every rank is disabled alike: no vote since.
             self.last_decision = SplitPlan(split=False, num_tokens=(),
                                            reason=DISABLED_REASON)
@@ -150,7 +149,8 @@ class DBORunner:
         agreement: Optional[Agreement] = None
         cache = self._agreement_caches[cuda_graph]
         try:
-            agreement = cache.get(self.model, self.agreement_fields(cuda_graph))
+            agreement = cache.get(self.model, self.config,
+                                  lambda: self.agreement_fields(cuda_graph))
         except Exception as exc:  # a hook's bad field: stop every rank, as for bad input
             rejected = rejected if rejected is not None else exc
         ok = rejected is None and plan is not None

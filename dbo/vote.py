@@ -19,8 +19,7 @@ any collective of the model) when one rejected its inputs or the fingerprints di
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -159,9 +158,9 @@ def plan_after_vote(plan: SplitPlan, agreed: bool, max_tokens: int) -> SplitPlan
         reason=f"peer rank vetoed the split (this rank would have split: {plan.reason})")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Ballot:
-    """One rank's side of a step's vote (`cast_ballot`)."""
+class Ballot(NamedTuple):
+    """One rank's side of a step's vote (`cast_ballot`). A named tuple, not a frozen
+    dataclass: built on every step, where a frozen dataclass's init costs microseconds."""
 
     inputs_ok: bool
     """False: this rank rejected its inputs to the step (every rank then stops)."""
@@ -175,9 +174,8 @@ class Ballot:
     """Whether this rank holds a CUDA graph for the (split, unsplit) step; eager: both."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Tally:
-    """What the group decided; the same on every rank."""
+class Tally(NamedTuple):
+    """What the group decided; the same on every rank (a named tuple, as `Ballot`)."""
 
     rejected_by: Optional[int]
     """The lowest rank of the group that rejected its inputs; None when none did."""
@@ -205,8 +203,9 @@ def cast_ballot(ballot: Ballot, group: Optional[dist.ProcessGroup] = None, *,
         raise ValueError(f"Ballot.fingerprint={ballot.fingerprint!r}: an int in [0, 2**62)")
     ok = INPUTS_OK if ballot.inputs_ok else group_rank(group)
     fp = ballot.fingerprint
-    values = [ok, int(ballot.want_split), -ballot.num_tokens, fp, -fp,
-              *(int(have) for have in ballot.have_graphs)]
+    have_split, have_unsplit = ballot.have_graphs
+    values = [ok, int(ballot.want_split), -ballot.num_tokens, fp, -fp, int(have_split),
+              int(have_unsplit)]
     ok, agreed, neg_max, low_fp, neg_high_fp, have_split, have_unsplit = vote_min(
         values, group, device=device)
     return Tally(rejected_by=None if ok == INPUTS_OK else ok,

@@ -60,7 +60,7 @@ def test_moe_layers_report_their_fields_under_their_module_names() -> None:
     assert not any(name.startswith("layers.0.") for name in fields)  # the dense layer
 
 
-def test_the_cache_collects_again_only_when_the_model_or_runner_fields_change() -> None:
+def test_the_cache_collects_again_only_when_the_model_or_config_is_replaced() -> None:
     calls = []
 
     class Counting:
@@ -72,15 +72,15 @@ def test_the_cache_collects_again_only_when_the_model_or_runner_fields_change() 
             return {"width": 4}
 
     model, cache = Counting(), AgreementCache()
-    first = cache.get(model, {"enabled": True})
+    on, off = DBOConfig(), DBOConfig(enabled=False)
+    first = cache.get(model, on, lambda: {"enabled": True})
     assert first.fields == {"enabled": True, "width": 4}
-    assert cache.get(model, {"enabled": True}) is first and len(calls) == 1
+    assert cache.get(model, on, lambda: {"enabled": True}) is first and len(calls) == 1
     cache.mark_agreed()
-    assert cache.agreed(model, {"enabled": True})
-    assert not cache.agreed(model, {"enabled": False})
-    assert cache.get(model, {"enabled": False}) is not first and len(calls) == 2
-    assert not cache.agreed(model, {"enabled": False})  # not voted since it changed
-    cache.get(Counting(), {"enabled": False})
+    assert cache.agreed(model, on) and not cache.agreed(model, off)
+    assert cache.get(model, off, lambda: {"enabled": False}) is not first and len(calls) == 2
+    assert not cache.agreed(model, off)  # not voted since it changed
+    cache.get(Counting(), off, lambda: {"enabled": False})
     assert len(calls) == 3
 
 
