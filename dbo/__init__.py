@@ -1,4 +1,5 @@
 """dbo: dual-batch overlap for Mixture-of-Experts models in PyTorch."""
+from dbo.agreement import ConfigMismatchError, PeerInputError
 from dbo.config import SPLIT_MODES, DBOConfig
 from dbo.graphs import GraphedRunner
 from dbo.groups import new_group
@@ -26,9 +27,11 @@ from dbo.yield_points import (
 )
 
 __all__ = [
+    "ConfigMismatchError",
     "DBOConfig",
     "DBORunner",
     "GraphedRunner",
+    "PeerInputError",
     "SPLIT_MODES",
     "SplitPlan",
     "UBatchScheduler",

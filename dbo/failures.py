@@ -111,6 +111,15 @@ def annotate_phase(exc: BaseException, phase: str, layer: Optional[int]) -> None
     _add_note(exc, "[dbo] " + ", ".join(where))
 
 
+def mark_stopped_together(exc: BaseException) -> None:
+    """`exc` is raised on every rank of the group alike, after the step's vote and before
+    any collective of the model: the process group is intact."""
+    try:
+        exc.dbo_stopped_together = True  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
+
+
 def annotate_step_failure(exc: BaseException) -> None:
     """Say whether this rank's failure left the process group usable (see module doc)."""
     issued = collectives_issued()
@@ -120,7 +129,11 @@ def annotate_step_failure(exc: BaseException) -> None:
         exc.dbo_collectives_issued = issued  # type: ignore[attr-defined]
     except (AttributeError, TypeError):
         return
-    if issued == 0:
+    if getattr(exc, "dbo_stopped_together", False):
+        _add_note(exc, "[dbo] every rank of the group stopped this step at its vote, before "
+                       "any collective of the model: the process group is intact and the "
+                       "next step can run")
+    elif issued == 0:
         _add_note(exc, "[dbo] no collective of this step had been issued on this rank: the "
                        "process group is intact, and the next step can run once every "
                        "rank skips this one alike")

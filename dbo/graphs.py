@@ -50,7 +50,9 @@ from torch.utils._pytree import tree_map
 from dbo.graph_host import collect_graph_host_buffers
 from dbo.runner import DISABLED_REASON, DBORunner, UBatchArgs, _first_tensor, _num_rows
 from dbo.split import SplitPlan
-from dbo.vote import plan_after_vote, vote_min
+from dbo.agreement import check_inputs
+from dbo.failures import annotate_step_failure, reset_collectives
+from dbo.vote import plan_after_vote
 
 #: Eager steps before a capture: the first compiles and autotunes kernels, allocates the
 #: workspaces and initialises the communicators, none of which a capture may do.
@@ -152,8 +154,8 @@ class GraphedRunner:
         max_graphs: graphs kept at once (>= 1); the least recently used go first.
 
     Every rank of the runner's group must call this on every step, as with the runner.
-    A rank whose inputs are rejected still votes; its peers then raise RuntimeError
-    instead of waiting in the step's collectives.
+    A rank whose inputs are rejected still votes; its peers then raise
+    `dbo.PeerInputError` instead of waiting in the step's collectives (`DBORunner.vote`).
     """
 
     def __init__(self, runner: DBORunner, *, warmup: int = DEFAULT_WARMUP,
@@ -189,32 +191,41 @@ class GraphedRunner:
         _release(entries)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        runner = self.runner
+        reset_collectives()
         try:
-            x = _first_tensor(args, kwargs)
+            return self._step(args, kwargs)
+        except BaseException as exc:
+            annotate_step_failure(exc)
+            raise
+
+    def _step(self, args: tuple, kwargs: dict) -> Any:
+        runner = self.runner
+        plan: Optional[SplitPlan] = None
+        keys: dict[bool, Hashable] = {}
+        rejected: Optional[Exception] = None
+        x = _first_tensor(args, kwargs)
+        try:
             if x is None or not x.is_cuda:
                 raise ValueError(f"GraphedRunner replays CUDA graphs: the first tensor "
                                  f"argument must be on a CUDA device, got "
                                  f"{'none' if x is None else x.device}; call the DBORunner "
                                  f"itself on CPU")
             signature = _signature(args, kwargs)
+            check_inputs(runner.model, args, kwargs)
             plan = _plan_of(runner, args, kwargs)[0]
-        except Exception:
-            # Still vote, saying this rank cannot run the step: every rank then stops
-            # here, rather than waiting in the step's collectives.
-            vote_min([0, 0, 0, 0, 0], runner.group)
-            raise
-        keys = {split: (signature, split, _boundaries(plan) if split else ())
-                for split in (False, True)}
-        have = [int(keys[split] in self._graphs) for split in (True, False)]
-        all_ok, agreed, neg_max, all_split, all_unsplit = vote_min(
-            [1, int(plan.split), -plan.total_tokens, *have], runner.group)
-        if not all_ok:
-            raise RuntimeError("a peer rank of the group rejected its inputs to this step "
-                               "(its own error says why); no rank ran the step")
-        plan = plan_after_vote(plan, bool(agreed), -neg_max)
+            keys = {split: (signature, split, _boundaries(plan) if split else ())
+                    for split in (False, True)}
+        except Exception as exc:
+            # Vote "not ok": every rank then stops in the vote, rather than waiting in
+            # the step's collectives (the runner's mechanism, `DBORunner.vote`).
+            rejected = exc
+        have = (keys.get(True) in self._graphs, keys.get(False) in self._graphs)
+        tally = runner.vote(plan, rejected, have_graphs=have, cuda_graph=True)
+        assert plan is not None and x is not None  # else the vote raised
+        plan = plan_after_vote(plan, tally.split, tally.max_tokens)
         runner.last_decision = plan
         runner._check_capacity(plan)
+        all_split, all_unsplit = tally.have_graphs
         key = keys[plan.split]  # a vetoed plan is unsplit
         if not (all_split if plan.split else all_unsplit):
             stale = self._graphs.pop(key, None)  # a peer lacks its graph: all ranks capture

@@ -25,8 +25,16 @@ passed to both ubatches unchanged:
 
 Every rank of `group` must call the runner on every step (with 0 tokens too), with the
 same config: the vote is a collective. To replay steps as CUDA graphs, wrap the runner in
-`dbo.graphs.GraphedRunner` (the vote stays outside the graph). A rank whose inputs are
-rejected still votes (no) before raising, so its peers' votes complete.
+`dbo.graphs.GraphedRunner` (the vote stays outside the graph).
+
+The vote also stops bad steps on every rank at once, before any collective of the model
+(`dbo.agreement`): a rank whose inputs are rejected (while planning the split, or by the
+model's `dbo_check_inputs` hook) votes "not ok" and re-raises its error, while its peers
+raise `PeerInputError`; ranks whose configurations differ (`DBOConfig.enabled`, split
+mode, capacity, and what the model's `dbo_agreement` hooks report) all raise
+`ConfigMismatchError`. Either way the next step can run. A runner with
+`DBOConfig(enabled=False)` votes too, on its first step and whenever its config or model
+is replaced: once the group has agreed that every rank is disabled, none votes again.
 """
 from __future__ import annotations
 
@@ -36,12 +44,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dbo.agreement import Agreement, AgreementCache, check_inputs, stop_step
 from dbo.config import DBOConfig
-from dbo.failures import annotate_step_failure, reset_collectives
+from dbo.failures import annotate_step_failure, mark_stopped_together, reset_collectives
 from dbo.merge import merge_outputs
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, UBatchSlice, plan_split, plan_token_split
-from dbo.vote import apply_vote, vote_split
+from dbo.vote import Ballot, Tally, cast_ballot, plan_after_vote
 from dbo.yield_points import dbo_enabled
 from streams.gemm_carveout import gemm_sm_carveout
 
@@ -81,12 +90,16 @@ class DBORunner:
         self.group = group
         self.last_decision: Optional[SplitPlan] = None
         self._schedulers: dict[torch.device, UBatchScheduler] = {}
+        # Per cuda_graph: a GraphedRunner's steps carry a field of their own.
+        self._agreement_caches = {False: AgreementCache(), True: AgreementCache()}
 
     def __repr__(self) -> str:
         return f"DBORunner(model={type(self.model).__name__}, config={self.config!r})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.config.enabled:
+        agreed = self._agreement_caches[False].agreed
+        if not self.config.enabled and (dbo_enabled() or agreed(self.model, self.config)):
+            # The group voted once that every rank is disabled alike: no vote since.
             self.last_decision = SplitPlan(split=False, num_tokens=(),
                                            reason=DISABLED_REASON)
             return self.model(*args, **kwargs)
@@ -104,17 +117,63 @@ class DBORunner:
             raise
 
     def _step(self, args: tuple, kwargs: dict) -> Any:
+        plan: Optional[SplitPlan] = None
+        ubatch_args: list[UBatchArgs] = []
+        rows: Optional[tuple[int, ...]] = None
+        rejected: Optional[Exception] = None
         try:
-            plan, ubatch_args, rows = self._plan(args, kwargs)
-        except Exception:
-            # Bad input on this rank: still cast a (no) vote so that the peers' votes
-            # complete, then raise here.
-            vote_split(False, self.group)
-            raise
-        plan = apply_vote(plan, self.group)
+            check_inputs(self.model, args, kwargs)
+            if self.config.enabled:
+                plan, ubatch_args, rows = self._plan(args, kwargs)
+            else:
+                plan = SplitPlan(split=False, num_tokens=(), reason=DISABLED_REASON)
+        except Exception as exc:
+            # Bad input on this rank: vote "not ok" so that every rank stops (`vote`).
+            rejected = exc
+        tally = self.vote(plan, rejected)
+        assert plan is not None  # a rejected plan stopped the step in the vote
+        plan = plan_after_vote(plan, tally.split, tally.max_tokens)
         self.last_decision = plan
+        if not self.config.enabled:
+            return self.model(*args, **kwargs)
         self._check_capacity(plan)
         return self._execute(plan, ubatch_args, rows, args, kwargs)
+
+    def vote(self, plan: Optional[SplitPlan], rejected: Optional[BaseException], *,
+             have_graphs: tuple[bool, bool] = (True, True), cuda_graph: bool = False) -> Tally:
+        """The step's one collective (`dbo.vote.cast_ballot`): this rank's split wish and
+        tokens (`plan`, None when `rejected`), whether it accepted its inputs, and the
+        fingerprint of its configuration (`dbo.agreement`). When any rank rejected its
+        inputs, or the fingerprints differ, every rank raises here (`stop_step`); this
+        rank re-raises `rejected`."""
+        agreement: Optional[Agreement] = None
+        cache = self._agreement_caches[cuda_graph]
+        try:
+            agreement = cache.get(self.model, self.config,
+                                  lambda: self.agreement_fields(cuda_graph))
+        except Exception as exc:  # a hook's bad field: stop every rank, as for bad input
+            rejected = rejected if rejected is not None else exc
+        ok = rejected is None and plan is not None
+        tally = cast_ballot(Ballot(
+            inputs_ok=ok, want_split=ok and plan.split,
+            num_tokens=plan.total_tokens if ok else 0,
+            fingerprint=agreement.fingerprint if agreement is not None else 0,
+            have_graphs=have_graphs), self.group)
+        if tally.configs_agree:
+            cache.mark_agreed()
+        if tally.stops:
+            stop_step(tally, rejected=rejected, agreement=agreement, group=self.group)
+        return tally
+
+    def agreement_fields(self, cuda_graph: bool = False) -> dict[str, Any]:
+        """The runner's own fields that every rank must share (`dbo.agreement`); the
+        model's modules add theirs."""
+        split = self.config.split
+        return {"DBOConfig.enabled": self.config.enabled,
+                "DBOConfig.split": split if isinstance(split, str)
+                else f"callable {getattr(split, '__qualname__', type(split).__name__)}",
+                "DBOConfig.max_tokens_per_rank": self.config.max_tokens_per_rank,
+                "cuda_graph": cuda_graph}
 
     def _execute(self, plan: SplitPlan, ubatch_args: list[UBatchArgs],
                  rows: Optional[tuple[int, ...]], args: tuple, kwargs: dict) -> Any:
@@ -138,10 +197,12 @@ class DBORunner:
         cap, most = self.config.max_tokens_per_rank, plan.group_max_tokens
         if cap is not None and most is not None and most > cap:
             mine = plan.total_tokens
-            raise ValueError(
+            exc = ValueError(
                 f"a rank of the group has {most} tokens this step (this rank: {mine}), more "
                 f"than DBOConfig.max_tokens_per_rank={cap}: every rank stops here so none "
                 f"waits in a collective; split the batch or raise the capacity")
+            mark_stopped_together(exc)
+            raise exc
 
     # ------------------------------------------------------------------- planning
     def _plan(self, args: tuple, kwargs: dict

@@ -1,17 +1,25 @@
 """The cross-rank vote: the ranks of a group split a step only if all of them want to.
 
-    split = vote_split(plan.split, group)        # one tiny all-reduce (MIN of 0/1)
-    plan = apply_vote(plan, group)               # the same, as a SplitPlan with a reason
+    tally = cast_ballot(Ballot(inputs_ok=True, want_split=plan.split,
+                               num_tokens=plan.total_tokens, fingerprint=fp), group)
+    split = vote_split(plan.split, group)        # the split alone (one tiny all-reduce)
 
 Under expert or data parallelism every rank's MoE layers issue collectives together, so
 either every rank runs the step as two ubatches or none does. Each rank must call the
 vote on every step where DBO is enabled — also with 0 tokens, also when it does not
 want to split — or the group's collective sequence diverges and the ranks hang.
+
+A runner's step votes once, with a `Ballot`: one all-reduce (MIN) of 7 int64s that
+carries, besides the split wish and the token count, whether this rank accepted its
+inputs, a fingerprint of the configuration that must agree across ranks
+(`dbo.agreement`), and whether it holds a CUDA graph for each split of the step
+(`dbo.graphs`). Every rank reads the same `Tally`, so every rank stops together (before
+any collective of the model) when one rejected its inputs or the fingerprints differ.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +32,9 @@ from streams.stream_set import new_comm_stream
 # Backends whose collectives need device tensors, and the device type they use. Any
 # other backend (gloo, mpi, and "cpu:gloo,cuda:nccl" style mixes) votes on the CPU.
 _DEVICE_BACKENDS = {"nccl": "cuda", "xccl": "xpu"}
+# A ballot's "inputs ok" value; a rank that rejected its inputs sends its group rank
+# instead, so the minimum names the lowest rejecting rank.
+INPUTS_OK = 1 << 62
 # The device vote's side stream, per device.
 _STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 
@@ -145,3 +156,65 @@ def plan_after_vote(plan: SplitPlan, agreed: bool, max_tokens: int) -> SplitPlan
     return dataclasses.replace(
         plan, split=False, vetoed=True, ubatches=(), num_tokens=(plan.total_tokens,),
         reason=f"peer rank vetoed the split (this rank would have split: {plan.reason})")
+
+
+class Ballot(NamedTuple):
+    """One rank's side of a step's vote (`cast_ballot`). A named tuple, not a frozen
+    dataclass: built on every step, where a frozen dataclass's init costs microseconds."""
+
+    inputs_ok: bool
+    """False: this rank rejected its inputs to the step (every rank then stops)."""
+    want_split: bool = False
+    """This rank's own split decision."""
+    num_tokens: int = 0
+    """This rank's tokens this step (every rank learns the largest, e.g. for capacity)."""
+    fingerprint: int = 0
+    """Hash of the configuration that must agree across ranks, in [0, 2**62)."""
+    have_graphs: tuple[bool, bool] = (True, True)
+    """Whether this rank holds a CUDA graph for the (split, unsplit) step; eager: both."""
+
+
+class Tally(NamedTuple):
+    """What the group decided; the same on every rank (a named tuple, as `Ballot`)."""
+
+    rejected_by: Optional[int]
+    """The lowest rank of the group that rejected its inputs; None when none did."""
+    configs_agree: bool
+    """Every rank sent the same fingerprint."""
+    split: bool
+    """Every rank wants to split."""
+    max_tokens: int
+    """The largest token count of any rank."""
+    have_graphs: tuple[bool, bool]
+    """Every rank holds a graph for the (split, unsplit) step."""
+
+    @property
+    def stops(self) -> bool:
+        """Every rank must stop before running the step (`dbo.agreement.stop_step`)."""
+        return self.rejected_by is not None or not self.configs_agree
+
+
+def cast_ballot(ballot: Ballot, group: Optional[dist.ProcessGroup] = None, *,
+                device: Union[torch.device, str, None] = None) -> Tally:
+    """Vote `ballot` across `group` in one all-reduce (MIN) of 7 int64s (`vote_min`):
+    [ok or this rank, want, -tokens, fingerprint, -fingerprint, have split, have unsplit].
+    The fingerprints agree when their minimum equals their maximum."""
+    if not 0 <= ballot.fingerprint < 1 << 62:
+        raise ValueError(f"Ballot.fingerprint={ballot.fingerprint!r}: an int in [0, 2**62)")
+    ok = INPUTS_OK if ballot.inputs_ok else group_rank(group)
+    fp = ballot.fingerprint
+    have_split, have_unsplit = ballot.have_graphs
+    values = [ok, int(ballot.want_split), -ballot.num_tokens, fp, -fp, int(have_split),
+              int(have_unsplit)]
+    ok, agreed, neg_max, low_fp, neg_high_fp, have_split, have_unsplit = vote_min(
+        values, group, device=device)
+    return Tally(rejected_by=None if ok == INPUTS_OK else ok,
+                 configs_agree=low_fp == -neg_high_fp, split=bool(agreed),
+                 max_tokens=-neg_max, have_graphs=(bool(have_split), bool(have_unsplit)))
+
+
+def group_rank(group: Optional[dist.ProcessGroup] = None) -> int:
+    """This process's rank in `group` (0 without an initialised process group)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)

@@ -117,6 +117,17 @@ class MoELayer(nn.Module):
             return "MoEConfig.check_finite_logits reads its check on the host (set it False)"
         return None
 
+    def dbo_agreement(self) -> dict[str, object]:
+        """What every rank's copy of this layer must share, or the ranks' dispatch and
+        combine collectives differ (checked by the DBO runner's vote, `dbo.agreement`)."""
+        cfg = self.config
+        return {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
+                "hidden_size": cfg.hidden_size, "dtype": cfg.dtype,
+                "backend": self.backend.name, "experts": self.experts_name,
+                "max_tokens_per_rank": cfg.max_tokens_per_rank,
+                "apply_router_weight_on_input": cfg.apply_router_weight_on_input,
+                "split_combine": self.last_layer and cfg.split_last_combine}
+
     def load_weights(self, weights: dict[str, Tensor], *, global_experts: bool = True) -> None:
         """Copy `router_weight`, `w13`, `w2` (and `e_score_correction_bias`) in.
 

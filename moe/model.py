@@ -252,6 +252,13 @@ class MoETransformer(nn.Module):
             x_TH = layer(x_TH, cos_TD2, sin_TD2, seq_lens)
         return self.lm_head(self.norm(x_TH))
 
+    def dbo_check_inputs(self, input_ids_T: Tensor, positions_T: Tensor, *,
+                         seq_lens: SeqLens) -> None:
+        """The checks of `forward` alone, for the DBO runner to run before its vote: a
+        rank whose inputs fail them stops every rank there (`dbo.agreement`), instead of
+        leaving its peers waiting in the first MoE layer's dispatch."""
+        self._check_inputs(input_ids_T, positions_T, seq_lens)
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Fill every parameter deterministically from `seed`, on its own device.

@@ -3,8 +3,9 @@ text, and the inputs that are accepted (zero tokens, non-contiguous tensors, NaN
 router logits by default). A last test checks the README table and this one agree.
 
 Rejections that need two processes (capacity overflow, experts not divisible by the EP
-size) are tested in tests/test_failures.py and tests/test_moe_layer.py; their rows here
-point there.
+size, a peer's rejected inputs, configurations that differ across ranks) are tested in
+tests/test_failures.py, tests/test_moe_layer.py and tests/test_agreement.py; their rows
+here point there.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from dbo import DBOConfig, DBORunner, UBatchScheduler
 from moe import MoEConfig, MoELayer, init_moe_weights
+from moe.model import MoETransformer, get_preset
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -39,6 +41,20 @@ def nan_logits_input() -> torch.Tensor:
     x = torch.randn(5, 8)
     x[2] = float("nan")
     return x
+
+
+def float_ids_step() -> None:
+    model = MoETransformer(get_preset("tiny"), backend="local", experts="reference")
+    runner = DBORunner(model, DBOConfig(split="requests", min_prefill_tokens=1))
+    runner(torch.zeros(4), torch.arange(4), seq_lens=[4])
+
+
+class BadAgreement:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def dbo_agreement(self) -> dict[str, object]:
+        return {"fn": lambda: 0}
 
 
 def requests_runner() -> DBORunner:
@@ -84,6 +100,11 @@ REJECTED = {
     "requests split without seq_lens": (
         lambda: requests_runner()(torch.randn(5, 2)), TypeError,
         "split='requests' needs the tokens per request"),
+    "non-integer `input_ids_T` (`MoETransformer`, checked before the vote)": (
+        float_ids_step, ValueError, "input_ids_T must be a 1-D integer tensor"),
+    "a `dbo_agreement()` field that is not a plain value": (
+        lambda: DBORunner(BadAgreement())(torch.ones(2)), TypeError,
+        "field 'fn' is a function: use None, bool, int, float, str, torch.dtype"),
     "no ubatches": (lambda: UBatchScheduler("cpu").run([]), ValueError,
                     "run([]) got no ubatches"),
     "more than two ubatches": (lambda: UBatchScheduler("cpu").run([lambda: 0] * 3),

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dbo.agreement import PeerInputError
 from dbo.config import DBOConfig
 from dbo.runner import DBORunner
 from dbo.split import plan_token_split
@@ -71,14 +72,14 @@ def _vote_worker(rank: int, world_size: int) -> dict[str, Any]:
                   torch.equal(y, torch.full((sum(lens), 8), 3.0).tanh())))
     out["steps"] = steps
 
-    # Bad input on rank 1: it still votes (no), so rank 0 does not hang, then raises.
+    # Bad input on rank 1: it still votes ("not ok"), so both stop in the vote.
     plain = DBORunner(lambda x, seq_lens: x * 2, DBOConfig(split="requests",
                                                              min_prefill_tokens=0))
     try:
         plain(torch.ones(40, 2), seq_lens=[20, 20] if rank == 0 else [20, 21])
         out["bad_input"] = (plain.last_decision.split, plain.last_decision.vetoed)
-    except ValueError as exc:
-        out["bad_input"] = str(exc)
+    except (ValueError, PeerInputError) as exc:
+        out["bad_input"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -113,8 +114,9 @@ def test_vote_and_runner_on_two_ranks() -> None:
     assert (s0[3][0], s1[3][0]) == (False, False) and s0[3][1]
     assert s0[3][4] == s1[3][4] == [50]
 
-    assert r0["bad_input"] == (False, True)
-    assert "seq_lens sum to 41 tokens but the batch has 40" in r1["bad_input"]
+    assert r0["bad_input"].startswith("PeerInputError: rank 1 of the group rejected")
+    assert r1["bad_input"].startswith("ValueError: seq_lens sum to 41 tokens but the batch "
+                                      "has 40")
 
 
 def test_vote_without_process_group() -> None:

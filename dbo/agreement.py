@@ -1,0 +1,227 @@
+"""What every rank of a group must agree on before a step, and the errors when they don't.
+
+    agreement = cache.get(model, config, runner_fields)   # fields + fingerprint, cached
+    check_inputs(model, args, kwargs)      # the model's cheap input check, if it has one
+    tally = cast_ballot(Ballot(..., fingerprint=agreement.fingerprint), group)
+    if tally.stops:
+        stop_step(tally, rejected=..., agreement=agreement, group=group)   # raises
+
+The configuration that shapes a step's collectives (the MoE sizes, dtype, backend,
+capacity, whether DBO is on) must be the same on every rank; where it differs the ranks
+issue different collectives and hang, or gloo aborts the process. The runner gathers it
+from two duck-typed hooks, so that this core never imports `moe`:
+
+- `dbo_agreement() -> Mapping[str, value]` on any module of the model (`nn.Module`s are
+  walked; a plain callable model may define it itself): named fields, prefixed with the
+  module's name (e.g. `layers.1.ffn.top_k`). Values are None, bool, int, float, str,
+  `torch.dtype` / `torch.device`, or tuples of these (hashed by their text, the same in
+  every process).
+- `dbo_check_inputs(*args, **kwargs)` on the model: a cheap check of one step's inputs
+  (no device reads) that raises where the model's forward would.
+
+The fields are hashed into a 62-bit fingerprint carried by every step's vote; they are
+collected on the runner's first step and again only when its `model` or `config` object
+is replaced (not when a module is altered in place). Only when the vote says
+a rank rejected its inputs or the fingerprints differ do the ranks exchange their error
+texts and fields (`stop_step`, one `all_gather_object`), then every rank raises, before
+any collective of the model: the rejecting rank its own error, the others a
+`PeerInputError`; on a mismatch every rank a `ConfigMismatchError` naming the fields.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dbo.failures import mark_stopped_together
+from dbo.vote import Tally, group_rank
+
+AGREEMENT_HOOK = "dbo_agreement"
+CHECK_INPUTS_HOOK = "dbo_check_inputs"
+# Fields listed in a ConfigMismatchError's message (all are on `.fields`).
+MAX_LISTED_FIELDS = 6
+# Characters of a peer's error text carried into a PeerInputError.
+MAX_ERROR_CHARS = 500
+_ABSENT = "<absent>"
+
+Fields = dict[str, Any]
+
+
+class ConfigMismatchError(RuntimeError):
+    """The ranks of a group run with different configurations (raised on every rank).
+
+    `fields`: the names that differ; `values`: name -> the value on each rank."""
+
+    def __init__(self, message: str, *, fields: tuple[str, ...] = (),
+                 values: Optional[dict[str, tuple[Any, ...]]] = None) -> None:
+        super().__init__(message)
+        self.fields = fields
+        self.values = values or {}
+
+
+class PeerInputError(RuntimeError):
+    """Another rank of the group rejected its inputs to this step; no rank ran it.
+
+    `ranks`: the ranks (of the group) that rejected theirs."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The fields that must agree across ranks, and their fingerprint in [0, 2**62)."""
+
+    fields: Fields
+    fingerprint: int
+
+    @classmethod
+    def of(cls, fields: Mapping[str, Any]) -> "Agreement":
+        stable = {name: _stable(value, name) for name, value in sorted(fields.items())}
+        digest = hashlib.blake2b(repr(sorted(stable.items())).encode(), digest_size=8).digest()
+        return cls(stable, int.from_bytes(digest, "little") >> 2)
+
+
+def collect_agreement(model: Any) -> Fields:
+    """The `dbo_agreement()` fields of `model`'s modules (or of `model` itself when it is
+    not an `nn.Module`), each prefixed with its module's name."""
+    if isinstance(model, nn.Module):
+        owners = list(model.named_modules())
+    else:
+        owners = [("", model)]
+    fields: Fields = {}
+    for prefix, owner in owners:
+        hook = getattr(owner, AGREEMENT_HOOK, None)
+        if hook is None:
+            continue
+        own = hook()
+        if not isinstance(own, Mapping):
+            raise TypeError(f"{type(owner).__name__}.{AGREEMENT_HOOK}() returned a "
+                            f"{type(own).__name__}: it must return a mapping of field names "
+                            f"to values")
+        for name, value in own.items():
+            fields[f"{prefix}.{name}" if prefix else str(name)] = value
+    return fields
+
+
+class AgreementCache:
+    """A runner's `Agreement`, recollected only when its model or config object is
+    replaced, and whether the group has voted it agreed (a disabled runner then stops
+    voting). Compared by identity: a step costs two `is` tests."""
+
+    def __init__(self) -> None:
+        self._model: Any = None
+        self._config: Any = None
+        self._agreement: Optional[Agreement] = None
+        self._agreed = False
+
+    def get(self, model: Any, config: Any, own: Callable[[], Fields]) -> Agreement:
+        """The agreement of `model` and the runner's `own()` fields (made from `config`)."""
+        if self._agreement is None or model is not self._model or config is not self._config:
+            self._agreement = None  # a hook that raises leaves nothing behind
+            self._agreement = Agreement.of({**own(), **collect_agreement(model)})
+            self._model, self._config, self._agreed = model, config, False
+        return self._agreement
+
+    def agreed(self, model: Any, config: Any) -> bool:
+        """The group voted this model and config agreed (and neither was replaced)."""
+        return self._agreed and model is self._model and config is self._config
+
+    def mark_agreed(self) -> None:
+        self._agreed = self._agreement is not None
+
+
+def check_inputs(model: Any, args: tuple, kwargs: dict) -> None:
+    """Run the model's `dbo_check_inputs(*args, **kwargs)` hook, if it has one."""
+    check: Optional[Callable[..., Any]] = getattr(model, CHECK_INPUTS_HOOK, None)
+    if check is not None:
+        check(*args, **kwargs)
+
+
+def stop_step(tally: Tally, *, rejected: Optional[BaseException],
+              agreement: Optional[Agreement],
+              group: Optional[dist.ProcessGroup]) -> None:
+    """Raise on every rank after a vote that `tally.stops`: every rank calls this after
+    the same tally, so the exchange of texts and fields below is collective."""
+    assert tally.stops
+    mine = {"error": None if rejected is None else _error_text(rejected),
+            "fields": None if tally.configs_agree or agreement is None else agreement.fields}
+    reports = _gather(mine, group)
+    me = group_rank(group)
+    errors = {rank: r["error"] for rank, r in enumerate(reports) if r["error"] is not None}
+    if not tally.configs_agree:
+        exc: BaseException = _mismatch([r["fields"] for r in reports], errors)
+        mark_stopped_together(exc)
+        raise exc from rejected
+    if rejected is not None:
+        others = {rank: text for rank, text in errors.items() if rank != me}
+        if others and hasattr(rejected, "add_note"):
+            rejected.add_note("[dbo] the group's other rejecting ranks: " + "; ".join(
+                f"rank {rank}: {text}" for rank, text in others.items()))
+        mark_stopped_together(rejected)
+        raise rejected
+    ranks = tuple(sorted(errors)) or (tally.rejected_by,)
+    which = (f"rank {ranks[0]}" if len(ranks) == 1
+             else "ranks " + ", ".join(str(r) for r in ranks))
+    said = "; ".join(f"rank {rank}: {text}" for rank, text in errors.items())
+    exc = PeerInputError(f"{which} of the group rejected its inputs to this step ({said}); "
+                         f"no rank ran the step", ranks=ranks)
+    mark_stopped_together(exc)
+    raise exc
+
+
+# ---------------------------------------------------------------------------- helpers
+def _gather(mine: dict, group: Optional[dist.ProcessGroup]) -> list[dict]:
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [mine]
+    reports: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, mine, group=group)
+    return reports
+
+
+def _mismatch(per_rank: list[Optional[Fields]], errors: dict[int, str]) -> ConfigMismatchError:
+    known = [fields for fields in per_rank if fields is not None]
+    names = sorted(set().union(*known)) if known else []
+    values = {}
+    for name in names:
+        row = tuple(_ABSENT if fields is None else fields.get(name, _ABSENT)
+                    for fields in per_rank)
+        if len(set(map(repr, row))) > 1:
+            values[name] = row
+    listed = [f"{name}: " + ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(row))
+              for name, row in list(values.items())[:MAX_LISTED_FIELDS]]
+    if len(values) > MAX_LISTED_FIELDS:
+        listed.append(f"and {len(values) - MAX_LISTED_FIELDS} more")
+    unreported = [rank for rank, fields in enumerate(per_rank) if fields is None]
+    if unreported:
+        listed.append("no fields from rank(s) " + ", ".join(map(str, unreported)))
+    message = ("the ranks of the group disagree on their configuration, so their steps "
+               "would issue different collectives: " + "; ".join(listed)
+               + ". Build every rank's model and DBOConfig alike")
+    if errors:
+        message += " (rejected inputs too: " + "; ".join(
+            f"rank {rank}: {text}" for rank, text in errors.items()) + ")"
+    return ConfigMismatchError(message, fields=tuple(values), values=values)
+
+
+def _error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 3] + "..."
+
+
+def _stable(value: Any, name: str) -> Any:
+    """`value` as something whose repr is the same in every process."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_stable(v, name) for v in value)
+    raise TypeError(f"{AGREEMENT_HOOK}() field {name!r} is a {type(value).__name__}: use None, "
+                    f"bool, int, float, str, torch.dtype, torch.device or a tuple of them "
+                    f"(values every process writes alike)")

@@ -1,0 +1,259 @@
+"""Layers 1-2: what the ranks must agree on before a step (`dbo.agreement`).
+
+Layer 1 (CPU): the fingerprint of the agreement fields, the modules' `dbo_agreement`
+hooks, the cache, and a single process's rejected inputs.
+Layer 2 (two gloo processes): a rank that rejects its inputs (bad seq_lens, a wrong
+input dtype) or a capacity overflow stops every rank at the vote, quickly and before any
+collective of the model, and the next step runs; configurations that differ (top_k,
+backend, DBOConfig.enabled, CUDA graphs on one rank) raise `ConfigMismatchError` naming
+the field on every rank.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import dbo
+from dbo import ConfigMismatchError, DBOConfig, DBORunner, GraphedRunner, PeerInputError
+from dbo.agreement import Agreement, AgreementCache, collect_agreement
+from dbo.failures import record_collectives
+from dbo.vote import Ballot, cast_ballot
+from moe import MoEConfig, MoELayer, init_moe_weights
+from moe.model import MoETransformer, get_preset, make_batch
+from tests.dist_utils import run_distributed
+
+# A peer left waiting would be freed by this timeout: the tests require far less.
+GROUP_TIMEOUT_S = 30.0
+QUICK_S = 10.0
+NEXT_STEP_RUNS = "the process group is intact and the next step can run"
+
+
+def tiny_model(group: Any = None, backend: str = "local") -> MoETransformer:
+    model = MoETransformer(get_preset("tiny"), group=group, backend=backend,
+                           experts="reference")
+    model.init_weights(0)
+    return model
+
+
+# ---------------------------------------------------------------------- layer 1 (CPU)
+def test_fingerprint_is_stable_and_sees_every_field() -> None:
+    fields = {"top_k": 2, "dtype": torch.bfloat16, "backend": "a2a", "cap": None}
+    agreement = Agreement.of(fields)
+    assert agreement == Agreement.of(dict(reversed(list(fields.items()))))
+    assert agreement.fields["dtype"] == "torch.bfloat16"
+    assert 0 <= agreement.fingerprint < 1 << 62
+    for name, other in (("top_k", 1), ("dtype", torch.float32), ("backend", "naive"),
+                        ("cap", 16)):
+        assert Agreement.of({**fields, name: other}).fingerprint != agreement.fingerprint
+    with pytest.raises(TypeError, match="field 'fn' is a function"):
+        Agreement.of({"fn": lambda: 0})
+
+
+def test_moe_layers_report_their_fields_under_their_module_names() -> None:
+    fields = collect_agreement(tiny_model())
+    assert fields["layers.1.ffn.top_k"] == 2 and fields["layers.2.ffn.num_experts"] == 8
+    assert fields["layers.1.ffn.backend"] == "local"
+    assert fields["layers.2.ffn.dtype"] == torch.float32
+    assert not any(name.startswith("layers.0.") for name in fields)  # the dense layer
+
+
+def test_the_cache_collects_again_only_when_the_model_or_config_is_replaced() -> None:
+    calls = []
+
+    class Counting:
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+        def dbo_agreement(self) -> dict[str, object]:
+            calls.append(1)
+            return {"width": 4}
+
+    model, cache = Counting(), AgreementCache()
+    on, off = DBOConfig(), DBOConfig(enabled=False)
+    first = cache.get(model, on, lambda: {"enabled": True})
+    assert first.fields == {"enabled": True, "width": 4}
+    assert cache.get(model, on, lambda: {"enabled": True}) is first and len(calls) == 1
+    cache.mark_agreed()
+    assert cache.agreed(model, on) and not cache.agreed(model, off)
+    assert cache.get(model, off, lambda: {"enabled": False}) is not first and len(calls) == 2
+    assert not cache.agreed(model, off)  # not voted since it changed
+    cache.get(Counting(), off, lambda: {"enabled": False})
+    assert len(calls) == 3
+
+
+def test_ballot_without_a_process_group_is_this_rank_s() -> None:
+    tally = cast_ballot(Ballot(inputs_ok=True, want_split=True, num_tokens=7, fingerprint=5))
+    assert (tally.stops, tally.split, tally.max_tokens) == (False, True, 7)
+    assert cast_ballot(Ballot(inputs_ok=False)).rejected_by == 0
+    with pytest.raises(ValueError, match="fingerprint"):
+        cast_ballot(Ballot(inputs_ok=True, fingerprint=1 << 62))
+
+
+def test_the_model_s_input_check_runs_before_the_step_and_the_next_step_runs() -> None:
+    model = tiny_model()
+    runner = DBORunner(model, DBOConfig(split="requests", min_prefill_tokens=2))
+    batch = make_batch(model.config, num_tokens=10, num_requests=2, seed=0)
+    with torch.no_grad(), pytest.raises(ValueError, match="1-D integer tensor") as info:
+        runner(batch.input_ids_T.float(), batch.positions_T, seq_lens=batch.seq_lens)
+    assert NEXT_STEP_RUNS in "\n".join(info.value.__notes__)
+    with torch.no_grad():
+        out = runner(batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
+    assert out.shape == (10, model.config.vocab_size) and runner.last_decision.split
+
+
+# ------------------------------------------------------------- layer 2 (two gloo ranks)
+def outcome(step: Callable[[], Any]) -> dict[str, Any]:
+    """Run `step`; report what it raised (type, text, notes, seconds, collectives)."""
+    start = time.monotonic()
+    with record_collectives() as log, torch.no_grad():
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return {"type": type(exc).__name__, "text": str(exc),
+                    "notes": "\n".join(getattr(exc, "__notes__", [])),
+                    "fields": getattr(exc, "fields", None),
+                    "elapsed": time.monotonic() - start, "collectives": [n for n, _ in log]}
+    return {"type": None}
+
+
+def rejected_inputs(rank: int, world_size: int) -> dict[str, Any]:
+    group = dbo.new_group(timeout_s=GROUP_TIMEOUT_S)
+    model = tiny_model(group, backend="a2a")
+
+    def without_hook(*args: Any, **kwargs: Any) -> Any:  # only the runner checks seq_lens
+        return model(*args, **kwargs)
+
+    split = dict(min_prefill_tokens=2, min_decode_tokens=2)
+    runners = {"requests": DBORunner(without_hook, DBOConfig(split="requests", **split),
+                                     group=group),
+               "model": DBORunner(model, DBOConfig(split="requests", **split), group=group),
+               "capacity": DBORunner(model, DBOConfig(split="requests", max_tokens_per_rank=12,
+                                                      **split), group=group)}
+    batch = make_batch(model.config, num_tokens=10 + rank, num_requests=3, seed=rank)
+    ids, positions, lens = batch.input_ids_T, batch.positions_T, batch.seq_lens
+    bad_lens = (*lens[:-1], lens[-1] + 1) if rank == 1 else lens
+    more = 3 if rank == 1 else 0  # rank 1: 14 tokens, over the capacity of 12
+    with torch.no_grad():
+        expected = {name: runners[name](ids, positions, seq_lens=lens) for name in runners}
+    cases = {  # (runner, inputs): only rank 1's are bad
+        "seq_lens, split by the runner": ("requests", (ids, positions), bad_lens),
+        "seq_lens, checked by the model": ("model", (ids, positions), bad_lens),
+        "dtype": ("model", (ids.float() if rank == 1 else ids, positions), lens),
+        "capacity": ("capacity", (torch.cat([ids, ids[:more]]),
+                                  torch.cat([positions, torch.arange(more)])),
+                     (*lens, more) if more else lens),
+    }
+    out = {}
+    for case, (name, args, seq_lens) in cases.items():
+        runner = runners[name]
+        result = outcome(lambda: runner(*args, seq_lens=seq_lens))
+        with torch.no_grad():
+            result["next_step"] = torch.equal(runner(ids, positions, seq_lens=lens),
+                                              expected[name])
+        out[case] = result
+    return out
+
+
+@pytest.fixture(scope="module")
+def rejected() -> list[dict[str, Any]]:
+    """The two ranks' outcomes of `rejected_inputs` (one launch for the tests below)."""
+    return run_distributed(2, rejected_inputs)
+
+
+@pytest.mark.distributed
+def test_inputs_rejected_on_one_rank_stop_every_rank_at_the_vote(rejected) -> None:
+    rank0, rank1 = rejected
+    for case, own in (("seq_lens, split by the runner",
+                       "seq_lens sum to 12 tokens but the batch has 11 tokens"),
+                      ("seq_lens, checked by the model", "sum to 12, but the call has T=11"),
+                      ("dtype", "input_ids_T must be a 1-D integer tensor")):
+        peer, rejecting = rank0[case], rank1[case]
+        assert rejecting["type"] == "ValueError" and own in rejecting["text"], rejecting
+        assert peer["type"] == "PeerInputError", peer
+        assert peer["text"].startswith("rank 1 of the group rejected its inputs to this step")
+        assert own in peer["text"], peer  # the rejecting rank's own message
+        for result in (peer, rejecting):
+            assert result["elapsed"] < QUICK_S, (case, result)
+            assert result["collectives"] == ["all_reduce"], (case, result)  # the vote only
+            assert NEXT_STEP_RUNS in result["notes"], (case, result)
+            assert result["next_step"], case
+
+
+@pytest.mark.distributed
+def test_capacity_overflow_on_one_rank_says_and_lets_the_next_step_run(rejected) -> None:
+    for rank, result in enumerate(rejected):
+        result = result["capacity"]
+        assert result["type"] == "ValueError" and "has 14 tokens this step" in result["text"]
+        assert NEXT_STEP_RUNS in result["notes"], result
+        assert "re-create the process group" not in result["notes"], result
+        assert result["next_step"], rank
+
+
+def ep_layer(group: Any, *, top_k: int = 2, backend: str = "naive") -> MoELayer:
+    cfg = MoEConfig(num_experts=4, top_k=top_k, hidden_size=16, intermediate_size=8,
+                    max_tokens_per_rank=16)
+    layer = MoELayer(cfg, group=group, backend=backend, experts="reference")
+    layer.load_weights(init_moe_weights(cfg, seed=2))
+    return layer
+
+
+class PlainModel:
+    """A model with no graph blockers and no hooks (for GraphedRunner on one rank)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+def mismatched_configs(rank: int, world_size: int) -> dict[str, Any]:
+    group = dbo.new_group(timeout_s=GROUP_TIMEOUT_S)
+    on = DBOConfig(split="tokens", min_decode_tokens=2)
+    x = torch.randn(8 + rank, 16)
+    one = rank == 1
+    cases = {
+        "top_k": DBORunner(ep_layer(group, top_k=1 if one else 2), on, group=group),
+        "backend": DBORunner(ep_layer(group, backend="a2a_ll" if one else "naive"), on,
+                             group=group),
+        "enabled": DBORunner(ep_layer(group), DBOConfig(enabled=not one), group=group),
+        "cuda_graph": (DBORunner(PlainModel(), on, group=group) if one
+                       else GraphedRunner(DBORunner(PlainModel(), on, group=group))),
+    }
+    out: dict[str, Any] = {name: outcome(lambda: runner(x)) for name, runner in cases.items()}
+    # Alike again, the group is intact; disabled alike, the runners vote once, then not.
+    same = DBORunner(ep_layer(group), DBOConfig(enabled=False), group=group)
+    logs = []
+    with torch.no_grad():
+        for _ in range(2):
+            with record_collectives() as log:
+                same(x)
+            logs.append([name for name, _ in log])
+    out["disabled_alike"] = logs
+    return out
+
+
+@pytest.mark.distributed
+def test_configurations_that_differ_raise_the_same_named_error_on_every_rank() -> None:
+    for rank, out in enumerate(run_distributed(2, mismatched_configs)):
+        for case, field in (("top_k", "top_k"), ("backend", "backend"),
+                            ("enabled", "DBOConfig.enabled"), ("cuda_graph", "cuda_graph")):
+            result = out[case]
+            assert result["type"] == "ConfigMismatchError", (rank, case, result)
+            assert field in result["fields"] and f"{field}: rank 0:" in result["text"], result
+            assert result["elapsed"] < QUICK_S and NEXT_STEP_RUNS in result["notes"], result
+        assert out["top_k"]["fields"] == ("top_k",)
+        assert "top_k: rank 0: 2, rank 1: 1" in out["top_k"]["text"]
+        assert "backend: rank 0: naive, rank 1: a2a_ll" in out["backend"]["text"]
+        if rank == 0:  # its own rejection (CPU input to GraphedRunner) is told too
+            assert "the first tensor argument must be on a CUDA device" in \
+                out["cuda_graph"]["text"]
+        first, second = out["disabled_alike"]
+        assert first[0] == "all_reduce" and "all_reduce" not in second, (first, second)
+        assert second == first[1:]  # the model's collectives, as before
+
+
+def test_errors_are_runtime_errors() -> None:
+    # Code that caught the RuntimeError GraphedRunner raised for a peer still catches it.
+    assert issubclass(ConfigMismatchError, RuntimeError)
+    assert issubclass(PeerInputError, RuntimeError)
