@@ -1,6 +1,7 @@
 """Layer 1 (CPU): every rejected input of the README's "Bad input" table, with its error
 text, and the inputs that are accepted (zero tokens, non-contiguous tensors, NaN/Inf
-router logits by default, a forward with gradients on, out-of-range custom routing ids). A last test checks the README table and this one agree.
+router logits by default, a forward with gradients on, out-of-range custom routing ids).
+A last test checks the README table and this one agree.
 
 Rejections that need two processes (capacity overflow, experts not divisible by the EP
 size) are tested in tests/test_failures.py and tests/test_moe_layer.py; their rows here
