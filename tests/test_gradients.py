@@ -1,4 +1,5 @@
-"""Layers 1-2 (CPU; one process, then two gloo ranks): what autograd sees of dbo.
+"""Layers 1-2 (CPU; one process, then two gloo ranks; one GPU-marked test): what autograd
+sees of dbo.
 
 The contract (`moe.inference_only`): an MoE layer is inference-only. With gradients on
 (PyTorch's default) its forward gives the same output as under no_grad, on every backend
@@ -19,7 +20,8 @@ import torch.distributed as dist
 from dbo import DBOConfig, DBORunner
 from moe import MoEConfig, MoELayer, SharedExperts, init_moe_weights, reference_moe
 from moe.kernels import rotary
-from moe.model import MoETransformer, get_preset, make_batch, rotary_cos_sin
+from moe.model import (MoETransformer, causal_attention, get_preset, make_batch,
+                       rotary_cos_sin)
 from tests.dist_utils import run_distributed
 
 SPLIT = DBOConfig(split="tokens", min_decode_tokens=0, min_prefill_tokens=0)
@@ -139,6 +141,29 @@ def test_dense_model_gradients_with_dbo_on_equal_off():
         torch.testing.assert_close(p.grad, off[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_packed_attention_gradients_equal_one_request_at_a_time():
+    """`causal_attention` writes each length group into a fresh output (a slice copy, an
+    index_copy_): its gradients equal those of causal SDPA run per request, kv heads
+    repeated."""
+    seq_lens = (1, 4, 1, 3, 4)  # length 4 twice apart (row gather), 1 twice apart, 3 once
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(13, heads, 8, generator=gen) for heads in (4, 2, 2))
+    grad_out = torch.randn(13, 4, 8, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    causal_attention(*leaves, seq_lens).backward(grad_out)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    outs, start = [], 0
+    for length in seq_lens:
+        q_r, k_r, v_r = (t[start:start + length].transpose(0, 1) for t in ref_leaves)
+        k_r, v_r = k_r.repeat_interleave(2, dim=0), v_r.repeat_interleave(2, dim=0)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q_r, k_r, v_r, is_causal=True).transpose(0, 1))
+        start += length
+    torch.cat(outs).backward(grad_out)
+    for got, expected in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, expected.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_rotary_kernel_keeps_the_gradient(monkeypatch):
     """The Triton rotary kernel has no backward: where autograd records, the torch version
     runs (on main the output did not require grad, and q/k's gradient was lost)."""
@@ -153,6 +178,28 @@ def test_rotary_kernel_keeps_the_gradient(monkeypatch):
         rotary.apply_rotary(x_in, cos, sin).backward(grad_out)
         grads.append(x_in.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.gpu
+def test_gpu_triton_paths_with_grads_on():
+    """On CUDA the router, rows and experts run Triton kernels: the forward with grads on
+    is still the no-grad forward and the backward raises; the rotary kernel's gradient
+    equals the torch version's."""
+    cfg = MoEConfig(**{**CFG, "hidden_size": 64, "intermediate_size": 64},
+                    num_shared_experts=1, dtype=torch.bfloat16)
+    layer = MoELayer(cfg, experts="triton", device="cuda")
+    layer.load_weights({k: v.cuda() for k, v in init_moe_weights(cfg, seed=3).items()})
+    layer.shared_experts.load_state_dict(SharedExperts.from_config(cfg, seed=4).state_dict())
+    x = torch.randn(33, 64, device="cuda", dtype=torch.bfloat16)
+    out = layer(x.clone().requires_grad_())
+    with torch.inference_mode():
+        assert torch.equal(out, layer(x))
+    assert_backward_refused(out, backend="local", experts="triton")
+    q = torch.randn(9, 4, 64, device="cuda", requires_grad=True)
+    cos, sin = rotary_cos_sin(torch.arange(9, device="cuda"), head_dim=64, theta=10000.0)
+    (grad,) = torch.autograd.grad(rotary.apply_rotary(q, cos, sin).sum(), [q])
+    (expected,) = torch.autograd.grad(rotary._apply_rotary_torch(q, cos, sin).sum(), [q])
+    assert torch.equal(grad, expected)
 
 
 # ------------------------------------------------------------ layer 2: two gloo ranks
