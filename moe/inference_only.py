@@ -24,16 +24,18 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = ["detach_with_error", "needs_graph"]
 
 
-def needs_graph(x: Tensor, params: Iterable[Tensor]) -> bool:
-    """Whether autograd would record a graph for an op on `x` and `params` now."""
+def needs_graph(x: Tensor, module: nn.Module) -> bool:
+    """Whether autograd would record a graph for `module` applied to `x` now: grad mode is
+    on and `x` or a parameter of `module` requires grad. Under no_grad or inference_mode
+    (serving) it reads the grad mode only: the parameters are not walked."""
     if not torch.is_grad_enabled():
         return False
-    return x.requires_grad or any(p.requires_grad for p in params)
+    return x.requires_grad or any(p.requires_grad for p in module.parameters())
 
 
 class _RaiseOnBackward(torch.autograd.Function):

@@ -138,7 +138,7 @@ class MoELayer(nn.Module):
         backward that reaches the output raises RuntimeError instead of a wrong gradient.
         """
         self._check_input(x_TH)
-        if needs_graph(x_TH, self.parameters()):
+        if needs_graph(x_TH, self):
             with torch.no_grad():
                 out_TH = self.forward(x_TH)
             experts = self._kernel(x_TH.device).experts.name  # "auto" resolved
