@@ -46,7 +46,8 @@ class DBOConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
-            raise ValueError(f"DBOConfig.enabled must be True or False, got {self.enabled!r}")
+            raise TypeError(f"DBOConfig.enabled must be True or False, got {self.enabled!r} "
+                            f"(a {type(self.enabled).__name__}, not a bool)")
         if isinstance(self.split, str):
             if self.split not in SPLIT_MODES:
                 raise ValueError(

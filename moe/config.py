@@ -13,7 +13,8 @@ Routing variants selected by the config (see `moe.router.route` for the maths):
   *selection* only; the returned weights are the unbiased scores of the picked experts.
 - ``renormalize``: divide the K weights of a token by their sum.
 - ``routed_scaling_factor``: multiplies the final K weights (after renormalisation).
-- ``custom_routing_function``: replaces all of the above except the scaling factor.
+- ``custom_routing_function``: replaces all of the above except the scaling factor; ids it
+  returns outside [0, num_experts) drop their (token, k) slot (`moe.router`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ RoutingFunction = Callable[[Tensor, int], "tuple[Tensor, Tensor]"]
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
 _SCORINGS = ("softmax", "sigmoid")
+_BOOL_FIELDS = ("renormalize", "use_correction_bias", "apply_router_weight_on_input",
+                "split_last_combine", "check_finite_logits")
 
 
 def _is_int(value: object) -> bool:
@@ -67,7 +70,9 @@ class MoEConfig:
     apply_router_weight_on_input: bool = False
     """Scale the expert input by the router weight instead of the output; top_k = 1 only."""
     custom_routing_function: RoutingFunction | None = None
-    """fn(logits_TE, top_k) -> (weights_TK, ids_TK) replacing scoring/renormalize/groups."""
+    """fn(logits_TE, top_k) -> (weights_TK, ids_TK) replacing scoring/renormalize/groups; a
+    (token, k) slot whose id is outside [0, num_experts) is dropped (adds nothing), on every
+    backend and expert kernel."""
     dtype: torch.dtype = torch.float32
     """Activation and weight dtype: torch.float32, torch.float16 or torch.bfloat16."""
     max_tokens_per_rank: int | None = None
@@ -82,6 +87,12 @@ class MoEConfig:
     """Raise ValueError when router logits hold NaN/Inf (one host sync per layer); off: those tokens' outputs are NaN/Inf and every other token's output is unaffected."""
 
     def __post_init__(self) -> None:
+        # First: a string such as "false" is truthy, and the checks below read these.
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"MoEConfig.{name}={value!r}: must be True or False (a bool, "
+                                f"not a {type(value).__name__}).")
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
@@ -122,10 +133,6 @@ class MoEConfig:
                 f"MoEConfig.max_tokens_per_rank={self.max_tokens_per_rank!r}: must be a "
                 f"positive int, or None for backends without a fixed capacity."
             )
-        for name in ("check_finite_logits", "split_last_combine"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r}: must be True or "
-                                 f"False.")
         if not _is_int(self.expert_chunk_size) or self.expert_chunk_size < 1:
             raise ValueError(
                 f"MoEConfig.expert_chunk_size={self.expert_chunk_size!r}: must be a positive int."

@@ -23,6 +23,7 @@ from moe.backends import make_backend
 from moe.config import MoEConfig
 from moe.experts import make_experts
 from moe.experts.base import Experts
+from moe.inference_only import detach_with_error, needs_graph
 from moe.modular_kernel import ModularKernel
 from moe.router import route
 from moe.routing_log import RoutingLog
@@ -142,8 +143,19 @@ class MoELayer(nn.Module):
             self.w2.copy_(weights["w2"][sl] if global_experts else weights["w2"])
 
     def forward(self, x_TH: Tensor) -> Tensor:
-        """[T, H] -> [T, H], both in config.dtype on the parameters' device."""
+        """[T, H] -> [T, H], both in config.dtype on the parameters' device.
+
+        Inference-only (`moe.inference_only`): no autograd graph is recorded inside, and a
+        backward that reaches the output raises RuntimeError instead of a wrong gradient.
+        """
         self._check_input(x_TH)
+        if needs_graph(x_TH, self):
+            with torch.no_grad():
+                out_TH = self.forward(x_TH)
+            experts = self._kernel(x_TH.device).experts.name  # "auto" resolved
+            return detach_with_error(out_TH, [x_TH, *self.parameters()], what=(
+                f"MoELayer layer {self.layer_id} (backend {self.backend.name!r}, experts "
+                f"{experts!r})"))
         with phase_scope("router", layer=self.layer_id):
             logits_TE = self.router(x_TH)
             if self.config.check_finite_logits:

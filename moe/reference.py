@@ -28,10 +28,11 @@ def reference_moe(
 
     Routing: ``logits = F.linear(x, router_weight)`` in x's dtype (as a model's router
     linear does, so the expert choice matches the layer's on the same device), then
-    `moe.router.route`. Each picked expert runs ``W2 (silu(Wgate x) * Wup x)`` in float32
-    and its output is added with its weight. With ``apply_router_weight_on_input`` (top-1)
-    the input is scaled by the weight instead and the output added with weight 1. Shared
-    experts, when given, see the unscaled input and are added in float32.
+    `moe.router.route` (a slot it drops, id -1, adds nothing). Each picked expert runs
+    ``W2 (silu(Wgate x) * Wup x)`` in float32 and its output is added with its weight.
+    With ``apply_router_weight_on_input`` (top-1) the input is scaled by the weight
+    instead and the output added with weight 1. Shared experts, when given, see the
+    unscaled input and are added in float32.
 
     Args:
         x_TH: [T, H] input, float32/float16/bfloat16.
@@ -66,6 +67,8 @@ def reference_moe(
     for t in range(num_tokens):
         for k in range(config.top_k):
             e, weight = int(ids_TK[t, k]), float(weights_TK[t, k])
+            if e < 0:
+                continue  # a slot custom routing dropped (`moe.router`)
             x_H = x_TH[t].float()
             if config.apply_router_weight_on_input:
                 x_H, weight = x_H * weight, 1.0

@@ -16,7 +16,9 @@ The maths, all in float32 whatever the logits dtype (``s`` = scores, ``b`` = cor
 6. ``weights *= routed_scaling_factor``.
 
 A ``custom_routing_function`` replaces steps 1-5; its output is checked for shape and
-converted to float32 weights / int64 ids; step 6 still applies.
+converted to float32 weights / int64 ids; step 6 still applies. An id it returns outside
+[0, E) (e.g. -1 for "no expert") becomes -1: that (token, k) slot is dropped, it adds
+nothing to the token's output, on every backend and expert kernel.
 
 On CUDA the built-in routing (steps 1-6) is one Triton kernel (`moe.kernels.route_triton`);
 the torch version (CPU, custom routing, and the reference in tests) takes about twenty
@@ -54,7 +56,8 @@ def route(
 
     Returns:
         ``(topk_weights_TK, topk_ids_TK)``: float32 [T, K] weights and int64 [T, K] global
-        expert ids in [0, E), both contiguous, on the logits' device (and its stream).
+        expert ids in [0, E), both contiguous, on the logits' device (and its stream); with
+        a custom routing function, -1 where it returned an id outside [0, E) (dropped).
     """
     _check_logits(logits_TE, config)
     bias_E = _check_bias(correction_bias_E, config, logits_TE)
@@ -134,8 +137,13 @@ def _custom_route(logits_TE: Tensor, config: MoEConfig) -> tuple[Tensor, Tensor]
             f"custom_routing_function returned topk_ids of dtype {ids_TK.dtype}: return an "
             f"integer tensor of global expert ids."
         )
-    # Value ranges are not checked: that would cost a host sync on every call.
-    return weights_TK.float(), ids_TK.long()
+    # An id outside [0, E) drops its (token, k) slot: it becomes -1, which every backend
+    # and expert kernel reads as "no expert here" (a range check that raises would cost
+    # a host sync on every call). Negative ids must not reach the expert maps, which
+    # would read them from the end.
+    ids_TK = ids_TK.long()
+    in_range_TK = (ids_TK >= 0) & (ids_TK < config.num_experts)
+    return weights_TK.float(), torch.where(in_range_TK, ids_TK, -1)
 
 
 def _use_triton(logits_TE: Tensor) -> bool:

@@ -1,6 +1,7 @@
 """Layer 1 (CPU): every rejected input of the README's "Bad input" table, with its error
 text, and the inputs that are accepted (zero tokens, non-contiguous tensors, NaN/Inf
-router logits by default). A last test checks the README table and this one agree.
+router logits by default, a forward with gradients on, out-of-range custom routing ids).
+A last test checks the README table and this one agree.
 
 Rejections that need two processes (capacity overflow, experts not divisible by the EP
 size, a peer's rejected inputs, configurations that differ across ranks) are tested in
@@ -57,6 +58,10 @@ class BadAgreement:
         return {"fn": lambda: 0}
 
 
+def backward_through_layer() -> None:
+    layer()(torch.randn(3, 8)).sum().backward()  # parameters require grad (the default)
+
+
 def requests_runner() -> DBORunner:
     return DBORunner(lambda x, seq_lens: x, DBOConfig(split="requests", min_prefill_tokens=1))
 
@@ -83,6 +88,14 @@ REJECTED = {
         lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
                           apply_router_weight_on_input=True), ValueError,
         "apply_router_weight_on_input=True needs top_k=1"),
+    "a config boolean that is not a bool": (
+        lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                          renormalize="false"), TypeError,
+        "MoEConfig.renormalize='false': must be True or False"),
+    "a backward through an MoE layer": (
+        backward_through_layer, RuntimeError,
+        "MoELayer layer 0 (backend 'local', experts 'reference') is inference-only: it has "
+        "no backward"),
     "unknown backend": (lambda: layer(backend="nope"), ValueError,
                         "unknown MoE backend 'nope'"),
     "unknown experts kernel": (lambda: layer(experts="nope"), ValueError,
@@ -144,6 +157,24 @@ def test_nan_router_logits_stay_in_their_token_by_default():
     assert torch.isfinite(out).all(dim=1).tolist() == [True, True, False, True, True]
     # Other tokens are unaffected (to summation order: row counts differ).
     torch.testing.assert_close(out[[0, 1, 3, 4]], clean, atol=1e-6, rtol=1e-6)
+
+
+def test_forward_with_gradients_on_is_accepted():
+    moe_layer = layer()
+    x = torch.randn(5, 8)
+    out = moe_layer(x)
+    with torch.inference_mode():
+        assert torch.equal(out, moe_layer(x))
+
+
+def test_out_of_range_custom_routing_ids_are_dropped():
+    def all_out_of_range(logits_TE: torch.Tensor, top_k: int):
+        ids = torch.tensor([[-1, 4]]).expand(logits_TE.shape[0], top_k)
+        return torch.full((logits_TE.shape[0], top_k), 0.5), ids
+
+    with torch.no_grad():
+        out = layer(custom_routing_function=all_out_of_range)(torch.randn(3, 8))
+    assert torch.equal(out, torch.zeros(3, 8))
 
 
 def test_readme_table_lists_exactly_these_errors():

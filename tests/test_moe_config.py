@@ -1,4 +1,5 @@
-"""Layer: `moe.config` -- MoEConfig validation (every ValueError path) and round_up_hidden."""
+"""Layer 1 (CPU): `moe.config` -- MoEConfig validation (every ValueError path, and the
+TypeError of a boolean field given a non-bool) and round_up_hidden."""
 from __future__ import annotations
 
 import dataclasses
@@ -66,13 +67,30 @@ def test_valid_variants() -> None:
         (dict(dtype="bfloat16"), "dtype='bfloat16'"),
         (dict(max_tokens_per_rank=0), "max_tokens_per_rank=0"),
         (dict(expert_chunk_size=0), "expert_chunk_size=0"),
-        (dict(check_finite_logits=1), "check_finite_logits=1: must be True or False"),
-        (dict(split_last_combine="yes"), "split_last_combine='yes': must be True or False"),
     ],
 )
 def test_invalid(overrides: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         make(**overrides)
+
+
+@pytest.mark.parametrize("name", ["renormalize", "use_correction_bias",
+                                  "apply_router_weight_on_input", "split_last_combine",
+                                  "check_finite_logits"])
+@pytest.mark.parametrize("value", ["false", "True", 1, 0, None])
+def test_booleans_must_be_bools(name: str, value: object) -> None:
+    # A string is truthy: "false" would otherwise switch the option on. The type error is
+    # raised before any other check reads the field (apply_router_weight_on_input="false"
+    # would otherwise be reported as needing top_k=1).
+    with pytest.raises(TypeError, match=f"MoEConfig.{name}={value!r}: must be True or False"):
+        make(**{name: value})
+
+
+def test_booleans_accept_bools() -> None:
+    config = make(renormalize=False, use_correction_bias=True, split_last_combine=False,
+                  check_finite_logits=True)
+    assert (config.renormalize, config.use_correction_bias) == (False, True)
+    assert make(top_k=1, apply_router_weight_on_input=True).apply_router_weight_on_input
 
 
 def test_round_up_hidden() -> None:

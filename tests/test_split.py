@@ -222,8 +222,10 @@ def test_config_checks() -> None:
         DBOConfig(max_imbalance=1.5)
     with pytest.raises(ValueError, match="merge must be None or a callable"):
         DBOConfig(merge="cat")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="enabled must be True or False"):
+    with pytest.raises(TypeError, match="enabled must be True or False, got 1"):
         DBOConfig(enabled=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="enabled must be True or False, got 'false'"):
+        DBOConfig(enabled="false")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         DBOConfig("tokens")  # type: ignore[misc]  # keyword-only
     DBOConfig(split=lambda args, kwargs: None, merge=lambda outs: outs[0])  # callables are fine

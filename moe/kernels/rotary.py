@@ -10,9 +10,9 @@ Shape legend: T tokens, N heads, D head dim.
 The math runs in fp32 and rounds once to x's dtype. On CUDA it is one Triton kernel that
 reads x once and writes the output once, with the products and sums rounded in fp32 one
 by one (no fused multiply-add), so it gives the torch version's bits. The torch version
-(CPU, and the reference in tests) takes nine kernels over an fp32 copy of x: for the
-deepseek-v3-like queries at 4096 tokens (128 heads of 128) that is about 3 GB of memory
-traffic per layer, against 0.27 GB for the kernel.
+(CPU, where autograd records through x, and the reference in tests) takes nine kernels
+over an fp32 copy of x: for the deepseek-v3-like queries at 4096 tokens (128 heads of
+128) that is about 3 GB of memory traffic per layer, against 0.27 GB for the kernel.
 
 `IMPLEMENTATION` picks the path, as in `moe.kernels.implementation`.
 """
@@ -44,7 +44,10 @@ def apply_rotary(x_TND: Tensor, cos_TD2: Tensor, sin_TD2: Tensor) -> Tensor:
         if tuple(t.shape) != (num_tokens, dim // 2) or t.dtype != torch.float32:
             raise ValueError(f"apply_rotary: {name} must be float32 [{num_tokens}, {dim // 2}], "
                              f"got {t.dtype} {tuple(t.shape)}")
-    if not _use_triton(x_TND) or x_TND.numel() == 0 or x_TND.stride(-1) != 1:
+    if (not _use_triton(x_TND) or x_TND.numel() == 0 or x_TND.stride(-1) != 1
+            or (torch.is_grad_enabled() and x_TND.requires_grad)):
+        # The kernel has no backward: where autograd records, the torch version (same
+        # bits) keeps the gradient of the queries and keys.
         return _apply_rotary_torch(x_TND, cos_TD2, sin_TD2)
     out_TND = torch.empty(x_TND.shape, dtype=x_TND.dtype, device=x_TND.device)
     _triton().launch_rotary(x_TND, cos_TD2.contiguous(), sin_TD2.contiguous(), out_TND)
