@@ -54,7 +54,7 @@ cudaProfilerStart and cudaProfilerStop, so that a profiler started with its capt
 (`ncu --profile-from-start off`, `nsys profile --capture-range=cudaProfilerApi`) records
 that call's kernels only, not the compiling, tuning and timed calls. stderr names each
 window with the point's weight and x bytes, which the expert paths must read at least once:
-compare them with `dram__bytes_read.sum` (BENCHMARKS.md section 2, session 20). The
+compare them with `dram__bytes_read.sum` (BENCHMARKS.md section 2). The
 profiler slows every launch, windowed or not, so times taken under it are not the
 bench's (qwen-e128 at 4096 tokens: 1.34 ms under ncu, 0.78-0.80 ms without).
 """

@@ -2,7 +2,7 @@
 
 Why benchmarks print this: an H200 running expert GEMMs back to back reaches its 700 W
 cap within about a second; from then on its SM clock sits at 1300-1600 MHz instead of
-1980 (BENCHMARKS.md section 2, session 10). A timing taken in a short burst and one taken
+1980 (BENCHMARKS.md section 2). A timing taken in a short burst and one taken
 under sustained load can differ by that much, and so can two paths timed one after the
 other. Printing the clock beside each time tells them apart.
 

@@ -6,7 +6,7 @@
 cuBLAS's Hopper GEMMs (the `nvjet` kernels) are persistent: about one CTA per SM walks a
 schedule of output tiles. When a communication kernel holds a few SMs on another stream,
 the GEMM's CTAs on those SMs fall behind and the GEMM ends when they do. Measured on 2
-H200s (BENCHMARKS.md section 3, session 13; NCCL runs the scale-out emulated all-to-all
+H200s (BENCHMARKS.md section 3, NCCL runs the scale-out emulated all-to-all
 on 4 CTAs there): the layer stand-in's six dense GEMMs at 2048 rows took 18% longer
 beside an all-to-all than alone. With cuBLASLt and 4 SMs carved out they took 1% longer
 than that alone, which was itself 5% slower than cuBLAS on every SM. At the power limit,

@@ -11,10 +11,10 @@ pipelines across the tile loop (the next tile's loads start during this one's ep
 GEMM1 loads a column block's gate and up rows as one TMA box and runs them as one dot
 twice as wide (`_tile_loop`), as the other kernel does on its TMA path. Per element the
 k order is unchanged: on an H200, `fused_moe` gave the same bits with the two-dot form
-and the one-dot form of each kernel (BENCHMARKS.md section 2, sessions 11 and 12).
+and the one-dot form of each kernel (BENCHMARKS.md section 2).
 
 The host picks it per GEMM where `gemm_policy.prefer_persistent` says, from per-GEMM
-timings of both kernels on an H200 (BENCHMARKS.md section 2, sessions 9 and 19). It has
+timings of both kernels on an H200 (BENCHMARKS.md section 2). It has
 no tails (`fused_moe_kernel`'s TAIL_M): below 512 rows per expert GEMM2 runs the other
 kernel, whose short last blocks ride on the blocks before them.
 
@@ -205,7 +205,7 @@ def _tile_loop(
 
 
 # (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, FLATTEN) on 128-row tiles, from
-# per-config timings on an H200 (sessions 9 and 11, BENCHMARKS.md section 2): GEMM2 won
+# per-config timings on an H200 (BENCHMARKS.md section 2): GEMM2 won
 # with 256-wide columns, 8 warps, 3 stages, flattened at most points; GEMM1 with 128 x 128
 # (one 128 x 256 dot of gate and up) and no flattening (flattened, it ran 10-50% slower);
 # 64-wide columns lost by 10-30% in both. Tiles of 64 rows need a table per tile height

@@ -102,7 +102,7 @@ def fused_moe_kernel(
     rows. The tail's dot is swapped, (B_e A_tail^T)^T, so that the weight columns are the
     MMA's M (warpgroup MMA needs 64) and the tail's TAIL_M rows its N. (In GEMM1 the
     second accumulator took the kernel to 255 registers and was slower, in every form
-    tried: BENCHMARKS.md section 2, sessions 18 and 19.)
+    tried: BENCHMARKS.md section 2.)
     """
     # Grouped ordering: walk GROUP_M row blocks down one column of tiles before moving on.
     pid = tl.program_id(axis=0)

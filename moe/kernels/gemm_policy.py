@@ -25,15 +25,15 @@ def choose_block_m(num_routed: int, num_experts: int) -> int:
 
 
 # When the load paths pay, from `python -m moe.tune_experts --variants ptr,tma,sorted` on an
-# H200 (BLOCK_M 128, best tile of each; BENCHMARKS.md section 2, session 3):
+# H200 (BLOCK_M 128, best tile of each; BENCHMARKS.md section 2):
 # - TMA weight tiles: 1-5% faster GEMMs at depth K >= 2048 (DeepSeek-V3 shapes, Qwen3's
 #   GEMM1), 7% slower at K = 768 (Qwen3's GEMM2), where the in-kernel descriptor set-up
 #   is a larger share of a short k-loop.
 # - Sorting x first: GEMM1 11% faster at DeepSeek-V3 H = 7168, 16384 tokens (x is 235 MB,
 #   about 4x L2), a net 0.8 ms of 21 ms after the gather; a net loss at 4096 tokens
 #   (x 59 MB) and at Qwen3's 16384 tokens (x 67 MB). That was the one-program-per-tile
-#   GEMM1. Before the persistent GEMM1, whose gate and up halves run as one dot (session
-#   11), the 0.73 ms gather no longer pays: `fused_moe` end to end at DeepSeek-V3 shapes
+#   GEMM1. Before the persistent GEMM1, whose gate and up halves run as one dot, the
+#   0.73 ms gather no longer pays: `fused_moe` end to end at DeepSeek-V3 shapes
 #   with 16384 tokens was 0.8-1.2% faster without it (BENCHMARKS.md section 2).
 TMA_MIN_K = 1024
 SORTED_X_MIN_BYTES = 128 * 2**20
@@ -51,7 +51,7 @@ def prefer_sorted_x(x_NH: torch.Tensor, *, persistent_gemm1: bool) -> bool:
 
 
 # The persistent kernel (`moe.kernels.fused_moe_persistent`), from per-GEMM timings of
-# both kernels on an H200 (BENCHMARKS.md section 2, session 9; DeepSeek-V3 shapes with
+# both kernels on an H200 (BENCHMARKS.md section 2, DeepSeek-V3 shapes with
 # 8/32/128 local experts and the Qwen3 shape, 4096 and 16384 tokens, 128-row blocks):
 # - GEMM2 (reads the sorted activation by TMA): 0-10% faster at every DeepSeek-V3 point,
 #   15% at Qwen3 with 16384 tokens, 2% slower at Qwen3 with 4096.
@@ -65,7 +65,7 @@ def prefer_sorted_x(x_NH: torch.Tensor, *, persistent_gemm1: bool) -> bool:
 # for it where other streams' kernels run beside them (`moe.experts.triton`).
 # GEMM2 at 256 rows per expert (ds-e128 and qwen-e128 at 4096 tokens): the one-per-tile
 # kernel with its short last blocks riding on the blocks before them (`TAIL_M`, which the
-# persistent kernel lacks) was 4% faster at ds-e128 and level at qwen-e128 (session 19);
+# persistent kernel lacks) was 4% faster at ds-e128 and level at qwen-e128;
 # hence PERSISTENT_GEMM2_MIN_ROWS.
 PERSISTENT = True
 PERSISTENT_GEMM1_MIN_K = 4096
@@ -85,7 +85,7 @@ def prefer_persistent(block_m: int, *, gated: bool, k: int, rows_per_expert: flo
 
 
 # Tiles shorter than the routing's 128-row blocks, from `python -m moe.tune_experts` on an
-# H200 (DeepSeek-V3 and Qwen3 shapes, 2048-4096 tokens; BENCHMARKS.md section 2, session 4):
+# H200 (DeepSeek-V3 and Qwen3 shapes, 2048-4096 tokens; BENCHMARKS.md section 2):
 # - GEMM1 (gated) in 64-row tiles: DeepSeek-V3 at 1024 rows per expert 15% faster (a
 #   64 x 256 tile beats 128 x 64-128), equal within 2% at 256-512 rows and at Qwen3.
 #   With many more rows per expert each weight tile is read twice as often, and
@@ -96,8 +96,8 @@ def prefer_persistent(block_m: int, *, gated: bool, k: int, rows_per_expert: flo
 #   K = 7168 (the kernel then holds two copies of the k-loop).
 # - GEMM2 with last blocks of at most 32 rows riding on the block before (`TAIL_M`, a
 #   swapped second tile): 3-5% faster than half tails alone at 256 rows per expert, 1.6%
-#   at 513 (session 19). In GEMM1 a tail, swapped or not, took the kernel to 255
-#   registers and was 5-20% slower (sessions 18 and 19).
+#   at 513. In GEMM1 a tail, swapped or not, took the kernel to 255
+#   registers and was 5-20% slower.
 # A module switch, so that benchmarks can compare against one tile height per call.
 SHORT_TILES = True
 SHORT_GEMM1_MAX_ROWS = 1024
@@ -129,5 +129,5 @@ def gemm_tiles(block_m: int, *, gated: bool, rows_per_expert: float) -> GemmTile
 
 # Rows of ids routed elsewhere (-1): GEMM2 skips them and the k-sum
 # (`fused_moe.sum_routed_rows`) reads only the rows it wrote. False: GEMM2 writes zero rows
-# there and torch sums all K rows (the path before session 4, kept for comparison).
+# there and torch sums all K rows (the older path, kept for comparison).
 SKIP_DROPPED_ROWS = True

@@ -1,7 +1,7 @@
 """Launch Triton kernels through their compiled handles, skipping most of the per-call
 Python work of `kernel[grid](...)`.
 
-Host time per launch on Triton 3.6 (2x H200 machine, BENCHMARKS.md section 3, session 7):
+Host time per launch on Triton 3.6 (2x H200 machine, BENCHMARKS.md section 3):
 `fused_moe_kernel` (33 arguments) costs ~38 us through `kernel[grid](...)` and ~57 us
 through `triton.autotune`, of which ~8 us bind and specialize the arguments and ~14 us
 are the launch itself. The rest (option parsing, building a string cache key,
