@@ -1,7 +1,7 @@
 """dbo: dual-batch overlap for Mixture-of-Experts models in PyTorch."""
 from dbo.config import SPLIT_MODES, DBOConfig
 from dbo.graphs import GraphedRunner
-from dbo.groups import new_group
+from dbo.groups import destroy_group, new_group
 from dbo.merge import merge_outputs
 from dbo.runner import DBORunner
 from dbo.scheduler import UBatchScheduler
@@ -33,6 +33,7 @@ __all__ = [
     "SplitPlan",
     "UBatchScheduler",
     "UBatchSlice",
+    "destroy_group",
     "merge_outputs",
     "new_group",
     "plan_split",
