@@ -39,13 +39,13 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Twin:
-    """One twin (or the fact that none can be made: None) of an EP group on a backend."""
+    """The twin of an EP group (held weakly) on a backend (None: the default one)."""
 
     owner: "weakref.ref[dist.ProcessGroup]"
     backend: Optional[str]
-    twin: Optional[dist.ProcessGroup]
+    twin: dist.ProcessGroup
 
 
 # Every twin made here, in the order made (process groups are process-wide objects).
@@ -114,15 +114,15 @@ def twin_group(group: dist.ProcessGroup, *, backend: Optional[str] = None
     subgroup of the world the other ranks are not there: returns None, and the caller
     uses `group` itself.
     """
+    if dist.get_world_size(group) != dist.get_world_size():
+        return None  # a subgroup, or this rank is not in `group`
     for entry in _TWINS:
         if entry.owner() is group and entry.backend == backend:
             return entry.twin
     _destroy_orphans()
-    twin = None
-    if dist.get_world_size(group) == dist.get_world_size():
-        timeout = group_timeout(group)
-        twin = dist.new_group(ranks=list(range(dist.get_world_size())), backend=backend,
-                              **({} if timeout is None else {"timeout": timeout}))
+    timeout = group_timeout(group)
+    twin = dist.new_group(ranks=list(range(dist.get_world_size())), backend=backend,
+                          **({} if timeout is None else {"timeout": timeout}))
     _TWINS.append(_Twin(weakref.ref(group), backend, twin))
     return twin
 
@@ -136,7 +136,7 @@ def side_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup
     twin = twin_group(group)
     if twin is not None:
         return twin
-    if group not in _SHARED:
+    if isinstance(group, dist.ProcessGroup) and group not in _SHARED:  # not a sentinel
         logger.info("count exchanges and votes share the EP group's communicator: a separate "
                     "one for a subgroup would need every rank of the world to create it")
         _SHARED.add(group)
@@ -148,8 +148,8 @@ def _live(group: dist.ProcessGroup) -> bool:
     return group in dist.distributed_c10d._world.pg_map
 
 
-def _destroy_if_live(group: Optional[dist.ProcessGroup]) -> None:
-    if group is not None and _live(group):
+def _destroy_if_live(group: dist.ProcessGroup) -> None:
+    if _live(group):
         dist.destroy_process_group(group)
 
 
