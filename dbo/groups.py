@@ -75,8 +75,8 @@ def destroy_group(group: dist.ProcessGroup) -> None:
     """Destroy `group`'s side groups, then `group` (`dist.destroy_process_group`).
 
     Local, like `dist.destroy_process_group(group)`; every rank of the group calls it
-    after the group's last collective. For the default group, use
-    `dist.destroy_process_group()` (it destroys every group).
+    after the group's last collective. For the default group this destroys every group,
+    as torch does.
     """
     for entry in [e for e in _TWINS if e.owner() is group]:
         _TWINS.remove(entry)
@@ -145,6 +145,8 @@ def side_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup
 
 def _live(group: dist.ProcessGroup) -> bool:
     """Whether `group` is still registered with torch (not destroyed)."""
+    # torch has no public query for this; destroy_process_group takes the group out of
+    # this map (and clears it for the default group).
     return group in dist.distributed_c10d._world.pg_map
 
 

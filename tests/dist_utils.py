@@ -3,7 +3,8 @@
 `run_distributed(world_size, fn, *args)` spawns `world_size` processes, each calling
 `fn(rank, world_size, *args)` inside an initialised default process group (collective
 timeout `init_timeout_s`), and returns the list of their return values (rank order). A
-failure on any rank raises here with that rank's traceback. `fn` must be a module-level function (spawn pickles it by name).
+failure on any rank raises here with that rank's traceback. `fn` must be a module-level
+function (spawn pickles it by name).
 """
 from __future__ import annotations
 

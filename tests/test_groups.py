@@ -7,7 +7,7 @@
   this process's open file descriptors flat, whether the group came from `dbo.new_group`
   or `dist.new_group`, destroyed by `dist.destroy_process_group` or `dbo.destroy_group`.
 
-The in-process tests at the end check reading a group's timeout (layer 1).
+The in-process test first: a group whose timeout cannot be read is said so (layer 1).
 """
 from __future__ import annotations
 
@@ -56,11 +56,26 @@ def outcome(step: Callable[[], Any]) -> dict:
     return {"type": None, "elapsed": time.monotonic() - start}
 
 
+def test_group_timeout_says_when_it_cannot_read_the_backend(
+        caplog: pytest.LogCaptureFixture) -> None:
+    class NoOptions:
+        _device_types = [torch.device("cpu").type]
+
+        def _get_backend(self, device: torch.device) -> object:
+            return object()
+
+    with caplog.at_level(logging.WARNING, logger="dbo.groups"):
+        assert group_timeout(NoOptions()) is None  # type: ignore[arg-type]
+    assert "torch's default" in caplog.text
+
+
+# ------------------------------------------------------------------ two gloo ranks
 def peer_fails_after_the_vote(rank: int, world_size: int, made_by: str) -> dict:
     if made_by == "init_process_group":
         group = dist.group.WORLD
     else:
         group = dist.new_group(timeout=timedelta(seconds=TIMEOUT_S))
+    timeout = group_timeout(group)
     layer = ep_layer(group)
     runner = dbo.DBORunner(layer, STEP, group=group)
     store = dist.distributed_c10d._get_default_store()
@@ -78,16 +93,17 @@ def peer_fails_after_the_vote(rank: int, world_size: int, made_by: str) -> dict:
         return result
     result = outcome(lambda: runner(torch.randn(12, 16)))
     store.set("rank 0 failed", "1")
-    return result
+    return {**result, "timeout": timeout}
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("made_by", ["init_process_group", "dist.new_group"])
 def test_a_timeout_given_to_torch_bounds_the_count_exchange(made_by: str) -> None:
+    init_timeout_s = TIMEOUT_S if made_by == "init_process_group" else 120.0
     waiting, failed = run_distributed(2, peer_fails_after_the_vote, made_by,
-                                      init_timeout_s=TIMEOUT_S if made_by ==
-                                      "init_process_group" else 120.0)
+                                      init_timeout_s=init_timeout_s)
     assert failed["type"] == "Injected", failed
+    assert waiting["timeout"] == timedelta(seconds=TIMEOUT_S)
     assert waiting["type"] == "RuntimeError", waiting
     assert "[dbo] rank 0, ubatch 0, layer 0, phase dispatch_send" in waiting["notes"], waiting
     assert "re-create the process group" in waiting["notes"]
@@ -99,8 +115,8 @@ def open_fds() -> int:
 
 
 def fds_over_recreations(rank: int, world_size: int, cycles: int) -> dict[str, list]:
-    """Per way of making the group: (open files before making it, after destroying it)
-    per cycle; the cycles alternate `dist.destroy_process_group` and `dbo.destroy_group`."""
+    """Per way of making the group: (open files, process groups torch holds) after each
+    cycle; the cycles alternate `dist.destroy_process_group` and `dbo.destroy_group`."""
     makers = {
         "dbo.new_group": lambda: dbo.new_group(timeout_s=60),
         "dist.new_group": lambda: dist.new_group(timeout=timedelta(seconds=60)),
@@ -110,14 +126,13 @@ def fds_over_recreations(rank: int, world_size: int, cycles: int) -> dict[str, l
     for name, make in makers.items():
         counts[name] = []
         for cycle in range(cycles):
-            before = open_fds()
             group = make()
             runner = dbo.DBORunner(ep_layer(group), STEP, group=group)
             with torch.no_grad():
                 runner(torch.randn(12, 16))
             destroyers[cycle % 2](group)
             del runner, group
-            counts[name].append((before, open_fds()))
+            counts[name].append((open_fds(), len(dist.distributed_c10d._world.pg_map)))
     return counts
 
 
@@ -125,23 +140,11 @@ def fds_over_recreations(rank: int, world_size: int, cycles: int) -> dict[str, l
 def test_recreating_the_group_keeps_open_files_flat() -> None:
     cycles = 20
     for counts in run_distributed(2, fds_over_recreations, cycles):
-        for how, fds in counts.items():
-            after = [a for _, a in fds]
+        for how, after in counts.items():
+            fds = [f for f, _ in after]
             # Flat once warm (the first cycles may open what every later one reuses),
             # per destroyer: a plain destroy leaves the side group until the next one.
-            assert all(late <= warm for late, warm in zip(after[-2:], after[2:4])), (how, after)
-            # dbo.destroy_group takes the side group down with the group, at once.
-            assert all(a <= b for b, a in fds[3::2]), (how, fds)
-
-
-# ------------------------------------------------------------------ in one process
-def test_group_timeout_reads_the_backend_or_says_it_cannot(caplog) -> None:
-    class NoOptions:
-        _device_types = [torch.device("cpu").type]
-
-        def _get_backend(self, device: torch.device) -> object:
-            return object()
-
-    with caplog.at_level(logging.WARNING, logger="dbo.groups"):
-        assert group_timeout(NoOptions()) is None  # type: ignore[arg-type]
-    assert "torch's default" in caplog.text
+            assert all(late <= warm for late, warm in zip(fds[-2:], fds[2:4])), (how, fds)
+            # dbo.destroy_group takes the side group down with the group, at once: torch
+            # holds the default group alone.
+            assert all(groups == 1 for _, groups in after[1::2]), (how, after)
