@@ -103,11 +103,11 @@ def test_a_timeout_given_to_torch_bounds_the_count_exchange(made_by: str) -> Non
     waiting, failed = run_distributed(2, peer_fails_after_the_vote, made_by,
                                       init_timeout_s=init_timeout_s)
     assert failed["type"] == "Injected", failed
-    assert waiting["timeout"] == timedelta(seconds=TIMEOUT_S)
     assert waiting["type"] == "RuntimeError", waiting
     assert "[dbo] rank 0, ubatch 0, layer 0, phase dispatch_send" in waiting["notes"], waiting
     assert "re-create the process group" in waiting["notes"]
     assert 0.9 * TIMEOUT_S <= waiting["elapsed"] < BOUND_S, waiting["elapsed"]
+    assert waiting["timeout"] == timedelta(seconds=TIMEOUT_S)  # read from the group
 
 
 def open_fds() -> int:
