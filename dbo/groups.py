@@ -18,10 +18,11 @@ group was made (`init_process_group(timeout=...)`, `dist.new_group(timeout=...)`
 `dbo.new_group(timeout_s=...)`): it is read from the group's backend (`group_timeout`);
 where torch does not expose it the twin gets torch's default, with a warning.
 
-A twin lives as long as its EP group: `dbo.destroy_group(group)` destroys the group's
-twins, then the group. After a plain `dist.destroy_process_group(group)` (or once the
+A twin goes with its EP group: `dbo.destroy_group(group)` destroys the group's twins at
+once, then the group. After a plain `dist.destroy_process_group(group)` (or once the
 group is garbage), its twins are destroyed at the next point where dbo makes a side
-group, a point that every rank reaches in the same order (a layer's construction). The
+group, a point that every rank reaches in the same order (the new layers' construction,
+a new group's first vote on the device), so re-creating groups does not accumulate. The
 registry holds EP groups by weak reference, so it keeps no destroyed group alive; a
 gloo group's sockets close when its last reference goes.
 """
