@@ -2,7 +2,7 @@
 from dbo.agreement import ConfigMismatchError, PeerInputError
 from dbo.config import SPLIT_MODES, DBOConfig
 from dbo.graphs import GraphedRunner
-from dbo.groups import new_group
+from dbo.groups import destroy_group, new_group
 from dbo.merge import merge_outputs
 from dbo.runner import DBORunner
 from dbo.scheduler import UBatchScheduler
@@ -36,6 +36,7 @@ __all__ = [
     "SplitPlan",
     "UBatchScheduler",
     "UBatchSlice",
+    "destroy_group",
     "merge_outputs",
     "new_group",
     "plan_split",

@@ -1,9 +1,10 @@
 """Launch a function on several processes (gloo on CPU, NCCL on GPU) for tests.
 
 `run_distributed(world_size, fn, *args)` spawns `world_size` processes, each calling
-`fn(rank, world_size, *args)` inside an initialised default process group, and returns
-the list of their return values (rank order). A failure on any rank raises here with
-that rank's traceback. `fn` must be a module-level function (spawn pickles it by name).
+`fn(rank, world_size, *args)` inside an initialised default process group (collective
+timeout `init_timeout_s`), and returns the list of their return values (rank order). A
+failure on any rank raises here with that rank's traceback. `fn` must be a module-level
+function (spawn pickles it by name).
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ import torch.multiprocessing as mp
 from dbo.launch import free_port
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any],
-            args: tuple, queue: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, backend: str, init_timeout_s: float,
+            fn: Callable[..., Any], args: tuple, queue: Any) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -30,7 +31,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=120))
+                                timeout=timedelta(seconds=init_timeout_s))
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
@@ -41,12 +42,14 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
 
 
 def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any,
-                    backend: str = "gloo", timeout_s: float = 240.0) -> list[Any]:
+                    backend: str = "gloo", timeout_s: float = 240.0,
+                    init_timeout_s: float = 120.0) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return results."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue))
+    procs = [ctx.Process(target=_worker,
+                         args=(r, world_size, port, backend, init_timeout_s, fn, args, queue))
              for r in range(world_size)]
     for p in procs:
         p.start()

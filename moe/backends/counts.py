@@ -12,10 +12,10 @@ waits for that copy alone.
 
 The side group (`dbo.groups.side_group`, which the vote uses too) is created once per EP
 group (collectively, in construction order, like every process group), with the EP
-group's timeout when it was made by `dbo.new_group`. When the EP group is a subgroup of
-the world, creating one would need every rank of the world to join, so the exchange then
-shares the EP group's communicator (still on the side stream). On CPU (gloo) the exchange
-runs synchronously.
+group's timeout however that group was made, and destroyed with it (`dbo.groups`). When
+the EP group is a subgroup of the world, creating one would need every rank of the world
+to join, so the exchange then shares the EP group's communicator (still on the side
+stream). On CPU (gloo) the exchange runs synchronously.
 """
 from __future__ import annotations
 
