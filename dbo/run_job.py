@@ -271,6 +271,7 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
     performance = ctx.device.type == "cuda"
     summary = {
         "job": "dbo run", "config": asdict(job), "backend": backend, "world_size": ctx.world_size,
+        "num_experts": model.config.moe.num_experts,
         "device": str(ctx.device.type), "dtype": str(job_setup.dtype),
         "cuda_graph": job.cuda_graph,
         "split": decision.split, "reason": decision.reason,
@@ -295,7 +296,8 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
 def print_summary(s: dict) -> None:
     cfg = s["config"]
     print(f"dbo run: preset {cfg['preset']}, {s['world_size']} ranks on {s['device']} "
-          f"({s['dtype']}), backend {s['backend']}, tokens per rank {s['tokens_per_rank']}")
+          f"({s['dtype']}), backend {s['backend']}, {s['num_experts']} experts, tokens per "
+          f"rank {s['tokens_per_rank']}")
     print(f"split: {s['split']} ({s['reason']})")
     verdict = "match" if s["outputs_match"] else "DIFFER"
     print(f"outputs DBO on vs off: {verdict} (max |diff| per rank {['%.2e' % d for d in s['max_abs_diff']]}, "
