@@ -183,8 +183,8 @@ def format_table(result: SweepResult) -> str:
     s = summarize(result)
     if cfg.functional:
         lines.append(f"summary: functional run, {s['points']} points ran (DBO split the step "
-                     f"at {s['points_split']}); no speedup: nothing overlaps on CPU, run "
-                     f"on GPUs to measure one  [{cfg.regime}]")
+                     f"at {s['points_split']}); nothing overlaps on CPU: measure DBO on "
+                     f"GPUs  [{cfg.regime}]")
     else:
         lines.append(f"summary: best speedup {s['max_speedup']:.3f}x; worst gated speedup "
                      f"{s['min_gated_speedup']:.3f}x; gated never >1% slower: "
