@@ -15,7 +15,6 @@ For Nsight Systems instead of torch.profiler (where `nsys` is installed):
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Optional
