@@ -220,3 +220,28 @@ def test_cpu_timings_are_labelled_a_functional_check(capsys):
     assert "speedup" not in out and "DBO lost here" not in out
     print_summary(_summary(speedup=1.2))
     assert "speedup: 1.200x" in capsys.readouterr().out
+
+
+PROFILE_ONCE = """
+import sys
+if sys.argv[1] == "quiet":
+    from dbo.cli import quiet_profiler_logs
+    quiet_profiler_logs()
+import torch
+from torch.profiler import profile
+with profile():
+    torch.ones(2) + 1
+"""
+
+
+def test_profiler_start_and_stop_print_no_usdt_lines():
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    loud, quiet = (subprocess.run([sys.executable, "-c", PROFILE_ONCE, mode], env=env,
+                                  capture_output=True, text=True, timeout=120)
+                   for mode in ("loud", "quiet"))
+    assert loud.returncode == 0 and quiet.returncode == 0, quiet.stderr[-2000:]
+    if "profiler_start" not in loud.stderr:
+        pytest.skip("this torch build's profiler prints no USDT lines")
+    assert "USDT" not in quiet.stderr and "profiler_start" not in quiet.stderr, quiet.stderr
