@@ -14,13 +14,13 @@ the best repeat, a lower bound less disturbed by other processes on the machine)
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import threading
 import time
 
+from dbo.cli import Parser
 from dbo.scheduler import UBatchScheduler
 from dbo.yield_points import (
     dbo_yield,
@@ -69,8 +69,7 @@ def time_threads(num_yields: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dbo bench-switch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser("dbo bench-switch", description=__doc__)
     parser.add_argument("--yields", type=int, default=100_000,
                         help="hand-offs per ubatch in one greenlet measurement")
     parser.add_argument("--thread-yields", type=int, default=20_000,

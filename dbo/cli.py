@@ -8,13 +8,19 @@
     dbo soak          many random-size DBO steps against the reference (dbo.soak)
 
 `python -m dbo.cli <command> ...` does the same (use it under torchrun).
+
+Every command's parser is a `Parser`: each option's help ends with its default, and a
+bad value ends the command with one line on stderr and exit code 2, before any rank
+starts.
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
-from typing import Optional
+from pathlib import Path
+from typing import NoReturn, Optional
 
 COMMANDS = {
     "run": ("dbo.run_job", "the main job: a preset MoE model with DBO on and off"),
@@ -24,6 +30,59 @@ COMMANDS = {
     "bench-switch": ("dbo.bench_switch", "CPU cost per ubatch hand-off vs OS threads"),
     "soak": ("dbo.soak", "many random-size DBO steps vs the no-DBO reference; memory stays flat"),
 }
+
+
+# Kineto (torch.profiler's engine) prints "USDT: ... profiler_start" and "profiler_stop" to
+# stderr at every profiler start and stop, unless its log level, read once when the
+# profiler first starts in a process, is above USDT (5). No level hides those lines and
+# keeps Kineto's errors (ERROR = 4 sits below USDT); `KINETO_LOG_LEVEL=4 dbo ...` brings
+# both back.
+KINETO_QUIET_LEVEL = "6"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                    argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs as written; each option's help ends with its default
+    (not for flags, whose default is "off", nor for options without one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (`prog: message`) and exit code 2."""
+
+    def __init__(self, prog: str, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(prog=prog, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def check_out_dir(option: str, path: str) -> None:
+    """Reject an output folder that is an existing file (ValueError with the fix): found
+    now, not when the job writes its results."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(f"{option}={path}: that is an existing file, and the results go "
+                         f"into a folder: name a folder (it is created if missing)")
+
+
+def check_out_file(option: str, path: str) -> None:
+    """Reject an output file that cannot be written: a folder, or a missing parent."""
+    if Path(path).is_dir():
+        raise ValueError(f"{option}={path}: that is a folder: name a file")
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise ValueError(f"{option}={path}: folder {parent} does not exist: create it first")
+
+
+def quiet_profiler_logs() -> None:
+    """Hide Kineto's "USDT ... profiler_start/stop" lines in this process and in the
+    ranks it starts, unless the user set KINETO_LOG_LEVEL."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)
 
 
 def usage() -> str:
@@ -44,6 +103,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if os.environ.get("DBO_NVTX") == "1":  # the CLI is the one place env vars are read
         from traces.ranges import TraceConfig, configure
         configure(TraceConfig(nvtx=True))
+    quiet_profiler_logs()
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)
 

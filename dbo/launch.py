@@ -53,23 +53,36 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def resolve_world_size(world_size: Optional[int] = None) -> int:
+    """The number of ranks `launch(..., world_size=world_size)` runs: torchrun's, else
+    `world_size` or every visible GPU, else `world_size` or 2 CPU ranks. Call it before
+    launching to check a job against its group size. ValueError (with the fix) for a size
+    that cannot start here."""
+    if world_size is not None and (isinstance(world_size, bool) or world_size < 1):
+        raise ValueError(f"--world-size={world_size}: must be >= 1")
+    if under_torchrun():
+        started = int(os.environ["WORLD_SIZE"])
+        if world_size is not None and world_size != started:
+            raise ValueError(f"--world-size={world_size} but torchrun started {started} "
+                             f"ranks: drop --world-size under torchrun")
+        return started
+    if torch.cuda.is_available():
+        available = torch.cuda.device_count()
+        if world_size is not None and world_size > available:
+            raise ValueError(f"--world-size={world_size} but only {available} GPUs are "
+                             f"visible: use at most {available}")
+        return world_size or available
+    return world_size or DEFAULT_CPU_RANKS
+
+
 def launch(worker: Worker, job: Any, *, world_size: Optional[int] = None,
            timeout_s: float = 1800.0) -> Any:
     """Run `worker(ctx, job)` on every rank; return rank 0's result (on rank 0)."""
-    if world_size is not None and world_size < 1:
-        raise ValueError(f"world_size={world_size}: must be >= 1")
+    world_size = resolve_world_size(world_size)
     if under_torchrun():
-        return _run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+        return _run_rank(int(os.environ["RANK"]), world_size,
                          int(os.environ.get("LOCAL_RANK", os.environ["RANK"])), worker, job,
                          init_env=False)
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        available = torch.cuda.device_count()
-        world_size = world_size or available
-        if world_size > available:
-            raise ValueError(f"world_size={world_size} but only {available} GPUs are visible")
-    else:
-        world_size = world_size or DEFAULT_CPU_RANKS
     if world_size == 1:
         return _run_rank(0, 1, 0, worker, job, init_env=True, port=free_port())
     return _spawn(world_size, worker, job, timeout_s)

@@ -4,6 +4,7 @@
     dbo run --preset tiny --tokens 512 --backend a2a_ll --steps 5 --out dbo_out/run
     torchrun --nproc_per_node=2 -m dbo.cli run --preset qwen3-moe-like --tokens 4096
     dbo run --preset deepseek-v3-like --tokens 1024 --cuda-graph   # GPUs: graph replays
+    dbo run --world-size 3 --num-experts 6                         # CPU: 3 gloo ranks
 
 Each rank builds the same model (experts split across ranks), draws its own batch
 (ranks get different token counts), and runs it once without DBO and once through the
@@ -14,6 +15,10 @@ under torch.profiler with the phase labels, and prints: the timing table, the sp
 decision, and the order in which the two ubatches issued the phases of one MoE layer.
 Into `--out` it writes `summary.json`, the Chrome trace `trace.json` (open in Perfetto),
 `trace_analysis.json` and `trace_timeline.png`.
+
+On CPU the step times are those of a functional check, not a performance figure: gloo
+runs each collective on the calling thread, so nothing can overlap, and no speedup is
+reported.
 
 With `--cuda-graph` (GPUs only) both modes run as CUDA graph replays: DBO off as one
 captured forward, DBO on through a `dbo.graphs.GraphedRunner` (the vote still runs every
@@ -36,13 +41,18 @@ import torch
 import torch.distributed as dist
 
 from dbo.capture import capture, phase_order
+from dbo.cli import Parser, check_out_dir
 from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, capture_graph
-from dbo.launch import RankContext, launch
+from dbo.launch import RankContext, launch, resolve_world_size
 from dbo.runner import DBORunner
+from moe.backends import BACKENDS as MOE_BACKENDS
+from moe.experts import EXPERTS as EXPERT_KERNELS
+from moe.presets import PRESETS
 from moe.routing_log import record_routing, routing_ties
 
-BACKENDS = ("auto", "local", "naive", "a2a", "a2a_ll")
+BACKENDS = ("auto", *MOE_BACKENDS)
+EXPERTS = ("auto", *EXPERT_KERNELS)
 # Backends `--cuda-graph` runs: all but a2a, which reads its token counts on the host.
 # naive reads nothing there with the capacity that `setup_rank` sets
 # (`PrepareFinalize.graph_safe`).
@@ -63,6 +73,9 @@ class RunConfig:
     """Dispatch/combine backend."""
     experts: str = "auto"
     """Expert kernel."""
+    num_experts: Optional[int] = None
+    """Override the preset's routed expert count (over all ranks: a multiple of the
+    world size)."""
     steps: int = 3
     """Timed steps per mode, after warm-up."""
     warmup: int = 1
@@ -84,10 +97,16 @@ class RunConfig:
                 raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
         if self.warmup < 0:
             raise ValueError(f"--warmup={self.warmup}: must be >= 0")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"--backend={self.backend!r}: choose one of {BACKENDS}")
-        if self.layers is not None and self.layers < 1:
-            raise ValueError(f"--layers={self.layers}: must be >= 1")
+        for name, choices in (("preset", PRESETS), ("backend", BACKENDS),
+                              ("experts", EXPERTS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"--{name}={getattr(self, name)!r}: choose one of "
+                                 f"{', '.join(choices)}")
+        for name in ("layers", "num_experts"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={value}: must be >= 1")
+        check_out_dir("--out", self.out)
         if self.cuda_graph and self.backend not in GRAPH_BACKENDS:
             raise ValueError(f"--cuda-graph with --backend={self.backend}: that backend reads "
                              f"device values on the host, which a CUDA graph cannot; use one "
@@ -99,6 +118,26 @@ class RunConfig:
 
 def tokens_for_rank(job: RunConfig, rank: int) -> int:
     return max(1, job.tokens - rank * (job.tokens // 8))
+
+
+def model_config(job: RunConfig, world_size: int) -> Any:
+    """The preset's `ModelConfig` with the job's overrides for a group of `world_size`
+    ranks. ValueError (with the fix) where the preset cannot run that way, e.g. experts
+    that do not split over the ranks: call it before starting them."""
+    from moe.model import get_preset
+
+    max_tokens = max(tokens_for_rank(job, r) for r in range(world_size))
+    overrides: dict[str, Any] = {"max_tokens_per_rank": max_tokens}
+    if job.layers is not None:
+        overrides["num_layers"] = job.layers
+    if job.num_experts is not None:
+        overrides["num_experts"] = job.num_experts
+    config = get_preset(job.preset, **overrides)
+    if config.moe.num_experts % world_size:
+        raise ValueError(f"{config.moe.num_experts} routed experts ({job.preset}) do not "
+                         f"split over {world_size} ranks: pass --num-experts N with N a "
+                         f"multiple of {world_size}, or another --world-size")
+    return config
 
 
 def _timed(fn: Any, steps: int, device: torch.device) -> list[float]:
@@ -150,13 +189,9 @@ class RankSetup:
 def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
     """Build the preset model (same global weights on every rank), this rank's batch
     and a DBORunner voting over all ranks."""
-    from moe.model import MoETransformer, get_preset, make_batch
+    from moe.model import MoETransformer, make_batch
 
-    max_tokens = max(tokens_for_rank(job, r) for r in range(ctx.world_size))
-    overrides: dict[str, Any] = {"max_tokens_per_rank": max_tokens}
-    if job.layers is not None:
-        overrides["num_layers"] = job.layers
-    config = get_preset(job.preset, **overrides)
+    config = model_config(job, ctx.world_size)
     if job.cuda_graph and ctx.device.type != "cuda":
         raise ValueError(f"--cuda-graph needs CUDA GPUs; this rank runs on {ctx.device}")
     backend = job.backend
@@ -231,8 +266,12 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
     total_tokens = sum(int(r[5]) for r in per_rank)
     step_off = max(r[3] for r in per_rank)
     step_on = max(r[4] for r in per_rank)
+    # On CPU gloo runs each collective on the calling thread: there is nothing to
+    # overlap, and the times only show that both modes ran.
+    performance = ctx.device.type == "cuda"
     summary = {
         "job": "dbo run", "config": asdict(job), "backend": backend, "world_size": ctx.world_size,
+        "num_experts": model.config.moe.num_experts,
         "device": str(ctx.device.type), "dtype": str(job_setup.dtype),
         "cuda_graph": job.cuda_graph,
         "split": decision.split, "reason": decision.reason,
@@ -240,9 +279,10 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
         "max_abs_diff": [r[0] for r in per_rank], "tolerance": [r[1] for r in per_rank],
         "routing_ties": [int(r[2]) for r in per_rank],
         "tokens_per_rank": [int(r[5]) for r in per_rank],
+        "timings": "performance" if performance else "functional",
         "step_ms": {"dbo_off": step_off * 1e3, "dbo_on": step_on * 1e3},
         "tokens_per_s": {"dbo_off": total_tokens / step_off, "dbo_on": total_tokens / step_on},
-        "speedup": step_off / step_on,
+        "speedup": step_off / step_on if performance else None,
         "phase_order_layer": moe_layer, "phase_order": [f"ub{u} {p}" for u, p in order],
         "files": {} if captured is None else {
             "trace": str(captured.trace_path), "analysis": str(captured.analysis_path),
@@ -256,7 +296,8 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
 def print_summary(s: dict) -> None:
     cfg = s["config"]
     print(f"dbo run: preset {cfg['preset']}, {s['world_size']} ranks on {s['device']} "
-          f"({s['dtype']}), backend {s['backend']}, tokens per rank {s['tokens_per_rank']}")
+          f"({s['dtype']}), backend {s['backend']}, {s['num_experts']} experts, tokens per "
+          f"rank {s['tokens_per_rank']}")
     print(f"split: {s['split']} ({s['reason']})")
     verdict = "match" if s["outputs_match"] else "DIFFER"
     print(f"outputs DBO on vs off: {verdict} (max |diff| per rank {['%.2e' % d for d in s['max_abs_diff']]}, "
@@ -266,13 +307,16 @@ def print_summary(s: dict) -> None:
               f"router logits agreeing: {s['routing_ties']} (moe/routing_log.py)")
     if s["cuda_graph"]:
         print("both modes ran as CUDA graph replays; the trace is of an eager DBO step")
+    if s["speedup"] is None:
+        print(f"\nfunctional check on {s['device']}, not a performance figure: gloo runs "
+              f"each collective on the calling thread, so nothing overlaps; the times only "
+              f"show that both modes ran ({cfg['steps']} timed steps each)")
     print(f"\n{'mode':<10} {'step ms (median, slowest rank)':>32} {'tokens/s':>12}")
     for mode in ("dbo_off", "dbo_on"):
         print(f"{mode:<10} {s['step_ms'][mode]:>32.3f} {s['tokens_per_s'][mode]:>12.0f}")
-    print(f"speedup: {s['speedup']:.3f}x"
-          + ("  (CPU gloo: no separate comm stream, so no overlap is expected)"
-             if s["device"] == "cpu" else ""))
-    if s["device"] == "cuda" and s["speedup"] < 1.0:
+    if s["speedup"] is not None:
+        print(f"speedup: {s['speedup']:.3f}x")
+    if s["speedup"] is not None and s["speedup"] < 1.0:
         print("  DBO lost here: at this size its split compute and extra launches cost more "
               "than the overlap hides" + ("" if s["cuda_graph"] else " (--cuda-graph cuts "
               "the launches)") + "; `dbo bench` measures where it wins, and gates it off "
@@ -287,49 +331,72 @@ def print_summary(s: dict) -> None:
               + f", {Path(cfg['out']) / 'summary.json'}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dbo run", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = RunConfig()
-    p.add_argument("--preset", default=d.preset)
-    p.add_argument("--tokens", type=int, default=d.tokens, help="tokens per rank")
+def build_parser(*, prog: str = "dbo run", description: Optional[str] = __doc__,
+                 defaults: Optional[RunConfig] = None,
+                 traced: bool = False) -> argparse.ArgumentParser:
+    """The options of `dbo run`; `traced=True` (`dbo trace`, whose job is the trace)
+    leaves out --no-trace, and --cuda-graph, as a traced step runs eagerly."""
+    d = defaults or RunConfig()
+    p = Parser(prog, description=description)
+    p.add_argument("--preset", default=d.preset, choices=PRESETS, help="model shapes")
+    p.add_argument("--tokens", type=int, default=d.tokens,
+                   help="tokens per rank (rank r gets tokens - r * (tokens // 8))")
     p.add_argument("--requests", type=int, default=d.requests, help="requests per rank")
-    p.add_argument("--backend", default=d.backend, choices=BACKENDS)
-    p.add_argument("--experts", default=d.experts)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out", default=d.out)
-    p.add_argument("--no-trace", dest="trace", action="store_false")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="run and time both modes as CUDA graph replays (GPUs only)")
+    p.add_argument("--backend", default=d.backend, choices=BACKENDS,
+                   help="dispatch/combine backend (auto: a2a on several ranks, a2a_ll "
+                        "with --cuda-graph)")
+    p.add_argument("--experts", default=d.experts, choices=EXPERTS,
+                   help="expert kernel (auto: the fastest that runs here)")
+    p.add_argument("--num-experts", type=int, default=d.num_experts,
+                   help="routed experts over all ranks, a multiple of the world size "
+                        "(default: the preset's)")
+    p.add_argument("--steps", type=int, default=d.steps,
+                   help="steps captured" if traced else "timed steps per mode")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first")
+    p.add_argument("--layers", type=int, default=d.layers,
+                   help="decoder layers (default: the preset's)")
+    p.add_argument("--seed", type=int, default=d.seed, help="weights and batches")
+    p.add_argument("--out", default=d.out, help="output folder")
+    if not traced:
+        p.add_argument("--no-trace", dest="trace", action="store_false",
+                       help="skip the traced DBO step (trace, analysis, timeline)")
+        p.add_argument("--cuda-graph", action="store_true",
+                       help="run and time both modes as CUDA graph replays (GPUs only)")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks to start (default: every GPU, or 2 CPU ranks)")
     return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    world_size = args.world_size
-    del args.world_size
+def parse_job(parser: argparse.ArgumentParser,
+              argv: Optional[list[str]]) -> tuple[RunConfig, int]:
+    """The validated job and its world size, checked the way every rank would check them
+    (preset, experts over the ranks, expert kernel, CUDA): a bad value ends the command
+    here through `parser.error` (one line, exit 2), before any rank starts."""
+    args = vars(parser.parse_args(argv))
+    world_size = args.pop("world_size")
     try:
-        job = RunConfig(**vars(args))
-        from moe.model import get_preset
-        get_preset(job.preset)  # fail here, not inside every rank
+        job = RunConfig(**args)
+        world_size = resolve_world_size(world_size)
+        model_config(job, world_size)
         if job.cuda_graph and not torch.cuda.is_available():
             raise ValueError("--cuda-graph needs CUDA GPUs, and none is visible here: "
                              "run without it on CPU")
+        from moe.experts import make_experts
+        make_experts(job.experts, "cuda" if torch.cuda.is_available() else "cpu")
     except ValueError as exc:
-        print(f"dbo run: {exc}", file=sys.stderr)
-        return 2
+        parser.error(str(exc))
+    return job, world_size
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    job, world_size = parse_job(build_parser(), argv)
     summary = launch(run_rank, job, world_size=world_size)
     if summary is None:
         return 0  # a non-zero torchrun rank
     print_summary(summary)
-    print(json.dumps({k: summary[k] for k in ("split", "outputs_match", "speedup", "step_ms",
-                                              "tokens_per_s", "world_size", "backend",
-                                              "cuda_graph")}))
+    print(json.dumps({k: summary[k] for k in ("split", "outputs_match", "timings", "speedup",
+                                              "step_ms", "tokens_per_s", "world_size",
+                                              "backend", "cuda_graph")}))
     return 0 if summary["outputs_match"] else 1
 
 

@@ -23,7 +23,9 @@ import torch
 
 from dbo.capture import capture
 from dbo.launch import RankContext, launch
-from dbo.run_job import RunConfig, build_parser, setup_rank
+from dbo.run_job import RunConfig, build_parser, parse_job, setup_rank
+
+DEFAULTS = RunConfig(out="dbo_out/trace", steps=2)
 
 
 def trace_rank(ctx: RankContext, job: RunConfig) -> Optional[str]:
@@ -42,18 +44,9 @@ def trace_rank(ctx: RankContext, job: RunConfig) -> Optional[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = build_parser()
-    parser.prog, parser.description = "dbo trace", __doc__
-    parser.set_defaults(out="dbo_out/trace", steps=2)
-    args = parser.parse_args(argv)
-    world_size = args.world_size
-    del args.world_size
-    args.trace = True
-    try:
-        job = RunConfig(**vars(args))
-    except ValueError as exc:
-        print(f"dbo trace: {exc}", file=sys.stderr)
-        return 2
+    parser = build_parser(prog="dbo trace", description=__doc__, defaults=DEFAULTS,
+                          traced=True)
+    job, world_size = parse_job(parser, argv)
     text = launch(trace_rank, job, world_size=world_size)
     if text:
         print(text)

@@ -52,10 +52,10 @@ POINT_KEYS = {"backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
 
 # ----------------------------------------------------------------- layer 1: in-process
 @pytest.mark.parametrize("argv, message", [
-    (["--mode", "bogus"], "unknown mode 'bogus'"),
+    (["--mode", "bogus"], "argument --mode: invalid choice: 'bogus'"),
     (["--backends", "a2a,deepep"], "unknown backend 'deepep'"),
-    (["--preset", "gpt-5"], "unknown preset 'gpt-5'"),
-    (["--mode", "model", "--preset", "nope"], "unknown preset 'nope' for --mode model"),
+    (["--preset", "gpt-5"], "argument --preset: invalid choice: 'gpt-5'"),
+    (["--experts", "nope"], "argument --experts: invalid choice: 'nope'"),
     (["--tokens", "16,0"], "tokens must be positive ints, got 0"),
     (["--tokens", "-4"], "tokens must be positive ints, got -4"),
     (["--tokens", "16,abc"], "expected integers"),
@@ -64,15 +64,29 @@ POINT_KEYS = {"backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
     (["--iters", "0"], "iters=0 must be an int >= 1"),
     (["--rounds", "0"], "rounds=0 must be an int >= 1"),
     (["--world-size", "0"], "--world-size=0"),
+    (["--world-size", "3"], "8 routed experts do not split over 3 ranks"),
+    (["--num-experts", "5"], "5 routed experts do not split over 2 ranks"),
+    (["--out", "FILE"], "that is an existing file"),
     pytest.param(["--device", "cuda"], "CUDA is not available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
 ])
-def test_bad_arguments_exit_with_the_fix(argv: list[str], message: str,
-                                         capsys: pytest.CaptureFixture) -> None:
+def test_bad_arguments_exit_with_the_fix(argv: list[str], message: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import dbo.bench.launch
+
+    def refuse(*args: object, **kwargs: object) -> int:
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(dbo.bench.launch, "spawn_ranks", refuse)
+    existing = tmp_path / "existing.txt"
+    existing.write_text("not a folder")
     with pytest.raises(SystemExit) as exc:
-        main(["--device", "cpu", *argv])
+        main(["--device", "cpu", *[str(existing) if a == "FILE" else a for a in argv]])
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and err.startswith("dbo bench: "), err  # one line
 
 
 def test_experts_must_split_over_ranks() -> None:
@@ -224,6 +238,39 @@ def test_table_says_why_eta_is_missing_or_above_one() -> None:
     assert f"({ETA_ABOVE_ONE})" in decisions[2] and " 1.22 " in table
 
 
+def test_cpu_run_is_reported_as_functional_without_a_speedup(tmp_path: Path) -> None:
+    from dbo.bench.plot import plot_sweep
+    from dbo.bench.report import FUNCTIONAL_NOTE, final_line, format_table, write_outputs
+
+    cfg = BenchConfig(tokens=(16, 64), backends=("a2a",), out_dir=str(tmp_path))
+    assert cfg.functional and not BenchConfig(regime=EMULATED_REGIME).functional
+    shapes = {"hidden_size": 8, "num_experts": 4, "experts_per_rank": 2, "top_k": 2,
+              "intermediate_size": 8, "layers": 2, "dtype": "float32"}
+    # DBO "faster" on CPU: noise, not a speedup, and reported as neither.
+    points = [make_point(cfg, backend="a2a", tokens=t, world_size=2, t_off=_timing(3.0, 3.0),
+                         t_on=_timing(1.5, 1.5), ceiling=None, split=True, split_reason="",
+                         use_dbo=True, gate_reason="trial")
+              for t in cfg.tokens]
+    result = SweepResult(cfg, 2, shapes, PROBE_SKIPPED_CPU, points)
+    table = format_table(result)
+    assert FUNCTIONAL_NOTE in table and "speedup" not in table.replace(FUNCTIONAL_NOTE, "")
+    assert "2.000" not in table  # the ratio appears nowhere
+    assert "summary: functional run, 2 points ran (DBO split the step at 2)" in table
+    files = write_outputs(result)
+    assert files["png"] is None and files["png_note"].startswith("not drawn: functional run")
+    doc = json.loads(Path(files["json"]).read_text())
+    final = json.loads(final_line(result, files))
+    for out in (doc, final):
+        assert out["timings"] == "functional" and out["note"] == FUNCTIONAL_NOTE
+        assert out["summary"] == {"functional": True, "points": 2, "points_split": 2,
+                                  "points_gated_on": 2}
+        assert all(p["speedup"] is None and p["gated_speedup"] is None for p in out["points"])
+    with open(files["csv"]) as f:
+        assert {r["speedup"] for r in csv.DictReader(f)} == {""}
+    with pytest.raises(ValueError, match="functional check"):
+        plot_sweep(result, str(tmp_path / "x.png"))
+
+
 def test_time_steps_span_covers_the_timed_steps_only() -> None:
     import contextlib
 
@@ -255,7 +302,7 @@ def test_points_report_the_clock_of_each_timing() -> None:
             return {"sm_mhz": 1400 + 10 * list(CLOCKED).index(name), "capped": "2/3"}
 
     cfg = BenchConfig(regime=EMULATED_REGIME, tokens=(1024, 4096), backends=("a2a",))
-    points = [make_point(cfg, backend="a2a", tokens=t, world_size=2, t_off=_timing(2.0, 2.0),
+    points = [make_point(cfg, backend="a2a", tokens=t, world_size=2, t_off=_timing(3.0, 3.0),
                          t_on=_timing(1.5, 1.5), ceiling=_FakeCeiling(1.2, 0.6, 1.4),
                          split=True, split_reason="", use_dbo=True, gate_reason="probe")
               for t in (1024, 4096)]
@@ -332,13 +379,15 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path) -> None:
         else:
             assert min(trials) >= 1.01 and f"trial DBO {worst}" in p["gate_reason"]
     summary = final["summary"]
-    assert summary["points"] == 4
+    assert summary["points"] == 4 and summary["functional"] is True
     assert summary["points_gated_on"] == sum(p["gate"] == "dbo" for p in points)
-    assert isinstance(summary["gated_never_slower_than_1pct"], bool)
+    assert final["timings"] == "functional" and "summary: functional run" in table
+    assert all(p["speedup"] is None for p in points)
 
     files = final["files"]
-    for kind in ("csv", "json", "png"):
+    for kind in ("csv", "json"):
         assert Path(files[kind]).stat().st_size > 0, kind
+    assert files["png"] is None  # a functional run is not plotted
     with open(files["csv"]) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 4 and {r["regime"] for r in rows} == {CPU_REGIME}
@@ -369,7 +418,7 @@ def _model_mode_and_probe_pieces(rank: int, world_size: int, out_dir: str) -> di
     if rank == 0:
         files = write_outputs(result)
         out["final"] = json.loads(final_line(result, files))
-        out["sizes"] = {k: os.path.getsize(files[k]) for k in ("csv", "json", "png")}
+        out["sizes"] = {k: os.path.getsize(files[k]) for k in ("csv", "json")}
 
     # The probe's pieces on gloo: recording, replay, replayed results (compute alone).
     factory = WorkloadFactory(BenchConfig(layers=2), group=group, device=cpu)

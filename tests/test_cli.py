@@ -1,5 +1,8 @@
-"""Layer 2 (CPU, spawns gloo ranks): the `dbo` command end to end on the tiny preset:
-`dbo run`, `dbo trace`, `dbo inspect`, and argument errors."""
+"""Layers 1-2 (CPU): the `dbo` command. In-process (layer 1): every command's --help
+(its name, defaults, choices), bad arguments refused with one line and exit code 2
+before any rank starts, `launch.resolve_world_size`, the printed summary. Spawning gloo
+ranks (layer 2, marked distributed): `dbo run`, `dbo trace`, `dbo inspect` end to end on
+the tiny preset."""
 from __future__ import annotations
 
 import json
@@ -10,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.distributed
+from dbo import cli
 
 
 def dbo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -21,15 +24,18 @@ def dbo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def run_out(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("run")
-    proc = dbo("run", "--tokens", "96", "--requests", "6", "--steps", "1", "--out", str(out))
+    proc = dbo("run", "--tokens", "96", "--requests", "6", "--steps", "1", "--num-experts", "4",
+               "--out", str(out))
     return out, proc
 
 
+@pytest.mark.distributed
 def test_dbo_run_end_to_end(run_out):
     out, proc = run_out
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["backend"] == "a2a"
+    assert summary["num_experts"] == 4  # --num-experts, not the preset's 8
     assert summary["split"] is True and summary["outputs_match"] is True
     assert summary["tokens_per_rank"] == [96, 84]
     assert summary["routing_ties"] == [0, 0]  # fp32: every token compared
@@ -44,8 +50,16 @@ def test_dbo_run_end_to_end(run_out):
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last["outputs_match"] is True
     assert "order in which the ubatches issued the phases" in proc.stdout
+    # CPU times are a functional check: labelled so, and no speedup is derived from them.
+    assert summary["timings"] == "functional" and summary["speedup"] is None
+    assert last["timings"] == "functional" and last["speedup"] is None
+    text = proc.stdout.strip().rsplit("\n", 1)[0]
+    assert "not a performance figure" in text and "speedup" not in text
+    # Kineto's "USDT ... profiler_start/stop" lines are quieted (KINETO_LOG_LEVEL).
+    assert "USDT" not in proc.stderr and "profiler_start" not in proc.stderr
 
 
+@pytest.mark.distributed
 def test_dbo_inspect_reads_the_run_trace(run_out):
     out, _ = run_out
     proc = dbo("inspect", str(out / "trace.json"))
@@ -53,36 +67,125 @@ def test_dbo_inspect_reads_the_run_trace(run_out):
     json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.distributed
 def test_dbo_trace_writes_analysis(tmp_path):
-    proc = dbo("trace", "--tokens", "64", "--steps", "1", "--no-trace", "--out", str(tmp_path))
+    proc = dbo("trace", "--tokens", "64", "--steps", "1", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "USDT" not in proc.stderr
     analysis = json.loads((tmp_path / "trace_analysis.json").read_text())
     assert "devices" in analysis
     assert (tmp_path / "trace_timeline.png").stat().st_size > 0
 
 
+# A default each command's --help must show: (option, its default).
+HELP_DEFAULTS = {"run": ("--warmup", "1"), "trace": ("--steps", "2"), "bench": ("--mode", "layer"),
+                 "bench-switch": ("--repeats", "5"), "soak": ("--warmup", "50"), "inspect": None}
+
+
+@pytest.mark.parametrize("command", HELP_DEFAULTS)
+def test_help_names_the_command_and_shows_defaults(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: dbo {command} ")
+    if HELP_DEFAULTS[command] is not None:
+        option, default = HELP_DEFAULTS[command]
+        entry = " ".join(out.split(f"\n  {option} ", 1)[1].split("\n  -", 1)[0].split())
+        assert entry.endswith(f"(default: {default})"), entry
+
+
+def test_help_lists_the_choices_from_the_registries(capsys):
+    from moe.backends import BACKENDS
+    from moe.experts import EXPERTS
+    from moe.presets import PRESETS
+
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert "--preset {" + ",".join(PRESETS) + "}" in out
+    assert "--experts {" + ",".join(["auto", *EXPERTS]) + "}" in out
+    assert "--backend {" + ",".join(["auto", *BACKENDS]) + "}" in out
+    assert "(default: 256)" in out  # --tokens
+    for command in ("bench", "soak"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        assert "--experts {" + ",".join(["auto", *EXPERTS]) + "}" in capsys.readouterr().out
+
+
+def test_trace_has_no_switch_to_skip_the_trace(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["trace", "--no-trace"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --no-trace" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Starting ranks fails the test: bad arguments must be refused before."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    import dbo.run_job
+    import dbo.trace_job
+
+    for module in (dbo.run_job, dbo.trace_job):
+        monkeypatch.setattr(module, "launch", refuse)
+
+
 @pytest.mark.parametrize("args, message", [
     (("run", "--tokens", "0"), "--tokens=0: must be >= 1"),
-    (("run", "--preset", "nope"), "nope"),
+    (("run", "--tokens", "-5"), "--tokens=-5: must be >= 1"),
+    (("run", "--preset", "nope"), "invalid choice: 'nope'"),
+    (("run", "--experts", "nope"), "invalid choice: 'nope'"),
+    (("run", "--backend", "nope"), "invalid choice: 'nope'"),
+    (("run", "--world-size", "3"), "8 routed experts (tiny) do not split over 3 ranks"),
+    (("run", "--num-experts", "5"), "5 routed experts (tiny) do not split over 2 ranks"),
+    (("run", "--num-experts", "1", "--world-size", "1"), "top_k=2 exceeds num_experts=1"),
+    (("run", "--world-size", "0"), "--world-size=0: must be >= 1"),
+    (("run", "--out", "FILE"), "that is an existing file"),
+    (("trace", "--out", "FILE"), "that is an existing file"),
+    (("trace", "--world-size", "3"), "do not split over 3 ranks"),
     (("nope",), "unknown command 'nope'"),
     (("run", "--cuda-graph", "--backend", "a2a"), "--backend=a2a: that backend reads device values"),
     (("run", "--cuda-graph", "--experts", "reference"), "--cuda-graph with --experts=reference"),
+    pytest.param(("run", "--cuda-graph"), "--cuda-graph needs CUDA GPUs",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
 ])
-def test_bad_arguments_fail_fast(args, message):
-    proc = dbo(*args, timeout=60)
-    assert proc.returncode == 2
-    assert message in proc.stderr
+def test_bad_arguments_fail_fast(args, message, tmp_path, capsys, no_launch):
+    existing = tmp_path / "existing.txt"
+    existing.write_text("not a folder")
+    argv = [str(existing) if a == "FILE" else a for a in args]
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if args != ("nope",):  # one line, the fix in it: no usage block, no traceback
+        assert err.count("\n") == 1 and err.startswith(f"dbo {args[0]}: "), err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
-def test_run_with_cuda_graphs_is_refused_without_a_gpu():
-    proc = dbo("run", "--cuda-graph", timeout=60)
-    assert proc.returncode == 2
-    assert "--cuda-graph needs CUDA GPUs" in proc.stderr
+def test_resolve_world_size(monkeypatch):
+    from dbo.launch import resolve_world_size
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    default = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    assert resolve_world_size() == default and resolve_world_size(1) == 1
+    with pytest.raises(ValueError, match="--world-size=0: must be >= 1"):
+        resolve_world_size(0)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert resolve_world_size() == 4 and resolve_world_size(4) == 4
+    with pytest.raises(ValueError, match="torchrun started 4 ranks"):
+        resolve_world_size(2)
 
 
 def _summary(**overrides) -> dict:
-    s = {"config": {"preset": "tiny", "out": "o"}, "world_size": 2, "device": "cuda",
+    s = {"config": {"preset": "tiny", "out": "o", "steps": 3}, "world_size": 2,
+         "device": "cuda", "num_experts": 8, "timings": "performance",
          "dtype": "torch.bfloat16", "backend": "a2a_ll", "tokens_per_rank": [8, 7],
          "split": True, "reason": "r", "outputs_match": True, "max_abs_diff": [0.0, 0.0],
          "tolerance": [0.1, 0.1], "routing_ties": [0, 2], "cuda_graph": False,
@@ -106,3 +209,39 @@ def test_run_summary_reports_ties_and_explains_a_loss_on_gpu(capsys):
     print_summary(_summary(speedup=1.2, routing_ties=[0, 0]))
     out = capsys.readouterr().out
     assert "DBO lost here" not in out and "near-tie" not in out
+
+
+def test_cpu_timings_are_labelled_a_functional_check(capsys):
+    from dbo.run_job import print_summary
+
+    print_summary(_summary(device="cpu", timings="functional", speedup=None))
+    out = capsys.readouterr().out
+    assert "functional check on cpu, not a performance figure" in out
+    assert "speedup" not in out and "DBO lost here" not in out
+    print_summary(_summary(speedup=1.2))
+    assert "speedup: 1.200x" in capsys.readouterr().out
+
+
+PROFILE_ONCE = """
+import sys
+if sys.argv[1] == "quiet":
+    from dbo.cli import quiet_profiler_logs
+    quiet_profiler_logs()
+import torch
+from torch.profiler import profile
+with profile():
+    torch.ones(2) + 1
+"""
+
+
+def test_profiler_start_and_stop_print_no_usdt_lines():
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    loud, quiet = (subprocess.run([sys.executable, "-c", PROFILE_ONCE, mode], env=env,
+                                  capture_output=True, text=True, timeout=120)
+                   for mode in ("loud", "quiet"))
+    assert loud.returncode == 0 and quiet.returncode == 0, quiet.stderr[-2000:]
+    if "profiler_start" not in loud.stderr:
+        pytest.skip("this torch build's profiler prints no USDT lines")
+    assert "USDT" not in quiet.stderr and "profiler_start" not in quiet.stderr, quiet.stderr

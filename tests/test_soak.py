@@ -120,14 +120,29 @@ def test_memory_tracker_sees_leaks():
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "--steps=0: must be an int >= 1"),
     (["--warmup", "100", "--steps", "100"], "leaves no measured steps"),
+    # The default warmup (50): the error says what --warmup is and both ways out.
+    (["--steps", "50"], "--warmup=50 (steps before the memory baseline) leaves no measured "
+                        "steps of --steps=50: use --steps > 50 or --warmup < 50"),
     (["--backend", "local"], "invalid choice"),
+    (["--experts", "nope"], "invalid choice: 'nope'"),
     (["--trace-window", "300"], "--trace-window=300 exceeds --report-every=200"),
     (["--world-size", "1"], "needs 2 or more ranks"),
     (["--num-experts", "7", "--world-size", "2"], "not divisible"),
+    # Against the world size the run would have, given or not.
+    (["--num-experts", "7"], "--num-experts=7 is not divisible by --world-size=2"),
+    (["--json-out", "/nonexistent-folder/soak.json"], "folder /nonexistent-folder does not exist"),
     (["--atol", "nan"], "--atol=nan"),
 ])
-def test_bad_args_exit_2(argv, message, capsys):
+def test_bad_args_exit_2(argv, message, capsys, monkeypatch):
+    import dbo.soak.run
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(dbo.soak.run, "run_soak", refuse)
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and err.startswith("dbo soak: "), err  # one line

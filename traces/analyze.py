@@ -324,6 +324,7 @@ def analyze(trace: Trace, config: AnalyzeConfig | None = None) -> Report:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        prog="dbo inspect",
         description="Busy, overlapped and exposed comm time per device of a torch.profiler "
                     "Chrome trace (.json/.json.gz) or an 'nsys export --type sqlite' file.")
     p.add_argument("file", type=Path, help="trace file")

@@ -13,17 +13,23 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from dbo.config import DBOConfig
+from moe.backends import BACKENDS
+from moe.experts import EXPERTS
 
 MODES: tuple[str, ...] = ("layer", "model")
 """`layer`: a stack of MoE layers with attention-sized GEMMs between them; `model`: the
 reference MoE transformer (`moe.model.MoETransformer`) of a preset."""
 
-BENCH_BACKENDS: tuple[str, ...] = ("a2a", "a2a_ll", "naive")
-"""Dispatch/combine backends the sweep can compare (all need EP size >= 2 to move data)."""
+BENCH_BACKENDS: tuple[str, ...] = tuple(sorted(name for name in BACKENDS if name != "local"))
+"""Dispatch/combine backends the sweep can compare: every registered one that moves
+tokens between ranks (`moe.backends`; all need EP size >= 2)."""
 
 GRAPH_BACKENDS: tuple[str, ...] = ("a2a_ll",)
 """Backends whose steps `--cuda-graph` can capture: nothing read on the host (a2a reads its
 counts; the bench runs naive without a fixed capacity, so it reads their maximum)."""
+
+EXPERT_KERNELS: tuple[str, ...] = ("auto", *EXPERTS)
+"""Expert kernel names (`moe.experts`); "auto" picks the fastest that runs."""
 
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 
@@ -67,7 +73,7 @@ class BenchConfig:
     """Shapes from `moe.presets` ("tiny", "deepseek-v3-like", "qwen3-moe-like", "mixtral-like")."""
     tokens: tuple[int, ...] = DEFAULT_CPU_TOKENS
     """Tokens per rank of one step, one sweep point each."""
-    backends: tuple[str, ...] = ("a2a", "a2a_ll", "naive")
+    backends: tuple[str, ...] = BENCH_BACKENDS
     """Dispatch/combine backends to compare (see BENCH_BACKENDS)."""
     layers: Optional[int] = None
     """Layer mode: MoE layers (None: 4); model mode: decoder layers (None: the preset's)."""
@@ -164,11 +170,17 @@ class BenchConfig:
             raise ValueError(f"device={self.device!r}: use one of {', '.join(DEVICES)}")
         if self.regime not in (NVLINK_REGIME, CPU_REGIME, EMULATED_REGIME):
             raise ValueError(f"regime={self.regime!r}: build it with regime_label()")
-        if self.experts not in ("auto", "reference", "grouped", "triton"):
-            raise ValueError(f"unknown experts kernel {self.experts!r}: use auto, reference, "
-                             f"grouped or triton")
+        if self.experts not in EXPERT_KERNELS:
+            raise ValueError(f"unknown experts kernel {self.experts!r}: use one of "
+                             f"{', '.join(EXPERT_KERNELS)}")
         if self.cuda_graph:
             self._check_cuda_graph()
+
+    @property
+    def functional(self) -> bool:
+        """A CPU gloo run: gloo runs each collective on the calling thread, so nothing can
+        overlap, and the times only show that the code runs (no speedup is reported)."""
+        return self.regime == CPU_REGIME
 
     def _check_cuda_graph(self) -> None:
         if self.device != "cuda":

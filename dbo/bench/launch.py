@@ -24,11 +24,14 @@ from dbo.bench.config import (
     DEFAULT_CPU_TOKENS,
     DEFAULT_GPU_PRESET,
     DEFAULT_GPU_TOKENS,
+    EXPERT_KERNELS,
     GRAPH_BACKENDS,
     MODES,
     BenchConfig,
+    known_presets,
     regime_label,
 )
+from dbo.cli import Parser, check_out_dir, quiet_profiler_logs
 
 USAGE_EXAMPLES = """\
 examples:
@@ -52,53 +55,57 @@ def _name_list(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dbo bench", epilog=USAGE_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = Parser(
+        "dbo bench", epilog=USAGE_EXAMPLES,
         description="Throughput of DBO on/off over tokens per rank and backends, with the "
                     "measured overlap ceiling (GPU) and a gate that keeps DBO off where it "
                     "would lose. Prints a table, writes CSV/JSON/PNG, ends with one JSON line.")
-    p.add_argument("--mode", default="layer", help=f"one of {', '.join(MODES)}")
-    p.add_argument("--preset", default=None,
-                   help=f"shapes (default {DEFAULT_GPU_PRESET} on GPU, "
+    p.add_argument("--mode", default="layer", choices=MODES,
+                   help="layer: MoE layers with attention-sized GEMMs between; model: the "
+                        "reference MoE transformer")
+    p.add_argument("--preset", default=None, choices=known_presets(),
+                   help=f"shapes (default: {DEFAULT_GPU_PRESET} on GPU, "
                         f"{DEFAULT_CPU_PRESET} on CPU)")
     p.add_argument("--tokens", type=_int_list, nargs="+", default=None,
-                   help="tokens per rank, e.g. 256,1024,4096 (default GPU "
+                   help="tokens per rank, e.g. 256,1024,4096 (default: GPU "
                         f"{','.join(map(str, DEFAULT_GPU_TOKENS))}; CPU "
                         f"{','.join(map(str, DEFAULT_CPU_TOKENS))})")
     p.add_argument("--backends", type=_name_list, nargs="+", default=None,
-                   help=f"comma list of {', '.join(BENCH_BACKENDS)} (default all)")
+                   help=f"comma list of {', '.join(BENCH_BACKENDS)} (default: all)")
     p.add_argument("--layers", type=int, default=None,
-                   help="layer mode: MoE layers (default 4); model mode: decoder layers "
+                   help="layer mode: MoE layers (default: 4); model mode: decoder layers "
                         "(default: the preset's)")
     experts = p.add_mutually_exclusive_group()
     experts.add_argument("--num-experts", type=int, default=None,
-                         help="routed experts over all ranks")
+                         help="routed experts over all ranks (default: the preset's, at "
+                              "most 32 per rank)")
     experts.add_argument("--experts-per-rank", type=int, default=None,
                          help="routed experts per rank (default: the preset's, at most 32/rank)")
-    p.add_argument("--attn-context", type=int, default=2048,
-                   help="layer mode: context tokens of the attention stand-in (default 2048)")
-    p.add_argument("--requests", type=int, default=4,
-                   help="model mode: requests per rank per step (default 4)")
-    p.add_argument("--experts", default="auto", help="expert kernel (auto, reference, "
-                                                     "grouped, triton)")
-    p.add_argument("--iters", type=int, default=None, help="timed steps (GPU 20, CPU 5)")
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (GPU 5, CPU 2)")
+    d = BenchConfig()
+    p.add_argument("--attn-context", type=int, default=d.attn_context,
+                   help="layer mode: context tokens of the attention stand-in")
+    p.add_argument("--requests", type=int, default=d.requests,
+                   help="model mode: requests per rank per step")
+    p.add_argument("--experts", default=d.experts, choices=EXPERT_KERNELS,
+                   help="expert kernel (auto: the fastest that runs here)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps (default: GPU 20, CPU 5)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: GPU 5, CPU 2)")
     p.add_argument("--rounds", type=int, default=None,
                    help="measure each point this many times, alternating DBO off, probe and "
-                        "DBO on; report medians and eta's spread (GPU 3, CPU 1)")
-    p.add_argument("--min-gain", type=float, default=0.03,
-                   help="gate: DBO off where the measured ceiling < 1 + this (default 0.03)")
-    p.add_argument("--gate-min-tokens", type=int, default=512,
-                   help="gate: DBO off below this many tokens per rank (default 512)")
-    p.add_argument("--gate-trial-iters", type=int, default=3,
+                        "DBO on; report medians and eta's spread (default: GPU 3, CPU 1)")
+    p.add_argument("--min-gain", type=float, default=d.min_gain,
+                   help="gate: DBO off where the measured ceiling < 1 + this")
+    p.add_argument("--gate-min-tokens", type=int, default=d.gate_min_tokens,
+                   help="gate: DBO off below this many tokens per rank")
+    p.add_argument("--gate-trial-iters", type=int, default=d.gate_trial_iters,
                    help="gate: steps of each of its separate DBO trials, one per "
-                        "round; the worst trial decides (default 3)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+                        "round; the worst trial decides")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda where it is available")
     p.add_argument("--world-size", type=int, default=None,
-                   help="ranks to spawn when not under torchrun (default 2)")
-    p.add_argument("--out", default="dbo_out/bench", help="output directory")
-    p.add_argument("--seed", type=int, default=0)
+                   help="ranks to spawn when not under torchrun (default: 2)")
+    p.add_argument("--out", default=d.out_dir, help="output folder")
+    p.add_argument("--seed", type=int, default=d.seed, help="weights and inputs")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--trace", action="store_true",
                    help="capture one DBO-off and one DBO-on step per point (torch.profiler) "
@@ -108,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the last MoE layer's last ubatch like the others (by default "
                         "it sends the other ranks' rows first and computes its own while "
                         "that combine is in flight)")
-    p.add_argument("--gemm-sm-carveout", type=int, default=BenchConfig.gemm_sm_carveout,
+    p.add_argument("--gemm-sm-carveout", type=int, default=d.gemm_sm_carveout,
                    metavar="N",
                    help="SMs that torch's GEMMs leave to the comm kernels in DBO steps and "
-                        "in the probe's overlapped step (default %(default)s; 0: every SM)")
+                        "in the probe's overlapped step (0: every SM)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="time every step as a CUDA graph replay (DBO on: vote, then "
                         "replay); backends: " + ", ".join(GRAPH_BACKENDS) +
@@ -152,23 +159,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     env = os.environ
+    torchrun = "RANK" in env and "WORLD_SIZE" in env
     try:
         cfg = config_from_args(args, env)
-        if args.world_size is not None and args.world_size < 1:
-            raise ValueError(f"--world-size={args.world_size}: must be >= 1")
+        check_out_dir("--out", cfg.out_dir)
+        world = world_size_of(args.world_size, cfg, env)
+        from moe.presets import PRESETS
+        cfg.resolve_num_experts(world, PRESETS[cfg.preset].moe.num_experts)
     except ValueError as exc:
-        parser.error(str(exc))
-    if "RANK" in env and "WORLD_SIZE" in env:
-        if args.world_size is not None and args.world_size != int(env["WORLD_SIZE"]):
-            parser.error(f"--world-size={args.world_size} but torchrun started "
-                         f"{env['WORLD_SIZE']} ranks: drop --world-size under torchrun")
-        return run_rank(cfg, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+        parser.error(str(exc))  # one line, exit 2, before any rank starts
+    quiet_profiler_logs()  # --trace starts the profiler
+    if torchrun:
+        return run_rank(cfg, rank=int(env["RANK"]), world_size=world,
                         local_rank=int(env.get("LOCAL_RANK", env["RANK"])), init_method="env://")
-    world = args.world_size if args.world_size is not None else 2
-    if cfg.device == "cuda" and world > torch.cuda.device_count():
-        parser.error(f"--world-size={world} needs {world} GPUs, {torch.cuda.device_count()} "
-                     f"visible: lower it, or use torchrun on the right machine")
     return spawn_ranks(cfg, world)
+
+
+def world_size_of(world_size: Optional[int], cfg: BenchConfig, env: Mapping[str, str]) -> int:
+    """The ranks this run will have: torchrun's, else `world_size` (default 2).
+    ValueError (with the fix) for a size that cannot run here."""
+    if world_size is not None and world_size < 1:
+        raise ValueError(f"--world-size={world_size}: must be >= 1")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        started = int(env["WORLD_SIZE"])
+        if world_size is not None and world_size != started:
+            raise ValueError(f"--world-size={world_size} but torchrun started {started} "
+                             f"ranks: drop --world-size under torchrun")
+        return started
+    world = world_size if world_size is not None else 2
+    if cfg.device == "cuda" and world > torch.cuda.device_count():
+        raise ValueError(f"--world-size={world} needs {world} GPUs, "
+                         f"{torch.cuda.device_count()} visible: lower it, or use torchrun "
+                         f"on the right machine")
+    return world
 
 
 def spawn_ranks(cfg: BenchConfig, world_size: int) -> int:

@@ -3,7 +3,8 @@
 Left: tokens/s with DBO off (thin, circles), DBO on (solid, squares) and the measured
 ceiling, all ranks' tokens / T_both (dashed). Right: speedup T_noDBO / T_DBO (solid), the
 gated speedup (dotted) and the ceiling T_serial / T_both (dashed), with 1.0 marked.
-The title carries the regime label. matplotlib is imported here only (Agg backend).
+The title carries the regime label. matplotlib is imported here only (Agg backend). A
+CPU run is not drawn (`BenchConfig.functional`: its times are no performance figures).
 """
 from __future__ import annotations
 
@@ -24,9 +25,12 @@ def _pyplot() -> Any:
 
 
 def plot_sweep(result: SweepResult, path: str) -> None:
-    """Write the two-panel PNG of `result` to `path`."""
-    plt = _pyplot()
+    """Write the two-panel PNG of `result` to `path`; ValueError for a functional run."""
     cfg = result.config
+    if cfg.functional:
+        raise ValueError(f"{cfg.regime} run: a functional check, nothing overlaps there; "
+                         f"its times are no performance figures and are not plotted")
+    plt = _pyplot()
     fig, (ax_tps, ax_speed) = plt.subplots(1, 2, figsize=(13, 5))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     has_ceiling = False

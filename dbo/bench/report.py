@@ -4,7 +4,9 @@ summary dict that becomes the final JSON line on stdout.
 Files, under `out_dir`, named `bench_<mode>_<preset>_w<world>_<regime tag>.{csv,json,png}`
 (regime tag: nvlink, p2p-disabled, cpu; `_graphs` appended under `--cuda-graph`), so runs
 of different regimes sit side by side.
-Every output carries the regime label.
+Every output carries the regime label. A CPU run is a functional check
+(`BenchConfig.functional`: nothing overlaps on gloo): its outputs say so, carry no
+speedup (null in the files), and no plot is drawn.
 """
 from __future__ import annotations
 
@@ -19,6 +21,12 @@ from dbo.bench.sweep import CLOCKED, DEFINITIONS, Point, SweepResult
 
 MAX_GATED_SLOWDOWN = 0.01
 """The acceptance check: with gating on, no point may be more than 1% slower than DBO off."""
+
+FUNCTIONAL_NOTE = ("functional run, not a performance figure: gloo runs each collective on "
+                   "the calling thread, so nothing overlaps on CPU; the times show that "
+                   "every point ran, and no speedup is computed from them")
+SPEEDUP_FIELDS = ("speedup", "gated_speedup")
+"""Row fields that a functional run leaves out (null)."""
 
 
 def file_stem(result: SweepResult) -> str:
@@ -35,12 +43,14 @@ def write_outputs(result: SweepResult) -> dict[str, Any]:
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, file_stem(result))
     files: dict[str, Any] = {"csv": stem + ".csv", "json": stem + ".json", "png": None}
-    rows = [p.row() for p in result.points]
+    rows = [_row(result, p) for p in result.points]
     with open(files["csv"], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    if result.config.plot:
+    if result.config.functional:
+        files["png_note"] = "not drawn: " + FUNCTIONAL_NOTE
+    elif result.config.plot:
         try:
             from dbo.bench.plot import plot_sweep
             plot_sweep(result, stem + ".png")
@@ -49,8 +59,8 @@ def write_outputs(result: SweepResult) -> dict[str, Any]:
             files["png_note"] = str(exc)
     else:
         files["png_note"] = "plot off (--no-plot)"
-    doc = {**header(result), "definitions": DEFINITIONS, "summary": summarize(result.points),
-           "points": [{**p.row(), "per_rank_ms": p.per_rank_ms, "rounds_ms": p.rounds_ms,
+    doc = {**header(result), "definitions": DEFINITIONS, "summary": summarize(result),
+           "points": [{**_row(result, p), "per_rank_ms": p.per_rank_ms, "rounds_ms": p.rounds_ms,
                        "eta_rounds": p.eta_rounds, "trial_speedups": p.trial_speedups,
                        "sm_mhz": p.sm_mhz, "capped": p.capped}
                       for p in result.points],
@@ -65,12 +75,28 @@ def header(result: SweepResult) -> dict[str, Any]:
     cfg = result.config
     return {"bench": "dbo", "regime": cfg.regime, "mode": cfg.mode, "preset": cfg.preset,
             "world_size": result.world_size, "device": cfg.device,
-            "cuda_graph": cfg.cuda_graph, "shapes": result.shapes,
-            "probe": result.probe, "config": cfg.summary()}
+            "cuda_graph": cfg.cuda_graph,
+            "timings": "functional" if cfg.functional else "performance",
+            **({"note": FUNCTIONAL_NOTE} if cfg.functional else {}),
+            "shapes": result.shapes, "probe": result.probe, "config": cfg.summary()}
 
 
-def summarize(points: list[Point]) -> dict[str, Any]:
-    """Best raw speedup, worst gated speedup, and the <= 1% gated-slowdown check."""
+def _row(result: SweepResult, p: Point) -> dict[str, Any]:
+    """The point's flat fields; a functional run's speedups are null."""
+    row = p.row()
+    if result.config.functional:
+        row.update({name: None for name in SPEEDUP_FIELDS})
+    return row
+
+
+def summarize(result: SweepResult) -> dict[str, Any]:
+    """Best raw speedup, worst gated speedup, and the <= 1% gated-slowdown check; for a
+    functional run only what ran (no speedup)."""
+    points = result.points
+    if result.config.functional:
+        return {"functional": True, "points": len(points),
+                "points_split": sum(p.dbo_split for p in points),
+                "points_gated_on": sum(p.gate == "dbo" for p in points)}
     worst = min(points, key=lambda p: p.gated_speedup)
     best = max(points, key=lambda p: p.speedup)
     return {
@@ -93,8 +119,8 @@ def final_line(result: SweepResult, files: dict[str, Any]) -> str:
             "tokens_per_s_nodbo", "tokens_per_s_dbo", "t_compute_ms", "t_comm_ms",
             "t_both_ms", "t_split_ms", "ceiling", "eta", "eta_min", "eta_max", "rounds",
             "eta_note", "dbo_split", "gate", "gate_reason", "gated_speedup")
-    doc = {**header(result), "summary": summarize(result.points),
-           "points": [{**{k: p.row()[k] for k in keys}, "trial_speedups": p.trial_speedups,
+    doc = {**header(result), "summary": summarize(result),
+           "points": [{**{k: _row(result, p)[k] for k in keys}, "trial_speedups": p.trial_speedups,
                        "sm_mhz": p.sm_mhz}
                       for p in result.points], "files": files}
     doc.pop("config")
@@ -115,22 +141,27 @@ def format_table(result: SweepResult) -> str:
         + (f", median of {cfg.rounds} alternating rounds" if cfg.rounds > 1 else "")
         + "; shown rank0/max over ranks; derived figures use the max",
         f"  ceiling probe: {result.probe}",
+        *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
         "",
     ]
     cols = [("T/rank", 7), ("backend", 7), ("noDBO ms", 15), ("DBO ms", 15), ("speedup", 7),
             ("tok/s noDBO", 11), ("tok/s DBO", 11), ("comp ms", 8), ("comm ms", 8),
             ("both ms", 8), ("split ms", 8), ("ceiling", 7), ("eta", 6), ("eta rounds", 10),
             ("gate", 4), ("gated", 6)]
+    if cfg.functional:
+        cols = [(name, w) for name, w in cols if name not in ("speedup", "gated")]
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
     for p in result.points:
-        cells = [str(p.tokens_per_rank), p.backend,
-                 f"{p.t_nodbo_ms_rank0:.3f}/{p.t_nodbo_ms:.3f}",
-                 f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}", f"{p.speedup:.3f}",
-                 _num(p.tokens_per_s_nodbo), _num(p.tokens_per_s_dbo),
-                 _opt(p.t_compute_ms), _opt(p.t_comm_ms), _opt(p.t_both_ms),
-                 _opt(p.t_split_ms), _opt(p.ceiling), _opt(p.eta, "{:.2f}"),
-                 eta_rounds_cell(p), p.gate, f"{p.gated_speedup:.3f}"]
-        lines.append("  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, cols)))
+        cells = {"T/rank": str(p.tokens_per_rank), "backend": p.backend,
+                 "noDBO ms": f"{p.t_nodbo_ms_rank0:.3f}/{p.t_nodbo_ms:.3f}",
+                 "DBO ms": f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}",
+                 "speedup": f"{p.speedup:.3f}", "tok/s noDBO": _num(p.tokens_per_s_nodbo),
+                 "tok/s DBO": _num(p.tokens_per_s_dbo), "comp ms": _opt(p.t_compute_ms),
+                 "comm ms": _opt(p.t_comm_ms), "both ms": _opt(p.t_both_ms),
+                 "split ms": _opt(p.t_split_ms), "ceiling": _opt(p.ceiling),
+                 "eta": _opt(p.eta, "{:.2f}"), "eta rounds": eta_rounds_cell(p),
+                 "gate": p.gate, "gated": f"{p.gated_speedup:.3f}"}
+        lines.append("  ".join(f"{cells[name]:>{w}}" for name, w in cols))
     lines.append("")
     lines.append("gate decisions:")
     for p in result.points:
@@ -149,10 +180,15 @@ def format_table(result: SweepResult) -> str:
             cells = [f"{label} {p.sm_mhz[name]:.0f} ({p.capped.get(name, '-')})"
                      for name, label in CLOCKED.items() if name in p.sm_mhz]
             lines.append(f"  {p.backend:>7} T={p.tokens_per_rank:<6} " + ", ".join(cells))
-    s = summarize(result.points)
-    lines.append(f"summary: best speedup {s['max_speedup']:.3f}x; worst gated speedup "
-                 f"{s['min_gated_speedup']:.3f}x; gated never >1% slower: "
-                 f"{s['gated_never_slower_than_1pct']}  [{cfg.regime}]")
+    s = summarize(result)
+    if cfg.functional:
+        lines.append(f"summary: functional run, {s['points']} points ran (DBO split the step "
+                     f"at {s['points_split']}); nothing overlaps on CPU: measure DBO on "
+                     f"GPUs  [{cfg.regime}]")
+    else:
+        lines.append(f"summary: best speedup {s['max_speedup']:.3f}x; worst gated speedup "
+                     f"{s['min_gated_speedup']:.3f}x; gated never >1% slower: "
+                     f"{s['gated_never_slower_than_1pct']}  [{cfg.regime}]")
     return "\n".join(lines)
 
 

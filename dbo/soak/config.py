@@ -5,8 +5,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-BACKENDS = ("naive", "a2a", "a2a_ll")
-EXPERT_KERNELS = ("auto", "reference", "grouped", "triton")
+from moe.backends import BACKENDS as MOE_BACKENDS
+from moe.experts import EXPERTS
+
+# The soak moves tokens between ranks: every registered backend but the single-rank one.
+BACKENDS = tuple(name for name in MOE_BACKENDS if name != "local")
+EXPERT_KERNELS = ("auto", *EXPERTS)
 
 # Rank r's forced zero-token period (primes: any two ranks also meet on all-zero steps).
 ZERO_EVERY = (11, 7, 13, 17, 19, 23, 29, 31)
@@ -75,8 +79,9 @@ class SoakConfig:
                              f"{self.report_every}: windows end at the samples and must not "
                              f"overlap; use --trace-window <= --report-every")
         if self.warmup >= self.steps:
-            raise ValueError(f"--warmup={self.warmup} leaves no measured steps of --steps="
-                             f"{self.steps}: use --warmup < --steps")
+            raise ValueError(f"--warmup={self.warmup} (steps before the memory baseline) "
+                             f"leaves no measured steps of --steps={self.steps}: use "
+                             f"--steps > {self.warmup} or --warmup < {self.steps}")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend={self.backend!r}: choose one of {', '.join(BACKENDS)} "
                              f"(the soak needs an expert-parallel backend)")

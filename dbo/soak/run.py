@@ -12,7 +12,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from dbo.launch import RankContext, launch
+from dbo.cli import Parser, check_out_file
+from dbo.launch import RankContext, launch, resolve_world_size
 from dbo.config import DBOConfig
 from dbo.runner import DBORunner
 from dbo.soak.config import BACKENDS, EXPERT_KERNELS, KIB, SoakConfig
@@ -220,27 +221,30 @@ def _fmt(name: str, value: int) -> str:
 
 # ------------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dbo soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("dbo soak", description=__doc__)
     d = SoakConfig()
     p.add_argument("--steps", type=int, default=d.steps, help="steps in all, warmup included")
-    p.add_argument("--backend", default=d.backend, choices=BACKENDS)
+    p.add_argument("--backend", default=d.backend, choices=BACKENDS,
+                   help="dispatch/combine backend")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens,
                    help="most tokens per rank and step")
     p.add_argument("--layers", type=int, default=d.layers, help="MoE layers")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="weights, token counts, inputs")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks to start (default: every GPU, or 2 CPU ranks)")
     p.add_argument("--warmup", type=int, default=d.warmup,
                    help="steps before the memory baseline")
     p.add_argument("--report-every", type=int, default=d.report_every,
                    help="steps between memory samples and progress lines")
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--intermediate", type=int, default=d.intermediate)
-    p.add_argument("--num-experts", type=int, default=d.num_experts)
-    p.add_argument("--top-k", type=int, default=d.top_k)
-    p.add_argument("--experts", default=d.experts, choices=EXPERT_KERNELS)
-    p.add_argument("--atol", type=float, default=d.atol)
+    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size")
+    p.add_argument("--intermediate", type=int, default=d.intermediate, help="expert width")
+    p.add_argument("--num-experts", type=int, default=d.num_experts,
+                   help="routed experts over all ranks, a multiple of the world size")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="experts per token")
+    p.add_argument("--experts", default=d.experts, choices=EXPERT_KERNELS,
+                   help="expert kernel (auto: reference on CPU, the fastest on GPU)")
+    p.add_argument("--atol", type=float, default=d.atol,
+                   help="largest |DBO - reference| at any element of any step")
     p.add_argument("--bound-kib", type=int, default=d.bound_kib,
                    help="largest memory growth after warmup, KiB")
     p.add_argument("--trace-window", type=int, default=d.trace_window,
@@ -263,12 +267,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         job = SoakConfig(**options)
         if args.world_size is not None and args.world_size < 2:
             raise ValueError(f"--world-size={args.world_size}: the soak needs 2 or more ranks")
-        if args.world_size is not None and job.num_experts % args.world_size:
+        world_size = resolve_world_size(args.world_size)
+        if job.num_experts % world_size:
             raise ValueError(f"--num-experts={job.num_experts} is not divisible by "
-                             f"--world-size={args.world_size}")
+                             f"--world-size={world_size}: use a multiple of {world_size}")
+        if args.json_out is not None:
+            check_out_file("--json-out", args.json_out)
+        from moe.experts import make_experts
+        make_experts(job.experts, "cuda" if torch.cuda.is_available() else "cpu")
     except ValueError as exc:
-        parser.error(str(exc))  # exits 2
-    summary = run_soak(job, world_size=args.world_size)
+        parser.error(str(exc))  # one line, exit 2
+    summary = run_soak(job, world_size=world_size)
     if summary is None:
         return 0  # a non-zero torchrun rank
     print_summary(summary)
