@@ -57,6 +57,8 @@ EXPERTS = ("auto", *EXPERT_KERNELS)
 # naive reads nothing there with the capacity that `setup_rank` sets
 # (`PrepareFinalize.graph_safe`).
 GRAPH_BACKENDS = ("auto", "local", "naive", "a2a_ll")
+# What records the traced steps (`dbo trace --profiler`).
+PROFILERS = ("torch", "nsys")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +92,9 @@ class RunConfig:
     """Capture one DBO step under torch.profiler (trace, analysis, timeline)."""
     cuda_graph: bool = False
     """Run and time both modes as CUDA graph replays (GPUs only)."""
+    profiler: str = "torch"
+    """What records the traced steps: "torch" (torch.profiler) or "nsys" (NVTX ranges
+    inside cudaProfilerStart/Stop, for Nsight Systems; GPUs only)."""
 
     def __post_init__(self) -> None:
         for name in ("tokens", "requests", "steps"):
@@ -98,7 +103,7 @@ class RunConfig:
         if self.warmup < 0:
             raise ValueError(f"--warmup={self.warmup}: must be >= 0")
         for name, choices in (("preset", PRESETS), ("backend", BACKENDS),
-                              ("experts", EXPERTS)):
+                              ("experts", EXPERTS), ("profiler", PROFILERS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{name}={getattr(self, name)!r}: choose one of "
                                  f"{', '.join(choices)}")
@@ -362,6 +367,10 @@ def build_parser(*, prog: str = "dbo run", description: Optional[str] = __doc__,
                        help="skip the traced DBO step (trace, analysis, timeline)")
         p.add_argument("--cuda-graph", action="store_true",
                        help="run and time both modes as CUDA graph replays (GPUs only)")
+    else:
+        p.add_argument("--profiler", default=d.profiler, choices=PROFILERS,
+                       help="torch: torch.profiler (Chrome trace, analysis, timeline); nsys: "
+                            "NVTX ranges for `nsys profile --capture-range=cudaProfilerApi`")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks to start (default: every GPU, or 2 CPU ranks)")
     return p
@@ -381,6 +390,9 @@ def parse_job(parser: argparse.ArgumentParser,
         if job.cuda_graph and not torch.cuda.is_available():
             raise ValueError("--cuda-graph needs CUDA GPUs, and none is visible here: "
                              "run without it on CPU")
+        if job.profiler == "nsys" and not torch.cuda.is_available():
+            raise ValueError("--profiler=nsys needs CUDA GPUs (Nsight Systems records GPU "
+                             "work), and none is visible here: use --profiler=torch on CPU")
         from moe.experts import make_experts
         make_experts(job.experts, "cuda" if torch.cuda.is_available() else "cpu")
     except ValueError as exc:

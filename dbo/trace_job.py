@@ -1,4 +1,4 @@
-"""`dbo trace`: capture N DBO steps of a preset under torch.profiler, then analyze them.
+"""`dbo trace`: capture N DBO steps of a preset, then analyze them.
 
     dbo trace                                    # CPU: 2 gloo ranks, tiny preset
     dbo trace --preset qwen3-moe-like --tokens 4096 --steps 2 --out dbo_out/trace
@@ -9,21 +9,26 @@ at ui.perfetto.dev), `trace_analysis.json` (overlap, exposed comm, per-phase tim
 `trace_timeline.png`, and prints rank 0's analysis table. For your own model, call
 `dbo.capture.capture(step_fn, out_dir, steps=N)` around a `DBORunner` call.
 
-For Nsight Systems instead of torch.profiler (where `nsys` is installed):
-    DBO_NVTX=1 nsys profile -t cuda,nvtx -o dbo_run dbo run --no-trace
-    nsys export --type sqlite dbo_run.nsys-rep && dbo inspect dbo_run.sqlite
+With `--profiler nsys` (GPUs) the same steps run with dbo's NVTX ranges on and no
+torch.profiler, between cudaProfilerStart and cudaProfilerStop, so Nsight Systems records
+exactly them (one report holds every rank of a torchrun launch):
+    nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi -o dbo_trace
+        torchrun --nproc_per_node=2 -m dbo.cli trace --profiler nsys     # one command
+    nsys export --type sqlite -o dbo_trace.sqlite dbo_trace.nsys-rep
+    dbo inspect dbo_trace.sqlite
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from dbo.capture import capture
 from dbo.launch import RankContext, launch
 from dbo.run_job import RunConfig, build_parser, parse_job, setup_rank
+from traces.ranges import TraceConfig, configure, current_config, label_range, step_name
 
 DEFAULTS = RunConfig(out="dbo_out/trace", steps=2)
 
@@ -31,6 +36,8 @@ DEFAULTS = RunConfig(out="dbo_out/trace", steps=2)
 def trace_rank(ctx: RankContext, job: RunConfig) -> Optional[str]:
     setup = setup_rank(ctx, job)
     out = Path(job.out) / f"rank{ctx.rank}" if ctx.rank else Path(job.out)
+    if job.profiler == "nsys":
+        return nsys_steps(ctx, job, setup.on)
     with torch.no_grad():
         for _ in range(max(job.warmup, 1)):
             setup.on()
@@ -41,6 +48,35 @@ def trace_rank(ctx: RankContext, job: RunConfig) -> Optional[str]:
     lines = [captured.report.format_table(), "",
              f"written: {captured.trace_path}, {captured.analysis_path}, {captured.timeline_path}"]
     return "\n".join(lines)
+
+
+def nsys_steps(ctx: RankContext, job: RunConfig, step: Callable[[], Any]) -> Optional[str]:
+    """Warm up, then run `job.steps` steps labelled `step/N` with NVTX ranges on, between
+    cudaProfilerStart and cudaProfilerStop (what `nsys --capture-range=cudaProfilerApi`
+    records). Writes nothing itself: the report is Nsight's."""
+    previous = current_config()
+    configure(TraceConfig(nvtx=True, domain=previous.domain))
+    try:
+        with torch.no_grad():
+            for _ in range(max(job.warmup, 1)):
+                step()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            try:
+                for i in range(job.steps):
+                    with label_range(step_name(i)):
+                        step()
+                    torch.cuda.synchronize()
+            finally:
+                torch.cuda.profiler.stop()
+    finally:
+        configure(previous)
+    if not ctx.is_main:
+        return None
+    return (f"ran {job.steps} DBO steps on {ctx.world_size} rank(s) with NVTX ranges, inside "
+            f"cudaProfilerStart/Stop. Under `nsys profile --capture-range=cudaProfilerApi "
+            f"-t cuda,nvtx -o REPORT ...`, export and analyze them with `nsys export --type "
+            f"sqlite -o REPORT.sqlite REPORT.nsys-rep && dbo inspect REPORT.sqlite`")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -151,6 +151,9 @@ def no_launch(monkeypatch):
     (("run", "--cuda-graph", "--experts", "reference"), "--cuda-graph with --experts=reference"),
     pytest.param(("run", "--cuda-graph"), "--cuda-graph needs CUDA GPUs",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
+    (("trace", "--profiler", "nope"), "invalid choice: 'nope'"),
+    pytest.param(("trace", "--profiler", "nsys"), "--profiler=nsys needs CUDA GPUs",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
 ])
 def test_bad_arguments_fail_fast(args, message, tmp_path, capsys, no_launch):
     existing = tmp_path / "existing.txt"
