@@ -9,7 +9,8 @@ overlapped with the combine). The architectures dbo knows are in `moe.hf.arch`.
 transformers and safetensors are imported on first use (`pip install -e ".[hf]"`).
 """
 from moe.hf.arch import ARCHITECTURES, ArchSpec
-from moe.hf.block import HFMoEBlock
+from moe.hf.block import HFMoEBlock, expert_bytes
 from moe.hf.convert import convert
+from moe.hf.load import load
 
-__all__ = ["ARCHITECTURES", "ArchSpec", "HFMoEBlock", "convert"]
+__all__ = ["ARCHITECTURES", "ArchSpec", "HFMoEBlock", "convert", "expert_bytes", "load"]

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from moe.layer import MoELayer
 
-__all__ = ["HFMoEBlock", "HFRouter", "HFSharedExperts", "hf_param_name"]
+__all__ = ["HFMoEBlock", "HFRouter", "HFSharedExperts", "expert_bytes", "hf_param_name"]
 
 
 class HFRouter(nn.Module):
@@ -120,3 +120,10 @@ def hf_param_name(name: str) -> Optional[str]:
     if name.startswith("moe.shared_experts."):
         return name.removeprefix("moe.shared_experts.")
     raise AssertionError(f"HFMoEBlock has no parameter {name!r} of a known kind")
+
+
+def expert_bytes(model: nn.Module) -> int:
+    """Bytes of the routed experts' weights (`moe.w13`, `moe.w2`) of every converted block
+    of `model`: this rank's share under expert parallelism."""
+    return sum(t.numel() * t.element_size() for m in model.modules()
+               if isinstance(m, HFMoEBlock) for t in (m.moe.w13, m.moe.w2))
