@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe.config import SUPPORTED_DTYPES, MoEConfig
-from moe.hf.arch import SILU_NAMES, ArchSpec, spec_for
+from moe.hf.arch import ARCHITECTURES, SILU_NAMES, ArchSpec
 from moe.hf.block import HFMoEBlock, HFRouter, HFSharedExperts
 from moe.layer import MoELayer
 
@@ -126,13 +126,15 @@ def plan_blocks(model: nn.Module, *, world: int, check_weights: bool) -> list[Bl
         raise ValueError(f"moe.hf.convert: {type(model).__name__} has no MoE block (no module "
                          f"with an `experts` child) to convert: pass a transformers MoE "
                          f"model")
-    spec = spec_for(config)
+    model_type = getattr(config, "model_type", None)
     plans = []
     for index, (path, block) in enumerate(blocks):
         if isinstance(block, HFMoEBlock):
             raise ValueError(f"moe.hf.convert: block {path!r} is already converted: convert "
                              f"a model once")
+        spec = ARCHITECTURES.get(model_type)
         moe_config = _check_block(path, block, spec, config, check_weights=check_weights)
+        assert spec is not None
         if moe_config.num_experts % world != 0:
             raise ValueError(
                 f"moe.hf.convert: block {path!r} has num_experts={moe_config.num_experts}, "
@@ -143,15 +145,13 @@ def plan_blocks(model: nn.Module, *, world: int, check_weights: bool) -> list[Bl
     return plans
 
 
-def _check_block(path: str, block: nn.Module, spec: ArchSpec, config: Any, *,
+def _check_block(path: str, block: nn.Module, spec: Optional[ArchSpec], config: Any, *,
                  check_weights: bool) -> MoEConfig:
-    """The block's MoEConfig, or ValueError naming the block and what dbo cannot do."""
+    """The block's MoEConfig, or ValueError naming the block and what dbo cannot do
+    (what its experts compute first, then whether dbo knows the architecture)."""
     def refuse(what: str) -> ValueError:
         return ValueError(f"moe.hf.convert: block {path!r} ({type(block).__name__}): {what}")
 
-    if type(block).__name__ != spec.block_class:
-        raise refuse(f"unsupported block class for {spec.model_type!r} (dbo converts "
-                     f"{spec.block_class})")
     experts = block.experts
     for flag, needed, meaning in _EXPERT_FLAGS:
         if getattr(experts, flag, needed) != needed:
@@ -169,7 +169,14 @@ def _check_block(path: str, block: nn.Module, spec: ArchSpec, config: Any, *,
     down = getattr(experts, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
         raise refuse("unsupported experts: expected tensors experts.gate_up_proj [E, 2I, H] "
-                     "and experts.down_proj [E, H, I]")
+                     "and experts.down_proj [E, H, I] (transformers >= 5)")
+    if spec is None:
+        raise refuse(f"unsupported architecture {config.model_type!r}: dbo converts "
+                     f"{', '.join(sorted(ARCHITECTURES))} (add an ArchSpec to "
+                     f"moe.hf.arch.ARCHITECTURES for a model built like one of them)")
+    if type(block).__name__ != spec.block_class:
+        raise refuse(f"unsupported block class for {spec.model_type!r} (dbo converts "
+                     f"{spec.block_class})")
     if gate_up.dtype not in SUPPORTED_DTYPES:
         raise refuse(f"expert weights are {gate_up.dtype}: dbo's experts take "
                      f"{SUPPORTED_DTYPES} (load the model in one of them)")
