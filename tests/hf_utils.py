@@ -6,7 +6,8 @@ process; `batch(...)` a padded batch; `assert_logits_close` the equivalence chec
 """
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Callable
 
 import torch
 
@@ -72,3 +73,18 @@ def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     order where dbo's gather them in token order (differences of ~1e-7 of the scale)."""
     scale = expected.abs().max().item()
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+def save(model: torch.nn.Module, path: Any) -> str:
+    """`save_pretrained` into `path` (per-expert tensors, safetensors); returns the path."""
+    model.save_pretrained(path)
+    return os.fspath(path)
+
+
+def rewrite_without(path: str, drop: Callable[[str], bool]) -> None:
+    """Rewrite path/model.safetensors without the tensors whose name `drop` accepts."""
+    from safetensors.torch import load_file, save_file
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    save_file({k: v for k, v in tensors.items() if not drop(k)}, file,
+              metadata={"format": "pt"})

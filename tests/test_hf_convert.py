@@ -1,8 +1,9 @@
 """Layer 1 (CPU) and Layer 2 (two gloo processes): `moe.hf.convert` on tiny random
 transformers models of the four architectures (Mixtral, Qwen2-MoE, Qwen3-MoE,
 DeepSeek-V3): the converted model's logits equal the original's with DBO off and on, on
-one process and on two expert-parallel ranks with different batches; what it refuses,
-with nothing converted.
+one process and on two expert-parallel ranks with different batches (and, there,
+`moe.hf.load` under EP: half the experts' bytes per rank, and each rank reads only its
+own experts); what it refuses, with nothing converted.
 
 DBO splits the Hugging Face forward with `split="batch"`: its inputs are padded
 [B, S] (input_ids, attention_mask), every row is computed on its own, and positions come
@@ -11,6 +12,8 @@ A rank with zero sequences is not tested: the transformers forward itself reject
 empty batch (its attention reshapes [0, S, -1, D]).
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -22,7 +25,8 @@ import dbo  # noqa: E402
 import moe.hf  # noqa: E402
 from moe.hf import HFMoEBlock, expert_bytes  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.hf_utils import ARCHS, assert_logits_close, batch, logits, tiny_model  # noqa: E402
+from tests.hf_utils import (ARCHS, assert_logits_close, batch, logits, rewrite_without,  # noqa: E402
+                            save, tiny_model)
 
 DBO_ON = dbo.DBOConfig(split="batch", min_prefill_tokens=1, min_decode_tokens=1)
 
@@ -89,21 +93,21 @@ def test_a_converted_model_is_not_converted_again():
         moe.hf.convert(model)
 
 
-def _ep_ranks(rank: int, world: int) -> dict:
-    """Every architecture converted under EP 2: this rank's experts, logits equal the
-    unconverted model's on this rank's own batch, DBO off and on; then a step where a
-    rank has one sequence (no split anywhere: the vote); then E=3 refused."""
+def _ep_ranks(rank: int, world: int, root: str) -> dict:
+    """Under EP 2, every architecture: converted, this rank's experts and logits equal
+    the unconverted model's on this rank's own batch, DBO off and on, then a step where
+    rank 1 has one sequence (no split anywhere: the vote); loaded from its checkpoint,
+    half the experts' bytes and the same logits; a checkpoint lacking rank 1's experts
+    loads on rank 0; E=3 refused."""
     group = dist.group.WORLD
     result = {}
     shapes = [(3, 6), (2, 4)][rank], [(3, 6), (1, 5)][rank]
     for arch in ARCHS:
         model = tiny_model(arch)
-        full = expert_bytes(moe.hf.convert(tiny_model(arch)))
         steps = [batch(*shape, seed=10 * rank + i) for i, shape in enumerate(shapes)]
         expected = [logits(model, ids, mask) for ids, mask in steps]
         moe.hf.convert(model, group=group)
         first = [m.moe.first_expert for m in model.modules() if isinstance(m, HFMoEBlock)]
-        assert expert_bytes(model) * world == full
         for (ids, mask), ref in zip(steps, expected):
             assert_logits_close(logits(model, ids, mask), ref)
         decisions = []
@@ -111,7 +115,14 @@ def _ep_ranks(rank: int, world: int) -> dict:
             out, decision = run_dbo(model, ids, mask, group)
             assert_logits_close(out, ref)
             decisions.append(decision.split)
-        result[arch] = (first[0], decisions)
+        loaded = moe.hf.load(os.path.join(root, arch), group=group)
+        assert_logits_close(logits(loaded, *steps[0]), expected[0])
+        result[arch] = (first[0], decisions, expert_bytes(model), expert_bytes(loaded))
+    try:
+        moe.hf.load(os.path.join(root, "half"), group=group)
+        result["half"] = "loaded"
+    except ValueError as exc:
+        result["half"] = str(exc)
     bad = tiny_model("mixtral", num_local_experts=3)
     try:
         moe.hf.convert(bad, group=group)
@@ -122,11 +133,23 @@ def _ep_ranks(rank: int, world: int) -> dict:
     return result
 
 
-def test_expert_parallel_two_ranks_equal_the_original_dbo_off_and_on():
-    results = run_distributed(2, _ep_ranks)
+def test_expert_parallel_two_ranks_convert_and_load(tmp_path):
+    full_bytes = {}
+    for arch in ARCHS:
+        model = tiny_model(arch)
+        save(model, tmp_path / arch)
+        full_bytes[arch] = expert_bytes(moe.hf.convert(model))
+    half = save(tiny_model("deepseek_v3"), tmp_path / "half")
+    # Experts 4..7 are rank 1's of 2: rank 0 reads none of them.
+    rewrite_without(half, lambda k: any(f".experts.{e}." in k for e in range(4, 8)))
+    results = run_distributed(2, _ep_ranks, os.fspath(tmp_path))
     for rank, result in enumerate(results):
         for arch in ARCHS:
             num_experts = 8 if arch == "deepseek_v3" else 4
-            assert result[arch] == (rank * num_experts // 2, [True, False]), (rank, arch)
+            first, decisions, converted, loaded = result[arch]
+            assert (first, decisions) == (rank * num_experts // 2, [True, False]), (rank, arch)
+            assert converted * 2 == loaded * 2 == full_bytes[arch], (rank, arch)
         assert ("has num_experts=3, which is not divisible by the EP size 2"
                 in result["not divisible"])
+    assert results[0]["half"] == "loaded"
+    assert "has no tensor 'model.layers.1.mlp.experts.4.gate_proj.weight'" in results[1]["half"]

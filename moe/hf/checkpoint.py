@@ -96,12 +96,12 @@ class Checkpoint:
                    for e in range(lo, hi) for name in experts.names):
                 return self._read_per_expert(prefix, experts, hidden=hidden, width=width,
                                              block=block)
-        expected = self._expert_key(experts.prefixes[0], lo, experts.names[0])
+        prefix = experts.prefixes[0]
         raise ValueError(
-            f"moe.hf.load: checkpoint {self.path!r} has no weights for the experts "
-            f"{lo}..{hi - 1} of block {block!r} (looked for {expected!r} and "
-            f"'{experts.prefixes[0]}.experts.gate_up_proj'): the checkpoint is incomplete or "
-            f"was saved from another model; re-save it with save_pretrained")
+            f"moe.hf.load: checkpoint {self.path!r} has no tensor "
+            f"{self._expert_key(prefix, lo, experts.names[0])!r} (expert {lo} of block "
+            f"{block!r}), nor the fused '{prefix}.experts.gate_up_proj': the checkpoint is "
+            f"incomplete or was saved from another model; re-save it with save_pretrained")
 
     # ------------------------------------------------------------------ internals
     def _read_per_expert(self, prefix: str, experts: ExpertRange, *, hidden: int, width: int,
