@@ -10,7 +10,6 @@ import json
 import os
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
