@@ -46,7 +46,7 @@ def test_converted_logits_equal_the_original_dbo_off_and_on(arch):
     assert moe.hf.convert(model) is model
     blocks = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
     assert len(blocks) == (1 if arch == "deepseek_v3" else 2)
-    assert blocks[-1].moe.last_layer and not blocks[0].moe.last_layer or len(blocks) == 1
+    assert [b.moe.last_layer for b in blocks] == [False] * (len(blocks) - 1) + [True]
     assert_logits_close(logits(model, ids, mask), expected)
     out, decision = run_dbo(model, ids, mask)
     assert decision.split, decision.reason
