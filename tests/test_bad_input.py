@@ -5,11 +5,13 @@ A last test checks the README table and this one agree.
 
 Rejections that need two processes (capacity overflow, experts not divisible by the EP
 size, a peer's rejected inputs, configurations that differ across ranks) are tested in
-tests/test_failures.py, tests/test_moe_layer.py and tests/test_agreement.py; their rows
-here point there.
+tests/test_failures.py, tests/test_moe_layer.py, tests/test_agreement.py and
+tests/test_hf_convert.py; their rows here point there. The `moe.hf` rows need
+transformers and skip without it.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 from dbo import DBOConfig, DBORunner, UBatchScheduler
 from moe import MoEConfig, MoELayer, init_moe_weights
 from moe.model import MoETransformer, get_preset
+from tests.hf_utils import rewrite_without, save, tiny_model
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -127,6 +130,58 @@ REJECTED = {
 }
 
 
+def hf_convert_twice() -> None:
+    from moe.hf import convert
+    convert(convert(tiny_model("qwen3_moe")))
+
+
+def hf_load_without(tmp_path: Path, name: str, **config_edits) -> None:
+    from moe.hf import load
+    path = save(tiny_model("mixtral"), tmp_path)
+    rewrite_without(path, lambda k: k == name)
+    if config_edits:
+        config = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**config, **config_edits}))
+    load(path)
+
+
+def hf_convert(arch: str, **sizes) -> None:
+    from moe.hf import convert
+    convert(tiny_model(arch, **sizes))
+
+
+# The same for moe.hf (transformers models); each action takes a tmp directory.
+HF_REJECTED = {
+    "`moe.hf.convert` of a block whose experts dbo cannot compute (biases, clamped "
+    "activation: GPT-OSS)": (
+        lambda tmp: hf_convert("gpt_oss", intermediate_size=16, num_local_experts=4,
+                               num_experts_per_tok=2, num_key_value_heads=2, head_dim=8),
+        ValueError,
+        "block 'model.layers.0.mlp' (GptOssMLP): unsupported experts: biased experts"),
+    "`moe.hf.convert` of an architecture dbo does not know": (
+        lambda tmp: hf_convert("olmoe", intermediate_size=16, num_experts=4,
+                               num_experts_per_tok=2),
+        ValueError, "unsupported architecture 'olmoe'"),
+    "`moe.hf.convert` of a converted model": (
+        lambda tmp: hf_convert_twice(), ValueError, "'model.layers.0.mlp' is already converted"),
+    "`moe.hf.load` of a checkpoint missing an expert's tensor": (
+        lambda tmp: hf_load_without(tmp, "model.layers.1.block_sparse_moe.experts.2.w3.weight"),
+        ValueError, "has no tensor 'model.layers.1.block_sparse_moe.experts.2.w3.weight'"),
+    "`moe.hf.load`: config.json and checkpoint shapes differ": (
+        lambda tmp: hf_load_without(tmp, "", intermediate_size=24), ValueError,
+        "config.json and the weights disagree"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(HF_REJECTED))
+def test_rejected_hf_input_raises_its_documented_error(key, tmp_path):
+    pytest.importorskip("transformers")
+    action, exc_type, text = HF_REJECTED[key]
+    with pytest.raises(exc_type) as info:
+        action(tmp_path)
+    assert text in str(info.value)
+
+
 @pytest.mark.parametrize("key", sorted(REJECTED))
 def test_rejected_input_raises_its_documented_error(key):
     action, exc_type, text = REJECTED[key]
@@ -186,7 +241,8 @@ def test_readme_table_lists_exactly_these_errors():
         cells = [c.strip() for c in row.strip("|").split("|")]
         documented[cells[0]] = cells
     rejected_rows = {k: v for k, v in documented.items() if v[1] not in ("accepted", "—")}
-    assert set(rejected_rows) >= set(REJECTED), set(REJECTED) - set(rejected_rows)
-    for key, (_, exc_type, message) in REJECTED.items():
+    tested = {**REJECTED, **HF_REJECTED}
+    assert set(rejected_rows) >= set(tested), set(tested) - set(rejected_rows)
+    for key, (_, exc_type, message) in tested.items():
         assert rejected_rows[key][1] == f"`{exc_type.__name__}`", key
         assert message in re.sub(r"^`|`$", "", rejected_rows[key][2]), key

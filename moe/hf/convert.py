@@ -1,0 +1,242 @@
+"""`convert`: replace every MoE block of a loaded transformers causal LM by an `HFMoEBlock`.
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = moe.hf.convert(model, group=ep_group, backend="a2a")   # this rank's experts only
+    logits = DBORunner(model, DBOConfig(split="batch"), group=ep_group)(
+        input_ids, attention_mask=mask, use_cache=False).logits
+
+Shape legend: E routed experts, E_loc = E / W experts on this rank, W ranks in the EP
+group, H hidden, I one expert's width.
+
+Why the block and not transformers' experts hook (`integrations/moe.py`,
+`config._experts_implementation`): an experts implementation is handed tokens already
+routed by the model's own router, runs after it, with every expert's weights in the
+module, and the shared experts run outside it -- so dbo's routing kernel, the expert
+slicing of expert parallelism, and the overlap of shared experts with the combine would
+all be out of reach, and choosing the implementation goes through a process-wide
+registry. The block's contract ([B, S, H] in, a tensor out) is the same in transformers
+5.17 and 5.24 for every architecture of `moe.hf.arch`.
+
+Everything is checked before anything changes: on any error the model is as it was.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe.config import SUPPORTED_DTYPES, MoEConfig
+from moe.hf.arch import ARCHITECTURES, SILU_NAMES, ArchSpec
+from moe.hf.block import HFMoEBlock, HFRouter, HFSharedExperts
+from moe.layer import MoELayer
+
+__all__ = ["BlockPlan", "convert", "convert_blocks", "find_moe_blocks"]
+
+# Experts-module flags of `use_experts_implementation` (transformers 5.x) and the value
+# dbo's expert kernels need, with what a different value means.
+_EXPERT_FLAGS = (
+    ("has_bias", False, "biased experts (gate_up_proj_bias / down_proj_bias)"),
+    ("is_transposed", False, "transposed expert weights ([E, H, 2I])"),
+    ("is_concatenated", True, "interleaved gate/up rows"),
+    ("has_gate", True, "experts without a gate projection"),
+    ("has_post_expert_norm", False, "a norm after each expert"),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockPlan:
+    """One MoE block to convert, checked."""
+
+    path: str
+    """Module path of the block, e.g. "model.layers.3.mlp"."""
+    spec: ArchSpec
+    config: MoEConfig
+    layer_id: int
+    """The decoder layer's index (trace names)."""
+
+
+def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every module with an `experts` child (the MoE blocks), outermost
+    only, in module order; converted blocks (`HFMoEBlock`) are listed too."""
+    found: list[tuple[str, nn.Module]] = []
+    for path, module in model.named_modules():
+        if any(path.startswith(p + ".") for p, _ in found):
+            continue
+        if isinstance(module, HFMoEBlock) or isinstance(getattr(module, "experts", None),
+                                                         nn.Module):
+            found.append((path, module))
+    return found
+
+
+def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
+            backend: str = "auto", experts: str = "auto") -> nn.Module:
+    """Replace every MoE block of `model` (a loaded transformers model) by an `HFMoEBlock`
+    holding this rank's experts; return `model` (changed in place).
+
+    Args:
+        model: a transformers model of an architecture in `moe.hf.arch.ARCHITECTURES`,
+            with its weights loaded (not on the meta device).
+        group: the expert-parallel group; rank r of W keeps experts [r E/W, (r+1) E/W).
+            None: EP size 1, every expert here.
+        backend: dispatch/combine backend (`moe.backends`); "auto": local for EP size 1,
+            else a2a.
+        experts: expert kernel (`moe.experts`); "auto": the fastest available.
+
+    Raises:
+        ValueError: an unsupported architecture or block (naming the block and what is
+            unsupported), a routing setting dbo cannot express, an expert count the EP
+            size does not divide, a block already converted. Nothing is changed then.
+    """
+    return convert_blocks(model, group=group, backend=backend, experts=experts,
+                          weights_from_blocks=True)
+
+
+def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], backend: str,
+                   experts: str, weights_from_blocks: bool) -> nn.Module:
+    """`convert`; with `weights_from_blocks=False` the new blocks' parameters are left
+    uninitialised and the old blocks' expert tensors are not read (`moe.hf.load` builds
+    the model with placeholder experts and fills every parameter from the checkpoint)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"moe.hf.convert takes a transformers model (an nn.Module), got "
+                        f"{type(model).__name__}")
+    world = 1 if group is None else dist.get_world_size(group)
+    plans = plan_blocks(model, world=world, check_weights=weights_from_blocks)
+    new_blocks = []
+    last = len(plans) - 1
+    for i, plan in enumerate(plans):
+        old = model.get_submodule(plan.path)
+        new_blocks.append(_build_block(plan, old, group=group, backend=backend,
+                                       experts=experts, last_layer=i == last,
+                                       copy_weights=weights_from_blocks))
+    for plan, block in zip(plans, new_blocks):  # nothing above changed the model
+        parent_path, _, name = plan.path.rpartition(".")
+        setattr(model.get_submodule(parent_path), name, block)
+    return model
+
+
+def plan_blocks(model: nn.Module, *, world: int, check_weights: bool) -> list[BlockPlan]:
+    """Check every MoE block of `model`; ValueError on the first one dbo cannot convert."""
+    config = getattr(model, "config", None)
+    blocks = find_moe_blocks(model)
+    if config is None or not blocks:
+        raise ValueError(f"moe.hf.convert: {type(model).__name__} has no MoE block (no module "
+                         f"with an `experts` child) to convert: pass a transformers MoE "
+                         f"model")
+    model_type = getattr(config, "model_type", None)
+    plans = []
+    for index, (path, block) in enumerate(blocks):
+        if isinstance(block, HFMoEBlock):
+            raise ValueError(f"moe.hf.convert: block {path!r} is already converted: convert "
+                             f"a model once")
+        spec = ARCHITECTURES.get(model_type)
+        moe_config = _check_block(path, block, spec, config, check_weights=check_weights)
+        assert spec is not None
+        if moe_config.num_experts % world != 0:
+            raise ValueError(
+                f"moe.hf.convert: block {path!r} has num_experts={moe_config.num_experts}, "
+                f"which is not divisible by the EP size {world}: use an expert-parallel group "
+                f"whose size divides {moe_config.num_experts}")
+        plans.append(BlockPlan(path=path, spec=spec, config=moe_config,
+                               layer_id=_layer_index(path, default=index)))
+    return plans
+
+
+def _check_block(path: str, block: nn.Module, spec: Optional[ArchSpec], config: Any, *,
+                 check_weights: bool) -> MoEConfig:
+    """The block's MoEConfig, or ValueError naming the block and what dbo cannot do
+    (what its experts compute first, then whether dbo knows the architecture)."""
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"moe.hf.convert: block {path!r} ({type(block).__name__}): {what}")
+
+    experts = block.experts
+    for flag, needed, meaning in _EXPERT_FLAGS:
+        if getattr(experts, flag, needed) != needed:
+            raise refuse(f"unsupported experts: {meaning}")
+    for name in ("gate_up_proj_bias", "down_proj_bias"):
+        if getattr(experts, name, None) is not None:
+            raise refuse(f"unsupported experts: biased experts ({name})")
+    if getattr(experts, "limit", None) is not None or getattr(experts, "alpha", None) is not None:
+        raise refuse("unsupported experts: a clamped activation (limit / alpha)")
+    act = getattr(config, "hidden_act", None)
+    if act not in SILU_NAMES:
+        raise refuse(f"unsupported experts activation hidden_act={act!r}: dbo's expert "
+                     f"kernels compute silu(gate) * up")
+    gate_up = getattr(experts, "gate_up_proj", None)
+    down = getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        raise refuse("unsupported experts: expected tensors experts.gate_up_proj [E, 2I, H] "
+                     "and experts.down_proj [E, H, I] (transformers >= 5)")
+    if spec is None:
+        raise refuse(f"unsupported architecture {config.model_type!r}: dbo converts "
+                     f"{', '.join(sorted(ARCHITECTURES))} (add an ArchSpec to "
+                     f"moe.hf.arch.ARCHITECTURES for a model built like one of them)")
+    if type(block).__name__ != spec.block_class:
+        raise refuse(f"unsupported block class for {spec.model_type!r} (dbo converts "
+                     f"{spec.block_class})")
+    if gate_up.dtype not in SUPPORTED_DTYPES:
+        raise refuse(f"expert weights are {gate_up.dtype}: dbo's experts take "
+                     f"{SUPPORTED_DTYPES} (load the model in one of them)")
+    if check_weights and gate_up.is_meta:
+        raise refuse("expert weights are on the meta device: load the weights first, or "
+                     "use moe.hf.load(path) to load a checkpoint converted")
+    if not isinstance(getattr(getattr(block, "gate", None), "weight", None), torch.Tensor):
+        raise refuse("no router `gate` with a weight [E, H]")
+    for name in spec.shared:
+        if not isinstance(getattr(block, name, None), nn.Module):
+            raise refuse(f"no shared-expert module {name!r}")
+    try:
+        moe_config = spec.moe_config(config, dtype=gate_up.dtype)
+    except ValueError as exc:
+        raise refuse(f"routing dbo cannot express: {exc}") from exc
+    if check_weights:
+        e, h, i = moe_config.num_experts, moe_config.hidden_size, moe_config.intermediate_size
+        for name, tensor, shape in (("experts.gate_up_proj", gate_up, (e, 2 * i, h)),
+                                    ("experts.down_proj", down, (e, h, i)),
+                                    ("gate.weight", block.gate.weight, (e, h))):
+            if tuple(tensor.shape) != shape:
+                raise refuse(f"{name} has shape {list(tensor.shape)} but the config says "
+                             f"{list(shape)}: the weights do not match the model config")
+    return moe_config
+
+
+def _build_block(plan: BlockPlan, old: nn.Module, *, group: Optional[dist.ProcessGroup],
+                 backend: str, experts: str, last_layer: bool,
+                 copy_weights: bool) -> HFMoEBlock:
+    """The new block for `old`: this rank's experts copied (or left uninitialised), the
+    router's and shared experts' tensors taken over as they are."""
+    spec, config = plan.spec, plan.config
+    device = old.experts.gate_up_proj.device
+    layer = MoELayer(config, group=group, backend=backend, experts=experts,
+                     layer_id=plan.layer_id, last_layer=last_layer, device=device)
+    gate = old.gate
+    if copy_weights:
+        bias = gate.e_score_correction_bias.detach() if spec.grouped else None
+        layer.router = HFRouter(gate.weight.detach(), correction_bias_E=bias,
+                                fp32_logits=spec.router_fp32)
+        local = slice(layer.first_expert, layer.first_expert + layer.num_local_experts)
+        with torch.no_grad():
+            layer.w13.copy_(old.experts.gate_up_proj[local])
+            layer.w2.copy_(old.experts.down_proj[local])
+    else:
+        weight = torch.empty(config.num_experts, config.hidden_size, dtype=gate.weight.dtype,
+                             device=device)
+        bias = (torch.zeros(config.num_experts, dtype=torch.float32, device=device)
+                if spec.grouped else None)
+        layer.router = HFRouter(weight, correction_bias_E=bias, fp32_logits=spec.router_fp32)
+    if spec.shared:
+        mlp_name, *gate_name = spec.shared
+        layer.shared_experts = HFSharedExperts(
+            mlp_name=mlp_name, mlp=getattr(old, mlp_name),
+            gate_name=gate_name[0] if gate_name else None,
+            gate=getattr(old, gate_name[0]) if gate_name else None)
+    return HFMoEBlock(layer, path=plan.path)
+
+
+def _layer_index(path: str, *, default: int) -> int:
+    """The first integer component of a module path ("model.layers.3.mlp" -> 3)."""
+    match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", path)
+    return int(match.group(1)) if match else default
