@@ -207,7 +207,7 @@ def _set_function_modes(part: Any) -> None:
 def _set_dispatch_modes(part: Any) -> None:
     # Pushing and popping keep the Python dispatch keys in step with the stack.
     for _ in range(len_dispatch_modes()):
-        _C._pop_torch_dispatch_stack()
+        _C._pop_torch_dispatch_stack(None)
     for mode in _as_modes(part):
         _C._push_on_torch_dispatch_stack(mode)
 
