@@ -177,12 +177,10 @@ class UBatchScheduler:
         """
         # ThreadStateSwitch.capture, inlined: this runs on every hand-off, and in the
         # common case (nothing differs between the ubatches) it is all that runs.
-        n_fn = _len_function_modes()
-        n_dispatch = _len_dispatch_modes()
         now = (_is_grad_enabled(), _is_inference_mode_enabled(),
                _is_any_autocast_enabled() and tls.read_autocast(self._autocast_types),
-               n_fn and tls.read_function_modes(n_fn),
-               n_dispatch and tls.read_dispatch_modes(n_dispatch),
+               _len_function_modes() and tls.read_function_modes(),
+               _len_dispatch_modes() and tls.read_dispatch_modes(),
                _cuda_current_device() if self._is_cuda else 0)
         if current is not None:
             current.thread_state = now

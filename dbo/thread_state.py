@@ -81,12 +81,16 @@ def read_autocast(device_types: tuple[str, ...]) -> tuple:
                   for t in device_types))
 
 
-def read_function_modes(n: int) -> Any:
+def read_function_modes() -> Any:
+    """The torch-function mode stack: its one mode (`torch.device(...)`, the usual case)
+    or a tuple of modes, bottom first."""
+    n = len_function_modes()
     return function_mode_at(0) if n == 1 else tuple(function_mode_at(i) for i in range(n))
 
 
-def read_dispatch_modes(n: int) -> tuple:
-    return tuple(_C._get_dispatch_stack_at(i) for i in range(n))
+def read_dispatch_modes() -> tuple:
+    """The torch-dispatch mode stack, bottom first."""
+    return tuple(_C._get_dispatch_stack_at(i) for i in range(len_dispatch_modes()))
 
 
 class ThreadStateSwitch:
@@ -121,12 +125,10 @@ class ThreadStateSwitch:
 
     def capture(self) -> ThreadState:
         """The thread's state now (the scheduler inlines the same expression)."""
-        n_fn = len_function_modes()
-        n_dispatch = len_dispatch_modes()
         return (is_grad_enabled(), is_inference_mode_enabled(),
                 is_any_autocast_enabled() and read_autocast(self.device_types),
-                n_fn and read_function_modes(n_fn),
-                n_dispatch and read_dispatch_modes(n_dispatch),
+                len_function_modes() and read_function_modes(),
+                len_dispatch_modes() and read_dispatch_modes(),
                 cuda_current_device() if self.is_cuda else 0)
 
     def apply(self, state: ThreadState, now: ThreadState) -> None:
@@ -152,7 +154,9 @@ class ThreadStateSwitch:
         guards = self._guards
         while guards:
             guards.pop()[0].__exit__(None, None, None)
-        self.apply(self.caller, self.capture())
+        now = self.capture()
+        if now != self.caller:
+            self.apply(self.caller, now)
 
     def _set_inference(self, enabled: bool) -> None:
         """Switch inference mode to `enabled` (it is `not enabled` now).
