@@ -86,6 +86,30 @@ def test_caller_state_after_an_exception_in_a_ubatch(failing):
     assert caller_state() == before
 
 
+def test_inference_mode_entered_and_left_many_times_across_yields():
+    seen = []
+
+    def flipping():
+        for _ in range(5):
+            with torch.inference_mode():
+                dbo_yield()
+                seen.append(("in", torch.is_inference_mode_enabled()))
+            dbo_yield()
+            seen.append(("out", torch.is_inference_mode_enabled()))
+        return 0
+
+    def plain():
+        for _ in range(12):
+            seen.append(("plain", torch.is_inference_mode_enabled()))
+            dbo_yield()
+        return 1
+
+    before = caller_state()
+    UBatchScheduler("cpu").run([flipping, plain])
+    assert sorted(set(seen)) == [("in", True), ("out", False), ("plain", False)]
+    assert caller_state() == before
+
+
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
 def test_caller_mode_reaches_both_ubatches_and_is_kept(context):
     seen = []
