@@ -27,9 +27,10 @@ each ubatch's stream), and restored unconditionally when the step ends.
 
 Checked and deliberately not switched:
 - saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`, `save_on_cpu`,
-  non-reentrant checkpointing): PyTorch exposes only the top of the stack, reading it
-  costs as much as all the reads above together on every hand-off, and DBO serves
-  inference. A yield inside such a region hands the hooks to the other ubatch;
+  non-reentrant checkpointing): PyTorch exposes only the top of the stack (a tuple
+  built per read, about two of the reads above on every hand-off), and they matter only
+  when training through a yield. A yield inside such a region hands the hooks to the
+  other ubatch;
 - the disabled-torch-function state (`torch._C.DisableTorchFunction*`): torch enters it
   around its own internals, never across a model's yield;
 - the pre-dispatch mode stack and functorch's transform stack (export and `torch.func`
