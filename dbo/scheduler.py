@@ -6,9 +6,11 @@ Contract (DESIGN.md, "Scheduler contract"):
 - Exactly one ubatch runs at a time; ubatch 0 starts. A yield (`dbo.yield_points`)
   hands control to the other ubatch; once one ubatch has finished, the other runs to its
   end. The order is deterministic: it depends only on where the code yields.
-- The current CUDA stream, grad mode and autocast state are per OS thread, shared by the
-  greenlets. The scheduler owns them during a step: on every switch it re-applies the
-  resumed ubatch's own values, and `run` restores the caller's values when it returns.
+- The current CUDA stream, grad and inference mode, autocast, the torch-function and
+  torch-dispatch mode stacks (`with torch.device(...)`) and the current CUDA device are
+  per OS thread, shared by the greenlets. The scheduler owns them during a step: on every
+  switch it re-applies the resumed ubatch's own values, and `run` restores the caller's
+  values when it returns or raises (`dbo.thread_state` lists what is and is not switched).
 - An exception in one ubatch unwinds the other (GreenletExit at its suspension point,
   yields there are no-ops) and `run` re-raises the original exception, with the ubatch id
   in its notes and as `exc.dbo_ubatch_id`. The scheduler is reusable afterwards.
@@ -26,16 +28,20 @@ import torch
 
 from dbo import yield_points
 from traces import ranges as trace_ranges
-from dbo.thread_state import ThreadState, apply_thread_state, capture_thread_state
+from dbo import thread_state as tls
+from dbo.thread_state import ThreadState, ThreadStateSwitch
 from streams.standins import OpLog
 from streams.stream_set import StreamSet, resolve_device
 
 T = TypeVar("T")
 
-_is_grad_enabled = torch.is_grad_enabled
-_is_autocast_enabled = torch.is_autocast_enabled
-# No argument to parse: the cheap test for the usual case (no autocast anywhere).
-_is_any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
+# The reads of ThreadStateSwitch.capture, bound once: `_switch` inlines it.
+_is_grad_enabled = tls.is_grad_enabled
+_is_inference_mode_enabled = tls.is_inference_mode_enabled
+_is_any_autocast_enabled = tls.is_any_autocast_enabled
+_len_function_modes = tls.len_function_modes
+_len_dispatch_modes = tls.len_dispatch_modes
+_cuda_current_device = tls.cuda_current_device
 
 MAX_UBATCHES = 2
 
@@ -79,6 +85,9 @@ class UBatchScheduler:
         self._running: Optional[UBatch] = None
         self._aborting = False
         self._device_type = self.device.type
+        self._autocast_types = tls.autocast_device_types(self._device_type)
+        self._is_cuda = self.device.type == "cuda"
+        self._thread_state: Optional[ThreadStateSwitch] = None
 
     # ----------------------------------------------------------------- public API
     @property
@@ -96,10 +105,11 @@ class UBatchScheduler:
                 "UBatchScheduler.run() was called inside a running DBO step (nested "
                 "DBO is not supported): call the model directly inside a ubatch")
         streams = self._prepare_streams()
-        caller_state = capture_thread_state(self._device_type)
+        switch = self._thread_state = ThreadStateSwitch(self._device_type,
+                                                        is_cuda=self._is_cuda)
         hub = greenlet.getcurrent()
         self._ubatches = [UBatch(i, greenlet.greenlet(fn, parent=hub), streams.compute,
-                                 caller_state) for i, fn in enumerate(fns)]
+                                 switch.caller) for i, fn in enumerate(fns)]
         self._aborting = False
         yield_points.set_active_scheduler(self)
         try:
@@ -108,10 +118,10 @@ class UBatchScheduler:
         finally:
             yield_points.set_active_scheduler(None)
             self._running = None
-            streams.current.set(streams.compute)
-            # Re-read rather than trust a snapshot: a failing ubatch left none.
-            apply_thread_state(self._device_type, caller_state,
-                               capture_thread_state(self._device_type))
+            # Unconditionally: a ubatch may have set the stream behind the tracker's back.
+            streams.current.force(streams.compute)
+            switch.restore_caller()
+            self._thread_state = None
             self._ubatches = []
 
     # ---------------------------------------------------- used by dbo.yield_points
@@ -165,20 +175,19 @@ class UBatchScheduler:
         Ubatches switch to each other directly; only a finished or failed ubatch
         returns to the hub. Returns what the hub receives back (a result).
         """
-        device_type = self._device_type
-        # capture_thread_state / apply_thread_state, inlined for the common case where
-        # nothing differs: this runs on every hand-off.
-        if ((_is_any_autocast_enabled is None or _is_any_autocast_enabled())
-                and _is_autocast_enabled(device_type)):
-            now = (_is_grad_enabled(), True, torch.get_autocast_dtype(device_type))
-        else:
-            now = (_is_grad_enabled(), False, None)
+        # ThreadStateSwitch.capture, inlined: this runs on every hand-off, and in the
+        # common case (nothing differs between the ubatches) it is all that runs.
+        now = (_is_grad_enabled(), _is_inference_mode_enabled(),
+               _is_any_autocast_enabled() and tls.read_autocast(self._autocast_types),
+               _len_function_modes() and tls.read_function_modes(),
+               _len_dispatch_modes() and tls.read_dispatch_modes(),
+               _cuda_current_device() if self._is_cuda else 0)
         if current is not None:
             current.thread_state = now
         if trace_ranges._ENABLED:
             self._mark_running(current, target)
         if target.thread_state != now:
-            apply_thread_state(device_type, target.thread_state, now)
+            self._thread_state.apply(target.thread_state, now)
         self._running = target
         tracker = self._streams.current
         if target.stream is not tracker._current:
@@ -226,9 +235,17 @@ class UBatchScheduler:
             return
         self._running = ub
         self.streams.current.set(ub.stream)
+        self._enter_state(ub)
         hooks, finished.recv_hooks = finished.recv_hooks, []
         for hook in hooks:
             hook()
+
+    def _enter_state(self, ub: UBatch) -> None:
+        """Apply `ub`'s thread state from the hub (where no ubatch's state is kept)."""
+        switch = self._thread_state
+        now = switch.capture()
+        if ub.thread_state != now:
+            switch.apply(ub.thread_state, now)
 
     def _abort(self, failed: UBatch) -> None:
         """Unwind every other live ubatch after `failed` raised."""
@@ -238,6 +255,8 @@ class UBatchScheduler:
                 if ub is failed or ub.glet.dead:
                     continue
                 self._running = ub
+                # Its cleanup (context managers' exits) must run in its own state.
+                self._enter_state(ub)
                 try:
                     ub.glet.throw()
                 except BaseException:  # noqa: BLE001 - its cleanup failed too; the first error wins

@@ -30,6 +30,13 @@ class CurrentStream:
             torch.cuda.set_stream(stream)
         self._current = stream
 
+    def force(self, stream: Any) -> None:
+        """Set `stream` even if it is the one cached (code outside our control may have
+        changed the real current stream meanwhile)."""
+        if self._is_cuda:
+            torch.cuda.set_stream(stream)
+        self._current = stream
+
     def resync(self) -> None:
         """Re-read the real current stream (after code outside our control changed it)."""
         if self._is_cuda:
