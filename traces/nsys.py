@@ -11,7 +11,10 @@ Tables used (times in ns; missing optional tables or columns are skipped):
 """
 from __future__ import annotations
 
+import gzip
+import shutil
 import sqlite3
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +154,7 @@ def _nvtx_labels(db: _Db) -> list[Label]:
 
 
 def read_nsys_sqlite(path: str | Path, *, config: ReadConfig | None = None) -> Trace:
-    """Read an ``nsys export --type sqlite`` file into a ``Trace``.
+    """Read an ``nsys export --type sqlite`` file (or that file gzipped) into a ``Trace``.
 
     Kernels come from ``CUPTI_ACTIVITY_KIND_KERNEL`` (required unless the profile had no
     GPU work, which gives zero devices and a note), copies and memsets per ``config``,
@@ -161,6 +164,19 @@ def read_nsys_sqlite(path: str | Path, *, config: ReadConfig | None = None) -> T
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
+    with path.open("rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    if not gzipped:
+        return _read(path, config, source=path)
+    # SQLite reads files only: unpack a gzipped export (how traces/data keeps one) first.
+    with tempfile.TemporaryDirectory() as tmp:
+        unpacked = Path(tmp) / path.name.removesuffix(".gz")
+        with gzip.open(path, "rb") as src, unpacked.open("wb") as dst:
+            shutil.copyfileobj(src, dst)
+        return _read(unpacked, config, source=path)
+
+
+def _read(path: Path, config: ReadConfig, *, source: Path) -> Trace:
     db = _Db(path)
     try:
         notes: list[str] = []
@@ -181,4 +197,4 @@ def read_nsys_sqlite(path: str | Path, *, config: ReadConfig | None = None) -> T
             notes.append("no NVTX_EVENTS table: no labels (profile with --trace=cuda,nvtx)")
     finally:
         db.conn.close()
-    return Trace(kernels=kernels, labels=labels, source=str(path), notes=notes)
+    return Trace(kernels=kernels, labels=labels, source=str(source), notes=notes)

@@ -179,9 +179,14 @@ def read_trace(path: str | Path, *, config: ReadConfig | None = None) -> Trace:
         )
     with path.open("rb") as f:
         head = f.read(16)
+    if head.startswith(b"\x1f\x8b"):  # gzip: a Chrome trace, or an Nsight SQLite file
+        with gzip.open(path, "rb") as f:
+            if f.read(16).startswith(b"SQLite format 3"):
+                return read_nsys_sqlite(path, config=config)
+        return read_chrome_trace(path, config=config)
     if head.startswith(b"SQLite format 3"):
         return read_nsys_sqlite(path, config=config)
-    if head.startswith(b"\x1f\x8b") or head.lstrip()[:1] in (b"{", b"["):
+    if head.lstrip()[:1] in (b"{", b"["):
         return read_chrome_trace(path, config=config)
     raise ValueError(
         f"{path}: unknown trace format (expected a torch.profiler Chrome trace .json/.json.gz "
