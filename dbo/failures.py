@@ -6,7 +6,9 @@
 
 An exception that leaves a `phase_scope` gets a note `[dbo] rank R, ubatch U, layer L,
 phase P` (the innermost scope wins) and the attributes `dbo_rank`, `dbo_layer`,
-`dbo_phase`; the scheduler adds the ubatch (`dbo_ubatch_id`). The DBORunner then says
+`dbo_phase`; the scheduler adds the ubatch (`dbo_ubatch_id`), the runner the rows of the
+step that ubatch ran (`dbo_ubatch_rows`: the shapes in the message are the ubatch's,
+not the ones the caller passed). The DBORunner then says
 whether this rank had issued any collective of the step: if not, the process group is
 intact and the next step can run; if it had, the ranks' collective sequences may now
 differ (a peer may be blocked in a collective this rank will never join), and the error

@@ -30,8 +30,8 @@ to both ubatches would hide the shape bug the unsplit call raises for. Positiona
 with the step's rows are split silently; a keyword tensor with them is split too, and
 warned about once per runner (`SplitArgumentWarning`, on its first split step) unless it
 is declared row-major in `DBOConfig.split_kwargs`: its dim 0 may equal the rows by
-chance. See `dbo.split_args`. An error raised inside a ubatch gets a note naming the rows of the
-step that ubatch ran, since the shapes in its message are the ubatch's.
+chance (`dbo.split_args`). An error raised inside a ubatch gets a note naming the rows
+of the step that ubatch ran, since the shapes in its message are the ubatch's.
 
 Every rank of `group` must call the runner on every step (with 0 tokens too), with the
 same config: the vote is a collective. To replay steps as CUDA graphs, wrap the runner in

@@ -1,4 +1,4 @@
-"""Which arguments of a step a named split mode cuts, and how (pure functions, no torch.distributed).
+"""Which arguments of a step a named split mode cuts (pure functions, no torch.distributed).
 
     which = find_split_args(args, kwargs, config)           # refuses ambiguous tensors
     args0, kwargs0 = slice_args(args, kwargs, which, 0, 32) # rows [0, 32) of each
@@ -88,8 +88,8 @@ def find_split_args(args: tuple, kwargs: dict, config: DBOConfig) -> SplitArgs:
             keywords.add(key)
             if key not in config.split_kwargs:
                 undeclared.append(key)
-    return SplitArgs(rows=rows, row_shape=tuple(x.shape), positions=frozenset(positions), keywords=frozenset(keywords),
-                     undeclared=tuple(undeclared))
+    return SplitArgs(rows=rows, row_shape=tuple(x.shape), positions=frozenset(positions),
+                     keywords=frozenset(keywords), undeclared=tuple(undeclared))
 
 
 def undeclared_warning(keyword: str, which: SplitArgs, config: DBOConfig) -> str:
