@@ -11,7 +11,8 @@ rows is refused (ValueError naming it), since passing it whole to both ubatches 
 hide a shape bug the unsplit call raises for (`model(x[64, 8], mask[32])`). Positional
 tensors with the step's rows are split silently (the convention); keyword tensors too,
 but a keyword not declared row-major (`DBOConfig.split_kwargs`) is reported once per
-runner (`SplitArgumentWarning`), since its dim 0 may equal the rows by chance. Non-tensor
+runner (`SplitArgumentWarning`), since its dim 0 may equal the rows by chance (the
+keyword tensor that gives the rows, when no positional one does, is not). Non-tensor
 arguments, and tensors inside lists or dicts, go whole to both ubatches.
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ class SplitArgs:
     keywords: frozenset[str]
     """Keyword arguments that are split."""
     undeclared: tuple[str, ...] = ()
-    """Split keyword arguments not named in `DBOConfig.split_kwargs` (warned about)."""
+    """Split keyword arguments not named in `DBOConfig.split_kwargs`, other than the one
+    that gave the rows (warned about)."""
 
 
 def find_split_args(args: tuple, kwargs: dict, config: DBOConfig) -> SplitArgs:
@@ -86,7 +88,7 @@ def find_split_args(args: tuple, kwargs: dict, config: DBOConfig) -> SplitArgs:
             positions.add(key)
         else:
             keywords.add(key)
-            if key not in config.split_kwargs:
+            if key not in config.split_kwargs and key != source[0]:  # the rows' own source
                 undeclared.append(key)
     return SplitArgs(rows=rows, row_shape=tuple(x.shape), positions=frozenset(positions),
                      keywords=frozenset(keywords), undeclared=tuple(undeclared))
