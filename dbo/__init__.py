@@ -7,6 +7,7 @@ from dbo.merge import merge_outputs
 from dbo.runner import DBORunner
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, UBatchSlice, plan_split
+from dbo.split_args import SplitArgumentWarning
 from dbo.vote import vote_split
 from dbo.yield_points import (
     dbo_current_ubatch_id,
@@ -33,6 +34,7 @@ __all__ = [
     "GraphedRunner",
     "PeerInputError",
     "SPLIT_MODES",
+    "SplitArgumentWarning",
     "SplitPlan",
     "UBatchScheduler",
     "UBatchSlice",

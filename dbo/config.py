@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Any, Callable, Union
 
+# An argument of the model call: its position (int) or its keyword name (str).
+ArgName = Union[int, str]
+
 # The named split modes (see `DBOConfig.split`).
 SPLIT_MODES: tuple[str, ...] = ("tokens", "requests", "batch")
 
@@ -43,6 +46,10 @@ class DBOConfig:
     """SMs that torch's (cuBLAS) GEMMs leave free for the comm kernels while a split step runs (`streams.gemm_carveout`); None or 0: every SM. NCCL runs the scale-out all-to-all on 4 CTAs."""
     merge: Union[MergeFn, None] = None
     """Custom merge of the per-ubatch outputs, `merge([out0, out1])`; None: concatenate along dim 0."""
+    unsplit_args: tuple[ArgName, ...] = ()
+    """Tensor arguments both ubatches get whole (e.g. a mask or table not indexed by row), by position (0, 1, ...) or keyword name; other tensors must have the step's rows in dim 0."""
+    split_kwargs: tuple[str, ...] = ()
+    """Keyword tensors that are row-major (dim 0 = the step's tokens, or sequences in "batch" mode), split like the positional ones without the runner's one-time warning."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -83,6 +90,35 @@ class DBOConfig:
         if self.merge is not None and not callable(self.merge):
             raise ValueError(f"DBOConfig.merge must be None or a callable merge([out0, out1]), "
                              f"got a {type(self.merge).__name__}: {self.merge!r}")
+        self._check_arg_declarations()
+
+    def _check_arg_declarations(self) -> None:
+        """`unsplit_args` / `split_kwargs`: tuples (lists are taken as tuples) of names."""
+        for name, allowed in (("unsplit_args", "positions (ints >= 0) or keyword names"),
+                              ("split_kwargs", "keyword names")):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+                raise ValueError(f"DBOConfig.{name}={value!r} must be a tuple of {allowed}, "
+                                 f"e.g. {name}=({value!r},)")
+            object.__setattr__(self, name, tuple(value))
+            for item in value:
+                is_position = name == "unsplit_args" and _is_int(item) and item >= 0
+                if not is_position and not (isinstance(item, str) and item.isidentifier()):
+                    raise ValueError(f"DBOConfig.{name} holds {item!r}: it takes {allowed} "
+                                     f"of the model call's arguments")
+        both = sorted(set(self.split_kwargs) & set(self.unsplit_args), key=str)
+        if both:
+            raise ValueError(f"DBOConfig names {both} in both unsplit_args and split_kwargs: "
+                             f"an argument is either passed whole or split, keep it in one")
+        declared = self.unsplit_args + self.split_kwargs
+        if callable(self.split) and declared:
+            raise ValueError(f"DBOConfig(unsplit_args=..., split_kwargs=...) declare how a "
+                             f"named split mode treats arguments, but the callable split "
+                             f"{getattr(self.split, '__name__', self.split)!r} splits them "
+                             f"itself: drop {list(declared)}")
+        if self.split == "requests" and "seq_lens" in declared:
+            raise ValueError("DBOConfig(split='requests') gives each ubatch its own seq_lens: "
+                             "drop 'seq_lens' from unsplit_args / split_kwargs")
 
 
 def _is_int(value: Any) -> bool:

@@ -6,7 +6,9 @@
 
 An exception that leaves a `phase_scope` gets a note `[dbo] rank R, ubatch U, layer L,
 phase P` (the innermost scope wins) and the attributes `dbo_rank`, `dbo_layer`,
-`dbo_phase`; the scheduler adds the ubatch (`dbo_ubatch_id`). The DBORunner then says
+`dbo_phase`; the scheduler adds the ubatch (`dbo_ubatch_id`), the runner the rows of the
+step that ubatch ran (`dbo_ubatch_rows`: the shapes in the message are the ubatch's,
+not the ones the caller passed). The DBORunner then says
 whether this rank had issued any collective of the step: if not, the process group is
 intact and the next step can run; if it had, the ranks' collective sequences may now
 differ (a peer may be blocked in a collective this rank will never join), and the error
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import greenlet
 import torch.distributed as dist
@@ -142,6 +144,28 @@ def annotate_step_failure(exc: BaseException) -> None:
                        f"it failed: the ranks' collective sequences may now differ, so "
                        f"re-create the process group (destroy_process_group, then "
                        f"init_process_group / new_group) before the next step")
+
+
+def annotate_ubatch_rows(exc: BaseException, rows: Sequence[int], *,
+                         contiguous: bool = True) -> None:
+    """Say which rows of a split step the failed ubatch ran (`exc.dbo_ubatch_id`, set by
+    the scheduler): the shapes in its message are the ubatch's, not the caller's.
+
+    `rows`: rows (dim 0 of the split inputs) per ubatch, in order; `contiguous`: ubatch
+    u ran the rows after those of ubatches < u (the named split modes)."""
+    ubatch_id = getattr(exc, "dbo_ubatch_id", None)
+    if ubatch_id is None or getattr(exc, "dbo_ubatch_rows", None) is not None \
+            or not 0 <= ubatch_id < len(rows):
+        return
+    start, total = sum(rows[:ubatch_id]), sum(rows)
+    end = start + rows[ubatch_id]
+    try:
+        exc.dbo_ubatch_rows = (start, end)  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        return
+    ran = f"rows [{start}, {end})" if contiguous else f"{end - start} rows"
+    _add_note(exc, f"[dbo] ubatch {ubatch_id} ran {ran} of the step's {total} rows: shapes "
+                   f"in this error are the ubatch's, not the step's")
 
 
 def _add_note(exc: BaseException, note: str) -> None:

@@ -15,13 +15,23 @@ request/sequence works, yields or not.
 
 Split modes (`DBOConfig.split`); only top-level arguments are split, the others are
 passed to both ubatches unchanged:
-- "tokens": every tensor argument whose dim 0 equals the token count (dim 0 of the
-  first tensor argument) is halved; rows are independent tokens.
+- "tokens": dim 0 of the first tensor argument (not declared whole) is the step's
+  tokens; tensor arguments are halved along it; rows are independent tokens.
 - "requests": as "tokens", balanced on the `seq_lens=` keyword argument (tokens per
   request); each ubatch gets its own `seq_lens` (same type) counting only its tokens.
-- "batch": dim 0 is sequences (padded [B, S, ...] inputs): tensors with dim 0 == B are
-  split at a sequence boundary; S == 1 (or 1-D inputs) counts as decode.
+- "batch": dim 0 is sequences (padded [B, S, ...] inputs): tensors are split at a
+  sequence boundary; S == 1 (or 1-D inputs) counts as decode.
 - a callable `split(args, kwargs) -> [(args0, kwargs0), (args1, kwargs1)] | None`.
+
+In the named modes a tensor argument (not 0-dim) must have the step's rows in dim 0 or
+be declared whole in `DBOConfig.unsplit_args` (by position or keyword name): any other
+is refused with a ValueError naming it, every step, split or not, since handing it whole
+to both ubatches would hide the shape bug the unsplit call raises for. Positional tensors
+with the step's rows are split silently; a keyword tensor with them is split too, and
+warned about once per runner (`SplitArgumentWarning`, on its first split step) unless it
+is declared row-major in `DBOConfig.split_kwargs`: its dim 0 may equal the rows by
+chance (`dbo.split_args`). An error raised inside a ubatch gets a note naming the rows
+of the step that ubatch ran, since the shapes in its message are the ubatch's.
 
 Every rank of `group` must call the runner on every step (with 0 tokens too), with the
 same config: the vote is a collective. To replay steps as CUDA graphs, wrap the runner in
@@ -39,6 +49,7 @@ is replaced: once the group has agreed that every rank is disabled, none votes a
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -46,16 +57,16 @@ import torch.distributed as dist
 
 from dbo.agreement import Agreement, AgreementCache, check_inputs, stop_step
 from dbo.config import DBOConfig
-from dbo.failures import annotate_step_failure, mark_stopped_together, reset_collectives
+from dbo.failures import (annotate_step_failure, annotate_ubatch_rows, mark_stopped_together,
+                          reset_collectives)
 from dbo.merge import merge_outputs
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, UBatchSlice, plan_split, plan_token_split
+from dbo.split_args import (SplitArgs, SplitArgumentWarning, UBatchArgs, find_split_args,
+                            slice_args, undeclared_warning)
 from dbo.vote import Ballot, Tally, cast_ballot, plan_after_vote
 from dbo.yield_points import dbo_enabled
 from streams.gemm_carveout import gemm_sm_carveout
-
-# The inputs of one ubatch: positional and keyword arguments of one model call.
-UBatchArgs = tuple[tuple, dict]
 
 SEQ_LENS_KWARG = "seq_lens"
 DISABLED_REASON = "DBO disabled (DBOConfig.enabled=False)"
@@ -90,6 +101,7 @@ class DBORunner:
         self.group = group
         self.last_decision: Optional[SplitPlan] = None
         self._schedulers: dict[torch.device, UBatchScheduler] = {}
+        self._warned_kwargs: set[str] = set()  # see `_warn_undeclared`
         # Per cuda_graph: a GraphedRunner's steps carry a field of their own.
         self._agreement_caches = {False: AgreementCache(), True: AgreementCache()}
 
@@ -185,8 +197,15 @@ class DBORunner:
         x = _first_tensor(args, kwargs)
         scheduler = self._scheduler(x)
         device = x.device if x is not None else torch.device("cpu")
-        with gemm_sm_carveout(self.config.gemm_sm_carveout, device):
-            outputs = scheduler.run([_bind(self.model, a, k) for a, k in ubatch_args])
+        try:
+            with gemm_sm_carveout(self.config.gemm_sm_carveout, device):
+                outputs = scheduler.run([_bind(self.model, a, k) for a, k in ubatch_args])
+        except BaseException as exc:
+            # The scheduler named the ubatch (`dbo_ubatch_id`); its shapes are not the
+            # ones the user passed, so say which rows of the step it ran.
+            annotate_ubatch_rows(exc, rows if rows is not None else plan.num_tokens,
+                                 contiguous=not callable(self.config.split))
+            raise
         if self.config.merge is not None:
             return self.config.merge(outputs)
         return merge_outputs(outputs, rows=rows)
@@ -212,12 +231,12 @@ class DBORunner:
         if callable(mode):
             return self._plan_callable(mode, args, kwargs)
         if mode == "tokens":
-            x = _require_tensor(args, kwargs, mode)
-            num_tokens = x.shape[0]
-            plan = plan_token_split(num_tokens, self.config)
+            which = find_split_args(args, kwargs, self.config)
+            plan = plan_token_split(which.rows, self.config)
             if not plan.split:
                 return plan, [], None
-            return plan, [_slice_args(args, kwargs, num_tokens, ub.token_start, ub.token_end)
+            self._warn_undeclared(which)
+            return plan, [slice_args(args, kwargs, which, ub.token_start, ub.token_end)
                           for ub in plan.ubatches], plan.num_tokens
         if mode == "requests":
             if SEQ_LENS_KWARG not in kwargs:
@@ -227,26 +246,36 @@ class DBORunner:
                     f"{sorted(kwargs)}. Use split='tokens' for independent tokens")
             seq_lens = kwargs[SEQ_LENS_KWARG]
             rest = {k: v for k, v in kwargs.items() if k != SEQ_LENS_KWARG}
-            x = _require_tensor(args, rest, mode)
-            num_tokens = x.shape[0]
-            plan = plan_split(seq_lens, self.config, num_tokens=num_tokens)
+            which = find_split_args(args, rest, self.config)
+            plan = plan_split(seq_lens, self.config, num_tokens=which.rows)
             if not plan.split:
                 return plan, [], None
+            self._warn_undeclared(which)
             ubatch_args = []
             for ub in plan.ubatches:
-                a, k = _slice_args(args, rest, num_tokens, ub.token_start, ub.token_end)
+                a, k = slice_args(args, rest, which, ub.token_start, ub.token_end)
                 k[SEQ_LENS_KWARG] = _like(seq_lens, ub)
                 ubatch_args.append((a, {key: k[key] for key in kwargs}))  # keep kwarg order
             return plan, ubatch_args, plan.num_tokens
         assert mode == "batch", mode  # DBOConfig validated it
-        x = _require_tensor(args, kwargs, mode)
-        num_seqs = x.shape[0]
-        seq_len = x.shape[1] if x.dim() >= 2 else 1
-        plan = plan_split([seq_len] * num_seqs, self.config, allow_split_inside_request=False)
+        which = find_split_args(args, kwargs, self.config)
+        seq_len = which.row_shape[1] if len(which.row_shape) >= 2 else 1
+        plan = plan_split([seq_len] * which.rows, self.config,
+                          allow_split_inside_request=False)
         if not plan.split:
             return plan, [], None
-        return plan, [_slice_args(args, kwargs, num_seqs, ub.request_start, ub.request_end)
+        self._warn_undeclared(which)
+        return plan, [slice_args(args, kwargs, which, ub.request_start, ub.request_end)
                       for ub in plan.ubatches], tuple(ub.num_requests for ub in plan.ubatches)
+
+    def _warn_undeclared(self, which: SplitArgs) -> None:
+        """Once per runner and keyword: a keyword tensor this split step cuts by rows
+        without its being declared row-major (`DBOConfig.split_kwargs`)."""
+        for keyword in which.undeclared:
+            if keyword not in self._warned_kwargs:
+                self._warned_kwargs.add(keyword)
+                warnings.warn(undeclared_warning(keyword, which, self.config),
+                              SplitArgumentWarning, stacklevel=5)
 
     def _plan_callable(self, split_fn: Callable[..., Any], args: tuple, kwargs: dict
                        ) -> tuple[SplitPlan, list[UBatchArgs], None]:
@@ -294,29 +323,6 @@ def _num_rows(args: Sequence[Any], kwargs: dict) -> int:
     """Dim 0 of the first tensor argument (0 without one, or for a 0-dim tensor)."""
     x = _first_tensor(args, kwargs)
     return x.shape[0] if x is not None and x.dim() > 0 else 0
-
-
-def _require_tensor(args: tuple, kwargs: dict, mode: str) -> torch.Tensor:
-    x = _first_tensor(args, kwargs)
-    if x is None:
-        raise TypeError(f"split={mode!r} splits tensor arguments, but the call has none "
-                        f"(positional: {[type(a).__name__ for a in args]}, keyword: "
-                        f"{sorted(kwargs)}): pass the inputs as tensors, or give "
-                        f"DBOConfig(split=fn) a callable that splits them")
-    if x.dim() == 0:
-        raise TypeError(f"split={mode!r} splits along dim 0 of the first tensor argument, "
-                        f"but it is a 0-dim tensor ({x!r}): pass the token-major (or "
-                        f"batch-major) input first")
-    return x
-
-
-def _slice_args(args: tuple, kwargs: dict, rows: int, start: int, end: int) -> UBatchArgs:
-    """Rows [start, end) of every top-level tensor with `rows` rows (views, no copies)."""
-    def cut(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
-            return value[start:end]
-        return value
-    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
 
 
 def _like(seq_lens: Any, ub: UBatchSlice) -> Any:

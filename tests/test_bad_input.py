@@ -116,6 +116,13 @@ REJECTED = {
     "requests split without seq_lens": (
         lambda: requests_runner()(torch.randn(5, 2)), TypeError,
         "split='requests' needs the tokens per request"),
+    "a tensor argument whose dim 0 is not the step's rows (`DBORunner`, named split modes)": (
+        lambda: DBORunner(lambda x, mask: x, DBOConfig(min_decode_tokens=0))(
+            torch.randn(64, 8), torch.ones(32)), ValueError,
+        "positional argument 1 has shape [32], but the step has 64 rows"),
+    "`DBOConfig.unsplit_args` / `split_kwargs` not a tuple of argument names": (
+        lambda: DBOConfig(unsplit_args="mask"), ValueError,
+        "DBOConfig.unsplit_args='mask' must be a tuple"),
     "non-integer `input_ids_T` (`MoETransformer`, checked before the vote)": (
         float_ids_step, ValueError, "input_ids_T must be a 1-D integer tensor"),
     "a `dbo_agreement()` field that is not a plain value": (

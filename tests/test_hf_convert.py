@@ -14,6 +14,7 @@ empty batch (its attention reshapes [0, S, -1, D]).
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -28,12 +29,15 @@ from tests.dist_utils import run_distributed  # noqa: E402
 from tests.hf_utils import (ARCHS, assert_logits_close, batch, logits, rewrite_without,  # noqa: E402
                             save, tiny_model)
 
-DBO_ON = dbo.DBOConfig(split="batch", min_prefill_tokens=1, min_decode_tokens=1)
+# input_ids= gives the rows; attention_mask= is [B, S] too, declared so (no warning).
+DBO_ON = dbo.DBOConfig(split="batch", split_kwargs=("attention_mask",),
+                       min_prefill_tokens=1, min_decode_tokens=1)
 
 
 def run_dbo(model, ids, mask, group=None):
     runner = dbo.DBORunner(model, DBO_ON, group=group)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", dbo.SplitArgumentWarning)
         out = runner(input_ids=ids, attention_mask=mask, use_cache=False)
     return out.logits, runner.last_decision
 

@@ -106,7 +106,8 @@ def _inputs(mode: str, n: int) -> tuple[tuple, dict]:
 def test_dbo_output_equals_unsplit_bitwise(model: DenseModel, mode: str, n: int) -> None:
     args, kwargs = _inputs(mode, n)
     split = _halve if mode == "callable" else mode
-    runner = DBORunner(model, DBOConfig(split=split, **NO_THRESHOLD))
+    declared = {} if mode == "callable" else {"split_kwargs": ("positions",)}
+    runner = DBORunner(model, DBOConfig(split=split, **declared, **NO_THRESHOLD))
     out = runner(*args, **kwargs)
     decision = runner.last_decision
     calls, trace = list(model.calls), list(model.trace)
@@ -215,10 +216,11 @@ def test_other_arguments_pass_through(model: DenseModel) -> None:
         calls.append((x.shape[0], w.shape[0]))
         return x * w + bias + k
 
-    runner = DBORunner(fn, DBOConfig(**NO_THRESHOLD))
+    runner = DBORunner(fn, DBOConfig(unsplit_args=(1,), split_kwargs=("bias",),
+                                     **NO_THRESHOLD))
     x, w, bias = torch.randn(9, 4), torch.randn(4), torch.randn(9, 1)
     out = runner(x, w, 3, bias=bias)
-    assert calls == [(4, 4), (5, 4)]  # w ([4], not token-major) went whole to both
+    assert calls == [(4, 4), (5, 4)]  # w ([4], declared whole) went whole to both
     assert torch.equal(out, fn(x, w, 3, bias=bias))
 
 

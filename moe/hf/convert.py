@@ -2,7 +2,8 @@
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     model = moe.hf.convert(model, group=ep_group, backend="a2a")   # this rank's experts only
-    logits = DBORunner(model, DBOConfig(split="batch"), group=ep_group)(
+    config = DBOConfig(split="batch", split_kwargs=("attention_mask",))  # [B, S] mask
+    logits = DBORunner(model, config, group=ep_group)(
         input_ids, attention_mask=mask, use_cache=False).logits
 
 Shape legend: E routed experts, E_loc = E / W experts on this rank, W ranks in the EP
