@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from moe.kernels.policy import KernelPolicy
+
 __all__ = ["MoEConfig", "RoutingFunction", "round_up_hidden", "SUPPORTED_DTYPES"]
 
 #: ``fn(logits_TE, top_k) -> (topk_weights_TK, topk_ids_TK)``; global expert ids.
@@ -83,10 +85,16 @@ class MoEConfig:
     """In a DBO step, the last ubatch of the model's last MoE layer (`MoELayer(last_layer=
     True)`) sends the other ranks' expert outputs first and computes its own rows while
     that combine is in flight (a2a, a2a_ll): the step's final combine is otherwise exposed."""
+    kernels: KernelPolicy = KernelPolicy()
+    """Which path the router, the backends' row kernels and the Triton experts take
+    (`moe.kernels.policy`); the default is the shipped choice."""
     check_finite_logits: bool = False
     """Raise ValueError when router logits hold NaN/Inf (one host sync per layer); off: those tokens' outputs are NaN/Inf and every other token's output is unaffected."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kernels, KernelPolicy):
+            raise TypeError(f"MoEConfig.kernels={self.kernels!r}: pass a "
+                            "moe.kernels.policy.KernelPolicy(...)")
         # First: a string such as "false" is truthy, and the checks below read these.
         for name in _BOOL_FIELDS:
             value = getattr(self, name)

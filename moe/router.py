@@ -26,9 +26,9 @@ ops, each a ~7 us launch on the host, which is on the critical path of the DBO s
 Both pick the same experts; on exact ties the kernel takes the lower expert id first,
 where the torch version leaves the order to ``torch.topk``.
 
-`IMPLEMENTATION` picks the path for the built-in routing: "auto" (Triton for CUDA logits,
-torch otherwise), "triton" (everywhere: on CPU only under TRITON_INTERPRET=1, for tests)
-or "torch". Triton is imported on first use, so importing this module never needs it.
+`config.kernels.implementation` picks the path for the built-in routing
+(`moe.kernels.policy.KernelPolicy`). Triton is imported on first use, so importing this
+module never needs it.
 """
 from __future__ import annotations
 
@@ -36,11 +36,9 @@ import torch
 from torch import Tensor
 
 from moe.config import MoEConfig
-from moe.kernels.implementation import triton_module, use_triton
+from moe.kernels.policy import triton_module, use_triton
 
 __all__ = ["route"]
-
-IMPLEMENTATION = "auto"  # see moe.kernels.implementation
 
 
 def route(
@@ -50,7 +48,8 @@ def route(
 
     Args:
         logits_TE: router logits [T, E], any floating dtype; T may be 0.
-        config: routing settings (scoring, groups, bias, renormalize, scaling, custom fn).
+        config: routing settings (scoring, groups, bias, renormalize, scaling, custom fn)
+            and the kernel path (`config.kernels`).
         correction_bias_E: ``e_score_correction_bias`` [E]; required iff
             ``config.use_correction_bias``.
 
@@ -61,9 +60,10 @@ def route(
     """
     _check_logits(logits_TE, config)
     bias_E = _check_bias(correction_bias_E, config, logits_TE)
-    if _use_triton(logits_TE) and config.custom_routing_function is None:
+    if use_triton(config.kernels, logits_TE) and config.custom_routing_function is None:
         route_triton = triton_module("moe.kernels.route_triton")
-        return route_triton.launch_route(logits_TE, config, bias_E)  # step 6 included
+        return route_triton.launch_route(  # step 6 included
+            logits_TE, config, bias_E, compiled=config.kernels.compiled_launches)
     logits_TE = logits_TE.float()
     if config.custom_routing_function is not None:
         weights_TK, ids_TK = _custom_route(logits_TE, config)
@@ -144,10 +144,6 @@ def _custom_route(logits_TE: Tensor, config: MoEConfig) -> tuple[Tensor, Tensor]
     ids_TK = ids_TK.long()
     in_range_TK = (ids_TK >= 0) & (ids_TK < config.num_experts)
     return weights_TK.float(), torch.where(in_range_TK, ids_TK, -1)
-
-
-def _use_triton(logits_TE: Tensor) -> bool:
-    return use_triton(IMPLEMENTATION, "moe.router", logits_TE)
 
 
 def _check_logits(logits_TE: Tensor, config: MoEConfig) -> None:

@@ -115,7 +115,8 @@ class AllToAllBackend(PrepareFinalize):
         src_X, slot_TW = send_order(mask_TW)
         rows_XB = torch.empty(src_X.shape[0], layout.row_bytes, dtype=torch.uint8,
                               device=x_TH.device)
-        pack_rows(rows_XB, layout, x_TH, topk_ids_TK, topk_weights_TK, src_X)
+        pack_rows(rows_XB, layout, x_TH, topk_ids_TK, topk_weights_TK, src_X,
+                  policy=self.config.kernels)
 
         # Read the counts on the host only after the other ubatch has queued its compute
         # -- except before the other ubatch has started: then it has nothing queued that
@@ -172,7 +173,7 @@ class AllToAllBackend(PrepareFinalize):
             wait.wait(back_SH)
             if own is not None:
                 back_SH[own_back].copy_(own.take())
-            return sum_rows(back_SH, handle.slot_TW)
+            return sum_rows(back_SH, handle.slot_TW, policy=self.config.kernels)
 
         return Pending(None, receiver)
 

@@ -72,10 +72,12 @@ class AllToAllLLBackend(PrepareFinalize):
         device = x_TH.device
         layout = RowLayout(x_TH.shape[1], topk_ids_TK.shape[1], x_TH.dtype)
         slot_TW, src_X = ll_slots(topk_ids_TK, num_local_experts=self.placement.num_local_experts,
-                                  world_size=world, capacity=cap, workspace=workspace)
+                                  world_size=world, capacity=cap, workspace=workspace,
+                                  policy=self.config.kernels)
         send_XB = workspace.get("a2a_ll.send", (world * cap, layout.row_bytes), torch.uint8,
                                 device)
-        pack_rows(send_XB, layout, x_TH, topk_ids_TK, topk_weights_TK, src_X)
+        pack_rows(send_XB, layout, x_TH, topk_ids_TK, topk_weights_TK, src_X,
+                  policy=self.config.kernels)
         recv_RB = workspace.get("a2a_ll.recv", (world * cap, layout.row_bytes),
                                 torch.uint8, device)
 
@@ -118,6 +120,6 @@ class AllToAllLLBackend(PrepareFinalize):
                 # The collective's copy to this rank carried rows not computed yet (never
                 # read); the slot returns to the same position, so overwrite it.
                 back_XH[own.rows].copy_(own.take())
-            return sum_rows(back_XH, handle.slot_TW)
+            return sum_rows(back_XH, handle.slot_TW, policy=self.config.kernels)
 
         return Pending(None, receiver)

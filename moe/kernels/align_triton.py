@@ -190,12 +190,14 @@ def align_routing_triton(
     *,
     workspace: Workspace | None = None,
     chunk: int | None = None,
+    compiled: bool = True,
 ) -> AlignedRouting:
     """`moe.kernels.align.align_routing` in three Triton launches; identical output.
 
     Args and returns as there (CUDA tensors, or CPU under TRITON_INTERPRET=1), plus
     `chunk`: rows per count/scatter program, a power of two (by default SMALL_CHUNK up to
-    that many rows, else CHUNK; tests pass small chunks to cover many programs cheaply).
+    that many rows, else CHUNK; tests pass small chunks to cover many programs cheaply)
+    and `compiled`: launch through the compiled handles (`moe.kernels.launch`).
     Queued on the current stream, no host sync.
     """
     check_align_args(topk_ids_NK, num_experts, block_m)
@@ -228,15 +230,17 @@ def align_routing_triton(
                            device)
     ids_R = topk_ids_NK.reshape(-1)
     per_seg = max(1, _SCAN_TILE // s_pad)
-    _COUNT((num_chunks,), ids_R, counts_CS, num_routed, num_experts, S_PAD=s_pad, CHUNK=chunk)
+    _COUNT((num_chunks,), ids_R, counts_CS, num_routed, num_experts, S_PAD=s_pad, CHUNK=chunk,
+           compiled=compiled)
     _SCAN(
         (1,),
         counts_CS, sorted_ids_P, block_expert_ids_B, num_padded_rows, tile_rows_B, num_tiles,
         num_routed, num_experts, num_chunks, num_blocks,
         BLOCK_M=block_m, S_PAD=s_pad, FILL_COLS=min(_FILL_COLS, block_m),
         CHUNK_STEP=min(_CHUNK_STEP, per_seg), BLOCK_STEP=min(_BLOCK_STEP, per_seg), num_warps=4,
+        compiled=compiled,
     )
     _SCATTER((num_chunks,), ids_R, counts_CS, sorted_ids_P, num_routed, num_experts,
-             S_PAD=s_pad, CHUNK=chunk, num_warps=8)
+             S_PAD=s_pad, CHUNK=chunk, num_warps=8, compiled=compiled)
     return AlignedRouting(sorted_ids_P, block_expert_ids_B, num_padded_rows, block_m,
                           num_routed, tile_rows_B, num_tiles)

@@ -1,13 +1,11 @@
 """Launch Triton kernels through their compiled handles, skipping most of the per-call
 Python work of `kernel[grid](...)`.
 
-Host time per launch on Triton 3.6 (2x H200 machine, BENCHMARKS.md section 3):
-`fused_moe_kernel` (33 arguments) costs ~38 us through `kernel[grid](...)` and ~57 us
-through `triton.autotune`, of which ~8 us bind and specialize the arguments and ~14 us
-are the launch itself. The rest (option parsing, building a string cache key,
-checking globals, launch metadata, the autotuner's key and dicts) repeats identical work
-on every call. In a DBO step that host time is on the critical path: the GPU waits for
-the host where one ubatch's experts start.
+`kernel[grid](...)` repeats identical work on every call (option parsing, a string cache
+key, checking globals, launch metadata, the autotuner's key and dicts) beside binding
+the arguments and the launch itself. In a DBO step that host time is on the critical
+path: the GPU waits for the host where one ubatch's experts start (figures in
+`moe/kernels/KERNELS.md`).
 
 `FastLauncher(kernel)(grid, *args, **kwargs)` binds the arguments with Triton's own
 binder (so the specialization — dtypes, 16-byte alignment, integers equal to 1 or
@@ -19,7 +17,8 @@ launches it the same way; a key it has not seen goes through the autotuner once.
 
 The plain `kernel[grid](...)` path is used instead where the fast one cannot stand in:
 on CPU tensors (the interpreter), when a Triton launch hook is installed (a profiler
-such as Proton), and when `ENABLED` is False (benchmarks compare the two).
+such as Proton), and where the caller passes `compiled=False`
+(`KernelPolicy.compiled_launches`: `moe.bench_host` compares the two).
 """
 from __future__ import annotations
 
@@ -28,8 +27,6 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 from triton import knobs
 from triton.runtime import driver
-
-ENABLED = True
 
 Grid = Sequence[int]
 
@@ -45,9 +42,10 @@ class FastLauncher:
         self.kernel = kernel
         self._compiled: dict[Hashable, Any] = {}
 
-    def __call__(self, grid: Grid, *args: Any, **kwargs: Any) -> None:
-        """`kernel[grid](*args, **kwargs)` on the current stream."""
-        if not _fast_path_allowed(args):
+    def __call__(self, grid: Grid, *args: Any, compiled: bool = True, **kwargs: Any) -> None:
+        """`kernel[grid](*args, **kwargs)` on the current stream (`compiled`: through the
+        compiled handle where allowed)."""
+        if not _fast_path_allowed(args, compiled):
             self.kernel[grid](*args, **kwargs)
             return
         self.launch_compiled(grid, *args, **kwargs)
@@ -88,9 +86,10 @@ class AutotunedLauncher:
         self._configs: dict[Hashable, Any] = {}
 
     def __call__(self, tune_key: Hashable, grid: Callable[[dict[str, Any]], Grid], *args: Any,
-                 **kwargs: Any) -> None:
-        """Launch with the tuned config; `grid(meta)` maps the config's kwargs to a grid."""
-        fast = _fast_path_allowed(args)
+                 compiled: bool = True, **kwargs: Any) -> None:
+        """Launch with the tuned config; `grid(meta)` maps the config's kwargs to a grid
+        (`compiled`: through the compiled handle where allowed)."""
+        fast = _fast_path_allowed(args, compiled)
         config = self._configs.get(tune_key) if fast else None
         if config is None:
             self.autotuner[grid](*args, **kwargs)
@@ -105,8 +104,8 @@ class AutotunedLauncher:
         return {str(key): str(config) for key, config in self._configs.items()}
 
 
-def _fast_path_allowed(args: Sequence[Any]) -> bool:
-    if not ENABLED:
+def _fast_path_allowed(args: Sequence[Any], compiled: bool) -> bool:
+    if not compiled:
         return False
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     if first is None or not _is_cuda(first):

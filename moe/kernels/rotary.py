@@ -14,7 +14,7 @@ by one (no fused multiply-add), so it gives the torch version's bits. The torch 
 over an fp32 copy of x: for the deepseek-v3-like queries at 4096 tokens (128 heads of
 128) that is about 3 GB of memory traffic per layer, against 0.27 GB for the kernel.
 
-`IMPLEMENTATION` picks the path, as in `moe.kernels.implementation`.
+`KernelPolicy.implementation` picks the path (`moe.kernels.policy`).
 """
 from __future__ import annotations
 
@@ -23,12 +23,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moe.kernels.implementation import triton_module, use_triton
-
-IMPLEMENTATION = "auto"  # see moe.kernels.implementation
+from moe.kernels.policy import KernelPolicy, triton_module, use_triton
 
 
-def apply_rotary(x_TND: Tensor, cos_TD2: Tensor, sin_TD2: Tensor) -> Tensor:
+def apply_rotary(x_TND: Tensor, cos_TD2: Tensor, sin_TD2: Tensor, *,
+                 policy: KernelPolicy = KernelPolicy()) -> Tensor:
     """Rotate channel pairs (j, j + D/2) of every head; a new contiguous [T, N, D] tensor
     in x's dtype.
 
@@ -44,13 +43,14 @@ def apply_rotary(x_TND: Tensor, cos_TD2: Tensor, sin_TD2: Tensor) -> Tensor:
         if tuple(t.shape) != (num_tokens, dim // 2) or t.dtype != torch.float32:
             raise ValueError(f"apply_rotary: {name} must be float32 [{num_tokens}, {dim // 2}], "
                              f"got {t.dtype} {tuple(t.shape)}")
-    if (not _use_triton(x_TND) or x_TND.numel() == 0 or x_TND.stride(-1) != 1
+    if (not use_triton(policy, x_TND) or x_TND.numel() == 0 or x_TND.stride(-1) != 1
             or (torch.is_grad_enabled() and x_TND.requires_grad)):
         # The kernel has no backward: where autograd records, the torch version (same
         # bits) keeps the gradient of the queries and keys.
         return _apply_rotary_torch(x_TND, cos_TD2, sin_TD2)
     out_TND = torch.empty(x_TND.shape, dtype=x_TND.dtype, device=x_TND.device)
-    _triton().launch_rotary(x_TND, cos_TD2.contiguous(), sin_TD2.contiguous(), out_TND)
+    _triton().launch_rotary(x_TND, cos_TD2.contiguous(), sin_TD2.contiguous(), out_TND,
+                            compiled=policy.compiled_launches)
     return out_TND
 
 
@@ -58,10 +58,6 @@ def _apply_rotary_torch(x_TND: Tensor, cos_TD2: Tensor, sin_TD2: Tensor) -> Tens
     x1, x2 = x_TND.float().chunk(2, dim=-1)
     cos, sin = cos_TD2[:, None, :], sin_TD2[:, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x_TND.dtype)
-
-
-def _use_triton(t: Tensor) -> bool:
-    return use_triton(IMPLEMENTATION, "moe.kernels.rotary", t)
 
 
 def _triton() -> Any:

@@ -51,8 +51,9 @@ _ROTARY = FastLauncher(rotary_kernel)
 
 
 def launch_rotary(x_TND: torch.Tensor, cos_TD2: torch.Tensor, sin_TD2: torch.Tensor,
-                  out_TND: torch.Tensor) -> None:
-    """`rotary_kernel` into out_TND (contiguous), on the current stream."""
+                  out_TND: torch.Tensor, *, compiled: bool = True) -> None:
+    """`rotary_kernel` into out_TND (contiguous), on the current stream (`compiled`:
+    through the compiled handle, `moe.kernels.launch`)."""
     num_tokens, num_heads, dim = x_TND.shape
     half = dim // 2
     half_p2 = triton.next_power_of_2(half)
@@ -60,4 +61,4 @@ def launch_rotary(x_TND: torch.Tensor, cos_TD2: torch.Tensor, sin_TD2: torch.Ten
     grid = (num_tokens, triton.cdiv(num_heads, block_n))
     _ROTARY(grid, x_TND, cos_TD2, sin_TD2, out_TND, num_heads, x_TND.stride(0),
             x_TND.stride(1), HALF=half, HALF_P2=half_p2, BLOCK_N=block_n,
-            enable_fp_fusion=False)
+            enable_fp_fusion=False, compiled=compiled)

@@ -166,7 +166,8 @@ _ROUTE = FastLauncher(route_kernel)
 
 
 def launch_route(logits_TE: torch.Tensor, config: MoEConfig,
-                 bias_E: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 bias_E: torch.Tensor | None, *,
+                 compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_kernel` over the T tokens, on the current stream: steps 1-6 of
     `moe.router`, the scaling factor included.
 
@@ -174,6 +175,7 @@ def launch_route(logits_TE: torch.Tensor, config: MoEConfig,
         logits_TE: [T, E], any float dtype and strides.
         config: built-in routing (no custom_routing_function).
         bias_E: correction bias [E] iff config.use_correction_bias, else None.
+        compiled: launch through the compiled handle (`moe.kernels.launch`).
 
     Returns:
         ``(weights_TK, ids_TK)``: fresh contiguous float32 and int64 [T, K]; nothing is
@@ -205,6 +207,6 @@ def launch_route(logits_TE: torch.Tensor, config: MoEConfig,
         NUM_GROUPS=num_groups, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
         TOP_K=top_k, RENORMALIZE=config.renormalize, PRECISE=_COMPILED,
         BLOCK_T=block_t, G_POW2=g_pow2, X_POW2=x_pow2,
-        K_POW2=triton.next_power_of_2(top_k), num_warps=num_warps,
+        K_POW2=triton.next_power_of_2(top_k), num_warps=num_warps, compiled=compiled,
     )
     return weights_TK, ids_TK

@@ -20,9 +20,8 @@ few torch ops. What the kernels replaced on the GPU, per layer at 4096 tokens on
 and a cumulative sum down a [T, W] column, 0.9 ms per dispatch; the combines' fp32
 index_add_ or gather, convert and sum, 0.6 ms (`a2a`) and 0.4 ms (`a2a_ll`).
 
-`IMPLEMENTATION` picks the path: "auto" (Triton for CUDA tensors, torch otherwise),
-"triton" (everywhere: on CPU only under TRITON_INTERPRET=1, for tests) or "torch".
-Triton is imported on first use, so importing this module never needs it.
+`KernelPolicy.implementation` picks the path (`moe.kernels.policy`). Triton is imported
+on first use, so importing this module never needs it.
 """
 from __future__ import annotations
 
@@ -32,13 +31,12 @@ import torch
 from torch import Tensor
 
 from moe.backends.packing import RowLayout
-from moe.kernels.implementation import triton_module, use_triton
-
-IMPLEMENTATION = "auto"  # see moe.kernels.implementation
+from moe.kernels.policy import KernelPolicy, triton_module, use_triton
 
 
 def pack_rows(rows_XB: Tensor, layout: RowLayout, x_TH: Tensor, topk_ids_TK: Tensor,
-              topk_weights_TK: Tensor, src_X: Tensor) -> None:
+              topk_weights_TK: Tensor, src_X: Tensor, *,
+              policy: KernelPolicy = KernelPolicy()) -> None:
     """Write token src[s]'s packed row into rows[s] (a padding row where src[s] < 0).
 
     rows_XB: uint8 [X, B], rows 16-byte aligned; src_X: int64 [X], values < T (not
@@ -54,7 +52,7 @@ def pack_rows(rows_XB: Tensor, layout: RowLayout, x_TH: Tensor, topk_ids_TK: Ten
         weights_XK.zero_()
         x_XH.zero_()
         return
-    if not _use_triton(rows_XB):
+    if not use_triton(policy, rows_XB):
         valid_X1 = (src_X >= 0)[:, None]
         token_X = src_X.clamp(min=0)
         layout.pack_into(rows_XB, torch.where(valid_X1, x_TH[token_X], 0),
@@ -62,10 +60,11 @@ def pack_rows(rows_XB: Tensor, layout: RowLayout, x_TH: Tensor, topk_ids_TK: Ten
                          topk_weights_TK[token_X] * valid_X1)
         return
     _triton().launch_pack_rows(ids_XK, weights_XK, x_XH, x_TH, topk_ids_TK, topk_weights_TK,
-                               src_X)
+                               src_X, compiled=policy.compiled_launches)
 
 
-def sum_rows(rows_RH: Tensor, sel_TW: Tensor) -> Tensor:
+def sum_rows(rows_RH: Tensor, sel_TW: Tensor, *,
+             policy: KernelPolicy = KernelPolicy()) -> Tensor:
     """out[t] = sum over w with sel[t, w] >= 0 of rows[sel[t, w]]: fp32, w in order, then
     rows' dtype; zeros where nothing is selected. sel_TW: int64 [T, W], values < R (not
     range-checked); rows' last dim contiguous. Returns a fresh [T, H] tensor."""
@@ -74,18 +73,15 @@ def sum_rows(rows_RH: Tensor, sel_TW: Tensor) -> Tensor:
     out_TH = torch.empty(num_tokens, hidden, dtype=rows_RH.dtype, device=rows_RH.device)
     if num_tokens == 0:
         return out_TH
-    if not _use_triton(rows_RH):
+    if not use_triton(policy, rows_RH):
         valid_TW = sel_TW >= 0
         picked = rows_RH.index_select(0, sel_TW.clamp(min=0).reshape(-1))
         picked = picked.view(num_tokens, width, hidden).float()
         out_TH.copy_(torch.where(valid_TW[..., None], picked, 0.0).sum(dim=1))
         return out_TH
-    _triton().launch_sum_rows(rows_RH, sel_TW, out_TH, sel_is_row=True)
+    _triton().launch_sum_rows(rows_RH, sel_TW, out_TH, sel_is_row=True,
+                              compiled=policy.compiled_launches)
     return out_TH
-
-
-def _use_triton(t: Tensor) -> bool:
-    return use_triton(IMPLEMENTATION, "moe.kernels.rows", t)
 
 
 def _triton() -> Any:

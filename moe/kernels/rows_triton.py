@@ -109,8 +109,10 @@ def _grid(num_rows: int, hidden: int) -> tuple[tuple[int, int], int]:
 
 def launch_pack_rows(dst_ids_XK: torch.Tensor, dst_weights_XK: torch.Tensor,
                      dst_x_XH: torch.Tensor, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor,
-                     topk_weights_TK: torch.Tensor, src_X: torch.Tensor) -> None:
-    """`pack_rows_kernel` over the X rows of the three field views, on the current stream."""
+                     topk_weights_TK: torch.Tensor, src_X: torch.Tensor, *,
+                     compiled: bool = True) -> None:
+    """`pack_rows_kernel` over the X rows of the three field views, on the current stream
+    (`compiled`: launched through its compiled handle, `moe.kernels.launch`)."""
     num_rows, hidden = dst_x_XH.shape
     top_k = dst_ids_XK.shape[1]
     grid, block_h = _grid(num_rows, hidden)
@@ -120,13 +122,14 @@ def launch_pack_rows(dst_ids_XK: torch.Tensor, dst_weights_XK: torch.Tensor,
         dst_ids_XK, dst_weights_XK, dst_x_XH, num_rows, hidden, x_TH.stride(0),
         dst_ids_XK.stride(0), dst_weights_XK.stride(0), dst_x_XH.stride(0),
         TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k),
-        BLOCK_R=_BLOCK_ROWS, BLOCK_H=block_h,
+        BLOCK_R=_BLOCK_ROWS, BLOCK_H=block_h, compiled=compiled,
     )
 
 
 def launch_sum_rows(rows_RH: torch.Tensor, sel_TW: torch.Tensor, out_TH: torch.Tensor, *,
-                    sel_is_row: bool) -> None:
-    """`sum_rows_kernel` into out_TH [T, H], on the current stream."""
+                    sel_is_row: bool, compiled: bool = True) -> None:
+    """`sum_rows_kernel` into out_TH [T, H], on the current stream (`compiled`: as in
+    `launch_pack_rows`)."""
     num_tokens, width = sel_TW.shape
     hidden = out_TH.shape[1]
     grid, block_h = _grid(num_tokens, hidden)
@@ -134,5 +137,5 @@ def launch_sum_rows(rows_RH: torch.Tensor, sel_TW: torch.Tensor, out_TH: torch.T
         grid,
         rows_RH, sel_TW.contiguous(), out_TH, num_tokens, hidden, rows_RH.stride(0),
         out_TH.stride(0), WIDTH=width, SEL_IS_ROW=sel_is_row,
-        BLOCK_T=_BLOCK_ROWS, BLOCK_H=block_h,
+        BLOCK_T=_BLOCK_ROWS, BLOCK_H=block_h, compiled=compiled,
     )

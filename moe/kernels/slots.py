@@ -15,9 +15,8 @@ and the reference in tests) takes about fifteen ops: on the GPU each is a launch
 3.6, T=4096, W=2, K=8, medians): host time per call 160-300 us -> 20-30 us (two
 machines), GPU time 45 us -> 18 us.
 
-`IMPLEMENTATION` picks the path: "auto" (Triton for CUDA tensors, torch otherwise),
-"triton" (everywhere: on CPU only under TRITON_INTERPRET=1, for tests) or "torch".
-The kernel takes at most TRITON_MAX_WORLD_SIZE ranks: "auto" uses torch above that.
+`KernelPolicy.implementation` picks the path (`moe.kernels.policy`). The kernel takes at
+most TRITON_MAX_WORLD_SIZE ranks: "auto" uses torch above that.
 Triton is imported on first use, so importing this module never needs it.
 """
 from __future__ import annotations
@@ -28,15 +27,15 @@ import torch
 from torch import Tensor
 
 from moe.backends.a2a import destination_mask
-from moe.kernels.implementation import triton_module, use_triton
+from moe.kernels.policy import KernelPolicy, triton_module, use_triton
 from moe.workspace import Workspace, empty_from
 
-IMPLEMENTATION = "auto"  # see moe.kernels.implementation
 TRITON_MAX_WORLD_SIZE = 64  # the kernel keeps a token's ranks as the bits of an int64
 
 
 def ll_slots(topk_ids_TK: Tensor, *, num_local_experts: int, world_size: int, capacity: int,
-             workspace: Workspace | None = None) -> tuple[Tensor, Tensor]:
+             workspace: Workspace | None = None,
+             policy: KernelPolicy = KernelPolicy()) -> tuple[Tensor, Tensor]:
     """(slot_TW, src_X) for the global expert ids `topk_ids_TK` (int64 [T, K], -1 = none).
 
     slot_TW: a fresh int64 [T, W], contiguous (the caller may keep it). src_X: int64 [X],
@@ -49,7 +48,7 @@ def ll_slots(topk_ids_TK: Tensor, *, num_local_experts: int, world_size: int, ca
                          f"raise the capacity (MoEConfig.max_tokens_per_rank)")
     device = topk_ids_TK.device
     num_rows = world_size * capacity
-    if not _use_triton(topk_ids_TK, world_size):
+    if not _use_triton(policy, topk_ids_TK, world_size):
         mask_TW = destination_mask(topk_ids_TK, num_local_experts, world_size)
         # Position among the earlier tokens bound for the same rank: a scan along T of the
         # [W, T] transpose (down a [T, W] column it runs as a serial scan, ~0.4 ms).
@@ -68,18 +67,18 @@ def ll_slots(topk_ids_TK: Tensor, *, num_local_experts: int, world_size: int, ca
     src_X = empty_from(workspace, "ll_slots.src", (num_rows,), torch.int64, device)
     _triton().launch_ll_slots(topk_ids_TK, num_local_experts=num_local_experts,
                               world_size=world_size, capacity=capacity, slot_TW=slot_TW,
-                              src_X=src_X)
+                              src_X=src_X, compiled=policy.compiled_launches)
     return slot_TW, src_X
 
 
-def _use_triton(t: Tensor, world_size: int) -> bool:
-    triton = use_triton(IMPLEMENTATION, "moe.kernels.slots", t)
+def _use_triton(policy: KernelPolicy, t: Tensor, world_size: int) -> bool:
+    triton = use_triton(policy, t)
     if world_size <= TRITON_MAX_WORLD_SIZE:
         return triton
-    if IMPLEMENTATION == "triton":
+    if policy.implementation == "triton":
         raise ValueError(f"moe.kernels.slots: the Triton kernel takes at most "
                          f"{TRITON_MAX_WORLD_SIZE} ranks, got {world_size}: use "
-                         f"IMPLEMENTATION='auto' or 'torch'")
+                         f"KernelPolicy(implementation='auto') or 'torch'")
     return False
 
 

@@ -114,10 +114,12 @@ _SLOTS = FastLauncher(ll_slots_kernel)
 
 
 def launch_ll_slots(topk_ids_TK: torch.Tensor, *, num_local_experts: int, world_size: int,
-                    capacity: int, slot_TW: torch.Tensor, src_X: torch.Tensor) -> None:
+                    capacity: int, slot_TW: torch.Tensor, src_X: torch.Tensor,
+                    compiled: bool = True) -> None:
     """`ll_slots_kernel` into slot_TW (int64 [T, W], contiguous) and src_X (int64 [W*C],
     contiguous), on the current stream. topk_ids_TK: int [T, K], T <= capacity,
-    world_size <= TRITON_MAX_WORLD_SIZE."""
+    world_size <= TRITON_MAX_WORLD_SIZE. `compiled`: through the compiled handle
+    (`moe.kernels.launch`)."""
     num_tokens, top_k = topk_ids_TK.shape
     assert slot_TW.shape == (num_tokens, world_size) and slot_TW.is_contiguous()
     assert src_X.shape == (world_size * capacity,) and src_X.is_contiguous()
@@ -132,5 +134,5 @@ def launch_ll_slots(topk_ids_TK: torch.Tensor, *, num_local_experts: int, world_
         triton.cdiv(capacity, num_programs),
         NUM_LOCAL_EXPERTS=num_local_experts, TOP_K=top_k, WORLD=world_size,
         WORLD_POW2=triton.next_power_of_2(world_size), BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C,
-        num_warps=_NUM_WARPS,
+        num_warps=_NUM_WARPS, compiled=compiled,
     )
