@@ -76,9 +76,9 @@ def measure(args: argparse.Namespace, device: torch.device
             ) -> dict[str, dict[str, list[float]]]:
     """{"fast" | "triton": {step: [median us of each round]}}."""
     from moe.kernels import fused_moe as fm
-    from moe.kernels import gemm_policy as policy
-    from moe.kernels import launch
+    from moe.kernels import policy as rules
     from moe.kernels.align_triton import align_routing_triton
+    from moe.kernels.policy import KernelPolicy
     from moe.workspace import Workspace
 
     _, inter, top_k, num_experts = SHAPES[args.shape]
@@ -88,37 +88,39 @@ def measure(args: argparse.Namespace, device: torch.device
     x, weights, ids = random_tokens(args.shape, args.tokens, dtype, gen, args.ep_ranks)
     ws = Workspace()
     fm.fused_moe(x, w13, w2, ids, weights, workspace=ws)  # compile and autotune
-    block_m = policy.choose_block_m(ids.numel(), num_experts)
+    block_m = rules.choose_block_m(ids.numel(), num_experts)
     routing = align_routing_triton(ids, num_experts, block_m, workspace=ws)
     max_rows = routing.sorted_ids_P.numel()
     act = torch.zeros(max_rows, inter, dtype=dtype, device=device)
     y = torch.empty(ids.numel(), x.shape[1], dtype=dtype, device=device)
     out = torch.empty_like(x)
-    tiles = policy.gemm_tiles(block_m, gated=False, rows_per_expert=ids.numel() / num_experts)
+    tiles = rules.gemm_tiles(block_m, gated=False, rows_per_expert=ids.numel() / num_experts)
     tma = device.type == "cuda" and fm.tma_unsupported_reason(w13, w2, x) is None
     gemm2 = fm.kernel_launch(act, w2, y, weights, routing, n=x.shape[1], k=inter,
-                             a_rows_div=1, a_sorted=True, tma=tma and policy.prefer_tma(inter),
+                             a_rows_div=1, a_sorted=True, tma=tma and rules.prefer_tma(inter),
                              tiles=tiles)
-    steps: dict[str, Callable[[], object]] = {
-        "fused_moe": lambda: fm.fused_moe(x, w13, w2, ids, weights, workspace=ws),
-        "align": lambda: align_routing_triton(ids, num_experts, block_m, workspace=ws),
-        "gemm2_launch": lambda: fm._launch(gemm2),
-        "ksum_launch": lambda: fm.sum_routed_rows(y, ids, out),
-    }
+
+    def steps(compiled: bool) -> dict[str, Callable[[], object]]:
+        policy = KernelPolicy(compiled_launches=compiled)
+        return {
+            "fused_moe": lambda: fm.fused_moe(x, w13, w2, ids, weights, workspace=ws,
+                                              policy=policy),
+            "align": lambda: align_routing_triton(ids, num_experts, block_m, workspace=ws,
+                                                  compiled=compiled),
+            "gemm2_launch": lambda: fm._launch(gemm2, compiled=compiled),
+            "ksum_launch": lambda: fm.sum_routed_rows(y, ids, out, compiled=compiled),
+        }
+
+    calls = {mode: steps(mode == "fast") for mode in MODES}
     results: dict[str, dict[str, list[float]]] = {
         mode: {step: [] for step in STEPS} for mode in MODES}
-    enabled = launch.ENABLED
-    try:
-        for index in range(args.rounds):
-            for step in STEPS:
-                for mode in MODES:
-                    launch.ENABLED = mode == "fast"
-                    us = host_us(steps[step], device, args.reps)
-                    results[mode][step].append(us)
-                    print(f"round {index + 1}/{args.rounds} {mode:6s} {step:13s} {us:8.1f} us",
-                          file=sys.stderr, flush=True)
-    finally:
-        launch.ENABLED = enabled
+    for index in range(args.rounds):
+        for step in STEPS:
+            for mode in MODES:
+                us = host_us(calls[mode][step], device, args.reps)
+                results[mode][step].append(us)
+                print(f"round {index + 1}/{args.rounds} {mode:6s} {step:13s} {us:8.1f} us",
+                      file=sys.stderr, flush=True)
     return results
 
 

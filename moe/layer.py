@@ -173,7 +173,7 @@ class MoELayer(nn.Module):
     def _kernel(self, device: torch.device) -> ModularKernel:
         kernel = self._kernels.get(device)
         if kernel is None:
-            experts: Experts = make_experts(self.experts_name, device)
+            experts: Experts = make_experts(self.experts_name, device, policy=self.config.kernels)
             kernel = ModularKernel(self.config, self.backend, experts)
             self._kernels[device] = kernel
         return kernel

@@ -246,7 +246,7 @@ def precompile(jobs: list[tuple[Any, ...]], workers: int) -> list[str]:
 def time_launch(launch: Any, tile: Tile, reps: int) -> float:
     """Median ms of one tile after a first (compiling) launch."""
     from moe.kernels.fused_moe_triton import fused_moe_kernel
-    from moe.kernels.moe_tile import use_tma_scratch
+    from moe.kernels.fused_moe import use_tma_scratch
 
     grid = launch.grid(tile.block_n)
     use_tma_scratch()

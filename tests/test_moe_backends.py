@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from dbo import UBatchScheduler
 from moe.config import MoEConfig
+from moe.kernels.policy import KernelPolicy
 from moe.layer import MoELayer
 from moe.reference import init_moe_weights, reference_moe
 from moe.shared import SharedExperts
@@ -57,14 +58,17 @@ SCENARIOS = {
 }
 
 
-def check_backend(rank: int, world_size: int, backend: str) -> dict[str, tuple]:
+def check_backend(rank: int, world_size: int, backend: str,
+                  kernels: KernelPolicy = KernelPolicy()) -> dict[str, tuple]:
     """Per scenario: (max |DBO off - reference|, max |DBO on - reference|, the same with
-    the layer as the model's last (a2a/a2a_ll split the last ubatch's combine), shapes)."""
+    the layer as the model's last (a2a/a2a_ll split the last ubatch's combine), shapes);
+    `kernels`: the row and slot kernels' paths."""
     torch.manual_seed(1234 + rank)
     errors = {}
     for name, (overrides, tokens) in SCENARIOS.items():
         cfg = MoEConfig(**{**dict(num_experts=12, top_k=3, hidden_size=24,
-                                  intermediate_size=16, max_tokens_per_rank=16), **overrides})
+                                  intermediate_size=16, max_tokens_per_rank=16,
+                                  kernels=kernels), **overrides})
         layer = MoELayer(cfg, group=dist.group.WORLD, backend=backend, experts="reference")
         weights = init_moe_weights(cfg, seed=7)
         layer.load_weights(weights)
@@ -116,11 +120,8 @@ def test_backend_matches_reference_three_ranks(backend):
 def check_backend_triton_rows(rank: int, world_size: int, backend: str) -> dict:
     """`check_backend` with the packing, the combine sums and `a2a_ll`'s slot layout on
     their Triton kernels (the GPU path; interpreted here)."""
-    from moe.kernels import rows, slots
-
-    rows.IMPLEMENTATION = "triton"
-    slots.IMPLEMENTATION = "triton"
-    return check_backend(rank, world_size, backend)
+    return check_backend(rank, world_size, backend,
+                         kernels=KernelPolicy(implementation="triton"))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe.kernels import rotary
+from moe.kernels.policy import KernelPolicy
 from moe.model import rotary_cos_sin
 
 
@@ -26,13 +27,12 @@ def _both(monkeypatch: pytest.MonkeyPatch, x: torch.Tensor, cos: torch.Tensor,
     by truncation (the GPU rounds to nearest even, as torch does): on CPU the expected
     bf16 output is the torch version's fp32 result truncated, so the fp32 math is still
     compared bit for bit."""
-    monkeypatch.setattr(rotary, "IMPLEMENTATION", "torch")
-    expected = rotary.apply_rotary(x, cos, sin)
+    torch_ops = KernelPolicy(implementation="torch")
+    expected = rotary.apply_rotary(x, cos, sin, policy=torch_ops)
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-        fp32_bits = rotary.apply_rotary(x.float(), cos, sin).view(torch.int32)
+        fp32_bits = rotary.apply_rotary(x.float(), cos, sin, policy=torch_ops).view(torch.int32)
         expected = (fp32_bits & -65536).view(torch.float32).to(torch.bfloat16)
-    monkeypatch.setattr(rotary, "IMPLEMENTATION", "triton")
-    return rotary.apply_rotary(x, cos, sin), expected
+    return rotary.apply_rotary(x, cos, sin, policy=KernelPolicy(implementation="triton")), expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -92,6 +92,5 @@ def test_bad_inputs_name_the_problem(shape, cos_shape, dtype, message):
 def test_cuda_kernel_matches_torch_bit_for_bit(monkeypatch, dtype):
     x, cos, sin = _inputs(300, 136, 128, dtype, device="cuda", extra_cols=16 * 128)
     out, expected = _both(monkeypatch, x, cos, sin)
-    monkeypatch.setattr(rotary, "IMPLEMENTATION", "auto")
     auto = rotary.apply_rotary(x, cos, sin)
     assert torch.equal(out, expected) and torch.equal(auto, expected)

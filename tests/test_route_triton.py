@@ -10,11 +10,14 @@ interpreter's numpy exp is not torch's.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from moe import router
 from moe.config import MoEConfig
+from moe.kernels.policy import KernelPolicy
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
@@ -50,7 +53,7 @@ def make_bias(num_experts: int, seed: int = 1) -> torch.Tensor:
 
 def route_with(implementation: str, monkeypatch: pytest.MonkeyPatch, logits_TE: torch.Tensor,
                config: MoEConfig, bias_E: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    monkeypatch.setattr(router, "IMPLEMENTATION", implementation)
+    config = dataclasses.replace(config, kernels=KernelPolicy(implementation=implementation))
     return router.route(logits_TE, config, correction_bias_E=bias_E)
 
 

@@ -7,15 +7,15 @@ import torch
 
 from moe.backends.packing import RowLayout
 from moe.kernels import rows
+from moe.kernels.policy import KernelPolicy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PATHS = ["triton", "torch"]
 
 
 @pytest.fixture
-def path(request, monkeypatch):
-    monkeypatch.setattr(rows, "IMPLEMENTATION", request.param)
-    return request.param
+def path(request):
+    return KernelPolicy(implementation=request.param)
 
 
 def make_tokens(num_tokens: int, hidden: int, top_k: int, dtype: torch.dtype, seed: int = 0):
@@ -34,7 +34,7 @@ def test_pack_rows_writes_each_source_and_pads_the_rest(path, hidden, top_k, dty
     layout = RowLayout(hidden, top_k, dtype)
     src = torch.tensor([3, -1, 0, 6, 3, -1, 5, 1, 2, -1, 4], device=DEVICE)
     packed = torch.full((src.shape[0], layout.row_bytes), 0xAB, dtype=torch.uint8, device=DEVICE)
-    rows.pack_rows(packed, layout, x, ids, weights, src)
+    rows.pack_rows(packed, layout, x, ids, weights, src, policy=path)
     got_ids, got_weights, got_x = layout.unpack(packed)
     for s, t in enumerate(src.tolist()):
         if t >= 0:
@@ -50,7 +50,8 @@ def test_pack_rows_without_tokens_writes_padding(path):
     layout = RowLayout(16, 2, torch.bfloat16)
     x, ids, weights = make_tokens(0, 16, 2, torch.bfloat16)
     packed = torch.full((4, layout.row_bytes), 7, dtype=torch.uint8, device=DEVICE)
-    rows.pack_rows(packed, layout, x, ids, weights, torch.full((4,), -1, device=DEVICE))
+    rows.pack_rows(packed, layout, x, ids, weights, torch.full((4,), -1, device=DEVICE),
+                   policy=path)
     got_ids, got_weights, got_x = layout.unpack(packed)
     assert (got_ids == -1).all() and (got_weights == 0).all() and (got_x == 0).all()
 
@@ -72,7 +73,7 @@ def test_sum_rows_adds_the_selected_rows_in_fp32(path, width, hidden, dtype):
     src = torch.randn(num_rows, hidden, generator=gen).to(dtype).to(DEVICE)
     sel = torch.randint(-1, num_rows, (num_tokens, width), generator=gen)
     sel[0] = -1  # a token no rank computed anything for
-    out = rows.sum_rows(src, sel.to(DEVICE))
+    out = rows.sum_rows(src, sel.to(DEVICE), policy=path)
     want = torch.zeros(num_tokens, hidden)
     for t in range(num_tokens):
         for w in range(width):
@@ -83,7 +84,7 @@ def test_sum_rows_adds_the_selected_rows_in_fp32(path, width, hidden, dtype):
     # Triton interpreter rounds fp32 -> 16-bit by truncation (the GPU rounds to nearest):
     # there, one ulp.
     ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}.get(dtype, 0.0)
-    rtol = ulp if path == "triton" and DEVICE == "cpu" else 0.0
+    rtol = ulp if path.implementation == "triton" and DEVICE == "cpu" else 0.0
     torch.testing.assert_close(out.float().cpu(), want.to(dtype).float(), rtol=rtol, atol=0)
     assert (out[0] == 0).all()
 
@@ -93,13 +94,13 @@ def test_sum_rows_reads_a_strided_source_and_no_tokens(path):
     base = torch.randn(6, 40, device=DEVICE)
     src = base[:, 4:36]  # row stride 40, as in a packed buffer
     sel = torch.tensor([[5, 0], [-1, 2]], device=DEVICE)
-    out = rows.sum_rows(src, sel)
+    out = rows.sum_rows(src, sel, policy=path)
     torch.testing.assert_close(out, torch.stack([src[5] + src[0], src[2]]), rtol=0, atol=0)
-    empty = rows.sum_rows(src, torch.empty(0, 2, dtype=torch.int64, device=DEVICE))
+    empty = rows.sum_rows(src, torch.empty(0, 2, dtype=torch.int64, device=DEVICE),
+                          policy=path)
     assert empty.shape == (0, 32)
 
 
-def test_unknown_implementation_is_named(monkeypatch):
-    monkeypatch.setattr(rows, "IMPLEMENTATION", "cuda")
+def test_unknown_implementation_is_named():
     with pytest.raises(ValueError, match="'cuda'.*auto"):
-        rows.sum_rows(torch.zeros(2, 4), torch.zeros(1, 1, dtype=torch.int64))
+        KernelPolicy(implementation="cuda")

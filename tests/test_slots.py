@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe.kernels import slots, slots_triton
+from moe.kernels.policy import KernelPolicy
 from moe.workspace import Workspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -14,9 +15,8 @@ BLOCK_T = slots_triton._BLOCK_T  # tokens per program of the kernel
 
 
 @pytest.fixture
-def path(request, monkeypatch):
-    monkeypatch.setattr(slots, "IMPLEMENTATION", request.param)
-    return request.param
+def path(request):
+    return KernelPolicy(implementation=request.param)
 
 
 def loop_slots(ids_TK: torch.Tensor, num_local_experts: int, world_size: int,
@@ -44,10 +44,10 @@ def random_ids(num_tokens: int, top_k: int, num_experts: int, seed: int) -> torc
 
 
 def check(ids_TK: torch.Tensor, num_local_experts: int, world_size: int, capacity: int,
-          workspace: Workspace | None = None) -> None:
+          workspace: Workspace | None = None, *, policy: KernelPolicy) -> None:
     slot_TW, src_X = slots.ll_slots(ids_TK.to(DEVICE), num_local_experts=num_local_experts,
                                     world_size=world_size, capacity=capacity,
-                                    workspace=workspace)
+                                    workspace=workspace, policy=policy)
     want_slot, want_src = loop_slots(ids_TK, num_local_experts, world_size, capacity)
     assert slot_TW.dtype == src_X.dtype == torch.int64 and slot_TW.is_contiguous()
     assert torch.equal(slot_TW.cpu(), want_slot)
@@ -62,7 +62,7 @@ def check(ids_TK: torch.Tensor, num_local_experts: int, world_size: int, capacit
 def test_slots_match_the_loop(path, world_size, top_k, num_tokens, capacity):
     num_local_experts = 3
     ids = random_ids(num_tokens, top_k, world_size * num_local_experts, seed=num_tokens + top_k)
-    check(ids, num_local_experts, world_size, capacity)
+    check(ids, num_local_experts, world_size, capacity, policy=path)
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)
@@ -70,9 +70,9 @@ def test_full_capacity_over_several_blocks(path):
     # Every token to every rank: each rank's slot is full, no padding row.
     num_tokens, world_size = 2 * BLOCK_T + 5, 3
     ids = torch.tensor([[0, 2, 4, -1]]).expand(num_tokens, 4)
-    check(ids, 2, world_size, num_tokens)
+    check(ids, 2, world_size, num_tokens, policy=path)
     # Every token to rank 1 only, with all of its ids there.
-    check(torch.full((num_tokens, 2), 3), 2, world_size, num_tokens)
+    check(torch.full((num_tokens, 2), 3), 2, world_size, num_tokens, policy=path)
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)
@@ -82,7 +82,7 @@ def test_several_experts_on_one_rank_count_once(path):
                         [0, 7, 6, 1],  # ranks 0 and 1, twice each
                         [5, -1, 3, 4]])  # ranks 1 and 0
     slot_TW, src_X = slots.ll_slots(ids.to(DEVICE), num_local_experts=4, world_size=2,
-                                    capacity=5)
+                                    capacity=5, policy=path)
     assert slot_TW.tolist() == [[-1, 5], [-1, -1], [0, 6], [1, 7]]
     assert src_X.tolist() == [2, 3, -1, -1, -1, 0, 2, 3, -1, -1]
 
@@ -91,8 +91,8 @@ def test_several_experts_on_one_rank_count_once(path):
 def test_src_from_a_stale_workspace_is_fully_written(path):
     workspace = Workspace()
     workspace.get("ll_slots.src", (64,), torch.int64, DEVICE).fill_(12345)
-    check(random_ids(16, 4, 8, seed=3), 2, 4, 16, workspace=workspace)
-    check(random_ids(9, 4, 8, seed=4), 2, 4, 16, workspace=workspace)
+    check(random_ids(16, 4, 8, seed=3), 2, 4, 16, workspace=workspace, policy=path)
+    check(random_ids(9, 4, 8, seed=4), 2, 4, 16, workspace=workspace, policy=path)
 
 
 def test_too_many_tokens_is_an_error():
@@ -101,31 +101,29 @@ def test_too_many_tokens_is_an_error():
                        world_size=2, capacity=4)
 
 
-def test_triton_past_its_world_size_is_an_error(monkeypatch):
-    monkeypatch.setattr(slots, "IMPLEMENTATION", "triton")
+def test_triton_past_its_world_size_is_an_error():
     world_size = slots.TRITON_MAX_WORLD_SIZE + 1
     with pytest.raises(ValueError, match=f"at most 64 ranks, got {world_size}"):
         slots.ll_slots(torch.zeros(1, 2, dtype=torch.int64), num_local_experts=2,
-                       world_size=world_size, capacity=4)
+                       world_size=world_size, capacity=4,
+                       policy=KernelPolicy(implementation="triton"))
 
 
-def test_unknown_implementation_is_an_error(monkeypatch):
-    monkeypatch.setattr(slots, "IMPLEMENTATION", "cuda")
-    with pytest.raises(ValueError, match=r"IMPLEMENTATION='cuda': use one of"):
-        slots.ll_slots(torch.zeros(1, 2, dtype=torch.int64), num_local_experts=2,
-                       world_size=2, capacity=4)
+def test_unknown_implementation_is_an_error():
+    with pytest.raises(ValueError, match=r"implementation='cuda': use one of"):
+        KernelPolicy(implementation="cuda")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,world_size,top_k,num_local_experts,capacity",
                          [(4096, 2, 8, 32, 4096), (4096, 1, 8, 32, 4096), (8192, 8, 8, 32, 8192),
                           (300, 3, 6, 5, 333)])
-def test_triton_matches_torch_on_cuda(monkeypatch, num_tokens, world_size, top_k,
+def test_triton_matches_torch_on_cuda(num_tokens, world_size, top_k,
                                       num_local_experts, capacity):
     ids = random_ids(num_tokens, top_k, world_size * num_local_experts, seed=0).cuda()
     got, want = [], []
     for impl, out in (("triton", got), ("torch", want)):
-        monkeypatch.setattr(slots, "IMPLEMENTATION", impl)
         out.extend(slots.ll_slots(ids, num_local_experts=num_local_experts,
-                                  world_size=world_size, capacity=capacity))
+                                  world_size=world_size, capacity=capacity,
+                                  policy=KernelPolicy(implementation=impl)))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

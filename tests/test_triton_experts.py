@@ -17,6 +17,7 @@ from moe.experts.reference import ReferenceExperts
 from moe.experts.triton import TritonExperts
 from moe.kernels.align import align_routing, max_padded_rows
 from moe.kernels.align_triton import align_routing_triton
+from moe.kernels.policy import KernelPolicy
 from moe.workspace import Workspace
 
 pytestmark = pytest.mark.triton
@@ -271,15 +272,16 @@ def test_load_variants_match_reference(
     problem = make_problem(num_tokens, hidden, inter, num_experts, top_k,
                            dtype=torch.float16, drop_frac=0.2)
     ref = ReferenceExperts().apply(*problem)
-    out = fused_moe(*problem, block_m=block_m, tma=tma, sorted_x=sorted_x)
+    out = fused_moe(*problem, block_m=block_m, policy=KernelPolicy(tma=tma, sorted_x=sorted_x))
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[torch.float16])
-    plain = fused_moe(*problem, block_m=block_m, tma=False, sorted_x=False)
+    plain = fused_moe(*problem, block_m=block_m, policy=KernelPolicy(tma=False, sorted_x=False))
     # The same tiles in the same order: only the load path differs.
     assert torch.equal(out, plain)
     # From a workspace (the sorted x and GEMM2's rows share one buffer), twice.
     ws = Workspace()
     for _ in range(2):
-        out_ws = fused_moe(*problem, block_m=block_m, tma=tma, sorted_x=sorted_x, workspace=ws)
+        out_ws = fused_moe(*problem, block_m=block_m, workspace=ws,
+                           policy=KernelPolicy(tma=tma, sorted_x=sorted_x))
         assert torch.equal(out_ws, plain)
 
 
@@ -304,11 +306,12 @@ def test_persistent_matches_reference(
 
     problem = make_problem(num_tokens, hidden, inter, num_experts, top_k,
                            dtype=torch.float16, drop_frac=drop_frac)
-    out = fused_moe(*problem, block_m=block_m, tma=True, sorted_x=sorted_x, persistent=True)
+    out = fused_moe(*problem, block_m=block_m,
+                    policy=KernelPolicy(tma=True, sorted_x=sorted_x, persistent=True))
     ref = ReferenceExperts().apply(*problem)
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[torch.float16])
-    plain = fused_moe(*problem, block_m=block_m, tma=True, sorted_x=sorted_x,
-                      persistent=False)
+    plain = fused_moe(*problem, block_m=block_m,
+                      policy=KernelPolicy(tma=True, sorted_x=sorted_x, persistent=False))
     assert torch.equal(out, plain)
 
 
@@ -316,8 +319,8 @@ def test_persistent_half_tiles_and_policy(monkeypatch: pytest.MonkeyPatch) -> No
     """Half-used blocks compute only their upper half (the lower stays unwritten) and
     every used row equals the full-height result; the host's choice of kernel."""
     import moe.kernels.fused_moe as fm
-    from moe.kernels import gemm_policy as policy
-    from moe.kernels.fused_moe_persistent import launch_persistent
+    from moe.kernels import policy
+    from moe.kernels.fused_moe import launch_persistent
 
     block_m, hidden, inter = 32, 32, 8
     ids = _counted_ids({0: 40, 1: 20, 2: 16, -1: 5}).view(-1, 1).to(DEVICE)  # as above
@@ -344,8 +347,6 @@ def test_persistent_half_tiles_and_policy(monkeypatch: pytest.MonkeyPatch) -> No
     assert not prefer(128, gated=True, k=7168, rows_per_expert=256), "2 tiles per expert"
     assert not prefer(128, gated=True, k=2048, rows_per_expert=1024), "shallow GEMM1"
     assert not prefer(64, gated=False, k=768, rows_per_expert=128), "tuned on 128-row blocks"
-    monkeypatch.setattr(policy, "PERSISTENT", False)
-    assert not prefer(128, gated=False, k=768, rows_per_expert=512)
     # x is sorted first only for the one-program-per-tile GEMM1, and only when large.
     monkeypatch.setattr(policy, "SORTED_X_MIN_BYTES", x.numel() * x.element_size())
     assert policy.prefer_sorted_x(x, persistent_gemm1=False)
@@ -353,7 +354,7 @@ def test_persistent_half_tiles_and_policy(monkeypatch: pytest.MonkeyPatch) -> No
     assert not policy.prefer_sorted_x(x, persistent_gemm1=True)
     fp32 = make_problem(4, 16, 8, 2, 1)
     with pytest.raises(ValueError, match=r"persistent=True.*16-bit"):
-        fm.fused_moe(*fp32, persistent=True)
+        fm.fused_moe(*fp32, policy=KernelPolicy(persistent=True))
 
 
 def test_no_persistent_gemms_where_sms_are_shared(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -363,7 +364,8 @@ def test_no_persistent_gemms_where_sms_are_shared(monkeypatch: pytest.MonkeyPatc
     import moe.kernels.fused_moe as fm
 
     seen = []
-    monkeypatch.setattr(fm, "fused_moe", lambda x, *a, **kw: seen.append(kw["persistent"]) or x)
+    monkeypatch.setattr(fm, "fused_moe",
+                        lambda x, *a, **kw: seen.append(kw["policy"].persistent) or x)
     problem = make_problem(4, 16, 8, 2, 1)
     TritonExperts().apply(*problem)
     with triton_experts.sharing_sms():
@@ -380,16 +382,16 @@ def test_tma_and_sorted_x_reject_what_they_cannot_load() -> None:
     fp32 = make_problem(4, 16, 8, 2, 1)
     assert "16-bit" in tma_unsupported_reason(*fp32[:3])
     with pytest.raises(ValueError, match="16-bit"):
-        fused_moe(*fp32, tma=True)
+        fused_moe(*fp32, policy=KernelPolicy(tma=True))
     odd = make_problem(4, 20, 8, 2, 1, dtype=torch.float16)  # 40-byte rows
     with pytest.raises(ValueError, match="16-byte aligned"):
-        fused_moe(*odd, tma=True)
+        fused_moe(*odd, policy=KernelPolicy(tma=True))
     x, w13, w2, ids, weights = make_problem(4, 16, 8, 2, 1, dtype=torch.float16)
     strided = w13.transpose(0, 1).contiguous().transpose(0, 1)  # rows contiguous, experts not
     with pytest.raises(ValueError, match="contiguous"):
-        fused_moe(x, strided, w2, ids, weights, tma=True)
+        fused_moe(x, strided, w2, ids, weights, policy=KernelPolicy(tma=True))
     with pytest.raises(ValueError, match="needs tma"):
-        fused_moe(x, w13, w2, ids, weights, tma=False, sorted_x=True)
+        fused_moe(x, w13, w2, ids, weights, policy=KernelPolicy(tma=False, sorted_x=True))
 
 
 def test_gather_rows_copies_routed_rows_and_zeros_padding() -> None:
@@ -421,14 +423,11 @@ def test_dropped_rows_are_zero() -> None:
     assert torch.equal(out, torch.zeros_like(out))
 
 
-@pytest.mark.parametrize("skip", [True, False])
-def test_dropped_rows_are_skipped(skip: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dropped_rows_are_skipped() -> None:
     """Rows of ids -1 are neither written by GEMM2 nor read by the k-sum (they stay as the
-    workspace left them, here NaN), and the output matches the reference either way."""
+    workspace left them, here NaN), and the output matches the reference."""
     import moe.kernels.fused_moe as fm
-    from moe.kernels import gemm_policy
 
-    monkeypatch.setattr(gemm_policy, "SKIP_DROPPED_ROWS", skip)
     x, w13, w2, ids, weights = make_problem(24, 16, 8, 4, 3, dtype=torch.float16,
                                             drop_frac=0.5)
     ws = Workspace()
@@ -437,10 +436,7 @@ def test_dropped_rows_are_skipped(skip: bool, monkeypatch: pytest.MonkeyPatch) -
     y = ws.get("triton.rows", (ids.numel(), 16), x.dtype, DEVICE)
     dropped = ids.reshape(-1) < 0
     assert dropped.any() and (~dropped).any()
-    if skip:
-        assert torch.isnan(y[dropped]).all(), "GEMM2 skips the rows of ids -1"
-    else:
-        assert torch.equal(y[dropped], torch.zeros_like(y[dropped]))
+    assert torch.isnan(y[dropped]).all(), "GEMM2 skips the rows of ids -1"
     assert not torch.isnan(y[~dropped]).any()
     ref = ReferenceExperts().apply(x, w13, w2, ids, weights)
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[torch.float16])
@@ -467,7 +463,7 @@ def test_zero_tokens() -> None:
 
 def test_block_sizes_and_determinism() -> None:
     from moe.kernels.fused_moe import fused_moe
-    from moe.kernels.gemm_policy import choose_block_m
+    from moe.kernels.policy import choose_block_m
 
     assert [choose_block_m(r, 8) for r in (64, 512, 1024, 16384)] == [16, 32, 64, 128]
     problem = make_problem(30, 24, 8, 2, 2, drop_frac=0.1)
@@ -489,7 +485,7 @@ def test_half_tail_tiles(tma: bool) -> None:
     """GEMM1 with half tiles: a block whose lower half is padding computes only its upper
     half (those activation rows stay unwritten); every used row is as with full tiles."""
     from moe.kernels.fused_moe import _launch, kernel_launch
-    from moe.kernels.gemm_policy import GemmTiles
+    from moe.kernels.policy import GemmTiles
 
     block_m, hidden, inter = 32, 32, 8
     # Expert 0: 40 rows (a full block, then 8: half); expert 1: 20 (more than half used:
@@ -519,7 +515,7 @@ def test_gemm2_tail_rows_ride_on_the_block_before(tma: bool) -> None:
     row is written and equals the result without tails, bit for bit; GEMM1 and tiles
     other than whole blocks refuse tails."""
     from moe.kernels.fused_moe import _launch, kernel_launch
-    from moe.kernels.gemm_policy import GemmTiles
+    from moe.kernels.policy import GemmTiles
 
     block_m, hidden, inter = 32, 32, 16
     # Sorted 32-row blocks: expert 0: 40 rows in [0, 64), its last 8 ride on block 0;
@@ -554,12 +550,12 @@ def test_gemm2_tail_rows_ride_on_the_block_before(tma: bool) -> None:
                       a_sorted=False, tma=tma, tiles=GemmTiles(tail_rows=16))
 
 
-def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_short_tiles_policy() -> None:
     """On 128-row blocks GEMM1 runs 64-row tiles (padding-only tiles return at once) and
-    GEMM2 128-row tiles with half tails: same output as one tile height, and the
-    padding-only tiles of GEMM1 leave their activation rows unwritten."""
+    GEMM2 128-row tiles with half tails: the padding-only tiles of GEMM1 leave their
+    activation rows unwritten, the used rows are those of one tile height, bit for bit."""
     import moe.kernels.fused_moe as fm
-    from moe.kernels import gemm_policy as policy
+    from moe.kernels import policy
 
     tiles = policy.GemmTiles
     assert policy.gemm_tiles(128, gated=True, rows_per_expert=1024) == tiles(64)
@@ -572,19 +568,21 @@ def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     x, w13, w2, _, weights = make_problem(ids.shape[0], 32, 8, 4, 1, dtype=torch.float16)
     problem = (x, w13, w2, ids.to(DEVICE), weights)
     num_rows = max_padded_rows(ids.shape[0], 4, 128)
-    outs = {}
-    for short in (True, False):
-        monkeypatch.setattr(policy, "SHORT_TILES", short)
-        ws = Workspace()
-        ws.get("triton.act", (num_rows, 8), x.dtype, DEVICE).fill_(float("nan"))
-        outs[short] = fm.fused_moe(*problem, block_m=128, workspace=ws)
-        act = ws.get("triton.act", (num_rows, 8), x.dtype, DEVICE)
-        skipped = list(range(192, 256)) + list(range(448, 512))
-        assert torch.isnan(act[skipped]).all() == short, f"SHORT_TILES={short}"
-        assert not torch.isnan(act[256:384]).any()
+    ws = Workspace()
+    ws.get("triton.act", (num_rows, 8), x.dtype, DEVICE).fill_(float("nan"))
+    out = fm.fused_moe(*problem, block_m=128, workspace=ws)
+    act = ws.get("triton.act", (num_rows, 8), x.dtype, DEVICE)
+    skipped = list(range(192, 256)) + list(range(448, 512))
+    assert torch.isnan(act[skipped]).all()
+    assert not torch.isnan(act[256:384]).any()
+    routing = align_routing_triton(ids.to(DEVICE), 4, 128)
+    whole = torch.full_like(act, float("nan"))
+    fm._launch(fm.kernel_launch(x, w13, whole, None, routing, n=8, k=32, a_rows_div=1,
+                                a_sorted=False, tma=False, tiles=tiles(128)))
+    used = (routing.sorted_ids_P[:512] < routing.num_routed).nonzero().view(-1)
+    torch.testing.assert_close(act[used], whole[used], rtol=0, atol=0)
     ref = ReferenceExperts().apply(*problem)
-    torch.testing.assert_close(outs[True].float(), ref.float(), **TOLERANCES[torch.float16])
-    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[torch.float16])
     with pytest.raises(ValueError, match="divide"):
         fm.kernel_launch(x, w13, x, None, align_routing_triton(ids, 4, 32), n=8, k=32,
                          a_rows_div=1, a_sorted=False, tma=False, tiles=tiles(64))
@@ -880,7 +878,7 @@ def test_gpu_load_variants(tma: bool, sorted_x: bool) -> None:
         pytest.skip("TMA needs compute capability 9.0+")
     problem = make_problem(2048, 1024, 384, 64, 8, dtype=_BF16, drop_frac=0.1)
     ref = ReferenceExperts().apply(*problem)
-    out = fused_moe(*problem, tma=tma, sorted_x=sorted_x)
+    out = fused_moe(*problem, policy=KernelPolicy(tma=tma, sorted_x=sorted_x))
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[_BF16])
 
 
@@ -896,26 +894,37 @@ def test_gpu_persistent(num_tokens: int, num_experts: int) -> None:
     problem = make_problem(num_tokens, 1024, 384, num_experts, 8, dtype=_BF16, drop_frac=0.3)
     ref = ReferenceExperts().apply(*problem)
     for sorted_x in (False, True):
-        out = fused_moe(*problem, block_m=128, tma=True, sorted_x=sorted_x, persistent=True)
+        out = fused_moe(*problem, block_m=128,
+                        policy=KernelPolicy(tma=True, sorted_x=sorted_x, persistent=True))
         torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[_BF16])
-        plain = fused_moe(*problem, block_m=128, tma=True, sorted_x=sorted_x, persistent=False)
+        plain = fused_moe(*problem, block_m=128,
+                          policy=KernelPolicy(tma=True, sorted_x=sorted_x, persistent=False))
         torch.testing.assert_close(out.float(), plain.float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.gpu
-def test_gpu_gemm2_tails(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_gemm2_tails() -> None:
     """GEMM2 tails compiled on CUDA (the swapped second dot): at 256 rows per expert, where
     experts end in blocks of at most 32 rows, the same bits as without tails."""
     import moe.kernels.fused_moe as fm
-    from moe.kernels import gemm_policy
+    from moe.kernels.policy import GEMM2_TAIL_ROWS, GemmTiles
 
     problem = make_problem(1024, 1024, 384, 32, 8, dtype=_BF16)
     counts = torch.bincount(problem[3].view(-1), minlength=32)
     assert ((counts > 128) & (counts % 128 > 0) & (counts % 128 <= 32)).any(), "no tails"
-    out = fm.fused_moe(*problem, block_m=128, persistent=False)
-    monkeypatch.setattr(gemm_policy, "GEMM2_TAIL_ROWS", 0)
-    plain = fm.fused_moe(*problem, block_m=128, persistent=False)
-    assert torch.equal(out, plain)
+    out = fm.fused_moe(*problem, block_m=128, policy=KernelPolicy(persistent=False))
+    x, w13, w2, ids, weights = problem
+    routing = align_routing_triton(ids, 32, 128)
+    act = torch.randn(routing.sorted_ids_P.numel(), 384, device=DEVICE).to(_BF16)
+    local = (ids.view(-1) >= 0).nonzero().view(-1)
+    ys = []
+    for tail in (GEMM2_TAIL_ROWS, 0):
+        y = torch.empty(ids.numel(), 1024, dtype=_BF16, device=DEVICE)
+        fm._launch(fm.kernel_launch(act, w2, y, weights, routing, n=1024, k=384,
+                                    a_rows_div=1, a_sorted=True, tma=True,
+                                    tiles=GemmTiles(128, half_tail=True, tail_rows=tail)))
+        ys.append(y[local])
+    assert torch.equal(ys[0], ys[1])
     ref = ReferenceExperts().apply(*problem)
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[_BF16])
 

@@ -17,6 +17,7 @@ import importlib
 import torch
 
 from moe.experts.base import Experts, check_expert_inputs, weighted_topk_sum
+from moe.kernels.policy import KernelPolicy
 
 __all__ = [
     "EXPERTS",
@@ -63,8 +64,10 @@ def _availability(name: str, device: torch.device) -> tuple[type[Experts] | None
     return (cls, "") if ok else (None, reason)
 
 
-def make_experts(name: str, device: torch.device | str) -> Experts:
-    """Instantiate the expert kernel ``name`` ("auto" picks the best available) for ``device``.
+def make_experts(name: str, device: torch.device | str, *,
+                 policy: KernelPolicy = KernelPolicy()) -> Experts:
+    """Instantiate the expert kernel ``name`` ("auto" picks the best available) for ``device``;
+    the Triton experts take ``policy``.
 
     Raises:
         ValueError: unknown name, or the kernel cannot run on ``device`` (with the reason).
@@ -77,7 +80,7 @@ def make_experts(name: str, device: torch.device | str) -> Experts:
                 continue
             cls, reason = _availability(candidate, device)
             if cls is not None:
-                return cls()
+                return _instantiate(cls, policy)
             reasons.append(f"{candidate}: {reason}")
         raise ValueError(f"no experts kernel runs on {device}: " + "; ".join(reasons))
     if name not in EXPERTS:
@@ -85,4 +88,8 @@ def make_experts(name: str, device: torch.device | str) -> Experts:
     cls, reason = _availability(name, device)
     if cls is None:
         raise ValueError(f"experts kernel {name!r} is not available on {device}: {reason}.")
-    return cls()
+    return _instantiate(cls, policy)
+
+
+def _instantiate(cls: type[Experts], policy: KernelPolicy) -> Experts:
+    return cls(policy=policy) if cls.name == "triton" else cls()

@@ -16,6 +16,7 @@ DBO step took 5.8-6.6 ms longer with it, the step without DBO 0.45-0.6 ms less. 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from dbo.yield_points import dbo_enabled
 from moe.experts.base import Experts
+from moe.kernels.policy import KernelPolicy
 from moe.workspace import Workspace
 
 __all__ = ["TritonExperts", "sharing_sms"]
@@ -53,9 +55,17 @@ _INSTALL_HINT = "pip install triton"
 
 class TritonExperts(Experts):
     """Align rows by expert, then two grouped Triton GEMMs (SiLU-gate and routing weight
-    fused into their epilogues) and a deterministic fp32 sum over k."""
+    fused into their epilogues) and a deterministic fp32 sum over k.
+
+    Args:
+        policy: the kernel paths (`moe.kernels.policy.KernelPolicy`); where SMs are shared
+            its `persistent` is taken as False.
+    """
 
     name: ClassVar[str] = "triton"
+
+    def __init__(self, *, policy: KernelPolicy = KernelPolicy()) -> None:
+        self.policy = policy
 
     @classmethod
     def is_available(cls, device: torch.device) -> tuple[bool, str]:
@@ -99,10 +109,11 @@ class TritonExperts(Experts):
         No persistent GEMMs where SMs are shared (module doc)."""
         from moe.kernels.fused_moe import fused_moe  # lazy: imports triton
 
-        return fused_moe(
-            x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, workspace=workspace,
-            persistent=False if _sms_shared() else None,
-        )
+        policy = self.policy
+        if _sms_shared():
+            policy = dataclasses.replace(policy, persistent=False)
+        return fused_moe(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK,
+                         workspace=workspace, policy=policy)
 
 
 def _is_interpreted(kernel: object) -> bool:

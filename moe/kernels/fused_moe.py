@@ -8,22 +8,24 @@
 where r = n*K + k is a flat routed row and e = topk_ids[n, k]. `fused_moe` aligns the
 routing into expert-sorted, padded row blocks (`moe.kernels.align_triton`) and queues the
 two GEMMs (`moe.kernels.fused_moe_triton.fused_moe_kernel`, or the persistent schedule of
-`moe.kernels.fused_moe_persistent`) and the k-sum. GEMM1 writes act in the sorted order
+`moe.kernels.fused_moe_persistent`; tiles and autotuners in `moe.kernels.fused_moe_tiles`)
+and the k-sum. GEMM1 writes act in the sorted order
 ([P, I]), so GEMM2 reads contiguous row blocks. Every output row is written by exactly
 one program and the k-sum adds in a fixed order: the result is deterministic (no
 atomics). Rows of ids routed to other ranks (-1) are neither computed, written nor read:
 under expert parallelism they are half or more of the rows.
 
-Per GEMM the host picks (`moe.kernels.gemm_policy`, from timings on an H200):
+Per GEMM the host picks, where the `KernelPolicy` leaves the choice open
+(`moe.kernels.policy`; the timings behind each rule are in `moe/kernels/KERNELS.md`):
 - the load path: pointer loads, or TMA (tensor descriptors, Hopper and newer) for the
   weight tiles and for A when A is in the sorted order; GEMM1 gathers x rows by pointer,
   or reads x copied into the sorted order first (`gather_rows`), which pays only when x
   is much larger than L2 and GEMM1 runs one program per tile;
-- the tile heights (`gemm_policy.gemm_tiles`, `GemmTiles`): on 128-row blocks GEMM1 may
+- the tile heights (`policy.gemm_tiles`, `GemmTiles`): on 128-row blocks GEMM1 may
   run 64-row tiles, GEMM2 half-height tiles for half-used last blocks (`HALF_TAIL`) and
   lets a last block of at most 32 rows ride on the block before it (`TAIL_M`);
 - the schedule: one program per tile, or for large batches outside DBO one program per
-  SM over a table of the used tiles (`gemm_policy.prefer_persistent`).
+  SM over a table of the used tiles (`policy.prefer_persistent`).
 
 Legend: N tokens, K top-k, H hidden, I intermediate, E local experts, R = N*K routed
 rows, P padded rows. Inside the kernels M/N/K are the GEMM's own sizes.
@@ -41,15 +43,15 @@ import torch
 import triton
 
 from moe.experts.base import check_expert_inputs
-from moe.kernels import gemm_policy as policy
+from moe.kernels import policy as rules
 from moe.kernels.align import AlignedRouting
 from moe.kernels.align_triton import align_routing_triton
-from moe.kernels.fused_moe_persistent import launch_persistent
-from moe.kernels.fused_moe_tiles import INTERPRETER_TILE, tuned_launcher
+from moe.kernels.fused_moe_persistent import fused_moe_persistent_kernel
+from moe.kernels.fused_moe_tiles import (INTERPRETER_PERSISTENT_TILE, INTERPRETER_PROGRAMS,
+                                         INTERPRETER_TILE, persistent_launcher, tuned_launcher)
 from moe.kernels.fused_moe_triton import fused_moe_kernel, gather_rows_kernel
-from moe.kernels.gemm_policy import GemmTiles
 from moe.kernels.launch import FastLauncher
-from moe.kernels.moe_tile import gemm_role, use_tma_scratch
+from moe.kernels.policy import GemmTiles, KernelPolicy
 from moe.kernels.rows_triton import launch_sum_rows
 from moe.workspace import Workspace, empty_from
 
@@ -90,9 +92,7 @@ def fused_moe(
     *,
     workspace: Workspace | None = None,
     block_m: int | None = None,
-    tma: bool | None = None,
-    sorted_x: bool | None = None,
-    persistent: bool | None = None,
+    policy: KernelPolicy = KernelPolicy(),
 ) -> torch.Tensor:
     """Routed expert MLPs: out[n] = sum_k w[n,k] * W2_e(silu(gate_e x[n]) * up_e x[n]).
 
@@ -106,21 +106,12 @@ def fused_moe(
         workspace: source of the intermediates (routing, [P, I] activation, [R, H] rows,
             which share memory with the [P, H] sorted x); fresh allocations when None.
             The returned tensor is always a fresh allocation.
-        block_m: rows per block; `gemm_policy.choose_block_m` when None (tests pin it).
-        tma: load weight tiles (and sorted A tiles) with TMA. None: on a GPU where
-            `tma_unsupported_reason` allows it, per GEMM where `gemm_policy.prefer_tma`
-            says it pays; True (both GEMMs) raises ValueError where TMA cannot load the
-            operands (on CPU the interpreter emulates it, for tests); False: pointer
-            loads only.
-        sorted_x: copy x's routed rows into the sorted order first (one gather kernel),
-            so GEMM1 loads A with TMA too; needs GEMM1 on TMA. None:
-            `gemm_policy.prefer_sorted_x`, where GEMM1 runs one program per tile (never
-            before the persistent GEMM1).
-        persistent: run a GEMM as `moe.kernels.fused_moe_persistent` (one program per
-            SM over the tile table, TMA loads). None: on a GPU where TMA can load the
-            operands and `tma` is not False, per GEMM where
-            `gemm_policy.prefer_persistent` says; True (both GEMMs) raises ValueError
-            where TMA cannot load them; False: never.
+        block_m: rows per block; `moe.kernels.policy.choose_block_m` when None (tests pin
+            it).
+        policy: the load paths, sorted x, persistent kernel (None fields: the host's
+            rules, per GEMM) and compiled-handle launches; see `KernelPolicy`. A True
+            `tma` or `persistent` raises ValueError where TMA cannot load the operands
+            (on CPU the interpreter emulates it, for tests); `sorted_x` needs GEMM1 on TMA.
 
     Returns:
         [N, H] in x's dtype on x's device, valid on the current stream. GEMMs accumulate in
@@ -138,34 +129,37 @@ def fused_moe(
     if num_routed == 0:
         return torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
 
+    tma, sorted_x, persistent = policy.tma, policy.sorted_x, policy.persistent
+    compiled = policy.compiled_launches
     # Whether TMA can load the operands decides the load paths and the persistent kernel.
     tma_reason = tma_unsupported_reason(w13_EIH, w2_EHI, x_NH)
     tma_auto = device.type == "cuda" and tma_reason is None
     if tma is None:
-        tma1, tma2 = tma_auto and policy.prefer_tma(hidden), tma_auto and policy.prefer_tma(inter)
+        tma1, tma2 = tma_auto and rules.prefer_tma(hidden), tma_auto and rules.prefer_tma(inter)
     elif tma and tma_reason is not None:
-        raise ValueError(f"fused_moe(tma=True): {tma_reason}")
+        raise ValueError(f"fused_moe(KernelPolicy(tma=True)): {tma_reason}")
     else:
         tma1 = tma2 = tma
     if sorted_x and not tma1:
-        raise ValueError("fused_moe(sorted_x=True) needs tma: the gather only pays for TMA loads")
+        raise ValueError("fused_moe(KernelPolicy(sorted_x=True)) needs tma: the gather only "
+                         "pays for TMA loads")
 
-    block_m = block_m or policy.choose_block_m(num_routed, num_experts)
+    block_m = block_m or rules.choose_block_m(num_routed, num_experts)
     rows_per_expert = num_routed / num_experts
     if persistent is None:
         allowed = tma is not False and tma_auto
-        persist1 = allowed and policy.prefer_persistent(
+        persist1 = allowed and rules.prefer_persistent(
             block_m, gated=True, k=hidden, rows_per_expert=rows_per_expert)
-        persist2 = allowed and policy.prefer_persistent(
+        persist2 = allowed and rules.prefer_persistent(
             block_m, gated=False, k=inter, rows_per_expert=rows_per_expert)
     elif persistent and tma_reason is not None:
-        raise ValueError(f"fused_moe(persistent=True): {tma_reason}")
+        raise ValueError(f"fused_moe(KernelPolicy(persistent=True)): {tma_reason}")
     else:
         persist1 = persist2 = persistent
-    persist2 = persist2 and policy.SKIP_DROPPED_ROWS  # it writes no zero rows for dropped ids
     if sorted_x is None:
-        sorted_x = tma1 and policy.prefer_sorted_x(x_NH, persistent_gemm1=persist1)
-    routing = align_routing_triton(topk_ids_NK, num_experts, block_m, workspace=workspace)
+        sorted_x = tma1 and rules.prefer_sorted_x(x_NH, persistent_gemm1=persist1)
+    routing = align_routing_triton(topk_ids_NK, num_experts, block_m, workspace=workspace,
+                                   compiled=compiled)
     max_rows = routing.sorted_ids_P.numel()
     act_PI = empty_from(workspace, "triton.act", (max_rows, inter), dtype, device)
 
@@ -173,38 +167,39 @@ def fused_moe(
     if sorted_x:
         # The sorted x is dead once GEMM1 has run (same stream), so GEMM2's rows reuse it.
         a_x = empty_from(workspace, "triton.rows", (max_rows, hidden), dtype, device)
-        gather_rows(x_NH, a_x, routing, rows_div=top_k)
+        gather_rows(x_NH, a_x, routing, rows_div=top_k, compiled=compiled)
         y_RH = a_x[:num_routed]
     else:
         y_RH = empty_from(workspace, "triton.rows", (num_routed, hidden), dtype, device)
-    tiles1 = policy.gemm_tiles(block_m, gated=True, rows_per_expert=rows_per_expert)
-    tiles2 = policy.gemm_tiles(block_m, gated=False, rows_per_expert=rows_per_expert)
+    tiles1 = rules.gemm_tiles(block_m, gated=True, rows_per_expert=rows_per_expert)
+    tiles2 = rules.gemm_tiles(block_m, gated=False, rows_per_expert=rows_per_expert)
     half_tail = block_m >= 32  # half tiles of at least 16 rows (tl.dot's minimum)
     if persist1:
         launch_persistent(a_x, w13_EIH, act_PI, None, routing, n=inter, k=hidden,
-                          a_rows_div=top_k, a_sorted=sorted_x, half_tail=half_tail)
+                          a_rows_div=top_k, a_sorted=sorted_x, half_tail=half_tail,
+                          compiled=compiled)
     else:
         _launch(kernel_launch(a_x, w13_EIH, act_PI, None, routing, n=inter, k=hidden,
                               a_rows_div=top_k, a_sorted=sorted_x, tma=tma1,
-                              tiles=tiles1))
+                              tiles=tiles1), compiled=compiled)
     if persist2:
         launch_persistent(act_PI, w2_EHI, y_RH, topk_weights_NK, routing, n=hidden, k=inter,
-                          a_rows_div=1, a_sorted=True, half_tail=half_tail)
+                          a_rows_div=1, a_sorted=True, half_tail=half_tail, compiled=compiled)
     else:
         _launch(kernel_launch(act_PI, w2_EHI, y_RH, topk_weights_NK, routing, n=hidden,
-                              k=inter, a_rows_div=1, a_sorted=True, tma=tma2, tiles=tiles2))
+                              k=inter, a_rows_div=1, a_sorted=True, tma=tma2, tiles=tiles2),
+                compiled=compiled)
 
     out_NH = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
-    if policy.SKIP_DROPPED_ROWS:
-        sum_routed_rows(y_RH, topk_ids_NK, out_NH)
-    else:  # GEMM2 wrote zero rows for the dropped ids (torch sums in fp32)
-        torch.sum(y_RH.view(num_tokens, top_k, hidden), dim=1, out=out_NH)
+    sum_routed_rows(y_RH, topk_ids_NK, out_NH, compiled=compiled)
     return out_NH
 
 
-def sum_routed_rows(y_RH: torch.Tensor, topk_ids_NK: torch.Tensor, out_NH: torch.Tensor) -> None:
-    """out[n] = sum over the k with ids[n, k] >= 0 of y[n*K + k] (fp32, k in order)."""
-    launch_sum_rows(y_RH, topk_ids_NK, out_NH, sel_is_row=False)
+def sum_routed_rows(y_RH: torch.Tensor, topk_ids_NK: torch.Tensor, out_NH: torch.Tensor, *,
+                    compiled: bool = True) -> None:
+    """out[n] = sum over the k with ids[n, k] >= 0 of y[n*K + k] (fp32, k in order); the
+    rows of ids -1 are never read (GEMM2 does not write them)."""
+    launch_sum_rows(y_RH, topk_ids_NK, out_NH, sel_is_row=False, compiled=compiled)
 
 
 _GATHER = FastLauncher(gather_rows_kernel)
@@ -213,7 +208,7 @@ _GATHER_COLS = 512
 
 
 def gather_rows(src_NH: torch.Tensor, dst_PH: torch.Tensor, routing: AlignedRouting, *,
-                rows_div: int) -> None:
+                rows_div: int, compiled: bool = True) -> None:
     """dst[p] = src[sorted_ids[p] // rows_div] for the used rows; zeros for padding rows."""
     hidden = src_NH.shape[1]
     grid = (dst_PH.shape[0] // _GATHER_ROWS, triton.cdiv(hidden, _GATHER_COLS))
@@ -221,7 +216,7 @@ def gather_rows(src_NH: torch.Tensor, dst_PH: torch.Tensor, routing: AlignedRout
         grid,
         src_NH, dst_PH, routing.sorted_ids_P, routing.num_padded_rows, routing.num_routed,
         hidden, src_NH.stride(0), dst_PH.stride(0),
-        ROWS_DIV=rows_div, BLOCK_R=_GATHER_ROWS, BLOCK_H=_GATHER_COLS,
+        ROWS_DIV=rows_div, BLOCK_R=_GATHER_ROWS, BLOCK_H=_GATHER_COLS, compiled=compiled,
     )
 
 
@@ -263,8 +258,8 @@ def kernel_launch(
 ) -> KernelLaunch:
     """The launch of one GEMM of the pair: GEMM1 (gated, `weights_NK` None, writes the
     sorted [P, N] activation) or GEMM2 (weighted by `weights_NK`, float32 [N, K] with a
-    unit last stride, maybe a view into packed rows; writes rows by routed id; zero rows
-    for dropped ids unless `gemm_policy.SKIP_DROPPED_ROWS`). `a_sorted`: A is [P, K] in
+    unit last stride, maybe a view into packed rows; writes rows by routed id, none for
+    dropped ids). `a_sorted`: A is [P, K] in
     the sorted row order. `tiles`: see `GemmTiles`."""
     tile_m = tiles.rows or routing.block_m
     half_tail, tail_m = tiles.half_tail, tiles.tail_rows
@@ -288,7 +283,6 @@ def kernel_launch(
     flags = {
         **role.flags,
         "USE_TMA": tma,
-        "ZERO_DROPPED": weights_NK is not None and not policy.SKIP_DROPPED_ROWS,
         "HALF_TAIL": half_tail,
         "TAIL_M": tail_m,
         "ROUTE_BLOCK_M": routing.block_m,
@@ -297,8 +291,9 @@ def kernel_launch(
     return KernelLaunch(args=args, flags=flags, max_rows=max_rows, n=n, k=k)
 
 
-def _launch(launch: KernelLaunch) -> None:
-    """Queue one GEMM of the pair on the current stream (autotuned tile on the GPU)."""
+def _launch(launch: KernelLaunch, *, compiled: bool = True) -> None:
+    """Queue one GEMM of the pair on the current stream (autotuned tile on the GPU;
+    `compiled`: through the compiled handle)."""
     if launch.args[0].device.type == "cpu":  # TRITON_INTERPRET=1
         meta = INTERPRETER_TILE
         fused_moe_kernel[launch.grid(meta["BLOCK_N"])](*launch.args, **launch.flags, **meta)
@@ -306,7 +301,7 @@ def _launch(launch: KernelLaunch) -> None:
     if launch.flags["USE_TMA"]:
         use_tma_scratch()
     tuned_launcher()(launch.tune_key(), lambda meta: launch.grid(meta["BLOCK_N"]),
-                      *launch.args, **launch.flags)
+                      *launch.args, compiled=compiled, **launch.flags)
 
 
 def _check(
@@ -325,3 +320,95 @@ def _check(
                 f"fused_moe: {name} has strides {t.stride()}: the last dim must be contiguous "
                 f"(call .contiguous())."
             )
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch_persistent(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    weights_NK: torch.Tensor | None,
+    routing: AlignedRouting,
+    *,
+    n: int,
+    k: int,
+    a_rows_div: int,
+    a_sorted: bool,
+    half_tail: bool = True,
+    compiled: bool = True,
+) -> None:
+    """Queue one GEMM of the pair on the current stream as the persistent kernel, as
+    `kernel_launch` describes it (GEMM1 when `weights_NK` is None: gated, writes the sorted [P, n]
+    activation; GEMM2: weighted, writes rows by routed id), over `routing`'s tile table.
+    `b` must be contiguous [E, rows, k] and the operands TMA-loadable."""
+    if not b.is_contiguous():
+        raise ValueError("launch_persistent: expert weights must be contiguous")
+    max_rows = routing.sorted_ids_P.numel()
+    role = gemm_role(a, c, weights_NK, a_rows_div=a_rows_div, a_sorted=a_sorted)
+    args = (
+        a, b, c, role.weights,
+        routing.sorted_ids_P, routing.block_expert_ids_B, routing.tile_rows_B,
+        routing.num_tiles,
+        n, k, routing.num_routed, max_rows, triton.next_power_of_2(max(max_rows, 1)),
+        b.shape[0], role.weights_top_k,
+        a.stride(0), a.stride(1), b.stride(1), c.stride(0), c.stride(1), role.stride_wn,
+    )
+    flags = {**role.flags, "HALF_TAIL": half_tail, "BLOCK_M": routing.block_m}
+    use_tma_scratch()
+    if a.device.type == "cpu":  # TRITON_INTERPRET=1
+        grid = (INTERPRETER_PROGRAMS,)
+        fused_moe_persistent_kernel[grid](*args, **flags, NUM_PROGRAMS=grid[0],
+                                          **INTERPRETER_PERSISTENT_TILE)
+        return
+    programs = _num_sms(a.device.index if a.device.index is not None else
+                        torch.cuda.current_device())
+    flags["NUM_PROGRAMS"] = programs
+    tune_key = (tuple(flags.values()), n, k, max_rows, a.dtype, b.dtype, c.dtype)
+    persistent_launcher()(tune_key, lambda meta: (programs,), *args, compiled=compiled,
+                          **flags)
+
+
+@dataclass(frozen=True)
+class GemmRole:
+    """What makes a launch GEMM1 or GEMM2 of the pair, in both kernels' terms."""
+
+    weights: torch.Tensor
+    """The routing weights' pointer argument (C when unused, for GEMM1)."""
+    weights_top_k: int
+    stride_wn: int
+    flags: dict[str, Any]
+    """A_ROWS_DIV, A_SORTED, C_SORTED, GATED, MUL_ROUTED_WEIGHT, INPUT_PRECISION."""
+
+
+def gemm_role(a: torch.Tensor, c: torch.Tensor, weights_NK: torch.Tensor | None, *,
+              a_rows_div: int, a_sorted: bool) -> GemmRole:
+    """GEMM1 when `weights_NK` is None (gated, writes the sorted activation), else GEMM2
+    (weighted by float32 [N, K] routing weights, made unit-stride in their last dim if
+    needed; writes rows by routed id). `a_sorted`: A is in the sorted row order."""
+    final = weights_NK is not None
+    if final and weights_NK.stride(1) != 1:
+        weights_NK = weights_NK.contiguous()
+    # Follow torch's matmul: exact fp32 unless the user allowed TF32 (16-bit: unused).
+    ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    flags = {"A_ROWS_DIV": a_rows_div, "A_SORTED": a_sorted, "C_SORTED": not final,
+             "GATED": not final, "MUL_ROUTED_WEIGHT": final,
+             "INPUT_PRECISION": "ieee" if ieee else "tf32"}
+    if not final:
+        return GemmRole(c, 1, 1, flags)
+    return GemmRole(weights_NK, weights_NK.shape[1], weights_NK.stride(0), flags)
+
+
+def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for in-kernel tensor descriptors, from torch's caching allocator
+    (stream-ordered on the current stream, where the kernel runs)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def use_tma_scratch() -> None:
+    """Install `tma_scratch` for this thread / greenlet (Triton keeps the allocator in a
+    context variable: every DBO ubatch has its own)."""
+    triton.set_allocator(tma_scratch)

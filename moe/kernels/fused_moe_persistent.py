@@ -9,14 +9,12 @@ with more than BLOCK_M // 2 used rows first, then the half-used last blocks of e
 half-height tiles (HALF_TAIL), so little math goes to padding rows. With FLATTEN, Triton
 pipelines across the tile loop (the next tile's loads start during this one's epilogue).
 GEMM1 loads a column block's gate and up rows as one TMA box and runs them as one dot
-twice as wide (`_tile_loop`), as the other kernel does on its TMA path. Per element the
-k order is unchanged: on an H200, `fused_moe` gave the same bits with the two-dot form
-and the one-dot form of each kernel (BENCHMARKS.md section 2).
+twice as wide (`_tile_loop`), as the other kernel does on its TMA path; per element the k
+order is the same, so both kernels give the same bits.
 
-The host picks it per GEMM where `gemm_policy.prefer_persistent` says, from per-GEMM
-timings of both kernels on an H200 (BENCHMARKS.md section 2). It has
-no tails (`fused_moe_kernel`'s TAIL_M): below 512 rows per expert GEMM2 runs the other
-kernel, whose short last blocks ride on the blocks before them.
+It has no tails (`fused_moe_kernel`'s TAIL_M). The host (`moe.kernels.fused_moe`) picks it
+per GEMM by `KernelPolicy.persistent` and `moe.kernels.policy.prefer_persistent`; its
+tiles and autotuner are in `moe.kernels.fused_moe_tiles`.
 
 Weights and sorted A tiles load through tensor descriptors (TMA), so this needs a Hopper
 class GPU, 16-bit data and contiguous weights (`fused_moe.tma_unsupported_reason`); the
@@ -25,21 +23,11 @@ settled; nothing is compiled or launched at import.
 """
 from __future__ import annotations
 
-import functools
-from typing import Any
-
-import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.align import AlignedRouting
-from moe.kernels.launch import AutotunedLauncher
-from moe.kernels.moe_tile import (gate_up_descriptor, gate_up_dot, gemm_role, split_gate_up,
-                                  store_tile, use_tma_scratch)
-
-# CPU (interpreter) tile: small and fixed.
-_INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "FLATTEN": False}
-_INTERPRETER_PROGRAMS = 3
+from moe.kernels.fused_moe_triton import (gate_up_descriptor, gate_up_dot, split_gate_up,
+                                          store_tile)
 
 
 @triton.jit
@@ -202,102 +190,3 @@ def _tile_loop(
         store_tile(acc, acc_up, c_ptr, topk_weights_ptr, offs_m, row_ids, pid_n,
                    N, num_routed, weights_top_k, stride_cm, stride_cn, stride_wn,
                    C_SORTED, GATED, MUL_ROUTED_WEIGHT, BLOCK_N)
-
-
-# (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, FLATTEN) on 128-row tiles, from
-# per-config timings on an H200 (BENCHMARKS.md section 2): GEMM2 won
-# with 256-wide columns, 8 warps, 3 stages, flattened at most points; GEMM1 with 128 x 128
-# (one 128 x 256 dot of gate and up) and no flattening (flattened, it ran 10-50% slower);
-# 64-wide columns lost by 10-30% in both. Tiles of 64 rows need a table per tile height
-# (not built).
-_GEMM2_TILES = (
-    (256, 64, 8, 8, 3, True),
-    (256, 64, 16, 8, 3, True),
-    (256, 64, 8, 8, 3, False),
-    (128, 64, 8, 8, 4, True),
-)
-_GEMM1_TILES = (
-    (128, 64, 8, 8, 3, False),
-    (128, 64, 16, 8, 3, False),
-    (64, 64, 8, 8, 4, False),
-)
-
-
-def autotune_configs(*, gated: bool | None = None) -> list[triton.Config]:
-    """GPU tile candidates for GEMM1 (`gated`), GEMM2, or both (None)."""
-    if gated is None:
-        tiles = _GEMM1_TILES + _GEMM2_TILES
-    else:
-        tiles = _GEMM1_TILES if gated else _GEMM2_TILES
-    return [
-        triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m,
-                       "FLATTEN": flatten}, num_warps=num_warps, num_stages=num_stages)
-        for block_n, block_k, group_m, num_warps, num_stages, flatten in tiles
-    ]
-
-
-def _prune_configs(configs: list[triton.Config], named_args: dict[str, Any],
-                   **kwargs: Any) -> list[triton.Config]:
-    """Keep the configs of this GEMM (gated or not) that are no wider than it."""
-    regime = set(map(str, autotune_configs(gated=kwargs["GATED"])))
-    width = max(16, triton.next_power_of_2(named_args["N"]))
-    kept = [c for c in configs if str(c) in regime and c.kwargs["BLOCK_N"] <= width]
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"])]
-
-
-@functools.cache
-def _tuned_launcher() -> AutotunedLauncher:
-    kernel = triton.autotune(
-        configs=autotune_configs(),
-        key=["N", "K", "BLOCK_M", "GATED", "A_SORTED", "HALF_TAIL", "rows_bucket"],
-        prune_configs_by={"early_config_prune": _prune_configs},
-    )(fused_moe_persistent_kernel)
-    return AutotunedLauncher(kernel)
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def launch_persistent(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor,
-    weights_NK: torch.Tensor | None,
-    routing: AlignedRouting,
-    *,
-    n: int,
-    k: int,
-    a_rows_div: int,
-    a_sorted: bool,
-    half_tail: bool = True,
-) -> None:
-    """Queue one GEMM of the pair on the current stream, as `fused_moe.kernel_launch`
-    describes it (GEMM1 when `weights_NK` is None: gated, writes the sorted [P, n]
-    activation; GEMM2: weighted, writes rows by routed id), over `routing`'s tile table.
-    `b` must be contiguous [E, rows, k] and the operands TMA-loadable."""
-    if not b.is_contiguous():
-        raise ValueError("launch_persistent: expert weights must be contiguous")
-    max_rows = routing.sorted_ids_P.numel()
-    role = gemm_role(a, c, weights_NK, a_rows_div=a_rows_div, a_sorted=a_sorted)
-    args = (
-        a, b, c, role.weights,
-        routing.sorted_ids_P, routing.block_expert_ids_B, routing.tile_rows_B,
-        routing.num_tiles,
-        n, k, routing.num_routed, max_rows, triton.next_power_of_2(max(max_rows, 1)),
-        b.shape[0], role.weights_top_k,
-        a.stride(0), a.stride(1), b.stride(1), c.stride(0), c.stride(1), role.stride_wn,
-    )
-    flags = {**role.flags, "HALF_TAIL": half_tail, "BLOCK_M": routing.block_m}
-    use_tma_scratch()
-    if a.device.type == "cpu":  # TRITON_INTERPRET=1
-        grid = (_INTERPRETER_PROGRAMS,)
-        fused_moe_persistent_kernel[grid](*args, **flags, NUM_PROGRAMS=grid[0],
-                                          **_INTERPRETER_CONFIG)
-        return
-    programs = _num_sms(a.device.index if a.device.index is not None else
-                        torch.cuda.current_device())
-    flags["NUM_PROGRAMS"] = programs
-    tune_key = (tuple(flags.values()), n, k, max_rows, a.dtype, b.dtype, c.dtype)
-    _tuned_launcher()(tune_key, lambda meta: (programs,), *args, **flags)

@@ -1,10 +1,13 @@
-"""Tile candidates and the autotuner of `moe.kernels.fused_moe_triton.fused_moe_kernel`.
+"""Tile candidates and the autotuners of the two fused-MoE GEMM kernels
+(`moe.kernels.fused_moe_triton`, `moe.kernels.fused_moe_persistent`).
 
 `autotune_configs` lists the GPU tiles per BLOCK_M regime; `tile_fits` drops the ones a
 GEMM cannot use (wider than the GEMM, over the shared memory or the register file) before
 anything compiles; `tuned_launcher` launches the autotuner's pick per key without its
-per-call work. On CPU (the interpreter) one small fixed tile, `INTERPRETER_TILE`, runs
-instead. Nothing is compiled at import.
+per-call work. `persistent_configs` and `persistent_launcher` do the same for the
+persistent kernel. On CPU (the interpreter) small fixed tiles (`INTERPRETER_TILE`,
+`INTERPRETER_PERSISTENT_TILE`) run instead. Why these tiles: `moe/kernels/KERNELS.md`.
+Nothing is compiled at import.
 """
 from __future__ import annotations
 
@@ -13,22 +16,20 @@ from typing import Any
 
 import triton
 
+from moe.kernels.fused_moe_persistent import fused_moe_persistent_kernel
 from moe.kernels.fused_moe_triton import fused_moe_kernel
 from moe.kernels.launch import AutotunedLauncher
 
-# Fixed tile for CPU tensors (the interpreter): autotuning there would take minutes.
+# Fixed tiles for CPU tensors (the interpreter): autotuning there would take minutes.
 INTERPRETER_TILE = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
+INTERPRETER_PERSISTENT_TILE = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "FLATTEN": False}
+INTERPRETER_PROGRAMS = 3
 _SMEM_BYTES = 220 * 1024  # H100/H200 allow 227 KiB per block; keep a margin.
 
 
-# (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per regime. Few rows per block
-# (decode) is weight-bandwidth bound: wide loads, 4 warps, deep pipelines. Full blocks are
-# tensor-core bound. The large-block list holds the winners of `python -m moe.tune_experts`
-# on an H200 (DeepSeek-V3 and Qwen3 expert shapes, 2048-16384 tokens, BLOCK_M 64 and 128;
-# then, with the TMA and sorted-x load variants, BLOCK_M 128):
-# GEMM1 (gated, two accumulators) mostly wins with 64-128 wide tiles, GEMM2 with 256; a
-# larger GROUP_M (more row blocks share a weight tile in L2) gained up to 15% at some points.
-# GEMM1 in 64-row tiles (`gemm_policy.gemm_tiles`) wins with 256 wide ones (the last two rows).
+# (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per regime: few rows per block (decode)
+# is weight-bandwidth bound (wide loads, 4 warps, deep pipelines), full blocks are
+# tensor-core bound. The large-block list is the winners of `python -m moe.tune_experts`.
 _SMALL_M_TILES = ((64, 64, 8, 4, 4), (64, 128, 8, 4, 4), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3))
 _LARGE_M_TILES = (
     (64, 64, 1, 4, 3),
@@ -131,3 +132,52 @@ def tuned_launcher() -> AutotunedLauncher:
 def tuned_configs() -> dict[str, str]:
     """The autotuner's picks so far: tuning key (N, K, BLOCK_M, GATED, dtypes) -> config."""
     return {str(key): str(config) for key, config in _tuned_kernel().cache.items()}
+
+
+# The persistent kernel's (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, FLATTEN) on
+# 128-row tiles: GEMM2 wide and flattened, GEMM1 (one dot of gate and up) not flattened.
+_PERSISTENT_GEMM2_TILES = (
+    (256, 64, 8, 8, 3, True),
+    (256, 64, 16, 8, 3, True),
+    (256, 64, 8, 8, 3, False),
+    (128, 64, 8, 8, 4, True),
+)
+_PERSISTENT_GEMM1_TILES = (
+    (128, 64, 8, 8, 3, False),
+    (128, 64, 16, 8, 3, False),
+    (64, 64, 8, 8, 4, False),
+)
+
+
+def persistent_configs(*, gated: bool | None = None) -> list[triton.Config]:
+    """GPU tile candidates of the persistent kernel for GEMM1 (`gated`), GEMM2, or both."""
+    if gated is None:
+        tiles = _PERSISTENT_GEMM1_TILES + _PERSISTENT_GEMM2_TILES
+    else:
+        tiles = _PERSISTENT_GEMM1_TILES if gated else _PERSISTENT_GEMM2_TILES
+    return [
+        triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m,
+                       "FLATTEN": flatten}, num_warps=num_warps, num_stages=num_stages)
+        for block_n, block_k, group_m, num_warps, num_stages, flatten in tiles
+    ]
+
+
+def _prune_persistent(configs: list[triton.Config], named_args: dict[str, Any],
+                      **kwargs: Any) -> list[triton.Config]:
+    """Keep the configs of this GEMM (gated or not) that are no wider than it."""
+    regime = set(map(str, persistent_configs(gated=kwargs["GATED"])))
+    width = max(16, triton.next_power_of_2(named_args["N"]))
+    kept = [c for c in configs if str(c) in regime and c.kwargs["BLOCK_N"] <= width]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"])]
+
+
+@functools.cache
+def persistent_launcher() -> AutotunedLauncher:
+    """The autotuned persistent kernel, built on first GPU use, launched as
+    `tuned_launcher`'s."""
+    kernel = triton.autotune(
+        configs=persistent_configs(),
+        key=["N", "K", "BLOCK_M", "GATED", "A_SORTED", "HALF_TAIL", "rows_bucket"],
+        prune_configs_by={"early_config_prune": _prune_persistent},
+    )(fused_moe_persistent_kernel)
+    return AutotunedLauncher(kernel)

@@ -11,8 +11,9 @@ multiplies BLOCK_M rows of one expert by a BLOCK_N slice of that expert's weight
 output row is written by exactly one program (no atomics).
 
 The host side (load paths, tile heights, launches) is `moe.kernels.fused_moe`; the tile
-candidates and the autotuner are `moe.kernels.fused_moe_tiles`; the persistent schedule
-of the same math is `moe.kernels.fused_moe_persistent`.
+candidates and the autotuners are `moe.kernels.fused_moe_tiles`; the persistent schedule
+of the same math is `moe.kernels.fused_moe_persistent`, which shares the pieces at the
+end of this file (GEMM1's gate-and-up dot on TMA loads, the tile epilogue).
 
 Import only after TRITON_INTERPRET is settled: Triton reads this module when the kernels
 are defined. Nothing is compiled or launched at import.
@@ -22,7 +23,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moe.kernels.moe_tile import gate_up_descriptor, gate_up_dot, split_gate_up, store_tile
 
 
 @triton.jit
@@ -60,7 +60,6 @@ def fused_moe_kernel(
     USE_TMA: tl.constexpr,  # load B, and A when A_SORTED, through tensor descriptors
     GATED: tl.constexpr,  # B holds gate rows [0, N) then up rows [N, 2N): silu(g) * u
     MUL_ROUTED_WEIGHT: tl.constexpr,  # scale each row by its routing weight
-    ZERO_DROPPED: tl.constexpr,  # write zero rows for blocks of expert -1 (torch k-sum)
     HALF_TAIL: tl.constexpr,  # a block whose lower half is padding does half the math
     TAIL_M: tl.constexpr,  # > 0 (not GATED): an expert's last block of <= TAIL_M used
     # rows is computed by the block before it (BLOCK_M == ROUTE_BLOCK_M)
@@ -100,9 +99,7 @@ def fused_moe_kernel(
     computes these rows too, on the weight tiles it loads anyway, and the short block
     returns at once: the short block would otherwise stream a whole weight tile for a few
     rows. The tail's dot is swapped, (B_e A_tail^T)^T, so that the weight columns are the
-    MMA's M (warpgroup MMA needs 64) and the tail's TAIL_M rows its N. (In GEMM1 the
-    second accumulator took the kernel to 255 registers and was slower, in every form
-    tried: BENCHMARKS.md section 2.)
+    MMA's M (warpgroup MMA needs 64) and the tail's TAIL_M rows its N.
     """
     # Grouped ordering: walk GROUP_M row blocks down one column of tiles before moving on.
     pid = tl.program_id(axis=0)
@@ -122,18 +119,7 @@ def fused_moe_kernel(
     row0 = pid_m * BLOCK_M
     expert = tl.load(block_expert_ids_ptr + row0 // ROUTE_BLOCK_M).to(tl.int64)
     if expert < 0:
-        # Rows routed to other ranks: no math. Zero rows only for the torch k-sum, which
-        # reads all K rows of a token (SKIP_DROPPED_ROWS off).
-        if ZERO_DROPPED:
-            offs_m = row0 + tl.arange(0, BLOCK_M)
-            row_ids = tl.load(sorted_ids_ptr + offs_m)
-            offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            c_ptrs = (c_ptr + row_ids.to(tl.int64)[:, None] * stride_cm
-                      + offs_cn[None, :] * stride_cn)
-            c_mask = (row_ids < num_routed)[:, None] & (offs_cn[None, :] < N)
-            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
-            tl.store(c_ptrs, zeros, mask=c_mask)
-        return
+        return  # rows routed to other ranks: the k-sum never reads them
     if BLOCK_M < ROUTE_BLOCK_M:
         # A tile in the padded tail of an expert's segment: nothing to compute or write.
         if tl.load(sorted_ids_ptr + row0) >= num_routed:
@@ -323,3 +309,70 @@ def gather_rows_kernel(
     rows = tl.load(src, mask=valid[:, None] & h_mask, other=0.0)
     dst = dst_ptr + offs_r.to(tl.int64)[:, None] * stride_dst + offs_h[None, :]
     tl.store(dst, rows, mask=h_mask)
+
+
+@triton.jit
+def gate_up_descriptor(b_ptr, num_experts, N, K, stride_bn,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w13 [E, 2N, K] viewed [E * 2, N, K] for `gate_up_dot`'s boxes: box (2e, n0, k0) holds
+    expert e's gate rows [n0, n0 + BLOCK_N) over it and its up rows under it (zeros past
+    row N of either half)."""
+    return tl.make_tensor_descriptor(
+        b_ptr, shape=[num_experts * 2, N, K], strides=[N * stride_bn, stride_bn, 1],
+        block_shape=[2, BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def gate_up_dot(b_desc, a, acc_pair, expert, n0, k0,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """acc_pair [BM, 2 * BLOCK_N] += a [BM, BLOCK_K] @ (gate | up columns [n0, n0 + BLOCK_N)
+    of expert `expert` (int32), depth [k0, k0 + BLOCK_K)): one box, one dot twice as wide."""
+    b = b_desc.load([2 * expert, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
+    return tl.dot(a, b, acc_pair, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def split_gate_up(acc_pair, BM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(gate, up) [BM, BLOCK_N] each from `gate_up_dot`'s accumulator: columns [0, BLOCK_N)
+    are the gate's, [BLOCK_N, 2 * BLOCK_N) the up's."""
+    return tl.split(tl.permute(tl.reshape(acc_pair, (BM, 2, BLOCK_N)), (0, 2, 1)))
+
+
+@triton.jit
+def store_tile(
+    acc,  # fp32 [BM, BLOCK_N]: the GEMM (GATED: the gate half)
+    acc_up,  # fp32 [BM, BLOCK_N]: the up half (GATED only)
+    c_ptr,
+    topk_weights_ptr,
+    offs_m,  # int [BM]: the tile's sorted rows
+    row_ids,  # int32 [BM]: their flat routed ids, num_routed for padding
+    pid_n,
+    N,
+    num_routed,
+    weights_top_k,
+    stride_cm,
+    stride_cn,
+    stride_wn,
+    C_SORTED: tl.constexpr,
+    GATED: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Epilogue of one tile: silu(gate) * up (GATED), times the routing weight
+    (MUL_ROUTED_WEIGHT), rounded to C's dtype and stored at the sorted row (C_SORTED,
+    padding rows too) or at the routed id (used rows only)."""
+    row_mask = row_ids < num_routed
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_ROUTED_WEIGHT:
+        weight_offs = (row_ids // weights_top_k).to(tl.int64) * stride_wn + row_ids % weights_top_k
+        weight = tl.load(topk_weights_ptr + weight_offs, mask=row_mask, other=0.0)
+        acc = acc * weight[:, None]
+    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if C_SORTED:
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+        c_mask = (offs_m[:, None] >= 0) & (offs_cn[None, :] < N)
+    else:
+        c_ptrs = c_ptr + row_ids.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+        c_mask = row_mask[:, None] & (offs_cn[None, :] < N)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
