@@ -51,23 +51,23 @@ def test_cpu_tensors_take_tritons_own_path():
 
 def test_fast_path_is_refused_where_it_cannot_stand_in(monkeypatch):
     cuda_like = torch.empty(1, device="meta")  # not CUDA: refused like a CPU tensor
-    assert not launch._fast_path_allowed((cuda_like,))
-    assert not launch._fast_path_allowed((1, 2))  # no tensor at all
+    assert not launch._fast_path_allowed((cuda_like,), True)
+    assert not launch._fast_path_allowed((1, 2), True)  # no tensor at all
     monkeypatch.setattr(launch, "_is_cuda", lambda t: True)
-    assert launch._fast_path_allowed((cuda_like,))
+    assert launch._fast_path_allowed((cuda_like,), True)
     # A profiler's hook must see every launch: a plain callable (older Triton) or a
     # non-empty HookChain turns the fast path off.
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
-    assert not launch._fast_path_allowed((cuda_like,))
+    assert not launch._fast_path_allowed((cuda_like,), True)
     chain = knobs.HookChain()
     monkeypatch.setattr(knobs.runtime, "launch_exit_hook", chain)
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
-    assert launch._fast_path_allowed((cuda_like,))
+    assert launch._fast_path_allowed((cuda_like,), True)
     chain.add(lambda *a: None)
-    assert not launch._fast_path_allowed((cuda_like,))
+    assert not launch._fast_path_allowed((cuda_like,), True)
     chain.calls.clear()
-    monkeypatch.setattr(launch, "ENABLED", False)
-    assert not launch._fast_path_allowed((cuda_like,))
+    assert launch._fast_path_allowed((cuda_like,), True)
+    assert not launch._fast_path_allowed((cuda_like,), False), "the caller's policy says no"
 
 
 @pytest.mark.gpu
