@@ -77,8 +77,8 @@ def tile_fits(
     GEMM, its pipeline stages of A and B tiles within shared memory, and its fp32
     accumulators (two when gated) within the register file. `tail_m`: the rows of a
     second tile on the same weight loads (`TAIL_M`); its accumulator may take the
-    total to 160 registers per thread (128 x 256 tiles with a 32-row tail compiled to 228
-    registers without spills on an H200, with a 64-row one they spilled)."""
+    total to 160 registers per thread (a 32-row tail fits without spills, a 64-row one
+    spills: `moe/kernels/KERNELS.md`)."""
     if block_n > max(16, triton.next_power_of_2(n)) or block_k > max(16, triton.next_power_of_2(k)):
         return False
     num_b = 2 if gated else 1
