@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from dbo.launch import RankContext, launch
+from dbo.launch import RankContext
 from dbo.soak import MAX_OBJECT_GROWTH, MemoryTracker, SoakConfig, main, run_rank
+from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -59,8 +60,10 @@ def test_soak_a2a_300_steps(tmp_path, capfd):
     assert "soak: step 300/300" in stderr and "verdict: PASS" in stdout
 
 
-def soak_several(ctx: RankContext, jobs: list[SoakConfig]) -> Any:
-    """Several soaks in one set of ranks (one process start for all)."""
+def soak_several(rank: int, world_size: int, jobs: list[SoakConfig]) -> Any:
+    """Several soaks in one set of ranks (one process start for all; the soak command's
+    own launch is covered by test_soak_a2a_300_steps)."""
+    ctx = RankContext(rank, world_size, torch.device("cpu"), "gloo")
     return [run_rank(ctx, job) for job in jobs]
 
 
@@ -68,7 +71,7 @@ def test_soak_other_backends():
     # 120 steps: ranks 0 and 1 both have 0 tokens at step 76.
     jobs = [SoakConfig(steps=120, backend=backend, layers=1, warmup=20, report_every=50,
                        trace_window=25) for backend in ("a2a_ll", "naive")]
-    for job, summary in zip(jobs, launch(soak_several, jobs, world_size=2)):
+    for job, summary in zip(jobs, run_distributed(2, soak_several, jobs)[0]):
         assert summary["backend"] == job.backend
         check_summary(summary, steps=120)
 
