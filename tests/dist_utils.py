@@ -7,7 +7,8 @@ failure on any rank raises here with that rank's traceback. `fn` must be a modul
 function (it is pickled by name). The ranks fork from a server process that has imported
 torch once (`_context`), so a test pays ~0.05 s per process group instead of ~1.5 s.
 The ranks see the environment of the test process as it was when the server started
-(the first `run_distributed` of the session), not later changes to it.
+(the first `run_distributed` of the session), not later changes to it, and write to the
+server's stdout/stderr: a rank reports through its return value or its traceback.
 """
 from __future__ import annotations
 
