@@ -86,14 +86,18 @@ def check_against_reference(
 # --------------------------------------------------------------------------------- align
 
 
+# At most 64 routed rows (one SMALL_CHUNK by default), except the last case: the only
+# one whose default chunk is CHUNK (1024 rows), each a sort of seconds when interpreted.
 ALIGN_CASES = [
     (1, 1, 1, 16, 0.0),
     (7, 2, 64, 16, 0.0),  # most experts empty
     (40, 1, 1, 16, 0.0),  # one expert, three blocks
-    (33, 8, 8, 32, 0.25),  # ids -1 in the mix
-    (20, 4, 5, 16, 1.0),  # everything dropped
-    (50, 3, 4, 64, 0.1),
-    (1100, 1, 1, 16, 0.0),  # 69 blocks of one expert, 69 chunks of 16: many scan steps
+    (8, 8, 8, 32, 0.25),  # ids -1 in the mix
+    (16, 4, 5, 16, 1.0),  # everything dropped
+    (21, 3, 4, 64, 0.1),
+    # 68 blocks of one expert and 117 dropped rows: 75 chunks of 16 (many scan steps),
+    # or by default two chunks of CHUNK rows, the second mostly past the last row.
+    (1200, 1, 1, 16, 0.1),
 ]
 
 
