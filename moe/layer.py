@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dbo.failures import phase_scope
+from dbo.phases import phase_scope
 from moe.backends import make_backend
 from moe.config import MoEConfig
 from moe.experts import make_experts

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dbo.failures import phase_scope
+from dbo.phases import phase_scope
 from dbo.graph_host import keep_for_graph
 from moe.kernels.rotary import apply_rotary
 from moe.layer import MoELayer
