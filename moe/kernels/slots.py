@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moe.backends.a2a import destination_mask
+from moe.row_layout import destination_mask
 from moe.kernels.implementation import triton_module, use_triton
 from moe.workspace import Workspace, empty_from
 
