@@ -10,6 +10,7 @@ the field on every rank.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 import time
 from typing import Any, Callable
 
@@ -31,9 +32,9 @@ QUICK_S = 10.0
 NEXT_STEP_RUNS = "the process group is intact and the next step can run"
 
 
-def tiny_model(group: Any = None, backend: str = "local") -> MoETransformer:
-    model = MoETransformer(get_preset("tiny"), group=group, backend=backend,
-                           experts="reference")
+def tiny_model(group: Any = None, backend: str = "local", **moe: Any) -> MoETransformer:
+    model = MoETransformer(get_preset("tiny", backend=backend, experts="reference", **moe),
+                           group=group)
     model.init_weights(0)
     return model
 
@@ -130,8 +131,9 @@ def rejected_inputs(rank: int, world_size: int) -> dict[str, Any]:
     runners = {"requests": DBORunner(without_hook, DBOConfig(split="requests", **split),
                                      group=group),
                "model": DBORunner(model, DBOConfig(split="requests", **split), group=group),
-               "capacity": DBORunner(model, DBOConfig(split="requests", max_tokens_per_rank=12,
-                                                      **split), group=group)}
+               # The capacity is the model's MoE layers' (MoEConfig), not a runner setting.
+               "capacity": DBORunner(tiny_model(group, backend="a2a", max_tokens_per_rank=12),
+                                     DBOConfig(split="requests", **split), group=group)}
     batch = make_batch(model.config, num_tokens=10 + rank, num_requests=3, seed=rank)
     ids, positions, lens = batch.input_ids_T, batch.positions_T, batch.seq_lens
     bad_lens = (*lens[:-1], lens[-1] + 1) if rank == 1 else lens
@@ -195,7 +197,7 @@ def test_capacity_overflow_on_one_rank_says_and_lets_the_next_step_run(rejected)
 def ep_layer(group: Any, *, top_k: int = 2, backend: str = "naive") -> MoELayer:
     cfg = MoEConfig(num_experts=4, top_k=top_k, hidden_size=16, intermediate_size=8,
                     max_tokens_per_rank=16)
-    layer = MoELayer(cfg, group=group, backend=backend, experts="reference")
+    layer = MoELayer(replace(cfg, backend=backend, experts="reference"), group=group)
     layer.load_weights(init_moe_weights(cfg, seed=2))
     return layer
 

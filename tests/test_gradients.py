@@ -31,7 +31,8 @@ CFG = dict(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
 
 
 def make_layer(cfg: MoEConfig, **kwargs) -> tuple[MoELayer, dict, SharedExperts | None]:
-    layer = MoELayer(cfg, **kwargs)
+    choices = {name: kwargs.pop(name) for name in ("backend", "experts") if name in kwargs}
+    layer = MoELayer(dataclasses.replace(cfg, **choices), **kwargs)
     weights = init_moe_weights(cfg, seed=3)
     layer.load_weights(weights)
     shared = None
@@ -104,7 +105,7 @@ def test_gradient_not_through_the_layer_is_exact(dbo_on):
 def tiny(num_dense_layers: int | None = None) -> MoETransformer:
     cfg = get_preset("tiny")
     if num_dense_layers is not None:
-        cfg = dataclasses.replace(cfg, num_dense_layers=num_dense_layers)
+        cfg = dataclasses.dataclasses.replace(cfg, num_dense_layers=num_dense_layers)
     model = MoETransformer(cfg)
     model.init_weights(seed=0)
     return model
@@ -187,7 +188,7 @@ def test_gpu_triton_paths_with_grads_on():
     equals the torch version's."""
     cfg = MoEConfig(**{**CFG, "hidden_size": 64, "intermediate_size": 64},
                     num_shared_experts=1, dtype=torch.bfloat16)
-    layer = MoELayer(cfg, experts="triton", device="cuda")
+    layer = MoELayer(dataclasses.replace(cfg, experts="triton"), device="cuda")
     layer.load_weights({k: v.cuda() for k, v in init_moe_weights(cfg, seed=3).items()})
     layer.shared_experts.load_state_dict(SharedExperts.from_config(cfg, seed=4).state_dict())
     x = torch.randn(33, 64, device="cuda", dtype=torch.bfloat16)

@@ -318,7 +318,8 @@ def ep_matches_single_process(rank: int, world_size: int, backend: str) -> dict[
         cfg = get_preset("tiny", max_tokens_per_rank=64, **overrides)
         single = MoETransformer(cfg)
         single.init_weights(seed=11)
-        ep = MoETransformer(cfg, group=dist.group.WORLD, backend=backend)
+        ep_cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, backend=backend))
+        ep = MoETransformer(ep_cfg, group=dist.group.WORLD)
         ep.init_weights(seed=11)
         for full, mine in zip(single.moe_layers, ep.moe_layers):
             sl = slice(mine.first_expert, mine.first_expert + mine.num_local_experts)
