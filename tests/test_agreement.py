@@ -16,10 +16,11 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from torch import nn
 
 import dbo
 from dbo import ConfigMismatchError, DBOConfig, DBORunner, GraphedRunner, PeerInputError
-from dbo.agreement import Agreement, AgreementCache, collect_agreement
+from dbo.agreement import Agreement, AgreementCache, collect_agreement, collect_capacity
 from dbo.failures import record_collectives
 from dbo.vote import Ballot, cast_ballot
 from moe import MoEConfig, MoELayer, init_moe_weights
@@ -72,10 +73,14 @@ def test_the_cache_collects_again_only_when_the_model_or_config_is_replaced() ->
             calls.append(1)
             return {"width": 4}
 
+        def dbo_max_tokens_per_rank(self) -> int:  # the capacity, voted on as a field
+            return 12
+
     model, cache = Counting(), AgreementCache()
     on, off = DBOConfig(), DBOConfig(enabled=False)
     first = cache.get(model, on, lambda: {"enabled": True})
-    assert first.fields == {"enabled": True, "width": 4}
+    assert first.fields == {"enabled": True, "width": 4, "capacity": 12}
+    assert first.capacity == cache.capacity == 12
     assert cache.get(model, on, lambda: {"enabled": True}) is first and len(calls) == 1
     cache.mark_agreed()
     assert cache.agreed(model, on) and not cache.agreed(model, off)
@@ -259,3 +264,20 @@ def test_errors_are_runtime_errors() -> None:
     # Code that caught the RuntimeError GraphedRunner raised for a peer still catches it.
     assert issubclass(ConfigMismatchError, RuntimeError)
     assert issubclass(PeerInputError, RuntimeError)
+
+
+def test_capacity_is_the_smallest_a_module_reports() -> None:
+    """The runner's capacity comes from the model's modules (stated once, in MoEConfig)."""
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8)
+    capped = nn.ModuleList([MoELayer(replace(cfg, max_tokens_per_rank=n)) for n in (32, 8)])
+    assert collect_capacity(nn.ModuleList([MoELayer(cfg)])) is None
+    assert collect_capacity(capped) == 8
+    capped.append(MoELayer(cfg))  # a layer without a limit does not lift the others'
+    assert collect_capacity(capped) == 8
+
+    class Bad:
+        def dbo_max_tokens_per_rank(self) -> int:
+            return 0
+
+    with pytest.raises(TypeError, match=r"dbo_max_tokens_per_rank\(\) returned 0"):
+        collect_capacity(Bad())
