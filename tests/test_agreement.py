@@ -138,7 +138,7 @@ def rejected_inputs(rank: int, world_size: int) -> dict[str, Any]:
                "model": DBORunner(model, DBOConfig(split="requests", **split), group=group),
                # The capacity is the model's MoE layers' (MoEConfig), not a runner setting.
                "capacity": DBORunner(tiny_model(group, backend="a2a", max_tokens_per_rank=12),
-                                     DBOConfig(split="requests", **split), group=group)}
+                                     DBOConfig(split="requests"), group=group)}
     batch = make_batch(model.config, num_tokens=10 + rank, num_requests=3, seed=rank)
     ids, positions, lens = batch.input_ids_T, batch.positions_T, batch.seq_lens
     bad_lens = (*lens[:-1], lens[-1] + 1) if rank == 1 else lens
@@ -193,7 +193,7 @@ def test_inputs_rejected_on_one_rank_stop_every_rank_at_the_vote(rejected) -> No
 def test_capacity_overflow_on_one_rank_says_and_lets_the_next_step_run(rejected) -> None:
     for rank, result in enumerate(rejected):
         result = result["capacity"]
-        assert result["type"] == "ValueError" and "has 14 tokens this step" in result["text"]
+        assert result["type"] == "ValueError" and "has 14 tokens in one model call" in result["text"]
         assert NEXT_STEP_RUNS in result["notes"], result
         assert "re-create the process group" not in result["notes"], result
         assert result["next_step"], rank
