@@ -105,7 +105,7 @@ def test_gradient_not_through_the_layer_is_exact(dbo_on):
 def tiny(num_dense_layers: int | None = None) -> MoETransformer:
     cfg = get_preset("tiny")
     if num_dense_layers is not None:
-        cfg = dataclasses.dataclasses.replace(cfg, num_dense_layers=num_dense_layers)
+        cfg = dataclasses.replace(cfg, num_dense_layers=num_dense_layers)
     model = MoETransformer(cfg)
     model.init_weights(seed=0)
     return model

@@ -47,7 +47,7 @@ def call_order(rank: int, world_size: int, backend: str, split: bool, dbo: bool)
     import moe.backends.a2a_ll as a2a_ll_module
     from dbo.yield_points import dbo_current_ubatch_id
 
-    cfg = dataclasses.dataclasses.replace(CONFIG, split_last_combine=split)
+    cfg = dataclasses.replace(CONFIG, split_last_combine=split)
     layers = [MoELayer(dataclasses.replace(cfg, backend=backend, experts="reference"),
                        group=dist.group.WORLD, layer_id=i, last_layer=i == 1) for i in range(2)]
     log: list = []
