@@ -75,8 +75,9 @@ def test_balanced_ids() -> None:
 
 
 def test_plot_draws_bmm_as_a_baseline(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`bmm` is drawn dashed and grey, rate and share of dense; dense has no share line;
-    the expert paths stay solid."""
+    """Baselines are told apart from the expert paths: `bmm` and dense dashed, the expert
+    paths solid, one colour per path; `bmm` has its rate and its share of dense, dense
+    no share line."""
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
 
@@ -97,9 +98,16 @@ def test_plot_draws_bmm_as_a_baseline(tmp_path, monkeypatch: pytest.MonkeyPatch)
                                         ("bmm", 70.0, 0.7))]
     assert bench_experts_plot.plot_experts(points, tmp_path / "e.png", title="t")
     assert (tmp_path / "e.png").read_bytes().startswith(b"\x89PNG")
-    assert [d for d in drawn if d[0] == "bmm"] == [("bmm", "grey", "--")] * 2
-    assert [d for d in drawn if d[0] == "dense"] == [("dense", "black", "--")]
-    assert [d[2] for d in drawn if d[0] == "triton"] == ["-", "-"]
+    lines: dict[str, list[tuple[str, str]]] = {}
+    for label, colour, ls in drawn:
+        lines.setdefault(label, []).append((colour, ls))
+    assert {label: len(styles) for label, styles in lines.items()} == {
+        "triton": 2, "dense": 1, "bmm": 2}  # rate, share of dense (none for dense itself)
+    styles = {label: set(styles) for label, styles in lines.items()}
+    assert all(len(style) == 1 for style in styles.values()), "one style per path"
+    (triton,), (dense,), (bmm,) = styles["triton"], styles["dense"], styles["bmm"]
+    assert triton[1] == "-" and dense[1] == bmm[1] == "--"
+    assert len({triton[0], dense[0], bmm[0]}) == 3 and None not in (dense[0], bmm[0])
 
 
 @pytest.mark.triton

@@ -7,6 +7,11 @@ sizes, several blocks per expert, fp32 / fp16 / bf16 (the interpreter needs a pa
 tl.dot for bf16, see `bf16_dot_in_interpreter`). Without CUDA, tests/conftest.py sets
 TRITON_INTERPRET=1 before anything imports a kernel, and shapes stay
 tiny; `test_gpu_shapes` runs the compiled, autotuned kernels on CUDA.
+
+Cost under the interpreter: every program runs in Python, and the Triton align sorts
+more than 64 routed rows as one 1024-key chunk (seconds). So the GEMM tests route at
+most 64 rows through `fused_moe`, or take the torch align (the same buffers, as
+`test_triton_align_matches_torch` checks) where a layout needs more rows.
 """
 from __future__ import annotations
 
@@ -81,14 +86,18 @@ def check_against_reference(
 # --------------------------------------------------------------------------------- align
 
 
+# At most 64 routed rows (one SMALL_CHUNK by default), except the last case: the only
+# one whose default chunk is CHUNK (1024 rows), each a sort of seconds when interpreted.
 ALIGN_CASES = [
     (1, 1, 1, 16, 0.0),
     (7, 2, 64, 16, 0.0),  # most experts empty
     (40, 1, 1, 16, 0.0),  # one expert, three blocks
-    (33, 8, 8, 32, 0.25),  # ids -1 in the mix
-    (20, 4, 5, 16, 1.0),  # everything dropped
-    (50, 3, 4, 64, 0.1),
-    (1100, 1, 1, 16, 0.0),  # 69 blocks of one expert, 69 chunks of 16: many scan steps
+    (8, 8, 8, 32, 0.25),  # ids -1 in the mix
+    (16, 4, 5, 16, 1.0),  # everything dropped
+    (21, 3, 4, 64, 0.1),
+    # 68 blocks of one expert and 117 dropped rows: 75 chunks of 16 (many scan steps),
+    # or by default two chunks of CHUNK rows, the second mostly past the last row.
+    (1200, 1, 1, 16, 0.1),
 ]
 
 
@@ -224,11 +233,11 @@ def test_align_rejects_bad_block_m() -> None:
         (1, 16, 8, 1, 1, 0.0),  # T = 1, one expert
         (1, 24, 8, 64, 8, 0.0),  # T = 1, top-8 of 64: 56 experts without rows
         (3, 16, 8, 8, 1, 0.0),  # most experts empty
-        (12, 33, 20, 64, 8, 0.0),  # odd hidden, I not a multiple of the tile
-        (40, 24, 8, 4, 8, 0.0),  # top-k 8 with repeats (K > E)
+        (6, 33, 20, 8, 8, 0.0),  # odd hidden, I not a multiple of the tile
+        (8, 24, 8, 4, 8, 0.0),  # top-k 8 with repeats (K > E)
         (40, 16, 20, 1, 1, 0.0),  # one expert, several blocks
         (25, 33, 8, 6, 2, 0.4),  # ids -1 mixed in
-        (36, 33, 20, 16, 8, 0.3),  # all of it at once
+        (8, 33, 20, 16, 8, 0.3),  # all of it at once
     ],
 )
 def test_matches_reference_fp32(
@@ -240,7 +249,7 @@ def test_matches_reference_fp32(
 
 
 @pytest.mark.parametrize(
-    "num_tokens, hidden, inter, num_experts, top_k", [(9, 33, 20, 3, 2), (16, 16, 8, 16, 8)]
+    "num_tokens, hidden, inter, num_experts, top_k", [(9, 33, 20, 3, 2), (8, 16, 8, 16, 8)]
 )
 def test_matches_reference_fp16(
     num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int
@@ -256,7 +265,7 @@ def test_matches_reference_fp16(
     "num_tokens, hidden, inter, num_experts, top_k, block_m",
     [
         (9, 32, 24, 3, 2, 16),  # I = 24: a weight tile runs past the gate into the up rows
-        (37, 72, 40, 8, 8, 16),  # many experts, the last tile reads past the last expert
+        (7, 24, 40, 8, 8, 16),  # many experts, the last tile reads past the last expert
         (40, 16, 8, 1, 1, 32),  # one expert, two blocks
     ],
 )
@@ -287,9 +296,9 @@ def test_load_variants_match_reference(
 @pytest.mark.parametrize(
     "num_tokens, hidden, inter, num_experts, top_k, block_m, drop_frac",
     [
-        (37, 72, 40, 8, 8, 16, 0.2),  # many tiles over 3 programs; no half tiles (16 rows)
+        (7, 24, 40, 8, 8, 16, 0.2),  # many tiles over 3 programs; no half tiles (16 rows)
         (40, 16, 8, 1, 1, 32, 0.0),  # one expert: a full block, then a half-used one
-        (45, 32, 24, 4, 4, 32, 0.3),  # 4 full and 2 half tiles, ids -1 (no tiles for them)
+        (16, 32, 24, 3, 4, 32, 0.3),  # 1 full and 2 half tiles, ids -1 (no tiles for them)
         (20, 16, 8, 4, 2, 64, 1.0),  # every id elsewhere: an empty tile table
     ],
 )
@@ -322,7 +331,7 @@ def test_persistent_half_tiles_and_policy(monkeypatch: pytest.MonkeyPatch) -> No
     block_m, hidden, inter = 32, 32, 8
     ids = _counted_ids({0: 40, 1: 20, 2: 16, -1: 5}).view(-1, 1).to(DEVICE)  # as above
     x, w13, *_ = make_problem(ids.shape[0], hidden, inter, 4, 1, dtype=torch.float16)
-    routing = align_routing_triton(ids, 4, block_m)
+    routing = align_routing(ids, 4, block_m)  # the Triton align's buffers (see above)
     assert routing.num_tiles.tolist() == [2, 2]  # full: 0's first, 1's; half: 0's last, 2's
     lower_halves = list(range(48, 64)) + list(range(112, 128))
     used = (routing.sorted_ids_P[:128] < routing.num_routed).nonzero().view(-1)
@@ -337,15 +346,22 @@ def test_persistent_half_tiles_and_policy(monkeypatch: pytest.MonkeyPatch) -> No
         acts[half] = act
     torch.testing.assert_close(acts[True][used], acts[False][used], rtol=0, atol=0)
 
+    # The policy applies its named limits: GEMM2 by rows per expert, GEMM1 by rows and
+    # depth, both only on 128-row blocks and only while PERSISTENT is on.
     prefer = policy.prefer_persistent
-    assert prefer(128, gated=False, k=768, rows_per_expert=512)
-    assert not prefer(128, gated=False, k=768, rows_per_expert=256), "GEMM2 tails"
-    assert prefer(128, gated=True, k=7168, rows_per_expert=1024)
-    assert not prefer(128, gated=True, k=7168, rows_per_expert=256), "2 tiles per expert"
-    assert not prefer(128, gated=True, k=2048, rows_per_expert=1024), "shallow GEMM1"
-    assert not prefer(64, gated=False, k=768, rows_per_expert=128), "tuned on 128-row blocks"
+    rows2, rows1, deep = (policy.PERSISTENT_GEMM2_MIN_ROWS, policy.PERSISTENT_GEMM1_MIN_ROWS,
+                          policy.PERSISTENT_GEMM1_MIN_K)
+    assert prefer(128, gated=False, k=16, rows_per_expert=rows2)
+    assert not prefer(128, gated=False, k=deep, rows_per_expert=rows2 - 1)
+    assert prefer(128, gated=True, k=deep, rows_per_expert=rows1)
+    assert not prefer(128, gated=True, k=deep, rows_per_expert=rows1 - 1)
+    assert not prefer(128, gated=True, k=deep - 1, rows_per_expert=10 * rows1)
+    for block_m in (16, 32, 64):
+        assert not prefer(block_m, gated=False, k=deep, rows_per_expert=10 * rows2)
+        assert not prefer(block_m, gated=True, k=deep, rows_per_expert=10 * rows1)
     monkeypatch.setattr(policy, "PERSISTENT", False)
-    assert not prefer(128, gated=False, k=768, rows_per_expert=512)
+    assert not prefer(128, gated=False, k=deep, rows_per_expert=10 * rows2)
+    assert not prefer(128, gated=True, k=deep, rows_per_expert=10 * rows1)
     # x is sorted first only for the one-program-per-tile GEMM1, and only when large.
     monkeypatch.setattr(policy, "SORTED_X_MIN_BYTES", x.numel() * x.element_size())
     assert policy.prefer_sorted_x(x, persistent_gemm1=False)
@@ -429,7 +445,7 @@ def test_dropped_rows_are_skipped(skip: bool, monkeypatch: pytest.MonkeyPatch) -
     from moe.kernels import gemm_policy
 
     monkeypatch.setattr(gemm_policy, "SKIP_DROPPED_ROWS", skip)
-    x, w13, w2, ids, weights = make_problem(24, 16, 8, 4, 3, dtype=torch.float16,
+    x, w13, w2, ids, weights = make_problem(20, 16, 8, 4, 3, dtype=torch.float16,
                                             drop_frac=0.5)
     ws = Workspace()
     ws.get("triton.rows", (ids.numel(), 16), x.dtype, DEVICE).fill_(float("nan"))
@@ -469,7 +485,12 @@ def test_block_sizes_and_determinism() -> None:
     from moe.kernels.fused_moe import fused_moe
     from moe.kernels.gemm_policy import choose_block_m
 
-    assert [choose_block_m(r, 8) for r in (64, 512, 1024, 16384)] == [16, 32, 64, 128]
+    # Powers of two from 16 to 128, growing with the rows per expert, never longer than
+    # the mean segment beyond the 16-row minimum (decode wastes little padding).
+    sizes = [choose_block_m(rows, 8) for rows in range(0, 8 * 2048, 8)]
+    assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
+    assert set(sizes) == {16, 32, 64, 128}
+    assert all(b <= max(16, r // 8) for b, r in zip(sizes, range(0, 8 * 2048, 8)))
     problem = make_problem(30, 24, 8, 2, 2, drop_frac=0.1)
     ref = ReferenceExperts().apply(*problem)
     outs = [fused_moe(*problem, block_m=block_m) for block_m in (16, 32, 16)]
@@ -496,7 +517,9 @@ def test_half_tail_tiles(tma: bool) -> None:
     # full); expert 2: 16 (exactly half: half); expert 3: none; 5 rows elsewhere.
     ids = _counted_ids({0: 40, 1: 20, 2: 16, -1: 5}).view(-1, 1).to(DEVICE)
     x, w13, *_ = make_problem(ids.shape[0], hidden, inter, 4, 1, dtype=torch.float16)
-    routing = align_routing_triton(ids, 4, block_m)
+    # The torch align: the Triton one's buffers (test_triton_align_matches_torch) without
+    # its interpreted sort of a 1024-row chunk, which costs seconds.
+    routing = align_routing(ids, 4, block_m)
     num_rows = routing.sorted_ids_P.numel()
     # Sorted rows: expert 0 in [0, 64), expert 1 in [64, 96), expert 2 in [96, 128).
     lower_halves = list(range(48, 64)) + list(range(112, 128))
@@ -529,7 +552,7 @@ def test_gemm2_tail_rows_ride_on_the_block_before(tma: bool) -> None:
     ids = _counted_ids({0: 40, 1: 20, 2: 16, 3: 81, 4: 80, -1: 5}).view(-1, 1).to(DEVICE)
     x, w13, w2, _, weights = make_problem(ids.shape[0], hidden, inter, 5, 1,
                                           dtype=torch.float16)
-    routing = align_routing_triton(ids, 5, block_m)
+    routing = align_routing(ids, 5, block_m)  # as in test_half_tail_tiles
     act = torch.randn(routing.sorted_ids_P.numel(), inter, generator=torch.Generator()
                       .manual_seed(3)).to(x.dtype).to(DEVICE)
     local = (ids.view(-1) >= 0).nonzero().view(-1)
@@ -558,14 +581,22 @@ def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     """On 128-row blocks GEMM1 runs 64-row tiles (padding-only tiles return at once) and
     GEMM2 128-row tiles with half tails: same output as one tile height, and the
     padding-only tiles of GEMM1 leave their activation rows unwritten."""
+    import moe.kernels.align_triton as align_triton
     import moe.kernels.fused_moe as fm
     from moe.kernels import gemm_policy as policy
 
     tiles = policy.GemmTiles
-    assert policy.gemm_tiles(128, gated=True, rows_per_expert=1024) == tiles(64)
-    assert policy.gemm_tiles(128, gated=True, rows_per_expert=4096) == tiles(128)
-    assert policy.gemm_tiles(128, gated=False, rows_per_expert=4096) == tiles(128, True, 32)
-    assert policy.gemm_tiles(64, gated=True, rows_per_expert=100) == tiles(64)
+    short_max = policy.SHORT_GEMM1_MAX_ROWS
+    assert policy.gemm_tiles(128, gated=True, rows_per_expert=short_max) == tiles(64)
+    assert policy.gemm_tiles(128, gated=True, rows_per_expert=short_max + 1) == tiles(128)
+    gemm2 = policy.gemm_tiles(128, gated=False, rows_per_expert=1)
+    assert gemm2 == tiles(128, True, policy.GEMM2_TAIL_ROWS), "any rows: half tiles, tails"
+    for block_m in (16, 32, 64):  # shorter blocks: whole-block tiles, no tails
+        for gated in (True, False):
+            assert policy.gemm_tiles(block_m, gated=gated, rows_per_expert=100) == tiles(block_m)
+    # fused_moe aligns these 334 rows in 64-row chunks: the interpreter sorts a chunk of
+    # the default 1024 rows in seconds (the align tests cover that chunk).
+    monkeypatch.setattr(align_triton, "CHUNK", align_triton.SMALL_CHUNK)
     # Expert 0: 160 rows (blocks [0, 256): rows [192, 256) are padding only); expert 1:
     # 100 (one block, every 64-row tile used); expert 2: 64 (rows [448, 512) padding).
     ids = _counted_ids({0: 160, 1: 100, 2: 64, -1: 10}).view(-1, 1)
@@ -586,7 +617,7 @@ def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(outs[True].float(), ref.float(), **TOLERANCES[torch.float16])
     torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
     with pytest.raises(ValueError, match="divide"):
-        fm.kernel_launch(x, w13, x, None, align_routing_triton(ids, 4, 32), n=8, k=32,
+        fm.kernel_launch(x, w13, x, None, align_routing(ids, 4, 32), n=8, k=32,
                          a_rows_div=1, a_sorted=False, tma=False, tiles=tiles(64))
 
 
@@ -692,7 +723,7 @@ def test_bench_cli(capsys: pytest.CaptureFixture[str]) -> None:
         assert bench_experts.main(["--shapes", "tiny", "--tokens", "4"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
     if DEVICE.type == "cpu":
-        argv = ["--device", "cpu", "--shapes", "tiny", "--tokens", "5"]
+        argv = ["--device", "cpu", "--shapes", "tiny", "--tokens", "5", "--rounds", "1"]
         argv += ["--paths", "triton,reference"]
         assert bench_experts.main(argv) == 0
         record = json.loads(capsys.readouterr().out.splitlines()[-1])
@@ -762,7 +793,7 @@ def test_bench_ep_routing(capsys: pytest.CaptureFixture[str]) -> None:
         bench_experts.main(["--rounds", "0", "--dry-run"])
     if DEVICE.type == "cpu":
         argv = ["--device", "cpu", "--shapes", "tiny", "--tokens", "6", "--ep-ranks", "2",
-                "--paths", "triton,reference,dense", "--rounds", "2"]
+                "--paths", "triton,reference,dense", "--rounds", "1"]
         assert bench_experts.main(argv) == 0
         out = capsys.readouterr().out.splitlines()
         assert out[0].startswith("one rank of 2 under EP")
@@ -796,7 +827,9 @@ def test_bench_writes_table_json_and_plot(tmp_path, capsys: pytest.CaptureFixtur
     assert "of dense" in (tmp_path / "a" / "experts.txt").read_text()
     png = (tmp_path / "a" / "experts.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
-    assert bench_experts.main(argv[:-1] + [str(tmp_path / "b"), "--no-plot"]) == 0
+    no_plot = ["--device", "cpu", "--shapes", "tiny", "--tokens", "4", "--paths", "dense",
+               "--rounds", "1", "--out", str(tmp_path / "b"), "--no-plot"]
+    assert bench_experts.main(no_plot) == 0
     assert (tmp_path / "b" / "experts.json").exists()
     assert not (tmp_path / "b" / "experts.png").exists()
     failed = bench_experts.Point("tiny", 4, "triton", None, None, None, 0.1, note="failed")
@@ -822,8 +855,9 @@ def test_bench_sustain(capsys: pytest.CaptureFixture[str]) -> None:
             bench_experts.main(["--sustain", bad, "--dry-run"])
     capsys.readouterr()
     if DEVICE.type == "cpu":
+        # Paths without the interpreter: sustain calls a path at least 4 times a round.
         argv = ["--device", "cpu", "--shapes", "tiny", "--tokens", "4", "--paths",
-                "triton,dense", "--rounds", "2", "--sustain", "0.02"]
+                "reference,dense", "--rounds", "1", "--sustain", "0.02"]
         assert bench_experts.main(argv) == 0
         out = capsys.readouterr().out.splitlines()
         assert "SM MHz" in out[0] and "capped" in out[0]
