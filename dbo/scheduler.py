@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import greenlet
 import torch
 
-from traces import ranges as trace_ranges
-from dbo import thread_state as tls
+import traces.ranges as trace_ranges
+import dbo.thread_state as tls
 from dbo.thread_state import ThreadState, ThreadStateSwitch
 from streams.standins import OpLog
 from streams.stream_set import StreamSet, resolve_device
