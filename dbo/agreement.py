@@ -18,6 +18,11 @@ from two duck-typed hooks, so that this core never imports `moe`:
   every process).
 - `dbo_check_inputs(*args, **kwargs)` on the model: a cheap check of one step's inputs
   (no device reads) that raises where the model's forward would.
+- `dbo_max_tokens_per_rank() -> int | None` on any module of the model: the most tokens
+  one rank may hold in a step (a fixed-capacity buffer's size), None for no limit. The
+  step's capacity is the smallest reported (`Agreement.capacity`); the runner stops a
+  step in which any rank has more, on every rank, after the vote and before any
+  collective of the model. The capacity is thus stated once, where the buffers are.
 
 The fields are hashed into a 62-bit fingerprint carried by every step's vote; they are
 collected on the runner's first step and again only when its `model` or `config` object
@@ -42,6 +47,7 @@ from dbo.vote import Tally, group_rank
 
 AGREEMENT_HOOK = "dbo_agreement"
 CHECK_INPUTS_HOOK = "dbo_check_inputs"
+CAPACITY_HOOK = "dbo_max_tokens_per_rank"
 # Fields listed in a ConfigMismatchError's message (all are on `.fields`).
 MAX_LISTED_FIELDS = 6
 # Characters of a peer's error text carried into a PeerInputError.
@@ -75,27 +81,48 @@ class PeerInputError(RuntimeError):
 
 @dataclass(frozen=True)
 class Agreement:
-    """The fields that must agree across ranks, and their fingerprint in [0, 2**62)."""
+    """The fields that must agree across ranks, and their fingerprint in [0, 2**62);
+    `capacity`: the model's tokens per rank and step (`collect_capacity`), None: no limit."""
 
     fields: Fields
     fingerprint: int
+    capacity: Optional[int] = None
 
     @classmethod
-    def of(cls, fields: Mapping[str, Any]) -> "Agreement":
+    def of(cls, fields: Mapping[str, Any], capacity: Optional[int] = None) -> "Agreement":
         stable = {name: _stable(value, name) for name, value in sorted(fields.items())}
         digest = hashlib.blake2b(repr(sorted(stable.items())).encode(), digest_size=8).digest()
-        return cls(stable, int.from_bytes(digest, "little") >> 2)
+        return cls(stable, int.from_bytes(digest, "little") >> 2, capacity)
+
+
+def _owners(model: Any) -> list[tuple[str, Any]]:
+    """(name, module) of every module of `model`, or `("", model)` for a plain callable."""
+    if isinstance(model, nn.Module):
+        return list(model.named_modules())
+    return [("", model)]
+
+
+def collect_capacity(model: Any) -> Optional[int]:
+    """The smallest `dbo_max_tokens_per_rank()` of `model`'s modules (or of `model`
+    itself when it is not an `nn.Module`); None when none reports a limit."""
+    limits = []
+    for prefix, owner in _owners(model):
+        hook = getattr(owner, CAPACITY_HOOK, None)
+        limit = None if hook is None else hook()
+        if limit is None:
+            continue
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise TypeError(f"{type(owner).__name__}.{CAPACITY_HOOK}() returned {limit!r}: "
+                            f"it must return a positive int (tokens per rank) or None")
+        limits.append(limit)
+    return min(limits, default=None)
 
 
 def collect_agreement(model: Any) -> Fields:
     """The `dbo_agreement()` fields of `model`'s modules (or of `model` itself when it is
     not an `nn.Module`), each prefixed with its module's name."""
-    if isinstance(model, nn.Module):
-        owners = list(model.named_modules())
-    else:
-        owners = [("", model)]
     fields: Fields = {}
-    for prefix, owner in owners:
+    for prefix, owner in _owners(model):
         hook = getattr(owner, AGREEMENT_HOOK, None)
         if hook is None:
             continue
@@ -124,13 +151,20 @@ class AgreementCache:
         """The agreement of `model` and the runner's `own()` fields (made from `config`)."""
         if self._agreement is None or model is not self._model or config is not self._config:
             self._agreement = None  # a hook that raises leaves nothing behind
-            self._agreement = Agreement.of({**own(), **collect_agreement(model)})
+            capacity = collect_capacity(model)  # a field too: every rank must check alike
+            self._agreement = Agreement.of(
+                {**own(), **collect_agreement(model), "capacity": capacity}, capacity)
             self._model, self._config, self._agreed = model, config, False
         return self._agreement
 
     def agreed(self, model: Any, config: Any) -> bool:
         """The group voted this model and config agreed (and neither was replaced)."""
         return self._agreed and model is self._model and config is self._config
+
+    @property
+    def capacity(self) -> Optional[int]:
+        """The collected agreement's capacity (None before the first `get`)."""
+        return None if self._agreement is None else self._agreement.capacity
 
     def mark_agreed(self) -> None:
         self._agreed = self._agreement is not None

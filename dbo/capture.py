@@ -24,6 +24,7 @@ from traces.model import Label, Trace
 from traces.perfetto import rewrite_chrome_trace
 from traces.ranges import TraceConfig, configure, current_config, label_range, step_name
 from traces.readers import read_chrome_trace
+from traces.timeline import draw_timeline
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,6 @@ def capture(step_fn: Callable[[], Any], out_dir: str | Path, *, steps: int = 1,
     analysis_path.write_text(json.dumps(report.to_json(), indent=1))
     timeline_path: Optional[Path] = out / f"{name}_timeline.png"
     try:
-        from traces.timeline import draw_timeline
         draw_timeline(trace, timeline_path, report=report, title=title)
     except ImportError as exc:  # matplotlib missing: the trace and analysis still stand
         logger.warning("no timeline picture: %s", exc)

@@ -40,8 +40,6 @@ class DBOConfig:
     """Smallest step with a multi-token request (prefill, "batch" mode with S > 1) that is split."""
     max_imbalance: float = 0.1
     """Largest |n0 - n1| / total of the best request-boundary split before a request is split inside (1.0: never)."""
-    max_tokens_per_rank: Optional[int] = None
-    """Capacity of the step (e.g. a fixed-capacity backend's): when any rank of the group has more tokens, every rank raises the same error instead of one rank failing alone."""
     gemm_sm_carveout: Optional[int] = 4
     """SMs that torch's (cuBLAS) GEMMs leave free for the comm kernels while a split step runs (`streams.gemm_carveout`); None or 0: every SM. NCCL runs the scale-out all-to-all on 4 CTAs."""
     merge: Union[MergeFn, None] = None
@@ -68,10 +66,6 @@ class DBOConfig:
         if not _is_int(self.num_ubatches) or self.num_ubatches != 2:
             raise ValueError(f"DBOConfig.num_ubatches={self.num_ubatches!r}: only 2 ubatches "
                              f"are supported, set num_ubatches=2 (the default)")
-        if self.max_tokens_per_rank is not None and (
-                not _is_int(self.max_tokens_per_rank) or self.max_tokens_per_rank < 1):
-            raise ValueError(f"DBOConfig.max_tokens_per_rank={self.max_tokens_per_rank!r}: "
-                             f"a positive int, or None for no capacity check")
         if self.gemm_sm_carveout is not None and (
                 not _is_int(self.gemm_sm_carveout) or self.gemm_sm_carveout < 0):
             raise ValueError(f"DBOConfig.gemm_sm_carveout={self.gemm_sm_carveout!r}: an int >= 0 "

@@ -1,10 +1,8 @@
-"""Failure context: where in a step an exception came from, and what it left behind.
+"""Failure context: what a failed step left behind, and where in it the error came from.
 
-    with phase_scope("experts", layer=3):      # a trace range, and a note on failure
-        ...
     note_collective("all_to_all_single")       # backends, right before each collective
 
-An exception that leaves a `phase_scope` gets a note `[dbo] rank R, ubatch U, layer L,
+An exception that leaves a `dbo.phases.phase_scope` gets a note `[dbo] rank R, ubatch U, layer L,
 phase P` (the innermost scope wins) and the attributes `dbo_rank`, `dbo_layer`,
 `dbo_phase`; the scheduler adds the ubatch (`dbo_ubatch_id`), the runner the rows of the
 step that ubatch ran (`dbo_ubatch_rows`: the shapes in the message are the ubatch's,
@@ -24,11 +22,9 @@ import contextlib
 import threading
 from typing import Any, Iterator, Optional, Sequence
 
-import greenlet
 import torch.distributed as dist
 
 from dbo.yield_points import dbo_current_ubatch_id
-from traces.ranges import end_phase, start_phase
 
 _local = threading.local()
 
@@ -72,47 +68,6 @@ def this_rank() -> Optional[int]:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
-class phase_scope:  # noqa: N801 - used like a function: `with phase_scope(...)`
-    """A named phase of one ubatch and layer: a trace range (when tracing is on) and the
-    place named in the notes of an exception that leaves it."""
-
-    __slots__ = ("name", "layer", "_handle")
-
-    def __init__(self, name: str, *, layer: Optional[int] = None) -> None:
-        self.name = name
-        self.layer = layer
-        self._handle: Any = None
-
-    def __enter__(self) -> "phase_scope":
-        self._handle = start_phase(self.name, ubatch_id=dbo_current_ubatch_id(),
-                                   layer=self.layer)
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
-        end_phase(self._handle)
-        if exc is not None and not isinstance(exc, greenlet.GreenletExit):
-            annotate_phase(exc, self.name, self.layer)
-
-
-def annotate_phase(exc: BaseException, phase: str, layer: Optional[int]) -> None:
-    """Name the innermost phase an exception left (outer scopes leave it as is)."""
-    if getattr(exc, "dbo_phase", None) is not None:
-        return
-    rank = this_rank()
-    try:
-        exc.dbo_phase = phase  # type: ignore[attr-defined]
-        exc.dbo_layer = layer  # type: ignore[attr-defined]
-        exc.dbo_rank = rank  # type: ignore[attr-defined]
-    except (AttributeError, TypeError):
-        return
-    where = [f"rank {rank}" if rank is not None else "single process",
-             f"ubatch {dbo_current_ubatch_id()}"]
-    if layer is not None:
-        where.append(f"layer {layer}")
-    where.append(f"phase {phase}")
-    _add_note(exc, "[dbo] " + ", ".join(where))
-
-
 def mark_stopped_together(exc: BaseException) -> None:
     """`exc` is raised on every rank of the group alike, after the step's vote and before
     any collective of the model: the process group is intact."""
@@ -132,15 +87,15 @@ def annotate_step_failure(exc: BaseException) -> None:
     except (AttributeError, TypeError):
         return
     if getattr(exc, "dbo_stopped_together", False):
-        _add_note(exc, "[dbo] every rank of the group stopped this step at its vote, before "
+        add_note(exc, "[dbo] every rank of the group stopped this step at its vote, before "
                        "any collective of the model: the process group is intact and the "
                        "next step can run")
     elif issued == 0:
-        _add_note(exc, "[dbo] no collective of this step had been issued on this rank: the "
+        add_note(exc, "[dbo] no collective of this step had been issued on this rank: the "
                        "process group is intact, and the next step can run once every "
                        "rank skips this one alike")
     else:
-        _add_note(exc, f"[dbo] this rank had issued {issued} collective(s) of this step when "
+        add_note(exc, f"[dbo] this rank had issued {issued} collective(s) of this step when "
                        f"it failed: the ranks' collective sequences may now differ, so "
                        f"re-create the process group (destroy_process_group, then "
                        f"init_process_group / new_group) before the next step")
@@ -164,10 +119,11 @@ def annotate_ubatch_rows(exc: BaseException, rows: Sequence[int], *,
     except (AttributeError, TypeError):
         return
     ran = f"rows [{start}, {end})" if contiguous else f"{end - start} rows"
-    _add_note(exc, f"[dbo] ubatch {ubatch_id} ran {ran} of the step's {total} rows: shapes "
+    add_note(exc, f"[dbo] ubatch {ubatch_id} ran {ran} of the step's {total} rows: shapes "
                    f"in this error are the ubatch's, not the step's")
 
 
-def _add_note(exc: BaseException, note: str) -> None:
+def add_note(exc: BaseException, note: str) -> None:
+    """`exc.add_note(note)` where the exception type allows it."""
     if hasattr(exc, "add_note"):
         exc.add_note(note)

@@ -224,7 +224,7 @@ class GraphedRunner:
         assert plan is not None and x is not None  # else the vote raised
         plan = plan_after_vote(plan, tally.split, tally.max_tokens)
         runner.last_decision = plan
-        runner._check_capacity(plan)
+        runner.check_capacity(plan, tally, cuda_graph=True)
         all_split, all_unsplit = tally.have_graphs
         key = keys[plan.split]  # a vetoed plan is unsplit
         if not (all_split if plan.split else all_unsplit):

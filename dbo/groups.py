@@ -1,7 +1,7 @@
 """dbo's side groups: a second communicator next to an EP group, with its timeout and life.
 
     ep_group = dist.new_group(timeout=timedelta(seconds=60))  # or dbo.new_group(timeout_s=60)
-    layer = MoELayer(config, group=ep_group, backend="a2a")
+    layer = MoELayer(config, group=ep_group)    # config: an MoEConfig(backend="a2a", ...)
     ...
     dbo.destroy_group(ep_group)                 # or dist.destroy_process_group(ep_group)
 

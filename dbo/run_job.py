@@ -33,7 +33,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -202,8 +202,9 @@ def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
     backend = job.backend
     if backend == "auto" and ctx.world_size > 1:
         backend = "a2a_ll" if job.cuda_graph else "a2a"
-    model = MoETransformer(config, group=ctx.group, backend=backend, experts=job.experts,
-                           device=ctx.device)
+    config = replace(config, moe=replace(
+        config.moe, backend=backend, experts=job.experts))
+    model = MoETransformer(config, group=ctx.group, device=ctx.device)
     model.init_weights(job.seed)
     batch = make_batch(config, num_tokens=tokens_for_rank(job, ctx.rank),
                        num_requests=job.requests, seed=job.seed + 1000 + ctx.rank,

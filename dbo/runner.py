@@ -148,7 +148,7 @@ class DBORunner:
         self.last_decision = plan
         if not self.config.enabled:
             return self.model(*args, **kwargs)
-        self._check_capacity(plan)
+        self.check_capacity(plan, tally)
         return self._execute(plan, ubatch_args, rows, args, kwargs)
 
     def vote(self, plan: Optional[SplitPlan], rejected: Optional[BaseException], *,
@@ -169,6 +169,7 @@ class DBORunner:
         tally = cast_ballot(Ballot(
             inputs_ok=ok, want_split=ok and plan.split,
             num_tokens=plan.total_tokens if ok else 0,
+            max_ubatch_tokens=max(plan.num_tokens, default=0) if ok and plan.split else 0,
             fingerprint=agreement.fingerprint if agreement is not None else 0,
             have_graphs=have_graphs), self.group)
         if tally.configs_agree:
@@ -184,7 +185,6 @@ class DBORunner:
         return {"DBOConfig.enabled": self.config.enabled,
                 "DBOConfig.split": split if isinstance(split, str)
                 else f"callable {getattr(split, '__qualname__', type(split).__name__)}",
-                "DBOConfig.max_tokens_per_rank": self.config.max_tokens_per_rank,
                 "cuda_graph": cuda_graph}
 
     def _execute(self, plan: SplitPlan, ubatch_args: list[UBatchArgs],
@@ -210,16 +210,25 @@ class DBORunner:
             return self.config.merge(outputs)
         return merge_outputs(outputs, rows=rows)
 
-    def _check_capacity(self, plan: SplitPlan) -> None:
-        """Every rank sees the group's largest token count (from the vote), so every
-        rank raises here together, before any collective of the model."""
-        cap, most = self.config.max_tokens_per_rank, plan.group_max_tokens
-        if cap is not None and most is not None and most > cap:
-            mine = plan.total_tokens
+    def check_capacity(self, plan: SplitPlan, tally: Tally, *, cuda_graph: bool = False
+                       ) -> None:
+        """Raise when one model call of a rank of the group would carry more tokens this
+        step (its step unsplit, its largest ubatch split; `plan` and `tally` after the
+        vote) than the model's capacity (`dbo_max_tokens_per_rank`, `dbo.agreement`).
+        Every rank sees the group's largest count and the same capacity (its
+        fingerprint was voted on), so every rank raises here together, before any
+        collective of the model. `cuda_graph`: the check of a `GraphedRunner` step."""
+        capacity = self._agreement_caches[cuda_graph].capacity
+        most = tally.max_ubatch_tokens if plan.split else tally.max_tokens
+        if capacity is not None and most > capacity:
+            mine = max(plan.num_tokens) if plan.split else plan.total_tokens
             exc = ValueError(
-                f"a rank of the group has {most} tokens this step (this rank: {mine}), more "
-                f"than DBOConfig.max_tokens_per_rank={cap}: every rank stops here so none "
-                f"waits in a collective; split the batch or raise the capacity")
+                f"a rank of the group has {most} tokens in one model call this step "
+                f"({'its largest ubatch' if plan.split else 'unsplit'}; this rank: {mine}), "
+                f"more than the model's capacity max_tokens_per_rank={capacity} (the "
+                f"smallest its modules report, e.g. MoEConfig.max_tokens_per_rank): every "
+                f"rank stops here so none waits in a collective; split the batch or raise "
+                f"the capacity")
             mark_stopped_together(exc)
             raise exc
 

@@ -21,14 +21,14 @@ or unwinds it.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import greenlet
 import torch
 
-from dbo import yield_points
-from traces import ranges as trace_ranges
-from dbo import thread_state as tls
+import traces.ranges as trace_ranges
+import dbo.thread_state as tls
 from dbo.thread_state import ThreadState, ThreadStateSwitch
 from streams.standins import OpLog
 from streams.stream_set import StreamSet, resolve_device
@@ -44,6 +44,15 @@ _len_dispatch_modes = tls.len_dispatch_modes
 _cuda_current_device = tls.cuda_current_device
 
 MAX_UBATCHES = 2
+
+# The scheduler of the step running on this thread. A step's greenlets all live on the
+# thread that called run(), so a thread-local is exactly the scope of a step.
+_local = threading.local()
+
+
+def active_scheduler() -> Optional["UBatchScheduler"]:
+    """The scheduler of the DBO step running on this thread, or None outside a step."""
+    return getattr(_local, "scheduler", None)
 
 
 class UBatch:
@@ -82,7 +91,8 @@ class UBatchScheduler:
         self._log = log
         self._streams: Optional[StreamSet] = None
         self._ubatches: list[UBatch] = []
-        self._running: Optional[UBatch] = None
+        # The ubatch holding the thread (None outside a step): read by `dbo.yield_points`.
+        self.running: Optional[UBatch] = None
         self._aborting = False
         self._device_type = self.device.type
         self._autocast_types = tls.autocast_device_types(self._device_type)
@@ -97,10 +107,15 @@ class UBatchScheduler:
             raise RuntimeError("no DBO step has run on this scheduler yet")
         return self._streams
 
+    @property
+    def num_ubatches(self) -> int:
+        """Ubatches of the running (or last) step; 0 between steps."""
+        return len(self._ubatches)
+
     def run(self, fns: Sequence[Callable[[], T]]) -> list[T]:
         """Run each callable as one ubatch; return their results in order."""
         _check_fns(fns)
-        if yield_points.active_scheduler() is not None:
+        if active_scheduler() is not None:
             raise RuntimeError(
                 "UBatchScheduler.run() was called inside a running DBO step (nested "
                 "DBO is not supported): call the model directly inside a ubatch")
@@ -111,20 +126,20 @@ class UBatchScheduler:
         self._ubatches = [UBatch(i, greenlet.greenlet(fn, parent=hub), streams.compute,
                                  switch.caller) for i, fn in enumerate(fns)]
         self._aborting = False
-        yield_points.set_active_scheduler(self)
+        _local.scheduler = self
         try:
             self._loop()
             return [ub.result for ub in self._ubatches]
         finally:
-            yield_points.set_active_scheduler(None)
-            self._running = None
+            _local.scheduler = None
+            self.running = None
             # Unconditionally: a ubatch may have set the stream behind the tracker's back.
             streams.current.force(streams.compute)
             switch.restore_caller()
             self._thread_state = None
             self._ubatches = []
 
-    # ---------------------------------------------------- used by dbo.yield_points
+    # ------------------------------------------- used by dbo.yield_points (in a step)
     def yield_(self) -> None:
         """Hand control to the other ubatch; return when this one is resumed.
 
@@ -137,7 +152,7 @@ class UBatchScheduler:
         ubatches = self._ubatches
         if len(ubatches) < 2:
             return
-        ub = self._running
+        ub = self.running
         other = ubatches[1 - ub.ubatch_id]
         if not other.done:
             self._switch(ub, other)
@@ -188,7 +203,7 @@ class UBatchScheduler:
             self._mark_running(current, target)
         if target.thread_state != now:
             self._thread_state.apply(target.thread_state, now)
-        self._running = target
+        self.running = target
         tracker = self._streams.current
         if target.stream is not tracker._current:
             tracker.set(target.stream)
@@ -201,12 +216,12 @@ class UBatchScheduler:
             try:
                 value = self._switch(None, target)
             except BaseException as exc:  # noqa: BLE001 - re-raised below, annotated
-                failed = self._running
+                failed = self.running
                 self._mark_running(failed, None)
                 self._abort(failed)
                 _annotate(exc, failed.ubatch_id)
                 raise
-            finished = self._running  # whichever ubatch was running returned to us
+            finished = self.running  # whichever ubatch was running returned to us
             self._mark_running(finished, None)
             finished.done = True
             finished.result = value
@@ -233,7 +248,7 @@ class UBatchScheduler:
         """
         if not finished.recv_hooks:
             return
-        self._running = ub
+        self.running = ub
         self.streams.current.set(ub.stream)
         self._enter_state(ub)
         hooks, finished.recv_hooks = finished.recv_hooks, []
@@ -254,7 +269,7 @@ class UBatchScheduler:
             for ub in self._ubatches:
                 if ub is failed or ub.glet.dead:
                     continue
-                self._running = ub
+                self.running = ub
                 # Its cleanup (context managers' exits) must run in its own state.
                 self._enter_state(ub)
                 try:
@@ -263,7 +278,7 @@ class UBatchScheduler:
                     pass
         finally:
             self._aborting = False
-            self._running = None
+            self.running = None
 
 
 def _check_fns(fns: Sequence[Callable[[], Any]]) -> None:

@@ -9,8 +9,8 @@ either every rank runs the step as two ubatches or none does. Each rank must cal
 vote on every step where DBO is enabled — also with 0 tokens, also when it does not
 want to split — or the group's collective sequence diverges and the ranks hang.
 
-A runner's step votes once, with a `Ballot`: one all-reduce (MIN) of 7 int64s that
-carries, besides the split wish and the token count, whether this rank accepted its
+A runner's step votes once, with a `Ballot`: one all-reduce (MIN) of 8 int64s that
+carries, besides the split wish and the token counts, whether this rank accepted its
 inputs, a fingerprint of the configuration that must agree across ranks
 (`dbo.agreement`), and whether it holds a CUDA graph for each split of the step
 (`dbo.graphs`). Every rank reads the same `Tally`, so every rank stops together (before
@@ -172,6 +172,8 @@ class Ballot(NamedTuple):
     """Hash of the configuration that must agree across ranks, in [0, 2**62)."""
     have_graphs: tuple[bool, bool] = (True, True)
     """Whether this rank holds a CUDA graph for the (split, unsplit) step; eager: both."""
+    max_ubatch_tokens: int = 0
+    """This rank's largest ubatch when it wants to split (what one model call carries)."""
 
 
 class Tally(NamedTuple):
@@ -187,6 +189,9 @@ class Tally(NamedTuple):
     """The largest token count of any rank."""
     have_graphs: tuple[bool, bool]
     """Every rank holds a graph for the (split, unsplit) step."""
+    max_ubatch_tokens: int = 0
+    """The largest ubatch of any rank: the most tokens one model call carries when the
+    step is split (every rank wanted to)."""
 
     @property
     def stops(self) -> bool:
@@ -196,8 +201,9 @@ class Tally(NamedTuple):
 
 def cast_ballot(ballot: Ballot, group: Optional[dist.ProcessGroup] = None, *,
                 device: Union[torch.device, str, None] = None) -> Tally:
-    """Vote `ballot` across `group` in one all-reduce (MIN) of 7 int64s (`vote_min`):
-    [ok or this rank, want, -tokens, fingerprint, -fingerprint, have split, have unsplit].
+    """Vote `ballot` across `group` in one all-reduce (MIN) of 8 int64s (`vote_min`):
+    [ok or this rank, want, -tokens, fingerprint, -fingerprint, have split, have unsplit,
+    -largest ubatch].
     The fingerprints agree when their minimum equals their maximum."""
     if not 0 <= ballot.fingerprint < 1 << 62:
         raise ValueError(f"Ballot.fingerprint={ballot.fingerprint!r}: an int in [0, 2**62)")
@@ -205,12 +211,13 @@ def cast_ballot(ballot: Ballot, group: Optional[dist.ProcessGroup] = None, *,
     fp = ballot.fingerprint
     have_split, have_unsplit = ballot.have_graphs
     values = [ok, int(ballot.want_split), -ballot.num_tokens, fp, -fp, int(have_split),
-              int(have_unsplit)]
-    ok, agreed, neg_max, low_fp, neg_high_fp, have_split, have_unsplit = vote_min(
+              int(have_unsplit), -ballot.max_ubatch_tokens]
+    ok, agreed, neg_max, low_fp, neg_high_fp, have_split, have_unsplit, neg_ubatch = vote_min(
         values, group, device=device)
     return Tally(rejected_by=None if ok == INPUTS_OK else ok,
                  configs_agree=low_fp == -neg_high_fp, split=bool(agreed),
-                 max_tokens=-neg_max, have_graphs=(bool(have_split), bool(have_unsplit)))
+                 max_tokens=-neg_max, have_graphs=(bool(have_split), bool(have_unsplit)),
+                 max_ubatch_tokens=-neg_ubatch)
 
 
 def group_rank(group: Optional[dist.ProcessGroup] = None) -> int:

@@ -29,34 +29,20 @@ stream after a yield would also cover the other ubatch's queued work.
 """
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from dbo.scheduler import UBatchScheduler
-
-# The scheduler of the step running on this thread. A step's greenlets all live on the
-# thread that called run(), so a thread-local is exactly the scope of a step.
-_local = threading.local()
-
-
-def active_scheduler() -> Optional["UBatchScheduler"]:
-    return getattr(_local, "scheduler", None)
-
-
-def set_active_scheduler(scheduler: Optional["UBatchScheduler"]) -> None:
-    _local.scheduler = scheduler
+from dbo.scheduler import active_scheduler
 
 
 def dbo_enabled() -> bool:
     """True inside a DBO step."""
-    return getattr(_local, "scheduler", None) is not None
+    return active_scheduler() is not None
 
 
 def dbo_current_ubatch_id() -> int:
     """The running ubatch (0 or 1); 0 outside a DBO step."""
-    s = getattr(_local, "scheduler", None)
-    return 0 if s is None else s._running.ubatch_id
+    s = active_scheduler()
+    return 0 if s is None else s.running.ubatch_id
 
 
 def dbo_other_ubatch_started() -> bool:
@@ -66,33 +52,33 @@ def dbo_other_ubatch_started() -> bool:
     Lets a backend that must block the host (a2a reads its counts) do so before its first
     yield of the step: the other ubatch has queued nothing the GPU could run meanwhile.
     """
-    s = getattr(_local, "scheduler", None)
+    s = active_scheduler()
     if s is None:
         return False
-    other = s.other(s._running)
+    other = s.other(s.running)
     return other is not None and (other.done or bool(other.glet))
 
 
 def dbo_is_last_ubatch() -> bool:
     """Whether the running ubatch is the step's last (the highest id): the one whose final
     combine has no other ubatch's compute left to overlap. False outside a step."""
-    s = getattr(_local, "scheduler", None)
-    return s is not None and s._running.ubatch_id == len(s._ubatches) - 1
+    s = active_scheduler()
+    return s is not None and s.running.ubatch_id == s.num_ubatches - 1
 
 
 def dbo_yield() -> None:
     """Hand control to the other ubatch; resume on this ubatch's stream."""
-    s = getattr(_local, "scheduler", None)
+    s = active_scheduler()
     if s is not None:
         s.yield_()
 
 
 def dbo_yield_and_switch_from_compute_to_comm() -> None:
     """Record compute-done, hand off; on resume: comm stream, waiting on compute-done."""
-    s = getattr(_local, "scheduler", None)
+    s = active_scheduler()
     if s is None:
         return
-    ub, streams = s._running, s._streams
+    ub, streams = s.running, s.streams
     if ub.stream is not streams.compute:
         _wrong_stream(ub.stream, "dbo_yield_and_switch_from_compute_to_comm", "compute")
     event = streams.compute_done[ub.ubatch_id]
@@ -105,10 +91,10 @@ def dbo_yield_and_switch_from_compute_to_comm() -> None:
 
 def dbo_yield_and_switch_from_comm_to_compute() -> None:
     """Record comm-done, hand off; on resume: compute stream, waiting on comm-done."""
-    s = getattr(_local, "scheduler", None)
+    s = active_scheduler()
     if s is None:
         return
-    ub, streams = s._running, s._streams
+    ub, streams = s.running, s.streams
     if ub.stream is not streams.comm:
         _wrong_stream(ub.stream, "dbo_yield_and_switch_from_comm_to_compute", "comm")
     event = streams.comm_done[ub.ubatch_id]
@@ -121,24 +107,24 @@ def dbo_yield_and_switch_from_comm_to_compute() -> None:
 
 def dbo_switch_to_comm() -> None:
     """Make the comm stream current for this ubatch (no dependency added)."""
-    s = getattr(_local, "scheduler", None)
+    s = active_scheduler()
     if s is not None:
-        s.set_stream(s._running, s._streams.comm)
+        s.set_stream(s.running, s.streams.comm)
 
 
 def dbo_switch_to_compute() -> None:
     """Make the compute stream current for this ubatch (no dependency added)."""
-    s = getattr(_local, "scheduler", None)
+    s = active_scheduler()
     if s is not None:
-        s.set_stream(s._running, s._streams.compute)
+        s.set_stream(s.running, s.streams.compute)
 
 
 def dbo_switch_to_comm_sync() -> None:
     """Record compute-done, switch to comm, make comm wait on it."""
-    s = getattr(_local, "scheduler", None)
+    s = active_scheduler()
     if s is None:
         return
-    ub, streams = s._running, s._streams
+    ub, streams = s.running, s.streams
     _expect_stream(ub.stream, streams.compute, "dbo_switch_to_comm_sync", "compute")
     event = streams.compute_done[ub.ubatch_id]
     event.record(streams.compute)
@@ -148,10 +134,10 @@ def dbo_switch_to_comm_sync() -> None:
 
 def dbo_switch_to_compute_sync() -> None:
     """Record comm-done, switch to compute, make compute wait on it."""
-    s = getattr(_local, "scheduler", None)
+    s = active_scheduler()
     if s is None:
         return
-    ub, streams = s._running, s._streams
+    ub, streams = s.running, s.streams
     _expect_stream(ub.stream, streams.comm, "dbo_switch_to_compute_sync", "comm")
     event = streams.comm_done[ub.ubatch_id]
     event.record(streams.comm)
@@ -189,10 +175,10 @@ def dbo_switch_to_compute_async() -> ComputeWait:
     """Record comm-done on the comm stream, switch to compute without waiting; the
     returned `ComputeWait` adds the wait when its `wait()` is called. Outside a step:
     a no-op whose `wait()` does nothing."""
-    s = getattr(_local, "scheduler", None)
+    s = active_scheduler()
     if s is None:
         return _NO_WAIT
-    ub, streams = s._running, s._streams
+    ub, streams = s.running, s.streams
     _expect_stream(ub.stream, streams.comm, "dbo_switch_to_compute_async", "comm")
     event = streams.comm_done[ub.ubatch_id]
     event.record(streams.comm)
@@ -208,8 +194,8 @@ def dbo_register_recv_hook(hook: Callable[[], Any]) -> None:
     single ubatch) the hook runs at once."""
     if not callable(hook):
         raise TypeError(f"dbo_register_recv_hook takes a callable, got {type(hook).__name__}")
-    s = getattr(_local, "scheduler", None)
-    other = None if s is None else s.other(s._running)
+    s = active_scheduler()
+    other = None if s is None else s.other(s.running)
     if other is None or other.done:
         hook()  # nobody else will queue compute before it: receive now
         return
@@ -218,10 +204,10 @@ def dbo_register_recv_hook(hook: Callable[[], Any]) -> None:
 
 def dbo_maybe_run_recv_hook() -> None:
     """Run the hooks the other ubatch handed to this one, oldest first."""
-    s = getattr(_local, "scheduler", None)
+    s = active_scheduler()
     if s is None:
         return
-    ub = s._running
+    ub = s.running
     while ub.recv_hooks:
         ub.recv_hooks.pop(0)()
 
@@ -229,10 +215,10 @@ def dbo_maybe_run_recv_hook() -> None:
 def dbo_get_previous_event(fn: Callable[..., Any], *args: Any) -> Any:
     """Run `fn(*args)` with the compute stream current and return its result (e.g. an
     event captured there, as DeepEP's `Buffer.capture`). None outside a DBO step."""
-    s = getattr(_local, "scheduler", None)
+    s = active_scheduler()
     if s is None:
         return None
-    streams = s._streams
+    streams = s.streams
     before = streams.current.get()
     streams.current.set(streams.compute)
     try:

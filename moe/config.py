@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from moe.kernels.policy import KernelPolicy
+from moe.registry import AUTO, BACKENDS, EXPERTS
 
 __all__ = ["MoEConfig", "RoutingFunction", "round_up_hidden", "SUPPORTED_DTYPES"]
 
@@ -90,6 +91,10 @@ class MoEConfig:
     (`moe.kernels.policy`); the default is the shipped choice."""
     check_finite_logits: bool = False
     """Raise ValueError when router logits hold NaN/Inf (one host sync per layer); off: those tokens' outputs are NaN/Inf and every other token's output is unaffected."""
+    backend: str = "auto"
+    """Dispatch/combine backend (`moe.backends`): local, naive, a2a, a2a_ll; "auto": local for EP size 1, else a2a."""
+    experts: str = "auto"
+    """Expert kernel (`moe.experts`): reference, grouped, triton; "auto": the fastest available on the input's device."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kernels, KernelPolicy):
@@ -145,6 +150,12 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.expert_chunk_size={self.expert_chunk_size!r}: must be a positive int."
             )
+        for name, what, registry in (("backend", "MoE backend", BACKENDS),
+                                     ("experts", "experts kernel", EXPERTS)):
+            value = getattr(self, name)
+            if value != AUTO and value not in registry:
+                raise ValueError(f"unknown {what} {value!r} (MoEConfig.{name}): choose one "
+                                 f"of {sorted(registry) + [AUTO]}")
 
     def _check_groups(self) -> None:
         n_group, topk_group = self.n_group, self.topk_group

@@ -3,7 +3,7 @@
 Shape legend: T tokens, H hidden.
 
 Nothing between an MoE layer's input and its output has a backward: the backends move
-tokens with their routing as packed bytes through collectives (`moe.backends.packing`),
+tokens with their routing as packed bytes through collectives (`moe.row_layout`),
 into workspaces reused from call to call; the `grouped` experts write into buffers with
 `out=` ops; the `triton` experts, the router's and the combine's Triton kernels have no
 backward at all. Recording an autograd graph there gives either a crash deep inside torch

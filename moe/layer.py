@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dbo.failures import phase_scope
+from dbo.phases import phase_scope
 from moe.backends import make_backend
 from moe.config import MoEConfig
 from moe.experts import make_experts
@@ -53,12 +53,9 @@ class MoELayer(nn.Module):
     """A Mixture-of-Experts FFN with asynchronous, DBO-aware dispatch and combine.
 
     Args:
-        config: sizes, routing and dtype.
+        config: sizes, routing, dtype, capacity, and the backend and expert kernel
+            (`MoEConfig.backend`, `MoEConfig.experts`).
         group: the EP process group; None means EP size 1 (all experts here).
-        backend: dispatch/combine backend name (see `moe.backends`); "auto" is `local`
-            for EP size 1, else `a2a`.
-        experts: expert kernel name (see `moe.experts`); "auto" picks the fastest
-            available on the device of the first input.
         layer_id: the layer's index, used in trace range names.
         last_layer: this is the model's last MoE layer: in a DBO step its last ubatch
             splits the combine (`ModularKernel`, `MoEConfig.split_last_combine`).
@@ -67,8 +64,8 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, config: MoEConfig, *, group: Optional[dist.ProcessGroup] = None,
-                 backend: str = "auto", experts: str = "auto", layer_id: int = 0,
-                 last_layer: bool = False, device: torch.device | str | None = None) -> None:
+                 layer_id: int = 0, last_layer: bool = False,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"MoELayer takes a moe.MoEConfig, got {type(config).__name__}")
@@ -79,9 +76,7 @@ class MoELayer(nn.Module):
         self.config = config
         self.layer_id = layer_id
         self.last_layer = last_layer
-        self.experts_name = experts
-        self.backend = make_backend(backend, config, group)
-        self._check_experts_name(experts)
+        self.backend = make_backend(config, group)
         self.num_local_experts = config.num_experts // world
         hidden, inter = config.hidden_size, config.intermediate_size
         self.router = Router(config, device=device)
@@ -112,11 +107,17 @@ class MoELayer(nn.Module):
             return (f"backend {self.backend.name!r} reads device values on the host (use "
                     f"backend 'a2a_ll', 'naive' with MoEConfig.max_tokens_per_rank, or "
                     f"'local' on one rank)")
-        if self.experts_name == "reference":
+        if self.config.experts == "reference":
             return "experts 'reference' select each expert's rows on the host (use 'triton')"
         if self.config.check_finite_logits:
             return "MoEConfig.check_finite_logits reads its check on the host (set it False)"
         return None
+
+    def dbo_max_tokens_per_rank(self) -> Optional[int]:
+        """The most tokens one rank may send through this layer per step
+        (`MoEConfig.max_tokens_per_rank`), or None: the DBO runner stops a step over it
+        on every rank at once, before any collective (`dbo.agreement`)."""
+        return self.config.max_tokens_per_rank
 
     def dbo_agreement(self) -> dict[str, object]:
         """What every rank's copy of this layer must share, or the ranks' dispatch and
@@ -124,7 +125,7 @@ class MoELayer(nn.Module):
         cfg = self.config
         return {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
                 "hidden_size": cfg.hidden_size, "dtype": cfg.dtype,
-                "backend": self.backend.name, "experts": self.experts_name,
+                "backend": self.backend.name, "experts": cfg.experts,
                 "max_tokens_per_rank": cfg.max_tokens_per_rank,
                 "apply_router_weight_on_input": cfg.apply_router_weight_on_input,
                 "split_combine": self.last_layer and cfg.split_last_combine}
@@ -173,17 +174,11 @@ class MoELayer(nn.Module):
     def _kernel(self, device: torch.device) -> ModularKernel:
         kernel = self._kernels.get(device)
         if kernel is None:
-            experts: Experts = make_experts(self.experts_name, device, policy=self.config.kernels)
+            experts: Experts = make_experts(self.config.experts, device,
+                                            policy=self.config.kernels)
             kernel = ModularKernel(self.config, self.backend, experts)
             self._kernels[device] = kernel
         return kernel
-
-    @staticmethod
-    def _check_experts_name(name: str) -> None:
-        from moe.experts import EXPERTS  # the registry: names only, nothing imported
-        if name != "auto" and name not in EXPERTS:
-            raise ValueError(f"unknown experts kernel {name!r}: choose one of "
-                             f"{sorted(EXPERTS) + ['auto']}")
 
     def _check_finite(self, logits_TE: Tensor) -> None:
         bad_T = ~torch.isfinite(logits_TE).all(dim=1)

@@ -1,7 +1,7 @@
 """`MoETransformer`: a small reference decoder-only MoE model to run DBO steps on.
 
-    cfg = get_preset("tiny")
-    model = MoETransformer(cfg, group=ep_group, backend="a2a", device="cuda")
+    cfg = get_preset("tiny", backend="a2a")     # MoEConfig fields go into cfg.moe
+    model = MoETransformer(cfg, group=ep_group, device="cuda")
     model.init_weights(seed=0)
     batch = make_batch(cfg, num_tokens=4096, num_requests=8, seed=0, device="cuda")
     logits_TV = DBORunner(model, DBOConfig(split="requests"), group=ep_group)(
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dbo.failures import phase_scope
+from dbo.phases import phase_scope
 from dbo.graph_host import keep_for_graph
 from moe.kernels.rotary import apply_rotary
 from moe.layer import MoELayer
@@ -170,7 +170,7 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: attention, then a dense gated MLP or an `MoELayer`, each residual."""
 
     def __init__(self, config: ModelConfig, *, layer_id: int, group: Optional[dist.ProcessGroup],
-                 backend: str, experts: str, device: torch.device | str | None) -> None:
+                 device: torch.device | str | None) -> None:
         super().__init__()
         self.layer_id = layer_id
         norm = dict(eps=config.rms_norm_eps, dtype=config.dtype, device=device)
@@ -184,8 +184,7 @@ class DecoderLayer(nn.Module):
                                      intermediate_size=config.dense_intermediate_size,
                                      dtype=config.dtype, device=device)
         else:
-            self.ffn = MoELayer(config.moe, group=group, backend=backend, experts=experts,
-                                layer_id=layer_id, last_layer=layer_id == config.num_layers - 1,
+            self.ffn = MoELayer(config.moe, group=group, layer_id=layer_id, last_layer=layer_id == config.num_layers - 1,
                                 device=device)
 
     def forward(self, x_TH: Tensor, cos_TD2: Tensor, sin_TD2: Tensor,
@@ -200,16 +199,15 @@ class MoETransformer(nn.Module):
     """Embedding, `num_layers` decoder layers, final RMSNorm, LM head.
 
     Args:
-        config: the model shapes (see `moe.presets` for named ones).
+        config: the model shapes (see `moe.presets` for named ones); every MoE layer
+            is built from `config.moe`, its backend and expert kernel included
+            (`get_preset(name, backend="a2a", experts="triton")`).
         group: expert-parallel process group; None = all experts on this process.
-        backend: MoE dispatch/combine backend for every MoE layer (see `moe.backends`).
-        experts: expert kernel name (see `moe.experts`).
         device: where the parameters are created; they hold garbage until
             `init_weights` (or a state dict load).
     """
 
     def __init__(self, config: ModelConfig, *, group: Optional[dist.ProcessGroup] = None,
-                 backend: str = "auto", experts: str = "auto",
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         if not isinstance(config, ModelConfig):
@@ -219,8 +217,8 @@ class MoETransformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype,
                                   device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layer_id=i, group=group, backend=backend, experts=experts,
-                         device=device) for i in range(config.num_layers))
+            DecoderLayer(config, layer_id=i, group=group, device=device)
+            for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype,
                             device=device)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,

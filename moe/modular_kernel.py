@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from dbo.failures import phase_scope
+from dbo.phases import phase_scope
 from dbo.yield_points import (
     dbo_current_ubatch_id,
     dbo_enabled,

@@ -74,10 +74,9 @@ class RoutingLog:
 
 @contextlib.contextmanager
 def record_routing(model: nn.Module) -> Iterator[RoutingLog]:
-    """Record the routing of every `moe.layer.MoELayer` in `model` while inside."""
-    from moe.layer import MoELayer
-
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    """Record the routing of every MoE layer in `model` while inside: every module with a
+    `routing_log` attribute (`moe.layer.MoELayer`), which its forward appends to."""
+    layers = [m for m in model.modules() if hasattr(m, "routing_log")]
     log = RoutingLog()
     for layer in layers:
         layer.routing_log = log

@@ -10,15 +10,17 @@ the field on every rank.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 import time
 from typing import Any, Callable
 
 import pytest
 import torch
+from torch import nn
 
 import dbo
 from dbo import ConfigMismatchError, DBOConfig, DBORunner, GraphedRunner, PeerInputError
-from dbo.agreement import Agreement, AgreementCache, collect_agreement
+from dbo.agreement import Agreement, AgreementCache, collect_agreement, collect_capacity
 from dbo.failures import record_collectives
 from dbo.vote import Ballot, cast_ballot
 from moe import MoEConfig, MoELayer, init_moe_weights
@@ -31,9 +33,9 @@ QUICK_S = 10.0
 NEXT_STEP_RUNS = "the process group is intact and the next step can run"
 
 
-def tiny_model(group: Any = None, backend: str = "local") -> MoETransformer:
-    model = MoETransformer(get_preset("tiny"), group=group, backend=backend,
-                           experts="reference")
+def tiny_model(group: Any = None, backend: str = "local", **moe: Any) -> MoETransformer:
+    model = MoETransformer(get_preset("tiny", backend=backend, experts="reference", **moe),
+                           group=group)
     model.init_weights(0)
     return model
 
@@ -71,10 +73,14 @@ def test_the_cache_collects_again_only_when_the_model_or_config_is_replaced() ->
             calls.append(1)
             return {"width": 4}
 
+        def dbo_max_tokens_per_rank(self) -> int:  # the capacity, voted on as a field
+            return 12
+
     model, cache = Counting(), AgreementCache()
     on, off = DBOConfig(), DBOConfig(enabled=False)
     first = cache.get(model, on, lambda: {"enabled": True})
-    assert first.fields == {"enabled": True, "width": 4}
+    assert first.fields == {"enabled": True, "width": 4, "capacity": 12}
+    assert first.capacity == cache.capacity == 12
     assert cache.get(model, on, lambda: {"enabled": True}) is first and len(calls) == 1
     cache.mark_agreed()
     assert cache.agreed(model, on) and not cache.agreed(model, off)
@@ -130,8 +136,9 @@ def rejected_inputs(rank: int, world_size: int) -> dict[str, Any]:
     runners = {"requests": DBORunner(without_hook, DBOConfig(split="requests", **split),
                                      group=group),
                "model": DBORunner(model, DBOConfig(split="requests", **split), group=group),
-               "capacity": DBORunner(model, DBOConfig(split="requests", max_tokens_per_rank=12,
-                                                      **split), group=group)}
+               # The capacity is the model's MoE layers' (MoEConfig), not a runner setting.
+               "capacity": DBORunner(tiny_model(group, backend="a2a", max_tokens_per_rank=12),
+                                     DBOConfig(split="requests"), group=group)}
     batch = make_batch(model.config, num_tokens=10 + rank, num_requests=3, seed=rank)
     ids, positions, lens = batch.input_ids_T, batch.positions_T, batch.seq_lens
     bad_lens = (*lens[:-1], lens[-1] + 1) if rank == 1 else lens
@@ -186,7 +193,7 @@ def test_inputs_rejected_on_one_rank_stop_every_rank_at_the_vote(rejected) -> No
 def test_capacity_overflow_on_one_rank_says_and_lets_the_next_step_run(rejected) -> None:
     for rank, result in enumerate(rejected):
         result = result["capacity"]
-        assert result["type"] == "ValueError" and "has 14 tokens this step" in result["text"]
+        assert result["type"] == "ValueError" and "has 14 tokens in one model call" in result["text"]
         assert NEXT_STEP_RUNS in result["notes"], result
         assert "re-create the process group" not in result["notes"], result
         assert result["next_step"], rank
@@ -195,7 +202,7 @@ def test_capacity_overflow_on_one_rank_says_and_lets_the_next_step_run(rejected)
 def ep_layer(group: Any, *, top_k: int = 2, backend: str = "naive") -> MoELayer:
     cfg = MoEConfig(num_experts=4, top_k=top_k, hidden_size=16, intermediate_size=8,
                     max_tokens_per_rank=16)
-    layer = MoELayer(cfg, group=group, backend=backend, experts="reference")
+    layer = MoELayer(replace(cfg, backend=backend, experts="reference"), group=group)
     layer.load_weights(init_moe_weights(cfg, seed=2))
     return layer
 
@@ -257,3 +264,20 @@ def test_errors_are_runtime_errors() -> None:
     # Code that caught the RuntimeError GraphedRunner raised for a peer still catches it.
     assert issubclass(ConfigMismatchError, RuntimeError)
     assert issubclass(PeerInputError, RuntimeError)
+
+
+def test_capacity_is_the_smallest_a_module_reports() -> None:
+    """The runner's capacity comes from the model's modules (stated once, in MoEConfig)."""
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8)
+    capped = nn.ModuleList([MoELayer(replace(cfg, max_tokens_per_rank=n)) for n in (32, 8)])
+    assert collect_capacity(nn.ModuleList([MoELayer(cfg)])) is None
+    assert collect_capacity(capped) == 8
+    capped.append(MoELayer(cfg))  # a layer without a limit does not lift the others'
+    assert collect_capacity(capped) == 8
+
+    class Bad:
+        def dbo_max_tokens_per_rank(self) -> int:
+            return 0
+
+    with pytest.raises(TypeError, match=r"dbo_max_tokens_per_rank\(\) returned 0"):
+        collect_capacity(Bad())

@@ -27,11 +27,9 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def layer(**overrides) -> MoELayer:
-    kwargs = {"backend": overrides.pop("backend", "auto"),
-              "experts": overrides.pop("experts", "reference")}
-    cfg = MoEConfig(**{**dict(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8),
-                       **overrides})
-    moe_layer = MoELayer(cfg, **kwargs)
+    cfg = MoEConfig(**{**dict(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                              experts="reference"), **overrides})
+    moe_layer = MoELayer(cfg)
     moe_layer.load_weights(init_moe_weights(cfg, seed=0))
     return moe_layer
 
@@ -48,7 +46,7 @@ def nan_logits_input() -> torch.Tensor:
 
 
 def float_ids_step() -> None:
-    model = MoETransformer(get_preset("tiny"), backend="local", experts="reference")
+    model = MoETransformer(get_preset("tiny", backend="local", experts="reference"))
     runner = DBORunner(model, DBOConfig(split="requests", min_prefill_tokens=1))
     runner(torch.zeros(4), torch.arange(4), seq_lens=[4])
 

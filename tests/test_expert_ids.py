@@ -10,6 +10,7 @@ past E, and the local experts read out of range.)
 """
 from __future__ import annotations
 
+from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,7 +72,7 @@ def test_route_turns_out_of_range_ids_into_minus_one():
 @pytest.mark.parametrize("dbo_on", [False, True])
 def test_local_backend_drops_out_of_range_slots(experts, dbo_on):
     cfg, expected_cfg = configs()
-    layer = MoELayer(cfg, experts=experts)
+    layer = MoELayer(replace(cfg, experts=experts))
     weights = init_moe_weights(cfg, seed=2)
     layer.load_weights(weights)
     x = torch.randn(14, HIDDEN)
@@ -95,7 +96,7 @@ def ep_errors(rank: int, world_size: int) -> dict[str, float]:
     expected = expected_output(expected_cfg, weights, x)
     errors = {}
     for backend in EP_BACKENDS:
-        layer = MoELayer(cfg, group=dist.group.WORLD, backend=backend, experts="reference")
+        layer = MoELayer(replace(cfg, backend=backend, experts="reference"), group=dist.group.WORLD)
         layer.load_weights(weights)
         for dbo_on in (False, True):
             call = DBORunner(layer, SPLIT, group=dist.group.WORLD) if dbo_on else layer

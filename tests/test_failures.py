@@ -32,7 +32,7 @@ class Injected(KeyError):
 
 
 def tiny_model() -> MoETransformer:
-    model = MoETransformer(get_preset("tiny"), backend="local", experts="reference")
+    model = MoETransformer(get_preset("tiny", backend="local", experts="reference"))
     model.init_weights(0)
     return model
 
@@ -109,8 +109,8 @@ def test_failure_in_any_phase_names_it_and_the_next_step_works(phase, ubatch):
 # ------------------------------------------------------------------ two gloo ranks
 def ep_layer(group, backend="a2a", capacity=None) -> MoELayer:
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8,
-                    max_tokens_per_rank=capacity)
-    layer = MoELayer(cfg, group=group, backend=backend, experts="reference")
+                    max_tokens_per_rank=capacity, backend=backend, experts="reference")
+    layer = MoELayer(cfg, group=group)
     layer.load_weights(init_moe_weights(cfg, seed=2))
     return layer
 
@@ -177,8 +177,14 @@ def test_timeout_when_a_rank_skips_a_step_names_rank_ubatch_layer_phase():
 
 def capacity_disagreement(rank: int, world_size: int) -> str:
     layer = ep_layer(dist.group.WORLD, backend="a2a_ll", capacity=8)
-    runner = DBORunner(layer, DBOConfig(split="tokens", min_decode_tokens=2,
-                                        max_tokens_per_rank=8))
+    # The runner learns the capacity from the layer (`dbo_max_tokens_per_rank`), per
+    # model call: a split step whose ubatches fit runs though its total does not.
+    split = DBORunner(layer, DBOConfig(split="tokens", min_decode_tokens=2))
+    with torch.no_grad():
+        split(torch.randn(6 if rank == 0 else 11, 16))  # ubatches of 3 and 6 tokens
+    assert split.last_decision.split
+    # Rank 0 does not split 6 tokens: the step runs unsplit, rank 1's 11 overflow.
+    runner = DBORunner(layer, DBOConfig(split="tokens", min_decode_tokens=8))
     try:
         with torch.no_grad():
             runner(torch.randn(6 if rank == 0 else 11, 16))  # only rank 1 overflows
@@ -190,8 +196,9 @@ def capacity_disagreement(rank: int, world_size: int) -> str:
 @pytest.mark.distributed
 def test_capacity_overflow_on_one_rank_stops_every_rank_together():
     for rank, message in enumerate(run_distributed(2, capacity_disagreement)):
-        assert "has 11 tokens this step" in message, (rank, message)
-        assert f"(this rank: {6 if rank == 0 else 11})" in message
+        assert "has 11 tokens in one model call this step" in message, (rank, message)
+        assert "more than the model's capacity max_tokens_per_rank=8" in message
+        assert f"(unsplit; this rank: {6 if rank == 0 else 11})" in message
 
 
 def collective_sequences(rank: int, world_size: int) -> dict:

@@ -5,6 +5,7 @@ Run on a GPU machine: `python -m pytest tests/test_gpu_backends.py -q`.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ def nccl_backend_check(rank: int, world_size: int, backend: str, experts: str) -
     for tokens, shared in (((37, 11), True), ((0, 24), False), ((1, 1), False)):
         cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32,
                         num_shared_experts=1 if shared else 0, max_tokens_per_rank=64)
-        layer = MoELayer(cfg, group=dist.group.WORLD, backend=backend, experts=experts,
+        layer = MoELayer(replace(cfg, backend=backend, experts=experts), group=dist.group.WORLD,
                          device=device)
         weights = init_moe_weights(cfg, seed=3, device=device)
         layer.load_weights(weights)
@@ -70,7 +71,7 @@ def test_backends_over_nccl_match_reference(backend, experts):
 def test_dbo_step_on_gpu_uses_two_streams_and_matches():
     device = torch.device("cuda")
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32)
-    layer = MoELayer(cfg, experts="reference", device=device)
+    layer = MoELayer(replace(cfg, experts="reference"), device=device)
     layer.load_weights(init_moe_weights(cfg, seed=0, device=device))
     x = torch.randn(32, 64, device=device)
     seen = []

@@ -32,7 +32,8 @@ CFG = dict(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
 
 
 def make_layer(cfg: MoEConfig, **kwargs) -> tuple[MoELayer, dict, SharedExperts | None]:
-    layer = MoELayer(cfg, **kwargs)
+    choices = {name: kwargs.pop(name) for name in ("backend", "experts") if name in kwargs}
+    layer = MoELayer(dataclasses.replace(cfg, **choices), **kwargs)
     weights = init_moe_weights(cfg, seed=3)
     layer.load_weights(weights)
     shared = None
@@ -188,7 +189,7 @@ def test_gpu_triton_paths_with_grads_on():
     equals the torch version's."""
     cfg = MoEConfig(**{**CFG, "hidden_size": 64, "intermediate_size": 64},
                     num_shared_experts=1, dtype=torch.bfloat16)
-    layer = MoELayer(cfg, experts="triton", device="cuda")
+    layer = MoELayer(dataclasses.replace(cfg, experts="triton"), device="cuda")
     layer.load_weights({k: v.cuda() for k, v in init_moe_weights(cfg, seed=3).items()})
     layer.shared_experts.load_state_dict(SharedExperts.from_config(cfg, seed=4).state_dict())
     x = torch.randn(33, 64, device="cuda", dtype=torch.bfloat16)

@@ -5,6 +5,7 @@ Run the GPU part on a GPU machine: `python -m pytest tests/test_graphs.py -q`.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 import json
 import subprocess
 import sys
@@ -31,7 +32,7 @@ SPLIT = DBOConfig(split="tokens", min_decode_tokens=2, min_prefill_tokens=2)
 def _layer(backend: str, *, experts: str = "triton", device: str = "cpu",
            group: Any = None, **moe: Any) -> MoELayer:
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16, **moe)
-    return MoELayer(cfg, group=group, backend=backend, experts=experts, device=device)
+    return MoELayer(replace(cfg, backend=backend, experts=experts), group=group, device=device)
 
 
 # ------------------------------------------------------------------------------- CPU
@@ -201,8 +202,8 @@ def _stack(group: Any, backend: str, device: torch.device, capacity: int) -> tor
     from dbo.bench.layer_stack import LayerStack
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64,
                     num_shared_experts=1, dtype=torch.bfloat16, max_tokens_per_rank=capacity)
-    model = LayerStack(cfg, num_layers=2, attn_context=64, group=group, backend=backend,
-                       experts="triton", device=device)
+    model = LayerStack(replace(cfg, backend=backend, experts="triton"), num_layers=2,
+                       attn_context=64, group=group, device=device)
     model.init_weights(seed=5)
     return model
 

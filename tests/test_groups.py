@@ -11,6 +11,7 @@ The in-process test first: a group whose timeout cannot be read is said so (laye
 """
 from __future__ import annotations
 
+from dataclasses import replace
 import logging
 import os
 import time
@@ -39,7 +40,7 @@ class Injected(KeyError):
 
 def ep_layer(group: dist.ProcessGroup) -> MoELayer:
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8)
-    layer = MoELayer(cfg, group=group, backend="a2a", experts="reference")
+    layer = MoELayer(replace(cfg, backend="a2a", experts="reference"), group=group)
     layer.load_weights(init_moe_weights(cfg, seed=2))
     return layer
 

@@ -177,16 +177,16 @@ def test_request_logits_do_not_depend_on_packing(seq_lens):
 
 
 def test_attention_phase_ranges_per_ubatch_and_layer(monkeypatch):
-    import dbo.failures
+    import dbo.phases
     opened = []
-    real = dbo.failures.start_phase  # what every phase_scope opens its trace range with
+    real = dbo.phases.start_phase  # what every phase_scope opens its trace range with
 
     def recording_start_phase(phase, *, ubatch_id, layer=None):
         if phase == "attention":
             opened.append((phase, ubatch_id, layer))
         return real(phase, ubatch_id=ubatch_id, layer=layer)
 
-    monkeypatch.setattr(dbo.failures, "start_phase", recording_start_phase)
+    monkeypatch.setattr(dbo.phases, "start_phase", recording_start_phase)
     model = tiny_model()
     batch = make_batch(model.config, num_tokens=20, num_requests=4, seed=0, device="cpu")
     with torch.no_grad():
@@ -318,7 +318,8 @@ def ep_matches_single_process(rank: int, world_size: int, backend: str) -> dict[
         cfg = get_preset("tiny", max_tokens_per_rank=64, **overrides)
         single = MoETransformer(cfg)
         single.init_weights(seed=11)
-        ep = MoETransformer(cfg, group=dist.group.WORLD, backend=backend)
+        ep_cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, backend=backend))
+        ep = MoETransformer(ep_cfg, group=dist.group.WORLD)
         ep.init_weights(seed=11)
         for full, mine in zip(single.moe_layers, ep.moe_layers):
             sl = slice(mine.first_expert, mine.first_expert + mine.num_local_experts)

@@ -9,6 +9,7 @@ all K expert outputs of a token in one loop, so only summation order differs.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 import os
 
 import pytest
@@ -69,7 +70,7 @@ def check_backend(rank: int, world_size: int, backend: str,
         cfg = MoEConfig(**{**dict(num_experts=12, top_k=3, hidden_size=24,
                                   intermediate_size=16, max_tokens_per_rank=16,
                                   kernels=kernels), **overrides})
-        layer = MoELayer(cfg, group=dist.group.WORLD, backend=backend, experts="reference")
+        layer = MoELayer(replace(cfg, backend=backend, experts="reference"), group=dist.group.WORLD)
         weights = init_moe_weights(cfg, seed=7)
         layer.load_weights(weights)
         shared = None
@@ -134,7 +135,7 @@ def test_backend_with_triton_row_kernels(backend):
 
 def naive_without_capacity(rank: int, world_size: int) -> float:
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
-    layer = MoELayer(cfg, group=dist.group.WORLD, backend="naive", experts="reference")
+    layer = MoELayer(replace(cfg, backend="naive", experts="reference"), group=dist.group.WORLD)
     weights = init_moe_weights(cfg, seed=1)
     layer.load_weights(weights)
     x = torch.randn(3 + 5 * rank, 8)
@@ -151,7 +152,7 @@ def test_naive_without_capacity_exchanges_counts():
 def capacity_overflow(rank: int, world_size: int) -> str:
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
                     max_tokens_per_rank=4)
-    layer = MoELayer(cfg, group=dist.group.WORLD, backend="a2a_ll", experts="reference")
+    layer = MoELayer(replace(cfg, backend="a2a_ll", experts="reference"), group=dist.group.WORLD)
     layer.load_weights(init_moe_weights(cfg, seed=1))
     try:
         layer(torch.randn(5, 8))
@@ -171,7 +172,7 @@ def collective_order(rank: int, world_size: int, backend: str) -> list[tuple[str
 
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
                     max_tokens_per_rank=16)
-    layers = [MoELayer(cfg, group=dist.group.WORLD, backend=backend, experts="reference")
+    layers = [MoELayer(replace(cfg, backend=backend, experts="reference"), group=dist.group.WORLD)
               for _ in range(2)]
     for layer in layers:
         layer.load_weights(init_moe_weights(cfg, seed=1))

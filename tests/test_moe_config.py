@@ -67,6 +67,9 @@ def test_valid_variants() -> None:
         (dict(dtype="bfloat16"), "dtype='bfloat16'"),
         (dict(max_tokens_per_rank=0), "max_tokens_per_rank=0"),
         (dict(expert_chunk_size=0), "expert_chunk_size=0"),
+        (dict(backend="deepep"), r"unknown MoE backend 'deepep' \(MoEConfig.backend\): "
+                                 r"choose one of \['a2a', 'a2a_ll', 'local', 'naive', 'auto'\]"),
+        (dict(experts="cutlass"), r"unknown experts kernel 'cutlass' \(MoEConfig.experts\)"),
     ],
 )
 def test_invalid(overrides: dict, match: str) -> None:
@@ -105,3 +108,16 @@ def test_round_up_hidden() -> None:
             round_up_hidden(**kwargs)
     with pytest.raises(ValueError, match="torch.dtype"):
         round_up_hidden(8, "bf16")  # type: ignore[arg-type]
+
+
+def test_backend_and_experts_are_config_fields() -> None:
+    """The layer takes its backend and expert kernel from its config (one config tree)."""
+    from moe import MoELayer
+
+    config = make(backend="naive", experts="reference", max_tokens_per_rank=4)
+    layer = MoELayer(config)
+    assert layer.backend.name == "naive"
+    assert layer.dbo_agreement()["experts"] == "reference"
+    assert layer.dbo_max_tokens_per_rank() == 4
+    assert make().backend == "auto" and make().experts == "auto"
+

@@ -3,6 +3,8 @@ chunked experts, per-ubatch workspaces, the yield points of the modular kernel, 
 input. fp32 tolerance 1e-5: only the summation order differs from the reference."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,7 +20,9 @@ ATOL = 1e-5
 
 
 def make_layer(cfg: MoEConfig, **kwargs) -> tuple[MoELayer, dict]:
-    layer = MoELayer(cfg, experts=kwargs.pop("experts", "reference"), **kwargs)
+    choices = {"backend": kwargs.pop("backend", cfg.backend),
+               "experts": kwargs.pop("experts", "reference")}
+    layer = MoELayer(replace(cfg, **choices), **kwargs)
     weights = init_moe_weights(cfg, seed=11)
     layer.load_weights(weights)
     return layer, weights
@@ -170,9 +174,9 @@ def test_recv_hooks_are_run_by_the_other_ubatch():
     (dict(backend="a2a_ll"), ValueError, "max_tokens_per_rank"),
 ])
 def test_bad_layer_arguments(kwargs, exc, match):
-    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
     with pytest.raises(exc, match=match):
-        MoELayer(cfg, **kwargs)
+        MoELayer(MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                           **kwargs))
 
 
 @pytest.mark.parametrize("x, match", [

@@ -225,7 +225,7 @@ def test_record_function_labels_interleave_in_a_cpu_profiler_trace(tmp_path: Pat
 def _dbo_step_trace(path: Path) -> Path:
     """A real CPU profiler trace of a two-ubatch scheduler step whose phases stay open
     across yields (as dispatch_send does), with the scheduler's ub<n>/run ranges."""
-    from dbo.failures import phase_scope
+    from dbo.phases import phase_scope
     from dbo.scheduler import UBatchScheduler
     from dbo.yield_points import dbo_yield
 
@@ -287,7 +287,7 @@ def test_capture_writes_a_trace_whose_ranges_nest(tmp_path: Path) -> None:
     """dbo.capture (what `dbo run` and `dbo trace` write) rewrites the trace for Perfetto
     and, on CPU, analyzes the host ops without being told."""
     from dbo.capture import capture
-    from dbo.failures import phase_scope
+    from dbo.phases import phase_scope
     from dbo.scheduler import UBatchScheduler
     from dbo.yield_points import dbo_yield
 

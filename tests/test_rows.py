@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.backends.packing import RowLayout
+from moe.row_layout import RowLayout
 from moe.kernels import rows
 from moe.kernels.policy import KernelPolicy
 

@@ -48,8 +48,8 @@ def call_order(rank: int, world_size: int, backend: str, split: bool, dbo: bool)
     from dbo.yield_points import dbo_current_ubatch_id
 
     cfg = dataclasses.replace(CONFIG, split_last_combine=split)
-    layers = [MoELayer(cfg, group=dist.group.WORLD, backend=backend, experts="reference",
-                       layer_id=i, last_layer=i == 1) for i in range(2)]
+    layers = [MoELayer(dataclasses.replace(cfg, backend=backend, experts="reference"),
+                       group=dist.group.WORLD, layer_id=i, last_layer=i == 1) for i in range(2)]
     log: list = []
     for layer in layers:
         layer.load_weights(init_moe_weights(cfg, seed=1))
@@ -121,8 +121,8 @@ def test_no_split_when_switched_off_or_outside_dbo(split, dbo):
 
 
 def naive_last_layer(rank: int, world_size: int) -> int:
-    layer = MoELayer(CONFIG, group=dist.group.WORLD, backend="naive", experts="reference",
-                     last_layer=True)
+    layer = MoELayer(dataclasses.replace(CONFIG, backend="naive", experts="reference"),
+                     group=dist.group.WORLD, last_layer=True)
     layer.load_weights(init_moe_weights(CONFIG, seed=1))
     calls: list = []
     kernel = layer._kernel(torch.device("cpu"))
@@ -136,7 +136,7 @@ def naive_last_layer(rank: int, world_size: int) -> int:
 def test_backends_without_own_rows_never_split():
     """naive cannot split its combine: a last layer under DBO runs as any other."""
     assert run_distributed(2, naive_last_layer) == [2, 2]
-    backend = MoELayer(CONFIG, backend="naive").backend
+    backend = MoELayer(dataclasses.replace(CONFIG, backend="naive")).backend
     assert backend.own_rows(None) is None
     with pytest.raises(ValueError, match="cannot split its combine"):
         backend.refuse_split(OwnRows(slice(0, 1)))

@@ -130,7 +130,7 @@ def test_non_tensor_output_leaves_must_be_equal() -> None:
 
 # ------------------------------------------------------------- errors in the caller's terms
 def test_model_hook_names_the_callers_shapes() -> None:
-    model = MoETransformer(get_preset("tiny"), backend="local", experts="reference")
+    model = MoETransformer(get_preset("tiny", backend="local", experts="reference"))
     runner = DBORunner(model, DBOConfig(split="requests", **ALWAYS))
     with pytest.raises(ValueError) as info:
         runner(torch.zeros(1024), torch.arange(1024), seq_lens=[512, 512])

@@ -212,8 +212,8 @@ def moe_inference_mode_matches(rank: int, world_size: int) -> float:
     `@torch.inference_mode()` (the caller itself is not in inference mode)."""
     from moe.model import MoETransformer, get_preset, make_batch
 
-    cfg = get_preset("tiny", max_tokens_per_rank=64)
-    model = MoETransformer(cfg, group=dist.group.WORLD, backend="a2a")
+    cfg = get_preset("tiny", max_tokens_per_rank=64, backend="a2a")
+    model = MoETransformer(cfg, group=dist.group.WORLD)
     model.init_weights(seed=3)
     model.forward = torch.inference_mode()(model.forward)
     batch = make_batch(cfg, num_tokens=(29, 21)[rank], num_requests=(4, 3)[rank],

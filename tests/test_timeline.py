@@ -12,11 +12,17 @@ pytest.importorskip("matplotlib")
 from tests.test_analyze import cpu_label, gpu_label, kernel, write_chrome, write_nsys_sqlite  # noqa: E402
 from traces.analyze import AnalyzeConfig, analyze  # noqa: E402
 from traces.classify import ClassifyConfig  # noqa: E402
+from traces.model import Trace  # noqa: E402
 from traces.readers import read_trace  # noqa: E402
 from traces.intervals import Span, intersect  # noqa: E402
 from traces.timeline import build_timeline, draw_timeline, phase_bars  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _timeline(trace: Trace) -> Any:
+    """The figure, with the default analysis supplying the report."""
+    return build_timeline(trace, report=analyze(trace))
 
 
 def dbo_like_events(num_layers: int = 3) -> list[dict[str, Any]]:
@@ -52,9 +58,9 @@ def test_png_from_chrome_trace(tmp_path: Path) -> None:
     assert report.devices[0].comm_exposed_us > 0
 
 
-def test_png_from_nsys_sqlite_and_without_report(tmp_path: Path) -> None:
+def test_png_from_nsys_sqlite(tmp_path: Path) -> None:
     trace = read_trace(write_nsys_sqlite(tmp_path / "t.sqlite"))
-    out = draw_timeline(trace, tmp_path / "nsys.png")
+    out = draw_timeline(trace, tmp_path / "nsys.png", report=analyze(trace))
     assert out.read_bytes()[:8] == PNG_MAGIC
     report = analyze(trace, AnalyzeConfig(classify=ClassifyConfig(comm_patterns=())))
     assert draw_timeline(trace, tmp_path / "no_comm.png", report=report).stat().st_size > 1000
@@ -62,14 +68,14 @@ def test_png_from_nsys_sqlite_and_without_report(tmp_path: Path) -> None:
 
 def test_png_of_a_trace_without_kernels(tmp_path: Path) -> None:
     trace = read_trace(write_chrome(tmp_path / "empty.json", [gpu_label("ub0/L0/attention", 0, 5)]))
-    assert draw_timeline(trace, tmp_path / "empty.png").read_bytes()[:8] == PNG_MAGIC
+    assert draw_timeline(trace, tmp_path / "empty.png", report=analyze(trace)).read_bytes()[:8] == PNG_MAGIC
 
 
 def test_missing_matplotlib_gives_install_hint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trace = read_trace(write_chrome(tmp_path / "t.json", [kernel("gemm", 0, 1)]))
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"pip install dbo-runtime\[plot\]"):
-        draw_timeline(trace, tmp_path / "t.png")
+        draw_timeline(trace, tmp_path / "t.png", report=analyze(trace))
 
 
 def shifted(events: list[dict[str, Any]], offset: float) -> list[dict[str, Any]]:
@@ -94,7 +100,7 @@ def paused_cpu_events(offset: float = 0.0) -> list[dict[str, Any]]:
 def test_time_axis_counts_from_the_step_start_not_the_profiler_clock(tmp_path: Path) -> None:
     offset = 4_780_396_501_362.6
     trace = read_trace(write_chrome(tmp_path / "t.json", shifted(dbo_like_events(), offset)))
-    ax = build_timeline(trace).axes[0]
+    ax = _timeline(trace).axes[0]
     label = ax.get_xlabel()
     assert "step" in label and not any(len(tok) > 6 for tok in label.replace(".", " ").split()
                                        if tok.isdigit())
@@ -103,12 +109,12 @@ def test_time_axis_counts_from_the_step_start_not_the_profiler_clock(tmp_path: P
 
 
 def test_rows_are_named_by_device_and_stream_role(tmp_path: Path) -> None:
-    gpu = [t.get_text() for t in build_timeline(
+    gpu = [t.get_text() for t in _timeline(
         read_trace(write_chrome(tmp_path / "g.json", dbo_like_events()))).axes[0].get_yticklabels()]
     assert any("GPU 0" in r and "stream 7" in r and "compute" in r and "comm" not in r for r in gpu)
     assert any("GPU 1" in r and "stream 13" in r and "comm" in r for r in gpu)
     assert any("ub0" in r and "ub1" in r and "stream 7" in r for r in gpu)
-    cpu = [t.get_text() for t in build_timeline(
+    cpu = [t.get_text() for t in _timeline(
         read_trace(write_chrome(tmp_path / "c.json", paused_cpu_events()))).axes[0].get_yticklabels()]
     assert any(r.startswith("CPU pid 77 thread 78") for r in cpu)
     assert not any("dev " in r or "GPU" in r for r in cpu)
@@ -125,7 +131,7 @@ def test_phase_names_do_not_overlap(tmp_path: Path) -> None:
                    gpu_label(f"ub1/L{layer}/attention", t, 10)]
         events += [gpu_label(f"ub1/L{layer}/router{i}", t + 20 + 12 * i, 12) for i in range(30)]
     trace = read_trace(write_chrome(tmp_path / "t.json", events))
-    fig = build_timeline(trace)
+    fig = _timeline(trace)
     ax, renderer = fig.axes[0], fig.canvas.get_renderer()
     names = [t for t in ax.texts if t.get_transform() == ax.transData]
     assert names  # the wide enough ones are still written
@@ -144,7 +150,7 @@ def test_phase_bars_are_solid_only_where_the_ubatch_ran(tmp_path: Path) -> None:
     assert intersect(send.active, ub1_ran) == [] and send.paused == ub1_ran
     assert sum(s.length for s in send.active) == 20.0
     # In the picture: ub0's solid bars leave ub1's run (40..70 us from the step) open.
-    ax = build_timeline(trace).axes[0]
+    ax = _timeline(trace).axes[0]
     row = next(i for i, t in enumerate(ax.get_yticklabels()) if "ub0 phases" in t.get_text())
     solid = next(c for c in ax.collections if c.get_gid() == f"phase-active-{row}")
     for path in solid.get_paths():

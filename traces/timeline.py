@@ -25,8 +25,9 @@ Usage::
 
     from traces.readers import read_trace
     from traces.timeline import draw_timeline
-    draw_timeline(read_trace("trace.json"), "timeline.png", title="DBO on, 2 GPUs")
-    fig = build_timeline(read_trace("trace.json"))   # the matplotlib Figure, not saved
+    trace = read_trace("trace.json")
+    draw_timeline(trace, "timeline.png", report=analyze(trace), title="DBO on, 2 GPUs")
+    fig = build_timeline(trace, report=analyze(trace))   # the matplotlib Figure, not saved
 """
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from traces.active import RUN_PHASE, phase_pieces
-from traces.analyze import Report, analyze
 from traces.classify import Classifier, Kind, kernel_ubatches
 from traces.intervals import Span, merge, subtract
 from traces.model import Label, Trace
+from traces.report import Report
 
 UBATCH_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")
 UNKNOWN_COLOR = "#9e9e9e"
@@ -154,7 +155,7 @@ def draw_timeline(
     trace: Trace,
     path: str | Path,
     *,
-    report: Report | None = None,
+    report: Report,
     title: str | None = None,
     view: Span | None = None,
 ) -> Path:
@@ -169,19 +170,18 @@ def draw_timeline(
 def build_timeline(
     trace: Trace,
     *,
-    report: Report | None = None,
+    report: Report,
     title: str | None = None,
     view: Span | None = None,
 ) -> Any:
     """The timeline of ``trace`` as a matplotlib ``Figure`` (Agg canvas attached).
 
-    ``report`` (from ``analyze``) supplies the comm patterns, each device's window and its
-    exposed-comm spans; it is computed with defaults when None. Time 0 is the earliest
+    ``report`` (``traces.analyze.analyze(trace)``) supplies the comm patterns, each
+    device's window and its exposed-comm spans. Time 0 is the earliest
     device window's start. ``view`` is the x range in trace microseconds (default: the
     windows); narrow it to zoom into one layer of a long trace.
     """
     Figure, FigureCanvasAgg, Patch = _import_matplotlib()
-    report = report or analyze(trace)
     classifier = Classifier(report.config.classify)
     ubatches = kernel_ubatches(trace)
 

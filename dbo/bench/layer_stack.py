@@ -64,8 +64,7 @@ class LayerStack(nn.Module):
     """L blocks of (attention stand-in, MoE layer), pre-norm residual; [T, H] -> [T, H]."""
 
     def __init__(self, moe_config: MoEConfig, *, num_layers: int, attn_context: int,
-                 group: Optional[dist.ProcessGroup], backend: str, experts: str,
-                 device: torch.device) -> None:
+                 group: Optional[dist.ProcessGroup], device: torch.device) -> None:
         super().__init__()
         hidden, dtype = moe_config.hidden_size, moe_config.dtype
         self.moe_config = moe_config
@@ -73,8 +72,8 @@ class LayerStack(nn.Module):
             AttentionStandin(hidden, attn_context, dtype=dtype, device=device)
             for _ in range(num_layers))
         self.moe = nn.ModuleList(
-            MoELayer(moe_config, group=group, backend=backend, experts=experts, layer_id=i,
-                     last_layer=i == num_layers - 1, device=device)
+            MoELayer(moe_config, group=group, layer_id=i, last_layer=i == num_layers - 1,
+                     device=device)
             for i in range(num_layers))
 
     def forward(self, x_TH: Tensor) -> Tensor:

@@ -166,22 +166,22 @@ class WorkloadFactory:
         self._model = None  # free the old weights before allocating the new ones
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        moe = dataclasses.replace(self.base_moe, max_tokens_per_rank=capacity)
+        moe = dataclasses.replace(self.base_moe, max_tokens_per_rank=capacity,
+                                  backend=backend, experts=self.cfg.experts)
         if self.cfg.mode == "layer":
             model = LayerStack(moe, num_layers=self.num_layers,
                                attn_context=self.cfg.attn_context, group=self.group,
-                               backend=backend, experts=self.cfg.experts, device=self.device)
+                               device=self.device)
             model.init_weights(self.cfg.seed)
         else:
-            model = self._build_transformer(moe, backend)
+            model = self._build_transformer(moe)
         self._model, self._model_key = model, key
         return model
 
-    def _build_transformer(self, moe: MoEConfig, backend: str) -> nn.Module:
+    def _build_transformer(self, moe: MoEConfig) -> nn.Module:
         MoETransformer, _ = _import_model()
         config = get_preset(self.cfg.preset, num_layers=self.num_layers, moe=moe)
-        model = MoETransformer(config, group=self.group, backend=backend,
-                               experts=self.cfg.experts, device=self.device)
+        model = MoETransformer(config, group=self.group, device=self.device)
         model.init_weights(self.cfg.seed)
         for p in model.parameters():
             p.requires_grad_(False)

@@ -29,10 +29,11 @@ class SoakModel(nn.Module):
         self.moe_config = MoEConfig(num_experts=job.num_experts, top_k=job.top_k,
                                     hidden_size=job.hidden, intermediate_size=job.intermediate,
                                     num_shared_experts=1, dtype=torch.float32,
-                                    max_tokens_per_rank=job.max_tokens)
+                                    max_tokens_per_rank=job.max_tokens,
+                                    backend=job.backend, experts=experts)
         self.moe = nn.ModuleList(
-            MoELayer(self.moe_config, group=group, backend=job.backend, experts=experts,
-                     layer_id=i, last_layer=i == job.layers - 1, device=device)
+            MoELayer(self.moe_config, group=group, layer_id=i,
+                     last_layer=i == job.layers - 1, device=device)
             for i in range(job.layers))
         self.dense = nn.ModuleList(
             nn.Linear(job.hidden, job.hidden, device=device) for _ in range(job.layers))

@@ -20,13 +20,8 @@ import torch.distributed as dist
 
 from moe.backends.base import Dispatched, Pending, PrepareFinalize
 from moe.config import MoEConfig
+from moe.registry import BACKENDS
 
-BACKENDS: dict[str, str] = {
-    "local": "moe.backends.local:LocalBackend",
-    "naive": "moe.backends.naive:NaiveBackend",
-    "a2a": "moe.backends.a2a:AllToAllBackend",
-    "a2a_ll": "moe.backends.a2a_ll:AllToAllLLBackend",
-}
 
 
 def resolve_backend_name(name: str, world_size: int) -> str:
@@ -39,11 +34,10 @@ def resolve_backend_name(name: str, world_size: int) -> str:
     return name
 
 
-def make_backend(name: str, config: MoEConfig,
-                 group: Optional[dist.ProcessGroup]) -> PrepareFinalize:
-    """Instantiate backend `name` ("auto" allowed) for `config` on `group` (None: EP = 1)."""
+def make_backend(config: MoEConfig, group: Optional[dist.ProcessGroup]) -> PrepareFinalize:
+    """Instantiate backend `config.backend` ("auto" allowed) on `group` (None: EP = 1)."""
     world_size = 1 if group is None else dist.get_world_size(group)
-    name = resolve_backend_name(name, world_size)
+    name = resolve_backend_name(config.backend, world_size)
     module_name, cls_name = BACKENDS[name].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     return cls(config, group)

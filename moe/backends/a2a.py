@@ -39,9 +39,9 @@ from dbo.yield_points import (
 )
 from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize
 from moe.backends.counts import CountExchange
-from moe.backends.packing import RowLayout
 from moe.config import MoEConfig
 from moe.kernels.rows import pack_rows, sum_rows
+from moe.row_layout import RowLayout, destination_mask
 from moe.workspace import Workspace
 from streams.memory import record_on_current_stream
 
@@ -55,15 +55,6 @@ class A2AHandle:
     slot_TW: Tensor
     send_counts: tuple[int, ...]
     recv_counts: tuple[int, ...]
-
-
-def destination_mask(topk_ids_TK: Tensor, num_local_experts: int, world_size: int) -> Tensor:
-    """[T, W] bool: token t has at least one expert on rank w (ids of -1 go nowhere)."""
-    num_tokens = topk_ids_TK.shape[0]
-    dest_TK = torch.where(topk_ids_TK >= 0, topk_ids_TK // num_local_experts, world_size)
-    mask = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=topk_ids_TK.device)
-    mask.scatter_(1, dest_TK, True)
-    return mask[:, :world_size]
 
 
 def send_order(mask_TW: Tensor) -> tuple[Tensor, Tensor]:

@@ -34,12 +34,11 @@ from torch import Tensor
 
 from dbo.failures import note_collective
 from dbo.yield_points import dbo_switch_to_comm_sync, dbo_switch_to_compute_async, dbo_yield
-from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize
-from moe.backends.naive import check_capacity
-from moe.backends.packing import RowLayout
+from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
 from moe.config import MoEConfig
 from moe.kernels.rows import pack_rows, sum_rows
 from moe.kernels.slots import ll_slots
+from moe.row_layout import RowLayout
 from moe.workspace import Workspace
 from streams.memory import record_on_current_stream
 

@@ -21,6 +21,9 @@ A split combine (`own_rows`, `OwnRows`): the rows a rank sent itself come back b
 copy, not over the network. A backend that can say which rows those are lets the caller
 send the other ranks' outputs first and compute its own rows while that combine is in
 flight, handing their outputs over before it receives.
+
+This is also the one module of helpers the backends share (`check_capacity`); the row
+layout they and their kernels share is `moe.row_layout`.
 """
 from __future__ import annotations
 
@@ -32,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe.backends.packing import RowLayout
 from moe.config import MoEConfig
+from moe.row_layout import RowLayout
 from moe.workspace import Workspace
 
 R = TypeVar("R")
@@ -182,3 +185,12 @@ class PrepareFinalize(ABC):
     def finalize(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
                  workspace: Workspace) -> Tensor:
         return self.finalize_async(expert_out_RH, dispatched, workspace=workspace).wait()
+
+
+def check_capacity(num_tokens: int, capacity: int, backend: str) -> None:
+    """Raise ValueError when this rank has more tokens than a fixed-capacity backend holds."""
+    if num_tokens > capacity:
+        raise ValueError(
+            f"backend {backend!r}: {num_tokens} tokens on this rank exceed "
+            f"MoEConfig.max_tokens_per_rank={capacity}: raise the capacity, or split the "
+            f"batch (no token is ever dropped)")

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from dbo.failures import note_collective
 from dbo.yield_points import dbo_switch_to_compute_async, dbo_yield_and_switch_from_compute_to_comm
-from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize
-from moe.backends.packing import RowLayout
+from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
+from moe.row_layout import RowLayout
 from moe.workspace import Workspace
 from streams.memory import record_on_current_stream
 
@@ -30,14 +30,6 @@ from streams.memory import record_on_current_stream
 class NaiveHandle:
     num_tokens: int
     rows_per_rank: int
-
-
-def check_capacity(num_tokens: int, capacity: int, backend: str) -> None:
-    if num_tokens > capacity:
-        raise ValueError(
-            f"backend {backend!r}: {num_tokens} tokens on this rank exceed "
-            f"MoEConfig.max_tokens_per_rank={capacity}: raise the capacity, or split the "
-            f"batch (no token is ever dropped)")
 
 
 class NaiveBackend(PrepareFinalize):

@@ -18,6 +18,7 @@ import torch
 
 from moe.experts.base import Experts, check_expert_inputs, weighted_topk_sum
 from moe.kernels.policy import KernelPolicy
+from moe.registry import EXPERTS
 
 __all__ = [
     "EXPERTS",
@@ -28,12 +29,8 @@ __all__ = [
     "weighted_topk_sum",
 ]
 
-#: name -> "module:Class"; modules are imported on first use (heavy optional deps).
-EXPERTS: dict[str, str] = {
-    "reference": "moe.experts.reference:ReferenceExperts",
-    "grouped": "moe.experts.grouped:GroupedExperts",
-    "triton": "moe.experts.triton:TritonExperts",
-}
+# EXPERTS (`moe.registry`): name -> "module:Class"; modules are imported on first use
+# (heavy optional deps).
 
 _AUTO_ORDER = ("triton", "grouped", "reference")
 

@@ -22,6 +22,7 @@ Everything is checked before anything changes: on any error the model is as it w
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -209,10 +210,10 @@ def _build_block(plan: BlockPlan, old: nn.Module, *, group: Optional[dist.Proces
                  copy_weights: bool) -> HFMoEBlock:
     """The new block for `old`: this rank's experts copied (or left uninitialised), the
     router's and shared experts' tensors taken over as they are."""
-    spec, config = plan.spec, plan.config
+    spec, config = plan.spec, dataclasses.replace(plan.config, backend=backend, experts=experts)
     device = old.experts.gate_up_proj.device
-    layer = MoELayer(config, group=group, backend=backend, experts=experts,
-                     layer_id=plan.layer_id, last_layer=last_layer, device=device)
+    layer = MoELayer(config, group=group, layer_id=plan.layer_id, last_layer=last_layer,
+                     device=device)
     gate = old.gate
     if copy_weights:
         bias = gate.e_score_correction_bias.detach() if spec.grouped else None

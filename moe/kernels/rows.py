@@ -1,7 +1,7 @@
 """Token-row movers for the dispatch/combine backends and the expert k-sum.
 
 Shape legend: T tokens, W rows per token (ranks, or top-k), H hidden, X packed rows,
-B bytes per packed row (`moe.backends.packing.RowLayout`).
+B bytes per packed row (`moe.row_layout.RowLayout`).
 
     pack_rows(rows_XB, layout, x, ids, weights, src_X)
         rows[s] = [ids[t] | weights[t] | x[t]]  for t = src[s] >= 0,
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moe.backends.packing import RowLayout
 from moe.kernels.policy import KernelPolicy, triton_module, use_triton
+from moe.row_layout import RowLayout
 
 
 def pack_rows(rows_XB: Tensor, layout: RowLayout, x_TH: Tensor, topk_ids_TK: Tensor,

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moe.backends.a2a import destination_mask
 from moe.kernels.policy import KernelPolicy, triton_module, use_triton
+from moe.row_layout import destination_mask
 from moe.workspace import Workspace, empty_from
 
 TRITON_MAX_WORLD_SIZE = 64  # the kernel keeps a token's ranks as the bits of an int64

@@ -1,4 +1,7 @@
-"""Token rows packed as bytes, so one collective moves tokens with their routing.
+"""How dispatched token rows are laid out, shared by the backends and their kernels.
+
+`RowLayout`: token rows packed as bytes, so one collective moves tokens with their
+routing. `destination_mask`: which ranks each token goes to.
 
 A packed row is `[topk_ids (K x int64) | topk_weights (K x float32) | x (H x dtype) | pad]`
 as uint8, its length rounded up to 16 bytes. The ids come first so every field starts
@@ -54,3 +57,12 @@ class RowLayout:
         x = rows_NB[:, self.x_offset:self.x_offset + h * self.dtype.itemsize].view(self.dtype)
         assert ids.shape[1] == k and weights.shape[1] == k and x.shape[1] == h
         return ids, weights, x
+
+
+def destination_mask(topk_ids_TK: Tensor, num_local_experts: int, world_size: int) -> Tensor:
+    """[T, W] bool: token t has at least one expert on rank w (ids of -1 go nowhere)."""
+    num_tokens = topk_ids_TK.shape[0]
+    dest_TK = torch.where(topk_ids_TK >= 0, topk_ids_TK // num_local_experts, world_size)
+    mask = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=topk_ids_TK.device)
+    mask.scatter_(1, dest_TK, True)
+    return mask[:, :world_size]

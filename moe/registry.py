@@ -1,0 +1,23 @@
+"""The names of the MoE backends and expert kernels, and where each is implemented.
+
+Data only (no imports), so that `MoEConfig` can check a name without importing a
+backend or a kernel: `moe.backends` and `moe.experts` import their class on first use.
+"""
+from __future__ import annotations
+
+#: backend name -> "module:Class" (`moe.backends`); "auto" is local for EP size 1, else a2a.
+BACKENDS: dict[str, str] = {
+    "local": "moe.backends.local:LocalBackend",
+    "naive": "moe.backends.naive:NaiveBackend",
+    "a2a": "moe.backends.a2a:AllToAllBackend",
+    "a2a_ll": "moe.backends.a2a_ll:AllToAllLLBackend",
+}
+
+#: expert kernel name -> "module:Class" (`moe.experts`); "auto" picks the fastest available.
+EXPERTS: dict[str, str] = {
+    "reference": "moe.experts.reference:ReferenceExperts",
+    "grouped": "moe.experts.grouped:GroupedExperts",
+    "triton": "moe.experts.triton:TritonExperts",
+}
+
+AUTO = "auto"
