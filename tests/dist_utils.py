@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dbo.launch import free_port
+from dbo.cli.launch import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, init_timeout_s: float,

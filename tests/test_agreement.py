@@ -24,7 +24,7 @@ from dbo.agreement import Agreement, AgreementCache, collect_agreement, collect_
 from dbo.failures import record_collectives
 from dbo.vote import Ballot, cast_ballot
 from moe import MoEConfig, MoELayer, init_moe_weights
-from moe.model import MoETransformer, get_preset, make_batch
+from moe.models.transformer import MoETransformer, get_preset, make_batch
 from tests.dist_utils import run_distributed
 
 # A peer left waiting would be freed by this timeout: the tests require far less.

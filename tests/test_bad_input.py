@@ -20,7 +20,7 @@ import torch
 
 from dbo import DBOConfig, DBORunner, UBatchScheduler
 from moe import MoEConfig, MoELayer, init_moe_weights
-from moe.model import MoETransformer, get_preset
+from moe.models.transformer import MoETransformer, get_preset
 from tests.hf_utils import rewrite_without, save, tiny_model
 
 README = Path(__file__).resolve().parent.parent / "README.md"

@@ -15,19 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from dbo.bench import main
-from dbo.bench.config import (
+from dbo.cli.bench import main
+from dbo.cli.bench.config import (
     CPU_REGIME,
     EMULATED_REGIME,
     NVLINK_REGIME,
     BenchConfig,
     regime_label,
 )
-from dbo.bench.gating import GatePolicy
-from dbo.bench.launch import build_parser, config_from_args
-from dbo.bench.report import eta_rounds_cell
-from dbo.bench.ceiling import Ceiling
-from dbo.bench.sweep import (
+from dbo.cli.bench.gating import GatePolicy
+from dbo.cli.bench.launch import build_parser, config_from_args
+from dbo.cli.bench.report import eta_rounds_cell
+from dbo.cli.bench.ceiling import Ceiling
+from dbo.cli.bench.sweep import (
     ETA_ABOVE_ONE,
     ETA_NO_HEADROOM,
     ETA_SMALL_HEADROOM,
@@ -38,7 +38,7 @@ from dbo.bench.sweep import (
     efficiency,
     make_point,
 )
-from dbo.bench.timing import Timing, median_of_rounds
+from dbo.cli.bench.timing import Timing, median_of_rounds
 from tests.dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,12 +73,12 @@ POINT_KEYS = {"backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
 def test_bad_arguments_exit_with_the_fix(argv: list[str], message: str, tmp_path: Path,
                                          capsys: pytest.CaptureFixture,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    import dbo.bench.launch
+    import dbo.cli.bench.launch
 
     def refuse(*args: object, **kwargs: object) -> int:
         raise AssertionError("ranks were started")
 
-    monkeypatch.setattr(dbo.bench.launch, "spawn_ranks", refuse)
+    monkeypatch.setattr(dbo.cli.bench.launch, "spawn_ranks", refuse)
     existing = tmp_path / "existing.txt"
     existing.write_text("not a folder")
     with pytest.raises(SystemExit) as exc:
@@ -107,7 +107,7 @@ def test_regime_labels() -> None:
 
 
 def test_split_combine_switch_reaches_the_layers() -> None:
-    from dbo.bench.workload import WorkloadFactory
+    from dbo.cli.bench.workload import WorkloadFactory
 
     for argv, split in (([], True), (["--no-split-combine"], False)):
         cfg = config_from_args(build_parser().parse_args(["--device", "cpu", *argv]), {})
@@ -219,7 +219,7 @@ def test_rounds_fold_to_per_rank_medians_and_keep_eta_spread() -> None:
 
 
 def test_table_says_why_eta_is_missing_or_above_one() -> None:
-    from dbo.bench.report import format_table
+    from dbo.cli.bench.report import format_table
 
     cfg = BenchConfig(regime=EMULATED_REGIME, tokens=(1024, 4096), backends=("a2a",))
     shapes = {"hidden_size": 8, "num_experts": 4, "experts_per_rank": 2, "top_k": 2,
@@ -239,8 +239,8 @@ def test_table_says_why_eta_is_missing_or_above_one() -> None:
 
 
 def test_cpu_run_is_reported_as_functional_without_a_speedup(tmp_path: Path) -> None:
-    from dbo.bench.plot import plot_sweep
-    from dbo.bench.report import FUNCTIONAL_NOTE, final_line, format_table, write_outputs
+    from dbo.cli.bench.plot import plot_sweep
+    from dbo.cli.bench.report import FUNCTIONAL_NOTE, final_line, format_table, write_outputs
 
     cfg = BenchConfig(tokens=(16, 64), backends=("a2a",), out_dir=str(tmp_path))
     assert cfg.functional and not BenchConfig(regime=EMULATED_REGIME).functional
@@ -274,7 +274,7 @@ def test_cpu_run_is_reported_as_functional_without_a_speedup(tmp_path: Path) -> 
 def test_time_steps_span_covers_the_timed_steps_only() -> None:
     import contextlib
 
-    from dbo.bench.timing import time_steps
+    from dbo.cli.bench.timing import time_steps
 
     events: list[str] = []
 
@@ -291,8 +291,8 @@ def test_time_steps_span_covers_the_timed_steps_only() -> None:
 
 
 def test_points_report_the_clock_of_each_timing() -> None:
-    from dbo.bench.report import format_table
-    from dbo.bench.sweep import CLOCKED, attach_clocks
+    from dbo.cli.bench.report import format_table
+    from dbo.cli.bench.sweep import CLOCKED, attach_clocks
 
     class Log:  # ClockLog's read side: summaries by (backend, tokens, timing)
         def summary(self, key: tuple) -> dict | None:
@@ -324,7 +324,7 @@ def test_points_report_the_clock_of_each_timing() -> None:
 
 def test_plot_draws_the_ceiling(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from dbo.bench.plot import plot_sweep
+    from dbo.cli.bench.plot import plot_sweep
 
     cfg = BenchConfig(regime=EMULATED_REGIME, tokens=(256, 1024), backends=("a2a", "naive"))
     points = [make_point(cfg, backend=b, tokens=t, world_size=2, t_off=_timing(t / 100, t / 100),
@@ -344,7 +344,7 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE")}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "dbo.bench", "--device", "cpu", "--mode", "layer",
+    cmd = [sys.executable, "-m", "dbo.cli.bench", "--device", "cpu", "--mode", "layer",
            "--tokens", "16,64", "--backends", "a2a,naive", "--iters", "2", "--warmup", "1",
            "--layers", "2", "--gate-min-tokens", "32", "--rounds", "2", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -401,11 +401,11 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path) -> None:
 def _model_mode_and_probe_pieces(rank: int, world_size: int, out_dir: str) -> dict:
     import torch.distributed as dist
 
-    from dbo.bench.ceiling import (CommReplay, probe_split_compute, record_collectives,
+    from dbo.cli.bench.ceiling import (CommReplay, probe_split_compute, record_collectives,
                                    replayed_results)
-    from dbo.bench.report import final_line, write_outputs
-    from dbo.bench.sweep import run_sweep
-    from dbo.bench.workload import WorkloadFactory
+    from dbo.cli.bench.report import final_line, write_outputs
+    from dbo.cli.bench.sweep import run_sweep
+    from dbo.cli.bench.workload import WorkloadFactory
 
     group, cpu = dist.group.WORLD, torch.device("cpu")
     out: dict = {}

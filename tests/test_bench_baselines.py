@@ -1,6 +1,6 @@
 """The expert benchmark's baselines and diagnostic routing (layer 1 on CPU; the CLI's
-interpreted run is layer 3): `moe.bench_baselines` (the dense chain, the balanced batched
-chain `bmm`) and `moe.bench_experts --routing balanced`.
+interpreted run is layer 3): `moe.bench.baselines` (the dense chain, the balanced batched
+chain `bmm`) and `moe.bench.experts --routing balanced`.
 """
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from moe import bench_experts
-from moe.bench_baselines import BASELINES, batched_chain, dense_chain, gemm_flops
+from moe.bench import experts as bench_experts
+from moe.bench.baselines import BASELINES, batched_chain, dense_chain, gemm_flops
 
 HIDDEN, INTER, EXPERTS = 24, 10, 4
 
@@ -81,7 +81,7 @@ def test_plot_draws_bmm_as_a_baseline(tmp_path, monkeypatch: pytest.MonkeyPatch)
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
 
-    from moe import bench_experts_plot
+    from moe.bench import experts_plot as bench_experts_plot
 
     drawn: list[tuple[str, str, str]] = []
     plot = Axes.plot

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dbo.bench_switch import main, time_greenlet
+from dbo.cli.bench_switch import main, time_greenlet
 
 
 def test_bench_switch_prints_table_and_json_line(capsys):

@@ -98,7 +98,7 @@ def test_help_names_the_command_and_shows_defaults(command, capsys):
 def test_help_lists_the_choices_from_the_registries(capsys):
     from moe.backends import BACKENDS
     from moe.experts import EXPERTS
-    from moe.presets import PRESETS
+    from moe.models.presets import PRESETS
 
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
@@ -126,10 +126,10 @@ def no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("ranks were started")
 
-    import dbo.run_job
-    import dbo.trace_job
+    import dbo.cli.run_job
+    import dbo.cli.trace_job
 
-    for module in (dbo.run_job, dbo.trace_job):
+    for module in (dbo.cli.run_job, dbo.cli.trace_job):
         monkeypatch.setattr(module, "launch", refuse)
 
 
@@ -171,7 +171,7 @@ def test_bad_arguments_fail_fast(args, message, tmp_path, capsys, no_launch):
 
 
 def test_resolve_world_size(monkeypatch):
-    from dbo.launch import resolve_world_size
+    from dbo.cli.launch import resolve_world_size
 
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -200,7 +200,7 @@ def _summary(**overrides) -> dict:
 
 
 def test_run_summary_reports_ties_and_explains_a_loss_on_gpu(capsys):
-    from dbo.run_job import print_summary
+    from dbo.cli.run_job import print_summary
 
     print_summary(_summary())
     out = capsys.readouterr().out
@@ -215,7 +215,7 @@ def test_run_summary_reports_ties_and_explains_a_loss_on_gpu(capsys):
 
 
 def test_cpu_timings_are_labelled_a_functional_check(capsys):
-    from dbo.run_job import print_summary
+    from dbo.cli.run_job import print_summary
 
     print_summary(_summary(device="cpu", timings="functional", speedup=None))
     out = capsys.readouterr().out

@@ -21,7 +21,7 @@ from dbo import DBOConfig, DBORunner, dbo_current_ubatch_id
 from dbo.failures import record_collectives
 from moe import MoEConfig, MoELayer, init_moe_weights
 from moe.backends.base import Pending
-from moe.model import MoETransformer, get_preset, make_batch
+from moe.models.transformer import MoETransformer, get_preset, make_batch
 from tests.dist_utils import run_distributed
 
 DBO = DBOConfig(split="requests", min_prefill_tokens=2, min_decode_tokens=2, max_imbalance=1.0)

@@ -10,8 +10,8 @@ from typing import Any, Iterator, Optional
 import pytest
 import torch
 
-from dbo.bench.config import BenchConfig
-from dbo.bench.launch import build_parser, config_from_args
+from dbo.cli.bench.config import BenchConfig
+from dbo.cli.bench.launch import build_parser, config_from_args
 from dbo.config import DBOConfig
 from dbo.runner import DBORunner
 from dbo.yield_points import dbo_enabled, dbo_yield
@@ -161,7 +161,7 @@ def test_runner_holds_the_carveout_around_a_split_step_only(
 
 
 def test_bench_switch_reaches_the_dbo_config() -> None:
-    from dbo.bench.workload import WorkloadFactory
+    from dbo.cli.bench.workload import WorkloadFactory
 
     for argv, value in (([], BenchConfig.gemm_sm_carveout), (["--gemm-sm-carveout", "0"], 0),
                         (["--gemm-sm-carveout", "8"], 8)):

@@ -1,4 +1,4 @@
-"""`moe.gpu_clocks` (layer 1: plain CPU; the nvidia-smi call is faked) and the GPU read.
+"""`moe.bench.gpu_clocks` (layer 1: plain CPU; the nvidia-smi call is faked) and the GPU read.
 
 The parser against nvidia-smi's CSV (power-cap bits, "[N/A]" fields, other GPUs'
 lines, the "GPU-" prefix), `read_clocks` on CPU tensors and without the tool, and the
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moe import gpu_clocks
-from moe.gpu_clocks import ClockLog, ClockSample, parse_log_line, parse_smi, read_clocks
+from moe.bench import gpu_clocks
+from moe.bench.gpu_clocks import ClockLog, ClockSample, parse_log_line, parse_smi, read_clocks
 
 UUID = "3e8f5a2c-1111-2222-3333-444455556666"
 SMI = (

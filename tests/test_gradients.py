@@ -21,7 +21,7 @@ from dbo import DBOConfig, DBORunner
 from moe import MoEConfig, MoELayer, SharedExperts, init_moe_weights, reference_moe
 from moe.kernels import rotary
 from moe.kernels.policy import KernelPolicy
-from moe.model import (MoETransformer, causal_attention, get_preset, make_batch,
+from moe.models.transformer import (MoETransformer, causal_attention, get_preset, make_batch,
                        rotary_cos_sin)
 from tests.dist_utils import run_distributed
 

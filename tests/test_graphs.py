@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from dbo import DBOConfig, DBORunner
-from dbo.bench.config import BenchConfig
-from dbo.bench.launch import build_parser, config_from_args
+from dbo.cli.bench.config import BenchConfig
+from dbo.cli.bench.launch import build_parser, config_from_args
 from dbo.graphs import (GraphedRunner, _signature, capture_graph, decided_step,
                         graph_blockers)
-from dbo.run_job import BACKENDS, GRAPH_BACKENDS, RunConfig
+from dbo.cli.run_job import BACKENDS, GRAPH_BACKENDS, RunConfig
 from dbo.vote import vote_min
 from moe.config import MoEConfig
 from moe.layer import MoELayer
@@ -128,8 +128,8 @@ def test_vote_min_takes_each_value_s_minimum_over_ranks() -> None:
 
 
 def _split_step_worker(rank: int, world_size: int) -> dict[str, Any]:
-    from dbo.bench.ceiling import record_collectives
-    from dbo.bench.workload import WorkloadFactory
+    from dbo.cli.bench.ceiling import record_collectives
+    from dbo.cli.bench.workload import WorkloadFactory
 
     factory = WorkloadFactory(BenchConfig(layers=2), group=dist.group.WORLD,
                               device=torch.device("cpu"))
@@ -199,7 +199,7 @@ def test_dropped_graphs_are_let_go_only_after_their_gpus_finish(monkeypatch) -> 
 
 # ------------------------------------------------------------------------------- GPU
 def _stack(group: Any, backend: str, device: torch.device, capacity: int) -> torch.nn.Module:
-    from dbo.bench.layer_stack import LayerStack
+    from dbo.cli.bench.layer_stack import LayerStack
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64,
                     num_shared_experts=1, dtype=torch.bfloat16, max_tokens_per_rank=capacity)
     model = LayerStack(replace(cfg, backend=backend, experts="triton"), num_layers=2,
@@ -219,7 +219,7 @@ def test_a_captured_graph_owns_its_host_buffers_and_frees_them_with_it() -> None
     import weakref
 
     from dbo import graph_host
-    from moe.model import causal_attention
+    from moe.models.transformer import causal_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     seq_lens = [3, 5, 3, 5, 2]  # unequal groups: attention copies a row index from the host
@@ -258,7 +258,7 @@ def test_graphed_steps_replay_the_eager_results_on_one_gpu() -> None:
         graphed(x3[:10])  # a third shape: the least recently used graph (48 rows) goes
         assert torch.equal(graphed(x3), runner(x3)) and graphed.num_captures == 4
     # The timing helper's graph path gives a time for the replays.
-    from dbo.bench.timing import time_steps
+    from dbo.cli.bench.timing import time_steps
     with torch.no_grad():
         t = time_steps(lambda: model(x1), device=device, group=None, warmup=1, iters=3,
                        cuda_graph=True)
@@ -329,8 +329,8 @@ def test_naive_with_a_fixed_capacity_is_captured_and_matches_eager() -> None:
 
 
 def _graph_bench_worker(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    from dbo.bench.report import final_line, write_outputs
-    from dbo.bench.sweep import run_sweep
+    from dbo.cli.bench.report import final_line, write_outputs
+    from dbo.cli.bench.sweep import run_sweep
 
     cfg = BenchConfig(preset="tiny", tokens=(64,), backends=("a2a_ll",), iters=2, warmup=1,
                       rounds=2, device="cuda", cuda_graph=True, out_dir=out_dir,

@@ -123,10 +123,10 @@ def test_gpu_autotuned_launcher_uses_the_autotuners_pick():
 
 
 def test_bench_host_cli(capsys):
-    """`python -m moe.bench_host` at a toy shape: a table of both launch modes, then JSON."""
+    """`python -m moe.bench.host` at a toy shape: a table of both launch modes, then JSON."""
     import json
 
-    from moe import bench_host
+    from moe.bench import host as bench_host
 
     if DEVICE.type == "cpu":
         argv = ["--device", "cpu", "--shape", "tiny", "--tokens", "8", "--reps", "1"]

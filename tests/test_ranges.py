@@ -284,9 +284,9 @@ def test_active_time_of_a_paused_range_is_its_ubatchs_run_time(tmp_path: Path) -
 
 
 def test_capture_writes_a_trace_whose_ranges_nest(tmp_path: Path) -> None:
-    """dbo.capture (what `dbo run` and `dbo trace` write) rewrites the trace for Perfetto
+    """traces.capture (what `dbo run` and `dbo trace` write) rewrites the trace for Perfetto
     and, on CPU, analyzes the host ops without being told."""
-    from dbo.capture import capture
+    from traces.capture import capture
     from dbo.phases import phase_scope
     from dbo.scheduler import UBatchScheduler
     from dbo.yield_points import dbo_yield

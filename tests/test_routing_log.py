@@ -7,7 +7,7 @@ import torch
 
 from dbo import DBOConfig, DBORunner
 from moe.layer import MoELayer
-from moe.model import MoETransformer, get_preset, make_batch
+from moe.models.transformer import MoETransformer, get_preset, make_batch
 from moe.routing_log import RoutingLog, record_routing, routing_ties
 
 DBO = DBOConfig(split="requests", min_prefill_tokens=1, min_decode_tokens=1, max_imbalance=1.0)

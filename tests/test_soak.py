@@ -1,4 +1,4 @@
-"""Layer 2 (CPU, spawns gloo ranks): the soak run, `python -m dbo.soak`.
+"""Layer 2 (CPU, spawns gloo ranks): the soak run, `python -m dbo.cli.soak`.
 
 300 DBO steps on two gloo ranks with random token counts per rank (0 included, on both
 ranks at once every 77th step) at tiny sizes, through the command's `main`: every step
@@ -8,7 +8,7 @@ argument errors. One MoE layer keeps a step at ~10 gloo collectives.
 
 The long soak is a command, not a test (minutes on a small CPU machine):
 
-    python -m dbo.soak --steps 2000 --backend a2a --layers 1 --trace-window 100
+    python -m dbo.cli.soak --steps 2000 --backend a2a --layers 1 --trace-window 100
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from dbo.launch import RankContext
-from dbo.soak import MAX_OBJECT_GROWTH, MemoryTracker, SoakConfig, main, run_rank
+from dbo.cli.launch import RankContext
+from dbo.cli.soak import MAX_OBJECT_GROWTH, MemoryTracker, SoakConfig, main, run_rank
 from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -141,12 +141,12 @@ def test_memory_tracker_sees_leaks():
     (["--atol", "nan"], "--atol=nan"),
 ])
 def test_bad_args_exit_2(argv, message, capsys, monkeypatch):
-    import dbo.soak.run
+    import dbo.cli.soak.run
 
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("ranks were started")
 
-    monkeypatch.setattr(dbo.soak.run, "run_soak", refuse)
+    monkeypatch.setattr(dbo.cli.soak.run, "run_soak", refuse)
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2

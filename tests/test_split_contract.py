@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dbo import DBOConfig, DBORunner, SplitArgumentWarning
-from moe.model import MoETransformer, get_preset
+from moe.models.transformer import MoETransformer, get_preset
 
 ALWAYS = {"min_decode_tokens": 0, "min_prefill_tokens": 0}
 

@@ -210,7 +210,7 @@ def test_dispatch_mode_is_per_ubatch():
 def moe_inference_mode_matches(rank: int, world_size: int) -> float:
     """Max |DBO logits - plain logits| for the EP model whose forward is decorated with
     `@torch.inference_mode()` (the caller itself is not in inference mode)."""
-    from moe.model import MoETransformer, get_preset, make_batch
+    from moe.models.transformer import MoETransformer, get_preset, make_batch
 
     cfg = get_preset("tiny", max_tokens_per_rank=64, backend="a2a")
     model = MoETransformer(cfg, group=dist.group.WORLD)

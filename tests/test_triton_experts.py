@@ -711,7 +711,7 @@ def test_bench_cli(capsys: pytest.CaptureFixture[str]) -> None:
     """The benchmark's CPU side: planning, the no-CUDA exit, and a tiny interpreted run."""
     import json
 
-    from moe import bench_experts
+    from moe.bench import experts as bench_experts
 
     argv = ["--dry-run", "--shapes", "ds-e8,qwen-e128", "--tokens", "64,4096"]
     assert bench_experts.main(argv) == 0
@@ -732,7 +732,7 @@ def test_bench_profile_window(monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture[str]) -> None:
     """`--profile-window`: one more call per path after the rounds, alone between
     cudaProfilerStart and Stop (stopped even when the call fails); CUDA only."""
-    from moe import bench_experts
+    from moe.bench import experts as bench_experts
 
     with pytest.raises(SystemExit):
         bench_experts.main(["--profile-window", "--device", "cpu", "--dry-run"])
@@ -773,7 +773,7 @@ def test_bench_ep_routing(capsys: pytest.CaptureFixture[str]) -> None:
     with a local expert), FLOPs over the local rows; a bad W is a usage error."""
     import json
 
-    from moe import bench_experts
+    from moe.bench import experts as bench_experts
 
     ids_1 = bench_experts.random_tokens("tiny", 200, torch.float32,
                                         torch.Generator().manual_seed(0))[2]
@@ -811,8 +811,8 @@ def test_bench_writes_table_json_and_plot(tmp_path, capsys: pytest.CaptureFixtur
     import json
 
     pytest.importorskip("matplotlib")
-    from moe import bench_experts
-    from moe.bench_experts_plot import plot_experts
+    from moe.bench import experts as bench_experts
+    from moe.bench.experts_plot import plot_experts
 
     if DEVICE.type != "cpu":
         pytest.skip("the interpreted smoke run is the CPU path")
@@ -840,7 +840,7 @@ def test_bench_sustain(capsys: pytest.CaptureFixture[str]) -> None:
     import json
     import time
 
-    from moe import bench_experts
+    from moe.bench import experts as bench_experts
 
     calls = []
     start = time.perf_counter()
@@ -866,8 +866,8 @@ def test_bench_sustain(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_bench_clock_fields() -> None:
     """A point's clock: the median over the rounds that were read, and the capped count."""
-    from moe.bench_experts import clock_fields
-    from moe.gpu_clocks import ClockSample
+    from moe.bench.experts import clock_fields
+    from moe.bench.gpu_clocks import ClockSample
 
     samples = [ClockSample(1500, 690.0, True), None, ClockSample(1900, 300.0, False),
                ClockSample(1400, 700.0, True)]
@@ -964,7 +964,7 @@ def test_gpu_gemm2_tails() -> None:
 
 def test_tune_cli(capsys: pytest.CaptureFixture[str]) -> None:
     """The tile sweep's CPU side: the candidate list, argument errors, the no-CUDA exit."""
-    from moe import tune_experts
+    from moe.bench import tune as tune_experts
 
     assert tune_experts.main(["--dry-run", "--shapes", "ds-e8,qwen-e128", "--block-m", "64"]) == 0
     lines = capsys.readouterr().out.splitlines()

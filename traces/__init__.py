@@ -1,7 +1,11 @@
-"""traces: greenlet-safe phase ranges, trace readers, the overlap analyzer, timelines."""
-from traces.analyze import AnalyzeConfig, DeviceReport, Report, analyze
-from traces.classify import DEFAULT_COMM_PATTERNS, ClassifyConfig
-from traces.model import KernelInterval, Label, ReadConfig, Trace
+"""traces: greenlet-safe phase ranges (this package's own names), and the trace tools.
+
+Two layers live here. The phase ranges (`traces.ranges`, re-exported below) sit at the
+bottom, beside `streams`: the dbo runtime core opens them, so importing `traces` must not
+pull in anything above. The readers, the overlap analyzer, the timelines and `capture`
+are tools: import them from their modules (`traces.analyze.analyze`,
+`traces.readers.read_trace`, `traces.model.Trace`, `traces.capture.capture`, ...).
+"""
 from traces.ranges import (
     PHASES,
     PhaseHandle,
@@ -15,10 +19,6 @@ from traces.ranges import (
     start_phase,
     step_name,
 )
-from traces.readers import read_chrome_trace, read_nsys_sqlite, read_trace
 
-__all__ = ["AnalyzeConfig", "ClassifyConfig", "DEFAULT_COMM_PATTERNS", "DeviceReport",
-           "KernelInterval", "Label", "PHASES", "PhaseHandle", "ReadConfig", "Report",
-           "Trace", "TraceConfig", "analyze", "configure", "end_phase", "label_range",
-           "phase_name", "phase_range", "read_chrome_trace", "read_nsys_sqlite", "read_trace",
-           "start_label", "start_phase", "step_name"]
+__all__ = ["PHASES", "PhaseHandle", "TraceConfig", "configure", "end_phase", "label_range",
+           "phase_name", "phase_range", "start_label", "start_phase", "step_name"]

@@ -29,7 +29,7 @@ _SMEM_BYTES = 220 * 1024  # H100/H200 allow 227 KiB per block; keep a margin.
 
 # (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per regime: few rows per block (decode)
 # is weight-bandwidth bound (wide loads, 4 warps, deep pipelines), full blocks are
-# tensor-core bound. The large-block list is the winners of `python -m moe.tune_experts`.
+# tensor-core bound. The large-block list is the winners of `python -m moe.bench.tune`.
 _SMALL_M_TILES = ((64, 64, 8, 4, 4), (64, 128, 8, 4, 4), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3))
 _LARGE_M_TILES = (
     (64, 64, 1, 4, 3),

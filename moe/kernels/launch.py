@@ -18,7 +18,7 @@ launches it the same way; a key it has not seen goes through the autotuner once.
 The plain `kernel[grid](...)` path is used instead where the fast one cannot stand in:
 on CPU tensors (the interpreter), when a Triton launch hook is installed (a profiler
 such as Proton), and where the caller passes `compiled=False`
-(`KernelPolicy.compiled_launches`: `moe.bench_host` compares the two).
+(`KernelPolicy.compiled_launches`: `moe.bench.host` compares the two).
 """
 from __future__ import annotations
 

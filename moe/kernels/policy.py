@@ -28,7 +28,7 @@ class KernelPolicy:
     compiled_launches: bool = True
     """Launch Triton kernels through their compiled handles (`moe.kernels.launch`); False:
     through `kernel[grid](...)`, which costs more host time per launch and is kept so that
-    `moe.bench_host` can measure the difference."""
+    `moe.bench.host` can measure the difference."""
     tma: bool | None = None
     """Fused MoE: load weight tiles (and sorted A tiles) by TMA. None: per GEMM by
     `prefer_tma` where the GPU and operands allow it, since TMA wins on deep GEMMs and

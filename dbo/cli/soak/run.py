@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 
 from dbo.cli import Parser, check_out_file
-from dbo.launch import RankContext, launch, resolve_world_size
+from dbo.cli.launch import RankContext, launch, resolve_world_size
 from dbo.config import DBOConfig
 from dbo.runner import DBORunner
-from dbo.soak.config import BACKENDS, EXPERT_KERNELS, KIB, SoakConfig
-from dbo.soak.memory import MemorySample, MemoryTracker, MemoryVerdict
-from dbo.soak.workload import SoakModel, draw_step_input
+from dbo.cli.soak.config import BACKENDS, EXPERT_KERNELS, KIB, SoakConfig
+from dbo.cli.soak.memory import MemorySample, MemoryTracker, MemoryVerdict
+from dbo.cli.soak.workload import SoakModel, draw_step_input
 
 
 # ------------------------------------------------------------------------------ one rank

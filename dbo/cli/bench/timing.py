@@ -55,7 +55,7 @@ def median_of_rounds(rounds: Sequence[Timing]) -> Timing:
 
 SpanFn = Callable[[str], ContextManager[Any]]
 """`span(name)`: a context around the timed steps of the timing called `name` (e.g. a
-clock-log span, `dbo.bench.sweep`); `no_spans` marks nothing."""
+clock-log span, `dbo.cli.bench.sweep`); `no_spans` marks nothing."""
 
 
 def no_spans(name: str) -> ContextManager[Any]:

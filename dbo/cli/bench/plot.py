@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dbo.bench.sweep import SweepResult
+from dbo.cli.bench.sweep import SweepResult
 
 
 def _pyplot() -> Any:

@@ -7,7 +7,7 @@
 Writes per rank (rank r > 0 under `<out>/rank<r>/`): `trace.json` (Chrome trace; open it
 at ui.perfetto.dev), `trace_analysis.json` (overlap, exposed comm, per-phase times) and
 `trace_timeline.png`, and prints rank 0's analysis table. For your own model, call
-`dbo.capture.capture(step_fn, out_dir, steps=N)` around a `DBORunner` call.
+`traces.capture.capture(step_fn, out_dir, steps=N)` around a `DBORunner` call.
 
 With `--profiler nsys` (GPUs) the same steps run with dbo's NVTX ranges on and no
 torch.profiler, between cudaProfilerStart and cudaProfilerStop, so Nsight Systems records
@@ -25,9 +25,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dbo.capture import capture
-from dbo.launch import RankContext, launch
-from dbo.run_job import RunConfig, build_parser, parse_job, setup_rank
+from traces.capture import capture
+from dbo.cli.launch import RankContext, launch
+from dbo.cli.run_job import RunConfig, build_parser, parse_job, setup_rank
 from traces.ranges import TraceConfig, configure, current_config, label_range, step_name
 
 DEFAULTS = RunConfig(out="dbo_out/trace", steps=2)

@@ -16,8 +16,8 @@ import math
 import os
 from typing import Any, Optional
 
-from dbo.bench.config import CPU_REGIME, EMULATED_REGIME
-from dbo.bench.sweep import CLOCKED, DEFINITIONS, Point, SweepResult
+from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME
+from dbo.cli.bench.sweep import CLOCKED, DEFINITIONS, Point, SweepResult
 
 MAX_GATED_SLOWDOWN = 0.01
 """The acceptance check: with gating on, no point may be more than 1% slower than DBO off."""
@@ -52,7 +52,7 @@ def write_outputs(result: SweepResult) -> dict[str, Any]:
         files["png_note"] = "not drawn: " + FUNCTIONAL_NOTE
     elif result.config.plot:
         try:
-            from dbo.bench.plot import plot_sweep
+            from dbo.cli.bench.plot import plot_sweep
             plot_sweep(result, stem + ".png")
             files["png"] = stem + ".png"
         except ImportError as exc:

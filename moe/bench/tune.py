@@ -1,12 +1,12 @@
 """Sweep the fused-MoE kernel's tiles on one GPU: which tile and BLOCK_M is fastest where.
 
-    python -m moe.tune_experts --shapes ds-e32 --tokens 2048,4096          # ~1 min on an H100
-    python -m moe.tune_experts --shapes qwen-e128 --tokens 4096 --block-m 32,64,128 --out tune/
-    python -m moe.tune_experts --shapes ds-e32 --tokens 16384 --block-m 128 --block-k 64 \
+    python -m moe.bench.tune --shapes ds-e32 --tokens 2048,4096          # ~1 min on an H100
+    python -m moe.bench.tune --shapes qwen-e128 --tokens 4096 --block-m 32,64,128 --out tune/
+    python -m moe.bench.tune --shapes ds-e32 --tokens 16384 --block-m 128 --block-k 64 \
         --variants ptr,tma,sorted                                         # compare load paths
-    python -m moe.tune_experts --dry-run                                   # list tiles; no GPU
+    python -m moe.bench.tune --dry-run                                   # list tiles; no GPU
 
-For each shape (`moe.bench_experts.SHAPES`) and token count, with uniform random top-k
+For each shape (`moe.bench.experts.SHAPES`) and token count, with uniform random top-k
 routing and bf16 data: for each BLOCK_M (rows per expert block) and each load variant,
 every candidate tile of GEMM1 (x @ w13, SiLU-gated) and of GEMM2 (act @ w2,
 routing-weighted) is launched on its own and timed with CUDA events (median); the best
@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from moe.bench_experts import (
+from moe.bench.experts import (
     SHAPES,
     _event_times,
     random_tokens,
@@ -108,7 +108,7 @@ def candidate_tiles(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m moe.tune_experts",
+        prog="python -m moe.bench.tune",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                           + ", ".join(map(str, tiles)))
         return 0
     if not torch.cuda.is_available():
-        print("error: moe.tune_experts needs a CUDA GPU (none visible to torch); "
+        print("error: moe.bench.tune needs a CUDA GPU (none visible to torch); "
               "--dry-run lists the candidates without one", file=sys.stderr)
         return 2
 

@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dbo.bench.timing import SpanFn, Timing, median_of_rounds, no_spans, time_steps
-from dbo.bench.workload import Workload
+from dbo.cli.bench.timing import SpanFn, Timing, median_of_rounds, no_spans, time_steps
+from dbo.cli.bench.workload import Workload
 from moe.experts.triton import sharing_sms
 from moe.layer import MoELayer
 from streams import gemm_carveout

@@ -5,7 +5,7 @@
 
 One frozen, keyword-only dataclass; every field has a one-line doc and `__post_init__`
 rejects bad values with a message that says how to fix them. Only the command line
-(`dbo.bench.launch`) reads the environment; it passes the regime label in here.
+(`dbo.cli.bench.launch`) reads the environment; it passes the regime label in here.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from moe.experts import EXPERTS
 
 MODES: tuple[str, ...] = ("layer", "model")
 """`layer`: a stack of MoE layers with attention-sized GEMMs between them; `model`: the
-reference MoE transformer (`moe.model.MoETransformer`) of a preset."""
+reference MoE transformer (`moe.models.transformer.MoETransformer`) of a preset."""
 
 BENCH_BACKENDS: tuple[str, ...] = tuple(sorted(name for name in BACKENDS if name != "local"))
 """Dispatch/combine backends the sweep can compare: every registered one that moves
@@ -59,7 +59,7 @@ def regime_label(device: str, *, p2p_disabled: bool) -> str:
 
 
 def known_presets() -> list[str]:
-    from moe.presets import PRESETS  # light: configs only
+    from moe.models.presets import PRESETS  # light: configs only
     return sorted(PRESETS)
 
 
@@ -70,7 +70,7 @@ class BenchConfig:
     mode: str = "layer"
     """Workload: "layer" (MoE layer stack + attention-sized GEMMs) or "model" (MoETransformer)."""
     preset: str = DEFAULT_CPU_PRESET
-    """Shapes from `moe.presets` ("tiny", "deepseek-v3-like", "qwen3-moe-like", "mixtral-like")."""
+    """Shapes from `moe.models.presets` ("tiny", "deepseek-v3-like", "qwen3-moe-like", "mixtral-like")."""
     tokens: tuple[int, ...] = DEFAULT_CPU_TOKENS
     """Tokens per rank of one step, one sweep point each."""
     backends: tuple[str, ...] = BENCH_BACKENDS
@@ -84,7 +84,7 @@ class BenchConfig:
     attn_context: int = 2048
     """Layer mode: context tokens per token in the attention stand-in (4*C*H FLOPs per token)."""
     requests: int = 4
-    """Model mode: requests per rank per step (random lengths, moe.model.make_batch)."""
+    """Model mode: requests per rank per step (random lengths, moe.models.transformer.make_batch)."""
     experts: str = "auto"
     """Expert kernel name (see moe.experts): "auto", "reference", "grouped", "triton"."""
     iters: int = 20
@@ -113,7 +113,7 @@ class BenchConfig:
     """Show a progress bar on stderr (rank 0)."""
     gate_trial_iters: int = 3
     """Steps of each of the gate's separate DBO trials, one per round (see
-    dbo.bench.gating)."""
+    dbo.cli.bench.gating)."""
     trace: bool = False
     """Also capture one DBO-off and one DBO-on step per point under torch.profiler into
     <out>/traces/ (rank 0's Chrome trace, analysis JSON and timeline PNG)."""

@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dbo.bench.config import (
+from dbo.cli.bench.config import (
     BENCH_BACKENDS,
     DEFAULT_CPU_PRESET,
     DEFAULT_CPU_TOKENS,
@@ -35,11 +35,11 @@ from dbo.cli import Parser, check_out_dir, quiet_profiler_logs
 
 USAGE_EXAMPLES = """\
 examples:
-  python -m dbo.bench --mode layer                       # CPU: spawns 2 gloo ranks, tiny shapes
-  torchrun --nproc_per_node=2 -m dbo.bench --mode layer  # GPU, NVLink
-  NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.bench --mode layer
-  torchrun --nproc_per_node=2 -m dbo.bench --mode model --preset deepseek-v3-like
-  torchrun --nproc_per_node=2 -m dbo.bench --mode layer --cuda-graph   # a2a_ll as graphs
+  python -m dbo.cli.bench --mode layer                       # CPU: spawns 2 gloo ranks, tiny shapes
+  torchrun --nproc_per_node=2 -m dbo.cli.bench --mode layer  # GPU, NVLink
+  NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --mode layer
+  torchrun --nproc_per_node=2 -m dbo.cli.bench --mode model --preset deepseek-v3-like
+  torchrun --nproc_per_node=2 -m dbo.cli.bench --mode layer --cuda-graph   # a2a_ll as graphs
 """
 
 
@@ -164,7 +164,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = config_from_args(args, env)
         check_out_dir("--out", cfg.out_dir)
         world = world_size_of(args.world_size, cfg, env)
-        from moe.presets import PRESETS
+        from moe.models.presets import PRESETS
         cfg.resolve_num_experts(world, PRESETS[cfg.preset].moe.num_experts)
     except ValueError as exc:
         parser.error(str(exc))  # one line, exit 2, before any rank starts
@@ -227,8 +227,8 @@ def _spawned_rank(rank: int, world_size: int, init_method: str, cfg: BenchConfig
 def run_rank(cfg: BenchConfig, *, rank: int, world_size: int, local_rank: int,
              init_method: str) -> int:
     """One rank: init the group, sweep, and (rank 0) print the table and the JSON line."""
-    from dbo.bench.report import final_line, format_table, write_outputs
-    from dbo.bench.sweep import run_sweep
+    from dbo.cli.bench.report import final_line, format_table, write_outputs
+    from dbo.cli.bench.sweep import run_sweep
 
     # torch deprecates the *_tensor collectives the backends call; not the bench's business.
     warnings.filterwarnings("ignore", category=FutureWarning,

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from dbo.soak.config import MAX_OBJECT_GROWTH, MAX_TENSOR_GROWTH
+from dbo.cli.soak.config import MAX_OBJECT_GROWTH, MAX_TENSOR_GROWTH
 
 
 # ------------------------------------------------------------------------------ memory

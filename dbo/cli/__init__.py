@@ -1,11 +1,11 @@
 """The `dbo` command.
 
-    dbo run           the main job: a preset MoE model, DBO on and off (dbo.run_job)
-    dbo trace         capture DBO steps under torch.profiler and analyze them (dbo.trace_job)
+    dbo run           the main job: a preset MoE model, DBO on and off (dbo.cli.run_job)
+    dbo trace         capture DBO steps under torch.profiler and analyze them (dbo.cli.trace_job)
     dbo inspect FILE  analyze a torch.profiler or Nsight Systems trace (traces.analyze)
-    dbo bench         throughput sweep with a measured overlap ceiling (dbo.bench)
-    dbo bench-switch  CPU cost of one ubatch hand-off (dbo.bench_switch)
-    dbo soak          many random-size DBO steps against the reference (dbo.soak)
+    dbo bench         throughput sweep with a measured overlap ceiling (dbo.cli.bench)
+    dbo bench-switch  CPU cost of one ubatch hand-off (dbo.cli.bench_switch)
+    dbo soak          many random-size DBO steps against the reference (dbo.cli.soak)
 
 `python -m dbo.cli <command> ...` does the same (use it under torchrun).
 
@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import NoReturn, Optional
 
 COMMANDS = {
-    "run": ("dbo.run_job", "the main job: a preset MoE model with DBO on and off"),
-    "trace": ("dbo.trace_job", "capture DBO steps under torch.profiler; trace, analysis, timeline"),
+    "run": ("dbo.cli.run_job", "the main job: a preset MoE model with DBO on and off"),
+    "trace": ("dbo.cli.trace_job", "capture DBO steps under torch.profiler; trace, analysis, timeline"),
     "inspect": ("traces.analyze", "analyze a Chrome (torch.profiler) or Nsight SQLite trace"),
-    "bench": ("dbo.bench", "throughput sweep: backends x tokens x DBO on/off, with ceiling"),
-    "bench-switch": ("dbo.bench_switch", "CPU cost per ubatch hand-off vs OS threads"),
-    "soak": ("dbo.soak", "many random-size DBO steps vs the no-DBO reference; memory stays flat"),
+    "bench": ("dbo.cli.bench", "throughput sweep: backends x tokens x DBO on/off, with ceiling"),
+    "bench-switch": ("dbo.cli.bench_switch", "CPU cost per ubatch hand-off vs OS threads"),
+    "soak": ("dbo.cli.soak", "many random-size DBO steps vs the no-DBO reference; memory stays flat"),
 }
 
 
@@ -107,6 +107,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`ModelConfig` of the reference MoE transformer (`moe.model`), its named presets, and
+"""`ModelConfig` of the reference MoE transformer (`moe.models.transformer`), its named presets, and
 a parameter-memory estimate.
 
     cfg = get_preset("deepseek-v3-like", num_layers=2, max_tokens_per_rank=4096)

@@ -7,8 +7,8 @@
     out = on.step()                       # DBORunner(model, factory.dbo_config)(...)
 
 Layer mode: a `LayerStack` of the preset's MoE layer shape, inputs [T, H], DBO split
-"tokens". Model mode: `moe.model.MoETransformer` of the preset, a batch of `requests`
-requests of random lengths summing to T (`moe.model.make_batch`; each rank its own),
+"tokens". Model mode: `moe.models.transformer.MoETransformer` of the preset, a batch of `requests`
+requests of random lengths summing to T (`moe.models.transformer.make_batch`; each rank its own),
 DBO split "requests".
 
 `a2a_ll` has a fixed capacity per rank: the DBO-off model gets max_tokens_per_rank = T,
@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dbo.bench.config import BenchConfig
-from dbo.bench.layer_stack import LayerStack, layer_moe_config, make_input
-from dbo.bench.timing import gather_floats
+from dbo.cli.bench.config import BenchConfig
+from dbo.cli.bench.layer_stack import LayerStack, layer_moe_config, make_input
+from dbo.cli.bench.timing import gather_floats
 from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, decided_step
 from dbo.runner import DBORunner
 from dbo.split import plan_split, plan_token_split
 from moe.config import MoEConfig
-from moe.presets import get_preset
+from moe.models.presets import get_preset
 
 DEFAULT_LAYERS = 4
 
@@ -216,8 +216,8 @@ class WorkloadFactory:
 
 def _import_model() -> tuple[Any, Any]:
     try:
-        from moe.model import MoETransformer, make_batch
+        from moe.models.transformer import MoETransformer, make_batch
     except ImportError as exc:
-        raise ValueError(f"--mode model needs moe.model (MoETransformer, make_batch), which "
+        raise ValueError(f"--mode model needs moe.models.transformer (MoETransformer, make_batch), which "
                          f"cannot be imported here ({exc}); use --mode layer") from exc
     return MoETransformer, make_batch

@@ -1,19 +1,19 @@
 """Expert-kernel throughput on one GPU: triton vs grouped vs reference, beside GEMM baselines.
 
-    python -m moe.bench_experts                          # default sweep, ~5 min on one H100
-    python -m moe.bench_experts --shapes ds-e8,qwen-e128 --tokens 64,4096 --paths triton,grouped
-    python -m moe.bench_experts --out results/           # also writes experts.json, .txt, .png
-    python -m moe.bench_experts --dry-run                # list the points; no GPU needed
-    python -m moe.bench_experts --shapes ds-e32 --tokens 4096,8192 --ep-ranks 2
+    python -m moe.bench.experts                          # default sweep, ~5 min on one H100
+    python -m moe.bench.experts --shapes ds-e8,qwen-e128 --tokens 64,4096 --paths triton,grouped
+    python -m moe.bench.experts --out results/           # also writes experts.json, .txt, .png
+    python -m moe.bench.experts --dry-run                # list the points; no GPU needed
+    python -m moe.bench.experts --shapes ds-e32 --tokens 4096,8192 --ep-ranks 2
                                                          # one rank's view under EP (ids -1)
-    python -m moe.bench_experts --sustain 2              # each round after 2 s of load:
+    python -m moe.bench.experts --sustain 2              # each round after 2 s of load:
                                                          # the power-capped steady state
-    python -m moe.bench_experts --shapes qwen-e128 --tokens 4096 --paths triton,dense,bmm \
+    python -m moe.bench.experts --shapes qwen-e128 --tokens 4096 --paths triton,dense,bmm \
         --routing balanced                               # no padding: what routing costs
-    TRITON_INTERPRET=1 python -m moe.bench_experts --device cpu --shapes tiny --tokens 4,16
+    TRITON_INTERPRET=1 python -m moe.bench.experts --device cpu --shapes tiny --tokens 4,16
                                                          # CPU smoke run; timings meaningless
     ncu --profile-from-start off -k regex:fused_moe --metrics dram__bytes_read.sum \
-        python -m moe.bench_experts --shapes ds-e128 --tokens 4096 --paths triton \
+        python -m moe.bench.experts --shapes ds-e128 --tokens 4096 --paths triton \
         --rounds 1 --profile-window                      # hardware counters of one call
 
 Each point is a shape (below) and T tokens per rank with uniform random top-k routing, bf16
@@ -32,9 +32,9 @@ round medians), so clock or thermal drift during a point reaches every path alik
 GPU under continuous load sits at its power limit with a lower SM clock than in a short
 burst (an H200 at 700 W: 1300-1600 MHz against 1980), and a path pays for its own memory
 traffic there. `SM MHz` is the median SM clock of one sample per round, taken as the
-round's timed calls run (from `nvidia-smi`, `moe.gpu_clocks`; rounds shorter than the
+round's timed calls run (from `nvidia-smi`, `moe.bench.gpu_clocks`; rounds shorter than the
 query, ~50 ms, are read just after), and `capped` how many samples found the clock held
-back by the power limit. Two paths are GEMM-only baselines (`moe.bench_baselines`), not
+back by the power limit. Two paths are GEMM-only baselines (`moe.bench.baselines`), not
 the experts' function: `dense` is `torch.matmul` on [T*K, H] x [H, 2I] then [T*K, I] x
 [I, H] with one expert's weights, the same FLOPs without routing or the weight traffic of
 E experts, i.e. the GEMM ceiling; `bmm` is `torch.bmm` over the E experts with
@@ -45,7 +45,7 @@ routing: what a perfectly balanced grouped GEMM reaches at this point's rows per
 experts' uneven rows (short last blocks, padding) cost the expert paths.
 `err` is triton's max |difference| against the reference (or grouped) relative to the
 reference's max |value|. Progress goes to stderr, a table to stdout, then one JSON line.
-With `--out`, also the table, the JSON and a plot (`experts.png`, `moe.bench_experts_plot`:
+With `--out`, also the table, the JSON and a plot (`experts.png`, `moe.bench.experts_plot`:
 TFLOP/s and share of dense against T, one column per shape; skipped with a note where
 matplotlib is missing, or with `--no-plot`). Without CUDA it exits 2 (unless --device cpu).
 
@@ -72,8 +72,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from moe.bench_baselines import BASELINES, gemm_flops
-from moe.gpu_clocks import ClockSample, read_clocks, summarize
+from moe.bench.baselines import BASELINES, gemm_flops
+from moe.bench.gpu_clocks import ClockSample, read_clocks, summarize
 
 # name -> (hidden H, intermediate I, top-k K, local experts E)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -122,7 +122,7 @@ class ReadyPath(NamedTuple):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m moe.bench_experts",
+        prog="python -m moe.bench.experts",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{shape} (H={hidden} I={inter} K={top_k} E={experts}) T={tokens} {path}")
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: moe.bench_experts needs a CUDA GPU (none visible to torch); for a CPU smoke "
+        print("error: moe.bench.experts needs a CUDA GPU (none visible to torch); for a CPU smoke "
               "run use TRITON_INTERPRET=1 ... --device cpu --shapes tiny", file=sys.stderr)
         return 2
     device = torch.device(args.device)
@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write_plot(points: list[Point], path: Path, record: dict[str, Any]) -> None:
     """`experts.png`, or a note on stderr saying why not."""
-    from moe.bench_experts_plot import plot_experts
+    from moe.bench.experts_plot import plot_experts
 
     title = (f"expert kernels vs dense, {record['device']}, {record['dtype']}"
              + (f", one rank of {record['ep_ranks']} under EP" if record["ep_ranks"] > 1 else "")

@@ -1,9 +1,9 @@
 """Soak run: many DBO steps with random token counts per rank; outputs and memory checked.
 
-    python -m dbo.soak                                        # CPU: 2 gloo ranks, 2000 steps
-    python -m dbo.soak --steps 500 --backend a2a_ll --layers 1 --world-size 2
-    python -m dbo.soak --steps 20000 --max-tokens 512        # GPUs: one rank per GPU, NCCL
-    torchrun --nproc_per_node=2 -m dbo.soak --steps 20000
+    python -m dbo.cli.soak                                        # CPU: 2 gloo ranks, 2000 steps
+    python -m dbo.cli.soak --steps 500 --backend a2a_ll --layers 1 --world-size 2
+    python -m dbo.cli.soak --steps 20000 --max-tokens 512        # GPUs: one rank per GPU, NCCL
+    torchrun --nproc_per_node=2 -m dbo.cli.soak --steps 20000
 
 Every rank builds the same small fp32 model (`--layers` `MoELayer`s with a shared expert,
 experts split over all ranks, a Linear + GELU after each) and runs `--steps` steps. At
@@ -39,9 +39,9 @@ Prints a progress line every --report-every steps (rank 0, stderr), a table per 
 then one JSON line. Exit code 1 when a step mismatched or memory grew past a bound.
 """
 
-from dbo.soak.config import MAX_OBJECT_GROWTH, MAX_TENSOR_GROWTH, SoakConfig
-from dbo.soak.memory import MemoryTracker
-from dbo.soak.run import main, run_rank, run_soak
+from dbo.cli.soak.config import MAX_OBJECT_GROWTH, MAX_TENSOR_GROWTH, SoakConfig
+from dbo.cli.soak.memory import MemoryTracker
+from dbo.cli.soak.run import main, run_rank, run_soak
 
 __all__ = ["MAX_OBJECT_GROWTH", "MAX_TENSOR_GROWTH", "MemoryTracker", "SoakConfig", "main",
            "run_rank", "run_soak"]

@@ -35,7 +35,7 @@ def _figure_class() -> tuple[Any, Any, Any, Any]:
 
 
 def plot_experts(points: Sequence[Any], path: Path, *, title: str) -> bool:
-    """Write the PNG of `points` (`moe.bench_experts.Point`s) to `path`; False (and no
+    """Write the PNG of `points` (`moe.bench.experts.Point`s) to `path`; False (and no
     file) when no point has a time to draw."""
     timed = [p for p in points if p.tflops]
     if not timed:

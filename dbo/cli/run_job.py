@@ -40,15 +40,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from dbo.capture import capture, phase_order
+from traces.capture import capture, phase_order
 from dbo.cli import Parser, check_out_dir
 from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, capture_graph
-from dbo.launch import RankContext, launch, resolve_world_size
+from dbo.cli.launch import RankContext, launch, resolve_world_size
 from dbo.runner import DBORunner
 from moe.backends import BACKENDS as MOE_BACKENDS
 from moe.experts import EXPERTS as EXPERT_KERNELS
-from moe.presets import PRESETS
+from moe.models.presets import PRESETS
 from moe.routing_log import record_routing, routing_ties
 
 BACKENDS = ("auto", *MOE_BACKENDS)
@@ -66,7 +66,7 @@ class RunConfig:
     """What `dbo run` runs."""
 
     preset: str = "tiny"
-    """Model preset (moe.model.PRESETS)."""
+    """Model preset (moe.models.transformer.PRESETS)."""
     tokens: int = 256
     """Tokens per rank (rank r gets tokens - r * tokens // 8, so ranks differ)."""
     requests: int = 8
@@ -129,7 +129,7 @@ def model_config(job: RunConfig, world_size: int) -> Any:
     """The preset's `ModelConfig` with the job's overrides for a group of `world_size`
     ranks. ValueError (with the fix) where the preset cannot run that way, e.g. experts
     that do not split over the ranks: call it before starting them."""
-    from moe.model import get_preset
+    from moe.models.transformer import get_preset
 
     max_tokens = max(tokens_for_rank(job, r) for r in range(world_size))
     overrides: dict[str, Any] = {"max_tokens_per_rank": max_tokens}
@@ -194,7 +194,7 @@ class RankSetup:
 def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
     """Build the preset model (same global weights on every rank), this rank's batch
     and a DBORunner voting over all ranks."""
-    from moe.model import MoETransformer, make_batch
+    from moe.models.transformer import MoETransformer, make_batch
 
     config = model_config(job, ctx.world_size)
     if job.cuda_graph and ctx.device.type != "cuda":

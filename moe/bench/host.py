@@ -1,12 +1,12 @@
 """Host (CPU) time of the Triton expert path per call: what a DBO step waits for where
 the GPU has run out of queued work.
 
-    python -m moe.bench_host                                  # ds-e32, one of 2 EP ranks, 2048 tokens
-    python -m moe.bench_host --shape qwen-e128 --tokens 256 --ep-ranks 1
-    TRITON_INTERPRET=1 python -m moe.bench_host --device cpu --shape tiny --tokens 16 --reps 3
+    python -m moe.bench.host                                  # ds-e32, one of 2 EP ranks, 2048 tokens
+    python -m moe.bench.host --shape qwen-e128 --tokens 256 --ep-ranks 1
+    TRITON_INTERPRET=1 python -m moe.bench.host --device cpu --shape tiny --tokens 16 --reps 3
                                                               # CPU smoke run
 
-For one routed input (`moe.bench_experts.random_tokens`: T tokens received by one rank of
+For one routed input (`moe.bench.experts.random_tokens`: T tokens received by one rank of
 `--ep-ranks`), the wall time from call to return of each step, with the GPU idle before
 every call (a synchronize, outside the timed span) so that no launch waits for a full
 queue: `fused_moe` whole, the align step (three launches), one GEMM launch, and the
@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from moe.bench_experts import SHAPES, random_tokens, random_weights
+from moe.bench.experts import SHAPES, random_tokens, random_weights
 
 STEPS = ("fused_moe", "align", "gemm2_launch", "ksum_launch")
 MODES = ("fast", "triton")
@@ -38,10 +38,10 @@ MODES = ("fast", "triton")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m moe.bench_host", description=__doc__.split("\n\n")[0],
+        prog="python -m moe.bench.host", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="ds-e32", choices=sorted(SHAPES),
-                        help="expert shape of moe.bench_experts (default ds-e32)")
+                        help="expert shape of moe.bench.experts (default ds-e32)")
     parser.add_argument("--tokens", type=int, default=2048,
                         help="tokens this rank received (default 2048: one DBO ubatch of 4096)")
     parser.add_argument("--ep-ranks", type=int, default=2,
@@ -127,7 +127,7 @@ def measure(args: argparse.Namespace, device: torch.device
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("moe.bench_host: no CUDA device (use --device cpu under TRITON_INTERPRET=1 "
+        print("moe.bench.host: no CUDA device (use --device cpu under TRITON_INTERPRET=1 "
               "for a smoke run)", file=sys.stderr)
         return 2
     device = torch.device(args.device)

@@ -5,14 +5,14 @@
 
 Per point (backend outer, tokens inner, so a model is rebuilt only when it must be),
 `rounds` times in a row: DBO off timed, the ceiling probed on that same workload (GPU),
-DBO on timed, then its split compute (GPU; `dbo.bench.ceiling.probe_split_compute`).
+DBO on timed, then its split compute (GPU; `dbo.cli.bench.ceiling.probe_split_compute`).
 Then the gate is decided from the tokens and the measured ceiling. Times are medians
-of `iters` steps per rank (see `dbo.bench.timing`), folded over the rounds (per rank,
+of `iters` steps per rank (see `dbo.cli.bench.timing`), folded over the rounds (per rank,
 the median of the round medians); the derived figures use the slowest rank's time (the
 step time the group sees), and rank 0's are reported beside them. Alternating the
 measurements puts slow drift (clocks, host load) into all of them alike; each
 round's eta is kept, and its range is reported beside the eta of the medians. On a GPU,
-rank 0's SM clock is logged in the background (`moe.gpu_clocks.ClockLog`), and each point
+rank 0's SM clock is logged in the background (`moe.bench.gpu_clocks.ClockLog`), and each point
 reports its median over the no-DBO, DBO, split and probe timings (`sm_mhz`, `capped`): the GPU
 runs these steps at its power limit, where the clock moves with the load.
 With `cuda_graph` (`--cuda-graph`) every timing is of CUDA graph replays: DBO off, the
@@ -43,13 +43,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from dbo.bench.ceiling import Ceiling, median_ceiling, probe_ceiling, probe_split_compute
-from dbo.bench.config import BenchConfig
-from dbo.bench.gating import GatePolicy
-from dbo.bench.timing import SpanFn, Timing, median_of_rounds, no_spans, time_steps
-from dbo.bench.workload import WorkloadFactory
-from dbo.capture import capture
-from moe.gpu_clocks import ClockLog
+from dbo.cli.bench.ceiling import Ceiling, median_ceiling, probe_ceiling, probe_split_compute
+from dbo.cli.bench.config import BenchConfig
+from dbo.cli.bench.gating import GatePolicy
+from dbo.cli.bench.timing import SpanFn, Timing, median_of_rounds, no_spans, time_steps
+from dbo.cli.bench.workload import WorkloadFactory
+from traces.capture import capture
+from moe.bench.gpu_clocks import ClockLog
 
 PROBE_SKIPPED_CPU = ("skipped on CPU: gloo runs each collective synchronously on the "
                      "calling thread, there are no streams to overlap")

@@ -1,4 +1,4 @@
-"""The soak run's configuration and limits (see dbo.soak for what the run does)."""
+"""The soak run's configuration and limits (see dbo.cli.soak for what the run does)."""
 from __future__ import annotations
 
 import math
@@ -34,7 +34,7 @@ MAX_TENSOR_GROWTH = 8
 
 @dataclass(frozen=True, kw_only=True)
 class SoakConfig:
-    """What `python -m dbo.soak` runs."""
+    """What `python -m dbo.cli.soak` runs."""
 
     steps: int = 2000
     """Steps in all, warmup included."""

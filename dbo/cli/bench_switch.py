@@ -1,6 +1,6 @@
 """CPU cost of one ubatch hand-off: the greenlet scheduler against OS threads.
 
-    python -m dbo.bench_switch [--yields 200000] [--repeats 5]
+    python -m dbo.cli.bench_switch [--yields 200000] [--repeats 5]
     dbo bench-switch
 
 Both sides run two ubatches that hand control back and forth `--yields` times each.

@@ -12,7 +12,7 @@ from moe.config import MoEConfig
 from moe.layer import MoELayer
 from moe.reference import init_moe_weights
 from moe.shared import SharedExperts
-from dbo.soak.config import SoakConfig, ZERO_EVERY
+from dbo.cli.soak.config import SoakConfig, ZERO_EVERY
 
 
 # ------------------------------------------------------------------------------ model

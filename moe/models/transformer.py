@@ -35,7 +35,7 @@ from dbo.phases import phase_scope
 from dbo.graph_host import keep_for_graph
 from moe.kernels.rotary import apply_rotary
 from moe.layer import MoELayer
-from moe.presets import PRESETS, ModelConfig, estimate_param_bytes, get_preset
+from moe.models.presets import PRESETS, ModelConfig, estimate_param_bytes, get_preset
 from moe.shared import SharedExperts
 
 __all__ = ["Batch", "ModelConfig", "MoETransformer", "PRESETS", "estimate_param_bytes",
@@ -199,7 +199,7 @@ class MoETransformer(nn.Module):
     """Embedding, `num_layers` decoder layers, final RMSNorm, LM head.
 
     Args:
-        config: the model shapes (see `moe.presets` for named ones); every MoE layer
+        config: the model shapes (see `moe.models.presets` for named ones); every MoE layer
             is built from `config.moe`, its backend and expert kernel included
             (`get_preset(name, backend="a2a", experts="triton")`).
         group: expert-parallel process group; None = all experts on this process.
@@ -211,7 +211,7 @@ class MoETransformer(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         if not isinstance(config, ModelConfig):
-            raise TypeError(f"MoETransformer takes a ModelConfig (see moe.presets.get_preset), "
+            raise TypeError(f"MoETransformer takes a ModelConfig (see moe.models.presets.get_preset), "
                             f"got {type(config).__name__}")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype,
