@@ -5,8 +5,8 @@ A last test checks the README table and this one agree.
 
 Rejections that need two processes (capacity overflow, experts not divisible by the EP
 size, a peer's rejected inputs, configurations that differ across ranks) are tested in
-tests/test_failures.py, tests/test_moe_layer.py, tests/test_agreement.py and
-tests/test_hf_convert.py; their rows here point there. The `moe.hf` rows need
+tests/dbo/test_failures.py, tests/moe/test_moe_layer.py, tests/dbo/test_agreement.py and
+tests/models/test_hf_convert.py; their rows here point there. The `moe.hf` rows need
 transformers and skip without it.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Layer: CPU unit tests of traces.timeline — the timeline PNG from Chrome and Nsight traces."""
+"""Layer 1 (CPU): unit tests of traces.timeline — the timeline PNG from Chrome and Nsight traces."""
 from __future__ import annotations
 
 import sys
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from tests.test_analyze import cpu_label, gpu_label, kernel, write_chrome, write_nsys_sqlite  # noqa: E402
+from tests.traces.test_analyze import cpu_label, gpu_label, kernel, write_chrome, write_nsys_sqlite  # noqa: E402
 from traces.analyze import AnalyzeConfig, analyze  # noqa: E402
 from traces.classify import ClassifyConfig  # noqa: E402
 from traces.model import Trace  # noqa: E402

@@ -1,7 +1,7 @@
 """Layer 4 (GPU, skipped without CUDA): the backends over NCCL on two GPUs, and the real
 compute/comm streams of a DBO step on one GPU.
 
-Run on a GPU machine: `python -m pytest tests/test_gpu_backends.py -q`.
+Run on a GPU machine: `python -m pytest tests/moe/test_gpu_backends.py -q`.
 """
 from __future__ import annotations
 

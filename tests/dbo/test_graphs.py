@@ -1,7 +1,7 @@
-"""CUDA graphs of DBO steps (`dbo.graphs`): input checks and keys on CPU, the vote's
-extra values over gloo, and capture/replay on one and two GPUs (marked gpu).
+"""Layers 1-2 and 4 (CPU, two gloo processes; GPU-marked): CUDA graphs of DBO steps
+(`dbo.graphs`): input checks and keys on CPU, the vote's extra values over gloo, and capture/replay on one and two GPUs (marked gpu).
 
-Run the GPU part on a GPU machine: `python -m pytest tests/test_graphs.py -q`.
+Run the GPU part on a GPU machine: `python -m pytest tests/dbo/test_graphs.py -q`.
 """
 from __future__ import annotations
 

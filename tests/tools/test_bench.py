@@ -41,7 +41,7 @@ from dbo.cli.bench.sweep import (
 from dbo.cli.bench.timing import Timing, median_of_rounds
 from tests.dist_utils import run_distributed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FINAL_KEYS = {"bench", "regime", "mode", "preset", "world_size", "device", "shapes", "probe",
               "summary", "points", "files"}
 POINT_KEYS = {"backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",

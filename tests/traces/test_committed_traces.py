@@ -13,7 +13,7 @@ import pytest
 from traces.analyze import analyze
 from traces.readers import read_trace
 
-DATA = Path(__file__).resolve().parent.parent / "traces" / "data"
+DATA = Path(__file__).resolve().parents[2] / "traces" / "data"
 EXPECTED = json.loads((DATA / "expected_metrics.json").read_text())["traces"]
 
 

@@ -1,4 +1,4 @@
-"""`moe.kernels.slots`: the slot layout of the `a2a_ll` all-to-all, Triton (interpreted
+"""Layer 3 (Triton interpreter on CPU): `moe.kernels.slots`: the slot layout of the `a2a_ll` all-to-all, Triton (interpreted
 on CPU) against torch and against a loop written out by hand; exact equality."""
 from __future__ import annotations
 

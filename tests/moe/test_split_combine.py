@@ -1,4 +1,4 @@
-"""The split combine of the model's last MoE layer (two/three gloo processes).
+"""Layer 2 (two/three gloo processes): the split combine of the model's last MoE layer.
 
 In a DBO step, the last ubatch of a `last_layer` MoE layer runs the experts on the rows
 the other ranks sent (its own masked), queues the combine, then runs its own rows while

@@ -1,4 +1,4 @@
-"""Layer: expert kernels (`moe.experts`), the dense reference (`moe.reference`), shared experts.
+"""Layer 1 (CPU): expert kernels (`moe.experts`), the dense reference (`moe.reference`), shared experts.
 
 Shape legend: N rows, K top-k, E local experts, H hidden, I intermediate.
 

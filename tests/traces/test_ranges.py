@@ -1,4 +1,4 @@
-"""Layer: CPU unit tests of traces.ranges — phase ranges that two greenlets interleave on
+"""Layer 1 (CPU): unit tests of traces.ranges — phase ranges that two greenlets interleave on
 one thread: NVTX start/end pairing by id, torch.profiler labels in a real CPU trace, the
 trace rewritten so those ranges nest (traces.perfetto), and the off state doing nothing.
 """

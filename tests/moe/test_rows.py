@@ -1,4 +1,4 @@
-"""`moe.kernels.rows`: packing token rows by source index and the gather-sum, Triton
+"""Layer 3 (Triton interpreter on CPU): `moe.kernels.rows`: packing token rows by source index and the gather-sum, Triton
 (interpreted on CPU) against torch and against sums written out by hand."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`moe.kernels.rotary`: the Triton kernel (interpreted on CPU, and on CUDA) against the
+"""Layer 3 (Triton interpreter on CPU; GPU-marked on CUDA): `moe.kernels.rotary`: the Triton kernel (interpreted on CPU, and on CUDA) against the
 torch version, bit for bit."""
 from __future__ import annotations
 

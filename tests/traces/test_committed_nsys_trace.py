@@ -21,7 +21,7 @@ import pytest
 from traces.analyze import analyze
 from traces.readers import read_trace
 
-DATA = Path(__file__).resolve().parent.parent / "traces" / "data"
+DATA = Path(__file__).resolve().parents[2] / "traces" / "data"
 TRACE = DATA / "h100x2_a2a_T4096_nsys.sqlite.gz"
 EXPECTED = json.loads((DATA / "h100x2_a2a_T4096_nsys_expected.json").read_text())["devices"]
 PID = lambda global_id: (int(global_id) >> 24) & 0xFFFFFF  # noqa: E731 (Nsight's id layout)

@@ -1,5 +1,5 @@
-"""The GEMM SM carveout (`streams.gemm_carveout`), its DBOConfig field, the runner's use of
-it around a split step and the bench's switch. torch's two process-wide settings are
+"""Layer 1 (CPU; one GPU-marked test): the GEMM SM carveout (`streams.gemm_carveout`),
+its DBOConfig field, the runner's use of it around a split step and the bench's switch. torch's two process-wide settings are
 replaced by fakes here, so that the CPU build (which has no cuBLASLt) can check what is
 set and what is restored; on a GPU the real settings take the same path."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Layer: `moe.router.route` -- every routing variant against per-token Python re-derivations.
+"""Layer 1 (CPU): `moe.router.route` -- every routing variant against per-token Python re-derivations.
 
 Shape legend: T tokens, E experts, K top-k.
 

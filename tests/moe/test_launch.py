@@ -1,4 +1,5 @@
-"""Layer: `moe.kernels.launch` -- launching Triton kernels through their compiled handles.
+"""Layer 3 (Triton interpreter on CPU; GPU-marked on CUDA): `moe.kernels.launch` --
+launching Triton kernels through their compiled handles.
 
 On CPU (the interpreter) the launchers must take Triton's own path and give its results;
 on CUDA (GPU-marked) the compiled-handle path must give the same results as

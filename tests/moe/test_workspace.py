@@ -1,4 +1,4 @@
-"""Layer: `moe.workspace` -- reuse, growth only on larger requests, per-ubatch independence."""
+"""Layer 1 (CPU): `moe.workspace` -- reuse, growth only on larger requests, per-ubatch independence."""
 from __future__ import annotations
 
 import pytest

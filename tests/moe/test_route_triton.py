@@ -1,4 +1,4 @@
-"""Layer: the Triton routing kernel (`moe.kernels.route_triton`, interpreted on CPU) against
+"""Layer 3 (Triton interpreter on CPU): the Triton routing kernel (`moe.kernels.route_triton`, interpreted on CPU) against
 the torch ops of `moe.router.route` (the reference), over every routing variant.
 
 Shape legend: T tokens, E experts, K top-k.

@@ -1,4 +1,4 @@
-"""Layer: CPU unit tests of traces/ — interval math, the Chrome and Nsight SQLite readers,
+"""Layer 1 (CPU): unit tests of traces/ — interval math, the Chrome and Nsight SQLite readers,
 comm classification, ubatch attribution, the overlap analyzer and its CLI.
 
 Every expected number below is worked out by hand from the synthetic events (µs).

@@ -2,7 +2,7 @@
 the tests save themselves (no download): the loaded model's logits equal the saved
 model's for the four architectures, from per-expert tensors (what `save_pretrained`
 writes), fused ones and shards; under EP each rank holds and reads only its own experts
-(tested with two ranks in tests/test_hf_convert.py, beside convert); a missing tensor and a config that does not match the weights are refused by name.
+(tested with two ranks in tests/models/test_hf_convert.py, beside convert); a missing tensor and a config that does not match the weights are refused by name.
 """
 from __future__ import annotations
 

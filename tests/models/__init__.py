@@ -1,0 +1,1 @@
+"""Tests of the models: the reference transformer (moe.models) and the Hugging Face adapters (moe.hf)."""
