@@ -1,2 +1,7 @@
 """Models layer: the reference transformer (`moe.models.transformer`) and its presets
-(`moe.models.presets`). Built on the `moe` runtime; the runtime never imports it."""
+(`moe.models.presets`), built on the `moe` runtime; the runtime never imports them.
+The Hugging Face adapters (`moe.hf`) are in this layer too."""
+from moe.models.presets import PRESETS, get_preset
+from moe.models.transformer import MoETransformer, make_batch
+
+__all__ = ["MoETransformer", "PRESETS", "get_preset", "make_batch"]

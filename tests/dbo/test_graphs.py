@@ -1,5 +1,6 @@
 """Layers 1-2 and 4 (CPU, two gloo processes; GPU-marked): CUDA graphs of DBO steps
-(`dbo.graphs`): input checks and keys on CPU, the vote's extra values over gloo, and capture/replay on one and two GPUs (marked gpu).
+(`dbo.graphs`): input checks and keys on CPU, the vote's extra values over gloo,
+and capture/replay on one and two GPUs (marked gpu).
 
 Run the GPU part on a GPU machine: `python -m pytest tests/dbo/test_graphs.py -q`.
 """
