@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from moe.bench.experts import SHAPES, random_tokens, random_weights
+from moe.bench.problems import SHAPES, random_tokens, random_weights
 
 STEPS = ("fused_moe", "align", "gemm2_launch", "ksum_launch")
 MODES = ("fast", "triton")

@@ -38,15 +38,9 @@ from typing import Any, Callable
 
 import torch
 
-from moe.bench.experts import (
-    SHAPES,
-    _event_times,
-    random_tokens,
-    random_weights,
-    split_ints,
-    split_names,
-    split_tokens,
-)
+from moe.bench.experts import split_ints, split_names, split_tokens
+from moe.bench.problems import SHAPES, random_tokens, random_weights
+from moe.bench.timing import event_times
 
 # Tile space: BLOCK_N, BLOCK_K, num_warps, num_stages (GROUP_M 8, varied for the winner).
 BLOCK_NS = (64, 128, 256)
@@ -260,7 +254,7 @@ def time_launch(launch: Any, tile: Tile, reps: int) -> float:
 def time_fn(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     """Median ms of `fn` over `reps` CUDA-event-timed calls, after a first call."""
     fn()
-    return statistics.median(_event_times(fn, device, reps))
+    return statistics.median(event_times(fn, device, reps))
 
 
 def tune_point(point: Point, args: argparse.Namespace) -> list[Timing]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moe.bench import experts as bench_experts
+from moe.bench import problems
 from moe.bench.baselines import BASELINES, batched_chain, dense_chain, gemm_flops
 
 HIDDEN, INTER, EXPERTS = 24, 10, 4
@@ -55,19 +56,19 @@ def test_batched_chain_runs_every_expert_on_its_own_weights() -> None:
 def test_balanced_ids() -> None:
     """Distinct experts per token, every expert within one row of T*K/E; top-k over the
     experts is an error."""
-    ids = bench_experts.balanced_ids(37, 3, 8, torch.device("cpu"))
+    ids = problems.balanced_ids(37, 3, 8, torch.device("cpu"))
     assert ids.shape == (37, 3) and ids.dtype == torch.int64
     assert all(len(set(row.tolist())) == 3 for row in ids)
     counts = torch.bincount(ids.view(-1), minlength=8)
     assert counts.sum() == 111 and counts.max() - counts.min() <= 1
-    exact = torch.bincount(bench_experts.balanced_ids(16, 2, 4, torch.device("cpu")).view(-1))
+    exact = torch.bincount(problems.balanced_ids(16, 2, 4, torch.device("cpu")).view(-1))
     assert exact.tolist() == [8, 8, 8, 8]
     with pytest.raises(ValueError, match="top-k <= experts"):
-        bench_experts.balanced_ids(4, 5, 4, torch.device("cpu"))
+        problems.balanced_ids(4, 5, 4, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     x, weights, ids = bench_experts.random_tokens("tiny", 10, torch.float32, gen,
                                                   routing="balanced")
-    assert torch.equal(ids, bench_experts.balanced_ids(10, 2, 4, torch.device("cpu")))
+    assert torch.equal(ids, problems.balanced_ids(10, 2, 4, torch.device("cpu")))
     torch.testing.assert_close(weights.sum(1), torch.ones(10))
     with pytest.raises(ValueError, match="one rank"):
         bench_experts.random_tokens("tiny", 10, torch.float32, gen, ep_ranks=2,

@@ -1,0 +1,69 @@
+"""Timing helpers of the expert benchmarks: medians of CUDA-event times, sustained
+load, peak memory. On CPU, one wall-clock call (the benchmarks run there as smoke tests).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+def time_ms(fn: Callable[[], object], device: torch.device, budget_ms: float, *,
+            during: Callable[[], object] | None = None) -> float:
+    """Median milliseconds of `fn` after one warmup, over repeats filling ~budget_ms.
+    `during` is called once while the timed calls run on the GPU (after they are queued)."""
+    fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        elapsed = (time.perf_counter() - start) * 1e3
+        if during is not None:
+            during()
+        return elapsed
+    probe = statistics.median(event_times(fn, device, 3))
+    reps = int(min(50, max(5, budget_ms / max(probe, 1e-3))))
+    return statistics.median(event_times(fn, device, reps, during=during))
+
+
+def event_times(fn: Callable[[], object], device: torch.device, reps: int, *,
+                 during: Callable[[], object] | None = None) -> list[float]:
+    """Per-call milliseconds from CUDA events around each of `reps` back-to-back calls;
+    `during()` runs on the host after the last call is queued, before the sync."""
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(reps)
+    ]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    if during is not None:
+        during()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def sustain(fn: Callable[[], object], device: torch.device, seconds: float) -> int:
+    """Call `fn` back to back for about `seconds` (syncing every few calls, so the host
+    never runs far ahead); returns the number of calls."""
+    calls, deadline = 0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(4):
+            fn()
+        calls += 4
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return calls
+
+
+def peak_gb(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Peak allocated GB over one call of `fn` (everything live counts, inputs included)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    del result
+    return torch.cuda.max_memory_allocated(device) / 1e9
