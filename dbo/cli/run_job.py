@@ -41,109 +41,14 @@ import torch
 import torch.distributed as dist
 
 from traces.capture import capture, phase_order
-from dbo.cli import Parser, check_out_dir
+from dbo.cli import Parser
 from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, capture_graph
 from dbo.cli.launch import RankContext, launch, resolve_world_size
+from dbo.cli.run_config import (BACKENDS, EXPERTS, PROFILERS, RunConfig, model_config,
+                                tokens_for_rank)
 from dbo.runner import DBORunner
-from moe.backends import BACKENDS as MOE_BACKENDS
-from moe.experts import EXPERTS as EXPERT_KERNELS
-from moe.models.presets import PRESETS
 from moe.routing_log import record_routing, routing_ties
-
-BACKENDS = ("auto", *MOE_BACKENDS)
-EXPERTS = ("auto", *EXPERT_KERNELS)
-# Backends `--cuda-graph` runs: all but a2a, which reads its token counts on the host.
-# naive reads nothing there with the capacity that `setup_rank` sets
-# (`PrepareFinalize.graph_safe`).
-GRAPH_BACKENDS = ("auto", "local", "naive", "a2a_ll")
-# What records the traced steps (`dbo trace --profiler`).
-PROFILERS = ("torch", "nsys")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    """What `dbo run` runs."""
-
-    preset: str = "tiny"
-    """Model preset (moe.models.transformer.PRESETS)."""
-    tokens: int = 256
-    """Tokens per rank (rank r gets tokens - r * tokens // 8, so ranks differ)."""
-    requests: int = 8
-    """Requests per rank (packed, variable lengths)."""
-    backend: str = "auto"
-    """Dispatch/combine backend."""
-    experts: str = "auto"
-    """Expert kernel."""
-    num_experts: Optional[int] = None
-    """Override the preset's routed expert count (over all ranks: a multiple of the
-    world size)."""
-    steps: int = 3
-    """Timed steps per mode, after warm-up."""
-    warmup: int = 1
-    """Untimed steps per mode first."""
-    layers: Optional[int] = None
-    """Override the preset's layer count."""
-    seed: int = 0
-    """Weights and batches derive from it."""
-    out: str = "dbo_out/run"
-    """Output folder."""
-    trace: bool = True
-    """Capture one DBO step under torch.profiler (trace, analysis, timeline)."""
-    cuda_graph: bool = False
-    """Run and time both modes as CUDA graph replays (GPUs only)."""
-    profiler: str = "torch"
-    """What records the traced steps: "torch" (torch.profiler) or "nsys" (NVTX ranges
-    inside cudaProfilerStart/Stop, for Nsight Systems; GPUs only)."""
-
-    def __post_init__(self) -> None:
-        for name in ("tokens", "requests", "steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
-        if self.warmup < 0:
-            raise ValueError(f"--warmup={self.warmup}: must be >= 0")
-        for name, choices in (("preset", PRESETS), ("backend", BACKENDS),
-                              ("experts", EXPERTS), ("profiler", PROFILERS)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"--{name}={getattr(self, name)!r}: choose one of "
-                                 f"{', '.join(choices)}")
-        for name in ("layers", "num_experts"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={value}: must be >= 1")
-        check_out_dir("--out", self.out)
-        if self.cuda_graph and self.backend not in GRAPH_BACKENDS:
-            raise ValueError(f"--cuda-graph with --backend={self.backend}: that backend reads "
-                             f"device values on the host, which a CUDA graph cannot; use one "
-                             f"of {GRAPH_BACKENDS} (auto picks a2a_ll on several ranks)")
-        if self.cuda_graph and self.experts == "reference":
-            raise ValueError("--cuda-graph with --experts=reference: the reference experts "
-                             "read their token counts on the host; use triton or auto")
-
-
-def tokens_for_rank(job: RunConfig, rank: int) -> int:
-    return max(1, job.tokens - rank * (job.tokens // 8))
-
-
-def model_config(job: RunConfig, world_size: int) -> Any:
-    """The preset's `ModelConfig` with the job's overrides for a group of `world_size`
-    ranks. ValueError (with the fix) where the preset cannot run that way, e.g. experts
-    that do not split over the ranks: call it before starting them."""
-    from moe.models.transformer import get_preset
-
-    max_tokens = max(tokens_for_rank(job, r) for r in range(world_size))
-    overrides: dict[str, Any] = {"max_tokens_per_rank": max_tokens}
-    if job.layers is not None:
-        overrides["num_layers"] = job.layers
-    if job.num_experts is not None:
-        overrides["num_experts"] = job.num_experts
-    config = get_preset(job.preset, **overrides)
-    if config.moe.num_experts % world_size:
-        raise ValueError(f"{config.moe.num_experts} routed experts ({job.preset}) do not "
-                         f"split over {world_size} ranks: pass --num-experts N with N a "
-                         f"multiple of {world_size}, or another --world-size")
-    return config
-
 
 def _timed(fn: Any, steps: int, device: torch.device) -> list[float]:
     """Seconds per step (CUDA events on GPU, perf_counter on CPU); ranks in step."""

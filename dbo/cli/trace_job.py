@@ -27,7 +27,8 @@ import torch
 
 from traces.capture import capture
 from dbo.cli.launch import RankContext, launch
-from dbo.cli.run_job import RunConfig, build_parser, parse_job, setup_rank
+from dbo.cli.run_config import RunConfig
+from dbo.cli.run_job import build_parser, parse_job, setup_rank
 from traces.ranges import TraceConfig, configure, current_config, label_range, step_name
 
 DEFAULTS = RunConfig(out="dbo_out/trace", steps=2)

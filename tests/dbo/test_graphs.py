@@ -21,7 +21,7 @@ from dbo.cli.bench.config import BenchConfig
 from dbo.cli.bench.launch import build_parser, config_from_args
 from dbo.graphs import (GraphedRunner, _signature, capture_graph, decided_step,
                         graph_blockers)
-from dbo.cli.run_job import BACKENDS, GRAPH_BACKENDS, RunConfig
+from dbo.cli.run_config import BACKENDS, GRAPH_BACKENDS, RunConfig
 from dbo.vote import vote_min
 from moe.config import MoEConfig
 from moe.layer import MoELayer
