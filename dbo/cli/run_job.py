@@ -40,15 +40,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from traces.capture import capture, phase_order
 from dbo.cli import Parser
-from dbo.config import DBOConfig
-from dbo.graphs import GraphedRunner, capture_graph
 from dbo.cli.launch import RankContext, launch, resolve_world_size
 from dbo.cli.run_config import (BACKENDS, EXPERTS, PROFILERS, RunConfig, model_config,
                                 tokens_for_rank)
+from dbo.config import DBOConfig
+from dbo.graphs import GraphedRunner, capture_graph
 from dbo.runner import DBORunner
+from moe.models.presets import PRESETS
 from moe.routing_log import record_routing, routing_ties
+from traces.capture import capture, phase_order
 
 def _timed(fn: Any, steps: int, device: torch.device) -> list[float]:
     """Seconds per step (CUDA events on GPU, perf_counter on CPU); ranks in step."""
