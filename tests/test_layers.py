@@ -113,14 +113,15 @@ def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
     problems = []
     for module, targets in sorted(graph.items()):
         for target in sorted(targets):
-            for imported in [*parents(target), target]:
-                if imported in parents(module):
+            # The target itself, else the first package above it that runs up.
+            for imported in [target, *parents(target)]:
+                if imported in parents(module) or layer_of(imported) <= layer_of(module):
                     continue
-                if layer_of(imported) > layer_of(module):
-                    via = "" if imported == target else f" (run by importing {target})"
-                    problems.append(
-                        f"{module} [{LAYER_NAMES[layer_of(module)]}] imports {imported}"
-                        f"{via} [{LAYER_NAMES[layer_of(imported)]}]")
+                via = "" if imported == target else f" (run by importing {target})"
+                problems.append(
+                    f"{module} [{LAYER_NAMES[layer_of(module)]}] imports {imported}"
+                    f"{via} [{LAYER_NAMES[layer_of(imported)]}]")
+                break
     return problems
 
 
@@ -210,6 +211,19 @@ def test_a_package_init_that_imports_tools_is_named(tmp_path: Path):
                       "dbo/__init__.py": "", "dbo/scheduler.py": "import traces.ranges\n"})
     assert upward_arrows(import_graph(tmp_path)) == [
         "traces [streams/annotations] imports traces.analyze [tools]"]
+
+
+def test_a_package_run_by_an_import_is_named(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch):
+    """`import traces.ranges` from the core also runs `traces/__init__.py`: were that
+    package a tool, the core's import would run up."""
+    _write(tmp_path, {"streams/__init__.py": "", "moe/__init__.py": "",
+                      "traces/__init__.py": "", "traces/ranges.py": "",
+                      "dbo/__init__.py": "", "dbo/scheduler.py": "import traces.ranges\n"})
+    monkeypatch.delitem(EXACT_LAYERS, "traces")
+    assert upward_arrows(import_graph(tmp_path)) == [
+        "dbo.scheduler [dbo runtime core] imports traces (run by importing traces.ranges) "
+        "[tools]"]
 
 
 def test_a_circle_is_named(tmp_path: Path):
