@@ -66,15 +66,17 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import torch
 
+from moe.bench.args import split_names, split_tokens
 from moe.bench.baselines import BASELINES
 from moe.bench.gpu_clocks import ClockSample, read_clocks, summarize
 from moe.bench.problems import SHAPES, Problem, min_bytes, random_tokens, random_weights
+from moe.bench.results import Point, attach_dense_share, attach_error, format_table
 from moe.bench.timing import peak_gb, sustain, time_ms
 
 DEFAULT_SHAPES = "ds-e8,ds-e32,ds-e128,qwen-e128"
@@ -82,24 +84,6 @@ DEFAULT_TOKENS = "64,256,1024,4096,16384"
 EXPERT_PATHS = ("triton", "grouped", "reference")
 PATHS = (*EXPERT_PATHS, *BASELINES)  # the expert kernels, then the GEMM-only baselines
 ROUTINGS = ("uniform", "balanced")
-
-
-@dataclass(frozen=True)
-class Point:
-    """One measured (shape, tokens, path)."""
-
-    shape: str
-    tokens: int
-    path: str
-    ms: float | None
-    tflops: float | None
-    peak_gb: float | None
-    min_gb: float
-    err: float | None = None
-    note: str = ""
-    vs_dense: float | None = None  # this path's TFLOP/s over the dense chain's, same point
-    sm_mhz: float | None = None  # median SM clock while the timed calls ran
-    capped: str = ""  # "k/n": samples that found the clock held back by the power limit
 
 
 class ReadyPath(NamedTuple):
@@ -160,35 +144,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.paths = split_names(args.paths, PATHS, "--paths")
     args.tokens = split_tokens(parser, args.tokens)
     return args
-
-
-def split_names(text: str, valid: object, flag: str) -> list[str]:
-    """A comma list of names from `valid`; exits 2 naming the unknown ones."""
-    items = [s for s in text.split(",") if s]
-    bad = [s for s in items if s not in valid]
-    if bad or not items:
-        print(f"error: {flag} {text!r}: unknown {bad}; use a comma list of {', '.join(valid)}",
-              file=sys.stderr)
-        raise SystemExit(2)
-    return items
-
-
-def split_ints(parser: argparse.ArgumentParser, text: str, option: str, *, example: str,
-               valid: Callable[[int], bool], need: str) -> list[int]:
-    """A comma list of integers that are all `valid` (a parser error naming `need` otherwise)."""
-    try:
-        values = [int(t) for t in text.split(",") if t]
-    except ValueError:
-        parser.error(f"{option} {text!r}: give comma-separated integers, e.g. {example}")
-    if not values or not all(map(valid, values)):
-        parser.error(f"{option} {values}: give {need}")
-    return values
-
-
-def split_tokens(parser: argparse.ArgumentParser, text: str) -> list[int]:
-    """`--tokens`: a comma list of positive integers (a parser error otherwise)."""
-    return split_ints(parser, text, "--tokens", example="64,4096", valid=lambda t: t >= 1,
-                      need="positive integers")
 
 
 def bench_shape(
@@ -277,8 +232,8 @@ def bench_point(problem: Problem, kernels: dict[str, object], args: argparse.Nam
                               **clock_fields(clocks[path]))
     del timed
     points = [results[path] for path in args.paths]
-    _attach_error(points, outputs)
-    return _attach_dense_share(points)
+    attach_error(points, outputs)
+    return attach_dense_share(points)
 
 
 def profile_one_call(fn: Callable[[], object], device: torch.device, label: str) -> None:
@@ -346,45 +301,6 @@ def _failed(problem: Problem, path: str, exc: Exception, device: torch.device) -
         torch.cuda.empty_cache()
     return Point(problem.shape, problem.tokens, path, None, None, None, problem.min_gb,
                  note=f"failed: {type(exc).__name__}: {str(exc)[:120]}")
-
-
-def _attach_dense_share(points: list[Point]) -> list[Point]:
-    """Set `vs_dense` (TFLOP/s over the dense chain's, same point) where both were timed."""
-    dense = next((p for p in points if p.path == "dense" and p.tflops), None)
-    if dense is None:
-        return points
-    return [replace(p, vs_dense=p.tflops / dense.tflops) if p.tflops and p is not dense else p
-            for p in points]
-
-
-def _attach_error(points: list[Point], outputs: dict[str, torch.Tensor]) -> None:
-    """Set `err` on the last triton point: max |triton - truth| / max |truth|."""
-    vs = "reference" if "reference" in outputs else "grouped"
-    if "triton" not in outputs or vs not in outputs:
-        return
-    truth = outputs[vs].float()
-    diff = (outputs["triton"].float() - truth).abs().max().item()
-    err = diff / (truth.abs().max().item() or 1.0)
-    for i in range(len(points) - 1, -1, -1):
-        if points[i].path == "triton":
-            points[i] = replace(points[i], err=err, note=f"err vs {vs}")
-            return
-
-
-def format_table(points: list[Point]) -> str:
-    header = (f"{'shape':<10} {'T':>6} {'path':<10} {'ms':>10} {'TFLOP/s':>8} {'of dense':>8} "
-              f"{'SM MHz':>6} {'capped':>6} {'peak GB':>8} {'min GB':>7} {'err':>8}  note")
-    lines = [header, "-" * len(header)]
-    for p in points:
-        ms = f"{p.ms:10.3f}" if p.ms is not None else f"{'-':>10}"
-        rate = f"{p.tflops:8.1f}" if p.tflops is not None else f"{'-':>8}"
-        peak = f"{p.peak_gb:8.2f}" if p.peak_gb is not None else f"{'-':>8}"
-        err = f"{p.err:8.1e}" if p.err is not None else f"{'-':>8}"
-        share = f"{p.vs_dense:8.1%}" if p.vs_dense is not None else f"{'-':>8}"
-        clock = f"{p.sm_mhz:6.0f}" if p.sm_mhz is not None else f"{'-':>6}"
-        lines.append(f"{p.shape:<10} {p.tokens:>6} {p.path:<10} {ms} {rate} {share} {clock} "
-                     f"{p.capped or '-':>6} {peak} {p.min_gb:7.2f} {err}  {p.note}")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from moe.bench.experts import split_ints, split_names, split_tokens
+from moe.bench.args import split_ints, split_names, split_tokens
 from moe.bench.problems import SHAPES, random_tokens, random_weights
 from moe.bench.timing import event_times
 
