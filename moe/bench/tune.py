@@ -27,11 +27,9 @@ import argparse
 import functools
 import itertools
 import json
-import multiprocessing
 import os
 import statistics
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -39,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from moe.bench.args import split_ints, split_names, split_tokens
+from moe.bench.precompile import precompile, warmup_spec
 from moe.bench.problems import SHAPES, random_tokens, random_weights
 from moe.bench.timing import event_times
 
@@ -206,37 +205,6 @@ def gemm_launches(launches_: dict[str, Any]) -> dict[str, Any]:
     return {what: launch for what, launch in launches_.items() if what.startswith("gemm")}
 
 
-def _warmup_spec(launch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A picklable stand-in of a launch: tensors become their dtypes (Triton's warmup
-    treats a dtype as an aligned tensor), integers stay (they pick the specialisation)."""
-    args = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in launch.args)
-    return args, dict(launch.flags)
-
-
-def _compile_one(job: tuple[tuple[Any, ...], dict[str, Any], dict[str, int]]) -> str | None:
-    """Worker: compile one candidate into Triton's cache; the error text if it fails."""
-    args, flags, meta = job
-    try:
-        from moe.kernels.fused_moe_triton import fused_moe_kernel
-
-        fused_moe_kernel.warmup(*args, grid=(1,), **flags, **meta)
-    except Exception as exc:  # a tile the compiler rejects is reported, not fatal
-        return f"{meta}: {type(exc).__name__}: {str(exc)[:200]}"
-    return None
-
-
-def precompile(jobs: list[tuple[Any, ...]], workers: int) -> list[str]:
-    """Compile candidates in `workers` fresh processes; returns the failures."""
-    if workers <= 0 or not jobs:
-        return []
-    unique = list({repr(job): job for job in jobs}.values())
-    print(f"compiling {len(unique)} candidates in {workers} processes ...", file=sys.stderr,
-          flush=True)
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        return [err for err in pool.map(_compile_one, unique) if err]
-
-
 def time_launch(launch: Any, tile: Tile, reps: int) -> float:
     """Median ms of one tile after a first (compiling) launch."""
     from moe.kernels.fused_moe_triton import fused_moe_kernel
@@ -395,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                     for what, launch in gemm_launches(calls).items():
                         gated = what.startswith("gemm1")
                         n, k = (inter, hidden) if gated else (hidden, inter)
-                        spec_args, flags = _warmup_spec(launch)
+                        spec_args, flags = warmup_spec(launch)
                         for tile in candidate_tiles(block_m, gated=gated, n=n, k=k,
                                                     block_ks=args.block_k):
                             jobs.append((spec_args, flags, tile.meta()))
