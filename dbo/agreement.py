@@ -182,31 +182,39 @@ def stop_step(tally: Tally, *, rejected: Optional[BaseException],
               group: Optional[dist.ProcessGroup]) -> None:
     """Raise on every rank after a vote that `tally.stops`: every rank calls this after
     the same tally, so the exchange of texts and fields below is collective."""
-    assert tally.stops
-    mine = {"error": None if rejected is None else _error_text(rejected),
-            "fields": None if tally.configs_agree or agreement is None else agreement.fields}
-    reports = _gather(mine, group)
-    me = group_rank(group)
-    errors = {rank: r["error"] for rank, r in enumerate(reports) if r["error"] is not None}
-    if not tally.configs_agree:
-        exc: BaseException = _mismatch([r["fields"] for r in reports], errors)
+    try:
+        assert tally.stops
+        mine = {"error": None if rejected is None else _error_text(rejected),
+                "fields": None if tally.configs_agree or agreement is None else agreement.fields}
+        reports = _gather(mine, group)
+        me = group_rank(group)
+        errors = {rank: r["error"] for rank, r in enumerate(reports) if r["error"] is not None}
+        if not tally.configs_agree:
+            exc: BaseException = _mismatch([r["fields"] for r in reports], errors)
+            mark_stopped_together(exc)
+            raise exc from rejected
+        if rejected is not None:
+            others = {rank: text for rank, text in errors.items() if rank != me}
+            if others and hasattr(rejected, "add_note"):
+                rejected.add_note("[dbo] the group's other rejecting ranks: " + "; ".join(
+                    f"rank {rank}: {text}" for rank, text in others.items()))
+            mark_stopped_together(rejected)
+            raise rejected
+        ranks = tuple(sorted(errors)) or (tally.rejected_by,)
+        which = (f"rank {ranks[0]}" if len(ranks) == 1
+                 else "ranks " + ", ".join(str(r) for r in ranks))
+        said = "; ".join(f"rank {rank}: {text}" for rank, text in errors.items())
+        exc = PeerInputError(f"{which} of the group rejected its inputs to this step ({said}); "
+                             f"no rank ran the step", ranks=ranks)
         mark_stopped_together(exc)
-        raise exc from rejected
-    if rejected is not None:
-        others = {rank: text for rank, text in errors.items() if rank != me}
-        if others and hasattr(rejected, "add_note"):
-            rejected.add_note("[dbo] the group's other rejecting ranks: " + "; ".join(
-                f"rank {rank}: {text}" for rank, text in others.items()))
-        mark_stopped_together(rejected)
-        raise rejected
-    ranks = tuple(sorted(errors)) or (tally.rejected_by,)
-    which = (f"rank {ranks[0]}" if len(ranks) == 1
-             else "ranks " + ", ".join(str(r) for r in ranks))
-    said = "; ".join(f"rank {rank}: {text}" for rank, text in errors.items())
-    exc = PeerInputError(f"{which} of the group rejected its inputs to this step ({said}); "
-                         f"no rank ran the step", ranks=ranks)
-    mark_stopped_together(exc)
-    raise exc
+        raise exc
+    finally:
+        # The error raised here holds this frame (and its callers') through its traceback:
+        # a frame that still held the error would make a reference cycle, keeping the
+        # runner, its model and CUDA graphs alive until the garbage collector runs (the
+        # callers clear theirs too). A 2-GPU run whose captured graphs were still alive
+        # this way hung in destroy_process_group.
+        rejected = exc = None
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -220,7 +220,10 @@ class GraphedRunner:
             # the step's collectives (the runner's mechanism, `DBORunner.vote`).
             rejected = exc
         have = (keys.get(True) in self._graphs, keys.get(False) in self._graphs)
-        tally = runner.vote(plan, rejected, have_graphs=have, cuda_graph=True)
+        try:
+            tally = runner.vote(plan, rejected, have_graphs=have, cuda_graph=True)
+        finally:
+            rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
         assert plan is not None and x is not None  # else the vote raised
         plan = plan_after_vote(plan, tally.split, tally.max_tokens)
         runner.last_decision = plan

@@ -142,7 +142,10 @@ class DBORunner:
         except Exception as exc:
             # Bad input on this rank: vote "not ok" so that every rank stops (`vote`).
             rejected = exc
-        tally = self.vote(plan, rejected)
+        try:
+            tally = self.vote(plan, rejected)
+        finally:
+            rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
         assert plan is not None  # a rejected plan stopped the step in the vote
         plan = plan_after_vote(plan, tally.split, tally.max_tokens)
         self.last_decision = plan
@@ -175,7 +178,10 @@ class DBORunner:
         if tally.configs_agree:
             cache.mark_agreed()
         if tally.stops:
-            stop_step(tally, rejected=rejected, agreement=agreement, group=self.group)
+            try:
+                stop_step(tally, rejected=rejected, agreement=agreement, group=self.group)
+            finally:
+                rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
         return tally
 
     def agreement_fields(self, cuda_graph: bool = False) -> dict[str, Any]:

@@ -281,3 +281,35 @@ def test_capacity_is_the_smallest_a_module_reports() -> None:
 
     with pytest.raises(TypeError, match=r"dbo_max_tokens_per_rank\(\) returned 0"):
         collect_capacity(Bad())
+
+
+def freed_after_a_stopped_step(rank: int, world_size: int) -> dict[str, Any]:
+    """A step stopped at the vote (rank 1's inputs rejected): with the garbage collector
+    off, dropping the runner must free it. No frame of the error's traceback may keep the
+    error (a reference cycle would keep the runner, its model and, under GraphedRunner,
+    its CUDA graphs alive until a collection)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        model = nn.Linear(4, 4)
+        runner = DBORunner(model, DBOConfig(split="tokens", min_decode_tokens=2),
+                           group=torch.distributed.group.WORLD)
+        x = torch.randn(8, 4)
+        with torch.no_grad():
+            runner(x)
+            outcome_type = outcome(lambda: runner(x, torch.randn(3)) if rank == 1
+                                   else runner(x))["type"]
+        refs = [weakref.ref(runner), weakref.ref(model)]
+        del runner, model
+        return {"type": outcome_type, "alive": [r() is not None for r in refs]}
+    finally:
+        gc.enable()
+
+
+@pytest.mark.distributed
+def test_a_step_stopped_at_the_vote_leaves_no_reference_cycle() -> None:
+    rank0, rank1 = run_distributed(2, freed_after_a_stopped_step)
+    assert (rank0["type"], rank1["type"]) == ("PeerInputError", "ValueError")
+    assert rank0["alive"] == rank1["alive"] == [False, False]
