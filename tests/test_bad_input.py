@@ -150,6 +150,12 @@ def hf_load_without(tmp_path: Path, name: str, **config_edits) -> None:
     load(path)
 
 
+def hf_generate_unconverted() -> None:
+    from moe.hf import generate
+    generate(DBORunner(tiny_model("qwen3_moe")), torch.zeros(1, 2, dtype=torch.long),
+             max_new_tokens=1)
+
+
 def hf_convert(arch: str, **sizes) -> None:
     from moe.hf import convert
     convert(tiny_model(arch, **sizes))
@@ -175,6 +181,9 @@ HF_REJECTED = {
     "`moe.hf.load`: config.json and checkpoint shapes differ": (
         lambda tmp: hf_load_without(tmp, "", intermediate_size=24), ValueError,
         "config.json and the weights disagree"),
+    "`moe.hf.generate` on a model not converted": (
+        lambda tmp: hf_generate_unconverted(), ValueError,
+        "has no converted MoE block: convert it first, model = moe.hf.convert(model"),
 }
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from dbo.cli import check_out_dir
+from dbo.cli.run_hf import check_hf_options, hf_model_config
 from moe.backends import BACKENDS as MOE_BACKENDS
 from moe.experts import EXPERTS as EXPERT_KERNELS
 from moe.models.presets import PRESETS
@@ -51,6 +52,11 @@ class RunConfig:
     """Capture one DBO step under torch.profiler (trace, analysis, timeline)."""
     cuda_graph: bool = False
     """Run and time both modes as CUDA graph replays (GPUs only)."""
+    hf: Optional[str] = None
+    """A local Hugging Face checkpoint folder to run instead of the preset (`moe.hf.load`)."""
+    hf_config: Optional[str] = None
+    """A tiny random Hugging Face model of this architecture to run instead of the preset
+    (`moe.hf.tiny`)."""
     profiler: str = "torch"
     """What records the traced steps: "torch" (torch.profiler) or "nsys" (NVTX ranges
     inside cudaProfilerStart/Stop, for Nsight Systems; GPUs only)."""
@@ -71,6 +77,7 @@ class RunConfig:
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={value}: must be >= 1")
         check_out_dir("--out", self.out)
+        check_hf_options(self)
         if self.cuda_graph and self.backend not in GRAPH_BACKENDS:
             raise ValueError(f"--cuda-graph with --backend={self.backend}: that backend reads "
                              f"device values on the host, which a CUDA graph cannot; use one "
@@ -90,6 +97,8 @@ def model_config(job: RunConfig, world_size: int) -> Any:
     that do not split over the ranks: call it before starting them."""
     from moe.models.transformer import get_preset
 
+    if job.hf is not None or job.hf_config is not None:
+        return hf_model_config(job, world_size)
     max_tokens = max(tokens_for_rank(job, r) for r in range(world_size))
     overrides: dict[str, Any] = {"max_tokens_per_rank": max_tokens}
     if job.layers is not None:

@@ -42,11 +42,13 @@ import torch.distributed as dist
 
 from dbo.cli import Parser
 from dbo.cli.launch import RankContext, launch, resolve_world_size
+from dbo.cli.run_hf import build_hf
 from dbo.cli.run_config import (BACKENDS, EXPERTS, PROFILERS, RunConfig, model_config,
                                 tokens_for_rank)
 from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, capture_graph
 from dbo.runner import DBORunner
+from moe.hf.tiny import TINY_SIZES
 from moe.models.presets import PRESETS
 from moe.routing_log import record_routing, routing_ties
 from traces.capture import capture, phase_order
@@ -81,6 +83,11 @@ class RankSetup:
     backend: str
     dtype: torch.dtype
     num_tokens: int
+    moe_layer_id: Optional[int]
+    """The first MoE layer (whose phase order is shown); None without one."""
+    num_experts: int
+    label: str
+    """The model, as the summary names it."""
 
     def off(self) -> Any:
         return self.model(*self.args, **self.kwargs)
@@ -102,6 +109,8 @@ def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
     and a DBORunner voting over all ranks."""
     from moe.models.transformer import MoETransformer, make_batch
 
+    if job.hf is not None or job.hf_config is not None:
+        return RankSetup(**build_hf(ctx, job, tokens_for_rank(job, ctx.rank)))
     config = model_config(job, ctx.world_size)
     if job.cuda_graph and ctx.device.type != "cuda":
         raise ValueError(f"--cuda-graph needs CUDA GPUs; this rank runs on {ctx.device}")
@@ -122,7 +131,9 @@ def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
                        group=ctx.group)
     return RankSetup(model, runner, (batch.input_ids_T, batch.positions_T),
                      {"seq_lens": batch.seq_lens}, backend, config.dtype,
-                     int(batch.input_ids_T.shape[0]))
+                     int(batch.input_ids_T.shape[0]),
+                     model.moe_layers[0].layer_id if model.moe_layers else None,
+                     config.moe.num_experts, f"preset {job.preset}")
 
 
 def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
@@ -163,7 +174,7 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
         if job.trace:
             captured = capture(job_setup.on,
                                Path(job.out) / f"rank{ctx.rank}" if ctx.rank else job.out,
-                               title=f"dbo run {job.preset}, rank {ctx.rank}")
+                               title=f"dbo run {job_setup.label}, rank {ctx.rank}")
 
     stats = torch.tensor([err, tol, float(ties_T.sum()), statistics.median(t_off),
                           statistics.median(t_on), float(job_setup.num_tokens)],
@@ -173,7 +184,7 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
     if not ctx.is_main:
         return None
     per_rank = [g.tolist() for g in gathered]
-    moe_layer = model.moe_layers[0].layer_id if model.moe_layers else None
+    moe_layer = job_setup.moe_layer_id
     order = phase_order(captured.trace.labels, layer=moe_layer) if captured and moe_layer is not None else []
     total_tokens = sum(int(r[5]) for r in per_rank)
     step_off = max(r[3] for r in per_rank)
@@ -183,7 +194,7 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
     performance = ctx.device.type == "cuda"
     summary = {
         "job": "dbo run", "config": asdict(job), "backend": backend, "world_size": ctx.world_size,
-        "num_experts": model.config.moe.num_experts,
+        "model": job_setup.label, "num_experts": job_setup.num_experts,
         "device": str(ctx.device.type), "dtype": str(job_setup.dtype),
         "cuda_graph": job.cuda_graph,
         "split": decision.split, "reason": decision.reason,
@@ -207,7 +218,7 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
 
 def print_summary(s: dict) -> None:
     cfg = s["config"]
-    print(f"dbo run: preset {cfg['preset']}, {s['world_size']} ranks on {s['device']} "
+    print(f"dbo run: {s['model']}, {s['world_size']} ranks on {s['device']} "
           f"({s['dtype']}), backend {s['backend']}, {s['num_experts']} experts, tokens per "
           f"rank {s['tokens_per_rank']}")
     print(f"split: {s['split']} ({s['reason']})")
@@ -251,6 +262,12 @@ def build_parser(*, prog: str = "dbo run", description: Optional[str] = __doc__,
     d = defaults or RunConfig()
     p = Parser(prog, description=description)
     p.add_argument("--preset", default=d.preset, choices=PRESETS, help="model shapes")
+    p.add_argument("--hf", default=d.hf, metavar="PATH",
+                   help="run a local Hugging Face MoE checkpoint folder instead of the preset "
+                        "(experts sharded over the ranks; nothing is downloaded)")
+    p.add_argument("--hf-config", default=d.hf_config, choices=TINY_SIZES, metavar="NAME",
+                   help=f"run a tiny random Hugging Face model of this architecture instead "
+                        f"of the preset: {', '.join(TINY_SIZES)}")
     p.add_argument("--tokens", type=int, default=d.tokens,
                    help="tokens per rank (rank r gets tokens - r * (tokens // 8))")
     p.add_argument("--requests", type=int, default=d.requests, help="requests per rank")

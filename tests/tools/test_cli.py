@@ -187,7 +187,7 @@ def test_resolve_world_size(monkeypatch):
 
 
 def _summary(**overrides) -> dict:
-    s = {"config": {"preset": "tiny", "out": "o", "steps": 3}, "world_size": 2,
+    s = {"config": {"preset": "tiny", "out": "o", "steps": 3}, "world_size": 2, "model": "preset tiny",
          "device": "cuda", "num_experts": 8, "timings": "performance",
          "dtype": "torch.bfloat16", "backend": "a2a_ll", "tokens_per_rank": [8, 7],
          "split": True, "reason": "r", "outputs_match": True, "max_abs_diff": [0.0, 0.0],

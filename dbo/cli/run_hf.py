@@ -1,0 +1,143 @@
+"""`dbo run --hf PATH` / `--hf-config NAME`: the run job over a Hugging Face MoE model.
+
+    dbo run --hf-config qwen3_moe                 # a tiny random Qwen3-MoE, 2 CPU ranks
+    dbo run --hf /models/my-moe --tokens 4096     # a local checkpoint, experts sharded
+
+Shape legend: B sequences, S tokens per sequence, V vocab.
+
+Each rank holds the model with its share of the experts (`moe.hf.load` for a checkpoint,
+`moe.hf.convert` of the same random weights on every rank for a tiny model) and its own
+left-padded batch: `--requests` sequences of `tokens // requests` tokens (ranks differ
+as in the preset job), sequence b padded by b % 3 tokens. DBO splits the batch at a
+sequence boundary (`split="batch"`). The model is called with `use_cache=False` and the
+job compares the logits [B * S, V] of DBO on and off. The phase order shows the MoE
+layer's phases (router, dispatch, experts, combine, shared experts): transformers'
+attention and norms open no dbo phase, so they appear in the trace only as kernels
+under each ubatch's `ub<n>/run` range.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from dbo.config import DBOConfig
+from dbo.runner import DBORunner
+
+__all__ = ["LogitsOnly", "build_hf", "hf_model_config", "hf_label"]
+
+
+class LogitsOnly(nn.Module):
+    """A transformers causal LM whose call returns its logits as [B * S, V] (the rows the
+    run job compares; a DBO step's two ubatches concatenate to the whole batch's)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                            use_cache=False).logits
+        return logits.reshape(-1, logits.shape[-1])
+
+
+def _cat_rows(outputs: list[Tensor]) -> Tensor:
+    """The two ubatches' [b * S, V] logits, ubatch 0's sequences first: the batch's."""
+    return torch.cat(outputs, dim=0)
+
+
+def hf_label(job: Any) -> str:
+    return f"hf {job.hf}" if job.hf is not None else f"hf-config {job.hf_config}"
+
+
+def hf_model_config(job: Any, world_size: int) -> Any:
+    """The transformers config the job runs, checked as every rank would (architecture,
+    experts over the ranks); ValueError with the fix. Reads only config.json of --hf."""
+    from moe.hf.arch import spec_for
+    from moe.hf.tiny import tiny_config
+    if job.hf is not None:
+        from moe.hf.deps import require
+        try:
+            config = require("transformers").AutoConfig.from_pretrained(
+                job.hf, local_files_only=True)
+        except (OSError, ValueError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--hf={job.hf}: cannot read its config.json ({exc}): name a "
+                             f"checkpoint folder that save_pretrained wrote") from exc
+    else:
+        config = tiny_config(job.hf_config, num_layers=job.layers, num_experts=job.num_experts)
+    spec = spec_for(config)
+    num_experts = getattr(config, spec.num_experts_field)
+    if num_experts % world_size:
+        fix = ("another --world-size" if job.hf is not None else
+               f"pass --num-experts N with N a multiple of {world_size}, or another --world-size")
+        raise ValueError(f"{num_experts} routed experts ({hf_label(job)}) do not split over "
+                         f"{world_size} ranks: {fix}")
+    if config.num_experts_per_tok > num_experts:
+        raise ValueError(f"top_k={config.num_experts_per_tok} exceeds num_experts="
+                         f"{num_experts} ({hf_label(job)}): pass a larger --num-experts")
+    return config
+
+
+def build_hf(ctx: Any, job: Any, tokens: int) -> dict[str, Any]:
+    """This rank's model (its experts), batch and runner: the fields of the run job's
+    `RankSetup` (`tokens`: this rank's token count)."""
+    import moe.hf
+    from moe.hf.block import HFMoEBlock
+    from moe.hf.tiny import tiny_model
+
+    backend = job.backend
+    if backend == "auto" and ctx.world_size > 1:
+        backend = "a2a"
+    dtype: Optional[torch.dtype] = torch.bfloat16 if ctx.device.type == "cuda" else None
+    if job.hf is not None:
+        model = moe.hf.load(job.hf, group=ctx.group, backend=backend, experts=job.experts,
+                            dtype=dtype)
+    else:
+        model = tiny_model(hf_model_config(job, ctx.world_size), seed=job.seed)
+        if dtype is not None:
+            model = model.to(dtype)
+        model = moe.hf.convert(model, group=ctx.group, backend=backend, experts=job.experts)
+    model = LogitsOnly(model.to(ctx.device))
+    num_seqs = job.requests
+    seq_len = max(1, tokens // num_seqs)
+    gen = torch.Generator().manual_seed(job.seed + 1000 + ctx.rank)
+    ids = torch.randint(0, model.model.config.vocab_size, (num_seqs, seq_len), generator=gen)
+    mask = torch.ones_like(ids)
+    for b in range(num_seqs):
+        mask[b, : min(b % 3, seq_len - 1)] = 0
+    runner = DBORunner(model, DBOConfig(split="batch", split_kwargs=("attention_mask",),
+                                        min_prefill_tokens=2, min_decode_tokens=2,
+                                        merge=_cat_rows),
+                       group=ctx.group)
+    blocks = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
+    return dict(model=model, runner=runner, args=(),
+                kwargs={"input_ids": ids.to(ctx.device), "attention_mask": mask.to(ctx.device)},
+                backend=backend, dtype=next(b.moe.w13.dtype for b in blocks),
+                num_tokens=num_seqs * seq_len, moe_layer_id=blocks[0].moe.layer_id,
+                num_experts=blocks[0].moe.config.num_experts, label=hf_label(job))
+
+
+def check_hf_options(job: Any) -> None:
+    """The options that do not go with --hf / --hf-config (ValueError with the fix)."""
+    if job.hf is not None and job.hf_config is not None:
+        raise ValueError("--hf and --hf-config name two models: pass one")
+    if job.hf is None and job.hf_config is None:
+        return
+    option = "--hf" if job.hf is not None else "--hf-config"
+    if job.hf is not None and not (Path(job.hf) / "config.json").is_file():
+        raise ValueError(f"--hf={job.hf}: no config.json there: name a local checkpoint "
+                         f"folder (save_pretrained's), nothing is downloaded")
+    if job.hf is not None:
+        for name in ("num_experts", "layers"):
+            if getattr(job, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} with --hf: a checkpoint's sizes "
+                                 f"come from its config.json; use it with --hf-config")
+    if job.cuda_graph:
+        raise ValueError(f"--cuda-graph with {option}: a transformers model's forward is not "
+                         f"captured by dbo run; run it eagerly")
+    if job.preset != "tiny":
+        raise ValueError(f"--preset with {option}: the preset is dbo's reference model, "
+                         f"{option} names the model: pass one")
