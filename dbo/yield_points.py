@@ -77,7 +77,8 @@ def dbo_yield() -> None:
 # reads the scheduler, ubatch and streams once, and sets the ubatch's next stream
 # *before* the hand-off, so that the scheduler makes it current on resume (one stream
 # change, not two). The wait still comes after the resume: queued before the hand-off,
-# it would also hold back the other ubatch's work on that stream.
+# it would also hold back the other ubatch's work on that stream. Events that do
+# nothing (stand-ins without a log) are not called at all.
 
 
 def dbo_yield_and_switch_from_compute_to_comm() -> None:
@@ -89,11 +90,14 @@ def dbo_yield_and_switch_from_compute_to_comm() -> None:
     streams = ub.streams
     if ub.stream is not streams.compute:
         _wrong_stream(ub.stream, "dbo_yield_and_switch_from_compute_to_comm", "compute")
-    event = streams.compute_done[ub.ubatch_id]
-    event.record(streams.compute)
+    live = streams.live_events
+    if live:
+        event = streams.compute_done[ub.ubatch_id]
+        event.record(streams.compute)
     ub.stream = streams.comm
     s.yield_()
-    streams.comm.wait_event(event)
+    if live:
+        streams.comm.wait_event(event)
 
 
 def dbo_yield_and_switch_from_comm_to_compute() -> None:
@@ -105,11 +109,14 @@ def dbo_yield_and_switch_from_comm_to_compute() -> None:
     streams = ub.streams
     if ub.stream is not streams.comm:
         _wrong_stream(ub.stream, "dbo_yield_and_switch_from_comm_to_compute", "comm")
-    event = streams.comm_done[ub.ubatch_id]
-    event.record(streams.comm)
+    live = streams.live_events
+    if live:
+        event = streams.comm_done[ub.ubatch_id]
+        event.record(streams.comm)
     ub.stream = streams.compute
     s.yield_()
-    streams.compute.wait_event(event)
+    if live:
+        streams.compute.wait_event(event)
 
 
 def dbo_switch_to_comm() -> None:
