@@ -160,8 +160,8 @@ class UBatchScheduler:
         A no-op when the other ubatch has finished, or while unwinding after a failure
         (so cleanup code runs straight through). Either way this ubatch's stream
         (`ub.stream`, which a yield point may have changed just before) is current on
-        return. This is the hot path of every hand-off: it is written flat on purpose,
-        and `_enter` is inlined.
+        return. This is the hot path of every hand-off: it is written flat on purpose
+        (no helper calls in the common case), `ThreadStateSwitch.capture` inlined.
         """
         ub = self.running
         target = ub.yield_to
