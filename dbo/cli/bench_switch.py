@@ -51,9 +51,10 @@ def time_greenlet(num_yields: int, *, with_streams: bool = True) -> float:
             for _ in range(num_yields):
                 dbo_yield()
 
+    per_ubatch = num_yields // 2 * 2 if with_streams else num_yields
     start = time.thread_time()
     sched.run([ubatch, ubatch])
-    return (time.thread_time() - start) / (2 * (num_yields // 2 * 2 if with_streams else num_yields))
+    return (time.thread_time() - start) / (2 * per_ubatch)
 
 
 def time_greenlet_floor(num_yields: int) -> float:
