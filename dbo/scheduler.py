@@ -45,28 +45,42 @@ _cuda_current_device = tls.cuda_current_device
 
 MAX_UBATCHES = 2
 
-# The scheduler of the step running on this thread. A step's greenlets all live on the
-# thread that called run(), so a thread-local is exactly the scope of a step.
-_local = threading.local()
+
+class _RunningStep(threading.local):
+    """`running_step.scheduler`: the scheduler of the DBO step running on this thread, or
+    None outside a step. A step's greenlets all live on the thread that called run(), so
+    a thread-local is exactly the scope of a step. The yield points read the attribute
+    directly (the class default makes it None on every thread without a `getattr`)."""
+
+    scheduler: Optional["UBatchScheduler"] = None
+
+
+running_step = _RunningStep()
 
 
 def active_scheduler() -> Optional["UBatchScheduler"]:
     """The scheduler of the DBO step running on this thread, or None outside a step."""
-    return getattr(_local, "scheduler", None)
+    return running_step.scheduler
 
 
 class UBatch:
     """One ubatch's bookkeeping: its greenlet, stream, thread state and pending hooks."""
 
-    __slots__ = ("ubatch_id", "glet", "stream", "thread_state", "recv_hooks", "done",
-                 "result", "run_range")
+    __slots__ = ("ubatch_id", "glet", "streams", "stream", "thread_state", "yield_to",
+                 "recv_hooks", "done", "result", "run_range")
 
-    def __init__(self, ubatch_id: int, glet: greenlet.greenlet, stream: Any,
+    def __init__(self, ubatch_id: int, glet: greenlet.greenlet, streams: StreamSet,
                  thread_state: ThreadState) -> None:
         self.ubatch_id = ubatch_id
         self.glet = glet
-        self.stream = stream
+        # The step's stream set (on the ubatch so that a yield point reaches it in one load).
+        self.streams = streams
+        # The stream this ubatch works on: made current whenever it is resumed.
+        self.stream = streams.compute
         self.thread_state = thread_state
+        # Whom a yield hands control to: the other ubatch while it has not finished and
+        # the step is not unwinding, else None (the yield is a no-op).
+        self.yield_to: Optional[UBatch] = None
         # Receive halves registered *for* this ubatch by the other one, run by this
         # ubatch once it has queued its own compute (see dbo_maybe_run_recv_hook).
         self.recv_hooks: list[Callable[[], Any]] = []
@@ -93,7 +107,6 @@ class UBatchScheduler:
         self._ubatches: list[UBatch] = []
         # The ubatch holding the thread (None outside a step): read by `dbo.yield_points`.
         self.running: Optional[UBatch] = None
-        self._aborting = False
         self._device_type = self.device.type
         self._autocast_types = tls.autocast_device_types(self._device_type)
         self._is_cuda = self.device.type == "cuda"
@@ -123,15 +136,16 @@ class UBatchScheduler:
         switch = self._thread_state = ThreadStateSwitch(self._device_type,
                                                         is_cuda=self._is_cuda)
         hub = greenlet.getcurrent()
-        self._ubatches = [UBatch(i, greenlet.greenlet(fn, parent=hub), streams.compute,
-                                 switch.caller) for i, fn in enumerate(fns)]
-        self._aborting = False
-        _local.scheduler = self
+        self._ubatches = ubatches = [UBatch(i, greenlet.greenlet(fn, parent=hub), streams,
+                                            switch.caller) for i, fn in enumerate(fns)]
+        if len(ubatches) == 2:
+            ubatches[0].yield_to, ubatches[1].yield_to = ubatches[1], ubatches[0]
+        running_step.scheduler = self
         try:
             self._loop()
             return [ub.result for ub in self._ubatches]
         finally:
-            _local.scheduler = None
+            running_step.scheduler = None
             self.running = None
             # Unconditionally: a ubatch may have set the stream behind the tracker's back.
             streams.current.force(streams.compute)
@@ -144,18 +158,36 @@ class UBatchScheduler:
         """Hand control to the other ubatch; return when this one is resumed.
 
         A no-op when the other ubatch has finished, or while unwinding after a failure
-        (so cleanup code runs straight through). This is the hot path of every hand-off:
-        it is written flat on purpose.
+        (so cleanup code runs straight through). Either way this ubatch's stream
+        (`ub.stream`, which a yield point may have changed just before) is current on
+        return. This is the hot path of every hand-off: it is written flat on purpose
+        (no helper calls in the common case), `ThreadStateSwitch.capture` inlined.
         """
-        if self._aborting:
-            return
-        ubatches = self._ubatches
-        if len(ubatches) < 2:
-            return
         ub = self.running
-        other = ubatches[1 - ub.ubatch_id]
-        if not other.done:
-            self._switch(ub, other)
+        target = ub.yield_to
+        tracker = self._streams.current
+        if target is None:
+            if ub.stream is not tracker._current:
+                tracker.set(ub.stream)
+            return
+        # ThreadStateSwitch.capture, inlined: in the common case (nothing differs between
+        # the ubatches) these reads are all the thread-state work of a hand-off.
+        now = (_is_grad_enabled(), _is_inference_mode_enabled(),
+               _is_any_autocast_enabled() and tls.read_autocast(self._autocast_types),
+               _len_function_modes() and tls.read_function_modes(),
+               _len_dispatch_modes() and tls.read_dispatch_modes(),
+               _cuda_current_device() if self._is_cuda else 0)
+        ub.thread_state = now
+        if trace_ranges._ENABLED:
+            self._mark_running(ub, target)
+        if target.thread_state != now:
+            self._thread_state.apply(target.thread_state, now)
+        self.running = target
+        if target.stream is not tracker._current:
+            tracker.set(target.stream)
+        target.glet.switch()
+        # Resumed (by the other ubatch's yield, or by the hub once it finished), with this
+        # ubatch's stream and thread state applied by whoever switched back.
 
     def set_stream(self, ub: UBatch, stream: Any) -> None:
         ub.stream = stream
@@ -184,29 +216,15 @@ class UBatchScheduler:
                                          log=self._log)
         return self._streams
 
-    def _switch(self, current: Optional[UBatch], target: UBatch) -> Any:
-        """Leave `current` (None: the hub), enter `target` with its stream and state.
-
-        Ubatches switch to each other directly; only a finished or failed ubatch
-        returns to the hub. Returns what the hub receives back (a result).
-        """
-        # ThreadStateSwitch.capture, inlined: this runs on every hand-off, and in the
-        # common case (nothing differs between the ubatches) it is all that runs.
-        now = (_is_grad_enabled(), _is_inference_mode_enabled(),
-               _is_any_autocast_enabled() and tls.read_autocast(self._autocast_types),
-               _len_function_modes() and tls.read_function_modes(),
-               _len_dispatch_modes() and tls.read_dispatch_modes(),
-               _cuda_current_device() if self._is_cuda else 0)
-        if current is not None:
-            current.thread_state = now
+    def _enter(self, target: UBatch) -> Any:
+        """Enter `target` from the hub with its stream and state; return what the hub
+        receives back (a result) once a ubatch finishes. Ubatches switch to each other
+        directly (`yield_`); only a finished or failed ubatch returns to the hub."""
         if trace_ranges._ENABLED:
-            self._mark_running(current, target)
-        if target.thread_state != now:
-            self._thread_state.apply(target.thread_state, now)
+            self._mark_running(None, target)
+        self._enter_state(target)
         self.running = target
-        tracker = self._streams.current
-        if target.stream is not tracker._current:
-            tracker.set(target.stream)
+        self._streams.current.set(target.stream)
         return target.glet.switch()
 
     def _loop(self) -> None:
@@ -214,7 +232,7 @@ class UBatchScheduler:
         target = self._ubatches[0]
         while True:
             try:
-                value = self._switch(None, target)
+                value = self._enter(target)
             except BaseException as exc:  # noqa: BLE001 - re-raised below, annotated
                 failed = self.running
                 self._mark_running(failed, None)
@@ -228,6 +246,7 @@ class UBatchScheduler:
             remaining = self.other(finished)
             if remaining is None or remaining.done:
                 return
+            remaining.yield_to = None  # its yields are no-ops from now on
             self._drain_orphaned_hooks(remaining, finished)
             target = remaining
 
@@ -264,7 +283,8 @@ class UBatchScheduler:
 
     def _abort(self, failed: UBatch) -> None:
         """Unwind every other live ubatch after `failed` raised."""
-        self._aborting = True
+        for ub in self._ubatches:
+            ub.yield_to = None  # yields while unwinding are no-ops
         try:
             for ub in self._ubatches:
                 if ub is failed or ub.glet.dead:
@@ -277,7 +297,6 @@ class UBatchScheduler:
                 except BaseException:  # noqa: BLE001 - its cleanup failed too; the first error wins
                     pass
         finally:
-            self._aborting = False
             self.running = None
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from dbo.scheduler import active_scheduler
+from dbo.scheduler import active_scheduler, running_step
 
 
 def dbo_enabled() -> bool:
@@ -68,41 +68,55 @@ def dbo_is_last_ubatch() -> bool:
 
 def dbo_yield() -> None:
     """Hand control to the other ubatch; resume on this ubatch's stream."""
-    s = active_scheduler()
+    s = running_step.scheduler
     if s is not None:
         s.yield_()
 
 
+# The two switching yields below are the per-hand-off hot path of every MoE layer: each
+# reads the scheduler, ubatch and streams once, and sets the ubatch's next stream
+# *before* the hand-off, so that the scheduler makes it current on resume (one stream
+# change, not two). The wait still comes after the resume: queued before the hand-off,
+# it would also hold back the other ubatch's work on that stream. Events that do
+# nothing (stand-ins without a log) are not called at all.
+
+
 def dbo_yield_and_switch_from_compute_to_comm() -> None:
     """Record compute-done, hand off; on resume: comm stream, waiting on compute-done."""
-    s = active_scheduler()
+    s = running_step.scheduler
     if s is None:
         return
-    ub, streams = s.running, s.streams
+    ub = s.running
+    streams = ub.streams
     if ub.stream is not streams.compute:
         _wrong_stream(ub.stream, "dbo_yield_and_switch_from_compute_to_comm", "compute")
-    event = streams.compute_done[ub.ubatch_id]
-    event.record(streams.compute)
+    live = streams.live_events
+    if live:
+        event = streams.compute_done[ub.ubatch_id]
+        event.record(streams.compute)
+    ub.stream = streams.comm
     s.yield_()
-    ub.stream = streams.comm  # inline set_stream: this is the per-hand-off hot path
-    streams.current.set(streams.comm)
-    streams.comm.wait_event(event)
+    if live:
+        streams.comm.wait_event(event)
 
 
 def dbo_yield_and_switch_from_comm_to_compute() -> None:
     """Record comm-done, hand off; on resume: compute stream, waiting on comm-done."""
-    s = active_scheduler()
+    s = running_step.scheduler
     if s is None:
         return
-    ub, streams = s.running, s.streams
+    ub = s.running
+    streams = ub.streams
     if ub.stream is not streams.comm:
         _wrong_stream(ub.stream, "dbo_yield_and_switch_from_comm_to_compute", "comm")
-    event = streams.comm_done[ub.ubatch_id]
-    event.record(streams.comm)
-    s.yield_()
+    live = streams.live_events
+    if live:
+        event = streams.comm_done[ub.ubatch_id]
+        event.record(streams.comm)
     ub.stream = streams.compute
-    streams.current.set(streams.compute)
-    streams.compute.wait_event(event)
+    s.yield_()
+    if live:
+        streams.compute.wait_event(event)
 
 
 def dbo_switch_to_comm() -> None:

@@ -58,6 +58,9 @@ class StreamSet:
     comm_done: list[Any]
     current: CurrentStream
     is_cuda: bool
+    live_events: bool
+    """Whether recording or waiting on an event does anything: on CUDA, or with stand-ins
+    that log. The per-hand-off yield points skip the calls when it is False."""
 
     @classmethod
     def create(cls, device: torch.device | str | None = None, *, num_ubatches: int = 2,
@@ -75,13 +78,13 @@ class StreamSet:
                 compute_done = [torch.cuda.Event() for _ in range(num_ubatches)]
                 comm_done = [torch.cuda.Event() for _ in range(num_ubatches)]
             return cls(compute, comm, compute_done, comm_done,
-                       CurrentStream(compute, is_cuda=True), True)
+                       CurrentStream(compute, is_cuda=True), True, True)
         compute = StandInStream("compute", log)
         comm = StandInStream("comm", log)
         return cls(compute, comm,
                    [StandInEvent(f"compute_done[{u}]", log) for u in range(num_ubatches)],
                    [StandInEvent(f"comm_done[{u}]", log) for u in range(num_ubatches)],
-                   CurrentStream(compute, is_cuda=False), False)
+                   CurrentStream(compute, is_cuda=False), False, log is not None)
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:

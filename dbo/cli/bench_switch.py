@@ -6,11 +6,18 @@
 Both sides run two ubatches that hand control back and forth `--yields` times each.
 `greenlet`: UBatchScheduler with stand-in streams, each hand-off being
 `dbo_yield_and_switch_from_compute_to_comm` / `..._from_comm_to_compute` alternately, so
-the figure includes the event record/wait and stream bookkeeping a real MoE layer pays.
+the figure includes the event record/wait, stream and thread-state bookkeeping a real
+MoE layer pays. `greenlet_bare`: the same with `dbo_yield`. `greenlet_floor`: two plain
+greenlets switching to each other, nothing else (what no bookkeeping can go below).
 `thread`: two OS threads handing off through a pair of `threading.Event`s (the way a
-thread-based runtime imitates coroutines). Prints a table, then one JSON line with
-`greenlet_us_per_yield`, `thread_us_per_yield` and `ratio` (medians over repeats; `greenlet_us_per_yield_min` is
-the best repeat, a lower bound less disturbed by other processes on the machine).
+thread-based runtime imitates coroutines).
+
+The greenlet rows are CPU time of the calling thread (`time.thread_time`: every greenlet
+runs on it), so other processes on a shared machine disturb them little; the thread row
+is wall time (its cost is mostly the OS waking the other thread). Prints a table, then one
+JSON line with `greenlet_us_per_yield`, `greenlet_floor_us_per_yield`,
+`thread_us_per_yield` and `ratio` (medians over repeats; `greenlet_us_per_yield_min` is
+the best repeat).
 """
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ import statistics
 import sys
 import threading
 import time
+
+import greenlet
 
 from dbo.cli import Parser
 from dbo.scheduler import UBatchScheduler
@@ -42,9 +51,29 @@ def time_greenlet(num_yields: int, *, with_streams: bool = True) -> float:
             for _ in range(num_yields):
                 dbo_yield()
 
-    start = time.perf_counter()
+    per_ubatch = num_yields // 2 * 2 if with_streams else num_yields
+    start = time.thread_time()
     sched.run([ubatch, ubatch])
-    return (time.perf_counter() - start) / (2 * (num_yields // 2 * 2 if with_streams else num_yields))
+    return (time.thread_time() - start) / (2 * per_ubatch)
+
+
+def time_greenlet_floor(num_yields: int) -> float:
+    """Seconds per switch between two bare greenlets (`num_yields` switches each)."""
+    def ping() -> None:
+        for _ in range(num_yields):
+            pong.switch()
+
+    def pong_body() -> None:
+        for _ in range(num_yields):
+            ping_glet.switch()
+
+    ping_glet, pong = greenlet.greenlet(ping), greenlet.greenlet(pong_body)
+    start = time.thread_time()
+    ping_glet.switch()
+    elapsed = time.thread_time() - start
+    if not pong.dead:  # pong is parked at its last switch; let it finish
+        pong.switch()
+    return elapsed / (2 * num_yields)
 
 
 def time_threads(num_yields: int) -> float:
@@ -79,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.yields < 2 or args.thread_yields < 1 or args.repeats < 1:
         parser.error("--yields must be >= 2, --thread-yields and --repeats >= 1")
 
-    results = {"greenlet": [], "greenlet_bare": [], "thread": []}
+    results = {"greenlet": [], "greenlet_bare": [], "greenlet_floor": [], "thread": []}
     for i in range(args.repeats):
         print(f"repeat {i + 1}/{args.repeats}", file=sys.stderr, flush=True)
         results["greenlet"].append(time_greenlet(args.yields) * 1e6)
         results["greenlet_bare"].append(time_greenlet(args.yields, with_streams=False) * 1e6)
+        results["greenlet_floor"].append(time_greenlet_floor(args.yields) * 1e6)
         results["thread"].append(time_threads(args.thread_yields) * 1e6)
     med = {k: statistics.median(v) for k, v in results.items()}
     ratio = med["thread"] / med["greenlet"]
@@ -91,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'method':<44} {'us/yield (median)':>18} {'min':>8} {'max':>8}")
     labels = {"greenlet": "greenlet + stream/event bookkeeping",
               "greenlet_bare": "greenlet, dbo_yield only",
+              "greenlet_floor": "two bare greenlets (the floor)",
               "thread": "two OS threads, threading.Event pairs"}
     for key, label in labels.items():
         print(f"{label:<44} {med[key]:>18.3f} {min(results[key]):>8.3f} {max(results[key]):>8.3f}")
@@ -98,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"bench": "switch", "greenlet_us_per_yield": round(med["greenlet"], 4),
                       "greenlet_us_per_yield_min": round(min(results["greenlet"]), 4),
                       "greenlet_bare_us_per_yield": round(med["greenlet_bare"], 4),
+                      "greenlet_floor_us_per_yield": round(med["greenlet_floor"], 4),
                       "thread_us_per_yield": round(med["thread"], 4), "ratio": round(ratio, 2),
                       "repeats": args.repeats, "yields": args.yields}))
     return 0

@@ -196,3 +196,58 @@ def test_other_ubatch_started():
     single = []
     UBatchScheduler("cpu").run([lambda: single.append(dbo.dbo_other_ubatch_started())])
     assert single == [False]
+
+
+def test_switching_yields_change_the_current_stream_once_per_resume():
+    """The next stream is set on the ubatch before the hand-off, so resuming it makes that
+    stream current directly (on CUDA each change is a `torch.cuda.set_stream`). Two
+    ubatches moving compute -> comm -> compute in step: one change per two hand-offs."""
+    sched = UBatchScheduler("cpu")
+    sched.run([lambda: None])  # creates the (cached) stream set
+    tracker = sched.streams.current
+    set_stream, changes, seen = tracker.set, [], []
+
+    def counting_set(stream):
+        if stream is not tracker.get():
+            changes.append(stream.name)
+        set_stream(stream)
+
+    tracker.set = counting_set
+
+    def fn():
+        for _ in range(3):
+            dbo_yield_and_switch_from_compute_to_comm()
+            seen.append((dbo_current_ubatch_id(), current_stream_name(sched)))
+            dbo_yield_and_switch_from_comm_to_compute()
+            seen.append((dbo_current_ubatch_id(), current_stream_name(sched)))
+
+    sched.run([fn, fn])
+    for ubatch_id in (0, 1):  # each ubatch resumed on its own stream
+        assert [name for u, name in seen if u == ubatch_id] == ["comm", "compute"] * 3
+    assert changes == ["comm", "compute"] * 3  # 12 hand-offs
+
+
+def test_switching_yields_skip_events_that_do_nothing():
+    """Stand-in events without a log do nothing: the hand-off does not call them."""
+    sched = UBatchScheduler("cpu")
+    sched.run([lambda: None])
+    streams = sched.streams
+    assert not streams.live_events
+
+    def refuse(*_):
+        raise AssertionError("a no-op event was called on the hand-off path")
+
+    for event in (*streams.compute_done, *streams.comm_done):
+        event.record = refuse
+    for stream in (streams.compute, streams.comm):
+        stream.wait_event = refuse
+
+    def fn():
+        dbo_yield_and_switch_from_compute_to_comm()
+        dbo_yield_and_switch_from_comm_to_compute()
+
+    sched.run([fn, fn])
+    assert UBatchScheduler("cpu", log=[]).run([lambda: None]) == [None]
+    logged = UBatchScheduler("cpu", log=[])
+    logged.run([lambda: None])
+    assert logged.streams.live_events
