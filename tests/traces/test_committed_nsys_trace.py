@@ -20,6 +20,7 @@ import pytest
 
 from traces.analyze import analyze
 from traces.readers import read_trace
+from tests.traces.test_committed_traces import union_us
 
 DATA = Path(__file__).resolve().parents[2] / "traces" / "data"
 TRACE = DATA / "h100x2_a2a_T4096_nsys.sqlite.gz"
@@ -33,16 +34,6 @@ def db(tmp_path_factory: pytest.TempPathFactory) -> sqlite3.Connection:
     with gzip.open(TRACE, "rb") as src, path.open("wb") as dst:
         shutil.copyfileobj(src, dst)
     return sqlite3.connect(path)
-
-
-def union_us(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(spans):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total
 
 
 def nvtx_ranges(db: sqlite3.Connection) -> list[tuple[str, int, int | None, int]]:
