@@ -132,3 +132,47 @@ def test_sbo_runs_shared_experts_under_the_dispatch_and_splits_the_combine(backe
     for rank in range(2):
         assert none[rank] == ["dispatch_send", "dispatch_recv", "experts", "shared"], none
         assert sbo[rank] == ["dispatch_send", "shared", "dispatch_recv", *experts], sbo
+
+
+def runner_steps(rank: int, world_size: int, backend: str) -> list[tuple[str, bool, bool]]:
+    """DBORunner(overlap="auto") over an MoE layer: per step (mode, split, output equal to
+    the layer's within 1e-5). Rank 1 has fewer tokens than the threshold in step 0, so
+    it vetoes rank 0's split: both must fall back to SBO, not just one."""
+    from dbo import DBOConfig, DBORunner
+    layer = make_layer(backend, dict(num_shared_experts=1), last_layer=True)
+    runner = DBORunner(layer, DBOConfig(overlap="auto", min_decode_tokens=8),
+                       group=dist.group.WORLD)
+    torch.manual_seed(rank)
+    steps = []
+    for tokens in ((12, 3), (12, 10), (0, 2)):
+        x = torch.randn(tokens[rank], BASE.hidden_size)
+        with torch.no_grad():
+            out, want = runner(x), layer(x)
+        plan = runner.last_decision
+        steps.append((plan.overlap, plan.split, _error(out, want) <= 1e-5))
+    return steps
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runner_picks_the_same_mode_on_every_rank(backend):
+    ranks = run_distributed(2, runner_steps, backend)
+    assert ranks[0] == ranks[1], ranks
+    assert ranks[0] == [("sbo", False, True), ("dbo", True, True), ("sbo", False, True)]
+
+
+def local_sbo_blocked(rank: int, world_size: int) -> str:
+    """A one-rank layer has nothing to overlap: "sbo" runs it without overlap."""
+    from dbo import DBOConfig, DBORunner
+    layer = MoELayer(replace(BASE, backend="local"), group=None)
+    layer.load_weights(init_moe_weights(BASE, seed=7))
+    runner = DBORunner(layer, DBOConfig(overlap="sbo"), group=None)
+    with torch.no_grad():
+        runner(torch.randn(4, BASE.hidden_size))
+    assert runner.last_decision.overlap == "none"
+    return runner.last_decision.reason
+
+
+def test_local_backend_offers_no_sbo():
+    reason = local_sbo_blocked(0, 1)  # one rank, no process group
+    assert reason.endswith("no single-batch overlap: backend 'local' on one rank has no "
+                           "dispatch or combine to overlap"), reason
