@@ -16,6 +16,9 @@ ArgName = Union[int, str]
 # The named split modes (see `DBOConfig.split`).
 SPLIT_MODES: tuple[str, ...] = ("tokens", "requests", "batch")
 
+# The overlap policies (see `DBOConfig.overlap`, `dbo.overlap`).
+OVERLAP_MODES: tuple[str, ...] = ("dbo", "auto", "sbo", "none")
+
 # A callable split mode: `split(args, kwargs)` returns one `(args, kwargs)` pair per
 # ubatch, or None to run the step unsplit.
 SplitFn = Callable[[tuple, dict], Union[list[tuple[tuple, dict]], None]]
@@ -32,6 +35,8 @@ class DBOConfig:
     """Run steps as two overlapped ubatches when the policy allows; False: call the model as is."""
     split: Union[str, SplitFn] = "tokens"
     """Split mode: "tokens" (dim 0 = independent tokens), "requests" (`seq_lens=` kwarg), "batch" (dim 0 = sequences), or a callable."""
+    overlap: str = "dbo"
+    """Overlap policy per step (`dbo.overlap`): "dbo" splits above the thresholds, else no overlap; "auto" splits above them, else single-batch overlap (shared experts under the dispatch, one ubatch) where the model offers it; "sbo" never splits, always single-batch overlap where offered; "none" never overlaps."""
     num_ubatches: int = 2
     """Number of ubatches per split step; only 2 is supported."""
     min_decode_tokens: int = 32
@@ -63,6 +68,9 @@ class DBOConfig:
             raise ValueError(
                 f"DBOConfig.split must be one of {', '.join(repr(m) for m in SPLIT_MODES)} "
                 f"or a callable, got a {type(self.split).__name__}: {self.split!r}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"DBOConfig.overlap={self.overlap!r} is not an overlap policy: use "
+                             f"one of {', '.join(repr(m) for m in OVERLAP_MODES)}")
         if not _is_int(self.num_ubatches) or self.num_ubatches != 2:
             raise ValueError(f"DBOConfig.num_ubatches={self.num_ubatches!r}: only 2 ubatches "
                              f"are supported, set num_ubatches=2 (the default)")

@@ -225,7 +225,7 @@ class GraphedRunner:
         finally:
             rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
         assert plan is not None and x is not None  # else the vote raised
-        plan = plan_after_vote(plan, tally.split, tally.max_tokens)
+        plan = runner.choose_overlap(plan_after_vote(plan, tally.split, tally.max_tokens))
         runner.last_decision = plan
         runner.check_capacity(plan, tally, cuda_graph=True)
         all_split, all_unsplit = tally.have_graphs
@@ -270,7 +270,7 @@ def decided_step(runner: DBORunner, args: tuple, kwargs: dict, *,
     (every rank must decide alike): what `GraphedRunner` captures. `split=True` where
     the runner's plan would not split runs unsplit, as a veto would."""
     plan, ubatch_args, rows = _plan_of(runner, args, kwargs)
-    plan = plan_after_vote(plan, split, plan.total_tokens)
+    plan = runner.choose_overlap(plan_after_vote(plan, split, plan.total_tokens))
 
     def step() -> Any:
         return runner._execute(plan, ubatch_args, rows, args, kwargs)

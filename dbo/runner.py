@@ -60,6 +60,7 @@ from dbo.config import DBOConfig
 from dbo.failures import (annotate_step_failure, annotate_ubatch_rows, mark_stopped_together,
                           reset_collectives)
 from dbo.merge import merge_outputs
+from dbo.overlap import choose_overlap, collect_sbo_blocker, restrict_split
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, UBatchSlice, plan_split, plan_token_split
 from dbo.split_args import (SplitArgs, SplitArgumentWarning, UBatchArgs, find_split_args,
@@ -102,6 +103,7 @@ class DBORunner:
         self.last_decision: Optional[SplitPlan] = None
         self._schedulers: dict[torch.device, UBatchScheduler] = {}
         self._warned_kwargs: set[str] = set()  # see `_warn_undeclared`
+        self._sbo_blocker: tuple[Any, Optional[str]] = (None, None)  # (model, its reason)
         # Per cuda_graph: a GraphedRunner's steps carry a field of their own.
         self._agreement_caches = {False: AgreementCache(), True: AgreementCache()}
 
@@ -147,7 +149,7 @@ class DBORunner:
         finally:
             rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
         assert plan is not None  # a rejected plan stopped the step in the vote
-        plan = plan_after_vote(plan, tally.split, tally.max_tokens)
+        plan = self.choose_overlap(plan_after_vote(plan, tally.split, tally.max_tokens))
         self.last_decision = plan
         if not self.config.enabled:
             return self.model(*args, **kwargs)
@@ -184,6 +186,15 @@ class DBORunner:
                 rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
         return tally
 
+    def choose_overlap(self, plan: SplitPlan) -> SplitPlan:
+        """The voted `plan` with the step's overlap mode and its reason (`dbo.overlap`):
+        the same on every rank, from the voted split and the agreed configuration."""
+        if not self.config.enabled:
+            return plan
+        if self._sbo_blocker[0] is not self.model:
+            self._sbo_blocker = (self.model, collect_sbo_blocker(self.model))
+        return choose_overlap(plan, self.config, self._sbo_blocker[1])
+
     def agreement_fields(self, cuda_graph: bool = False) -> dict[str, Any]:
         """The runner's own fields that every rank must share (`dbo.agreement`); the
         model's modules add theirs."""
@@ -191,18 +202,21 @@ class DBORunner:
         return {"DBOConfig.enabled": self.config.enabled,
                 "DBOConfig.split": split if isinstance(split, str)
                 else f"callable {getattr(split, '__qualname__', type(split).__name__)}",
-                "cuda_graph": cuda_graph}
+                "DBOConfig.overlap": self.config.overlap, "cuda_graph": cuda_graph}
 
     def _execute(self, plan: SplitPlan, ubatch_args: list[UBatchArgs],
                  rows: Optional[tuple[int, ...]], args: tuple, kwargs: dict) -> Any:
         """Run a step whose split every rank has agreed on (`plan`, after the vote), with
         the ubatches' inputs `_plan` gave. No collective of its own: `dbo.graphs`
         captures this."""
-        if not plan.split:
+        if not plan.split and plan.overlap != "sbo":
             return self.model(*args, **kwargs)
         x = _first_tensor(args, kwargs)
         scheduler = self._scheduler(x)
         device = x.device if x is not None else torch.device("cpu")
+        if not plan.split:  # single-batch overlap: one ubatch, its collectives on comm
+            with gemm_sm_carveout(self.config.gemm_sm_carveout, device):
+                return scheduler.run([_bind(self.model, args, kwargs)])[0]
         try:
             with gemm_sm_carveout(self.config.gemm_sm_carveout, device):
                 outputs = scheduler.run([_bind(self.model, a, k) for a, k in ubatch_args])
@@ -242,6 +256,15 @@ class DBORunner:
     def _plan(self, args: tuple, kwargs: dict
               ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
         """This rank's plan, the ubatches' inputs (when split) and their rows for merge."""
+        plan, ubatch_args, rows = self._plan_split(args, kwargs)
+        restricted = restrict_split(plan, self.config)
+        if restricted is not plan:
+            return restricted, [], None
+        return plan, ubatch_args, rows
+
+    def _plan_split(self, args: tuple, kwargs: dict
+                    ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
+        """The plan the split mode and thresholds give (`_plan` applies the policy)."""
         mode = self.config.split
         if callable(mode):
             return self._plan_callable(mode, args, kwargs)

@@ -16,9 +16,10 @@ returns None.
 | dbo_maybe_run_recv_hook() | run the hooks the other ubatch handed to this one, if any |
 | dbo_get_previous_event(fn, *a) | run fn on the compute stream, return its result (an event) |
 | dbo_is_last_ubatch() | whether the running ubatch is the step's last |
+| dbo_single_batch_overlap() | inside a step of one ubatch (single-batch overlap) |
 | dbo_switch_to_compute_async() | record comm-done, switch to compute, return a `ComputeWait` whose wait() adds the dependency later |
 
-The last two are ours (the peer runtime has no such calls). `dbo_is_last_ubatch` tells a
+The last three are ours (the peer runtime has no such calls). `dbo_is_last_ubatch` tells a
 layer that its combine is the step's last (the split combine, `moe.modular_kernel`). With
 `dbo_switch_to_compute_async`, a backend that issues a collective on the comm stream
 records comm-done at once, returns to the compute stream without waiting, lets the caller
@@ -64,6 +65,15 @@ def dbo_is_last_ubatch() -> bool:
     combine has no other ubatch's compute left to overlap. False outside a step."""
     s = active_scheduler()
     return s is not None and s.running.ubatch_id == s.num_ubatches - 1
+
+
+def dbo_single_batch_overlap() -> bool:
+    """Whether the running step has one ubatch: single-batch overlap (SBO). Its yields
+    are no-ops but its stream switches are real, so a layer may queue work that does
+    not need the dispatched tokens (shared experts) on the compute stream while its
+    dispatch is in flight on the comm stream. False outside a step and in a DBO step."""
+    s = active_scheduler()
+    return s is not None and s.num_ubatches == 1
 
 
 def dbo_yield() -> None:

@@ -85,7 +85,8 @@ class MoEConfig:
     split_last_combine: bool = True
     """In a DBO step, the last ubatch of the model's last MoE layer (`MoELayer(last_layer=
     True)`) sends the other ranks' expert outputs first and computes its own rows while
-    that combine is in flight (a2a, a2a_ll): the step's final combine is otherwise exposed."""
+    that combine is in flight (a2a, a2a_ll): the step's final combine is otherwise exposed.
+    In a single-batch-overlap step (`DBOConfig.overlap`) every MoE layer's combine splits so."""
     kernels: KernelPolicy = KernelPolicy()
     """Which path the router, the backends' row kernels and the Triton experts take
     (`moe.kernels.policy`); the default is the shipped choice."""

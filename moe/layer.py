@@ -113,6 +113,16 @@ class MoELayer(nn.Module):
             return "MoEConfig.check_finite_logits reads its check on the host (set it False)"
         return None
 
+    def dbo_sbo_blocker(self) -> Optional[str]:
+        """Why this layer has nothing to overlap in a single-batch-overlap step (the
+        runner then runs such steps without overlap), or None when its dispatch and
+        combine are collectives that the shared experts and the own rows can hide under
+        (`dbo.runner`, `DBOConfig.overlap`)."""
+        if self.backend.world_size == 1:
+            return (f"backend {self.backend.name!r} on one rank has no dispatch or combine "
+                    f"to overlap")
+        return None
+
     def dbo_max_tokens_per_rank(self) -> Optional[int]:
         """The most tokens one rank may send through this layer per step
         (`MoEConfig.max_tokens_per_rank`), or None: the DBO runner stops a step over it

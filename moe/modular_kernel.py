@@ -19,6 +19,15 @@ runs the experts on the rows other ranks sent first (this rank's own rows masked
 queues the combine, then computes its own rows -- which return by a local copy -- while
 that combine is in flight (phase `own_experts`), and hands them to the receiver
 (`OwnRows`). Elsewhere, and for backends without `own_rows`, the layer runs as above.
+
+Single-batch overlap (a step of one ubatch, `dbo_single_batch_overlap`; the runner
+chooses it when splitting would not pay, `DBOConfig.overlap`): nothing yields, but the
+collectives still run on the comm stream. The shared experts, which do not need the
+dispatched tokens, run on the compute stream between the dispatch's send and its
+receive, and every layer's combine is split as above (with `split_combine`'s config,
+`MoEConfig.split_last_combine`): the other ranks' rows go first and this rank's own
+rows are computed under that combine. Same operations on the same rows as without
+overlap, only queued in another order.
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ from dbo.yield_points import (
     dbo_is_last_ubatch,
     dbo_maybe_run_recv_hook,
     dbo_register_recv_hook,
+    dbo_single_batch_overlap,
     dbo_yield,
 )
 from moe.backends.base import OwnRows, Pending, PrepareFinalize, R
@@ -85,14 +95,20 @@ class ModularKernel:
             expert_in_TH = (x_TH.float() * topk_weights_TK).to(x_TH.dtype)
             topk_weights_TK = torch.ones_like(topk_weights_TK)
 
+        sbo = dbo_single_batch_overlap()
         with phase_scope("dispatch_send", layer=layer):
             dbo_maybe_run_recv_hook()
             pending = self.backend.prepare_async(expert_in_TH, topk_weights_TK, topk_ids_TK,
                                                  workspace=workspace)
+        shared_TH = None
+        if sbo and shared_experts is not None:
+            with phase_scope("shared_experts", layer=layer):
+                shared_TH = shared_experts(x_TH)  # under the dispatch
         with phase_scope("dispatch_recv", layer=layer):
             dispatched = await_pending(pending)
         own = None
-        if split_combine and dbo_enabled() and dbo_is_last_ubatch():
+        if ((split_combine or (sbo and self.config.split_last_combine)) and dbo_enabled()
+                and dbo_is_last_ubatch()):
             rows = self.backend.own_rows(dispatched)
             own = None if rows is None else OwnRows(rows)
         with phase_scope("experts", layer=layer):
@@ -112,8 +128,7 @@ class ModularKernel:
                 own.out_NH = self._run_experts(
                     dispatched.x_RH[own.rows], dispatched.topk_ids_RK[own.rows],
                     dispatched.topk_weights_RK[own.rows], w13_EIH, w2_EHI, workspace)
-        shared_TH = None
-        if shared_experts is not None:
+        if shared_experts is not None and not sbo:
             with phase_scope("shared_experts", layer=layer):
                 shared_TH = shared_experts(x_TH)
         with phase_scope("combine_recv", layer=layer):

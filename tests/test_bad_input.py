@@ -108,6 +108,8 @@ REJECTED = {
         ValueError, "9 tokens on this rank exceed MoEConfig.max_tokens_per_rank=8"),
     "unknown split mode": (lambda: DBOConfig(split="nope"), ValueError,
                            "DBOConfig.split='nope' is not a split mode"),
+    "unknown overlap policy": (lambda: DBOConfig(overlap="both"), ValueError,
+                               "DBOConfig.overlap='both' is not an overlap policy"),
     "seq_lens not summing to the tokens": (
         lambda: requests_runner()(torch.randn(5, 2), seq_lens=[2, 2]), ValueError,
         "seq_lens sum to 4 tokens but the batch has 5 tokens"),
