@@ -6,6 +6,7 @@
     dbo bench         throughput sweep with a measured overlap ceiling (dbo.cli.bench)
     dbo bench-switch  CPU cost of one ubatch hand-off (dbo.cli.bench_switch)
     dbo soak          many random-size DBO steps against the reference (dbo.cli.soak)
+    dbo plan          predicted gain of each overlap mode on a cluster (dbo.cli.plan)
 
 `python -m dbo.cli <command> ...` does the same (use it under torchrun).
 
@@ -29,6 +30,7 @@ COMMANDS = {
     "bench": ("dbo.cli.bench", "throughput sweep: backends x tokens x DBO on/off, with ceiling"),
     "bench-switch": ("dbo.cli.bench_switch", "CPU cost per ubatch hand-off vs OS threads"),
     "soak": ("dbo.cli.soak", "many random-size DBO steps vs the no-DBO reference; memory stays flat"),
+    "plan": ("dbo.cli.plan", "predicted step time and gain of each overlap mode on a cluster"),
 }
 
 

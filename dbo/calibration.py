@@ -1,0 +1,191 @@
+"""`Calibration`: the machine figures the cost model (`dbo.cost_model`) reads, with JSON
+load and save.
+
+    cal = Calibration.illustrative_h100()
+    cal.save("cal.json"); Calibration.load("cal.json") == cal
+
+The defaults are ILLUSTRATIVE figures for an H100/H200, not a measurement of the machine
+at hand; each field's doc says where its default comes from (../shared/REFERENCE.md,
+BENCHMARKS.md, or a public spec sheet). A calibration file measured by `dbo bench` on the
+machine itself is a later step: today a file is written by `save` or by hand.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+__all__ = ["Calibration", "CommRegime"]
+
+
+def _finite_positive(value: object) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and 0.0 < float(value) < math.inf)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommRegime:
+    """One kind of link: bandwidth per GPU and the fixed latency of one collective."""
+
+    bandwidth_gbs: float
+    """Achieved bytes per second per GPU, in GB/s (1e9 bytes)."""
+    latency_us: float
+    """Fixed cost of one dispatch or combine collective, in us (does not shrink with
+    the batch)."""
+
+    def __post_init__(self) -> None:
+        if not _finite_positive(self.bandwidth_gbs):
+            raise ValueError(f"CommRegime.bandwidth_gbs={self.bandwidth_gbs!r}: must be a "
+                             f"finite number > 0 (GB/s per GPU).")
+        if (isinstance(self.latency_us, bool) or not isinstance(self.latency_us, (int, float))
+                or not 0.0 <= float(self.latency_us) < math.inf):
+            raise ValueError(f"CommRegime.latency_us={self.latency_us!r}: must be a finite "
+                             f"number >= 0 (us per collective).")
+
+
+def _default_efficiency() -> tuple[tuple[float, float], ...]:
+    # Grouped-GEMM rate as a fraction of `dense_tflops`, against rows per expert.
+    # 256 -> 0.72 and 1024 -> 0.81 and 4096 -> 0.94: BENCHMARKS.md section 2, H200
+    # (ds-e128@4096, mean of ds-e32@4096 and ds-e128@16384, ds-e8@4096, "of dense").
+    # 16 and 64 are illustrative guesses: there the weight read bounds the time anyway.
+    return ((16.0, 0.15), (64.0, 0.40), (256.0, 0.72), (1024.0, 0.81), (4096.0, 0.94))
+
+
+def _default_regimes() -> dict[str, CommRegime]:
+    # nvlink: all_to_all_single at 379-446 GB/s on 2x H200 (REFERENCE.md, measured);
+    # scale_out: host-staged NCCL at ~46 GB/s, about one 400 Gb/s NIC per GPU
+    # (REFERENCE.md, BENCHMARKS.md "scale-out emulated"). Latencies are illustrative:
+    # DeepEP's low-latency dispatch send is 21 us on NVLink (REFERENCE.md).
+    return {"nvlink": CommRegime(bandwidth_gbs=400.0, latency_us=20.0),
+            "scale_out": CommRegime(bandwidth_gbs=46.0, latency_us=30.0)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Machine figures for `dbo.cost_model` (illustrative H100/H200 defaults)."""
+
+    dense_tflops: float = 700.0
+    """Sustained dense bf16 GEMM rate, TFLOP/s: the expert-sized GEMM chain ran at
+    635-728 TFLOP/s on an H200 at its power cap (REFERENCE.md)."""
+    gemm_efficiency: tuple[tuple[float, float], ...] = field(default_factory=_default_efficiency)
+    """(rows per expert, fraction of dense_tflops) points, rows increasing; read by
+    log-linear interpolation, clamped at both ends."""
+    memory_gbs: float = 3000.0
+    """HBM bandwidth achieved by a weight read, GB/s: illustrative, ~90% of the H100
+    SXM's 3.35 TB/s spec (H200: 4.8 TB/s spec)."""
+    launch_us: float = 5.0
+    """Host cost of one eager kernel launch, us: illustrative; BENCHMARKS.md's host
+    bench puts one fused-MoE call (several launches) at 492 us of host time."""
+    comm_sm_share: float = 0.18
+    """Fraction of the SMs the comm kernels hold while they run: DeepEP's normal kernels
+    on 24 of an H100's 132 SMs (REFERENCE.md)."""
+    overlap_clock: float = 1.0
+    """SM clock during overlapped compute, as a fraction of the clock in the measured
+    phase times (< 1 where concurrent comm pushes a power-capped GPU lower); 1.0 = not
+    measured (BENCHMARKS.md: both GPUs run at their 700 W cap either way)."""
+    regimes: dict[str, CommRegime] = field(default_factory=_default_regimes)
+    """Link kinds by name (e.g. "nvlink", "scale_out")."""
+
+    def __post_init__(self) -> None:
+        for name in ("dense_tflops", "memory_gbs"):
+            if not _finite_positive(getattr(self, name)):
+                raise ValueError(f"Calibration.{name}={getattr(self, name)!r}: must be a "
+                                 f"finite number > 0.")
+        if isinstance(self.launch_us, bool) or not isinstance(self.launch_us, (int, float)) \
+                or not 0.0 <= self.launch_us < math.inf:
+            raise ValueError(f"Calibration.launch_us={self.launch_us!r}: must be a finite "
+                             f"number >= 0 (us per launch).")
+        if isinstance(self.comm_sm_share, bool) or not isinstance(self.comm_sm_share, (int, float)) \
+                or not 0.0 <= self.comm_sm_share < 1.0:
+            raise ValueError(f"Calibration.comm_sm_share={self.comm_sm_share!r}: must be in "
+                             f"[0, 1) (the fraction of SMs the comm kernels hold).")
+        if not _finite_positive(self.overlap_clock) or self.overlap_clock > 1.0:
+            raise ValueError(f"Calibration.overlap_clock={self.overlap_clock!r}: must be in "
+                             f"(0, 1] (1.0 = no clock drop measured).")
+        points = self.gemm_efficiency
+        if not points or any(len(p) != 2 for p in points):
+            raise ValueError(f"Calibration.gemm_efficiency={points!r}: must be a non-empty "
+                             f"list of (rows per expert, efficiency) pairs.")
+        rows = [p[0] for p in points]
+        if any(not _finite_positive(r) for r in rows) or rows != sorted(set(rows)):
+            raise ValueError(f"Calibration.gemm_efficiency rows {rows}: must be > 0 and "
+                             f"strictly increasing.")
+        if any(not _finite_positive(p[1]) or p[1] > 1.0 for p in points):
+            raise ValueError(f"Calibration.gemm_efficiency={points!r}: every efficiency must "
+                             f"be in (0, 1].")
+        if not self.regimes or not all(isinstance(r, CommRegime) for r in self.regimes.values()):
+            raise ValueError(f"Calibration.regimes={self.regimes!r}: must map names to "
+                             f"CommRegime.")
+
+    @classmethod
+    def illustrative_h100(cls) -> "Calibration":
+        """The defaults: illustrative H100/H200 figures, not a measurement."""
+        return cls()
+
+    def efficiency(self, rows_per_expert: float) -> float:
+        """Fraction of `dense_tflops` a grouped GEMM reaches at `rows_per_expert`."""
+        points = self.gemm_efficiency
+        if rows_per_expert <= points[0][0]:
+            return points[0][1]
+        for (r0, e0), (r1, e1) in zip(points, points[1:]):
+            if rows_per_expert <= r1:
+                t = math.log(rows_per_expert / r0) / math.log(r1 / r0)
+                return e0 + t * (e1 - e0)
+        return points[-1][1]
+
+    def regime(self, name: str) -> CommRegime:
+        """The link kind `name` (ValueError naming the known ones)."""
+        if name not in self.regimes:
+            raise ValueError(f"comm regime {name!r}: not in the calibration; known: "
+                             f"{sorted(self.regimes)}")
+        return self.regimes[name]
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["gemm_efficiency"] = [list(p) for p in self.gemm_efficiency]
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Calibration":
+        """A calibration from its JSON form; unknown keys and bad values raise ValueError."""
+        if not isinstance(data, dict):
+            raise ValueError(f"calibration JSON must be an object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"calibration JSON: unknown keys {unknown}; known: {sorted(known)}")
+        kwargs = dict(data)
+        if "gemm_efficiency" in kwargs:
+            try:
+                kwargs["gemm_efficiency"] = tuple(tuple(p) for p in kwargs["gemm_efficiency"])
+            except TypeError as exc:
+                raise ValueError(f"calibration JSON gemm_efficiency: {exc}") from None
+        if "regimes" in kwargs:
+            regimes = kwargs["regimes"]
+            if not isinstance(regimes, dict) or not all(isinstance(r, dict)
+                                                        for r in regimes.values()):
+                raise ValueError(f"calibration JSON regimes={regimes!r}: must map names to "
+                                 f"{{bandwidth_gbs, latency_us}}")
+            try:
+                kwargs["regimes"] = {k: CommRegime(**v) for k, v in regimes.items()}
+            except TypeError as exc:
+                raise ValueError(f"calibration JSON regimes: {exc}") from None
+        return cls(**kwargs)
+
+    def save(self, path: Union[str, Path]) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "Calibration":
+        """Read a calibration file (ValueError naming the file on bad JSON or values)."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"calibration file {path}: {exc}") from None
+        try:
+            return cls.from_json(data)
+        except ValueError as exc:
+            raise ValueError(f"calibration file {path}: {exc}") from None

@@ -1,0 +1,197 @@
+"""`dbo plan`: the PREDICTED step time and gain of each overlap mode (DBO, SBO) for a
+model shape on a cluster, over a sweep of tokens per rank, from the cost model
+(`dbo.cost_model`) and a calibration (`dbo.calibration`; illustrative H100/H200 figures
+unless `--calibration FILE`). Nothing runs on a GPU: every figure is a prediction.
+
+    dbo plan --preset deepseek-v3-like --layers 58 --gpus-per-node 8 --ep 96 \\
+        --inter-gbs 50 --tokens 4096 --requests 256 --out plan/
+
+Prints per phase (prefill: --tokens, decode: --requests, one token each) a table of the
+predicted step time and gain of each mode over the sweep, the smallest token count where
+DBO / SBO wins by the margin, the token counts where overlap loses, writes
+`plan.png` (with --out) and ends with one JSON line.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from dbo.calibration import Calibration
+from dbo.cli import Parser, check_out_dir
+from dbo.cost_model import MODES, Prediction, predict
+from dbo.cli.plan_model import Cluster, step_inputs
+
+DEFAULT_SWEEP = tuple(2 ** i for i in range(4, 15))  # 16 .. 16384 tokens per rank
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def _sweep(text: str) -> tuple[int, ...]:
+    values = tuple(sorted({_positive_int(v) for v in text.split(",") if v.strip()}))
+    if not values:
+        raise ValueError(text)
+    return values
+
+
+def build_parser() -> Parser:
+    from moe.models.presets import PRESETS
+
+    p = Parser("dbo plan", description=__doc__)
+    p.add_argument("--preset", choices=list(PRESETS), default="deepseek-v3-like",
+                   help="model shape")
+    p.add_argument("--layers", type=_positive_int, default=None,
+                   help="MoE layers in the step (default: the preset's; 58 for the full "
+                        "DeepSeek-V3)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="GPUs per node")
+    p.add_argument("--ep", type=_positive_int, default=8, help="EP size (ranks)")
+    for kind, regime in (("intra", "nvlink"), ("inter", "scale_out")):
+        p.add_argument(f"--{kind}-gbs", type=float, default=None,
+                       help=f"{kind}-node bandwidth per GPU, GB/s (default: the "
+                            f"calibration's {regime!r} regime)")
+        p.add_argument(f"--{kind}-latency-us", type=float, default=None,
+                       help=f"{kind}-node latency per collective, us (default: the "
+                            f"calibration's {regime!r} regime)")
+    p.add_argument("--tokens", type=_positive_int, default=None,
+                   help="prefill tokens per rank (the point to report)")
+    p.add_argument("--requests", type=_positive_int, default=None,
+                   help="decode requests per rank, one token each (the point to report)")
+    p.add_argument("--context-len", type=_positive_int, default=4096,
+                   help="tokens of context per request (decode: KV cache read; prefill: "
+                        "sequence length cap)")
+    p.add_argument("--sweep", type=_sweep, default=DEFAULT_SWEEP,
+                   help="tokens per rank to sweep, comma-separated")
+    p.add_argument("--fp8-dispatch", action="store_true", help="dispatch in fp8 (+ scales)")
+    p.add_argument("--launches-per-layer", type=int, default=30,
+                   help="kernel launches per layer of the unsplit step (illustrative)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="steps replayed as CUDA graphs: no host launch cost")
+    p.add_argument("--sbo-chunks", type=_positive_int, default=4,
+                   help="expert chunks whose combines overlap the later chunks (SBO)")
+    p.add_argument("--margin", type=float, default=0.01,
+                   help="an overlap mode must win by at least this (0.01 = 1%%)")
+    p.add_argument("--calibration", default=None,
+                   help="calibration JSON file (default: illustrative H100/H200 figures)")
+    p.add_argument("--out", default=None, help="folder for plan.png (created if missing)")
+    return p
+
+
+def _point(pred: Prediction, tokens: int) -> dict[str, Any]:
+    return {"tokens": tokens, "chosen": pred.chosen, "reason": pred.reason,
+            "times_ms": {m: round(t, 4) for m, t in pred.times_ms.items()},
+            "gains": {m: round(pred.gain(m), 4) for m in ("dbo", "sbo")},
+            "dbo_costs_ms": {k: round(v, 4) for k, v in pred.dbo_costs_ms.items()}}
+
+
+def _ranges(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values) if values else "none in the sweep"
+
+
+def plan_phase(args: Any, model: Any, cluster: Cluster, cal: Calibration, *, decode: bool,
+               point: int) -> dict[str, Any]:
+    """Predict every token count of the sweep and the point itself; print the table."""
+    layers = args.layers or model.num_moe_layers
+    kernels = 0 if args.cuda_graph else args.launches_per_layer
+
+    def run(tokens: int) -> Prediction:
+        times, shape = step_inputs(model, cluster, cal, tokens=tokens, decode=decode,
+                                   context_len=args.context_len, layers=layers,
+                                   fp8_dispatch=args.fp8_dispatch, kernels_per_layer=kernels)
+        return predict(times, shape, cal, margin=args.margin, sbo_chunks=args.sbo_chunks)
+
+    name = "decode" if decode else "prefill"
+    sweep = sorted(set(args.sweep) | {point})
+    rows = [_point(run(t), t) for t in sweep]
+    print(f"\nprediction, {name} ({'requests' if decode else 'tokens'} per rank), "
+          f"{layers} MoE layers, EP {cluster.ep_size} on {cluster.nodes} node(s):")
+    print(f"{'tokens':>7} {'none ms':>9} {'dbo ms':>9} {'dbo gain':>9} {'sbo ms':>9} "
+          f"{'sbo gain':>9}  chosen")
+    for r in rows:
+        t, g = r["times_ms"], r["gains"]
+        mark = "  <- point" if r["tokens"] == point else ""
+        print(f"{r['tokens']:>7} {t['none']:>9.3f} {t['dbo']:>9.3f} {g['dbo']:>+9.1%} "
+              f"{t['sbo']:>9.3f} {g['sbo']:>+9.1%}  {r['chosen']}{mark}")
+    thresholds = {m: next((r["tokens"] for r in rows if r["gains"][m] >= args.margin), None)
+                  for m in ("dbo", "sbo")}
+    loses = [r["tokens"] for r in rows if r["chosen"] == "none"]
+    at = next(r for r in rows if r["tokens"] == point)
+    print(f"prediction: DBO wins from {thresholds['dbo']} tokens, SBO from "
+          f"{thresholds['sbo']} (first sweep point with gain >= {args.margin:.0%}); overlap "
+          f"loses at: {_ranges(loses)}")
+    print(f"prediction at {point}: {at['reason']}")
+    return {"phase": name, "point": at, "sweep": rows, "thresholds": thresholds,
+            "overlap_loses_at": loses}
+
+
+def _plot(phases: list[dict[str, Any]], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415
+
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for ph in phases:
+        tokens = [r["tokens"] for r in ph["sweep"]]
+        for mode, style in (("dbo", "-o"), ("sbo", "--s")):
+            ax.plot(tokens, [100 * r["gains"][mode] for r in ph["sweep"]], style,
+                    label=f"{ph['phase']} {mode}")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("predicted gain over no overlap, %")
+    ax.set_title("dbo plan: PREDICTION (cost model, not measured)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if not 0 <= args.margin < 1:
+            raise ValueError(f"--margin {args.margin}: must be in [0, 1) (0.01 = 1%)")
+        if args.launches_per_layer < 0:
+            raise ValueError(f"--launches-per-layer {args.launches_per_layer}: must be >= 0")
+        if args.out is not None:
+            check_out_dir("--out", args.out)
+        cal = (Calibration.load(args.calibration) if args.calibration
+               else Calibration.illustrative_h100())
+        intra, inter = cal.regime("nvlink"), cal.regime("scale_out")
+        pick = lambda v, d: d if v is None else v  # noqa: E731
+        cluster = Cluster(gpus_per_node=args.gpus_per_node, ep_size=args.ep,
+                          intra_gbs=pick(args.intra_gbs, intra.bandwidth_gbs),
+                          intra_latency_us=pick(args.intra_latency_us, intra.latency_us),
+                          inter_gbs=pick(args.inter_gbs, inter.bandwidth_gbs),
+                          inter_latency_us=pick(args.inter_latency_us, inter.latency_us))
+        from moe.models.presets import get_preset  # noqa: PLC0415
+
+        model = get_preset(args.preset)
+        points = [(False, args.tokens), (True, args.requests)]
+        if args.tokens is None and args.requests is None:
+            points = [(False, 4096)]
+        phases = [plan_phase(args, model, cluster, cal, decode=dec, point=pt)
+                  for dec, pt in points if pt is not None]
+    except ValueError as exc:
+        parser.error(str(exc))
+    plot = None
+    if args.out is not None:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        plot = str(Path(args.out) / "plan.png")
+        _plot(phases, Path(plot))
+        print(f"prediction plot: {plot}")
+    print(json.dumps({"plan": "prediction", "preset": args.preset, "ep": args.ep,
+                      "gpus_per_node": args.gpus_per_node, "cluster": vars(cluster),
+                      "calibration": args.calibration or "illustrative H100/H200 defaults",
+                      "modes": list(MODES), "phases": phases, "plot": plot}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

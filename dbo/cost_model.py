@@ -1,0 +1,240 @@
+"""A cost model of one step: its time with no overlap, with two ubatches (DBO) and with
+single-batch overlap (SBO), what splitting costs, and which mode to run.
+
+    times = PhaseTimes(attention=4.0, shared=0.5, experts=6.0, dispatch=3.0, combine=3.0)
+    shape = StepShape(layers=58, tokens=4096, rows_per_expert=1024.0,
+                      expert_weight_bytes=58 * 3 * 44e6)
+    p = predict(times, shape, Calibration())
+    p.times_ms["dbo"], p.chosen, p.reason
+
+Pure Python (no torch). Every time is in ms; a `PhaseTimes` holds the whole unsplit
+step (all layers) on one rank; the model works per MoE layer and multiplies by L.
+
+Per layer (unsplit): a = attention / L (attention, norms, router: what the dispatch
+needs), s = shared / L (shared experts: needs no dispatch), x = experts / L, d = dispatch
+/ L, c = combine / L, lam = comm_latency (per collective, does not halve with the batch).
+
+Terms (source of each parameter after the colon):
+  W_e = expert_weight_bytes / L / memory_gbs : StepShape (the caller's model), Calibration
+  W_a, W_s likewise for attention and shared-expert weights : StepShape, Calibration
+  g = eff(r) / eff(r / 2), r = rows per expert : Calibration.gemm_efficiency curve
+  ov(u, m) = max(m, u / kappa + f * m)   compute u under comm m; f = comm_sm_share,
+             kappa = overlap_clock (compute runs at (1 - f) speed while comm runs) : Calibration
+  host(k) = L * k * launch_us            k launches per layer : StepShape, Calibration
+  none:   T = max(L * (a + s + x + d + c), host(k))
+  DBO, per ubatch: a2 = max(a / 2, W_a)           weights read twice (each ubatch reads them)
+                   s2 = max(s / 2, W_s)
+                   x2 = max(g * x / 2, W_e)       half-size GEMM efficiency, weights twice
+                   y2 = x2 + s2                   shared experts beside the routed ones
+                   d2 = (d - lam) / 2 + lam       the latency is paid per ubatch
+                   c2 = (c - lam) / 2 + lam
+          layer = ov(a2, d2) + ov(y2, d2) + ov(y2, c2) + ov(a2, c2)
+                  (ubatch 1's attention under ubatch 0's dispatch, experts under the
+                  other's dispatch and combine, the next attention under the combine)
+          fill/drain = a2 + c2 - ov(a2, c2): ubatch 0's first attention has no comm
+                  under it, the last combine no compute (compute-bound: c2 exposed;
+                  comm-bound: a2)
+                  + [first_dispatch_exposed] (a2 + d2 - ov(a2, d2)): the step's first
+                  dispatch waits on the host before ubatch 1 queues work (a2a)
+          T = max(L * layer + fill/drain, host(2k))       twice the launches
+  SBO, n = sbo_chunks expert chunks (chunked over experts: no weight re-read):
+          x_n = x / n, c_n = (c - lam) / n + lam
+          layer = a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + c_n
+          T = max(L * layer, host(k + n - 1))
+  choice: the fastest mode, unless its gain T_none / T_mode - 1 is below `margin`:
+          then "none" (an overlap mode that is predicted to win by less never runs).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from dbo.calibration import Calibration
+
+__all__ = ["PhaseTimes", "StepShape", "Prediction", "predict", "MODES"]
+
+MODES = ("none", "dbo", "sbo")
+
+
+def _check_nonneg(owner: str, obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not 0.0 <= float(value) < math.inf):
+            raise ValueError(f"{owner}.{name}={value!r}: must be a finite number >= 0.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseTimes:
+    """Per-phase times of one whole unsplit step on one rank, in ms (all layers)."""
+
+    attention: float
+    """Compute the dispatch depends on: attention, norms, router."""
+    experts: float
+    """Routed-expert compute."""
+    dispatch: float
+    """Dispatch communication (latency included)."""
+    combine: float
+    """Combine communication (latency included)."""
+    shared: float = 0.0
+    """Compute that does not depend on the dispatch (shared experts)."""
+    comm_latency: float = 0.0
+    """Fixed part of one dispatch or combine collective, ms (kept whole per ubatch)."""
+
+    def __post_init__(self) -> None:
+        _check_nonneg("PhaseTimes", self, ("attention", "experts", "dispatch", "combine",
+                                           "shared", "comm_latency"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """What the model needs to know about the step besides its phase times."""
+
+    layers: int
+    """MoE layers in the step (L)."""
+    tokens: int
+    """Tokens on this rank in the step."""
+    rows_per_expert: float
+    """Rows each local expert's GEMM gets in the unsplit step (halved by DBO)."""
+    expert_weight_bytes: float = 0.0
+    """Bytes of routed-expert weights one pass reads on this rank, all layers."""
+    attention_weight_bytes: float = 0.0
+    """Bytes of attention weights one pass reads, all layers."""
+    shared_weight_bytes: float = 0.0
+    """Bytes of shared-expert weights one pass reads, all layers."""
+    kernels_per_layer: int = 0
+    """Kernel launches per layer of the unsplit step (0: host cost left out, e.g. under
+    CUDA graphs)."""
+    first_dispatch_exposed: bool = False
+    """The step's first dispatch waits on the host before the second ubatch queues work
+    (backends that read counts on the host: a2a)."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"StepShape.{name}={value!r}: must be an int >= 1.")
+        if isinstance(self.kernels_per_layer, bool) or not isinstance(self.kernels_per_layer, int) \
+                or self.kernels_per_layer < 0:
+            raise ValueError(f"StepShape.kernels_per_layer={self.kernels_per_layer!r}: must be "
+                             f"an int >= 0.")
+        _check_nonneg("StepShape", self, ("rows_per_expert", "expert_weight_bytes",
+                                          "attention_weight_bytes", "shared_weight_bytes"))
+        if self.rows_per_expert <= 0:
+            raise ValueError(f"StepShape.rows_per_expert={self.rows_per_expert!r}: must be > 0.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """The predicted step time of each mode, the choice and why (a prediction, not a
+    measurement)."""
+
+    times_ms: dict[str, float]
+    """Predicted step time per mode ("none", "dbo", "sbo")."""
+    chosen: str
+    """The mode to run."""
+    reason: str
+    """One line: why that mode."""
+    dbo_costs_ms: dict[str, float]
+    """What splitting costs against a perfect overlap, per term (weights_read_twice,
+    half_gemm, fill_drain, comm_sm_share, clock, launches)."""
+
+    def gain(self, mode: str) -> float:
+        """T_none / T_mode - 1 (0.25 = 25% faster)."""
+        return self.times_ms["none"] / self.times_ms[mode] - 1.0
+
+
+def _ov(u: float, m: float, *, f: float, kappa: float) -> float:
+    """Compute u under comm m, compute slowed to (1 - f) while comm runs."""
+    return max(m, u / kappa + f * m)
+
+
+def _dbo_gpu(a2: float, y2: float, d2: float, c2: float, L: int, *, f: float, kappa: float,
+             first_dispatch_exposed: bool) -> float:
+    ov = lambda u, m: _ov(u, m, f=f, kappa=kappa)  # noqa: E731
+    return (L * (ov(a2, d2) + ov(y2, d2) + ov(y2, c2) + ov(a2, c2))
+            + _fill_drain(a2, d2, c2, ov, first_dispatch_exposed))
+
+
+def _fill_drain(a2: float, d2: float, c2: float, ov: Callable[[float, float], float],
+                first_dispatch_exposed: bool) -> float:
+    first = (a2 + d2 - ov(a2, d2)) if first_dispatch_exposed else 0.0
+    return a2 + c2 - ov(a2, c2) + first
+
+
+def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
+            margin: float = 0.01, sbo_chunks: int = 4) -> Prediction:
+    """Predicted step time with no overlap, DBO and SBO (module docstring: the terms),
+    and the mode to run: the fastest, if it beats no overlap by at least `margin`."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin={margin!r}: must be in [0, 1) (0.01 = 1%).")
+    if isinstance(sbo_chunks, bool) or not isinstance(sbo_chunks, int) or sbo_chunks < 1:
+        raise ValueError(f"sbo_chunks={sbo_chunks!r}: must be an int >= 1.")
+    cal, L = calibration, shape.layers
+    f, kappa = cal.comm_sm_share, cal.overlap_clock
+    a, s, x = times.attention / L, times.shared / L, times.experts / L
+    d, c = times.dispatch / L, times.combine / L
+    lam = min(times.comm_latency, d, c)
+    to_ms = 1e-6 / cal.memory_gbs  # bytes -> ms at memory_gbs GB/s
+    w_a = shape.attention_weight_bytes / L * to_ms
+    w_s = shape.shared_weight_bytes / L * to_ms
+    w_e = shape.expert_weight_bytes / L * to_ms
+    g = cal.efficiency(shape.rows_per_expert) / cal.efficiency(shape.rows_per_expert / 2)
+    launch_ms = cal.launch_us * 1e-3
+
+    def host(k: int) -> float:
+        return L * k * launch_ms if shape.kernels_per_layer else 0.0
+
+    k = shape.kernels_per_layer
+    t_none = max(L * (a + s + x + d + c), host(k))
+
+    a2, s2, x2 = max(a / 2, w_a), max(s / 2, w_s), max(g * x / 2, w_e)
+    y2 = x2 + s2
+    d2, c2 = (d - lam) / 2 + lam, (c - lam) / 2 + lam
+    exposed = shape.first_dispatch_exposed
+    gpu_dbo = _dbo_gpu(a2, y2, d2, c2, L, f=f, kappa=kappa, first_dispatch_exposed=exposed)
+    t_dbo = max(gpu_dbo, host(2 * k))
+
+    n = sbo_chunks
+    x_n, c_n = x / n, (c - lam) / n + lam
+    ov = lambda u, m: _ov(u, m, f=f, kappa=kappa)  # noqa: E731
+    t_sbo = max(L * (a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + c_n), host(k + n - 1))
+
+    costs = {
+        "weights_read_twice": 2 * L * (max(0.0, w_a - a / 2) + max(0.0, w_s - s / 2)
+                                       + max(x / 2, w_e) - x / 2),
+        "half_gemm": 2 * L * (x2 - max(x / 2, w_e)),
+        "fill_drain": _fill_drain(a2, d2, c2, ov, exposed),
+        "comm_sm_share": gpu_dbo - _dbo_gpu(a2, y2, d2, c2, L, f=0.0, kappa=kappa,
+                                            first_dispatch_exposed=exposed),
+        "clock": gpu_dbo - _dbo_gpu(a2, y2, d2, c2, L, f=f, kappa=1.0,
+                                    first_dispatch_exposed=exposed),
+        "launches": max(0.0, host(2 * k) - gpu_dbo),
+    }
+    times_ms = {"none": t_none, "dbo": t_dbo, "sbo": t_sbo}
+    chosen, reason = _choose(times_ms, times, costs, margin=margin, host_bound=host(k) >= t_none)
+    return Prediction(times_ms=times_ms, chosen=chosen, reason=reason, dbo_costs_ms=costs)
+
+
+def _choose(times_ms: dict[str, float], times: PhaseTimes, costs: dict[str, float], *,
+            margin: float, host_bound: bool) -> tuple[str, str]:
+    best = min(("dbo", "sbo"), key=lambda m: times_ms[m])
+    gains = {m: times_ms["none"] / times_ms[m] - 1.0 for m in ("dbo", "sbo")}
+    comm = times.dispatch + times.combine
+    share = comm / max(comm + times.attention + times.shared + times.experts, 1e-12)
+    summary = (f"dbo {gains['dbo']:+.1%}, sbo {gains['sbo']:+.1%}; comm is {share:.0%} of the "
+               f"unsplit GPU time")
+    if gains[best] >= margin:
+        return best, f"{best}: predicted {gains[best]:+.1%} over no overlap ({summary})"
+    if host_bound:
+        why = "the step is host-bound (launches)"
+    else:
+        top = max(costs, key=lambda t: costs[t])
+        why = (f"largest DBO cost: {top.replace('_', ' ')} {costs[top]:.3g} ms"
+               if costs[top] > 0 else "little comm to hide")
+        if gains["dbo"] >= 0 and comm == 0:
+            why = "no comm to hide"
+    return "none", (f"none: best overlap {best} predicts {gains[best]:+.1%}, below the "
+                    f"{margin:.0%} margin ({summary}; {why})")
+

@@ -1,0 +1,186 @@
+"""Layer 1 (CPU, no torch): the cost model (`dbo.cost_model`) on synthetic phase times
+with hand-computed answers, the choice and its reasons, and `dbo.calibration` (its
+interpolation, JSON round trip, bad values refused)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from dbo.calibration import Calibration, CommRegime
+from dbo.cost_model import PhaseTimes, StepShape, predict
+
+# g = 1 (flat efficiency), no SM share, no clock drop: only the term under test moves.
+FLAT = Calibration(gemm_efficiency=((1.0, 1.0),), comm_sm_share=0.0, memory_gbs=1000.0)
+
+
+def shape(layers: int = 1, **kw: object) -> StepShape:
+    return StepShape(layers=layers, tokens=64, rows_per_expert=64.0, **kw)
+
+
+def test_none_is_the_serial_sum():
+    p = predict(PhaseTimes(attention=4, shared=1, experts=4, dispatch=2, combine=2),
+                shape(2), FLAT)
+    assert p.times_ms["none"] == pytest.approx(13.0)
+
+
+def test_comm_fully_hidden_when_compute_exceeds_comm():
+    # Per layer a=2, x=2, d=1, c=1; per ubatch 1, 1, 0.5, 0.5: every comm hides under
+    # compute, so DBO = all compute (8) + the last combine (0.5, the drain).
+    p = predict(PhaseTimes(attention=4, experts=4, dispatch=2, combine=2), shape(2), FLAT)
+    assert p.times_ms["dbo"] == pytest.approx(8.5)
+    assert p.dbo_costs_ms["fill_drain"] == pytest.approx(0.5)
+    assert p.chosen == "dbo"
+
+
+def test_comm_bound_step_pays_the_first_attention():
+    # a2 = y2 = 0.5 under d2 = c2 = 2: DBO = all comm (8) + ubatch 0's first attention.
+    p = predict(PhaseTimes(attention=1, experts=1, dispatch=4, combine=4), shape(), FLAT)
+    assert p.times_ms["dbo"] == pytest.approx(8.5)
+    assert p.times_ms["none"] == pytest.approx(10.0)
+    assert p.dbo_costs_ms["fill_drain"] == pytest.approx(0.5)
+
+
+def test_first_dispatch_exposed_adds_it_to_the_fill():
+    times = PhaseTimes(attention=4, experts=4, dispatch=2, combine=2)
+    hidden = predict(times, shape(), FLAT).times_ms["dbo"]
+    exposed = predict(times, shape(first_dispatch_exposed=True), FLAT).times_ms["dbo"]
+    assert exposed - hidden == pytest.approx(1.0)  # a2 + d2 - ov(a2, d2) = 2 + 1 - 2
+
+
+def test_weights_read_twice_makes_dbo_lose_at_tiny_batches():
+    # Experts weight-bound: 2e9 bytes at 1000 GB/s = 2 ms = the whole expert time. Each
+    # ubatch reads them again: x2 = max(1, 2) = 2, DBO = 0.1 + 2 + 2 + 0.1 + 0.05.
+    times = PhaseTimes(attention=0.2, experts=2.0, dispatch=0.1, combine=0.1)
+    bound = predict(times, shape(expert_weight_bytes=2e9), FLAT)
+    assert bound.times_ms["dbo"] == pytest.approx(4.25)
+    assert bound.dbo_costs_ms["weights_read_twice"] == pytest.approx(2.0)
+    assert bound.times_ms["dbo"] > bound.times_ms["none"] and bound.chosen != "dbo"
+    free = predict(times, shape(), FLAT)  # the same step, weights not counted
+    assert free.times_ms["dbo"] == pytest.approx(2.25) and free.chosen == "dbo"
+
+
+def test_half_size_gemm_efficiency():
+    # eff(100) = 1.0, eff(50) = 0.5: each half runs at half the rate, g = 2.
+    cal = Calibration(gemm_efficiency=((50.0, 0.5), (100.0, 1.0)), comm_sm_share=0.0)
+    p = predict(PhaseTimes(attention=0, experts=4, dispatch=0, combine=0),
+                StepShape(layers=1, tokens=64, rows_per_expert=100.0), cal)
+    assert p.dbo_costs_ms["half_gemm"] == pytest.approx(4.0)
+    assert p.times_ms["dbo"] == pytest.approx(8.0)
+
+
+def test_comm_sm_share_and_clock_slow_overlapped_compute():
+    times = PhaseTimes(attention=0, experts=4, dispatch=4, combine=0)
+    # y2 = 2 under d2 = 2: ov = max(2, 2 + f * 2).
+    share = predict(times, shape(), Calibration(gemm_efficiency=((1.0, 1.0),), comm_sm_share=0.5))
+    assert share.times_ms["dbo"] == pytest.approx(7.0)
+    assert share.dbo_costs_ms["comm_sm_share"] == pytest.approx(1.0)
+    clock = predict(times, shape(), Calibration(gemm_efficiency=((1.0, 1.0),), comm_sm_share=0.0,
+                                                overlap_clock=0.5))
+    assert clock.times_ms["dbo"] == pytest.approx(10.0)  # 2 + 4 + 4: compute at half clock
+    assert clock.dbo_costs_ms["clock"] == pytest.approx(4.0)
+
+
+def test_latency_is_paid_per_ubatch():
+    p = predict(PhaseTimes(attention=0, experts=0, dispatch=2, combine=2, comm_latency=1),
+                shape(), FLAT)
+    assert p.times_ms["dbo"] == pytest.approx(6.0)  # four collectives of 1 + 1 / 2
+    assert p.chosen == "none"
+
+
+def test_sbo_hides_shared_under_dispatch_and_combine_under_chunks():
+    # a + ov(s, d) + x/n + (n - 1) ov(x/n, c/n) + c/n = 4 + 2 + 1 + 3 + 0.5.
+    p = predict(PhaseTimes(attention=4, shared=1, experts=4, dispatch=2, combine=2), shape(),
+                FLAT, sbo_chunks=4)
+    assert p.times_ms["sbo"] == pytest.approx(10.5)
+
+
+def test_host_bound_step_doubles_its_launches_and_stays_unsplit():
+    cal = Calibration(gemm_efficiency=((1.0, 1.0),), launch_us=100.0)
+    p = predict(PhaseTimes(attention=0.1, experts=0.1, dispatch=0.1, combine=0.1),
+                shape(kernels_per_layer=10), cal)
+    assert p.times_ms["none"] == pytest.approx(1.0)
+    assert p.times_ms["dbo"] == pytest.approx(2.0)
+    assert p.dbo_costs_ms["launches"] > 0
+    assert p.chosen == "none" and "host-bound" in p.reason
+
+
+def test_choice_respects_the_margin_and_says_why():
+    times = PhaseTimes(attention=10, experts=10, dispatch=0.1, combine=0.1)
+    p = predict(times, shape(), FLAT)  # dbo +0.75%: below 1%
+    assert p.gain("dbo") == pytest.approx(20.2 / 20.05 - 1)
+    assert p.chosen == "none"
+    assert "below the 1% margin" in p.reason and "\n" not in p.reason
+    assert predict(times, shape(), FLAT, margin=0.005).chosen == "dbo"
+
+
+def test_never_an_overlap_mode_below_the_margin():
+    rng = random.Random(0)
+    cal = Calibration()
+    for _ in range(300):
+        times = PhaseTimes(**{k: rng.uniform(0, 5) for k in
+                              ("attention", "experts", "dispatch", "combine", "shared")})
+        s = StepShape(layers=rng.randint(1, 8), tokens=64, rows_per_expert=rng.uniform(1, 4096),
+                      expert_weight_bytes=rng.uniform(0, 1e10))
+        p = predict(times, s, cal, margin=0.03)
+        if p.chosen == "none":
+            assert max(p.gain("dbo"), p.gain("sbo")) < 0.03
+        else:
+            assert p.gain(p.chosen) >= 0.03
+            assert p.times_ms[p.chosen] == min(p.times_ms.values())
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: PhaseTimes(attention=-1, experts=0, dispatch=0, combine=0),
+    lambda: PhaseTimes(attention=float("nan"), experts=0, dispatch=0, combine=0),
+    lambda: StepShape(layers=0, tokens=1, rows_per_expert=1.0),
+    lambda: StepShape(layers=1, tokens=1, rows_per_expert=0.0),
+    lambda: predict(PhaseTimes(attention=1, experts=1, dispatch=1, combine=1), shape(), FLAT,
+                    margin=1.5),
+    lambda: predict(PhaseTimes(attention=1, experts=1, dispatch=1, combine=1), shape(), FLAT,
+                    sbo_chunks=0),
+])
+def test_bad_inputs_raise(bad):
+    with pytest.raises(ValueError):
+        bad()
+
+
+def test_efficiency_interpolates_log_linearly_and_clamps():
+    cal = Calibration(gemm_efficiency=((10.0, 0.2), (1000.0, 0.8)))
+    assert cal.efficiency(100.0) == pytest.approx(0.5)
+    assert cal.efficiency(1.0) == 0.2 and cal.efficiency(1e6) == 0.8
+
+
+def test_calibration_json_round_trip(tmp_path):
+    cal = Calibration(memory_gbs=4800.0, regimes={"ib": CommRegime(bandwidth_gbs=45, latency_us=12)})
+    cal.save(tmp_path / "cal.json")
+    assert Calibration.load(tmp_path / "cal.json") == cal
+    data = json.loads((tmp_path / "cal.json").read_text())
+    assert data["regimes"]["ib"] == {"bandwidth_gbs": 45, "latency_us": 12}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"gemm_efficiency": [[10, 0.5], [5, 0.6]]}, "strictly increasing"),
+    ({"gemm_efficiency": [[10, 1.5]]}, "(0, 1]"),
+    ({"memory_gbs": 0}, "memory_gbs"),
+    ({"comm_sm_share": 1.0}, "comm_sm_share"),
+    ({"overlap_clock": 1.2}, "overlap_clock"),
+    ({"regimes": {"ib": {"bandwidth_gbs": -1, "latency_us": 1}}}, "bandwidth_gbs"),
+    ({"regimes": {"ib": {"bandwidth": 1}}}, "regimes"),
+    ({"tflops": 1}, "unknown keys"),
+])
+def test_calibration_bad_values_refused(tmp_path, change, words):
+    data = {**Calibration().to_json(), **change}
+    (tmp_path / "cal.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="cal.json") as exc:
+        Calibration.load(tmp_path / "cal.json")
+    assert words in str(exc.value)
+
+
+def test_calibration_not_json_refused(tmp_path):
+    (tmp_path / "cal.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cal.json"):
+        Calibration.load(tmp_path / "cal.json")
+    with pytest.raises(ValueError, match="known"):
+        Calibration().regime("ib")

@@ -1,0 +1,110 @@
+"""Layer 1 (CPU, in process): `dbo plan` end to end (table, thresholds, the losing
+regime, plot file, final JSON line, every output labelled a prediction), its phase
+times from a model shape (`dbo.cli.plan_model`) and its argument errors (one line,
+exit code 2)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dbo import cli
+from dbo.calibration import Calibration
+from dbo.cli.plan_model import Cluster, step_inputs
+from moe.models.presets import get_preset
+
+HEADLINE = ["plan", "--preset", "deepseek-v3-like", "--layers", "58", "--gpus-per-node", "8",
+            "--ep", "96", "--inter-gbs", "50", "--fp8-dispatch", "--cuda-graph",
+            "--sweep", "16,256,1024"]
+
+
+def run_plan(args: list[str], capsys) -> tuple[str, dict]:
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    return out, json.loads(out.strip().splitlines()[-1])
+
+
+def test_plan_end_to_end_with_plot_and_json(tmp_path, capsys):
+    out, result = run_plan([*HEADLINE, "--tokens", "4096", "--requests", "256",
+                            "--out", str(tmp_path)], capsys)
+    assert result["plan"] == "prediction"
+    assert [p["phase"] for p in result["phases"]] == ["prefill", "decode"]
+    assert (tmp_path / "plan.png").stat().st_size > 0 and result["plot"].endswith("plan.png")
+    prefill = result["phases"][0]
+    assert [r["tokens"] for r in prefill["sweep"]] == [16, 256, 1024, 4096]
+    assert prefill["point"]["tokens"] == 4096
+    # Weight-bound at 16 tokens (splitting reads the experts twice), comm to hide at 4096.
+    assert 16 in prefill["overlap_loses_at"]
+    assert prefill["point"]["chosen"] == "dbo"
+    assert prefill["thresholds"]["dbo"] in (256, 1024)
+    for line in out.splitlines():
+        if "gain" in line or "wins" in line or "plot" in line:
+            assert "prediction" in line or line.lstrip().startswith("tokens"), line
+    assert out.count("prediction, ") == 2
+
+
+def test_plan_without_a_point_plans_prefill_4096(capsys):
+    _, result = run_plan(["plan", "--preset", "tiny", "--ep", "2", "--sweep", "16"], capsys)
+    assert [(p["phase"], p["point"]["tokens"]) for p in result["phases"]] == [("prefill", 4096)]
+    assert result["plot"] is None
+
+
+def test_plan_reads_a_calibration_file(tmp_path, capsys):
+    slow = Calibration(memory_gbs=10.0)  # every weight read dominates: DBO never pays
+    slow.save(tmp_path / "cal.json")
+    args = [*HEADLINE, "--tokens", "1024", "--calibration", str(tmp_path / "cal.json")]
+    _, result = run_plan(args, capsys)
+    assert result["calibration"].endswith("cal.json")
+    assert result["phases"][0]["point"]["gains"]["dbo"] < 0
+
+
+def test_step_inputs_comm_grows_with_nodes_and_shrinks_with_bandwidth():
+    model, cal = get_preset("deepseek-v3-like"), Calibration()
+
+    def dispatch(ep: int, inter: float) -> float:
+        cluster = Cluster(gpus_per_node=8, ep_size=ep, intra_gbs=400, intra_latency_us=0,
+                          inter_gbs=inter, inter_latency_us=0)
+        times, _ = step_inputs(model, cluster, cal, tokens=1024, decode=False, context_len=4096,
+                               layers=1, fp8_dispatch=False, kernels_per_layer=0)
+        return times.dispatch
+
+    one_node, many = dispatch(8, 50), dispatch(96, 50)
+    assert many > 5 * one_node
+    assert dispatch(96, 100) == pytest.approx(many / 2)
+    # One node: 1024 tokens x (8 experts over 8 ranks: 5.25 distinct, 4.59 others) x
+    # 7168 x 2 bytes at 400 GB/s.
+    assert one_node == pytest.approx(1024 * 8 * (1 - (7 / 8) ** 8) * 7 / 8 * 7168 * 2 / 400e6)
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dbo plan ")
+    assert "(default: deepseek-v3-like)" in out and "(default: 0.01)" in out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--ep", "0"], "--ep"),
+    (["--ep", "512"], "more ranks than the model's 256 experts"),
+    (["--sweep", "a,b"], "--sweep"),
+    (["--margin", "2"], "--margin 2.0"),
+    (["--inter-gbs", "0"], "--inter-gbs"),
+    (["--calibration", "/nonexistent/cal.json"], "calibration file"),
+    (["--preset", "nope"], "--preset"),
+])
+def test_argument_errors_are_one_line_exit_2(args, words, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", "--sweep", "16", *args] if args[0] != "--sweep" else ["plan", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dbo plan: ") and words in err and err.count("\n") == 1, err
+
+
+def test_out_that_is_a_file_refused(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", "--sweep", "16", "--out", str(tmp_path / "f")])
+    assert exc.value.code == 2
+    assert "existing file" in capsys.readouterr().err
