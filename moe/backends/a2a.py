@@ -67,8 +67,7 @@ def send_order(mask_TW: Tensor) -> tuple[Tensor, Tensor]:
     (-1 where it does not go). A stable sort of the pairs by rank gives the same order;
     the ranks are only W + 1 keys, so a running count places each pair instead (one
     cumsum and one scatter). On an H200 at 2 ranks and 2048-8192 tokens that is 24-26 us
-    of kernels per call, against 51-82 us the sort took (BENCHMARKS.md section 3,
-    session 13).
+    of kernels per call, against 51-82 us the sort took (BENCHMARKS.md history).
     """
     num_tokens, world = mask_TW.shape
     device = mask_TW.device

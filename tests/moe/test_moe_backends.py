@@ -217,8 +217,8 @@ def test_local_ids_maps_this_ranks_experts_and_keeps_minus_one():
 
 
 def _send_order_by_sort(mask_TW):
-    """The order a stable sort of the (rank, token) pairs by rank gives (a2a before
-    session 13), as (src_X, slot_TW)."""
+    """The order a stable sort of the (rank, token) pairs by rank gives (a2a's earlier
+    method), as (src_X, slot_TW)."""
     num_tokens, world = mask_TW.shape
     key_WT = torch.where(mask_TW.t(), torch.arange(world)[:, None], world)
     sorted_key_X, order_X = torch.sort(key_WT.reshape(-1), stable=True)

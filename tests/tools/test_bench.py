@@ -178,7 +178,7 @@ def test_derived_figures_with_a_ceiling() -> None:
     assert efficiency(11.975, 15.227, 11.957) == (None, ETA_SMALL_HEADROOM)
     assert efficiency(10.0, 9.8, 9.7) == (pytest.approx(0.2 / 0.3), "")
     assert efficiency(10.0, 9.5, 9.91)[0] is None
-    # DBO faster than the probe's both (4 ranks, session 10): eta kept, with a note.
+    # DBO faster than the probe's both (4 ranks): eta kept, with a note.
     assert efficiency(83.4, 53.4, 58.8) == (pytest.approx(30.0 / 24.6), ETA_ABOVE_ONE)
 
 

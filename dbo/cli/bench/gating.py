@@ -20,7 +20,7 @@ that picked the faster of the two reported times would prove nothing):
    than the GPU work they overlap (measured: 1024 tokens/rank at DeepSeek-V3 shapes on
    2x H200). Host-bound steps also vary most from run to run: on 4x H200 one 3-step
    trial saw a2a at 1024 tokens 1.070x faster with DBO, while the reported rounds
-   measured it 0.959x (BENCHMARKS.md section 3, session 14). Hence the worst trial, not
+   measured it 0.959x (BENCHMARKS.md section 3). Hence the worst trial, not
    one. A serving system would run the same trials per batch-size bucket at start-up.
 
 Without a probe (CPU) the probe rule is skipped, and the reason says so.

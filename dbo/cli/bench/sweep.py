@@ -87,7 +87,7 @@ ETA_SMALL_HEADROOM = ("T_noDBO - T_both is under 1% of T_noDBO, inside the timin
 # The probe's `both` is one interleaving (each MoE layer's collectives issued beside its
 # compute), not a bound on every schedule: on 4 ranks, where comm outweighs compute, its
 # full-size transfers took 16-23% longer in sum beside the GEMMs than in a step without
-# DBO, and DBO's half-size ones 5-16% (BENCHMARKS.md section 3, session 10).
+# DBO, and DBO's half-size ones 5-16% (BENCHMARKS.md section 3).
 ETA_ABOVE_ONE = ("eta > 1: the DBO step beat the probe's both; the probe's interleaving "
                  "slowed its transfers beside the GEMMs more than DBO's schedule did")
 
