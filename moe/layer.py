@@ -171,14 +171,20 @@ class MoELayer(nn.Module):
             logits_TE = self.router(x_TH)
             if self.config.check_finite_logits:
                 self._check_finite(logits_TE)
-            topk_weights_TK, topk_ids_TK = route(
-                logits_TE, self.config, correction_bias_E=self.router.e_score_correction_bias)
+            bias_E = self.router.e_score_correction_bias
+            topk_weights_TK = topk_ids_TK = None
+            # The monolithic form routes after its dispatch, on every rank; here only
+            # when the routing log wants this rank's ids.
+            if not self.backend.routes_gathered_logits or self.routing_log is not None:
+                topk_weights_TK, topk_ids_TK = route(logits_TE, self.config,
+                                                     correction_bias_E=bias_E)
             if self.routing_log is not None:
                 self.routing_log.add(self.layer_id, logits_TE, topk_ids_TK)
         return self._kernel(x_TH.device).forward(
             x_TH, topk_weights_TK, topk_ids_TK, w13_EIH=self.w13, w2_EHI=self.w2,
             shared_experts=self.shared_experts, layer=self.layer_id,
-            split_combine=self.last_layer and self.config.split_last_combine)
+            split_combine=self.last_layer and self.config.split_last_combine,
+            logits_TE=logits_TE, correction_bias_E=bias_E)
 
     # ------------------------------------------------------------------ internals
     def _kernel(self, device: torch.device) -> ModularKernel:

@@ -77,29 +77,34 @@ class ModularKernel:
         self.experts = experts
         self.workspaces = WorkspaceSets(num_ubatches=2)
 
-    def forward(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
-                w13_EIH: Tensor, w2_EHI: Tensor, shared_experts: Optional[nn.Module] = None,
-                layer: Optional[int] = None, split_combine: bool = False) -> Tensor:
+    def forward(self, x_TH: Tensor, topk_weights_TK: Optional[Tensor],
+                topk_ids_TK: Optional[Tensor], *, w13_EIH: Tensor, w2_EHI: Tensor,
+                shared_experts: Optional[nn.Module] = None, layer: Optional[int] = None,
+                split_combine: bool = False, logits_TE: Optional[Tensor] = None,
+                correction_bias_E: Optional[Tensor] = None) -> Tensor:
         """out_TH (x's dtype, compute stream) = routed experts' weighted sum + shared experts.
 
-        topk_ids are global expert ids. Each phase (dispatch_send, dispatch_recv, experts,
+        topk_ids are global expert ids. A backend of the monolithic form
+        (`routes_gathered_logits`) takes the router logits [T, E] (and the correction
+        bias) instead of the top-k weights and ids, which are then None. Each phase (dispatch_send, dispatch_recv, experts,
         combine_send, own_experts, shared_experts, combine_recv) is a `phase_scope`: a
         trace range `ub<u>/L<layer>/<phase>` when tracing is on, and the place named in
         the notes of an exception raised inside it. `split_combine`: this is the model's
         last MoE layer (see the module doc).
         """
         workspace = self.workspaces.for_ubatch(dbo_current_ubatch_id())
-        expert_in_TH = x_TH
-        if self.config.apply_router_weight_on_input:
-            # Top-1 only (checked by MoEConfig): scale the input, weight the output by 1.
-            expert_in_TH = (x_TH.float() * topk_weights_TK).to(x_TH.dtype)
-            topk_weights_TK = torch.ones_like(topk_weights_TK)
-
         sbo = dbo_single_batch_overlap()
         with phase_scope("dispatch_send", layer=layer):
             dbo_maybe_run_recv_hook()
-            pending = self.backend.prepare_async(expert_in_TH, topk_weights_TK, topk_ids_TK,
-                                                 workspace=workspace)
+            if self.backend.routes_gathered_logits:
+                if logits_TE is None:
+                    raise TypeError(f"backend {self.backend.name!r} routes the gathered "
+                                    f"tokens itself: pass logits_TE")
+                pending = self.backend.prepare_logits_async(
+                    x_TH, logits_TE, correction_bias_E=correction_bias_E, workspace=workspace)
+            else:
+                assert topk_weights_TK is not None and topk_ids_TK is not None
+                pending = self._prepare_async(x_TH, topk_weights_TK, topk_ids_TK, workspace)
         shared_TH = None
         if sbo and shared_experts is not None:
             with phase_scope("shared_experts", layer=layer):
@@ -134,6 +139,16 @@ class ModularKernel:
         with phase_scope("combine_recv", layer=layer):
             out_TH = await_pending(pending_out)
         return out_TH if shared_TH is None else out_TH + shared_TH
+
+    def _prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor,
+                       workspace: Workspace) -> Pending:
+        expert_in_TH = x_TH
+        if self.config.apply_router_weight_on_input:
+            # Top-1 only (checked by MoEConfig): scale the input, weight the output by 1.
+            expert_in_TH = (x_TH.float() * topk_weights_TK).to(x_TH.dtype)
+            topk_weights_TK = torch.ones_like(topk_weights_TK)
+        return self.backend.prepare_async(expert_in_TH, topk_weights_TK, topk_ids_TK,
+                                          workspace=workspace)
 
     def _run_experts(self, x_RH: Tensor, ids_RK: Tensor, weights_RK: Tensor, w13_EIH: Tensor,
                      w2_EHI: Tensor, workspace: Workspace) -> Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 BACKENDS: dict[str, str] = {
     "local": "moe.backends.local:LocalBackend",
     "naive": "moe.backends.naive:NaiveBackend",
+    "naive_mono": "moe.backends.naive_mono:NaiveMonolithicBackend",
     "a2a": "moe.backends.a2a:AllToAllBackend",
     "a2a_ll": "moe.backends.a2a_ll:AllToAllLLBackend",
 }

@@ -4,6 +4,7 @@
 |---|---|---|---|---|
 | local | none (EP = 1) | no | yes | yes |
 | naive | all-gather + reduce-scatter | only without max_tokens_per_rank | with max_tokens_per_rank | yes |
+| naive_mono | all-gather of tokens and router logits (every rank routes them) + reduce-scatter | only without max_tokens_per_rank | with max_tokens_per_rank | yes |
 | a2a | exact all_to_all_single: count exchange, then data | yes: yields before it | no | yes |
 | a2a_ll | fixed-capacity padded all_to_all_single | no | yes | yes |
 | auto | local for EP size 1, else a2a | | | |

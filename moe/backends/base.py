@@ -119,6 +119,10 @@ class PrepareFinalize(ABC):
     #: does reads a device value on the host (`dbo.graphs`). Backends where that depends
     #: on the config override it with a property.
     graph_safe: bool = False
+    #: The monolithic form: the router logits travel with the tokens and the backend
+    #: routes the rows it receives (`prepare_logits_async`), so the layer does not route
+    #: before the dispatch and `prepare_async` is not used.
+    routes_gathered_logits: ClassVar[bool] = False
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         self.config = config
@@ -164,6 +168,14 @@ class PrepareFinalize(ABC):
 
         With `own` (only where `own_rows` gave its rows), expert_out_RH's rows
         `own.rows` are not read: their outputs arrive later, in `own.out_NH`."""
+
+    def prepare_logits_async(self, x_TH: Tensor, logits_TE: Tensor, *,
+                             correction_bias_E: Optional[Tensor],
+                             workspace: Workspace) -> Pending[Dispatched]:
+        """The monolithic form's dispatch (only where `routes_gathered_logits`): send the
+        tokens with their router logits [T, E]; the receiver routes what arrives."""
+        raise TypeError(f"backend {self.name!r} dispatches top-k ids, not router logits: "
+                        f"call prepare_async")
 
     def own_rows(self, dispatched: Dispatched) -> Optional[slice]:
         """The rows of `dispatched.x_RH` that this rank sent itself, when the combine can

@@ -12,14 +12,18 @@ static shapes. Padding rows carry ids of -1 and route to no expert.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from dbo.failures import note_collective
-from dbo.yield_points import dbo_switch_to_compute_async, dbo_yield_and_switch_from_compute_to_comm
+from dbo.yield_points import (
+    ComputeWait,
+    dbo_switch_to_compute_async,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
 from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
 from moe.row_layout import RowLayout
 from moe.workspace import Workspace
@@ -44,34 +48,47 @@ class NaiveBackend(PrepareFinalize):
 
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:
-        num_tokens, world = x_TH.shape[0], self.world_size
         layout = RowLayout(x_TH.shape[1], topk_ids_TK.shape[1], x_TH.dtype)
-        capacity = self.config.max_tokens_per_rank
-        if capacity is not None:
-            check_capacity(num_tokens, capacity, self.name)
-            rows_CB = self._padded_rows(layout, capacity, x_TH, topk_ids_TK, topk_weights_TK)
-        dbo_yield_and_switch_from_compute_to_comm()
-        if capacity is None:
-            count_W = torch.empty(world, dtype=torch.int64, device=x_TH.device)
-            note_collective("all_gather_into_tensor")
-            dist.all_gather_into_tensor(
-                count_W, torch.tensor([num_tokens], dtype=torch.int64, device=x_TH.device),
-                group=self.group)
-            capacity = max(int(count_W.max().item()), 1)
-            rows_CB = self._padded_rows(layout, capacity, x_TH, topk_ids_TK, topk_weights_TK)
-        gathered_RB = torch.empty(world * capacity, layout.row_bytes, dtype=torch.uint8,
-                                  device=x_TH.device)
-        note_collective("all_gather_into_tensor")
-        dist.all_gather_into_tensor(gathered_RB, rows_CB, group=self.group)
-        record_on_current_stream(rows_CB)
-        wait = dbo_switch_to_compute_async()
-        handle = NaiveHandle(num_tokens, capacity)
+
+        def pack(capacity: int) -> Tensor:
+            return self._padded_rows(layout, capacity, x_TH, topk_ids_TK, topk_weights_TK)
+
+        wait, gathered_RB, handle = self._gather_async(x_TH.shape[0], pack, x_TH.device)
 
         def receiver() -> Dispatched:
             wait.wait(gathered_RB)
             return self.dispatched_from_rows(layout, gathered_RB, handle)
 
         return Pending(None, receiver)
+
+    def _gather_async(self, num_tokens: int, pack: Callable[[int], Tensor],
+                      device: torch.device) -> tuple[ComputeWait, Tensor, NaiveHandle]:
+        """All-gather every rank's packed rows: `pack(capacity)` gives this rank's
+        [capacity, row_bytes] uint8 rows (its tokens, then padding). Returns the wait for
+        the compute stream, the [W * capacity, row_bytes] gathered rows and the handle.
+        Called on the compute stream; yields to the comm stream before the first
+        collective and switches back after the last."""
+        world = self.world_size
+        capacity = self.config.max_tokens_per_rank
+        if capacity is not None:
+            check_capacity(num_tokens, capacity, self.name)
+            rows_CB = pack(capacity)
+        dbo_yield_and_switch_from_compute_to_comm()
+        if capacity is None:
+            count_W = torch.empty(world, dtype=torch.int64, device=device)
+            note_collective("all_gather_into_tensor")
+            dist.all_gather_into_tensor(
+                count_W, torch.tensor([num_tokens], dtype=torch.int64, device=device),
+                group=self.group)
+            capacity = max(int(count_W.max().item()), 1)
+            rows_CB = pack(capacity)
+        gathered_RB = torch.empty(world * capacity, rows_CB.shape[1], dtype=torch.uint8,
+                                  device=device)
+        note_collective("all_gather_into_tensor")
+        dist.all_gather_into_tensor(gathered_RB, rows_CB, group=self.group)
+        record_on_current_stream(rows_CB)
+        wait = dbo_switch_to_compute_async()
+        return wait, gathered_RB, NaiveHandle(num_tokens, capacity)
 
     def finalize_async(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
                        workspace: Workspace, own: Optional[OwnRows] = None) -> Pending[Tensor]:
