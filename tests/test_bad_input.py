@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,13 @@ def layer(**overrides) -> MoELayer:
 def call_layer(x: torch.Tensor, **overrides) -> None:
     with torch.no_grad():
         layer(**overrides)(x)
+
+
+def layer_without_deep_ep(backend: str) -> None:
+    """Construct a layer with `backend` as if `deep_ep` were not installed (a None in
+    sys.modules reads as absent)."""
+    with mock.patch.dict(sys.modules, {"deep_ep": None}):
+        layer(backend=backend)
 
 
 def nan_logits_input() -> torch.Tensor:
@@ -99,6 +108,9 @@ REJECTED = {
         "no backward"),
     "unknown backend": (lambda: layer(backend="nope"), ValueError,
                         "unknown MoE backend 'nope'"),
+    "DeepEP backend without deep_ep": (
+        lambda: layer_without_deep_ep("deepep_ht"), ImportError,
+        "backend 'deepep_ht' needs DeepEP (deep_ep.Buffer), which is not installed"),
     "unknown experts kernel": (lambda: layer(experts="nope"), ValueError,
                                "unknown experts kernel 'nope'"),
     "fixed-capacity backend without a capacity": (
