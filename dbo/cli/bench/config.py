@@ -75,8 +75,9 @@ class BenchConfig:
     """Shapes from `moe.models.presets` ("tiny", "deepseek-v3-like", "qwen3-moe-like", "mixtral-like")."""
     tokens: tuple[int, ...] = DEFAULT_CPU_TOKENS
     """Tokens per rank of one step, one sweep point each."""
-    backends: tuple[str, ...] = BENCH_BACKENDS
-    """Dispatch/combine backends to compare (see BENCH_BACKENDS)."""
+    backends: tuple[str, ...] = ("a2a", "a2a_ll", "naive")
+    """Dispatch/combine backends to compare (any of BENCH_BACKENDS; naive_mono moves the
+    same data as naive plus the router logits, so it is asked for by name)."""
     layers: Optional[int] = None
     """Layer mode: MoE layers (None: 4); model mode: decoder layers (None: the preset's)."""
     num_experts: Optional[int] = None
