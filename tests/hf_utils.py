@@ -38,17 +38,11 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
 
 
 def tiny_model(arch: str, *, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """The architecture's tiny model in eval mode, float32, weights from `seed`. DeepSeek's
-    correction bias (zeros at init) is drawn too, so that it changes the routing."""
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
-    with torch.no_grad():
-        for module in model.modules():
-            bias = getattr(module, "e_score_correction_bias", None)
-            if isinstance(bias, torch.Tensor):
-                bias.normal_(0.0, 0.1)
-    return model.eval()
+    """The architecture's tiny model at these tests' sizes, built as `dbo run --hf-config`
+    builds its own (`moe.hf.tiny.tiny_model`: eval mode, float32, weights from `seed`,
+    DeepSeek's correction bias drawn so that it changes the routing)."""
+    from moe.hf.tiny import tiny_model as build
+    return build(tiny_config(arch, **overrides), seed=seed)
 
 
 def batch(num_seqs: int, seq_len: int, *, seed: int, vocab: int = 64
