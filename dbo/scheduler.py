@@ -35,7 +35,7 @@ from streams.stream_set import StreamSet, resolve_device
 
 T = TypeVar("T")
 
-# The reads of ThreadStateSwitch.capture, bound once: `_switch` inlines it.
+# The reads of ThreadStateSwitch.capture, bound once at module level: `yield_` inlines them.
 _is_grad_enabled = tls.is_grad_enabled
 _is_inference_mode_enabled = tls.is_inference_mode_enabled
 _is_any_autocast_enabled = tls.is_any_autocast_enabled
