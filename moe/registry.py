@@ -12,6 +12,7 @@ BACKENDS: dict[str, str] = {
     "naive_mono": "moe.backends.naive_mono:NaiveMonolithicBackend",
     "a2a": "moe.backends.a2a:AllToAllBackend",
     "a2a_ll": "moe.backends.a2a_ll:AllToAllLLBackend",
+    "symm_mem": "moe.backends.symm_mem:SymmMemBackend",
     "deepep_ht": "moe.backends.deepep_ht:DeepEPHTBackend",
     "deepep_ll": "moe.backends.deepep_ll:DeepEPLLBackend",
     "deepep_v2": "moe.backends.deepep_v2:DeepEPV2Backend",

@@ -7,6 +7,7 @@
 | naive_mono | all-gather of tokens and router logits (every rank routes them) + reduce-scatter | only without max_tokens_per_rank | with max_tokens_per_rank | yes |
 | a2a | exact all_to_all_single: count exchange, then data | yes: yields before it | no | yes |
 | a2a_ll | fixed-capacity padded all_to_all_single | no | yes | yes |
+| symm_mem | exact all_to_all_vdev on torch symmetric memory (NVSHMEM), counts on the GPU | no | yes | no (CUDA GPUs) |
 | deepep_ht, deepep_ll, deepep_v2 | DeepEP (not built yet: refuses, saying what is missing) | | | no |
 | auto | local for EP size 1, else a2a | | | |
 

@@ -26,7 +26,11 @@ BENCH_BACKENDS: tuple[str, ...] = tuple(sorted(
 """Dispatch/combine backends the sweep can compare: every registered and built one that
 moves tokens between ranks (`moe.backends`; all need EP size >= 2)."""
 
-GRAPH_BACKENDS: tuple[str, ...] = ("a2a_ll",)
+OPT_IN_BACKENDS: tuple[str, ...] = ("symm_mem",)
+"""Backends swept only when named in --backends: they need more than torch and NCCL
+(symm_mem: NVSHMEM), so a sweep without --backends runs wherever torch does."""
+
+GRAPH_BACKENDS: tuple[str, ...] = ("a2a_ll", "symm_mem")
 """Backends whose steps `--cuda-graph` can capture: nothing read on the host (a2a reads its
 counts; the bench runs naive without a fixed capacity, so it reads their maximum)."""
 

@@ -27,11 +27,13 @@ from dbo.cli.bench.config import (
     EXPERT_KERNELS,
     GRAPH_BACKENDS,
     MODES,
+    OPT_IN_BACKENDS,
     BenchConfig,
     known_presets,
     regime_label,
 )
 from dbo.cli import Parser, check_out_dir, quiet_profiler_logs
+from dbo.cli.run_config import check_backend_runs
 
 USAGE_EXAMPLES = """\
 examples:
@@ -71,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{','.join(map(str, DEFAULT_GPU_TOKENS))}; CPU "
                         f"{','.join(map(str, DEFAULT_CPU_TOKENS))})")
     p.add_argument("--backends", type=_name_list, nargs="+", default=None,
-                   help=f"comma list of {', '.join(BENCH_BACKENDS)} (default: all)")
+                   help=f"comma list of {', '.join(BENCH_BACKENDS)} (default: all but "
+                        f"{', '.join(OPT_IN_BACKENDS)})")
     p.add_argument("--layers", type=int, default=None,
                    help="layer mode: MoE layers (default: 4); model mode: decoder layers "
                         "(default: the preset's)")
@@ -137,7 +140,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
     tokens = ([t for group in args.tokens for t in group] if args.tokens else
               list(DEFAULT_GPU_TOKENS if gpu else DEFAULT_CPU_TOKENS))
     backends = ([b for group in args.backends for b in group] if args.backends else
-                list(GRAPH_BACKENDS if args.cuda_graph else BENCH_BACKENDS))
+                [b for b in (GRAPH_BACKENDS if args.cuda_graph else BENCH_BACKENDS)
+                 if b not in OPT_IN_BACKENDS])
     p2p_disabled = env.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0")
     return BenchConfig(
         mode=args.mode, preset=args.preset or (DEFAULT_GPU_PRESET if gpu else DEFAULT_CPU_PRESET),
@@ -166,7 +170,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         world = world_size_of(args.world_size, cfg, env)
         from moe.models.presets import PRESETS
         cfg.resolve_num_experts(world, PRESETS[cfg.preset].moe.num_experts)
-    except ValueError as exc:
+        for backend in cfg.backends:
+            check_backend_runs(backend)
+    except (ImportError, ValueError) as exc:
         parser.error(str(exc))  # one line, exit 2, before any rank starts
     quiet_profiler_logs()  # --trace starts the profiler
     if torchrun:

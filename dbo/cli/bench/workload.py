@@ -13,7 +13,8 @@ DBO split "requests".
 
 `a2a_ll` has a fixed capacity per rank: the DBO-off model gets max_tokens_per_rank = T,
 the DBO-on model the larger ubatch of the split the runner will make (so DBO moves no
-more padding than the unsplit step), computed with the runner's own planner. The factory
+more padding than the unsplit step), computed with the runner's own planner. `symm_mem`
+sizes its buffers by a capacity but moves only routed rows: both models get T. The factory
 keeps one model alive, rebuilt only when the backend or that capacity changes.
 """
 from __future__ import annotations
@@ -133,6 +134,10 @@ class WorkloadFactory:
         capacity = None
         if backend == "a2a_ll":
             capacity = self.ubatch_capacity(tokens) if dbo else tokens
+        elif backend == "symm_mem":
+            # Only routed rows travel: the capacity sizes buffers, not transfers, so DBO
+            # off and on share one model (and one set of symmetric buffers).
+            capacity = tokens
         model = self._get_model(backend, capacity)
         args, kwargs = self._get_inputs(tokens)
         runner: Optional[Union[DBORunner, GraphedRunner]] = None
