@@ -48,6 +48,12 @@ def layer_without_deep_ep(backend: str) -> None:
         layer(backend=backend)
 
 
+def symm_mem_layer_without_cuda() -> None:
+    """Construct a `symm_mem` layer as if this process had no CUDA device."""
+    with mock.patch.object(torch.cuda, "is_available", return_value=False):
+        layer(backend="symm_mem", max_tokens_per_rank=8)
+
+
 def nan_logits_input() -> torch.Tensor:
     x = torch.randn(5, 8)
     x[2] = float("nan")
@@ -111,6 +117,10 @@ REJECTED = {
     "DeepEP backend without deep_ep": (
         lambda: layer_without_deep_ep("deepep_ht"), ImportError,
         "backend 'deepep_ht' needs DeepEP (deep_ep.Buffer), which is not installed"),
+    "`symm_mem` backend without CUDA": (
+        symm_mem_layer_without_cuda, ValueError,
+        "backend 'symm_mem' runs NVSHMEM kernels on CUDA GPUs and this process has no CUDA "
+        "device"),
     "unknown experts kernel": (lambda: layer(experts="nope"), ValueError,
                                "unknown experts kernel 'nope'"),
     "fixed-capacity backend without a capacity": (
