@@ -143,9 +143,12 @@ SCENARIOS: dict[str, tuple[dict, tuple[int, int]]] = {
 
 
 def compare_with_a2a(rank: int, world_size: int, dtype_name: str, experts: str,
-                     stand_in: bool) -> dict[str, list[bool]]:
-    """Per scenario: whether symm_mem's output equals a2a's bit for bit, DBO off, DBO on
-    (two ubatches), and DBO on as the model's last layer (against a2a's DBO on)."""
+                     stand_in: bool, against: str = "a2a") -> dict[str, list[bool]]:
+    """Per scenario: whether symm_mem's output equals `against`'s bit for bit, DBO off,
+    DBO on (two ubatches), and DBO on as the model's last layer (against its DBO on).
+    The reference experts give each expert the same rows in a2a and symm_mem (padding
+    rows have ids -1); the triton experts pick their tiles by the row count, which
+    symm_mem shares with a2a_ll (N = W*C rows), not with a2a."""
     device = torch.device("cpu") if stand_in else torch.device("cuda", rank)
     if stand_in:
         install_stand_in(dist.group.WORLD)
@@ -157,13 +160,13 @@ def compare_with_a2a(rank: int, world_size: int, dtype_name: str, experts: str,
                                   dtype=dtype, experts=experts), **overrides})
         weights = init_moe_weights(cfg, seed=11, device=device)
         layers = {}
-        for backend in ("a2a", "symm_mem"):
+        for backend in (against, "symm_mem"):
             layers[backend] = MoELayer(replace(cfg, backend=backend), group=dist.group.WORLD,
                                        device=device)
             layers[backend].load_weights(weights)
             if cfg.num_shared_experts:
                 layers[backend].shared_experts.load_state_dict(
-                    layers["a2a"].shared_experts.state_dict())
+                    layers[against].shared_experts.state_dict())
         gen = torch.Generator(device=device).manual_seed(100 * rank + len(name))
         x = torch.randn(tokens[rank], cfg.hidden_size, generator=gen, device=device).to(dtype)
         half = x.shape[0] // 2
@@ -179,7 +182,7 @@ def compare_with_a2a(rank: int, world_size: int, dtype_name: str, experts: str,
             torch.cuda.synchronize()
         # As the last layer a2a splits its combine (its own rows' experts run apart, so
         # their sums may round differently); symm_mem cannot, and runs as plain DBO.
-        a2a_off, a2a_on, _ = outs["a2a"]
+        a2a_off, a2a_on, _ = outs[against]
         results[name] = [torch.equal(a, b) and a.shape == (tokens[rank], cfg.hidden_size)
                          for a, b in zip((a2a_off, a2a_on, a2a_on), outs["symm_mem"])]
     return results
