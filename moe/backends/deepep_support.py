@@ -186,6 +186,7 @@ def shared_buffer(deep_ep: ModuleType, group: dist.ProcessGroup, mode: str, *,
     grown here. Collective when it makes one: call it at a point every rank of `group`
     reaches in the same order (a layer's construction)."""
     assert mode in ("ht", "ll"), mode
+    _destroy_orphans()
     for entry in _ENTRIES:
         if entry.owner() is group and entry.shared.mode == mode:
             shared = entry.shared
@@ -199,7 +200,6 @@ def shared_buffer(deep_ep: ModuleType, group: dist.ProcessGroup, mode: str, *,
             shared.num_qps_per_rank = max(shared.num_qps_per_rank, num_qps_per_rank)
             shared.buffer = _make(deep_ep, group, shared)
             return shared
-    _destroy_orphans()
     shared = SharedBuffer(mode, None, num_nvl_bytes, num_rdma_bytes, num_qps_per_rank)
     shared.buffer = _make(deep_ep, group, shared)
     _ENTRIES.append(_Entry(weakref.ref(group), shared))
