@@ -20,7 +20,7 @@ BACKENDS: dict[str, str] = {
 
 #: Backends registered by name whose adapter is not built yet: constructing one refuses
 #: in one line saying what is missing (`moe.backends.deepep_support`).
-NOT_BUILT_BACKENDS: frozenset[str] = frozenset({"deepep_ht", "deepep_ll", "deepep_v2"})
+NOT_BUILT_BACKENDS: frozenset[str] = frozenset({"deepep_v2"})
 
 #: expert kernel name -> "module:Class" (`moe.experts`); "auto" picks the fastest available.
 EXPERTS: dict[str, str] = {

@@ -26,13 +26,24 @@ BENCH_BACKENDS: tuple[str, ...] = tuple(sorted(
 """Dispatch/combine backends the sweep can compare: every registered and built one that
 moves tokens between ranks (`moe.backends`; all need EP size >= 2)."""
 
-OPT_IN_BACKENDS: tuple[str, ...] = ("symm_mem",)
-"""Backends swept only when named in --backends: they need more than torch and NCCL
-(symm_mem: NVSHMEM), so a sweep without --backends runs wherever torch does."""
-
-GRAPH_BACKENDS: tuple[str, ...] = ("a2a_ll", "symm_mem")
+GRAPH_BACKENDS: tuple[str, ...] = ("a2a_ll", "symm_mem", "deepep_ll")
 """Backends whose steps `--cuda-graph` can capture: nothing read on the host (a2a reads its
-counts; the bench runs naive without a fixed capacity, so it reads their maximum)."""
+counts; the bench runs naive without a fixed capacity, so it reads their maximum;
+deepep_ht reads its counts in the form the bench runs)."""
+
+OPT_IN_BACKENDS: tuple[str, ...] = ("symm_mem", "deepep_ht", "deepep_ll")
+"""Backends run only when named (`--backends`): they need more than torch and NCCL
+(symm_mem: NVSHMEM; the DeepEP ones: DeepEP installed, GPUs of one node and bfloat16,
+deepep_ll a hidden size its kernels are compiled for), so a sweep without --backends runs
+wherever torch does."""
+
+DEFAULT_BACKENDS: tuple[str, ...] = tuple(
+    b for b in BENCH_BACKENDS if b not in OPT_IN_BACKENDS)
+"""What the sweep compares when `--backends` is not given."""
+
+DEFAULT_GRAPH_BACKENDS: tuple[str, ...] = tuple(
+    b for b in GRAPH_BACKENDS if b not in OPT_IN_BACKENDS)
+"""What `--cuda-graph` compares when `--backends` is not given."""
 
 EXPERT_KERNELS: tuple[str, ...] = ("auto", *EXPERTS)
 """Expert kernel names (`moe.experts`); "auto" picks the fastest that runs."""

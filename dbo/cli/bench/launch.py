@@ -20,10 +20,12 @@ import torch.distributed as dist
 
 from dbo.cli.bench.config import (
     BENCH_BACKENDS,
+    DEFAULT_BACKENDS,
     DEFAULT_CPU_PRESET,
     DEFAULT_CPU_TOKENS,
     DEFAULT_GPU_PRESET,
     DEFAULT_GPU_TOKENS,
+    DEFAULT_GRAPH_BACKENDS,
     EXPERT_KERNELS,
     GRAPH_BACKENDS,
     MODES,
@@ -73,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{','.join(map(str, DEFAULT_GPU_TOKENS))}; CPU "
                         f"{','.join(map(str, DEFAULT_CPU_TOKENS))})")
     p.add_argument("--backends", type=_name_list, nargs="+", default=None,
-                   help=f"comma list of {', '.join(BENCH_BACKENDS)} (default: all but "
-                        f"{', '.join(OPT_IN_BACKENDS)})")
+                   help=f"comma list of {', '.join(BENCH_BACKENDS)} (default: "
+                        f"{','.join(DEFAULT_BACKENDS)})")
     p.add_argument("--layers", type=int, default=None,
                    help="layer mode: MoE layers (default: 4); model mode: decoder layers "
                         "(default: the preset's)")
@@ -124,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "in the probe's overlapped step (0: every SM)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="time every step as a CUDA graph replay (DBO on: vote, then "
-                        "replay); backends: " + ", ".join(GRAPH_BACKENDS) +
-                        " (the default with this flag)")
+                        "replay); backends: " + ", ".join(GRAPH_BACKENDS) + " (default "
+                        "with this flag: " + ",".join(DEFAULT_GRAPH_BACKENDS) + ")")
     return p
 
 
@@ -140,8 +142,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
     tokens = ([t for group in args.tokens for t in group] if args.tokens else
               list(DEFAULT_GPU_TOKENS if gpu else DEFAULT_CPU_TOKENS))
     backends = ([b for group in args.backends for b in group] if args.backends else
-                [b for b in (GRAPH_BACKENDS if args.cuda_graph else BENCH_BACKENDS)
-                 if b not in OPT_IN_BACKENDS])
+                list(DEFAULT_GRAPH_BACKENDS if args.cuda_graph else DEFAULT_BACKENDS))
     p2p_disabled = env.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0")
     return BenchConfig(
         mode=args.mode, preset=args.preset or (DEFAULT_GPU_PRESET if gpu else DEFAULT_CPU_PRESET),
