@@ -117,6 +117,20 @@ def test_sms_are_comm_kernel_grids_capped_at_the_sm_count() -> None:
     assert comm_kernel_sms(events[2:], sm_count=132, is_comm=is_comm).sms is None
 
 
+def test_sms_from_a_real_profiler_trace() -> None:
+    # A torch.profiler trace of a2a on 2x H200 (traces/data): its NCCL SendRecv kernels
+    # ran with grids of 2 and 4 blocks (12 launches); every other kernel is compute.
+    import gzip
+
+    from traces.classify import Classifier
+
+    with gzip.open(REPO / "traces/data/h200x2_a2a_T4096_dbo-off.json.gz", "rt") as f:
+        doc = json.load(f)
+    got = comm_kernel_sms(doc["traceEvents"], sm_count=132, is_comm=Classifier().is_comm_name)
+    assert got.sms == 4
+    assert got.blocks == {"ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": 4}
+
+
 def test_routing_is_reproducible_distinct_and_balanced() -> None:
     cpu = torch.device("cpu")
     kwargs = dict(num_experts=16, top_k=4, seed=3, device=cpu)
