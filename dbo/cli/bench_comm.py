@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "events), algorithmic bandwidth (DeepEP's definition), host "
                            "time per call and the SMs of the comm kernels, over tokens "
                            "per rank. A table, CSV/JSON/PNG, one JSON line.")
-    p.add_argument("--tokens", type=_int_list, default=DEFAULT_TOKENS,
+    p.add_argument("--tokens", type=_int_list, default=None,
                    help="tokens per rank of each point, comma list "
                         f"(default {','.join(map(str, DEFAULT_TOKENS))})")
     p.add_argument("--backends", type=_name_list, default=None,
@@ -81,7 +81,7 @@ def config_from_args(args: argparse.Namespace) -> "CommBenchConfig":  # noqa: F8
     import torch
 
     from dbo.cli.bench.config import regime_label
-    from moe.bench.comm import CommBenchConfig
+    from moe.bench.comm import DEFAULT_TOKENS, CommBenchConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     p2p_disabled = os.environ.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0")
@@ -89,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> "CommBenchConfig":  # noqa: F8
     if p2p_disabled and device == "cuda":
         regime += "; DeepEP/NVSHMEM unaffected"
     return CommBenchConfig(
-        tokens=tuple(args.tokens), backends=tuple(args.backends or ()), hidden=args.hidden,
+        tokens=tuple(args.tokens) if args.tokens is not None else DEFAULT_TOKENS, backends=tuple(args.backends or ()), hidden=args.hidden,
         top_k=args.top_k, num_experts=args.num_experts, iters=args.iters,
         warmup=args.warmup, routing=args.routing, seed=args.seed, regime=regime,
         out_dir=args.out, plot=not args.no_plot)

@@ -57,9 +57,17 @@ def test_bad_arguments_exit_with_the_fix(argv: list[str], message: str, tmp_path
     assert message in err and err.startswith("dbo bench-comm: ") and err.count("\n") == 1
 
 
-def test_command_is_registered() -> None:
-    from dbo.cli import COMMANDS
-    assert COMMANDS["bench-comm"][0] == "dbo.cli.bench_comm"
+def test_command_is_registered_with_its_defaults(capsys: pytest.CaptureFixture) -> None:
+    from dbo import cli
+
+    assert cli.COMMANDS["bench-comm"][0] == "dbo.cli.bench_comm"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench-comm", "--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("usage: dbo bench-comm ")
+    assert "(default 1,128,512,2048,4096,8192)" in out and "(default: 7168)" in out
+    assert "deepep_raw_ht, deepep_raw_ll (default: all)" in out
 
 
 def test_bandwidth_is_received_bytes_over_time() -> None:
