@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time every step as a CUDA graph replay (DBO on: vote, then "
                         "replay); backends: " + ", ".join(GRAPH_BACKENDS) +
                         " (the default with this flag)")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="calibration JSON (e.g. an earlier run's <out>/calibration.json): "
+                        "its machine figures feed the predicted columns; points it covers "
+                        "are gated on the prediction, without trial steps")
     return p
 
 
@@ -152,7 +156,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         regime=regime_label(device, p2p_disabled=p2p_disabled), out_dir=args.out,
         seed=args.seed, plot=not args.no_plot, progress=not args.no_progress,
         trace=args.trace, split_last_combine=not args.no_split_combine,
-        gemm_sm_carveout=args.gemm_sm_carveout, cuda_graph=args.cuda_graph)
+        gemm_sm_carveout=args.gemm_sm_carveout, cuda_graph=args.cuda_graph,
+        calibration=args.calibration)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -166,6 +171,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         world = world_size_of(args.world_size, cfg, env)
         from moe.models.presets import PRESETS
         cfg.resolve_num_experts(world, PRESETS[cfg.preset].moe.num_experts)
+        from dbo.cli.bench.predicted import bench_calibration
+        bench_calibration(cfg.calibration)  # a bad file fails here, before any rank starts
     except ValueError as exc:
         parser.error(str(exc))  # one line, exit 2, before any rank starts
     quiet_profiler_logs()  # --trace starts the profiler
