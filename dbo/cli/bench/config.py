@@ -144,6 +144,10 @@ class BenchConfig:
     cuda_graph: bool = False
     """Time every step as a CUDA graph replay (`dbo.graphs`): DBO on through a
     `GraphedRunner` (vote, then replay), DBO off and the probe's timings captured whole."""
+    calibration: Optional[str] = None
+    """A calibration file (`dbo.calibration`): its machine figures feed each point's
+    prediction, and a point its measured points cover is gated on the prediction, with no
+    trial steps; None: the illustrative defaults, trials everywhere."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -247,7 +251,7 @@ class BenchConfig:
                 "rounds": self.rounds, "split_last_combine": self.split_last_combine,
                 "gemm_sm_carveout": self.gemm_sm_carveout, "cuda_graph": self.cuda_graph,
                 "min_gain": self.min_gain, "gate_min_tokens": self.gate_min_tokens,
-                "device": self.device, "seed": self.seed}
+                "device": self.device, "seed": self.seed, "calibration": self.calibration}
 
 
 def _is_int(value: Any) -> bool:

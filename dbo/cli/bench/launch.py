@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time every step as a CUDA graph replay (DBO on: vote, then "
                         "replay); backends: " + ", ".join(GRAPH_BACKENDS) + " (default "
                         "with this flag: " + ",".join(DEFAULT_GRAPH_BACKENDS) + ")")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="calibration JSON (e.g. an earlier run's <out>/calibration.json): "
+                        "its machine figures feed the predicted columns; points it covers "
+                        "are gated on the prediction, without trial steps")
     return p
 
 
@@ -157,7 +161,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         regime=regime_label(device, p2p_disabled=p2p_disabled), out_dir=args.out,
         seed=args.seed, plot=not args.no_plot, progress=not args.no_progress,
         trace=args.trace, split_last_combine=not args.no_split_combine,
-        gemm_sm_carveout=args.gemm_sm_carveout, cuda_graph=args.cuda_graph)
+        gemm_sm_carveout=args.gemm_sm_carveout, cuda_graph=args.cuda_graph,
+        calibration=args.calibration)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -173,6 +178,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg.resolve_num_experts(world, PRESETS[cfg.preset].moe.num_experts)
         for backend in cfg.backends:
             check_backend_runs(backend)
+        from dbo.cli.bench.predicted import bench_calibration
+        bench_calibration(cfg.calibration)  # a bad file fails here, before any rank starts
     except (ImportError, ValueError) as exc:
         parser.error(str(exc))  # one line, exit 2, before any rank starts
     quiet_profiler_logs()  # --trace starts the profiler
