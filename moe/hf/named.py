@@ -8,7 +8,7 @@ Shape legend: E routed experts, H hidden size, I one expert's width.
 
 Real shapes are the published checkpoints' config.json sizes, except: the layer count
 (`num_layers`), DeepSeek-V3's `first_k_dense_replace` (0, so that every one of the few
-layers is an MoE layer) and its rope scaling (left out: it changes no shape or cost).
+layers is an MoE layer) and its rope settings (the defaults: they change no shape or cost).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ REAL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
         num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=40960, decoder_sparse_step=1,
+        max_position_embeddings=40960, decoder_sparse_step=1,
         mlp_only_layers=[], tie_word_embeddings=False)),
     # deepseek-ai/DeepSeek-V3: E=256 in 8 groups (4 per token), top-8, 1 shared expert,
     # H=7168, I=2048, MLA with 128 heads.
@@ -37,7 +37,7 @@ REAL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
         routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=1536, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280,
-        first_k_dense_replace=0, rms_norm_eps=1e-6, rope_theta=10000.0,
+        first_k_dense_replace=0, rms_norm_eps=1e-6,
         max_position_embeddings=163840, tie_word_embeddings=False)),
 }
 
