@@ -44,6 +44,7 @@ examples:
   NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --mode layer
   torchrun --nproc_per_node=2 -m dbo.cli.bench --mode model --preset deepseek-v3-like
   torchrun --nproc_per_node=2 -m dbo.cli.bench --mode layer --cuda-graph   # a2a_ll as graphs
+  NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf deepseek-v3 --tokens 4096
 """
 
 
@@ -67,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="layer", choices=MODES,
                    help="layer: MoE layers with attention-sized GEMMs between; model: the "
                         "reference MoE transformer")
+    p.add_argument("--hf", default=None, metavar="ARCH",
+                   help="a Hugging Face MoE architecture converted by moe.hf, DBO off/on "
+                        "beside the unconverted transformers model (qwen3-30b-a3b, "
+                        "deepseek-v3, or a tiny one: see dbo.cli.bench.hf_launch)")
     p.add_argument("--preset", default=None, choices=known_presets(),
                    help=f"shapes (default: {DEFAULT_GPU_PRESET} on GPU, "
                         f"{DEFAULT_CPU_PRESET} on CPU)")
@@ -169,6 +174,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     env = os.environ
+    if args.hf is not None:
+        from dbo.cli.bench.hf_launch import main_hf
+        return main_hf(parser, args, env)
     torchrun = "RANK" in env and "WORLD_SIZE" in env
     try:
         cfg = config_from_args(args, env)
