@@ -19,7 +19,15 @@ BACKENDS: dict[str, str] = {
 
 #: Backends registered by name whose adapter is not built yet: constructing one refuses
 #: in one line saying what is missing (`moe.backends.deepep_support`).
-NOT_BUILT_BACKENDS: frozenset[str] = frozenset({"deepep_ht", "deepep_ll", "deepep_v2"})
+NOT_BUILT_BACKENDS: frozenset[str] = frozenset({"deepep_ht", "deepep_ll"})
+
+#: Backends built against a stand-in for their library only, never run against the real
+#: one: `deepep_v2` (DeepEP v2 needs NCCL >= 2.30.4; tested through
+#: tests/moe/fake_elastic_buffer.py).
+UNTESTED_BACKENDS: frozenset[str] = frozenset({"deepep_v2"})
+
+#: What the `dbo` commands do not offer: the backends that refuse and the untested ones.
+NOT_OFFERED_BACKENDS: frozenset[str] = NOT_BUILT_BACKENDS | UNTESTED_BACKENDS
 
 #: expert kernel name -> "module:Class" (`moe.experts`); "auto" picks the fastest available.
 EXPERTS: dict[str, str] = {
