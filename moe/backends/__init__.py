@@ -7,7 +7,8 @@
 | naive_mono | all-gather of tokens and router logits (every rank routes them) + reduce-scatter | only without max_tokens_per_rank | with max_tokens_per_rank | yes |
 | a2a | exact all_to_all_single: count exchange, then data | yes: yields before it | no | yes |
 | a2a_ll | fixed-capacity padded all_to_all_single | no | yes | yes |
-| deepep_ht, deepep_ll, deepep_v2 | DeepEP (not built yet: refuses, saying what is missing) | | | no |
+| deepep_ht, deepep_ll | DeepEP (not built yet: refuses, saying what is missing) | | | no |
+| deepep_v2 | DeepEP v2 ElasticBuffer, built against a fake, untested against the real library (needs NCCL >= 2.30.4) | prefill mode: yes, yields before it; decode mode: no | decode mode | no (its fake: yes) |
 | auto | local for EP size 1, else a2a | | | |
 
 Modules are imported when their backend is first asked for, so an optional engine's
