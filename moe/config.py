@@ -37,6 +37,7 @@ RoutingFunction = Callable[[Tensor, int], "tuple[Tensor, Tensor]"]
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
 _SCORINGS = ("softmax", "sigmoid")
+_DEEPEP_V2_MODES = ("prefill", "decode")
 _BOOL_FIELDS = ("renormalize", "use_correction_bias", "apply_router_weight_on_input",
                 "split_last_combine", "check_finite_logits")
 
@@ -120,6 +121,10 @@ class MoEConfig:
     deepep_ht, deepep_ll; "auto": local for EP size 1, else a2a."""
     experts: str = "auto"
     """Expert kernel (`moe.experts`): reference, grouped, triton; "auto": the fastest available on the input's device."""
+    deepep_v2_mode: str = "prefill"
+    """Backend `deepep_v2` only: "prefill" (exact sizes, expert-major rows, the host waits
+    for the counts) or "decode" (outputs sized for the worst case, the count stays on the
+    GPU: no host sync, CUDA-graph capturable). Other backends ignore it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kernels, KernelPolicy):
@@ -178,6 +183,9 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.expert_chunk_size={self.expert_chunk_size!r}: must be a positive int."
             )
+        if self.deepep_v2_mode not in _DEEPEP_V2_MODES:
+            raise ValueError(f"MoEConfig.deepep_v2_mode={self.deepep_v2_mode!r} is not a "
+                             f"deepep_v2 mode: use one of {_DEEPEP_V2_MODES}.")
         for name, what, registry in (("backend", "MoE backend", BACKENDS),
                                      ("experts", "experts kernel", EXPERTS)):
             value = getattr(self, name)

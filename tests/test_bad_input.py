@@ -66,6 +66,17 @@ def deepep_layer_with_hidden(hidden: int) -> None:
         layer(backend="deepep_ll", hidden_size=hidden, dtype=torch.bfloat16)
 
 
+def deepep_v2_on(*, nccl: tuple = (2, 30, 4), dtype: torch.dtype = torch.bfloat16) -> None:
+    """`deepep_v2`'s check of what DeepEP v2 needs, as on a GPU machine with DeepEP v2
+    installed and torch's NCCL at `nccl` (the facts are its keyword arguments)."""
+    from moe.backends.deepep_v2 import elastic_buffer_class
+
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, dtype=dtype,
+                    backend="deepep_v2", max_tokens_per_rank=8)
+    elastic_buffer_class(cfg, "ep_group", find_deep_ep=lambda: mock.Mock(spec=["ElasticBuffer"]),
+                         nccl_version=lambda: nccl, cuda_available=lambda: True)
+
+
 def nan_logits_input() -> torch.Tensor:
     x = torch.randn(5, 8)
     x[2] = float("nan")
@@ -139,6 +150,18 @@ REJECTED = {
         "compiled for hidden sizes"),
     "unknown experts kernel": (lambda: layer(experts="nope"), ValueError,
                                "unknown experts kernel 'nope'"),
+    "unknown `deepep_v2` mode": (
+        lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                          deepep_v2_mode="eager"), ValueError,
+        "MoEConfig.deepep_v2_mode='eager' is not a deepep_v2 mode"),
+    "`deepep_v2` with NCCL older than 2.30.4 (DeepEP v2 installed, CUDA present)": (
+        lambda: deepep_v2_on(nccl=(2, 28, 9)), ImportError,
+        "backend 'deepep_v2' needs NCCL >= 2.30.4 (DeepEP v2 uses NCCL's device API) but "
+        "torch has NCCL 2.28.9"),
+    "`deepep_v2` with a dtype other than bfloat16 (also: hidden size not a multiple of 8, "
+    "no process group)": (
+        lambda: deepep_v2_on(dtype=torch.float32), ValueError,
+        "backend 'deepep_v2' moves torch.bfloat16 tokens only"),
     "fixed-capacity backend without a capacity": (
         lambda: layer(backend="a2a_ll"), ValueError, "needs MoEConfig.max_tokens_per_rank"),
     "capacity overflow on this rank": (

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from moe.config import round_up_hidden
-from moe.registry import NOT_BUILT_BACKENDS
 
 _HOW_TO_GET = {
     "Buffer": ("build DeepEP v1 from source for your torch and CUDA "
@@ -51,8 +50,7 @@ HT_COPY_UNIT_BYTES = 512
 def require_deep_ep(backend: str, cls_name: str) -> ModuleType:
     """The `deep_ep` module, or raise in one line what is missing for `backend` and how to
     get it: ImportError without `deep_ep` or without its `cls_name` ("Buffer" for v1,
-    "ElasticBuffer" for v2), ValueError without CUDA, NotImplementedError for a backend
-    whose adapter is not built yet (`moe.registry.NOT_BUILT_BACKENDS`)."""
+    "ElasticBuffer" for v2), ValueError without CUDA."""
     how = _HOW_TO_GET[cls_name]
     if importlib.util.find_spec("deep_ep") is None:
         raise ImportError(f"backend {backend!r} needs DeepEP (deep_ep.{cls_name}), which is "
@@ -65,9 +63,6 @@ def require_deep_ep(backend: str, cls_name: str) -> ModuleType:
         raise ValueError(f"backend {backend!r} runs DeepEP's CUDA kernels and this process "
                          f"has no CUDA device: run on GPUs, or use backend 'a2a' or 'a2a_ll' "
                          f"(these run on CPU with gloo)")
-    if backend in NOT_BUILT_BACKENDS:
-        raise NotImplementedError(f"backend {backend!r}: its DeepEP adapter is not built yet: "
-                                  f"use backend 'a2a' or 'a2a_ll'")
     return deep_ep
 
 

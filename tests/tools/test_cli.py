@@ -99,14 +99,14 @@ def test_help_lists_the_choices_from_the_registries(capsys):
     from moe.backends import BACKENDS
     from moe.experts import EXPERTS
     from moe.models.presets import PRESETS
-    from moe.registry import NOT_BUILT_BACKENDS
+    from moe.registry import UNTESTED_BACKENDS
 
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
     out = capsys.readouterr().out
     assert "--preset {" + ",".join(PRESETS) + "}" in out
     assert "--experts {" + ",".join(["auto", *EXPERTS]) + "}" in out
-    runnable = [name for name in BACKENDS if name not in NOT_BUILT_BACKENDS]
+    runnable = [name for name in BACKENDS if name not in UNTESTED_BACKENDS]
     assert "--backend {" + ",".join(["auto", *runnable]) + "}" in out
     assert "(default: 256)" in out  # --tokens
     for command in ("bench", "soak"):

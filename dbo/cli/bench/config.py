@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from dbo.config import DBOConfig
 from moe.backends import BACKENDS
-from moe.registry import NOT_BUILT_BACKENDS
+from moe.registry import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
 
 MODES: tuple[str, ...] = ("layer", "model")
@@ -22,9 +22,10 @@ MODES: tuple[str, ...] = ("layer", "model")
 reference MoE transformer (`moe.models.transformer.MoETransformer`) of a preset."""
 
 BENCH_BACKENDS: tuple[str, ...] = tuple(sorted(
-    name for name in BACKENDS if name != "local" and name not in NOT_BUILT_BACKENDS))
-"""Dispatch/combine backends the sweep can compare: every registered and built one that
-moves tokens between ranks (`moe.backends`; all need EP size >= 2)."""
+    name for name in BACKENDS if name != "local" and name not in UNTESTED_BACKENDS))
+"""Dispatch/combine backends the sweep can compare: every registered one that moves tokens
+between ranks (`moe.backends`; all need EP size >= 2), except those never run against
+their library (`moe.registry.UNTESTED_BACKENDS`)."""
 
 GRAPH_BACKENDS: tuple[str, ...] = ("a2a_ll", "symm_mem", "deepep_ll")
 """Backends whose steps `--cuda-graph` can capture: nothing read on the host (a2a reads its

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe.backends import BACKENDS as MOE_BACKENDS
-from moe.registry import NOT_BUILT_BACKENDS
+from moe.registry import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
 
 # The soak moves tokens between ranks: every registered backend but the single-rank one.
 BACKENDS = tuple(name for name in MOE_BACKENDS
-                 if name != "local" and name not in NOT_BUILT_BACKENDS)
+                 if name != "local" and name not in UNTESTED_BACKENDS)
 EXPERT_KERNELS = ("auto", *EXPERTS)
 
 # Rank r's forced zero-token period (primes: any two ranks also meet on all-zero steps).

@@ -1,0 +1,76 @@
+"""Layer 4 (GPU, two processes over NCCL): `deepep_v2` against the real DeepEP v2
+`ElasticBuffer`, both modes, DBO on and off, a rank with no tokens. Skipped unless two
+GPUs, `deep_ep.ElasticBuffer` and NCCL >= 2.30.4 are all present: never run so far (our
+GPU machines have NCCL 2.28.9).
+
+Run on a GPU machine: `python -m pytest -q -m gpu tests/moe/test_deepep_v2_gpu.py`.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dbo import UBatchScheduler
+from moe.backends.deepep_v2 import MIN_NCCL, _torch_nccl_version
+from moe.config import MoEConfig
+from moe.layer import MoELayer
+from moe.reference import init_moe_weights, reference_moe
+from tests.dist_utils import run_distributed
+
+TOL = 4e-2  # bfloat16 (DeepEP v2 moves bf16 only): 8-bit mantissa, one rounding per sum
+
+
+def _why_not() -> str:
+    if torch.cuda.device_count() < 2:
+        return "needs two CUDA devices"
+    if importlib.util.find_spec("deep_ep") is None:
+        return "needs deep_ep"
+    import deep_ep
+    if not hasattr(deep_ep, "ElasticBuffer"):
+        return "needs deep_ep.ElasticBuffer (DeepEP v2)"
+    version = _torch_nccl_version()
+    if version is None or version < MIN_NCCL:
+        return f"needs NCCL >= 2.30.4, torch has {version}"
+    return ""
+
+
+def real_v2(rank: int, world_size: int, mode: str) -> dict:
+    device = torch.device("cuda", rank)
+    torch.manual_seed(7 + rank)
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64,
+                    dtype=torch.bfloat16, max_tokens_per_rank=64, experts="reference",
+                    backend="deepep_v2", deepep_v2_mode=mode)
+    layer = MoELayer(cfg, group=dist.group.WORLD, device=device)
+    weights = init_moe_weights(cfg, seed=3, device=device)
+    layer.load_weights(weights)
+    errors = {}
+    for tokens in ((37, 11), (0, 24)):
+        x = torch.randn(tokens[rank], cfg.hidden_size, device=device, dtype=cfg.dtype)
+        ref = reference_moe(x, router_weight_EH=weights["router_weight"],
+                            w13_EIH=weights["w13"], w2_EHI=weights["w2"], config=cfg).float()
+        with torch.no_grad():
+            off = layer(x)
+            half = x.shape[0] // 2
+            on = torch.cat(UBatchScheduler(device).run(
+                [lambda: layer(x[:half]), lambda: layer(x[half:])]))
+        torch.cuda.synchronize()
+        scale = max(ref.abs().max().item(), 1.0) if ref.numel() else 1.0
+        errors[tokens] = tuple((out.float() - ref).abs().max().item() / scale
+                               if out.numel() else 0.0 for out in (off, on))
+    return errors
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_real_elastic_buffer_matches_reference(mode):
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    for rank, errors in enumerate(run_distributed(2, real_v2, mode, backend="nccl")):
+        for tokens, errs in errors.items():
+            assert max(errs) <= TOL, (rank, tokens, errs)
