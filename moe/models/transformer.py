@@ -4,7 +4,7 @@
     model = MoETransformer(cfg, group=ep_group, device="cuda")
     model.init_weights(seed=0)
     batch = make_batch(cfg, num_tokens=4096, num_requests=8, seed=0, device="cuda")
-    logits_TV = DBORunner(model, DBOConfig(split="requests"), group=ep_group)(
+    logits_TV = DBORunner(model, DBOConfig(split="requests"), group=ep_group)(  # requests whole
         batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
 
 Shape legend: T tokens of the call (all requests packed back to back), H hidden,
@@ -249,6 +249,12 @@ class MoETransformer(nn.Module):
         for layer in self.layers:
             x_TH = layer(x_TH, cos_TD2, sin_TD2, seq_lens)
         return self.lm_head(self.norm(x_TH))
+
+    def dbo_can_split_inside_request(self) -> bool:
+        """False: a request's tokens must stay in one call (`dbo.split`). Attention runs
+        over the call's tokens and there is no KV cache, so the tail of a request cut
+        across the two ubatches would attend without its head's keys."""
+        return False
 
     def dbo_check_inputs(self, input_ids_T: Tensor, positions_T: Tensor, *,
                          seq_lens: SeqLens) -> None:

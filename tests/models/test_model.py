@@ -222,7 +222,10 @@ def test_dbo_default_config_keeps_every_request_whole(seq_lens):
         out = runner(batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
     torch.testing.assert_close(out, logits(model, batch), atol=ATOL, rtol=RTOL,
                                msg=lambda m: f"{runner.last_decision.reason}: {m}")
-    assert all(ub.first_request_offset == 0 for ub in runner.last_decision.ubatches)
+    d = runner.last_decision
+    assert not d.split and "MoETransformer.dbo_can_split_inside_request() is False" in d.reason
+    with pytest.raises(ValueError, match="split_inside_requests=True"):
+        DBORunner(model, DBOConfig(split="requests", split_inside_requests=True))
 
 
 def test_bad_inputs_name_the_problem():
