@@ -4,7 +4,7 @@
     model = MoETransformer(cfg, group=ep_group, device="cuda")
     model.init_weights(seed=0)
     batch = make_batch(cfg, num_tokens=4096, num_requests=8, seed=0, device="cuda")
-    logits_TV = DBORunner(model, DBOConfig(split="requests"), group=ep_group)(  # requests whole
+    logits_TV = DBORunner(model, DBOConfig(split="requests"), group=ep_group)(
         batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
 
 Shape legend: T tokens of the call (all requests packed back to back), H hidden,
@@ -14,7 +14,9 @@ Layer i: ``x += attn(norm(x)); x += ffn(norm(x))`` where ffn is a dense gated ML
 the first `num_dense_layers` layers and an `MoELayer` (with shared experts when
 configured) after. Attention is causal within each request and never crosses requests;
 rotary positions come from `positions_T`, so a request split across calls keeps its
-positions. There is no KV cache: a call attends only over the tokens it is given.
+positions. There is no KV cache: a call attends only over the tokens it is given, so
+the DBO runner must not cut a request across its ubatches (`dbo_can_split_inside_request`
+says so: in "requests" mode each request stays in one ubatch).
 
 Weights are deterministic in the seed and *independent of the EP size*: every rank draws
 the same replicated weights, and expert e's weights depend only on (seed, layer, e), so
