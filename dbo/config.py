@@ -44,7 +44,9 @@ class DBOConfig:
     min_prefill_tokens: int = 512
     """Smallest step with a multi-token request (prefill, "batch" mode with S > 1) that is split."""
     max_imbalance: float = 0.1
-    """Largest |n0 - n1| / total of the best request-boundary split before a request is split inside (1.0: never)."""
+    """Largest |n0 - n1| / total of a "requests" mode split at a request boundary; beyond it a request is cut inside where `split_inside_requests` allows, else the step runs unsplit (1.0: any boundary, never a cut)."""
+    split_inside_requests: Optional[bool] = None
+    """"requests" mode: may a request be cut across the two ubatches? None: only where the model's `dbo_can_split_inside_request()` says True (token-wise models, or a per-ubatch KV cache that holds the head); True: the caller says it may (refused for a model that says False); False: never."""
     gemm_sm_carveout: Optional[int] = 4
     """SMs that torch's (cuBLAS) GEMMs leave free for the comm kernels while a split step runs (`streams.gemm_carveout`); None or 0: every SM. NCCL runs the scale-out all-to-all on 4 CTAs."""
     merge: Union[MergeFn, None] = None
@@ -87,8 +89,18 @@ class DBOConfig:
                 or not 0.0 <= self.max_imbalance <= 1.0):
             raise ValueError(
                 f"DBOConfig.max_imbalance={self.max_imbalance!r} must be a number in [0, 1]: "
-                f"0.0 splits inside a request unless the boundaries balance exactly, 1.0 never "
-                f"splits inside a request")
+                f"0.0 cuts a request (where allowed) or runs unsplit unless the request "
+                f"boundaries balance exactly, 1.0 splits at any request boundary")
+        if self.split_inside_requests is not None and not isinstance(
+                self.split_inside_requests, bool):
+            raise TypeError(f"DBOConfig.split_inside_requests={self.split_inside_requests!r} "
+                            f"must be None (the model decides), True or False")
+        if self.split_inside_requests and self.split != "requests":
+            raise ValueError(
+                f"DBOConfig.split_inside_requests=True cuts the requests of split='requests', "
+                f"but split={getattr(self.split, '__name__', self.split)!r} has none to cut "
+                f"(\"tokens\": every row is its own request; \"batch\": a padded sequence "
+                f"stays whole; a callable splits as it likes): drop split_inside_requests")
         if self.merge is not None and not callable(self.merge):
             raise ValueError(f"DBOConfig.merge must be None or a callable merge([out0, out1]), "
                              f"got a {type(self.merge).__name__}: {self.merge!r}")

@@ -16,9 +16,14 @@ request/sequence works, yields or not.
 Split modes (`DBOConfig.split`); only top-level arguments are split, the others are
 passed to both ubatches unchanged:
 - "tokens": dim 0 of the first tensor argument (not declared whole) is the step's
-  tokens; tensor arguments are halved along it; rows are independent tokens.
+  tokens; tensor arguments are halved along it; rows are independent tokens (a call
+  without request lengths: each row is its own request, so no request is cut).
 - "requests": as "tokens", balanced on the `seq_lens=` keyword argument (tokens per
   request); each ubatch gets its own `seq_lens` (same type) counting only its tokens.
+  A request is cut across the ubatches only where the model's
+  `dbo_can_split_inside_request()` says it may (or `DBOConfig.split_inside_requests`);
+  otherwise a step whose request boundaries are more than `max_imbalance` apart runs
+  unsplit (`dbo.split`).
 - "batch": dim 0 is sequences (padded [B, S, ...] inputs): tensors are split at a
   sequence boundary; S == 1 (or 1-D inputs) counts as decode.
 - a callable `split(args, kwargs) -> [(args0, kwargs0), (args1, kwargs1)] | None`.
@@ -74,7 +79,8 @@ from dbo.merge import merge_outputs
 from dbo.overlap import choose_overlap, collect_sbo_blocker, restrict_split
 from dbo.predicted_overlap import OverlapPredictor, choose_predicted
 from dbo.scheduler import UBatchScheduler
-from dbo.split import SplitPlan, UBatchSlice, plan_split, plan_token_split
+from dbo.split import (SplitPlan, UBatchSlice, plan_split, plan_token_split,
+                       request_cut_blocker)
 from dbo.split_args import (SplitArgs, SplitArgumentWarning, UBatchArgs, find_split_args,
                             slice_args, undeclared_warning)
 from dbo.vote import Ballot, Tally, cast_ballot, plan_after_vote
@@ -127,6 +133,10 @@ class DBORunner:
         self._schedulers: dict[torch.device, UBatchScheduler] = {}
         self._warned_kwargs: set[str] = set()  # see `_warn_undeclared`
         self._sbo_blocker: tuple[Any, Optional[str]] = (None, None)  # (model, its reason)
+        # (model, config, why no request may be cut); raises now for a refused config.
+        self._cut_blocker: tuple[Any, Any, Optional[str]] = (None, None, None)
+        if config.split == "requests":
+            self._whole_requests()
         # Per cuda_graph: a GraphedRunner's steps carry a field of their own.
         self._agreement_caches = {False: AgreementCache(), True: AgreementCache()}
 
@@ -359,7 +369,8 @@ class DBORunner:
             seq_lens = kwargs[SEQ_LENS_KWARG]
             rest = {k: v for k, v in kwargs.items() if k != SEQ_LENS_KWARG}
             which = find_split_args(args, rest, self.config)
-            plan = plan_split(seq_lens, config, num_tokens=which.rows)
+            plan = plan_split(seq_lens, config, num_tokens=which.rows,
+                              whole_requests=self._whole_requests())
             if not plan.split:
                 return plan, [], None
             self._warn_undeclared(which)
@@ -379,6 +390,15 @@ class DBORunner:
         self._warn_undeclared(which)
         return plan, [slice_args(args, kwargs, which, ub.request_start, ub.request_end)
                       for ub in plan.ubatches], tuple(ub.num_requests for ub in plan.ubatches)
+
+    def _whole_requests(self) -> Optional[str]:
+        """Why no request of the model may be cut (`dbo.split.request_cut_blocker`), or
+        None; looked up again only when `model` or `config` is replaced."""
+        model, config, reason = self._cut_blocker
+        if model is not self.model or config is not self.config:
+            reason = request_cut_blocker(self.model, self.config)
+            self._cut_blocker = (self.model, self.config, reason)
+        return reason
 
     def _warn_undeclared(self, which: SplitArgs) -> None:
         """Once per runner and keyword: a keyword tensor this split step cuts by rows

@@ -11,10 +11,18 @@ Policy (DESIGN.md, "Splitting"):
   step whose split would leave a ubatch without tokens.
 - Decode halves the requests. Otherwise the best request-boundary split (least
   |n0 - n1|) is taken unless its imbalance |n0 - n1| / total exceeds `max_imbalance`;
-  then one request is split inside so that ubatch 0 gets floor(total / 2) tokens. The
-  head of that request stays in ubatch 0 and its tail opens ubatch 1; each ubatch's
-  `seq_lens` count only its own tokens, so its cu_seqlens start at 0 ("rebased"), and
-  `first_request_offset` says where ubatch 1's first request resumes.
+  then, where a request may be cut (`request_cut_blocker`), one request is split inside
+  so that ubatch 0 gets floor(total / 2) tokens, and where none may, the step runs
+  unsplit. The head of a cut request stays in ubatch 0 and its tail opens ubatch 1; each
+  ubatch's `seq_lens` count only its own tokens, so its cu_seqlens start at 0
+  ("rebased"), and `first_request_offset` says where ubatch 1's first request resumes.
+- A cut is only right for a model whose output for a token does not depend on the
+  request's other tokens in the same call, or that carries the head's state into the
+  tail's call (a per-ubatch KV cache at `first_request_offset`): attention over the
+  call's tokens alone would give the tail wrong outputs. The model says so with a
+  `dbo_can_split_inside_request() -> bool` method (looked up on the model itself, not
+  its submodules: one token-wise layer says nothing about the others); without it, or
+  with `DBOConfig.split_inside_requests=False`, no request is cut.
 - Token-major tensors (hidden states, absolute positions, slot mappings) are sliced by
   `[token_start:token_end]`; absolute positions need no fix-up.
 
@@ -25,13 +33,16 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from dbo.config import DBOConfig
 
 SeqLens = Union[Sequence[int], torch.Tensor]
+
+# The model's method that says whether a request may be cut across the ubatches.
+CUT_HOOK = "dbo_can_split_inside_request"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,15 +165,20 @@ def plan_token_split(num_tokens: int, config: DBOConfig = DBOConfig()) -> SplitP
 
 def plan_split(seq_lens: SeqLens, config: DBOConfig = DBOConfig(), *,
                num_tokens: Optional[int] = None,
-               allow_split_inside_request: bool = True) -> SplitPlan:
+               allow_split_inside_request: bool = True,
+               whole_requests: Optional[str] = None) -> SplitPlan:
     """Plan a token-balanced split of a step whose requests have `seq_lens` tokens.
 
     Args:
         seq_lens: tokens per request in this step ([R] ints or a 1-D int tensor).
         config: thresholds (`min_decode_tokens`, `min_prefill_tokens`, `max_imbalance`).
         num_tokens: when given, `seq_lens` must sum to it (dim 0 of the token tensors).
-        allow_split_inside_request: False keeps every request whole ("batch" mode: a
-            padded row cannot be cut), whatever `max_imbalance` says.
+        allow_split_inside_request: False keeps every request whole and takes the best
+            boundary whatever `max_imbalance` says ("batch" mode: padded rows of one
+            length, which split as evenly as whole rows can).
+        whole_requests: why no request may be cut (`request_cut_blocker`), or None when
+            one may: a step whose best boundary exceeds `max_imbalance` then runs
+            unsplit, with this in its reason.
     """
     lens = normalize_seq_lens(seq_lens, num_tokens=num_tokens)
     prefix = [0, *itertools.accumulate(lens)]  # prefix[k] = tokens of requests [0, k)
@@ -199,6 +215,12 @@ def plan_split(seq_lens: SeqLens, config: DBOConfig = DBOConfig(), *,
                               f"split at request boundary {cut}: {prefix[cut]} + "
                               f"{total - prefix[cut]} tokens (imbalance {imbalance:.3f}, {why})")
 
+    if whole_requests is not None:
+        best = ("the tokens are in one request" if cut is None else
+                f"the best request-boundary split {prefix[cut]} + {total - prefix[cut]} has "
+                f"imbalance {imbalance:.3f} > max_imbalance {config.max_imbalance}")
+        return _unsplit(total, f"no balanced split: {best}, and no request is cut: "
+                        f"{whole_requests}", is_decode=False)
     half = total // 2
     r = bisect.bisect_right(prefix, half) - 1  # request holding token `half`
     assert prefix[r] < half < prefix[r + 1], "a boundary at half is taken above"
@@ -240,6 +262,38 @@ def request_positions(seq_lens: SeqLens, *, first_request_offset: int = 0,
     if lens and first_request_offset:
         positions[:lens[0]] += first_request_offset
     return positions
+
+
+def request_cut_blocker(model: Any, config: DBOConfig) -> Optional[str]:
+    """Why "requests" mode may not cut a request of `model` across the two ubatches, or
+    None when it may (module doc): `config.split_inside_requests`, else the model's
+    `dbo_can_split_inside_request()`.
+
+    Raises ValueError when the config asks for cuts that the model says are wrong, and
+    TypeError when the hook returns something other than a bool.
+    """
+    name = type(model).__name__
+    hook = getattr(model, CUT_HOOK, None)
+    says = None if hook is None else hook()
+    if says is not None and not isinstance(says, bool):
+        raise TypeError(f"{name}.{CUT_HOOK}() returned {says!r}: it must return True (a "
+                        f"request's tokens may run in two calls) or False")
+    if config.split_inside_requests is False:
+        return "DBOConfig.split_inside_requests=False"
+    if config.split_inside_requests:
+        if says is False:
+            raise ValueError(
+                f"DBOConfig(split_inside_requests=True), but {name}.{CUT_HOOK}() is False: "
+                f"a request cut across the two ubatches would give it wrong outputs (its "
+                f"tail would run without its head). Drop split_inside_requests (requests "
+                f"then stay whole), or set max_imbalance=1.0 to split at any request boundary")
+        return None
+    if says:
+        return None
+    why = (f"{name}.{CUT_HOOK}() is False" if says is False else
+           f"{name} does not say that a request may run in two calls (no {CUT_HOOK}() "
+           f"method; DBOConfig(split_inside_requests=True) if it may)")
+    return f"{why}; max_imbalance=1.0 splits at any request boundary"
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -14,7 +14,9 @@ Layer i: ``x += attn(norm(x)); x += ffn(norm(x))`` where ffn is a dense gated ML
 the first `num_dense_layers` layers and an `MoELayer` (with shared experts when
 configured) after. Attention is causal within each request and never crosses requests;
 rotary positions come from `positions_T`, so a request split across calls keeps its
-positions. There is no KV cache: a call attends only over the tokens it is given.
+positions. There is no KV cache: a call attends only over the tokens it is given, so
+the DBO runner must not cut a request across its ubatches (`dbo_can_split_inside_request`
+says so: in "requests" mode each request stays in one ubatch).
 
 Weights are deterministic in the seed and *independent of the EP size*: every rank draws
 the same replicated weights, and expert e's weights depend only on (seed, layer, e), so
@@ -249,6 +251,12 @@ class MoETransformer(nn.Module):
         for layer in self.layers:
             x_TH = layer(x_TH, cos_TD2, sin_TD2, seq_lens)
         return self.lm_head(self.norm(x_TH))
+
+    def dbo_can_split_inside_request(self) -> bool:
+        """False: a request's tokens must stay in one call (`dbo.split`). Attention runs
+        over the call's tokens and there is no KV cache, so the tail of a request cut
+        across the two ubatches would attend without its head's keys."""
+        return False
 
     def dbo_check_inputs(self, input_ids_T: Tensor, positions_T: Tensor, *,
                          seq_lens: SeqLens) -> None:

@@ -100,7 +100,8 @@ def test_ballot_without_a_process_group_is_this_rank_s() -> None:
 
 def test_the_model_s_input_check_runs_before_the_step_and_the_next_step_runs() -> None:
     model = tiny_model()
-    runner = DBORunner(model, DBOConfig(split="requests", min_prefill_tokens=2))
+    runner = DBORunner(model, DBOConfig(split="requests", min_prefill_tokens=2,
+                                        max_imbalance=1.0))
     batch = make_batch(model.config, num_tokens=10, num_requests=2, seed=0)
     with torch.no_grad(), pytest.raises(ValueError, match="1-D integer tensor") as info:
         runner(batch.input_ids_T.float(), batch.positions_T, seq_lens=batch.seq_lens)

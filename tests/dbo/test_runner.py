@@ -65,6 +65,9 @@ class DenseModel(nn.Module):
             x = x + positions.unsqueeze(-1).to(x.dtype)
         return {"hidden": x * scale, "tag": "dense", "aux": None}
 
+    def dbo_can_split_inside_request(self) -> bool:
+        return True  # every row is computed on its own
+
     def reset(self) -> None:
         self.calls.clear()
         self.trace.clear()
@@ -193,11 +196,90 @@ def test_split_request_offset_is_visible_to_the_model() -> None:
             if dbo_enabled() else 0
         return x + request_positions(seq_lens, first_request_offset=offset).unsqueeze(-1)
 
-    runner = DBORunner(model, DBOConfig(split="requests", **NO_THRESHOLD))
+    runner = DBORunner(model, DBOConfig(split="requests", split_inside_requests=True,
+                                        **NO_THRESHOLD))
     x, seq_lens = torch.zeros(30, 2), [4, 25, 1]
     out = runner(x, seq_lens=seq_lens)
     assert runner.last_decision.ubatches[1].first_request_offset == 11
     assert torch.equal(out, model(x, seq_lens))
+
+
+class CallMixing(nn.Module):
+    """Each token gets the mean of its request's tokens in the call: cutting a request
+    across two calls changes its tokens' outputs."""
+
+    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        return torch.cat([part.mean(0, keepdim=True).expand_as(part)
+                          for part in x.split(list(seq_lens))])
+
+
+class SaysNo(CallMixing):
+    def dbo_can_split_inside_request(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("mixing", [CallMixing, SaysNo])
+def test_requests_stay_whole_unless_the_model_says_they_may_be_cut(mixing: type) -> None:
+    """The default config cuts no request of a model that does not say it may be cut: a
+    lopsided step runs unsplit (saying why), a balanced one splits at a boundary."""
+    runner = DBORunner(mixing(), DBOConfig(split="requests", **NO_THRESHOLD))
+    x = torch.randn(20, HIDDEN)
+    for seq_lens in ([17, 3], [20]):
+        assert torch.equal(runner(x, seq_lens=seq_lens), mixing()(x, seq_lens))
+        d = runner.last_decision
+        assert not d.split and "no request is cut" in d.reason, d.reason
+    assert ("does not say that a request may run in two calls" if mixing is CallMixing
+            else "SaysNo.dbo_can_split_inside_request() is False") in d.reason
+    runner(x, seq_lens=[9, 1, 10])  # imbalance 0.0: a boundary split, as before
+    assert runner.last_decision.num_tokens == (10, 10)
+    assert runner.last_decision.ubatches[1].first_request_offset == 0
+    # Any boundary on request: max_imbalance=1.0.
+    lopsided = DBORunner(mixing(), DBOConfig(split="requests", max_imbalance=1.0,
+                                             **NO_THRESHOLD))
+    assert torch.equal(lopsided(x, seq_lens=[17, 3]), mixing()(x, [17, 3]))
+    assert lopsided.last_decision.num_tokens == (17, 3)
+
+
+def test_split_inside_requests_true_and_false() -> None:
+    """The caller's word overrides a model without the hook; never one that says no."""
+    forced = DBORunner(CallMixing(), DBOConfig(split="requests", split_inside_requests=True,
+                                               **NO_THRESHOLD))
+    forced(torch.randn(20, HIDDEN), seq_lens=[17, 3])
+    assert forced.last_decision.ubatches[1].first_request_offset == 10
+    with pytest.raises(ValueError, match=r"split_inside_requests=True\), but SaysNo\."
+                       r"dbo_can_split_inside_request\(\) is False"):
+        DBORunner(SaysNo(), DBOConfig(split="requests", split_inside_requests=True))
+    forced.model = SaysNo()  # a replaced model is asked again, before its first step
+    with pytest.raises(ValueError, match="is False"):
+        forced(torch.randn(20, HIDDEN), seq_lens=[17, 3])
+    torch.manual_seed(0)
+    never = DBORunner(DenseModel(), DBOConfig(split="requests", split_inside_requests=False,
+                                              **NO_THRESHOLD))
+    never(torch.randn(20, HIDDEN), seq_lens=[17, 3])
+    assert not never.last_decision.split
+    assert "DBOConfig.split_inside_requests=False" in never.last_decision.reason
+
+
+def test_cut_hook_must_return_a_bool() -> None:
+    class Vague(CallMixing):
+        def dbo_can_split_inside_request(self) -> str:
+            return "yes"
+
+    with pytest.raises(TypeError, match=r"Vague.dbo_can_split_inside_request\(\) returned "
+                                        r"'yes': it must return True"):
+        DBORunner(Vague(), DBOConfig(split="requests"))
+
+
+def test_tokens_mode_does_not_ask_the_model() -> None:
+    """A call without request lengths ("tokens"): every row is its own request, so the
+    rows are halved whatever the model says about cutting requests."""
+    class Doubles(SaysNo):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    runner = DBORunner(Doubles(), DBOConfig(**NO_THRESHOLD))
+    x = torch.randn(6, HIDDEN)
+    assert torch.equal(runner(x), x * 2) and runner.last_decision.num_tokens == (3, 3)
 
 
 def test_disabled_runs_model_as_is(model: DenseModel) -> None:

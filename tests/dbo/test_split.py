@@ -120,6 +120,23 @@ def test_no_split_inside_request_when_disallowed(lens: list[int]) -> None:
         _check_slices(lens, plan)
 
 
+@settings(max_examples=150, deadline=None)
+@given(lens=seq_lens_st, config=configs_st)
+def test_whole_requests_split_at_a_boundary_within_max_imbalance_or_not_at_all(
+        lens: list[int], config: DBOConfig) -> None:
+    """With `whole_requests` no request is cut: the step splits where `plan_split` would
+    have split at a boundary, and runs unsplit, saying why, where it would have cut."""
+    free = plan_split(lens, config)
+    plan = plan_split(lens, config, whole_requests="the model mixes tokens")
+    cut = free.split and free.ubatches[1].first_request_offset > 0
+    assert plan.split == (free.split and not cut), plan.reason
+    if plan.split:
+        assert plan == free
+    elif cut:
+        assert plan.reason.endswith("no request is cut: the model mixes tokens")
+        assert plan.num_tokens == (sum(lens),) and plan.ubatches == ()
+
+
 @given(num_requests=st.integers(min_value=2, max_value=300))
 def test_decode_halves_requests(num_requests: int) -> None:
     plan = plan_split([1] * num_requests, NO_THRESHOLD)
@@ -228,4 +245,11 @@ def test_config_checks() -> None:
         DBOConfig(enabled="false")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         DBOConfig("tokens")  # type: ignore[misc]  # keyword-only
+    with pytest.raises(TypeError, match=r"split_inside_requests='yes' must be None"):
+        DBOConfig(split="requests", split_inside_requests="yes")  # type: ignore[arg-type]
+    for mode in ("tokens", "batch"):
+        with pytest.raises(ValueError, match=rf"split_inside_requests=True cuts the requests "
+                                             rf"of split='requests', but split='{mode}'"):
+            DBOConfig(split=mode, split_inside_requests=True)
+    assert DBOConfig(split="batch", split_inside_requests=False).split == "batch"
     DBOConfig(split=lambda args, kwargs: None, merge=lambda outs: outs[0])  # callables are fine

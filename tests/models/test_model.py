@@ -209,6 +209,25 @@ def test_dbo_requests_split_equals_plain_forward(kind):
     torch.testing.assert_close(out, logits(model, batch), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("seq_lens", [(40,), (33, 7)])
+def test_dbo_default_config_keeps_every_request_whole(seq_lens):
+    """The default `max_imbalance` never cuts a request of a model without a KV cache:
+    the tail of a cut request would attend without its head's keys (wrong logits)."""
+    model = tiny_model()
+    batch = make_batch(model.config, num_tokens=sum(seq_lens), num_requests=1, seed=3)
+    batch = dataclasses.replace(batch, seq_lens=seq_lens, positions_T=torch.cat(
+        [torch.arange(n) for n in seq_lens]))
+    runner = DBORunner(model, DBOConfig(split="requests", min_prefill_tokens=1))
+    with torch.no_grad():
+        out = runner(batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
+    torch.testing.assert_close(out, logits(model, batch), atol=ATOL, rtol=RTOL,
+                               msg=lambda m: f"{runner.last_decision.reason}: {m}")
+    d = runner.last_decision
+    assert not d.split and "MoETransformer.dbo_can_split_inside_request() is False" in d.reason
+    with pytest.raises(ValueError, match="split_inside_requests=True"):
+        DBORunner(model, DBOConfig(split="requests", split_inside_requests=True))
+
+
 def test_bad_inputs_name_the_problem():
     model = tiny_model()
     ids, pos = torch.zeros(6, dtype=torch.int64), torch.arange(6)

@@ -83,6 +83,10 @@ class LayerStack(nn.Module):
             x_TH = x_TH + moe(_rms_norm(x_TH))
         return x_TH
 
+    def dbo_can_split_inside_request(self) -> bool:
+        """True: every row is computed on its own (`dbo.split`), so any cut is exact."""
+        return True
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Seeded N(0, 1/fan_in) weights drawn on the parameters' device (no CPU copy)."""

@@ -9,7 +9,8 @@
 Layer mode: a `LayerStack` of the preset's MoE layer shape, inputs [T, H], DBO split
 "tokens". Model mode: `moe.models.transformer.MoETransformer` of the preset, a batch of `requests`
 requests of random lengths summing to T (`moe.models.transformer.make_batch`; each rank its own),
-DBO split "requests".
+DBO split "requests" at the request boundary nearest half the tokens (the model has no KV
+cache, so a request is never cut: `dbo.split`).
 
 `a2a_ll` and `deepep_ll` have a fixed capacity per rank: the DBO-off model gets max_tokens_per_rank = T,
 the DBO-on model the larger ubatch of the split the runner will make (so DBO moves no
@@ -113,8 +114,11 @@ class WorkloadFactory:
             self.num_layers = cfg.layers if cfg.layers is not None else DEFAULT_LAYERS
         else:
             self.num_layers = cfg.layers if cfg.layers is not None else preset.num_layers
-        split = "tokens" if cfg.mode == "layer" else "requests"
-        self.dbo_config = DBOConfig(split=split, gemm_sm_carveout=cfg.gemm_sm_carveout,
+        # Model mode: MoETransformer has no KV cache, so its requests stay whole; any
+        # request boundary is taken (max_imbalance=1.0) so that every point is split.
+        split = dict(split="tokens") if cfg.mode == "layer" else dict(split="requests",
+                                                                      max_imbalance=1.0)
+        self.dbo_config = DBOConfig(**split, gemm_sm_carveout=cfg.gemm_sm_carveout,
                                     **_SPLIT_ALWAYS)
         self._model_key: Optional[tuple] = None
         self._model: Optional[nn.Module] = None

@@ -55,6 +55,10 @@ class SoakModel(nn.Module):
             x_TH = F.gelu(dense(x_TH + moe(x_TH)))
         return x_TH
 
+    def dbo_can_split_inside_request(self) -> bool:
+        """True: every row is computed on its own (`dbo.split`), so any cut is exact."""
+        return True
+
     def workspace_bytes(self) -> int:
         """Bytes held by the MoE layers' per-ubatch scratch workspaces (grow-only)."""
         # A MoELayer keeps one ModularKernel per input device, each with its WorkspaceSets.
