@@ -7,7 +7,9 @@
     out = on.step()                       # DBORunner(model, factory.dbo_config)(...)
 
 Layer mode: a `LayerStack` of the preset's MoE layer shape, inputs [T, H], DBO split
-"tokens". Model mode: `moe.models.transformer.MoETransformer` of the preset, a batch of `requests`
+"tokens". Decode mode: a `DecodeStack` (`dbo.cli.bench.decode_stack`), T requests of one
+new token each over KV caches of `context` tokens, inputs [T, H], DBO split on request
+boundaries (`SplitRequests`, each ubatch with its requests' caches). Model mode: `moe.models.transformer.MoETransformer` of the preset, a batch of `requests`
 requests of random lengths summing to T (`moe.models.transformer.make_batch`; each rank its own),
 DBO split "requests".
 
@@ -27,6 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dbo.cli.bench.config import BenchConfig
+from dbo.cli.bench.decode_stack import (DecodeStack, SplitRequests, describe_decode,
+                                        make_kv_caches, ubatch_requests)
 from dbo.cli.bench.layer_stack import LayerStack, layer_moe_config, make_input
 from dbo.cli.bench.timing import gather_floats
 from dbo.config import DBOConfig
@@ -105,13 +109,14 @@ class WorkloadFactory:
             split_last_combine=cfg.split_last_combine)
         self.hidden_size = preset.hidden_size
         self.dtype = preset.dtype
-        if cfg.mode == "layer":
+        if cfg.mode in ("layer", "decode"):
             self.num_layers = cfg.layers if cfg.layers is not None else DEFAULT_LAYERS
         else:
             self.num_layers = cfg.layers if cfg.layers is not None else preset.num_layers
-        split = "tokens" if cfg.mode == "layer" else "requests"
+        split = {"layer": "tokens", "model": "requests"}.get(cfg.mode, SplitRequests())
         self.dbo_config = DBOConfig(split=split, gemm_sm_carveout=cfg.gemm_sm_carveout,
                                     **_SPLIT_ALWAYS)
+        self._kv_caches: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # decode mode
         self._model_key: Optional[tuple] = None
         self._model: Optional[nn.Module] = None
         self._inputs: dict[int, tuple[tuple, dict]] = {}
@@ -127,7 +132,10 @@ class WorkloadFactory:
                 "intermediate_size": moe.intermediate_size,
                 "num_shared_experts": moe.num_shared_experts, "layers": self.num_layers,
                 "dtype": str(self.dtype).replace("torch.", ""),
-                "grouped_topk": moe.n_group is not None}
+                "grouped_topk": moe.n_group is not None,
+                **(describe_decode(get_preset(self.cfg.preset), context=self.cfg.context,
+                                   max_requests=max(self.cfg.tokens))
+                   if self.cfg.mode == "decode" else {})}
 
     def get(self, *, tokens: int, backend: str, dbo: bool) -> Workload:
         capacity = None
@@ -146,6 +154,8 @@ class WorkloadFactory:
         """Tokens of the larger ubatch the runner makes of a `tokens` step (T if unsplit),
         the max over ranks: a fixed-capacity all-to-all needs the same capacity on all.
         A collective: every rank calls it for the same points."""
+        if self.cfg.mode == "decode":
+            return ubatch_requests(tokens) if tokens >= 2 else tokens  # same R on every rank
         if self.cfg.mode == "layer":
             plan = plan_token_split(tokens, self.dbo_config)
         else:
@@ -156,6 +166,7 @@ class WorkloadFactory:
     def release(self) -> None:
         """Drop the model and inputs (frees device memory before the next build)."""
         self._model = self._model_key = None
+        self._kv_caches = None
         self._inputs.clear()
 
     # --------------------------------------------------------------- internals
@@ -173,6 +184,8 @@ class WorkloadFactory:
                                attn_context=self.cfg.attn_context, group=self.group,
                                device=self.device)
             model.init_weights(self.cfg.seed)
+        elif self.cfg.mode == "decode":
+            model = self._build_decode_stack(moe)
         else:
             model = self._build_transformer(moe)
         self._model, self._model_key = model, key
@@ -187,13 +200,25 @@ class WorkloadFactory:
             p.requires_grad_(False)
         return model
 
+    def _build_decode_stack(self, moe: MoEConfig) -> nn.Module:
+        preset = get_preset(self.cfg.preset)
+        if self._kv_caches is None:  # once per sweep, for its largest request count
+            self._kv_caches = make_kv_caches(preset, max_requests=max(self.cfg.tokens),
+                                             context=self.cfg.context, device=self.device,
+                                             seed=self.cfg.seed * 7 + 1000 * self.rank + 1)
+        keys, values = self._kv_caches
+        model = DecodeStack(moe, preset, num_layers=self.num_layers, keys=keys,
+                            values=values, group=self.group, device=self.device)
+        model.init_weights(self.cfg.seed)
+        return model
+
     def _get_inputs(self, tokens: int) -> tuple[tuple, dict]:
         cached = self._inputs.get(tokens)
         if cached is not None:
             return cached
         self._inputs.clear()  # one token count at a time
         seed = self.cfg.seed * 7 + 1000 * self.rank + tokens
-        if self.cfg.mode == "layer":
+        if self.cfg.mode in ("layer", "decode"):  # decode: one token per request
             x_TH = make_input(tokens, self.hidden_size, dtype=self.dtype, device=self.device,
                               seed=seed)
             inputs: tuple[tuple, dict] = ((x_TH,), {})
