@@ -131,3 +131,59 @@ def test_decode_bench_end_to_end_on_two_gloo_ranks(tmp_path: Path,
     doc = json.loads(Path(files["json"]).read_text())
     assert doc["config"]["context"] == 16 and len(doc["points"]) == 4
     assert "host_nodbo_ms" in Path(files["csv"]).read_text().splitlines()[0]
+
+
+# ------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_graphed_decode_step_replays_the_eager_dbo_step_on_one_gpu() -> None:
+    import dataclasses
+
+    from dbo import GraphedRunner
+
+    device = torch.device("cuda", 0)
+    preset = get_preset("tiny", dtype=torch.bfloat16)
+    moe = dataclasses.replace(
+        layer_moe_config(preset.moe, num_experts=8, max_tokens_per_rank=16),
+        experts="triton")
+    keys, values = make_kv_caches(preset, max_requests=16, context=64, device=device, seed=0)
+    stack = DecodeStack(moe, preset, num_layers=2, keys=keys, values=values, group=None,
+                        device=device)
+    stack.init_weights(0)
+    runner = DBORunner(stack, DBOConfig(split=SplitRequests(), min_decode_tokens=2))
+    graphed = GraphedRunner(runner, warmup=1)
+    x_RH = torch.randn(16, 64, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        eager = runner(x_RH)
+        replayed = graphed(x_RH)
+        again = graphed(x_RH)
+    assert runner.last_decision.split and graphed.num_captures == 1
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=0)
+    torch.testing.assert_close(again, eager, rtol=0, atol=0)
+
+
+def _graphed_decode_sweep(rank: int, world_size: int, out_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from dbo.cli.bench.report import final_line, write_outputs
+    from dbo.cli.bench.sweep import run_sweep
+
+    cfg = BenchConfig(mode="decode", preset="tiny", tokens=(8, 32), context=64,
+                      backends=("a2a_ll",), iters=2, warmup=1, rounds=1, device="cuda",
+                      cuda_graph=True, out_dir=out_dir, plot=False, progress=False,
+                      gate_min_tokens=0)
+    result = run_sweep(cfg, group=dist.group.WORLD, device=torch.device("cuda", rank))
+    return json.loads(final_line(result, write_outputs(result))) if rank == 0 else {}
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_graphed_decode_sweep_times_steps_probe_and_host_on_two_gpus(tmp_path: Path) -> None:
+    from tests.dist_utils import run_distributed
+
+    final = run_distributed(2, _graphed_decode_sweep, str(tmp_path), backend="nccl")[0]
+    assert final["mode"] == "decode" and final["cuda_graph"] is True, final
+    for point in final["points"]:
+        assert point["dbo_split"], point
+        for name in ("t_nodbo_ms", "t_dbo_ms", "t_compute_ms", "t_comm_ms", "t_both_ms",
+                     "t_split_ms", "host_nodbo_ms", "host_dbo_ms"):
+            assert point[name] > 0, (name, point)
