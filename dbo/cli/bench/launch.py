@@ -42,8 +42,7 @@ examples:
   NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --mode layer
   torchrun --nproc_per_node=2 -m dbo.cli.bench --mode model --preset deepseek-v3-like
   torchrun --nproc_per_node=2 -m dbo.cli.bench --mode layer --cuda-graph   # a2a_ll as graphs
-  torchrun --nproc_per_node=2 -m dbo.cli.bench --mode decode --requests 16,64,256,1024 \
-      --context 4096 --experts-per-rank 8 --cuda-graph       # decode steps over KV caches
+  torchrun --nproc_per_node=2 -m dbo.cli.bench --mode decode --experts-per-rank 8 --cuda-graph
 """
 
 
@@ -163,8 +162,9 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         mode=args.mode, preset=args.preset or (DEFAULT_GPU_PRESET if gpu else DEFAULT_CPU_PRESET),
         tokens=tuple(tokens), backends=tuple(backends), layers=args.layers,
         num_experts=args.num_experts, experts_per_rank=args.experts_per_rank,
-        attn_context=args.attn_context, requests=requests[0] if requests else BenchConfig.requests,
-        context=args.context, experts=args.experts,
+        attn_context=args.attn_context,
+        requests=requests[0] if requests else BenchConfig.requests, context=args.context,
+        experts=args.experts,
         iters=args.iters if args.iters is not None else (20 if gpu else 5),
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
         rounds=args.rounds if args.rounds is not None else (3 if gpu else 1),
