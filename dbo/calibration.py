@@ -6,8 +6,9 @@ load and save.
 
 The defaults are ILLUSTRATIVE figures for an H100/H200, not a measurement of the machine
 at hand; each field's doc says where its default comes from (../shared/REFERENCE.md,
-BENCHMARKS.md, or a public spec sheet). A calibration file measured by `dbo bench` on the
-machine itself is a later step: today a file is written by `save` or by hand.
+BENCHMARKS.md, or a public spec sheet). `dbo bench` writes a calibration file of the
+machine it ran on (`<out>/calibration.json`): the same figures plus `points`, the per-phase
+times it measured at each shape (`MeasuredPoint`), and the device, torch version and date.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-__all__ = ["Calibration", "CommRegime"]
+__all__ = ["Calibration", "CommRegime", "MeasuredPoint"]
 
 
 def _finite_positive(value: object) -> bool:
@@ -44,6 +45,66 @@ class CommRegime:
                 or not 0.0 <= float(self.latency_us) < math.inf):
             raise ValueError(f"CommRegime.latency_us={self.latency_us!r}: must be a finite "
                              f"number >= 0 (us per collective).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredPoint:
+    """Per-phase times of one whole unsplit step on one rank at one shape, measured (ms,
+    all layers; `dbo.cost_model.PhaseTimes`), with what the cost model needs of the shape
+    (`StepShape`) and the step times measured beside them."""
+
+    tokens: int
+    """Tokens per rank in the step."""
+    decode: bool
+    """The runner planned the step as decode (every request one token, or "tokens" split)."""
+    layers: int
+    """MoE layers in the step."""
+    attention: float
+    """Compute outside the MoE layers, plus the router (what the dispatch needs)."""
+    experts: float
+    """The MoE layers' compute less router and shared experts: routed experts, packing."""
+    dispatch: float
+    """The step's dispatch collectives replayed alone."""
+    combine: float
+    """The step's combine collectives replayed alone."""
+    shared: float = 0.0
+    """Shared-expert compute."""
+    comm_latency: float = 0.0
+    """Fixed part of one collective, ms (not measured by the bench: the regime's figure)."""
+    rows_per_expert: float = 1.0
+    """Rows each local expert's GEMM gets in the unsplit step."""
+    expert_weight_bytes: float = 0.0
+    """Routed-expert weight bytes of this rank, all layers."""
+    attention_weight_bytes: float = 0.0
+    """Weight bytes outside the MoE layers (embeddings left out), all layers."""
+    shared_weight_bytes: float = 0.0
+    """Shared-expert weight bytes, all layers."""
+    backend: str = ""
+    """The MoE backend it ran ("" unknown)."""
+    label: str = ""
+    """Where it comes from, e.g. "bench layer tiny w2 CPU gloo"."""
+    measured_ms: dict[str, float] = field(default_factory=dict)
+    """Step times measured at this point: "none" (DBO off), "dbo" (DBO on)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MeasuredPoint.{name}={value!r}: must be an int >= 1.")
+        if not isinstance(self.decode, bool):
+            raise ValueError(f"MeasuredPoint.decode={self.decode!r}: must be True or False.")
+        values = {name: getattr(self, name) for name in (
+            "attention", "experts", "dispatch", "combine", "shared", "comm_latency",
+            "expert_weight_bytes", "attention_weight_bytes", "shared_weight_bytes")}
+        values.update({f"measured_ms[{k!r}]": v for k, v in self.measured_ms.items()})
+        for name, value in values.items():
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not 0.0 <= float(value) < math.inf):
+                raise ValueError(f"MeasuredPoint.{name}={value!r}: must be a finite number "
+                                 f">= 0 (ms, or bytes).")
+        if not _finite_positive(self.rows_per_expert):
+            raise ValueError(f"MeasuredPoint.rows_per_expert={self.rows_per_expert!r}: must "
+                             f"be > 0.")
 
 
 def _default_efficiency() -> tuple[tuple[float, float], ...]:
@@ -88,6 +149,14 @@ class Calibration:
     measured (BENCHMARKS.md: both GPUs run at their 700 W cap either way)."""
     regimes: dict[str, CommRegime] = field(default_factory=_default_regimes)
     """Link kinds by name (e.g. "nvlink", "scale_out")."""
+    points: tuple[MeasuredPoint, ...] = ()
+    """Per-phase times measured at each shape (`dbo bench`); empty: none measured."""
+    device: str = ""
+    """The device the points were measured on ("" for the illustrative figures)."""
+    torch_version: str = ""
+    """torch.__version__ of the run that measured the points."""
+    date: str = ""
+    """When the points were measured (ISO 8601, UTC)."""
 
     def __post_init__(self) -> None:
         for name in ("dense_tflops", "memory_gbs"):
@@ -119,6 +188,21 @@ class Calibration:
         if not self.regimes or not all(isinstance(r, CommRegime) for r in self.regimes.values()):
             raise ValueError(f"Calibration.regimes={self.regimes!r}: must map names to "
                              f"CommRegime.")
+        object.__setattr__(self, "points", tuple(self.points))
+        if not all(isinstance(p, MeasuredPoint) for p in self.points):
+            raise ValueError("Calibration.points: must hold MeasuredPoint values.")
+
+    def select(self, **where: Any) -> "Calibration":
+        """This calibration with only the points whose fields equal `where`, e.g.
+        `select(backend="a2a")` (a runner takes one point per shape)."""
+        names = {f.name for f in dataclasses.fields(MeasuredPoint)}
+        unknown = sorted(set(where) - names)
+        if unknown:
+            raise ValueError(f"Calibration.select: unknown fields {unknown}; known: "
+                             f"{sorted(names)}")
+        kept = tuple(p for p in self.points
+                     if all(getattr(p, k) == v for k, v in where.items()))
+        return dataclasses.replace(self, points=kept)
 
     @classmethod
     def illustrative_h100(cls) -> "Calibration":
@@ -146,6 +230,7 @@ class Calibration:
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["gemm_efficiency"] = [list(p) for p in self.gemm_efficiency]
+        out["points"] = [dataclasses.asdict(p) for p in self.points]
         return out
 
     @classmethod
@@ -173,6 +258,14 @@ class Calibration:
                 kwargs["regimes"] = {k: CommRegime(**v) for k, v in regimes.items()}
             except TypeError as exc:
                 raise ValueError(f"calibration JSON regimes: {exc}") from None
+        if "points" in kwargs:
+            points = kwargs["points"]
+            if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
+                raise ValueError("calibration JSON points: must be a list of objects")
+            try:
+                kwargs["points"] = tuple(MeasuredPoint(**p) for p in points)
+            except TypeError as exc:
+                raise ValueError(f"calibration JSON points: {exc}") from None
         return cls(**kwargs)
 
     def save(self, path: Union[str, Path]) -> None:

@@ -45,10 +45,20 @@ mode, capacity, and what the model's `dbo_agreement` hooks report) all raise
 `ConfigMismatchError`. Either way the next step can run. A runner with
 `DBOConfig(enabled=False)` votes too, on its first step and whenever its config or model
 is replaced: once the group has agreed that every rank is disabled, none votes again.
+
+With a calibration (`DBORunner(..., calibration=cal)`, `DBOConfig(overlap="auto")`), a
+step whose shape the calibration covers (`dbo.predicted_overlap`) runs the mode the cost
+model predicts fastest instead of the one the thresholds give: it wants to split where
+DBO is predicted to win (thresholds aside), and otherwise takes single-batch overlap or
+none as predicted at the group's largest token count (the same on every rank). No
+trial steps: the reason says "predicted ...", and is logged once per shape. Shapes the
+calibration does not cover keep the thresholds.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -56,11 +66,13 @@ import torch
 import torch.distributed as dist
 
 from dbo.agreement import Agreement, AgreementCache, check_inputs, stop_step
+from dbo.calibration import Calibration
 from dbo.config import DBOConfig
 from dbo.failures import (annotate_step_failure, annotate_ubatch_rows, mark_stopped_together,
                           reset_collectives)
 from dbo.merge import merge_outputs
 from dbo.overlap import choose_overlap, collect_sbo_blocker, restrict_split
+from dbo.predicted_overlap import OverlapPredictor, choose_predicted
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, UBatchSlice, plan_split, plan_token_split
 from dbo.split_args import (SplitArgs, SplitArgumentWarning, UBatchArgs, find_split_args,
@@ -71,6 +83,7 @@ from streams.gemm_carveout import gemm_sm_carveout
 
 SEQ_LENS_KWARG = "seq_lens"
 DISABLED_REASON = "DBO disabled (DBOConfig.enabled=False)"
+logger = logging.getLogger(__name__)
 
 
 class DBORunner:
@@ -82,6 +95,9 @@ class DBORunner:
         config: the split policy and mode.
         group: the process group whose ranks vote on each split (EP/DP group); None:
             the default group when torch.distributed is initialised, else no vote.
+        calibration: measured phase times per shape (`dbo.calibration`, one point per
+            shape: `cal.select(backend=...)`); with `DBOConfig(overlap="auto")` a covered
+            shape runs the predicted mode (module doc). None: the thresholds decide.
 
     After each call, `last_decision` (a `SplitPlan`) says whether and why the step was
     split; it is set before the model runs, so the model can read its ubatch's slice
@@ -90,16 +106,23 @@ class DBORunner:
     """
 
     def __init__(self, model: Callable[..., Any], config: DBOConfig = DBOConfig(),
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None, *,
+                 calibration: Optional[Calibration] = None) -> None:
         if not callable(model):
             raise TypeError(f"DBORunner needs a callable model (an nn.Module or a "
                             f"function), got a {type(model).__name__}: {model!r}")
         if not isinstance(config, DBOConfig):
             raise TypeError(f"config must be a DBOConfig, got a {type(config).__name__}: "
                             f"{config!r}; build one with DBOConfig(split=..., ...)")
+        if calibration is not None and config.overlap != "auto":
+            raise ValueError(f"DBORunner(calibration=...) drives the choice of DBOConfig("
+                             f"overlap='auto'), but overlap={config.overlap!r}: set "
+                             f"overlap='auto' or drop the calibration")
         self.model = model
         self.config = config
         self.group = group
+        self.predictor = OverlapPredictor(calibration) if calibration is not None else None
+        self._explained: set[tuple[int, bool]] = set()  # shapes whose choice was logged
         self.last_decision: Optional[SplitPlan] = None
         self._schedulers: dict[torch.device, UBatchScheduler] = {}
         self._warned_kwargs: set[str] = set()  # see `_warn_undeclared`
@@ -193,7 +216,29 @@ class DBORunner:
             return plan
         if self._sbo_blocker[0] is not self.model:
             self._sbo_blocker = (self.model, collect_sbo_blocker(self.model))
+        predicted = self._predicted_overlap(plan, self._sbo_blocker[1])
+        if predicted is not None:
+            return predicted
         return choose_overlap(plan, self.config, self._sbo_blocker[1])
+
+    def _predicts(self) -> bool:
+        return (self.predictor is not None and self.config.overlap == "auto"
+                and not callable(self.config.split))
+
+    def _predicted_overlap(self, plan: SplitPlan, sbo_blocker: Optional[str]
+                           ) -> Optional[SplitPlan]:
+        """The voted `plan` with its predicted mode (`choose_predicted`), logged once per
+        shape; None where not predicted."""
+        if not self._predicts():
+            return None
+        assert self.predictor is not None
+        chosen = choose_predicted(plan, self.predictor, sbo_blocker)
+        shape = (plan.group_max_tokens or plan.total_tokens, plan.is_decode)
+        if chosen is not None and shape not in self._explained:
+            self._explained.add(shape)
+            logger.info("dbo: %d %s tokens/rank run %s: %s", shape[0],
+                        "decode" if shape[1] else "prefill", chosen.overlap, chosen.reason)
+        return chosen
 
     def agreement_fields(self, cuda_graph: bool = False) -> dict[str, Any]:
         """The runner's own fields that every rank must share (`dbo.agreement`); the
@@ -257,20 +302,49 @@ class DBORunner:
               ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
         """This rank's plan, the ubatches' inputs (when split) and their rows for merge."""
         plan, ubatch_args, rows = self._plan_split(args, kwargs)
+        if self._predicts():
+            predicted = self._predicted_split(plan, args, kwargs)
+            if predicted is not None:
+                return predicted
         restricted = restrict_split(plan, self.config)
         if restricted is not plan:
             return restricted, [], None
         return plan, ubatch_args, rows
 
-    def _plan_split(self, args: tuple, kwargs: dict
+    def _predicted_split(self, plan: SplitPlan, args: tuple, kwargs: dict
+                         ) -> Optional[tuple[SplitPlan, list[UBatchArgs],
+                                             Optional[tuple[int, ...]]]]:
+        """This rank's wish where the calibration covers its shape: split (thresholds
+        aside) where DBO is predicted fastest, else unsplit; None where not covered."""
+        assert self.predictor is not None
+        prediction = self.predictor.predict(tokens=plan.total_tokens, decode=plan.is_decode)
+        if prediction is None:
+            return None
+        if prediction.chosen != "dbo":
+            return dataclasses.replace(
+                plan, split=False, ubatches=(), num_tokens=(plan.total_tokens,),
+                reason=f"predicted {prediction.reason}"), [], None
+        ubatch_args: list[UBatchArgs] = []
+        rows: Optional[tuple[int, ...]] = None
+        if not plan.split:  # below a threshold, perhaps: the prediction overrides it
+            plan, ubatch_args, rows = self._plan_split(args, kwargs, thresholds=False)
+        why = f"predicted {prediction.reason}"
+        if not plan.split:  # e.g. one request that may not be cut
+            return dataclasses.replace(plan, reason=f"{why}, but {plan.reason}"), [], None
+        return dataclasses.replace(plan, reason=f"{why} ({plan.reason})"), ubatch_args, rows
+
+    def _plan_split(self, args: tuple, kwargs: dict, *, thresholds: bool = True
                     ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
-        """The plan the split mode and thresholds give (`_plan` applies the policy)."""
+        """The plan the split mode and thresholds give (`_plan` applies the policy);
+        `thresholds=False`: as if both thresholds were 0."""
+        config = self.config if thresholds else dataclasses.replace(
+            self.config, min_decode_tokens=0, min_prefill_tokens=0)
         mode = self.config.split
         if callable(mode):
             return self._plan_callable(mode, args, kwargs)
         if mode == "tokens":
             which = find_split_args(args, kwargs, self.config)
-            plan = plan_token_split(which.rows, self.config)
+            plan = plan_token_split(which.rows, config)
             if not plan.split:
                 return plan, [], None
             self._warn_undeclared(which)
@@ -285,7 +359,7 @@ class DBORunner:
             seq_lens = kwargs[SEQ_LENS_KWARG]
             rest = {k: v for k, v in kwargs.items() if k != SEQ_LENS_KWARG}
             which = find_split_args(args, rest, self.config)
-            plan = plan_split(seq_lens, self.config, num_tokens=which.rows)
+            plan = plan_split(seq_lens, config, num_tokens=which.rows)
             if not plan.split:
                 return plan, [], None
             self._warn_undeclared(which)
@@ -298,7 +372,7 @@ class DBORunner:
         assert mode == "batch", mode  # DBOConfig validated it
         which = find_split_args(args, kwargs, self.config)
         seq_len = which.row_shape[1] if len(which.row_shape) >= 2 else 1
-        plan = plan_split([seq_len] * which.rows, self.config,
+        plan = plan_split([seq_len] * which.rows, config,
                           allow_split_inside_request=False)
         if not plan.split:
             return plan, [], None

@@ -27,7 +27,8 @@ from torch import Tensor
 from moe.kernels.policy import KernelPolicy
 from moe.registry import AUTO, BACKENDS, EXPERTS
 
-__all__ = ["MoEConfig", "RoutingFunction", "round_up_hidden", "SUPPORTED_DTYPES"]
+__all__ = ["DeepEPOptions", "MoEConfig", "RoutingFunction", "round_up_hidden",
+           "SUPPORTED_DTYPES"]
 
 #: ``fn(logits_TE, top_k) -> (topk_weights_TK, topk_ids_TK)``; global expert ids.
 RoutingFunction = Callable[[Tensor, int], "tuple[Tensor, Tensor]"]
@@ -42,6 +43,26 @@ _BOOL_FIELDS = ("renormalize", "use_correction_bias", "apply_router_weight_on_in
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepEPOptions:
+    """Choices of the DeepEP backends (`deepep_ht`, `deepep_ll`); other backends ignore them."""
+
+    worst_case_dispatch: bool = False
+    """`deepep_ht`: receive into buffers sized for the worst case (max_tokens_per_rank *
+    ranks rows, DeepEP's `num_worst_tokens`) instead of reading the counts on the host:
+    no host sync, so a step can be captured in a CUDA graph; needs max_tokens_per_rank."""
+    fp8_dispatch: bool = False
+    """`deepep_ll`: send the tokens in FP8 (per-128-channel scales), dequantised to
+    bfloat16 before the experts; the combine stays bfloat16."""
+
+    def __post_init__(self) -> None:
+        for name in ("worst_case_dispatch", "fp8_dispatch"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"DeepEPOptions.{name}={value!r}: must be True or False (a "
+                                f"bool, not a {type(value).__name__}).")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,10 +111,13 @@ class MoEConfig:
     kernels: KernelPolicy = KernelPolicy()
     """Which path the router, the backends' row kernels and the Triton experts take
     (`moe.kernels.policy`); the default is the shipped choice."""
+    deepep: DeepEPOptions = DeepEPOptions()
+    """Options of the DeepEP backends (`DeepEPOptions`)."""
     check_finite_logits: bool = False
     """Raise ValueError when router logits hold NaN/Inf (one host sync per layer); off: those tokens' outputs are NaN/Inf and every other token's output is unaffected."""
     backend: str = "auto"
-    """Dispatch/combine backend (`moe.backends`): local, naive, a2a, a2a_ll; "auto": local for EP size 1, else a2a."""
+    """Dispatch/combine backend (`moe.backends`): local, naive, naive_mono, a2a, a2a_ll,
+    deepep_ht, deepep_ll; "auto": local for EP size 1, else a2a."""
     experts: str = "auto"
     """Expert kernel (`moe.experts`): reference, grouped, triton; "auto": the fastest available on the input's device."""
 
@@ -101,6 +125,9 @@ class MoEConfig:
         if not isinstance(self.kernels, KernelPolicy):
             raise TypeError(f"MoEConfig.kernels={self.kernels!r}: pass a "
                             "moe.kernels.policy.KernelPolicy(...)")
+        if not isinstance(self.deepep, DeepEPOptions):
+            raise TypeError(f"MoEConfig.deepep={self.deepep!r}: pass a "
+                            "moe.config.DeepEPOptions(...)")
         # First: a string such as "false" is truthy, and the checks below read these.
         for name in _BOOL_FIELDS:
             value = getattr(self, name)

@@ -12,6 +12,7 @@ BACKENDS: dict[str, str] = {
     "naive_mono": "moe.backends.naive_mono:NaiveMonolithicBackend",
     "a2a": "moe.backends.a2a:AllToAllBackend",
     "a2a_ll": "moe.backends.a2a_ll:AllToAllLLBackend",
+    "symm_mem": "moe.backends.symm_mem:SymmMemBackend",
     "deepep_ht": "moe.backends.deepep_ht:DeepEPHTBackend",
     "deepep_ll": "moe.backends.deepep_ll:DeepEPLLBackend",
     "deepep_v2": "moe.backends.deepep_v2:DeepEPV2Backend",
@@ -19,7 +20,7 @@ BACKENDS: dict[str, str] = {
 
 #: Backends registered by name whose adapter is not built yet: constructing one refuses
 #: in one line saying what is missing (`moe.backends.deepep_support`).
-NOT_BUILT_BACKENDS: frozenset[str] = frozenset({"deepep_ht", "deepep_ll", "deepep_v2"})
+NOT_BUILT_BACKENDS: frozenset[str] = frozenset({"deepep_v2"})
 
 #: expert kernel name -> "module:Class" (`moe.experts`); "auto" picks the fastest available.
 EXPERTS: dict[str, str] = {

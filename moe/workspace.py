@@ -14,11 +14,14 @@ Never return a workspace view to a caller that keeps it.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import Tensor
 
 __all__ = ["Workspace", "WorkspaceSets", "empty_from"]
+
+T = TypeVar("T")
 
 _ALIGN_BYTES = 512  # round buffer sizes up so small growth steps do not reallocate each time
 
@@ -45,6 +48,7 @@ class Workspace:
         # host time on the GPU machine, paid several times per layer and ubatch). One
         # entry per name, so request shapes that change every step do not pile up.
         self._views: dict[str, tuple[tuple, Tensor]] = {}
+        self._kept: dict[str, Any] = {}
         self.num_allocations = 0
         self.frozen = False
 
@@ -95,14 +99,34 @@ class Workspace:
             self._views[name] = (key, view)
         return view
 
+    def keep(self, name: str, make: Callable[[], T]) -> T:
+        """The object kept under ``name``, made by ``make()`` on the first request and
+        returned as it is by every later one, until `clear`. For buffers that must never
+        move or grow once made, whatever the later requests: symmetric memory, which the
+        peer ranks address and every rank allocates alike (``moe.backends.symm_mem``).
+        Making one counts as an allocation; a frozen workspace refuses to make one."""
+        kept = self._kept.get(name)
+        if kept is None:
+            if self.frozen:
+                raise RuntimeError(
+                    f"Workspace is frozen but {name!r} is not made yet: warm up before "
+                    f"freeze()."
+                )
+            kept = make()
+            self._kept[name] = kept
+            self.num_allocations += 1
+        return kept
+
     def freeze(self) -> None:
         """Forbid further allocations (e.g. after warmup, or before CUDA graph capture)."""
         self.frozen = True
 
     def clear(self) -> None:
-        """Release all buffers (the counters are kept; ``frozen`` is reset)."""
+        """Release all buffers and kept objects (the counters are kept; ``frozen`` is
+        reset)."""
         self._buffers.clear()
         self._views.clear()
+        self._kept.clear()
         self.frozen = False
 
     def __repr__(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import types
 from unittest import mock
 from pathlib import Path
 
@@ -46,6 +47,23 @@ def layer_without_deep_ep(backend: str) -> None:
     sys.modules reads as absent)."""
     with mock.patch.dict(sys.modules, {"deep_ep": None}):
         layer(backend=backend)
+
+
+def symm_mem_layer_without_cuda() -> None:
+    """Construct a `symm_mem` layer as if this process had no CUDA device."""
+    with mock.patch.object(torch.cuda, "is_available", return_value=False):
+        layer(backend="symm_mem", max_tokens_per_rank=8)
+
+
+def deepep_layer_with_hidden(hidden: int) -> None:
+    """Construct a `deepep_ll` layer as if `deep_ep` and CUDA were there (a stand-in
+    module): the shape is refused before DeepEP is called."""
+    fake = types.ModuleType("deep_ep")
+    fake.__spec__ = types.SimpleNamespace(name="deep_ep")
+    fake.Buffer = object
+    with mock.patch.dict(sys.modules, {"deep_ep": fake}), \
+            mock.patch.object(torch.cuda, "is_available", return_value=True):
+        layer(backend="deepep_ll", hidden_size=hidden, dtype=torch.bfloat16)
 
 
 def nan_logits_input() -> torch.Tensor:
@@ -120,6 +138,14 @@ REJECTED = {
     "DeepEP backend without deep_ep": (
         lambda: layer_without_deep_ep("deepep_ht"), ImportError,
         "backend 'deepep_ht' needs DeepEP (deep_ep.Buffer), which is not installed"),
+    "`symm_mem` backend without CUDA": (
+        symm_mem_layer_without_cuda, ValueError,
+        "backend 'symm_mem' runs NVSHMEM kernels on CUDA GPUs and this process has no CUDA "
+        "device"),
+    "DeepEP backend with a shape or dtype its kernels cannot take": (
+        lambda: deepep_layer_with_hidden(1000), ValueError,
+        "MoEConfig.hidden_size=1000 is not supported: DeepEP's low-latency kernels are "
+        "compiled for hidden sizes"),
     "unknown experts kernel": (lambda: layer(experts="nope"), ValueError,
                                "unknown experts kernel 'nope'"),
     "fixed-capacity backend without a capacity": (

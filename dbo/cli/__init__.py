@@ -5,6 +5,7 @@
     dbo inspect FILE  analyze a torch.profiler or Nsight Systems trace (traces.analyze)
     dbo bench         throughput sweep with a measured overlap ceiling (dbo.cli.bench)
     dbo bench-switch  CPU cost of one ubatch hand-off (dbo.cli.bench_switch)
+    dbo bench-comm    dispatch + combine of every backend alone (dbo.cli.bench_comm)
     dbo soak          many random-size DBO steps against the reference (dbo.cli.soak)
     dbo plan          predicted gain of each overlap mode on a cluster (dbo.cli.plan)
 
@@ -29,6 +30,7 @@ COMMANDS = {
     "inspect": ("traces.analyze", "analyze a Chrome (torch.profiler) or Nsight SQLite trace"),
     "bench": ("dbo.cli.bench", "throughput sweep: backends x tokens x DBO on/off, with ceiling"),
     "bench-switch": ("dbo.cli.bench_switch", "CPU cost per ubatch hand-off vs OS threads"),
+    "bench-comm": ("dbo.cli.bench_comm", "dispatch + combine latency, bandwidth, host time, SMs per backend"),
     "soak": ("dbo.cli.soak", "many random-size DBO steps vs the no-DBO reference; memory stays flat"),
     "plan": ("dbo.cli.plan", "predicted step time and gain of each overlap mode on a cluster"),
 }

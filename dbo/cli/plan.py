@@ -82,6 +82,20 @@ def build_parser() -> Parser:
     return p
 
 
+def calibration_source(path: Optional[str], cal: Calibration) -> str:
+    """Where the machine figures come from, printed once (a bench-written file names the
+    device, torch version and date it was measured on, and its points)."""
+    if path is None:
+        source = "illustrative H100/H200 defaults"
+    elif cal.device:
+        source = (f"{path} (written by dbo bench on {cal.device}, torch {cal.torch_version}, "
+                  f"{cal.date}; {len(cal.points)} measured points)")
+    else:
+        source = path
+    print(f"calibration: {source}")
+    return source
+
+
 def _point(pred: Prediction, tokens: int) -> dict[str, Any]:
     return {"tokens": tokens, "chosen": pred.chosen, "reason": pred.reason,
             "times_ms": {m: round(t, 4) for m, t in pred.times_ms.items()},
@@ -163,6 +177,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             check_out_dir("--out", args.out)
         cal = (Calibration.load(args.calibration) if args.calibration
                else Calibration.illustrative_h100())
+        source = calibration_source(args.calibration, cal)
         intra, inter = cal.regime("nvlink"), cal.regime("scale_out")
         pick = lambda v, d: d if v is None else v  # noqa: E731
         cluster = Cluster(gpus_per_node=args.gpus_per_node, ep_size=args.ep,
@@ -188,7 +203,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"prediction plot: {plot}")
     print(json.dumps({"plan": "prediction", "preset": args.preset, "ep": args.ep,
                       "gpus_per_node": args.gpus_per_node, "cluster": vars(cluster),
-                      "calibration": args.calibration or "illustrative H100/H200 defaults",
+                      "calibration": source,
                       "modes": list(MODES), "phases": phases, "plot": plot}))
     return 0
 

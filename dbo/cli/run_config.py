@@ -12,14 +12,14 @@ from moe.experts import EXPERTS as EXPERT_KERNELS
 from moe.models.presets import PRESETS
 from moe.registry import NOT_BUILT_BACKENDS
 
-# The backends `dbo run` offers: every registered one that runs (not the DeepEP names,
-# registered only to refuse).
+# The backends `dbo run` offers: every registered one that runs (not the names registered
+# only to refuse, `moe.registry.NOT_BUILT_BACKENDS`).
 BACKENDS = ("auto", *(name for name in MOE_BACKENDS if name not in NOT_BUILT_BACKENDS))
 EXPERTS = ("auto", *EXPERT_KERNELS)
 # Backends `--cuda-graph` runs: all but a2a, which reads its token counts on the host.
 # naive and naive_mono read nothing there with the capacity that `setup_rank` sets
 # (`PrepareFinalize.graph_safe`).
-GRAPH_BACKENDS = ("auto", "local", "naive", "naive_mono", "a2a_ll")
+GRAPH_BACKENDS = ("auto", "local", "naive", "naive_mono", "a2a_ll", "symm_mem", "deepep_ll")
 # What records the traced steps (`dbo trace --profiler`).
 PROFILERS = ("torch", "nsys")
 
@@ -101,6 +101,15 @@ class RunConfig:
         if self.cuda_graph and self.experts == "reference":
             raise ValueError("--cuda-graph with --experts=reference: the reference experts "
                              "read their token counts on the host; use triton or auto")
+
+
+def check_backend_runs(backend: str) -> None:
+    """Raise ImportError or ValueError, in one line, where `backend` cannot run in this
+    process's environment, before any rank starts: `symm_mem` needs torch's NVSHMEM op,
+    CUDA and NVSHMEM (`moe.backends.symm_mem_support.require_symm_mem`)."""
+    if backend == "symm_mem":
+        from moe.backends.symm_mem_support import require_symm_mem
+        require_symm_mem()
 
 
 def tokens_for_rank(job: RunConfig, rank: int) -> int:

@@ -45,8 +45,8 @@ from dbo.cli import Parser
 from dbo.cli.launch import RankContext, launch, resolve_world_size
 from dbo.cli.run_decode import decode_summary, print_decode, run_decode_steps
 from dbo.cli.run_hf import build_hf
-from dbo.cli.run_config import (BACKENDS, EXPERTS, PROFILERS, RunConfig, model_config,
-                                tokens_for_rank)
+from dbo.cli.run_config import (BACKENDS, EXPERTS, PROFILERS, RunConfig, check_backend_runs,
+                                model_config, tokens_for_rank)
 from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, capture_graph
 from dbo.runner import DBORunner
@@ -332,7 +332,8 @@ def parse_job(parser: argparse.ArgumentParser,
                              "work), and none is visible here: use --profiler=torch on CPU")
         from moe.experts import make_experts
         make_experts(job.experts, "cuda" if torch.cuda.is_available() else "cpu")
-    except ValueError as exc:
+        check_backend_runs(job.backend)
+    except (ImportError, ValueError) as exc:
         parser.error(str(exc))
     return job, world_size
 

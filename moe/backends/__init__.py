@@ -7,7 +7,10 @@
 | naive_mono | all-gather of tokens and router logits (every rank routes them) + reduce-scatter | only without max_tokens_per_rank | with max_tokens_per_rank | yes |
 | a2a | exact all_to_all_single: count exchange, then data | yes: yields before it | no | yes |
 | a2a_ll | fixed-capacity padded all_to_all_single | no | yes | yes |
-| deepep_ht, deepep_ll, deepep_v2 | DeepEP (not built yet: refuses, saying what is missing) | | | no |
+| symm_mem | exact all_to_all_vdev on torch symmetric memory (NVSHMEM), counts on the GPU | no | yes | no (CUDA GPUs) |
+| deepep_ht | DeepEP normal kernels (NVLink, bfloat16) | yes (DeepEP busy-waits for the counts; yields before it) | with MoEConfig.deepep.worst_case_dispatch | no |
+| deepep_ll | DeepEP low-latency kernels, receive halves as hooks (hidden 2048..8192, bfloat16) | no | yes | no |
+| deepep_v2 | DeepEP v2 (not built yet: refuses, saying what is missing) | | | no |
 | auto | local for EP size 1, else a2a | | | |
 
 Modules are imported when their backend is first asked for, so an optional engine's

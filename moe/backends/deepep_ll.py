@@ -1,22 +1,145 @@
-"""`deepep_ll`: DeepEP's low-latency kernels with receive hooks, `deep_ep.Buffer`. Not built yet: constructing it
-refuses in one line saying what is missing (`moe.backends.deepep_support`)."""
+"""`deepep_ll`: DeepEP's low-latency kernels with receive hooks, `deep_ep.Buffer` in
+low-latency mode (NVSHMEM; over NVLink within a node).
+
+Shape legend: T tokens here (T <= max_tokens_per_rank), C = the capacity DeepEP is given
+(max_tokens_per_rank, rounded up so that W*C is a multiple of 4), H hidden, K top-k,
+W ranks, E_loc local experts, R = E_loc * W * C rows the experts see.
+
+Dispatch (`low_latency_dispatch(..., return_recv_hook=True)`) only sends; its `hook`
+launches the receive. The hook goes back in `Pending(hook, receiver)`, so the modular
+kernel hands it to the other ubatch (`dbo_register_recv_hook`), which launches it after
+queueing its own compute: no SM spins while the tokens travel. DeepEP delivers them
+expert-major, [E_loc, W*C, H] with recv_count[e] valid rows at the front of expert e's
+block; the experts read that buffer in place as R rows with one id each (e for the
+valid rows, -1 for the padding; one small GPU op, nothing read on the host) and weight 1,
+since DeepEP's combine (`low_latency_combine`, with its own hook) applies the top-k
+weights itself.
+
+FP8 dispatch (`MoEConfig.deepep.fp8_dispatch`): DeepEP casts the tokens to
+float8_e4m3fn with one float32 scale per 128 channels on the way; they are dequantised
+to bfloat16 (one [R, H] copy) before the experts, which take bfloat16. The combine stays
+bfloat16.
+
+Streams: with a receive hook DeepEP launches both halves on the current stream, the
+compute stream: nothing crosses streams, so every tensor stays ordered by that stream.
+DeepEP has two low-latency buffers, used alternately; at most two operations may wait
+for their receive (one per ubatch), which `SharedBuffer.ll_started` asserts. Nothing
+reads device values on the host: a step can be captured in a CUDA graph.
+"""
 from __future__ import annotations
 
-from typing import NoReturn, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 
-from moe.backends.base import PrepareFinalize
-from moe.backends.deepep_support import require_deep_ep
+from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
+from moe.backends.deepep_support import (
+    SharedBuffer,
+    check_ll_shape,
+    dequantize_fp8,
+    ll_capacity,
+    ll_expert_ids,
+    require_deep_ep,
+    shared_buffer,
+)
 from moe.config import MoEConfig
+from moe.workspace import Workspace
+
+
+@dataclass(frozen=True)
+class LLHandle:
+    """DeepEP's dispatch handle, and this rank's top-k ids and weights of the tokens
+    dispatched (the combine sends each token's rows back and weights them with these)."""
+
+    deep_handle: tuple
+    topk_ids_TK: Tensor
+    topk_weights_TK: Tensor
 
 
 class DeepEPLLBackend(PrepareFinalize):
-    """Refuses: raises from the constructor (ImportError, ValueError or
-    NotImplementedError, see `require_deep_ep`)."""
+    """DeepEP low-latency kernels: fixed capacity, receive halves run as hooks."""
 
     name = "deepep_ll"
+    graph_safe = True
 
-    def __new__(cls, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> NoReturn:
-        require_deep_ep(cls.name, "Buffer")
-        raise AssertionError("require_deep_ep always raises")
+    def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
+        super().__init__(config, group)
+        deep_ep = require_deep_ep(self.name, "Buffer")
+        check_ll_shape(self.name, config.hidden_size, config.dtype, self.world_size)
+        if config.max_tokens_per_rank is None:
+            raise ValueError("backend 'deepep_ll' needs MoEConfig.max_tokens_per_rank (the "
+                             "fixed capacity per rank): set it to the largest token count a "
+                             "rank sends in one step")
+        assert group is not None  # world size >= 2, checked above
+        self.capacity = ll_capacity(config.max_tokens_per_rank, self.world_size)
+        self.use_fp8 = config.deepep.fp8_dispatch
+        self.topk_idx_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
+        num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            self.capacity, config.hidden_size, self.world_size, config.num_experts)
+        self.shared: SharedBuffer = shared_buffer(
+            deep_ep, group, "ll", num_rdma_bytes=num_rdma_bytes,
+            num_qps_per_rank=self.placement.num_local_experts)
+        # DeepEP asserts this on every call; say it here, once, with the fix.
+        depth = getattr(self.shared.buffer, "nvshmem_qp_depth", None)
+        if depth is not None and depth < 2 * (self.capacity + 1):
+            raise ValueError(f"backend 'deepep_ll': MoEConfig.max_tokens_per_rank="
+                             f"{config.max_tokens_per_rank} needs an NVSHMEM queue depth of "
+                             f"at least {2 * (self.capacity + 1)}, and DeepEP was given "
+                             f"{depth}: lower max_tokens_per_rank, or set NVSHMEM_QP_DEPTH "
+                             f"before the first DeepEP low-latency buffer is made")
+
+    @property
+    def rows_per_expert(self) -> int:
+        """W * C: the rows of one local expert's block in DeepEP's receive buffer."""
+        return self.world_size * self.capacity
+
+    def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
+                      workspace: Workspace) -> Pending[Dispatched]:
+        check_capacity(x_TH.shape[0], self.config.max_tokens_per_rank, self.name)
+        ids_TK = topk_ids_TK.to(self.topk_idx_dtype).contiguous()
+        weights_TK = topk_weights_TK.to(torch.float32).contiguous()
+        recv, recv_count_E, deep_handle, _, hook = self.shared.buffer.low_latency_dispatch(
+            x_TH.contiguous(), ids_TK, self.capacity, self.config.num_experts,
+            use_fp8=self.use_fp8, async_finish=False, return_recv_hook=True)
+        self.shared.ll_started()
+        handle = LLHandle(deep_handle, ids_TK, weights_TK)
+
+        def receiver() -> Dispatched:
+            if self.use_fp8:
+                x_fp8_ENH, scales_ENS = recv
+                x_RH = dequantize_fp8(x_fp8_ENH, scales_ENS)
+            else:
+                x_RH = recv.view(-1, recv.shape[-1])  # the receive buffer itself, no copy
+            ids_R1 = ll_expert_ids(recv_count_E, self.rows_per_expert)
+            weights_R1 = torch.ones(ids_R1.shape, dtype=torch.float32, device=ids_R1.device)
+            return Dispatched(x_RH, ids_R1, weights_R1, handle)
+
+        return Pending(self._receive_hook(hook), receiver)
+
+    def finalize_async(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
+                       workspace: Workspace, own: Optional[OwnRows] = None) -> Pending[Tensor]:
+        self.refuse_split(own)
+        handle: LLHandle = dispatched.handle
+        out_ENH = expert_out_RH.contiguous().view(self.placement.num_local_experts,
+                                                 self.rows_per_expert, -1)
+        combined_TH, _, hook = self.shared.buffer.low_latency_combine(
+            out_ENH, handle.topk_ids_TK, handle.topk_weights_TK, handle.deep_handle,
+            async_finish=False, return_recv_hook=True)
+        self.shared.ll_started()
+        return Pending(self._receive_hook(hook), lambda: combined_TH)
+
+    def _receive_hook(self, hook: Callable[[], None]) -> Callable[[], None]:
+        """DeepEP's receive `hook`, run once, counted off the operations in flight."""
+        shared = self.shared
+        ran = []
+
+        def receive() -> None:
+            assert not ran, "a DeepEP receive hook ran twice"
+            ran.append(True)
+            hook()
+            shared.ll_received()
+
+        return receive

@@ -34,6 +34,7 @@ from torch import nn
 from moe.config import SUPPORTED_DTYPES, MoEConfig
 from moe.hf.arch import ARCHITECTURES, SILU_NAMES, ArchSpec
 from moe.hf.block import HFMoEBlock, HFRouter, HFSharedExperts
+from moe.hf.router_logits import record_router_logits
 from moe.layer import MoELayer
 
 __all__ = ["BlockPlan", "convert", "convert_blocks", "find_moe_blocks"]
@@ -117,6 +118,7 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
     for plan, block in zip(plans, new_blocks):  # nothing above changed the model
         parent_path, _, name = plan.path.rpartition(".")
         setattr(model.get_submodule(parent_path), name, block)
+    record_router_logits(model, [block.moe.router for block in new_blocks])
     return model
 
 

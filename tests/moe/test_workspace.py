@@ -133,3 +133,22 @@ def test_uncached_requests_still_work() -> None:
     a = ws.get("x", [4, 8], torch.float32, "cpu")
     b = ws.get("x", [4, 8], torch.float32, "cpu")
     assert a is not b and a.data_ptr() == b.data_ptr() and b.shape == (4, 8)
+
+
+def test_keep_makes_once_and_returns_the_same_object_until_clear() -> None:
+    ws = Workspace()
+    made = []
+
+    def make() -> list[int]:
+        made.append(1)
+        return [len(made)]
+
+    first = ws.keep("sym", make)
+    assert ws.keep("sym", make) is first and made == [1] and ws.num_allocations == 1
+    assert ws.keep("other", make) == [2]
+    ws.freeze()
+    assert ws.keep("sym", make) is first  # made already: a frozen workspace still hands it
+    with pytest.raises(RuntimeError, match="'new' is not made yet"):
+        ws.keep("new", make)
+    ws.clear()
+    assert ws.keep("sym", make) == [3]

@@ -475,3 +475,16 @@ def test_model_mode_and_probe_pieces_on_gloo(tmp_path: Path) -> None:
         assert r["dbo_collectives"] == ["all_reduce"] + ["all_to_all_single"] * 12
         assert r["dbo_replayed_equal"] and r["dbo_after_ok"]
         assert len(r["split_ms"]) == 2 and all(t > 0 for t in r["split_ms"])
+
+
+def test_a_sweep_without_backends_leaves_out_the_opt_in_ones() -> None:
+    """symm_mem needs NVSHMEM: swept only when named (`OPT_IN_BACKENDS`)."""
+    from dbo.cli.bench.config import BENCH_BACKENDS, GRAPH_BACKENDS, OPT_IN_BACKENDS
+
+    assert "symm_mem" in OPT_IN_BACKENDS and "symm_mem" in BENCH_BACKENDS
+    plain = config_from_args(build_parser().parse_args(["--device", "cpu"]), {})
+    assert "a2a" in plain.backends and "symm_mem" not in plain.backends
+    assert "symm_mem" in GRAPH_BACKENDS
+    named = config_from_args(build_parser().parse_args(["--device", "cpu", "--backends",
+                                                        "symm_mem"]), {})
+    assert named.backends == ("symm_mem",)

@@ -133,6 +133,8 @@ def no_launch(monkeypatch):
 
     for module in (dbo.cli.run_job, dbo.cli.trace_job):
         monkeypatch.setattr(module, "launch", refuse)
+    import dbo.cli.bench.launch
+    monkeypatch.setattr(dbo.cli.bench.launch, "spawn_ranks", refuse)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -152,6 +154,12 @@ def no_launch(monkeypatch):
     (("run", "--cuda-graph", "--backend", "a2a"), "--backend=a2a: that backend reads device values"),
     (("run", "--cuda-graph", "--experts", "reference"), "--cuda-graph with --experts=reference"),
     pytest.param(("run", "--cuda-graph"), "--cuda-graph needs CUDA GPUs",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
+    pytest.param(("run", "--backend", "symm_mem"), "backend 'symm_mem' runs NVSHMEM kernels "
+                 "on CUDA GPUs and this process has no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
+    pytest.param(("bench", "--backends", "symm_mem"), "backend 'symm_mem' runs NVSHMEM "
+                 "kernels on CUDA GPUs",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
     (("trace", "--profiler", "nope"), "invalid choice: 'nope'"),
     pytest.param(("trace", "--profiler", "nsys"), "--profiler=nsys needs CUDA GPUs",

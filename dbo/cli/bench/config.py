@@ -28,9 +28,24 @@ BENCH_BACKENDS: tuple[str, ...] = tuple(sorted(
 """Dispatch/combine backends the sweep can compare: every registered and built one that
 moves tokens between ranks (`moe.backends`; all need EP size >= 2)."""
 
-GRAPH_BACKENDS: tuple[str, ...] = ("a2a_ll",)
+GRAPH_BACKENDS: tuple[str, ...] = ("a2a_ll", "symm_mem", "deepep_ll")
 """Backends whose steps `--cuda-graph` can capture: nothing read on the host (a2a reads its
-counts; the bench runs naive without a fixed capacity, so it reads their maximum)."""
+counts; the bench runs naive without a fixed capacity, so it reads their maximum;
+deepep_ht reads its counts in the form the bench runs)."""
+
+OPT_IN_BACKENDS: tuple[str, ...] = ("symm_mem", "deepep_ht", "deepep_ll")
+"""Backends run only when named (`--backends`): they need more than torch and NCCL
+(symm_mem: NVSHMEM; the DeepEP ones: DeepEP installed, GPUs of one node and bfloat16,
+deepep_ll a hidden size its kernels are compiled for), so a sweep without --backends runs
+wherever torch does."""
+
+DEFAULT_BACKENDS: tuple[str, ...] = tuple(
+    b for b in BENCH_BACKENDS if b not in OPT_IN_BACKENDS)
+"""What the sweep compares when `--backends` is not given."""
+
+DEFAULT_GRAPH_BACKENDS: tuple[str, ...] = tuple(
+    b for b in GRAPH_BACKENDS if b not in OPT_IN_BACKENDS)
+"""What `--cuda-graph` compares when `--backends` is not given."""
 
 EXPERT_KERNELS: tuple[str, ...] = ("auto", *EXPERTS)
 """Expert kernel names (`moe.experts`); "auto" picks the fastest that runs."""
@@ -136,6 +151,10 @@ class BenchConfig:
     cuda_graph: bool = False
     """Time every step as a CUDA graph replay (`dbo.graphs`): DBO on through a
     `GraphedRunner` (vote, then replay), DBO off and the probe's timings captured whole."""
+    calibration: Optional[str] = None
+    """A calibration file (`dbo.calibration`): its machine figures feed each point's
+    prediction, and a point its measured points cover is gated on the prediction, with no
+    trial steps; None: the illustrative defaults, trials everywhere."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -254,7 +273,7 @@ class BenchConfig:
                 "rounds": self.rounds, "split_last_combine": self.split_last_combine,
                 "gemm_sm_carveout": self.gemm_sm_carveout, "cuda_graph": self.cuda_graph,
                 "min_gain": self.min_gain, "gate_min_tokens": self.gate_min_tokens,
-                "device": self.device, "seed": self.seed}
+                "device": self.device, "seed": self.seed, "calibration": self.calibration}
 
 
 def _is_int(value: Any) -> bool:

@@ -20,20 +20,24 @@ import torch.distributed as dist
 
 from dbo.cli.bench.config import (
     BENCH_BACKENDS,
+    DEFAULT_BACKENDS,
     DEFAULT_CPU_PRESET,
     DEFAULT_CPU_REQUESTS,
     DEFAULT_CPU_TOKENS,
     DEFAULT_GPU_PRESET,
     DEFAULT_GPU_REQUESTS,
     DEFAULT_GPU_TOKENS,
+    DEFAULT_GRAPH_BACKENDS,
     EXPERT_KERNELS,
     GRAPH_BACKENDS,
     MODES,
+    OPT_IN_BACKENDS,
     BenchConfig,
     known_presets,
     regime_label,
 )
 from dbo.cli import Parser, check_out_dir, quiet_profiler_logs
+from dbo.cli.run_config import check_backend_runs
 
 USAGE_EXAMPLES = """\
 examples:
@@ -43,6 +47,7 @@ examples:
   torchrun --nproc_per_node=2 -m dbo.cli.bench --mode model --preset deepseek-v3-like
   torchrun --nproc_per_node=2 -m dbo.cli.bench --mode layer --cuda-graph   # a2a_ll as graphs
   torchrun --nproc_per_node=2 -m dbo.cli.bench --mode decode --experts-per-rank 8 --cuda-graph
+  NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf deepseek-v3 --tokens 4096
 """
 
 
@@ -67,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layer: MoE layers with attention-sized GEMMs between; model: the "
                         "reference MoE transformer; decode: one token per request over its "
                         "KV cache, then MoE (sweeps --requests)")
+    p.add_argument("--hf", default=None, metavar="ARCH",
+                   help="a Hugging Face MoE architecture converted by moe.hf, DBO off/on "
+                        "beside the unconverted transformers model (qwen3-30b-a3b, "
+                        "deepseek-v3, or a tiny one: see dbo.cli.bench.hf_launch)")
     p.add_argument("--preset", default=None, choices=known_presets(),
                    help=f"shapes (default: {DEFAULT_GPU_PRESET} on GPU, "
                         f"{DEFAULT_CPU_PRESET} on CPU)")
@@ -75,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{','.join(map(str, DEFAULT_GPU_TOKENS))}; CPU "
                         f"{','.join(map(str, DEFAULT_CPU_TOKENS))})")
     p.add_argument("--backends", type=_name_list, nargs="+", default=None,
-                   help=f"comma list of {', '.join(BENCH_BACKENDS)} (default: all)")
+                   help=f"comma list of {', '.join(BENCH_BACKENDS)} (default: "
+                        f"{','.join(DEFAULT_BACKENDS)})")
     p.add_argument("--layers", type=int, default=None,
                    help="layer mode: MoE layers (default: 4); model mode: decoder layers "
                         "(default: the preset's)")
@@ -130,8 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "in the probe's overlapped step (0: every SM)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="time every step as a CUDA graph replay (DBO on: vote, then "
-                        "replay); backends: " + ", ".join(GRAPH_BACKENDS) +
-                        " (the default with this flag)")
+                        "replay); backends: " + ", ".join(GRAPH_BACKENDS) + " (default "
+                        "with this flag: " + ",".join(DEFAULT_GRAPH_BACKENDS) + ")")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="calibration JSON (e.g. an earlier run's <out>/calibration.json): "
+                        "its machine figures feed the predicted columns; points it covers "
+                        "are gated on the prediction, without trial steps")
     return p
 
 
@@ -146,7 +160,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
     tokens = ([t for group in args.tokens for t in group] if args.tokens else
               list(DEFAULT_GPU_TOKENS if gpu else DEFAULT_CPU_TOKENS))
     backends = ([b for group in args.backends for b in group] if args.backends else
-                list(GRAPH_BACKENDS if args.cuda_graph else BENCH_BACKENDS))
+                list(DEFAULT_GRAPH_BACKENDS if args.cuda_graph else DEFAULT_BACKENDS))
     requests = [r for group in args.requests for r in group] if args.requests else []
     if args.mode == "decode":
         if args.tokens:
@@ -173,13 +187,17 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         regime=regime_label(device, p2p_disabled=p2p_disabled), out_dir=args.out,
         seed=args.seed, plot=not args.no_plot, progress=not args.no_progress,
         trace=args.trace, split_last_combine=not args.no_split_combine,
-        gemm_sm_carveout=args.gemm_sm_carveout, cuda_graph=args.cuda_graph)
+        gemm_sm_carveout=args.gemm_sm_carveout, cuda_graph=args.cuda_graph,
+        calibration=args.calibration)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     env = os.environ
+    if args.hf is not None:
+        from dbo.cli.bench.hf_launch import main_hf
+        return main_hf(parser, args, env)
     torchrun = "RANK" in env and "WORLD_SIZE" in env
     try:
         cfg = config_from_args(args, env)
@@ -187,7 +205,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         world = world_size_of(args.world_size, cfg, env)
         from moe.models.presets import PRESETS
         cfg.resolve_num_experts(world, PRESETS[cfg.preset].moe.num_experts)
-    except ValueError as exc:
+        for backend in cfg.backends:
+            check_backend_runs(backend)
+        from dbo.cli.bench.predicted import bench_calibration
+        bench_calibration(cfg.calibration)  # a bad file fails here, before any rank starts
+    except (ImportError, ValueError) as exc:
         parser.error(str(exc))  # one line, exit 2, before any rank starts
     quiet_profiler_logs()  # --trace starts the profiler
     if torchrun:

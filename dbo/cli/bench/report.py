@@ -17,6 +17,7 @@ import os
 from typing import Any, Optional
 
 from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME
+from dbo.cli.bench.predicted import CALIBRATION_FILE, prediction_lines, write_calibration
 from dbo.cli.bench.sweep import CLOCKED, DEFINITIONS, Point, SweepResult
 
 MAX_GATED_SLOWDOWN = 0.01
@@ -59,10 +60,11 @@ def write_outputs(result: SweepResult) -> dict[str, Any]:
             files["png_note"] = str(exc)
     else:
         files["png_note"] = "plot off (--no-plot)"
+    files["calibration"] = write_calibration(result, os.path.join(out_dir, CALIBRATION_FILE))
     doc = {**header(result), "definitions": DEFINITIONS, "summary": summarize(result),
            "points": [{**_row(result, p), "per_rank_ms": p.per_rank_ms, "rounds_ms": p.rounds_ms,
                        "eta_rounds": p.eta_rounds, "trial_speedups": p.trial_speedups,
-                       "sm_mhz": p.sm_mhz, "capped": p.capped}
+                       "sm_mhz": p.sm_mhz, "capped": p.capped, "phase_ms": p.phase_ms}
                       for p in result.points],
            "files": files}
     with open(files["json"], "w") as f:
@@ -119,7 +121,9 @@ def final_line(result: SweepResult, files: dict[str, Any]) -> str:
             "host_nodbo_ms", "host_dbo_ms",
             "tokens_per_s_nodbo", "tokens_per_s_dbo", "t_compute_ms", "t_comm_ms",
             "t_both_ms", "t_split_ms", "ceiling", "eta", "eta_min", "eta_max", "rounds",
-            "eta_note", "dbo_split", "gate", "gate_reason", "gated_speedup")
+            "eta_note", "dbo_split", "gate", "gate_reason", "gated_speedup",
+            "t_nodbo_pred_ms", "t_dbo_pred_ms", "speedup_pred", "pred_err_nodbo",
+            "pred_err_dbo", "pred_choice")
     doc = {**header(result), "summary": summarize(result),
            "points": [{**{k: _row(result, p)[k] for k in keys}, "trial_speedups": p.trial_speedups,
                        "sm_mhz": p.sm_mhz}
@@ -184,6 +188,7 @@ def format_table(result: SweepResult) -> str:
             note = f" ({p.eta_note})"
         lines.append(f"  {p.backend:>7} T={p.tokens_per_rank:<6} {p.gate:>3}: "
                      f"{p.gate_reason}{note}{split}")
+    lines.extend(prediction_lines(result))
     clocked = [p for p in result.points if p.sm_mhz]
     if clocked:
         lines.append("SM clock, rank 0 (median MHz, samples held back by the power limit):")

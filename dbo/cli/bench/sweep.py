@@ -6,7 +6,11 @@
 Per point (backend outer, tokens inner, so a model is rebuilt only when it must be),
 `rounds` times in a row: DBO off timed, the ceiling probed on that same workload (GPU),
 DBO on timed, then its split compute (GPU; `dbo.cli.bench.ceiling.probe_split_compute`).
-Then the gate is decided from the tokens and the measured ceiling. Times are medians
+In round 0 the point's per-phase times are measured too (`dbo.cli.bench.phases`), and
+the cost model's prediction from them is reported beside the measured times
+(`dbo.cli.bench.predicted`). Then the gate is decided from the tokens and the measured
+ceiling and trials, or, where a --calibration's measured points cover the point, from
+the prediction, with no trial steps. Times are medians
 of `iters` steps per rank (see `dbo.cli.bench.timing`), folded over the rounds (per rank,
 the median of the round medians); the derived figures use the slowest rank's time (the
 step time the group sees), and rank 0's are reported beside them. Alternating the
@@ -45,7 +49,11 @@ import torch.distributed as dist
 
 from dbo.cli.bench.ceiling import Ceiling, median_ceiling, probe_ceiling, probe_split_compute
 from dbo.cli.bench.config import BenchConfig
-from dbo.cli.bench.gating import GatePolicy
+from dbo.calibration import Calibration, MeasuredPoint
+from dbo.cli.bench.gating import GateDecision, GatePolicy
+from dbo.cli.bench.phases import probe_phases, step_is_decode
+from dbo.cli.bench.predicted import (PREDICTION_NOTE, attach_prediction, bench_calibration,
+                                     covered)
 from dbo.cli.bench.timing import SpanFn, Timing, median_of_rounds, no_spans, time_steps
 from dbo.cli.bench.workload import WorkloadFactory
 from traces.capture import capture
@@ -74,6 +82,7 @@ DEFINITIONS = {
     "host_nodbo_ms/host_dbo_ms": ("the host's time to issue one step (call to return, "
                                   "not waiting for the device), median, slowest rank"),
     "gated": "T_DBO where the gate chose dbo, else T_noDBO; gated_speedup = T_noDBO / gated",
+    "pred": PREDICTION_NOTE,
     "sm_mhz/capped": ("rank 0's median SM clock and power-capped samples (k/n) while each "
                       "timing ran: nodbo, dbo, split, and the probe's compute, comm, both"),
 }
@@ -147,11 +156,21 @@ class Point:
     # readable).
     sm_mhz: dict[str, float] = field(default_factory=dict)
     capped: dict[str, str] = field(default_factory=dict)
+    # The cost model's prediction from this point's measured phase times (`predicted`).
+    t_nodbo_pred_ms: Optional[float] = None
+    t_dbo_pred_ms: Optional[float] = None
+    t_sbo_pred_ms: Optional[float] = None
+    speedup_pred: Optional[float] = None
+    pred_choice: str = ""
+    pred_err_nodbo: Optional[float] = None
+    pred_err_dbo: Optional[float] = None
+    phase_ms: dict[str, float] = field(default_factory=dict)
+    measured_point: Optional[MeasuredPoint] = None
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
         nested = ("per_rank_ms", "rounds_ms", "eta_rounds", "trial_speedups", "sm_mhz",
-                  "capped")
+                  "capped", "phase_ms", "measured_point")
         out = {k: v for k, v in asdict(self).items() if k not in nested}
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
@@ -170,6 +189,7 @@ def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
     """Run every point on this rank (all ranks call this with the same `cfg`)."""
     factory = WorkloadFactory(cfg, group=group, device=device)
     gate = GatePolicy(min_tokens_per_rank=cfg.gate_min_tokens, min_gain=cfg.min_gain)
+    calibration = bench_calibration(cfg.calibration)
     probe_note = PROBE_MEASURED if device.type == "cuda" else PROBE_SKIPPED_CPU
     show = cfg.progress and factory.rank == 0
     progress = Progress(len(cfg.backends) * len(cfg.tokens) * 2 * cfg.rounds, enabled=show)
@@ -181,7 +201,8 @@ def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
             for tokens in cfg.tokens:
                 span = _clock_spans(clocks, backend, tokens)
                 points.append(_measure_point(cfg, factory, gate, progress, backend=backend,
-                                             tokens=tokens, timing=timing, span=span))
+                                             tokens=tokens, timing=timing, span=span,
+                                             calibration=calibration))
     finally:
         if clocks is not None:
             clocks.stop()
@@ -216,13 +237,15 @@ def attach_clocks(point: Point, clocks: ClockLog) -> None:
 
 def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                    progress: "Progress", *, backend: str, tokens: int,
-                   timing: dict[str, Any], span: SpanFn) -> Point:
+                   timing: dict[str, Any], span: SpanFn, calibration: Calibration) -> Point:
     """`cfg.rounds` rounds of (DBO off, the probe (GPU), the gate's trial, DBO on, its
     split compute (GPU)), then the gate. Workloads die within a round, so the factory can
     free a model before building the next one."""
     on_gpu = factory.device.type == "cuda"
     rounds: list[Round] = []
     trial_speedups: list[float] = []
+    phases: Optional[MeasuredPoint] = None
+    prediction = None  # the calibration's, where it covers this point: no trials then
     for index in range(cfg.rounds):
         tag = f" (round {index + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""
         progress.step(f"{backend} T={tokens}/rank: DBO off" +
@@ -233,6 +256,12 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
             _maybe_trace(cfg, factory, off.step, f"{backend}_T{tokens}_dbo-off")
         ceiling = (probe_ceiling(off, **timing, span=span, gemm_sm_carveout=cfg.gemm_sm_carveout,
                                  cuda_graph=cfg.cuda_graph) if on_gpu else None)
+        if index == 0:
+            decode = step_is_decode(off, factory.dbo_config.split)
+            prediction = covered(calibration, backend=backend, tokens=tokens, decode=decode)
+            phases = probe_phases(off, **timing, tokens=tokens, decode=decode,
+                                  backend=backend, label=f"bench {cfg.mode} {cfg.preset} "
+                                  f"w{factory.world_size} {cfg.regime}")
         del off  # a2a_ll's DBO-on model differs: let the factory free this one first
         progress.step(f"{backend} T={tokens}/rank: DBO on" + tag)
         on = factory.get(tokens=tokens, backend=backend, dbo=True)
@@ -240,8 +269,9 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
         # the reported one, against this round's DBO-off time, after as many warmup
         # steps. Trials of a host-bound point still spread widely (a2a at 1024 tokens on
         # 4x H200: 0.67-1.07x within one run), hence one per round and the worst decides.
-        trial = time_steps(on.step, **{**timing, "iters": cfg.gate_trial_iters})
-        trial_speedups.append(t_off.max_ms / trial.max_ms)
+        if prediction is None:
+            trial = time_steps(on.step, **{**timing, "iters": cfg.gate_trial_iters})
+            trial_speedups.append(t_off.max_ms / trial.max_ms)
         t_on = time_steps(on.step, **timing, span=span("dbo"))
         if index == 0:
             _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
@@ -255,6 +285,8 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                            ceiling=None if merged.ceiling is None else merged.ceiling.ceiling,
                            trial_speedups=trial_speedups,
                            no_probe_reason="probe skipped on CPU")
+    if prediction is not None:
+        decision = GateDecision(prediction.chosen == "dbo", f"prediction: {prediction.reason}")
     point = make_point(cfg, backend=backend, tokens=tokens, world_size=factory.world_size,
                        t_off=merged.t_off, t_on=merged.t_on, ceiling=merged.ceiling,
                        split=merged.split, split_reason=merged.split_reason,
@@ -262,6 +294,8 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                        t_split=merged.t_split)
     add_rounds(point, rounds)
     point.trial_speedups = trial_speedups
+    assert phases is not None
+    attach_prediction(point, phases, calibration)
     return point
 
 

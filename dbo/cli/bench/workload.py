@@ -9,13 +9,15 @@
 Layer mode: a `LayerStack` of the preset's MoE layer shape, inputs [T, H], DBO split
 "tokens". Decode mode: a `DecodeStack` (`dbo.cli.bench.decode_stack`), T requests of one
 new token each over KV caches of `context` tokens, inputs [T, H], DBO split on request
-boundaries (`SplitRequests`, each ubatch with its requests' caches). Model mode: `moe.models.transformer.MoETransformer` of the preset, a batch of `requests`
-requests of random lengths summing to T (`moe.models.transformer.make_batch`; each rank its own),
-DBO split "requests".
+boundaries (`SplitRequests`, each ubatch with its requests' caches). Model mode:
+`moe.models.transformer.MoETransformer` of the preset, a batch of `requests` requests of
+random lengths summing to T (`moe.models.transformer.make_batch`; each rank its own), DBO
+split "requests".
 
-`a2a_ll` has a fixed capacity per rank: the DBO-off model gets max_tokens_per_rank = T,
+`a2a_ll` and `deepep_ll` have a fixed capacity per rank: the DBO-off model gets max_tokens_per_rank = T,
 the DBO-on model the larger ubatch of the split the runner will make (so DBO moves no
-more padding than the unsplit step), computed with the runner's own planner. The factory
+more padding than the unsplit step), computed with the runner's own planner. `symm_mem`
+sizes its buffers by a capacity but moves only routed rows: both models get T. The factory
 keeps one model alive, rebuilt only when the backend or that capacity changes.
 """
 from __future__ import annotations
@@ -31,6 +33,9 @@ from torch import nn
 from dbo.cli.bench.config import BenchConfig
 from dbo.cli.bench.decode_stack import (DecodeStack, SplitRequests, describe_decode,
                                         make_kv_caches, ubatch_requests)
+
+#: Backends that size their buffers by MoEConfig.max_tokens_per_rank (and need it).
+FIXED_CAPACITY_BACKENDS: tuple[str, ...] = ("a2a_ll", "deepep_ll")
 from dbo.cli.bench.layer_stack import LayerStack, layer_moe_config, make_input
 from dbo.cli.bench.timing import gather_floats
 from dbo.config import DBOConfig
@@ -139,8 +144,12 @@ class WorkloadFactory:
 
     def get(self, *, tokens: int, backend: str, dbo: bool) -> Workload:
         capacity = None
-        if backend == "a2a_ll":
+        if backend in FIXED_CAPACITY_BACKENDS:
             capacity = self.ubatch_capacity(tokens) if dbo else tokens
+        elif backend == "symm_mem":
+            # Only routed rows travel: the capacity sizes buffers, not transfers, so DBO
+            # off and on share one model (and one set of symmetric buffers).
+            capacity = tokens
         model = self._get_model(backend, capacity)
         args, kwargs = self._get_inputs(tokens)
         runner: Optional[Union[DBORunner, GraphedRunner]] = None

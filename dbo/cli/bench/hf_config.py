@@ -1,0 +1,139 @@
+"""Configuration of `dbo bench --hf NAME` (`HFBenchConfig`): a Hugging Face MoE
+architecture converted by `moe.hf.convert`, DBO off and on, beside the unconverted model.
+
+    cfg = HFBenchConfig(arch="qwen3_moe", tokens=(16,), device="cpu", regime=CPU_REGIME)
+
+Frozen and keyword-only; `__post_init__` rejects bad values saying how to fix them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from dbo.cli.bench.config import (
+    BENCH_BACKENDS,
+    CPU_REGIME,
+    DEVICES,
+    EMULATED_REGIME,
+    EXPERT_KERNELS,
+    NVLINK_REGIME,
+)
+
+HF_BACKENDS: tuple[str, ...] = tuple(b for b in BENCH_BACKENDS if b != "a2a_ll")
+"""Backends a converted model can run: a2a_ll needs a fixed capacity per rank, which
+`moe.hf.convert` does not set."""
+
+DEFAULT_HF_GPU_TOKENS: tuple[int, ...] = (4096,)
+DEFAULT_HF_CPU_TOKENS: tuple[int, ...] = (16,)
+DEFAULT_HF_LAYERS = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFBenchConfig:
+    """What one `dbo bench --hf` run measures."""
+
+    arch: str
+    """A name of `moe.hf.named.named_architectures()`: real shapes ("qwen3-30b-a3b",
+    "deepseek-v3") or a tiny model ("qwen3_moe", ...)."""
+    layers: int = DEFAULT_HF_LAYERS
+    """Decoder layers (every one an MoE layer)."""
+    num_experts: Optional[int] = None
+    """Routed experts over all ranks; None: the architecture's."""
+    tokens: tuple[int, ...] = DEFAULT_HF_CPU_TOKENS
+    """Prefill tokens per rank of one step, one point each: `requests` sequences of
+    tokens / requests tokens."""
+    requests: int = 4
+    """Sequences per rank per step (DBO splits between them: at least 2)."""
+    backends: tuple[str, ...] = ("a2a",)
+    """Dispatch/combine backends of the converted model (any of HF_BACKENDS)."""
+    experts: str = "auto"
+    """Expert kernel of the converted model (`moe.experts`)."""
+    iters: int = 20
+    """Timed steps per measurement; the median is reported."""
+    warmup: int = 5
+    """Untimed steps before each measurement."""
+    rounds: int = 3
+    """DBO off and on are measured this many times in alternation; medians over rounds."""
+    device: str = "cpu"
+    """"cpu" (gloo, float32) or "cuda" (NCCL, bfloat16)."""
+    regime: str = CPU_REGIME
+    """Environment label (`dbo.cli.bench.config.regime_label`)."""
+    out_dir: str = "dbo_out/bench"
+    """Where the CSV and JSON go (rank 0 writes them)."""
+    seed: int = 0
+    """Seed of weights (the same on every rank) and inputs (each rank its own)."""
+    progress: bool = True
+    """Progress lines on stderr (rank 0)."""
+
+    def __post_init__(self) -> None:
+        from moe.hf.named import named_architectures
+        names = named_architectures()
+        if self.arch not in names:
+            raise ValueError(f"unknown architecture {self.arch!r} for --hf: use one of "
+                             f"{', '.join(names)}")
+        for name, low in (("layers", 1), ("requests", 2), ("iters", 1), ("warmup", 0),
+                          ("rounds", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ValueError(f"{name}={value!r} must be an int >= {low}")
+        if self.num_experts is not None and (not _is_int(self.num_experts)
+                                             or self.num_experts < 1):
+            raise ValueError(f"num_experts={self.num_experts!r} must be a positive int "
+                             f"(or unset)")
+        if not isinstance(self.tokens, tuple) or not self.tokens:
+            raise ValueError(f"tokens={self.tokens!r}: give at least one count (--tokens 4096)")
+        bad = [t for t in self.tokens
+               if not _is_int(t) or t < self.requests or t % self.requests]
+        if bad:
+            raise ValueError(f"tokens per rank {bad[0]!r} is not a positive multiple of "
+                             f"--requests {self.requests}: each rank runs {self.requests} "
+                             f"sequences of equal length")
+        if not isinstance(self.backends, tuple) or not self.backends:
+            raise ValueError(f"backends={self.backends!r}: give one of {', '.join(HF_BACKENDS)}")
+        unknown = [b for b in self.backends if b not in HF_BACKENDS]
+        if unknown:
+            raise ValueError(f"backend {unknown[0]!r} cannot run a converted model in dbo "
+                             f"bench --hf: use one of {', '.join(HF_BACKENDS)}")
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"backends={self.backends!r} repeats a name: list each once")
+        if self.experts not in EXPERT_KERNELS:
+            raise ValueError(f"unknown experts kernel {self.experts!r}: use one of "
+                             f"{', '.join(EXPERT_KERNELS)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r}: use one of {', '.join(DEVICES)}")
+        if self.regime not in (NVLINK_REGIME, CPU_REGIME, EMULATED_REGIME):
+            raise ValueError(f"regime={self.regime!r}: build it with regime_label()")
+
+    @property
+    def functional(self) -> bool:
+        """A CPU gloo run: nothing overlaps, the times only show that it runs."""
+        return self.regime == CPU_REGIME
+
+    def model_config(self, world_size: int) -> Any:
+        """The transformers config this run builds, checked for `world_size` ranks
+        (ValueError with the fix: experts not divisible by the ranks, top-k too large)."""
+        from moe.hf.arch import spec_for
+        from moe.hf.named import named_config
+        config = named_config(self.arch, num_layers=self.layers, num_experts=self.num_experts)
+        num_experts = getattr(config, spec_for(config).num_experts_field)
+        if num_experts % world_size:
+            raise ValueError(f"{num_experts} routed experts of {self.arch} do not split over "
+                             f"{world_size} ranks: use a world size that divides "
+                             f"{num_experts}, or --num-experts N with N a multiple of "
+                             f"{world_size}")
+        if config.num_experts_per_tok > num_experts:
+            raise ValueError(f"top_k={config.num_experts_per_tok} exceeds num_experts="
+                             f"{num_experts}: pass a larger --num-experts")
+        return config
+
+    def summary(self) -> dict[str, Any]:
+        """The settings that shape the numbers (for the JSON outputs)."""
+        return {"arch": self.arch, "layers": self.layers, "num_experts": self.num_experts,
+                "tokens": list(self.tokens), "requests": self.requests,
+                "backends": list(self.backends), "experts": self.experts, "iters": self.iters,
+                "warmup": self.warmup, "rounds": self.rounds, "device": self.device,
+                "seed": self.seed}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,138 @@
+"""Outputs of `dbo bench --hf` (rank 0): the table, CSV and JSON files, the final JSON line.
+
+Files, under `out_dir`: `bench_hf_<arch>_w<world>_<regime tag>.{csv,json}` (regime tag as
+`dbo.cli.bench.report`). A CPU run is a functional check: its ratios are null and the
+table says so.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from typing import Any
+
+from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME
+from dbo.cli.bench.hf_sweep import HFSweepResult
+import math
+
+from dbo.cli.bench.report import FUNCTIONAL_NOTE, _num
+
+DEFINITIONS = {
+    "t_hf": ("the unconverted transformers model, every expert on every rank, running "
+             "this rank's batch (no expert parallelism)"),
+    "t_nodbo / t_dbo": "the converted model (expert parallelism), DBO off / on",
+    "step_time": ("per rank, the median over rounds of the median over iters of its "
+                  "steps; the max over ranks unless *_rank0"),
+    "tokens_per_s": "tokens per rank * world size / step time",
+    "speedup": "T_noDBO / T_DBO",
+    "dbo_vs_hf": "T_hf / T_DBO", "nodbo_vs_hf": "T_hf / T_noDBO",
+    "logits_diff": ("max |logits - unconverted logits| / max |unconverted logits| on the "
+                    "same batch, the largest over ranks"),
+}
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: non-finite floats become null, floats keep 6 significant digits (the
+    logit differences are ~1e-7 in float32: decimal rounding would print 0)."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}") if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def file_stem(result: HFSweepResult) -> str:
+    cfg = result.config
+    tag = {CPU_REGIME: "cpu", EMULATED_REGIME: "p2p-disabled"}.get(cfg.regime, "nvlink")
+    return f"bench_hf_{cfg.arch}_w{result.world_size}_{tag}"
+
+
+def header(result: HFSweepResult) -> dict[str, Any]:
+    cfg = result.config
+    return {"bench": "dbo", "mode": "hf", "regime": cfg.regime, "arch": cfg.arch,
+            "world_size": result.world_size, "device": cfg.device,
+            "timings": "functional" if cfg.functional else "performance",
+            **({"note": FUNCTIONAL_NOTE} if cfg.functional else {}),
+            "shapes": result.shapes}
+
+
+def summarize(result: HFSweepResult) -> dict[str, Any]:
+    points = result.points
+    if result.config.functional:
+        return {"functional": True, "points": len(points),
+                "points_split": sum(p.dbo_split for p in points)}
+    return {"points": len(points),
+            "min_speedup": min(p.speedup for p in points),  # type: ignore[type-var]
+            "max_speedup": max(p.speedup for p in points),  # type: ignore[type-var]
+            "min_dbo_vs_hf": min(p.dbo_vs_hf for p in points),  # type: ignore[type-var]
+            "min_nodbo_vs_hf": min(p.nodbo_vs_hf for p in points)}  # type: ignore[type-var]
+
+
+def write_outputs(result: HFSweepResult) -> dict[str, Any]:
+    """Write the CSV and JSON; return {"csv": path, "json": path}."""
+    os.makedirs(result.config.out_dir, exist_ok=True)
+    stem = os.path.join(result.config.out_dir, file_stem(result))
+    files = {"csv": stem + ".csv", "json": stem + ".json"}
+    rows = [p.row() for p in result.points]
+    with open(files["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    doc = {**header(result), "config": result.config.summary(), "definitions": DEFINITIONS,
+           "summary": summarize(result),
+           "points": [{**p.row(), "per_rank_ms": p.per_rank_ms, "rounds_ms": p.rounds_ms}
+                      for p in result.points], "files": files}
+    with open(files["json"], "w") as f:
+        json.dump(_clean(doc), f, indent=2)
+        f.write("\n")
+    return files
+
+
+def final_line(result: HFSweepResult, files: dict[str, Any]) -> str:
+    """The one JSON line for programs (stdout, last line)."""
+    doc = {**header(result), "summary": summarize(result),
+           "points": [p.row() for p in result.points], "files": files}
+    return json.dumps(_clean(doc), separators=(",", ":"))
+
+
+def format_table(result: HFSweepResult) -> str:
+    cfg, s = result.config, result.shapes
+    lines = [
+        f"dbo bench --hf {cfg.arch}: world={result.world_size} regime={cfg.regime}",
+        f"  shapes: {s['model_type']} H={s['hidden_size']} experts={s['num_experts']} "
+        f"({s['experts_per_rank']}/rank converted, all on every rank unconverted) "
+        f"top_k={s['top_k']} I={s['intermediate_size']} layers={s['layers']} {s['dtype']}; "
+        f"unconverted experts: {s['hf_experts_implementation']}",
+        f"  prefill, {cfg.requests} sequences per rank; times in ms, median of {cfg.iters} "
+        f"steps after {cfg.warmup} warmup" +
+        (f", median of {cfg.rounds} rounds" if cfg.rounds > 1 else "") +
+        "; shown rank0/max over ranks; ratios use the max",
+        *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
+        "",
+    ]
+    cols = [("T/rank", 7), ("backend", 7), ("unconv ms", 15), ("noDBO ms", 15),
+            ("DBO ms", 15), ("speedup", 7), ("DBO/unconv", 10), ("noDBO/unconv", 12),
+            ("tok/s DBO", 9), ("diff", 8)]
+    if cfg.functional:
+        cols = [c for c in cols if c[0] not in ("speedup", "DBO/unconv", "noDBO/unconv")]
+    lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
+    for p in result.points:
+        cells = {"T/rank": str(p.tokens_per_rank), "backend": p.backend,
+                 "unconv ms": f"{p.t_hf_ms_rank0:.3f}/{p.t_hf_ms:.3f}",
+                 "noDBO ms": f"{p.t_nodbo_ms_rank0:.3f}/{p.t_nodbo_ms:.3f}",
+                 "DBO ms": f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}",
+                 "speedup": f"{p.speedup or 0:.3f}", "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
+                 "noDBO/unconv": f"{p.nodbo_vs_hf or 0:.3f}",
+                 "tok/s DBO": _num(p.tokens_per_s_dbo),
+                 "diff": f"{max(p.logits_diff_nodbo, p.logits_diff_dbo):.1e}"}
+        lines.append("  ".join(f"{cells[name]:>{w}}" for name, w in cols))
+    not_split = [p for p in result.points if not p.dbo_split]
+    for p in not_split:
+        lines.append(f"  {p.backend} T={p.tokens_per_rank}: DBO-on step NOT split: "
+                     f"{p.dbo_split_reason}")
+    lines.append("  speedup = noDBO/DBO; DBO/unconv = unconverted/DBO (above 1: the converted "
+                 "model with DBO is faster); diff = largest logit difference to the "
+                 "unconverted model, relative")
+    return "\n".join(lines)

@@ -1,0 +1,238 @@
+"""The measurements of `dbo bench --hf NAME`: a transformers MoE model as transformers
+runs it, then converted by `moe.hf.convert` (expert parallelism), DBO off and on.
+
+    result = run_hf_sweep(cfg, group=dist.group.WORLD, device=device)   # on every rank
+
+Shape legend: B sequences per rank (`requests`), S = tokens / B, V vocab.
+
+Each rank builds the same model (random weights from the seed, bfloat16 on GPU, float32
+on CPU, built on its device directly) and its own prefill batch, input_ids [B, S]
+without padding, called with `use_cache=False, logits_to_keep=1` (a prefill step's
+logits are the last position's, as a server computes them: [B, 1, V]).
+1. unconverted: the transformers model with every expert on every rank (no expert
+   parallelism) runs this rank's batch, with its own experts implementation
+   (`config._experts_implementation`, grouped_mm on GPU);
+2. the same model converted in place (`moe.hf.convert(model, group, backend)`: this
+   rank's experts only, the others' freed), then per token count `rounds` rounds of
+   DBO off (the model called directly) and DBO on (`DBORunner`, split "batch" between
+   sequences) in alternation. Another backend rebuilds the model and converts it again.
+Times are per-rank medians (`dbo.cli.bench.timing`), folded over rounds; the derived
+figures use the slowest rank's. Each point also reports how far the converted model's
+logits are from the unconverted model's on the same batch (largest difference over
+the largest logit, max over ranks): 1e-6 in float32, bfloat16 rounding on GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dbo.cli.bench.hf_config import HFBenchConfig
+from dbo.cli.bench.sweep import Progress
+from dbo.cli.bench.timing import Timing, gather_floats, median_of_rounds, time_steps
+from dbo.config import DBOConfig
+from dbo.runner import DBORunner
+
+__all__ = ["HFPoint", "HFSweepResult", "run_hf_sweep"]
+
+# DBO on: every point split (B >= 2 sequences); the bench compares, it does not gate.
+_DBO_ON = DBOConfig(split="batch", min_prefill_tokens=2, min_decode_tokens=2)
+
+
+@dataclass
+class HFPoint:
+    """One backend and token count (times in ms, max over ranks unless *_rank0)."""
+
+    regime: str
+    arch: str
+    backend: str
+    tokens_per_rank: int
+    world_size: int
+    t_hf_ms: float
+    t_hf_ms_rank0: float
+    t_nodbo_ms: float
+    t_nodbo_ms_rank0: float
+    t_dbo_ms: float
+    t_dbo_ms_rank0: float
+    tokens_per_s_hf: float
+    tokens_per_s_nodbo: float
+    tokens_per_s_dbo: float
+    speedup: Optional[float]
+    """T_noDBO / T_DBO."""
+    dbo_vs_hf: Optional[float]
+    """T_unconverted / T_DBO."""
+    nodbo_vs_hf: Optional[float]
+    """T_unconverted / T_noDBO."""
+    dbo_split: bool
+    dbo_split_reason: str
+    logits_diff_nodbo: float
+    logits_diff_dbo: float
+    rounds: int = 1
+    per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
+    rounds_ms: dict[str, list[float]] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        """The flat fields (CSV columns), rounded for people."""
+        out = {k: v for k, v in dataclasses.asdict(self).items()
+               if k not in ("per_rank_ms", "rounds_ms")}
+        return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in out.items()}
+
+
+@dataclass
+class HFSweepResult:
+    config: HFBenchConfig
+    world_size: int
+    shapes: dict[str, Any]
+    points: list[HFPoint]
+
+
+def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
+                 device: torch.device) -> HFSweepResult:
+    """Every point on this rank (all ranks call this with the same `cfg`)."""
+    world = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    config = cfg.model_config(world)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    timing = dict(device=device, group=group, warmup=cfg.warmup, iters=cfg.iters)
+    progress = Progress(len(cfg.tokens) * (1 + 2 * len(cfg.backends)) * cfg.rounds,
+                        enabled=cfg.progress and rank == 0)
+    inputs = {t: _batch(cfg, t, config.vocab_size, rank=rank, device=device)
+              for t in cfg.tokens}
+
+    model: Optional[nn.Module] = _build(cfg, config, device=device, dtype=dtype)
+    assert model is not None
+    shapes = _describe(model, config, world=world, dtype=dtype)
+    t_hf: dict[int, Timing] = {}
+    reference: dict[int, Tensor] = {}
+    for tokens in cfg.tokens:
+        step = _step(model, inputs[tokens])
+        reference[tokens] = step().logits.float()
+        rounds = []
+        for index in range(cfg.rounds):
+            progress.step(f"unconverted T={tokens}/rank{_round_tag(cfg, index)}")
+            rounds.append(time_steps(step, **timing))
+        t_hf[tokens] = median_of_rounds(rounds)
+
+    import moe.hf
+    points = []
+    for b, backend in enumerate(cfg.backends):
+        if model is None:  # the previous backend's converted model is gone
+            model = _build(cfg, config, device=device, dtype=dtype)
+        _free(device)
+        model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts)
+        _free(device)
+        if b == 0:
+            shapes["expert_bytes_per_rank_converted"] = moe.hf.expert_bytes(model)
+        runner = DBORunner(model, _DBO_ON, group=group)
+        for tokens in cfg.tokens:
+            off, on = _step(model, inputs[tokens]), _step(runner, inputs[tokens])
+            diffs = [_rel_diff(s().logits, reference[tokens], group) for s in (off, on)]
+            offs, ons = [], []
+            for index in range(cfg.rounds):
+                tag = f"{backend} T={tokens}/rank{_round_tag(cfg, index)}"
+                progress.step(f"{tag}: DBO off")
+                offs.append(time_steps(off, **timing))
+                progress.step(f"{tag}: DBO on")
+                ons.append(time_steps(on, **timing))
+            decision = runner.last_decision
+            points.append(_point(cfg, backend=backend, tokens=tokens, world=world,
+                                 hf=t_hf[tokens], offs=offs, ons=ons,
+                                 split=bool(decision is not None and decision.split),
+                                 reason="" if decision is None else decision.reason,
+                                 diffs=diffs))
+        model = runner = None
+    progress.close()
+    _free(device)
+    return HFSweepResult(cfg, world, shapes, points)
+
+
+def _build(cfg: HFBenchConfig, config: Any, *, device: torch.device,
+           dtype: torch.dtype) -> nn.Module:
+    """The transformers model of `config` with seeded random weights, in eval mode, built
+    on `device` in `dtype` (the tiny architectures as `dbo run --hf-config` builds them)."""
+    from moe.hf.deps import require
+    from moe.hf.named import REAL_SHAPES
+    from moe.hf.tiny import tiny_model
+    if cfg.arch not in REAL_SHAPES:
+        return tiny_model(config, seed=cfg.seed).to(device=device, dtype=dtype)
+    torch.manual_seed(cfg.seed)  # every rank the same weights (CUDA generators too)
+    with torch.device(device):
+        model = require("transformers").AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def _batch(cfg: HFBenchConfig, tokens: int, vocab: int, *, rank: int,
+           device: torch.device) -> dict[str, Any]:
+    """This rank's prefill call: input_ids [B, S], no padding, last position's logits."""
+    gen = torch.Generator().manual_seed(cfg.seed * 7 + 1000 * rank + tokens)
+    ids = torch.randint(0, vocab, (cfg.requests, tokens // cfg.requests), generator=gen)
+    return {"input_ids": ids.to(device), "use_cache": False, "logits_to_keep": 1}
+
+
+def _step(call: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[[], Any]:
+    def step() -> Any:
+        with torch.no_grad():
+            return call(**kwargs)
+    return step
+
+
+def _rel_diff(logits: Tensor, reference: Tensor, group: Optional[dist.ProcessGroup]) -> float:
+    """max |logits - reference| / max |reference|, the largest over ranks."""
+    mine = ((logits.float() - reference).abs().max() / reference.abs().max()).item()
+    return max(gather_floats(mine, group))
+
+
+def _point(cfg: HFBenchConfig, *, backend: str, tokens: int, world: int, hf: Timing,
+           offs: list[Timing], ons: list[Timing], split: bool, reason: str,
+           diffs: list[float]) -> HFPoint:
+    off, on = median_of_rounds(offs), median_of_rounds(ons)
+    total = tokens * world
+    perf = not cfg.functional
+    return HFPoint(
+        regime=cfg.regime, arch=cfg.arch, backend=backend, tokens_per_rank=tokens,
+        world_size=world, t_hf_ms=hf.max_ms, t_hf_ms_rank0=hf.rank0_ms,
+        t_nodbo_ms=off.max_ms, t_nodbo_ms_rank0=off.rank0_ms, t_dbo_ms=on.max_ms,
+        t_dbo_ms_rank0=on.rank0_ms, tokens_per_s_hf=_rate(total, hf.max_ms),
+        tokens_per_s_nodbo=_rate(total, off.max_ms), tokens_per_s_dbo=_rate(total, on.max_ms),
+        speedup=off.max_ms / on.max_ms if perf else None,
+        dbo_vs_hf=hf.max_ms / on.max_ms if perf else None,
+        nodbo_vs_hf=hf.max_ms / off.max_ms if perf else None,
+        dbo_split=split, dbo_split_reason=reason, logits_diff_nodbo=diffs[0],
+        logits_diff_dbo=diffs[1], rounds=len(offs),
+        per_rank_ms={"t_hf": list(hf.per_rank_ms), "t_nodbo": list(off.per_rank_ms),
+                     "t_dbo": list(on.per_rank_ms)},
+        rounds_ms={"t_nodbo": [t.max_ms for t in offs], "t_dbo": [t.max_ms for t in ons]})
+
+
+def _describe(model: nn.Module, config: Any, *, world: int, dtype: torch.dtype) -> dict[str, Any]:
+    from moe.hf.arch import spec_for
+    spec = spec_for(config)
+    num_experts = getattr(config, spec.num_experts_field)
+    return {"model_type": config.model_type, "hidden_size": config.hidden_size,
+            "num_experts": num_experts, "experts_per_rank": num_experts // world,
+            "top_k": config.num_experts_per_tok,
+            "intermediate_size": getattr(config, spec.expert_width_field),
+            "layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
+            "dtype": str(dtype).replace("torch.", ""),
+            "hf_experts_implementation": getattr(model.config, "_experts_implementation", None),
+            "param_bytes_unconverted": sum(p.numel() * p.element_size()
+                                           for p in model.parameters())}
+
+
+def _round_tag(cfg: HFBenchConfig, index: int) -> str:
+    return f" (round {index + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _rate(tokens: int, ms: float) -> float:
+    return tokens / (ms / 1e3) if ms > 0 else float("inf")

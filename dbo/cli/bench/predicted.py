@@ -1,0 +1,105 @@
+"""The bench's cost-model side: each point's predicted step times beside the measured ones,
+the gate's choice from a calibration (no trial steps), and the calibration file.
+
+    cal = bench_calibration(cfg)                     # --calibration FILE, or the defaults
+    prediction = covered(cal, backend="a2a", tokens=1024, decode=False)   # None: trials
+    attach_prediction(point, measured_point, cal)    # point.t_dbo_pred_ms, pred_err_dbo, ...
+    write_calibration(result, cal, path)             # <out>/calibration.json (rank 0)
+
+The prediction at a point is the cost model's (`dbo.cost_model.predict`) on the phase
+times measured at that same point (`dbo.cli.bench.phases`) with the machine figures of
+the calibration: what `dbo plan` and a runner with a calibration would predict there.
+pred_err = predicted / measured - 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import platform
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from dbo.calibration import Calibration, MeasuredPoint
+from dbo.cost_model import Prediction, predict
+from dbo.predicted_overlap import OverlapPredictor, point_inputs
+
+CALIBRATION_FILE = "calibration.json"
+PREDICTION_NOTE = ("pred: the cost model (dbo.cost_model) on this point's measured phase "
+                   "times (dispatch, combine replayed alone; attention, shared, experts timed "
+                   "by hooks in the compute-alone step); pred_err = predicted / measured - 1")
+
+
+def bench_calibration(path: Optional[str]) -> Calibration:
+    """The calibration the bench predicts with: `path` (--calibration), else the
+    illustrative defaults."""
+    return Calibration.load(path) if path else Calibration.illustrative_h100()
+
+
+def covered(calibration: Calibration, *, backend: str, tokens: int, decode: bool
+            ) -> Optional[Prediction]:
+    """The prediction at this point where the calibration's points of `backend` cover
+    it (measured there, or on both sides), else None (the gate then runs its trials)."""
+    own = calibration.select(backend=backend)
+    if not own.points:
+        return None
+    return OverlapPredictor(own).predict(tokens=tokens, decode=decode)
+
+
+def attach_prediction(point: Any, measured: MeasuredPoint, calibration: Calibration) -> None:
+    """Set the point's predicted step times, speedup, choice and errors (`sweep.Point`)."""
+    prediction = predict(*point_inputs(measured), calibration)
+    times = prediction.times_ms
+    point.phase_ms = {k: getattr(measured, k)
+                      for k in ("attention", "shared", "experts", "dispatch", "combine")}
+    point.t_nodbo_pred_ms, point.t_dbo_pred_ms = times["none"], times["dbo"]
+    point.t_sbo_pred_ms = times["sbo"]
+    point.speedup_pred = times["none"] / times["dbo"]
+    point.pred_choice = prediction.chosen
+    point.pred_err_nodbo = times["none"] / point.t_nodbo_ms - 1.0
+    point.pred_err_dbo = times["dbo"] / point.t_dbo_ms - 1.0
+    point.measured_point = dataclasses.replace(
+        measured, measured_ms={"none": point.t_nodbo_ms, "dbo": point.t_dbo_ms})
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def write_calibration(result: Any, path: str) -> str:
+    """Write the calibration file of a sweep (`sweep.SweepResult`): the machine figures it
+    predicted with (--calibration, else the defaults), the measured phase times of every
+    point, the device, torch version and date; returns the path."""
+    cfg = result.config
+    measured = tuple(p.measured_point for p in result.points if p.measured_point is not None)
+    now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    out = dataclasses.replace(bench_calibration(cfg.calibration), points=measured,
+                              device=device_name(torch.device(cfg.device)),
+                              torch_version=torch.__version__, date=now.isoformat())
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    out.save(path)
+    return path
+
+
+def prediction_lines(result: Any) -> list[str]:
+    """The table's block of predicted beside measured step times, one line per point."""
+    functional = result.config.functional
+    lines = ["predicted (cost model on each point's measured phase times; pred_err = "
+             "predicted / measured - 1):",
+             f"  {'T/rank':>6} {'backend':>7} {'noDBO pred':>10} {'err':>7} {'DBO pred':>9} "
+             f"{'err':>7} {'pred x':>6} {'meas x':>6} {'pred':>4}  phases att/sh/exp/disp/comb ms"]
+    if functional:
+        lines.insert(1, "  (CPU: the model assumes comm overlaps compute, which gloo never does)")
+    for p in result.points:
+        if p.t_nodbo_pred_ms is None:
+            continue
+        measured = "-" if functional else f"{p.speedup:.3f}"
+        phases = "/".join(f"{p.phase_ms[k]:.3g}"
+                          for k in ("attention", "shared", "experts", "dispatch", "combine"))
+        lines.append(f"  {p.tokens_per_rank:>6} {p.backend:>7} {p.t_nodbo_pred_ms:>10.3f} "
+                     f"{p.pred_err_nodbo:>+7.1%} {p.t_dbo_pred_ms:>9.3f} {p.pred_err_dbo:>+7.1%} "
+                     f"{p.speedup_pred:>6.3f} {measured:>6} {p.pred_choice:>4}  {phases}")
+    return lines

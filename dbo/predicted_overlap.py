@@ -1,0 +1,138 @@
+"""The overlap mode a step's shape predicts, from a calibration's measured phase times:
+what `DBORunner(..., calibration=cal)` runs under `DBOConfig(overlap="auto")` instead of
+the token thresholds, with no trial steps.
+
+    predictor = OverlapPredictor(Calibration.load("dbo_out/bench/calibration.json")
+                                 .select(backend="a2a"))
+    p = predictor.predict(tokens=4096, decode=False)   # None: the shape is not covered
+    p.chosen, p.reason                                 # "dbo" | "sbo" | "none", one line
+
+A shape (tokens per rank, decode or not) is covered where the calibration has a point of
+that phase at those tokens, or one on each side: then every phase time, the rows per
+expert and the weight bytes are interpolated linearly in the tokens between the two
+nearest (the measured times grow about linearly with the tokens between sweep points;
+outside the measured range nothing is extrapolated). No MoE: the runtime core's.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Optional
+
+from dbo.calibration import Calibration, MeasuredPoint
+from dbo.cost_model import PhaseTimes, Prediction, StepShape, predict
+from dbo.split import SplitPlan
+
+__all__ = ["OverlapPredictor", "choose_predicted", "covering_point", "point_inputs"]
+
+# The fields of a MeasuredPoint that scale with the step's tokens.
+_SCALED = ("attention", "experts", "dispatch", "combine", "shared", "comm_latency",
+           "rows_per_expert", "expert_weight_bytes", "attention_weight_bytes",
+           "shared_weight_bytes")
+
+
+def point_inputs(point: MeasuredPoint) -> tuple[PhaseTimes, StepShape]:
+    """The cost model's inputs at a measured point (no launch cost: the measured phase
+    times already hold the launches of an unsplit step)."""
+    times = PhaseTimes(attention=point.attention, experts=point.experts,
+                       dispatch=point.dispatch, combine=point.combine, shared=point.shared,
+                       comm_latency=point.comm_latency)
+    shape = StepShape(layers=point.layers, tokens=point.tokens,
+                      rows_per_expert=point.rows_per_expert,
+                      expert_weight_bytes=point.expert_weight_bytes,
+                      attention_weight_bytes=point.attention_weight_bytes,
+                      shared_weight_bytes=point.shared_weight_bytes)
+    return times, shape
+
+
+def check_one_per_shape(calibration: Calibration) -> None:
+    """ValueError when two points share a shape (e.g. one per backend): a runner's
+    calibration must hold one point per (tokens, decode)."""
+    seen: dict[tuple[int, bool], MeasuredPoint] = {}
+    for point in calibration.points:
+        key = (point.tokens, point.decode)
+        if key in seen:
+            backends = sorted({seen[key].backend or "?", point.backend or "?"})
+            raise ValueError(
+                f"the calibration holds several points at {point.tokens} "
+                f"{'decode' if point.decode else 'prefill'} tokens (backends {backends}): "
+                f"pass one backend's, calibration.select(backend=...)")
+        seen[key] = point
+
+
+def covering_point(calibration: Calibration, *, tokens: int, decode: bool
+                   ) -> Optional[MeasuredPoint]:
+    """The measured point at `tokens`, or one interpolated between the nearest measured
+    points on either side (same phase, same layers); None when not covered."""
+    points = sorted((p for p in calibration.points if p.decode == decode),
+                    key=lambda p: p.tokens)
+    sizes = [p.tokens for p in points]
+    i = bisect.bisect_left(sizes, tokens)
+    if i < len(points) and sizes[i] == tokens:
+        return points[i]
+    if i == 0 or i == len(points) or points[i - 1].layers != points[i].layers:
+        return None
+    lo, hi = points[i - 1], points[i]
+    t = (tokens - lo.tokens) / (hi.tokens - lo.tokens)
+    mixed = {name: getattr(lo, name) + t * (getattr(hi, name) - getattr(lo, name))
+             for name in _SCALED}
+    return dataclasses.replace(lo, tokens=tokens, measured_ms={},
+                               label=f"interpolated between {lo.tokens} and {hi.tokens}",
+                               **mixed)
+
+
+class OverlapPredictor:
+    """`predict(tokens=, decode=)`: the cost model's prediction at a covered shape (cached
+    per shape), else None.
+
+    Args:
+        calibration: machine figures and measured points, one per shape.
+        margin: an overlap mode must be predicted to win by this much (0.01 = 1%).
+        sbo_chunks: expert chunks of a single-batch-overlap step (`dbo.cost_model`).
+    """
+
+    def __init__(self, calibration: Calibration, *, margin: float = 0.01,
+                 sbo_chunks: int = 4) -> None:
+        if not isinstance(calibration, Calibration):
+            raise TypeError(f"calibration must be a dbo.Calibration, got a "
+                            f"{type(calibration).__name__}: load one with "
+                            f"Calibration.load(path)")
+        check_one_per_shape(calibration)
+        self.calibration = calibration
+        self.margin = margin
+        self.sbo_chunks = sbo_chunks
+        self._cache: dict[tuple[int, bool], Optional[Prediction]] = {}
+
+    def predict(self, *, tokens: int, decode: bool) -> Optional[Prediction]:
+        key = (tokens, decode)
+        if key not in self._cache:
+            point = covering_point(self.calibration, tokens=tokens, decode=decode)
+            self._cache[key] = None if point is None else predict(
+                *point_inputs(point), self.calibration, margin=self.margin,
+                sbo_chunks=self.sbo_chunks)
+        return self._cache[key]
+
+
+def choose_predicted(plan: SplitPlan, predictor: OverlapPredictor,
+                     sbo_blocker: Optional[str]) -> Optional[SplitPlan]:
+    """The voted `plan` with the mode `predictor` gives, or None where it does not cover
+    the shape. Split: DBO. Unsplit: single-batch overlap where it is predicted to win by
+    the margin and the model offers it (`sbo_blocker` None), else none, predicted at the
+    group's largest token count (`plan.group_max_tokens`, the same on every rank)."""
+    tokens = plan.group_max_tokens if plan.group_max_tokens is not None else plan.total_tokens
+    prediction = predictor.predict(tokens=tokens, decode=plan.is_decode)
+    if prediction is None:
+        return None
+    if plan.split:
+        return dataclasses.replace(plan, overlap="dbo")
+    reason = plan.reason
+    if not (reason.startswith("predicted") and tokens == plan.total_tokens):
+        reason = f"{reason}; at the group's {tokens} tokens/rank predicted {prediction.reason}"
+    sbo_gain = prediction.gain("sbo")
+    if sbo_gain < predictor.margin:
+        return dataclasses.replace(plan, overlap="none", reason=(
+            f"{reason}; no overlap (sbo predicted {sbo_gain:+.1%})"))
+    if sbo_blocker is not None:
+        return dataclasses.replace(plan, overlap="none", reason=(
+            f"{reason}; no single-batch overlap: {sbo_blocker}"))
+    return dataclasses.replace(plan, overlap="sbo", reason=f"{reason}: single-batch overlap")

@@ -1,0 +1,137 @@
+"""What the comm benchmark times: an `Engine` (one dispatch, one combine, on fixed inputs)
+made per point by a `Source` (one per backend name).
+
+Shape legend: T tokens on this rank, H hidden, K top-k, R rows received here.
+
+    source = make_source("a2a", shapes, group, tokens=(1, 128))   # or "deepep_raw_ht", ...
+    engine = source.bind(x_TH, topk_weights_TK, topk_ids_TK)
+    state = engine.dispatch(); out_TH = engine.combine(state)
+    source.close()
+
+Our backends go through the public `PrepareFinalize` interface only (`moe.backends`):
+dispatch is `prepare` (the async path and its wait), combine is `finalize` of the
+dispatched rows themselves (the expert step is the identity, so the combine has the
+shapes a real one has). Each point builds the backend anew with
+`MoEConfig.max_tokens_per_rank` = that point's T: fixed-capacity backends (a2a_ll, naive
+with a capacity) get their best case. DeepEP's raw calls (`moe.bench.comm_raw`) are the
+yardstick.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moe.registry import BACKENDS
+
+RAW_DEEPEP = ("deepep_raw_ht", "deepep_raw_ll")
+"""DeepEP's own calls, timed directly (`moe.bench.comm_raw`)."""
+
+SINGLE_RANK = ("local",)
+"""Registered backends that do not exchange anything between ranks."""
+
+# DeepSeek-V3's expert width: MoEConfig needs one, and no backend's exchange reads it.
+_INTERMEDIATE = 2048
+
+
+def bench_names() -> tuple[str, ...]:
+    """Every name --backends accepts: the registered multi-rank backends, then DeepEP raw."""
+    return tuple(n for n in BACKENDS if n not in SINGLE_RANK) + RAW_DEEPEP
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shapes:
+    """The exchange every engine runs: H, K, E over all ranks, element dtype."""
+
+    hidden: int
+    top_k: int
+    num_experts: int
+    dtype: torch.dtype
+
+
+class Engine(Protocol):
+    """One point's dispatch and combine on fixed inputs, called on the current stream."""
+
+    def dispatch(self) -> Any:
+        """Send the tokens; return what combine needs (valid on the current stream)."""
+
+    def combine(self, state: Any) -> Tensor:
+        """Return `dispatch`'s rows (as the expert outputs); out_TH on the current stream."""
+
+    def rows_delivered(self, state: Any) -> int:
+        """Rows `dispatch` delivered here, padding included."""
+
+
+class Source(Protocol):
+    """Makes the engine of each point for one backend name."""
+
+    name: str
+
+    def bind(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor) -> Engine:
+        """The engine for these inputs (raises where this backend cannot run them)."""
+
+    def close(self) -> None:
+        """Release what the source holds (buffers)."""
+
+
+class BackendEngine:
+    """A `PrepareFinalize` backend: prepare, then finalize of the received rows."""
+
+    def __init__(self, backend: Any, x_TH: Tensor, topk_weights_TK: Tensor,
+                 topk_ids_TK: Tensor) -> None:
+        from moe.workspace import Workspace
+
+        if getattr(backend, "routes_gathered_logits", False):
+            raise ValueError(f"backend {backend.name!r} dispatches router logits (the "
+                             f"monolithic form), not top-k ids: not timed here")
+        self.backend = backend
+        self.inputs = (x_TH, topk_weights_TK, topk_ids_TK)
+        self.workspace = Workspace()
+
+    def dispatch(self) -> Any:
+        return self.backend.prepare(*self.inputs, workspace=self.workspace)
+
+    def combine(self, state: Any) -> Tensor:
+        return self.backend.finalize(state.x_RH, state, workspace=self.workspace)
+
+    def rows_delivered(self, state: Any) -> int:
+        return int(state.x_RH.shape[0])
+
+
+class BackendSource:
+    """A registered backend, built for each point with capacity T (`moe.backends`)."""
+
+    def __init__(self, name: str, shapes: Shapes, group: Optional[dist.ProcessGroup]) -> None:
+        self.name = name
+        self.shapes = shapes
+        self.group = group
+
+    def bind(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor) -> Engine:
+        from moe.backends import make_backend
+        from moe.config import MoEConfig
+
+        s = self.shapes
+        config = MoEConfig(num_experts=s.num_experts, top_k=s.top_k, hidden_size=s.hidden,
+                           intermediate_size=_INTERMEDIATE, dtype=s.dtype,
+                           max_tokens_per_rank=max(1, x_TH.shape[0]), backend=self.name)
+        return BackendEngine(make_backend(config, self.group), x_TH, topk_weights_TK,
+                             topk_ids_TK)
+
+    def close(self) -> None:
+        pass
+
+
+def make_source(name: str, shapes: Shapes, group: Optional[dist.ProcessGroup], *,
+                tokens: tuple[int, ...]) -> Source:
+    """The source of backend `name` (`bench_names()`); `tokens`: the run's points, tokens
+    per rank (DeepEP's low-latency buffer is sized by them). Raises where the backend
+    cannot run at all (e.g. DeepEP not installed)."""
+    if name in RAW_DEEPEP:
+        from moe.bench.comm_raw import DeepEPRawSource
+        return DeepEPRawSource(name, shapes, group, tokens=tokens)
+    if name not in BACKENDS or name in SINGLE_RANK:
+        raise ValueError(f"unknown comm backend {name!r}: choose from {list(bench_names())}")
+    return BackendSource(name, shapes, group)

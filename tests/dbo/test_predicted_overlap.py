@@ -1,0 +1,132 @@
+"""Layer 1 (CPU): the runner's choice from a calibration's measured phase times
+(`dbo.predicted_overlap`, `DBORunner(..., calibration=)`): hand-computed predictions on
+synthetic points, the reason line, interpolation between points, no trial steps."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import pytest
+import torch
+from torch import nn
+
+from dbo import DBOConfig, DBORunner
+from dbo.calibration import Calibration, MeasuredPoint
+from dbo.predicted_overlap import OverlapPredictor, covering_point
+from dbo.split import SplitPlan
+from dbo.yield_points import dbo_enabled, dbo_single_batch_overlap
+
+# Defaults: comm_sm_share f = 0.18, overlap_clock 1, memory 3000 GB/s; rows_per_expert
+# far above the efficiency curve's last point, so a half-size GEMM is as efficient (g = 1).
+ROWS = 1e6
+
+
+def point(tokens: int, **times: float) -> MeasuredPoint:
+    return MeasuredPoint(tokens=tokens, decode=True, layers=1, rows_per_expert=ROWS,
+                         backend="a2a", **times)
+
+
+# A: comm-heavy. none = 2+2+4+4 = 12. DBO: a2 = x2 = 1, d2 = c2 = 2, ov(1, 2) = max(2, 1 +
+# 0.18*2) = 2, layer = 4*2 = 8, fill/drain = 1 + 2 - 2 = 1: 9 (+33.3%). SBO (4 chunks):
+# 2 + ov(0, 4) + 0.5 + 3*ov(0.5, 1) + 1 = 2 + 4 + 0.5 + 3 + 1 = 10.5 (+14.3%).
+COMM_HEAVY = dict(attention=2.0, experts=2.0, dispatch=4.0, combine=4.0)
+# B: weight-bound experts (W_e = 6e9 B / 3000 GB/s = 2 ms = x): splitting reads them twice.
+# none = 1+2+2+2+1 = 8. DBO: a2 = .5, s2 = 1, x2 = max(1, 2) = 2, y2 = 3, d2 = 1, c2 = .5;
+# layer = ov(.5,1) + ov(3,1) + ov(3,.5) + ov(.5,.5) = 1 + 3.18 + 3.09 + .59 = 7.86, fill/drain
+# .5 + .5 - .59 = .41: 8.27 (-3.3%). SBO: 1 + ov(2, 2) + .5 + 3*ov(.5, .25) + .25 =
+# 1 + 2.36 + .5 + 1.635 + .25 = 5.745 (+39.3%).
+WEIGHT_BOUND = dict(attention=1.0, shared=2.0, experts=2.0, dispatch=2.0, combine=1.0,
+                    expert_weight_bytes=6e9)
+# C: no comm: every mode takes 2 ms, no gain.
+NO_COMM = dict(attention=1.0, experts=1.0, dispatch=0.0, combine=0.0)
+
+
+def calibration() -> Calibration:
+    return Calibration(points=(point(4, **COMM_HEAVY), point(16, **WEIGHT_BOUND),
+                               point(32, **NO_COMM)))
+
+
+def test_hand_computed_predictions_and_reasons():
+    predictor = OverlapPredictor(calibration())
+    a = predictor.predict(tokens=4, decode=True)
+    assert a.times_ms == pytest.approx({"none": 12.0, "dbo": 9.0, "sbo": 10.5})
+    assert a.chosen == "dbo"
+    assert a.reason == ("dbo: predicted +33.3% over no overlap (dbo +33.3%, sbo +14.3%; "
+                        "comm is 67% of the unsplit GPU time)")
+    b = predictor.predict(tokens=16, decode=True)
+    assert b.times_ms == pytest.approx({"none": 8.0, "dbo": 8.27, "sbo": 5.745})
+    assert b.chosen == "sbo" and b.reason.startswith("sbo: predicted +39.3%")
+    c = predictor.predict(tokens=32, decode=True)
+    assert c.times_ms == pytest.approx({"none": 2.0, "dbo": 2.0, "sbo": 2.0})
+    assert c.chosen == "none" and c.reason.endswith("; no comm to hide)"), c.reason
+    # Not covered: another phase, or outside the measured range.
+    assert predictor.predict(tokens=4, decode=False) is None
+    assert predictor.predict(tokens=2, decode=True) is None
+    assert predictor.predict(tokens=64, decode=True) is None
+
+
+def test_points_between_are_interpolated_linearly_in_tokens():
+    mid = covering_point(calibration(), tokens=24, decode=True)
+    assert mid.attention == pytest.approx(1.0) and mid.shared == pytest.approx(1.0)
+    assert mid.experts == pytest.approx(1.5) and mid.dispatch == pytest.approx(1.0)
+    assert mid.expert_weight_bytes == pytest.approx(3e9) and mid.tokens == 24
+    assert mid.label == "interpolated between 16 and 32" and mid.measured_ms == {}
+    cal = calibration()
+    assert covering_point(cal, tokens=16, decode=True) is cal.points[1]
+
+
+def test_a_runner_takes_one_point_per_shape():
+    two = Calibration(points=(point(4, **COMM_HEAVY),
+                              MeasuredPoint(tokens=4, decode=True, layers=1, backend="naive",
+                                            **COMM_HEAVY)))
+    with pytest.raises(ValueError, match=r"several points at 4 decode tokens \(backends "
+                                         r"\['a2a', 'naive'\]\).*select\(backend=...\)"):
+        DBORunner(nn.Identity(), DBOConfig(overlap="auto"), calibration=two)
+    assert len(two.select(backend="naive").points) == 1
+    with pytest.raises(ValueError, match="overlap='dbo'.*set overlap='auto'"):
+        DBORunner(nn.Identity(), DBOConfig(), calibration=calibration())
+
+
+class Layer(nn.Module):
+    """Doubles its input; records each call's step kind (one entry per model call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[bool, bool]] = []
+
+    def dbo_sbo_blocker(self) -> Optional[str]:
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append((dbo_enabled(), dbo_single_batch_overlap()))
+        return x * 2
+
+
+@pytest.mark.parametrize("tokens, mode, calls, reason", [
+    # 4 < min_decode_tokens=8, yet DBO is predicted to win by 33%: split.
+    (4, "dbo", [(True, False)] * 2, "predicted dbo: predicted +33.3% over no overlap"),
+    # Above the threshold, but splitting would read the expert weights twice: SBO.
+    (16, "sbo", [(True, True)], "predicted sbo: predicted +39.3%"),
+    (32, "none", [(False, False)], "predicted none: best overlap"),
+    # Not covered: the thresholds decide, as without a calibration.
+    (64, "dbo", [(True, False)] * 2, "halved 64 independent tokens"),
+])
+def test_runner_runs_the_predicted_mode_without_trial_steps(tokens, mode, calls, reason,
+                                                           caplog):
+    layer = Layer()
+    runner = DBORunner(layer, DBOConfig(overlap="auto", min_decode_tokens=8),
+                       calibration=calibration())
+    x = torch.arange(1, tokens + 1, dtype=torch.float32)[:, None]
+    with caplog.at_level(logging.INFO, logger="dbo.runner"):
+        for _ in range(3):
+            assert torch.equal(runner(x), 2 * x)
+    plan: SplitPlan = runner.last_decision
+    assert plan.overlap == mode and plan.split == (mode == "dbo")
+    assert plan.reason.startswith(reason) and "\n" not in plan.reason, plan.reason
+    # Three steps, three steps' model calls: no trial step ran, the first step included.
+    assert layer.calls == calls * 3
+    logged = [r.getMessage() for r in caplog.records if r.name == "dbo.runner"]
+    if reason.startswith("predicted"):
+        assert logged == [f"dbo: {tokens} decode tokens/rank run {mode}: {plan.reason}"]
+    else:
+        assert logged == []

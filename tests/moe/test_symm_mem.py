@@ -1,0 +1,196 @@
+"""Backend `symm_mem` (`moe.backends.symm_mem`).
+
+Layer 1 (CPU): constructing it refuses in one line saying what is missing (torch's op,
+the op's schema, CUDA, NVSHMEM, the capacity, a process group); its buffers' row strides
+and send sizes follow the op's block split.
+Layer 2 (two gloo processes): the backend's packing, receive masking and combine, with a
+stand-in for `torch.ops.symm_mem.all_to_all_vdev` made of gloo collectives (the same
+contract: counts on the device in, rows back to back in rank order and the received
+counts out): bit-exact against `a2a` on the same routing, DBO off and on, a zero-token
+rank, all tokens to one expert. The real op runs in `tests/moe/test_gpu_symm_mem.py`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe.backends.symm_mem as symm_backend
+import moe.backends.symm_mem_support as support
+from dbo import UBatchScheduler
+from moe import MoEConfig, MoELayer, init_moe_weights
+from moe.backends.symm_mem_support import SymmBuffers, padded, row_alignment
+from tests.dist_utils import run_distributed
+
+
+def make_layer(**overrides: Any) -> MoELayer:
+    cfg = MoEConfig(**{**dict(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                              backend="symm_mem", max_tokens_per_rank=8), **overrides})
+    return MoELayer(cfg)
+
+
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    message = str(exc.value)
+    assert "\n" not in message and "backend 'symm_mem'" in message
+    return message
+
+
+# ------------------------------------------------------------------------------- layer 1
+def test_without_the_op_refuses_naming_it(monkeypatch):
+    monkeypatch.setattr(support, "OP_NAME", "no_such_op")
+    with pytest.raises(ImportError) as exc:
+        make_layer()
+    assert "needs torch.ops.symm_mem.no_such_op" in one_line(exc)
+    assert "use backend 'a2a'" in str(exc.value)
+
+
+def test_with_another_schema_refuses_showing_it(monkeypatch):
+    monkeypatch.setattr(support, "OP_ARGUMENTS", support.OP_ARGUMENTS[:-1])
+    with pytest.raises(ImportError) as exc:
+        make_layer()
+    assert "but this torch" in one_line(exc) and "all_to_all_vdev(Tensor input" in str(exc.value)
+
+
+def test_without_cuda_refuses(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError) as exc:
+        make_layer()
+    assert "this process has no CUDA device" in one_line(exc)
+
+
+def test_without_nvshmem_refuses(monkeypatch):
+    import torch.distributed._symmetric_memory as symm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(symm, "is_nvshmem_available", lambda: False)
+    with pytest.raises(ImportError) as exc:
+        make_layer()
+    assert "needs NVSHMEM (libnvshmem_host.so.3" in one_line(exc)
+
+
+def test_without_a_capacity_or_a_group_refuses(monkeypatch):
+    with pytest.raises(ValueError) as exc:
+        make_layer(max_tokens_per_rank=None)
+    assert "needs MoEConfig.max_tokens_per_rank" in one_line(exc)
+    monkeypatch.setattr(symm_backend, "require_symm_mem", lambda: None)
+    with pytest.raises(ValueError) as exc:
+        make_layer()
+    assert "needs an expert-parallel process group" in one_line(exc)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_buffers_split_evenly_over_the_ops_blocks(world_size):
+    """Each peer's bytes divide by the op's blocks per peer whatever its row count: row
+    strides are multiples of those, and send buffers are big enough for the most blocks."""
+    align = row_alignment(world_size)
+    for blocks in (64, 16):
+        assert align % max(blocks // world_size, 1) == 0 and align % 16 == 0
+    bufs = SymmBuffers.build(lambda shape, kind: torch.empty(shape, dtype=kind), rows=6,
+                             row_bytes=56, hidden=8, dtype=torch.bfloat16,
+                             world_size=world_size, device=torch.device("cpu"))
+    assert bufs.send_XB.shape[1] == bufs.recv_NB.shape[1] == padded(56, align)
+    assert bufs.back_send_YH.shape[1] * 2 % align == 0 and bufs.back_send_YH.shape[1] >= 8
+    assert bufs.recv_NB.shape[0] == bufs.back_recv_NH.shape[0] == 6
+    for send in (bufs.send_XB, bufs.back_send_YH):
+        assert send.numel() * send.element_size() >= 4 << 20
+    assert bufs.got_D.shape == bufs.got_C.shape == (2, world_size)
+    assert torch.equal(bufs.row_N1[:, 0], torch.arange(6))
+
+
+# ------------------------------------------------------------------------------- layer 2
+def stand_in_op(group: dist.ProcessGroup) -> Callable[..., None]:
+    """`all_to_all_vdev(input, out, in_splits, out_splits_offsets, group_name)` from gloo
+    collectives: it reads the counts on the host, which the real op never does."""
+    def op(inp: torch.Tensor, out: torch.Tensor, in_splits: torch.Tensor,
+           got: torch.Tensor, group_name: str) -> None:
+        counts = torch.empty_like(in_splits)
+        dist.all_to_all_single(counts, in_splits.clone(), group=group)
+        got[0].copy_(counts)
+        got[1].copy_(torch.cumsum(counts, 0) - counts)
+        send, recv = in_splits.tolist(), counts.tolist()
+        dist.all_to_all_single(out[:sum(recv)], inp[:sum(send)].contiguous(), recv, send,
+                               group=group)
+    return op
+
+
+def install_stand_in(group: dist.ProcessGroup) -> None:
+    """In a rank process: the stand-in op, plain tensors for the symmetric buffers."""
+    import torch.distributed._symmetric_memory as symm
+
+    def allocate(*, group_name: str, **sizes: Any) -> SymmBuffers:
+        return SymmBuffers.build(lambda shape, kind: torch.zeros(shape, dtype=kind), **sizes)
+
+    symm_backend.require_symm_mem = lambda: stand_in_op(group)
+    SymmBuffers.allocate = staticmethod(allocate)  # type: ignore[method-assign]
+    symm.enable_symm_mem_for_group = lambda name: None
+
+
+def to_one_expert(logits_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.zeros(logits_TE.shape[0], top_k, dtype=torch.int64, device=logits_TE.device)
+    return torch.ones(ids.shape, device=logits_TE.device), ids
+
+
+#: name -> (MoEConfig overrides, tokens on rank 0 and rank 1)
+SCENARIOS: dict[str, tuple[dict, tuple[int, int]]] = {
+    "uneven": (dict(), (13, 6)),
+    "zero_token_rank": (dict(), (0, 9)),
+    "one_expert": (dict(top_k=1, custom_routing_function=to_one_expert), (10, 7)),
+    "shared_expert": (dict(num_shared_experts=1), (5, 12)),
+}
+
+
+def compare_with_a2a(rank: int, world_size: int, dtype_name: str, experts: str,
+                     stand_in: bool, against: str = "a2a") -> dict[str, list[bool]]:
+    """Per scenario: whether symm_mem's output equals `against`'s bit for bit, DBO off,
+    DBO on (two ubatches), and DBO on as the model's last layer (against its DBO on).
+    The reference experts give each expert the same rows in a2a and symm_mem (padding
+    rows have ids -1); the triton experts pick their tiles by the row count, which
+    symm_mem shares with a2a_ll (N = W*C rows), not with a2a."""
+    device = torch.device("cpu") if stand_in else torch.device("cuda", rank)
+    if stand_in:
+        install_stand_in(dist.group.WORLD)
+    dtype = getattr(torch, dtype_name)
+    results = {}
+    for name, (overrides, tokens) in SCENARIOS.items():
+        cfg = MoEConfig(**{**dict(num_experts=8, top_k=2, hidden_size=32,
+                                  intermediate_size=16, max_tokens_per_rank=16,
+                                  dtype=dtype, experts=experts), **overrides})
+        weights = init_moe_weights(cfg, seed=11, device=device)
+        layers = {}
+        for backend in (against, "symm_mem"):
+            layers[backend] = MoELayer(replace(cfg, backend=backend), group=dist.group.WORLD,
+                                       device=device)
+            layers[backend].load_weights(weights)
+            if cfg.num_shared_experts:
+                layers[backend].shared_experts.load_state_dict(
+                    layers[against].shared_experts.state_dict())
+        gen = torch.Generator(device=device).manual_seed(100 * rank + len(name))
+        x = torch.randn(tokens[rank], cfg.hidden_size, generator=gen, device=device).to(dtype)
+        half = x.shape[0] // 2
+        outs: dict[str, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for backend, layer in layers.items():
+                outs[backend] = [layer(x)]
+                for last in (False, True):
+                    layer.last_layer = last
+                    outs[backend].append(torch.cat(UBatchScheduler(device).run(
+                        [lambda: layer(x[:half]), lambda: layer(x[half:])])))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        # As the last layer a2a splits its combine (its own rows' experts run apart, so
+        # their sums may round differently); symm_mem cannot, and runs as plain DBO.
+        a2a_off, a2a_on, _ = outs[against]
+        results[name] = [torch.equal(a, b) and a.shape == (tokens[rank], cfg.hidden_size)
+                         for a, b in zip((a2a_off, a2a_on, a2a_on), outs["symm_mem"])]
+    return results
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_matches_a2a_bit_for_bit_with_a_stand_in_op(dtype_name):
+    for rank, results in enumerate(run_distributed(2, compare_with_a2a, dtype_name,
+                                                   "reference", True)):
+        for name, same in results.items():
+            assert same == [True, True, True], (rank, name, same)

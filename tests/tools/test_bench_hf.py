@@ -1,0 +1,116 @@
+"""Layers 1-2: `dbo bench --hf ARCH` on CPU. Argument errors before any rank starts and
+the named real-shape architectures (layer 1, in-process; the real shapes are built on
+the meta device only); the command line end to end on two gloo ranks at tiny shapes,
+float32: table, CSV/JSON files and the final JSON line (layer 2).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from dbo.cli.bench import main  # noqa: E402
+from dbo.cli.bench.config import CPU_REGIME  # noqa: E402
+from moe.hf.named import REAL_SHAPES, named_architectures, named_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+VALID = ", ".join(named_architectures())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hf", "llama-moe"], f"unknown architecture 'llama-moe' for --hf: use one of {VALID}"),
+    (["--hf", "qwen3-30b-a3b", "--world-size", "3"],
+     "128 routed experts of qwen3-30b-a3b do not split over 3 ranks"),
+    (["--hf", "qwen3_moe", "--num-experts", "5"],
+     "5 routed experts of qwen3_moe do not split over 2 ranks"),
+    (["--hf", "qwen3_moe", "--backends", "a2a_ll"], "backend 'a2a_ll' cannot run a converted"),
+    (["--hf", "qwen3_moe", "--tokens", "10"], "tokens per rank 10 is not a positive multiple"),
+    (["--hf", "qwen3_moe", "--requests", "1"], "requests=1 must be an int >= 2"),
+    (["--hf", "qwen3_moe", "--preset", "tiny"], "--preset does not apply to --hf"),
+])
+def test_bad_arguments_exit_with_the_fix_before_any_rank(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.multiprocessing
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", refuse)
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", "cpu", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and err.startswith("dbo bench: "), err
+
+
+@pytest.mark.parametrize("name", sorted(REAL_SHAPES))
+def test_real_shapes_convert_with_every_layer_moe(name: str) -> None:
+    """The real-shape models (meta device: no memory) are what their checkpoints say, and
+    every layer's block converts over 2 ranks (routing dbo can express)."""
+    from transformers import AutoModelForCausalLM
+
+    from moe.hf.convert import plan_blocks
+    config = named_config(name, num_layers=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    plans = plan_blocks(model, world=2, check_weights=False)
+    assert [p.path for p in plans] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    moe = plans[0].config
+    expected = {"qwen3-30b-a3b": (128, 8, 2048, 768, None), "deepseek-v3": (256, 8, 7168, 2048, 8)}
+    assert (moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size,
+            moe.n_group) == expected[name]
+    if name == "deepseek-v3":
+        assert (moe.topk_group, moe.scoring, moe.routed_scaling_factor) == (4, "sigmoid", 2.5)
+        assert config.first_k_dense_replace == 0 and config.n_shared_experts == 1
+    else:
+        assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
+            32, 4, 128)
+
+
+@pytest.mark.distributed
+def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "dbo.cli.bench", "--device", "cpu", "--hf", "deepseek_v3",
+           "--tokens", "8", "--requests", "2", "--backends", "a2a,naive", "--iters", "1",
+           "--warmup", "0", "--rounds", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    final = json.loads(lines[-1])
+    assert final["mode"] == "hf" and final["arch"] == "deepseek_v3"
+    assert final["regime"] == CPU_REGIME and final["world_size"] == 2
+    assert final["timings"] == "functional"
+    shapes = final["shapes"]
+    assert (shapes["num_experts"], shapes["experts_per_rank"], shapes["dtype"]) == (
+        8, 4, "float32")
+    assert shapes["expert_bytes_per_rank_converted"] == 1 * 4 * 3 * 64 * 32 * 4  # 1 MoE layer
+    points = final["points"]
+    assert [(p["backend"], p["tokens_per_rank"]) for p in points] == [("a2a", 8), ("naive", 8)]
+    for p in points:
+        assert p["t_hf_ms"] > 0 and p["t_nodbo_ms"] > 0 and p["t_dbo_ms"] > 0
+        assert p["dbo_split"] is True and p["rounds"] == 2
+        assert p["speedup"] is None and p["dbo_vs_hf"] is None  # functional: no ratios
+        assert p["logits_diff_nodbo"] < 1e-5 and p["logits_diff_dbo"] < 1e-5
+    table = "\n".join(lines[:-1])
+    assert "dbo bench --hf deepseek_v3: world=2 regime=CPU gloo" in table
+    assert "functional run" in table and "unconv ms" in table
+    files = final["files"]
+    with open(files["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and {r["backend"] for r in rows} == {"a2a", "naive"}
+    doc = json.loads(Path(files["json"]).read_text())
+    assert doc["config"]["arch"] == "deepseek_v3" and "dbo_vs_hf" in doc["definitions"]
+    assert all(len(p["rounds_ms"]["t_dbo"]) == 2 for p in doc["points"])

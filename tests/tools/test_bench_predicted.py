@@ -1,0 +1,107 @@
+"""Layers 1-2: `dbo bench`'s cost-model side. In process (layer 1): the dispatch/combine
+split of a recording, the decode test, a point's predicted columns on hand-computed
+phase times. Two gloo ranks (layer 2, marked distributed): the bench writes
+calibration.json, a second run gated on it runs no trial step, `dbo plan` reads it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dbo.calibration import Calibration, MeasuredPoint
+from dbo.cli.bench.ceiling import CommRecording
+from dbo.cli.bench.config import BenchConfig
+from dbo.cli.bench.phases import split_recording, step_is_decode
+from dbo.cli.bench.predicted import attach_prediction, prediction_lines
+from dbo.cli.bench.sweep import SweepResult, make_point
+from dbo.cli.bench.timing import Timing
+from dbo.cli.bench.workload import Workload
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_each_layers_last_collective_is_its_combine():
+    recording = CommRecording(segments=[["vote"], ["count", "data", "back"], ["gather", "rs"]])
+    dispatch, combine = split_recording(recording)
+    assert dispatch.segments == [["vote"], ["count", "data"], ["gather"]]
+    assert combine.segments == [[], ["back"], ["rs"]]
+
+
+def test_decode_as_the_runner_plans_it():
+    x = torch.zeros(4, 8)
+    work = lambda **kw: Workload(model=torch.nn.Identity(), args=(x,), kwargs=kw,  # noqa: E731
+                                 num_tokens=4, runner=None)
+    assert step_is_decode(work(), "tokens")
+    assert step_is_decode(work(seq_lens=[1, 1, 1, 1]), "requests")
+    assert not step_is_decode(work(seq_lens=[3, 1]), "requests")
+    assert not step_is_decode(work(), "batch") and step_is_decode(
+        Workload(model=torch.nn.Identity(), args=(torch.zeros(4, 1),), kwargs={},
+                 num_tokens=4, runner=None), "batch")
+
+
+def test_point_gets_predicted_times_and_errors():
+    # none = 2+2+4+4 = 12 ms, DBO 9 ms (tests/dbo/test_predicted_overlap.py: COMM_HEAVY).
+    measured = MeasuredPoint(tokens=64, decode=True, layers=1, rows_per_expert=1e6,
+                             attention=2.0, experts=2.0, dispatch=4.0, combine=4.0)
+    cfg = BenchConfig(tokens=(64,), backends=("a2a",))
+    point = make_point(cfg, backend="a2a", tokens=64, world_size=2, t_off=Timing((10.0, 10.0)),
+                       t_on=Timing((10.0, 10.0)), ceiling=None, split=True, split_reason="",
+                       use_dbo=False, gate_reason="")
+    attach_prediction(point, measured, Calibration())
+    assert point.t_nodbo_pred_ms == pytest.approx(12.0) and point.t_dbo_pred_ms == pytest.approx(9.0)
+    assert point.pred_err_nodbo == pytest.approx(0.2) and point.pred_err_dbo == pytest.approx(-0.1)
+    assert point.speedup_pred == pytest.approx(12 / 9) and point.pred_choice == "dbo"
+    assert point.measured_point.measured_ms == {"none": 10.0, "dbo": 10.0}
+    assert {"t_dbo_pred_ms", "pred_err_dbo", "speedup_pred"} <= set(point.row())
+    lines = prediction_lines(SweepResult(cfg, 2, {}, "", [point]))
+    assert lines[-1].split()[:7] == ["64", "a2a", "12.000", "+20.0%", "9.000", "-10.0%", "1.333"]
+
+
+def _bench(out: Path, *extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "dbo.cli.bench", "--device", "cpu", "--tokens", "16,64",
+           "--backends", "a2a", "--iters", "1", "--warmup", "1", "--layers", "2",
+           "--rounds", "1", "--no-progress", "--out", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert "predicted (cost model on each point's measured phase times" in proc.stdout
+    return json.loads(lines[-1])
+
+
+@pytest.mark.distributed
+def test_bench_writes_the_calibration_a_second_run_and_plan_use(tmp_path, capsys):
+    first = _bench(tmp_path / "a")
+    path = first["files"]["calibration"]
+    cal = Calibration.load(path)
+    assert cal.device.startswith("cpu") and cal.torch_version == torch.__version__
+    assert cal.date[:2] == "20" and cal.date.endswith("+00:00")
+    assert [(p.backend, p.tokens, p.decode, p.layers) for p in cal.points] == [
+        ("a2a", 16, True, 2), ("a2a", 64, True, 2)]
+    for p, row in zip(cal.points, first["points"]):
+        assert min(p.attention, p.experts, p.shared, p.dispatch, p.combine) > 0, p
+        assert p.expert_weight_bytes > 0 and p.rows_per_expert == p.tokens * 2 * 2 / 8
+        assert p.measured_ms["none"] == pytest.approx(row["t_nodbo_ms"], rel=1e-3)
+        assert row["t_nodbo_pred_ms"] > 0 and row["t_dbo_pred_ms"] > 0
+        assert row["pred_choice"] in ("none", "dbo", "sbo") and row["pred_err_dbo"] is not None
+        assert len(row["trial_speedups"]) == 1  # no calibration: the gate's trial ran
+
+    second = _bench(tmp_path / "b", "--calibration", path)
+    for row in second["points"]:
+        assert row["trial_speedups"] == [], row  # covered: no trial step
+        assert row["gate_reason"].startswith("prediction: "), row
+        assert (row["gate"] == "dbo") == row["gate_reason"].startswith("prediction: dbo:")
+
+    from dbo import cli
+    assert cli.main(["plan", "--calibration", path, "--sweep", "16,64"]) == 0
+    out = capsys.readouterr().out
+    assert f"calibration: {path} (written by dbo bench on cpu" in out
+    assert "2 measured points" in json.loads(out.strip().splitlines()[-1])["calibration"]
