@@ -96,12 +96,13 @@ def test_bad_decode_arguments_exit_with_the_fix(argv: list[str], message: str, t
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_model_mode_takes_one_request_count(tmp_path: Path,
+@pytest.mark.parametrize("argv, where", [(["--mode", "model"], "--mode model"),
+                                         (["--hf", "qwen3_moe"], "--hf")])
+def test_other_modes_take_one_request_count(argv: list[str], where: str, tmp_path: Path,
                                             capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
-        main(["--device", "cpu", "--mode", "model", "--requests", "4,8", "--out",
-              str(tmp_path)])
-    assert "--mode model takes one count" in capsys.readouterr().err
+        main(["--device", "cpu", *argv, "--requests", "4,8", "--out", str(tmp_path)])
+    assert f"--requests 4,8: {where} takes one count" in capsys.readouterr().err
     assert BenchConfig(mode="decode", tokens=(2, 4), context=1).context == 1
 
 

@@ -161,24 +161,20 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
               list(DEFAULT_GPU_TOKENS if gpu else DEFAULT_CPU_TOKENS))
     backends = ([b for group in args.backends for b in group] if args.backends else
                 list(DEFAULT_GRAPH_BACKENDS if args.cuda_graph else DEFAULT_BACKENDS))
-    requests = [r for group in args.requests for r in group] if args.requests else []
     if args.mode == "decode":
         if args.tokens:
             raise ValueError("--mode decode sweeps --requests (one new token per request "
                              "per step): drop --tokens")
-        tokens = requests or list(DEFAULT_GPU_REQUESTS if gpu else DEFAULT_CPU_REQUESTS)
-        requests = []
-    elif len(requests) > 1:
-        raise ValueError(f"--requests {','.join(map(str, requests))}: --mode {args.mode} "
-                         f"takes one count (a list is --mode decode's swept axis)")
+        tokens = ([r for group in args.requests for r in group] if args.requests else
+                  list(DEFAULT_GPU_REQUESTS if gpu else DEFAULT_CPU_REQUESTS))
     p2p_disabled = env.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0")
     return BenchConfig(
         mode=args.mode, preset=args.preset or (DEFAULT_GPU_PRESET if gpu else DEFAULT_CPU_PRESET),
         tokens=tuple(tokens), backends=tuple(backends), layers=args.layers,
         num_experts=args.num_experts, experts_per_rank=args.experts_per_rank,
         attn_context=args.attn_context,
-        requests=requests[0] if requests else BenchConfig.requests, context=args.context,
-        experts=args.experts,
+        requests=BenchConfig.requests if args.mode == "decode" else requests_count(args),
+        context=args.context, experts=args.experts,
         iters=args.iters if args.iters is not None else (20 if gpu else 5),
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
         rounds=args.rounds if args.rounds is not None else (3 if gpu else 1),
@@ -189,6 +185,17 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         trace=args.trace, split_last_combine=not args.no_split_combine,
         gemm_sm_carveout=args.gemm_sm_carveout, cuda_graph=args.cuda_graph,
         calibration=args.calibration)
+
+
+def requests_count(args: argparse.Namespace, default: int = BenchConfig.requests) -> int:
+    """The one `--requests` count of a mode that takes one (`default` without the option);
+    ValueError for a list, which only --mode decode sweeps."""
+    requests = [r for group in args.requests for r in group] if args.requests else []
+    if len(requests) > 1:
+        where = "--hf" if getattr(args, "hf", None) is not None else f"--mode {args.mode}"
+        raise ValueError(f"--requests {','.join(map(str, requests))}: {where} takes one "
+                         f"count (a list is --mode decode's swept axis)")
+    return requests[0] if requests else default
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
