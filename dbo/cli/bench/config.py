@@ -79,6 +79,16 @@ def regime_label(device: str, *, p2p_disabled: bool) -> str:
     return EMULATED_REGIME if p2p_disabled else NVLINK_REGIME
 
 
+def requests_count(groups: Optional[list[list[int]]], *, where: str, default: int) -> int:
+    """The one `--requests` count (parsed as lists, `groups`) of a mode that takes one;
+    `default` without the option. ValueError for a list: only --mode decode sweeps it."""
+    requests = [r for group in groups for r in group] if groups else []
+    if len(requests) > 1:
+        raise ValueError(f"--requests {','.join(map(str, requests))}: {where} takes one "
+                         f"count (a list is --mode decode's swept axis)")
+    return requests[0] if requests else default
+
+
 def known_presets() -> list[str]:
     from moe.models.presets import PRESETS  # light: configs only
     return sorted(PRESETS)

@@ -35,6 +35,7 @@ from dbo.cli.bench.config import (
     BenchConfig,
     known_presets,
     regime_label,
+    requests_count,
 )
 from dbo.cli import Parser, check_out_dir, quiet_profiler_logs
 from dbo.cli.run_config import check_backend_runs
@@ -173,7 +174,9 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         tokens=tuple(tokens), backends=tuple(backends), layers=args.layers,
         num_experts=args.num_experts, experts_per_rank=args.experts_per_rank,
         attn_context=args.attn_context,
-        requests=BenchConfig.requests if args.mode == "decode" else requests_count(args),
+        requests=(BenchConfig.requests if args.mode == "decode" else
+                  requests_count(args.requests, where=f"--mode {args.mode}",
+                                 default=BenchConfig.requests)),
         context=args.context, experts=args.experts,
         iters=args.iters if args.iters is not None else (20 if gpu else 5),
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
@@ -185,17 +188,6 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         trace=args.trace, split_last_combine=not args.no_split_combine,
         gemm_sm_carveout=args.gemm_sm_carveout, cuda_graph=args.cuda_graph,
         calibration=args.calibration)
-
-
-def requests_count(args: argparse.Namespace, default: int = BenchConfig.requests) -> int:
-    """The one `--requests` count of a mode that takes one (`default` without the option);
-    ValueError for a list, which only --mode decode sweeps."""
-    requests = [r for group in args.requests for r in group] if args.requests else []
-    if len(requests) > 1:
-        where = "--hf" if getattr(args, "hf", None) is not None else f"--mode {args.mode}"
-        raise ValueError(f"--requests {','.join(map(str, requests))}: {where} takes one "
-                         f"count (a list is --mode decode's swept axis)")
-    return requests[0] if requests else default
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
