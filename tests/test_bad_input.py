@@ -101,6 +101,15 @@ def backward_through_layer() -> None:
     layer()(torch.randn(3, 8)).sum().backward()  # parameters require grad (the default)
 
 
+def overfull_cache_step() -> None:
+    from moe.models.kv_cache import KVCache, with_cache_split
+
+    model = MoETransformer(get_preset("tiny", backend="local", experts="reference"))
+    cache = KVCache.empty(model.config, num_requests=2, capacity=8)
+    runner = DBORunner(model, with_cache_split(DBOConfig(min_prefill_tokens=1)))
+    runner(torch.zeros(10, dtype=torch.long), torch.arange(10), seq_lens=[9, 1], cache=cache)
+
+
 def requests_runner() -> DBORunner:
     return DBORunner(lambda x, seq_lens: x, DBOConfig(split="requests", min_prefill_tokens=1))
 
@@ -186,6 +195,9 @@ REJECTED = {
         "DBOConfig.unsplit_args='mask' must be a tuple"),
     "non-integer `input_ids_T` (`MoETransformer`, checked before the vote)": (
         float_ids_step, ValueError, "input_ids_T must be a 1-D integer tensor"),
+    "a KV cache that does not fit the call (`MoETransformer`: other request count, over capacity; checked before the vote)": (
+        overfull_cache_step, ValueError,
+        "request 0 would hold 9 tokens, more than the KV cache's capacity 8"),
     "a `dbo_agreement()` field that is not a plain value": (
         lambda: DBORunner(BadAgreement())(torch.ones(2)), TypeError,
         "field 'fn' is a function: use None, bool, int, float, str, torch.dtype"),

@@ -60,6 +60,9 @@ class RunConfig:
     hf_config: Optional[str] = None
     """A tiny random Hugging Face model of this architecture to run instead of the preset
     (`moe.hf.tiny`)."""
+    decode_steps: int = 0
+    """Decode steps of one token per request over KV caches after the prefill, DBO off
+    and on, compared and timed (`dbo.cli.run_decode`); 0: none."""
     profiler: str = "torch"
     """What records the traced steps: "torch" (torch.profiler) or "nsys" (NVTX ranges
     inside cudaProfilerStart/Stop, for Nsight Systems; GPUs only)."""
@@ -70,6 +73,16 @@ class RunConfig:
                 raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
         if self.warmup < 0:
             raise ValueError(f"--warmup={self.warmup}: must be >= 0")
+        if self.decode_steps < 0:
+            raise ValueError(f"--decode-steps={self.decode_steps}: must be >= 0")
+        if self.decode_steps and (self.hf is not None or self.hf_config is not None):
+            raise ValueError("--decode-steps runs the preset model's KV caches: drop "
+                             "--hf / --hf-config (moe.hf.generate decodes those)")
+        if self.decode_steps and self.cuda_graph:
+            raise ValueError("--decode-steps with --cuda-graph: decode steps read their "
+                             "KV caches' lengths on the host, which a graph would bake in; "
+                             "drop one of them (dbo bench --mode decode --cuda-graph "
+                             "times graphed decode steps)")
         for name, choices in (("preset", PRESETS), ("backend", BACKENDS),
                               ("experts", EXPERTS), ("profiler", PROFILERS)):
             if getattr(self, name) not in choices:

@@ -5,6 +5,7 @@
     torchrun --nproc_per_node=2 -m dbo.cli run --preset qwen3-moe-like --tokens 4096
     dbo run --preset deepseek-v3-like --tokens 1024 --cuda-graph   # GPUs: graph replays
     dbo run --world-size 3 --num-experts 6                         # CPU: 3 gloo ranks
+    dbo run --decode-steps 4              # then 4 decode steps over KV caches, off and on
 
 Each rank builds the same model (experts split across ranks), draws its own batch
 (ranks get different token counts), and runs it once without DBO and once through the
@@ -42,6 +43,7 @@ import torch.distributed as dist
 
 from dbo.cli import Parser
 from dbo.cli.launch import RankContext, launch, resolve_world_size
+from dbo.cli.run_decode import decode_summary, print_decode, run_decode_steps
 from dbo.cli.run_hf import build_hf
 from dbo.cli.run_config import (BACKENDS, EXPERTS, PROFILERS, RunConfig, check_backend_runs,
                                 model_config, tokens_for_rank)
@@ -176,6 +178,11 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
                                Path(job.out) / f"rank{ctx.rank}" if ctx.rank else job.out,
                                title=f"dbo run {job_setup.label}, rank {ctx.rank}")
 
+        decoded = (run_decode_steps(model, runner, job_setup.args, job_setup.kwargs,
+                                    steps=job.decode_steps, device=ctx.device)
+                    if job.decode_steps else None)
+    decode = decode_summary(decoded, job.decode_steps) if decoded is not None else None
+
     stats = torch.tensor([err, tol, float(ties_T.sum()), statistics.median(t_off),
                           statistics.median(t_on), float(job_setup.num_tokens)],
                          dtype=torch.float64, device=ctx.device)
@@ -210,6 +217,7 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
         "files": {} if captured is None else {
             "trace": str(captured.trace_path), "analysis": str(captured.analysis_path),
             "timeline": str(captured.timeline_path) if captured.timeline_path else None},
+        **({"decode": decode} if decode is not None else {}),
     }
     Path(job.out).mkdir(parents=True, exist_ok=True)
     (Path(job.out) / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -249,6 +257,8 @@ def print_summary(s: dict) -> None:
         for i, item in enumerate(s["phase_order"], 1):
             ub, phase = item.split(" ", 1)
             print(f"  {i:>2}. {'    ' * int(ub[2:])}{ub} {phase}")
+    if "decode" in s:
+        print_decode(s["decode"])
     if s["files"]:
         print("\nwritten: " + ", ".join(v for v in s["files"].values() if v)
               + f", {Path(cfg['out']) / 'summary.json'}")
@@ -291,6 +301,9 @@ def build_parser(*, prog: str = "dbo run", description: Optional[str] = __doc__,
                        help="skip the traced DBO step (trace, analysis, timeline)")
         p.add_argument("--cuda-graph", action="store_true",
                        help="run and time both modes as CUDA graph replays (GPUs only)")
+        p.add_argument("--decode-steps", type=int, default=d.decode_steps, metavar="N",
+                       help="after the prefill, N decode steps of one token per request "
+                            "over KV caches, DBO off and on, compared and timed")
     else:
         p.add_argument("--profiler", default=d.profiler, choices=PROFILERS,
                        help="torch: torch.profiler (Chrome trace, analysis, timeline); nsys: "
@@ -331,10 +344,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if summary is None:
         return 0  # a non-zero torchrun rank
     print_summary(summary)
-    print(json.dumps({k: summary[k] for k in ("split", "outputs_match", "timings", "speedup",
-                                              "step_ms", "tokens_per_s", "world_size",
-                                              "backend", "cuda_graph")}))
-    return 0 if summary["outputs_match"] else 1
+    keys = ("split", "outputs_match", "timings", "speedup", "step_ms", "tokens_per_s",
+            "world_size", "backend", "cuda_graph", *(("decode",) if "decode" in summary else ()))
+    print(json.dumps({k: summary[k] for k in keys}))
+    decode_ok = summary.get("decode", {}).get("outputs_match", True)
+    return 0 if summary["outputs_match"] and decode_ok else 1
 
 
 if __name__ == "__main__":

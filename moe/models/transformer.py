@@ -14,9 +14,10 @@ Layer i: ``x += attn(norm(x)); x += ffn(norm(x))`` where ffn is a dense gated ML
 the first `num_dense_layers` layers and an `MoELayer` (with shared experts when
 configured) after. Attention is causal within each request and never crosses requests;
 rotary positions come from `positions_T`, so a request split across calls keeps its
-positions. There is no KV cache: a call attends only over the tokens it is given, so
-the DBO runner must not cut a request across its ubatches (`dbo_can_split_inside_request`
-says so: in "requests" mode each request stays in one ubatch).
+positions. Without `cache=` a call attends only over the tokens it is given; with a
+`KVCache` (`moe.models.kv_cache`: a prefill, then decode steps of one token per request)
+each request's new tokens also attend over its cached ones and are appended to them.
+The DBO runner never cuts a request across its ubatches (`dbo_can_split_inside_request`).
 
 Weights are deterministic in the seed and *independent of the EP size*: every rank draws
 the same replicated weights, and expert e's weights depend only on (seed, layer, e), so
@@ -37,11 +38,12 @@ from dbo.phases import phase_scope
 from dbo.graph_host import keep_for_graph
 from moe.kernels.rotary import apply_rotary
 from moe.layer import MoELayer
+from moe.models.kv_cache import CacheStep, KVCache
 from moe.models.presets import PRESETS, ModelConfig, estimate_param_bytes, get_preset
 from moe.shared import SharedExperts
 
-__all__ = ["Batch", "ModelConfig", "MoETransformer", "PRESETS", "estimate_param_bytes",
-           "get_preset", "make_batch"]
+__all__ = ["Batch", "KVCache", "ModelConfig", "MoETransformer", "PRESETS",
+           "estimate_param_bytes", "get_preset", "make_batch"]
 
 SeqLens = Union[Sequence[int], Tensor]
 
@@ -156,15 +158,20 @@ class Attention(nn.Module):
                                 device=device)
 
     def forward(self, x_TH: Tensor, cos_TD2: Tensor, sin_TD2: Tensor,
-                seq_lens: Sequence[int]) -> Tensor:
-        """[T, H] -> [T, H] in x's dtype; cos/sin from `rotary_cos_sin` of the positions."""
+                seq_lens: Sequence[int], cached: Optional[CacheStep] = None,
+                layer_id: int = 0) -> Tensor:
+        """[T, H] -> [T, H] in x's dtype; cos/sin from `rotary_cos_sin` of the positions;
+        with `cached`, over (and into) layer `layer_id` of its KV cache."""
         num_tokens, dim = x_TH.shape[0], self.head_dim
         heads, kv_heads = self.num_heads, self.num_kv_heads
         q, k, v = self.qkv_proj(x_TH).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
         q_TND = apply_rotary(q.view(num_tokens, heads, dim), cos_TD2, sin_TD2)
         k_TND = apply_rotary(k.view(num_tokens, kv_heads, dim), cos_TD2, sin_TD2)
         v_TND = v.reshape(num_tokens, kv_heads, dim)
-        o_TND = causal_attention(q_TND, k_TND, v_TND, seq_lens)
+        if cached is not None:
+            o_TND = cached.attend(layer_id, q_TND, k_TND, v_TND)
+        else:
+            o_TND = causal_attention(q_TND, k_TND, v_TND, seq_lens)
         return self.o_proj(o_TND.reshape(num_tokens, heads * dim))
 
 
@@ -190,10 +197,11 @@ class DecoderLayer(nn.Module):
                                 device=device)
 
     def forward(self, x_TH: Tensor, cos_TD2: Tensor, sin_TD2: Tensor,
-                seq_lens: Sequence[int]) -> Tensor:
+                seq_lens: Sequence[int], cached: Optional[CacheStep] = None) -> Tensor:
         """[T, H] -> [T, H]; the MoE layer (if any) yields to the other ubatch inside."""
         with phase_scope("attention", layer=self.layer_id):
-            x_TH = x_TH + self.attn(self.attn_norm(x_TH), cos_TD2, sin_TD2, seq_lens)
+            x_TH = x_TH + self.attn(self.attn_norm(x_TH), cos_TD2, sin_TD2, seq_lens,
+                                    cached, self.layer_id)
         return x_TH + self.ffn(self.ffn_norm(x_TH))
 
 
@@ -231,7 +239,8 @@ class MoETransformer(nn.Module):
         """The MoE layers in layer order (layers num_dense_layers .. num_layers - 1)."""
         return [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoELayer)]
 
-    def forward(self, input_ids_T: Tensor, positions_T: Tensor, *, seq_lens: SeqLens) -> Tensor:
+    def forward(self, input_ids_T: Tensor, positions_T: Tensor, *, seq_lens: SeqLens,
+                cache: Optional[KVCache] = None) -> Tensor:
         """Logits [T, V] in config.dtype for T packed tokens.
 
         Args:
@@ -240,30 +249,38 @@ class MoETransformer(nn.Module):
                 request's slice starts when a request is split over calls).
             seq_lens: tokens per request, in order, summing to T (list, tuple or 1-D
                 tensor; a tensor costs a host copy).
+            cache: the requests' KV cache (`moe.models.kv_cache.KVCache`, one request per
+                entry of seq_lens): the tokens are appended to it and attend over it;
+                positions_T must then continue each request (`cache.next_positions()`
+                for a decode step).
 
         Every rank of the EP group must call forward the same number of times (with T = 0
         too): each MoE layer runs collectives.
         """
-        seq_lens = self._check_inputs(input_ids_T, positions_T, seq_lens)
+        seq_lens = self._check_inputs(input_ids_T, positions_T, seq_lens, cache)
+        cached = None if cache is None else cache.begin(seq_lens)
         cos_TD2, sin_TD2 = rotary_cos_sin(positions_T, head_dim=self.config.head_dim,
                                           theta=self.config.rope_theta)
         x_TH = self.embed(input_ids_T)
         for layer in self.layers:
-            x_TH = layer(x_TH, cos_TD2, sin_TD2, seq_lens)
+            x_TH = layer(x_TH, cos_TD2, sin_TD2, seq_lens, cached)
+        if cache is not None:
+            cache.commit(seq_lens)
         return self.lm_head(self.norm(x_TH))
 
     def dbo_can_split_inside_request(self) -> bool:
         """False: a request's tokens must stay in one call (`dbo.split`). Attention runs
-        over the call's tokens and there is no KV cache, so the tail of a request cut
-        across the two ubatches would attend without its head's keys."""
+        over the call's tokens (and, with a cache, the tokens cached by earlier calls), so
+        the tail of a request cut across the two ubatches of one step would attend
+        without its head's keys."""
         return False
 
     def dbo_check_inputs(self, input_ids_T: Tensor, positions_T: Tensor, *,
-                         seq_lens: SeqLens) -> None:
+                         seq_lens: SeqLens, cache: Optional[KVCache] = None) -> None:
         """The checks of `forward` alone, for the DBO runner to run before its vote: a
         rank whose inputs fail them stops every rank there (`dbo.agreement`), instead of
         leaving its peers waiting in the first MoE layer's dispatch."""
-        self._check_inputs(input_ids_T, positions_T, seq_lens)
+        self._check_inputs(input_ids_T, positions_T, seq_lens, cache)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -302,8 +319,8 @@ class MoETransformer(nn.Module):
                 param.normal_(0.0, param.shape[-1] ** -0.5,
                               generator=gen.manual_seed(_mix(seed, tag)))
 
-    def _check_inputs(self, input_ids_T: Tensor, positions_T: Tensor,
-                      seq_lens: SeqLens) -> list[int]:
+    def _check_inputs(self, input_ids_T: Tensor, positions_T: Tensor, seq_lens: SeqLens,
+                      cache: Optional[KVCache] = None) -> list[int]:
         """Validate the call's inputs; return seq_lens as a list of ints."""
         for name, t in (("input_ids_T", input_ids_T), ("positions_T", positions_T)):
             if not isinstance(t, Tensor) or t.dim() != 1 or t.is_floating_point():
@@ -327,6 +344,12 @@ class MoETransformer(nn.Module):
             raise ValueError(f"MoETransformer.forward: seq_lens={lens!r} sum to {sum(lens)}, but "
                              f"the call has T={input_ids_T.shape[0]} tokens: seq_lens must count "
                              f"every token of input_ids_T, request by request.")
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"MoETransformer.forward: cache must be a "
+                                f"moe.models.kv_cache.KVCache, got a {type(cache).__name__}")
+            cache.check(lens, num_layers=self.config.num_layers,
+                        device=self.embed.weight.device)
         return lens
 
 

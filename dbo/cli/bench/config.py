@@ -17,9 +17,11 @@ from moe.backends import BACKENDS
 from moe.registry import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
 
-MODES: tuple[str, ...] = ("layer", "model")
+MODES: tuple[str, ...] = ("layer", "model", "decode")
 """`layer`: a stack of MoE layers with attention-sized GEMMs between them; `model`: the
-reference MoE transformer (`moe.models.transformer.MoETransformer`) of a preset."""
+reference MoE transformer (`moe.models.transformer.MoETransformer`) of a preset;
+`decode`: decode steps, each request's new token attending over its KV cache, then the
+MoE layer (`dbo.cli.bench.decode_stack`); its swept axis is requests per rank."""
 
 BENCH_BACKENDS: tuple[str, ...] = tuple(sorted(
     name for name in BACKENDS if name != "local" and name not in UNTESTED_BACKENDS))
@@ -59,6 +61,8 @@ DEFAULT_GPU_PRESET = "deepseek-v3-like"
 DEFAULT_CPU_PRESET = "tiny"
 DEFAULT_GPU_TOKENS: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_CPU_TOKENS: tuple[int, ...] = (16, 64)
+DEFAULT_GPU_REQUESTS: tuple[int, ...] = (16, 64, 256, 1024)
+DEFAULT_CPU_REQUESTS: tuple[int, ...] = (4, 8)
 DEFAULT_MAX_EXPERTS_PER_RANK = 32
 """Without --num-experts / --experts-per-rank the preset's expert count is capped at this
 many per rank, so that deepseek-v3-like layer weights fit (~2.8 GB of experts per layer)."""
@@ -76,6 +80,16 @@ def regime_label(device: str, *, p2p_disabled: bool) -> str:
     return EMULATED_REGIME if p2p_disabled else NVLINK_REGIME
 
 
+def requests_count(groups: Optional[list[list[int]]], *, where: str, default: int) -> int:
+    """The one `--requests` count (parsed as lists, `groups`) of a mode that takes one;
+    `default` without the option. ValueError for a list: only --mode decode sweeps it."""
+    requests = [r for group in groups for r in group] if groups else []
+    if len(requests) > 1:
+        raise ValueError(f"--requests {','.join(map(str, requests))}: {where} takes one "
+                         f"count (a list is --mode decode's swept axis)")
+    return requests[0] if requests else default
+
+
 def known_presets() -> list[str]:
     from moe.models.presets import PRESETS  # light: configs only
     return sorted(PRESETS)
@@ -90,7 +104,8 @@ class BenchConfig:
     preset: str = DEFAULT_CPU_PRESET
     """Shapes from `moe.models.presets` ("tiny", "deepseek-v3-like", "qwen3-moe-like", "mixtral-like")."""
     tokens: tuple[int, ...] = DEFAULT_CPU_TOKENS
-    """Tokens per rank of one step, one sweep point each."""
+    """Tokens per rank of one step, one sweep point each (decode mode: requests per rank,
+    one new token each; `--requests`)."""
     backends: tuple[str, ...] = ("a2a", "a2a_ll", "naive")
     """Dispatch/combine backends to compare (any of BENCH_BACKENDS; naive_mono moves the
     same data as naive plus the router logits, so it is asked for by name)."""
@@ -104,6 +119,8 @@ class BenchConfig:
     """Layer mode: context tokens per token in the attention stand-in (4*C*H FLOPs per token)."""
     requests: int = 4
     """Model mode: requests per rank per step (random lengths, moe.models.transformer.make_batch)."""
+    context: int = 4096
+    """Decode mode: tokens in each request's KV cache, attended to by its new token."""
     experts: str = "auto"
     """Expert kernel name (see moe.experts): "auto", "reference", "grouped", "triton"."""
     iters: int = 20
@@ -158,6 +175,8 @@ class BenchConfig:
         if self.preset not in presets:
             raise ValueError(f"unknown preset {self.preset!r} for --mode {self.mode}: use one "
                              f"of {', '.join(presets)} (--preset NAME)")
+        if self.mode == "decode":
+            self._check_decode()
         self._check_int_tuple("tokens", "tokens per rank, e.g. --tokens 256,1024")
         if not isinstance(self.backends, tuple) or not self.backends:
             raise ValueError(f"backends={self.backends!r}: give at least one of "
@@ -220,6 +239,18 @@ class BenchConfig:
             raise ValueError("--trace labels phases from the host, which a graph replay "
                              "does not run: trace without --cuda-graph")
 
+    def _check_decode(self) -> None:
+        if not _is_int(self.context) or self.context < 1:
+            raise ValueError(f"context={self.context!r} must be an int >= 1 (KV-cache tokens "
+                             f"per request, --context 4096)")
+        if isinstance(self.tokens, tuple):
+            small = [r for r in self.tokens if _is_int(r) and r < 2]
+            if small:
+                raise ValueError(f"--mode decode with {small[0]} request(s) per rank: DBO "
+                                 f"splits a decode step's requests between two ubatches, "
+                                 f"each with its own requests' KV caches, so each needs "
+                                 f"one; use --requests values >= 2")
+
     def _check_int_tuple(self, name: str, hint: str) -> None:
         value = getattr(self, name)
         if not isinstance(value, tuple) or not value:
@@ -248,6 +279,7 @@ class BenchConfig:
                 "backends": list(self.backends), "layers": self.layers,
                 "num_experts": self.num_experts, "experts_per_rank": self.experts_per_rank,
                 "attn_context": self.attn_context, "requests": self.requests,
+                "context": self.context,
                 "experts": self.experts, "iters": self.iters, "warmup": self.warmup,
                 "rounds": self.rounds, "split_last_combine": self.split_last_combine,
                 "gemm_sm_carveout": self.gemm_sm_carveout, "cuda_graph": self.cuda_graph,

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.cli import check_out_dir, quiet_profiler_logs
-from dbo.cli.bench.config import regime_label
+from dbo.cli.bench.config import regime_label, requests_count
 from dbo.cli.bench.hf_config import (
     DEFAULT_HF_CPU_TOKENS,
     DEFAULT_HF_GPU_TOKENS,
@@ -53,7 +53,9 @@ def hf_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> HFB
     p2p_disabled = env.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0")
     return HFBenchConfig(
         arch=args.hf, layers=args.layers if args.layers is not None else DEFAULT_HF_LAYERS,
-        num_experts=args.num_experts, tokens=tuple(tokens), requests=args.requests,
+        num_experts=args.num_experts, tokens=tuple(tokens),
+        requests=requests_count(args.requests, where="--hf",
+                                default=HFBenchConfig.requests),
         backends=tuple(backends), experts=args.experts,
         iters=args.iters if args.iters is not None else (20 if gpu else 5),
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),

@@ -22,8 +22,10 @@ from dbo.cli.bench.config import (
     BENCH_BACKENDS,
     DEFAULT_BACKENDS,
     DEFAULT_CPU_PRESET,
+    DEFAULT_CPU_REQUESTS,
     DEFAULT_CPU_TOKENS,
     DEFAULT_GPU_PRESET,
+    DEFAULT_GPU_REQUESTS,
     DEFAULT_GPU_TOKENS,
     DEFAULT_GRAPH_BACKENDS,
     EXPERT_KERNELS,
@@ -33,6 +35,7 @@ from dbo.cli.bench.config import (
     BenchConfig,
     known_presets,
     regime_label,
+    requests_count,
 )
 from dbo.cli import Parser, check_out_dir, quiet_profiler_logs
 from dbo.cli.run_config import check_backend_runs
@@ -44,6 +47,7 @@ examples:
   NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --mode layer
   torchrun --nproc_per_node=2 -m dbo.cli.bench --mode model --preset deepseek-v3-like
   torchrun --nproc_per_node=2 -m dbo.cli.bench --mode layer --cuda-graph   # a2a_ll as graphs
+  torchrun --nproc_per_node=2 -m dbo.cli.bench --mode decode --experts-per-rank 8 --cuda-graph
   NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf deepseek-v3 --tokens 4096
 """
 
@@ -67,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "would lose. Prints a table, writes CSV/JSON/PNG, ends with one JSON line.")
     p.add_argument("--mode", default="layer", choices=MODES,
                    help="layer: MoE layers with attention-sized GEMMs between; model: the "
-                        "reference MoE transformer")
+                        "reference MoE transformer; decode: one token per request over its "
+                        "KV cache, then MoE (sweeps --requests)")
     p.add_argument("--hf", default=None, metavar="ARCH",
                    help="a Hugging Face MoE architecture converted by moe.hf, DBO off/on "
                         "beside the unconverted transformers model (qwen3-30b-a3b, "
@@ -94,8 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = BenchConfig()
     p.add_argument("--attn-context", type=int, default=d.attn_context,
                    help="layer mode: context tokens of the attention stand-in")
-    p.add_argument("--requests", type=int, default=d.requests,
-                   help="model mode: requests per rank per step")
+    p.add_argument("--requests", type=_int_list, nargs="+", default=None,
+                   help=f"model mode: requests per rank per step (default {d.requests}); "
+                        f"decode mode: the swept requests per rank, e.g. 16,64,256,1024 "
+                        f"(default: GPU {','.join(map(str, DEFAULT_GPU_REQUESTS))}; CPU "
+                        f"{','.join(map(str, DEFAULT_CPU_REQUESTS))})")
+    p.add_argument("--context", type=int, default=d.context,
+                   help="decode mode: KV-cache tokens per request")
     p.add_argument("--experts", default=d.experts, choices=EXPERT_KERNELS,
                    help="expert kernel (auto: the fastest that runs here)")
     p.add_argument("--iters", type=int, default=None, help="timed steps (default: GPU 20, CPU 5)")
@@ -152,12 +162,22 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
               list(DEFAULT_GPU_TOKENS if gpu else DEFAULT_CPU_TOKENS))
     backends = ([b for group in args.backends for b in group] if args.backends else
                 list(DEFAULT_GRAPH_BACKENDS if args.cuda_graph else DEFAULT_BACKENDS))
+    if args.mode == "decode":
+        if args.tokens:
+            raise ValueError("--mode decode sweeps --requests (one new token per request "
+                             "per step): drop --tokens")
+        tokens = ([r for group in args.requests for r in group] if args.requests else
+                  list(DEFAULT_GPU_REQUESTS if gpu else DEFAULT_CPU_REQUESTS))
     p2p_disabled = env.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0")
     return BenchConfig(
         mode=args.mode, preset=args.preset or (DEFAULT_GPU_PRESET if gpu else DEFAULT_CPU_PRESET),
         tokens=tuple(tokens), backends=tuple(backends), layers=args.layers,
         num_experts=args.num_experts, experts_per_rank=args.experts_per_rank,
-        attn_context=args.attn_context, requests=args.requests, experts=args.experts,
+        attn_context=args.attn_context,
+        requests=(BenchConfig.requests if args.mode == "decode" else
+                  requests_count(args.requests, where=f"--mode {args.mode}",
+                                 default=BenchConfig.requests)),
+        context=args.context, experts=args.experts,
         iters=args.iters if args.iters is not None else (20 if gpu else 5),
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
         rounds=args.rounds if args.rounds is not None else (3 if gpu else 1),

@@ -118,6 +118,7 @@ def summarize(result: SweepResult) -> dict[str, Any]:
 def final_line(result: SweepResult, files: dict[str, Any]) -> str:
     """The one JSON line for programs (stdout, last line)."""
     keys = ("backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
+            "host_nodbo_ms", "host_dbo_ms",
             "tokens_per_s_nodbo", "tokens_per_s_dbo", "t_compute_ms", "t_comm_ms",
             "t_both_ms", "t_split_ms", "ceiling", "eta", "eta_min", "eta_max", "rounds",
             "eta_note", "dbo_split", "gate", "gate_reason", "gated_speedup",
@@ -140,7 +141,12 @@ def format_table(result: SweepResult) -> str:
         f"regime={cfg.regime}" + (" cuda_graph=on" if cfg.cuda_graph else ""),
         f"  shapes: H={shapes['hidden_size']} experts={shapes['num_experts']} "
         f"({shapes['experts_per_rank']}/rank) top_k={shapes['top_k']} "
-        f"I={shapes['intermediate_size']} layers={shapes['layers']} {shapes['dtype']}",
+        f"I={shapes['intermediate_size']} layers={shapes['layers']} {shapes['dtype']}"
+        + (f"; decode: R requests/rank x {shapes['context']} cached tokens, heads "
+           f"{shapes['num_heads']}/{shapes['num_kv_heads']} kv x {shapes['head_dim']}, "
+           f"KV cache {shapes['kv_cache_gb']} GB/rank" if cfg.mode == "decode" else ""),
+        "  host noDBO / host DBO: the host's time to issue one step (not waiting for the "
+        "device), slowest rank",
         f"  times in ms, median of {cfg.iters} steps after {cfg.warmup} warmup"
         + (f", median of {cfg.rounds} alternating rounds" if cfg.rounds > 1 else "")
         + "; shown rank0/max over ranks; derived figures use the max",
@@ -149,17 +155,22 @@ def format_table(result: SweepResult) -> str:
         "",
     ]
     cols = [("T/rank", 7), ("backend", 7), ("noDBO ms", 15), ("DBO ms", 15), ("speedup", 7),
+            ("host noDBO", 10), ("host DBO", 8),
             ("tok/s noDBO", 11), ("tok/s DBO", 11), ("comp ms", 8), ("comm ms", 8),
             ("both ms", 8), ("split ms", 8), ("ceiling", 7), ("eta", 6), ("eta rounds", 10),
             ("gate", 4), ("gated", 6)]
     if cfg.functional:
         cols = [(name, w) for name, w in cols if name not in ("speedup", "gated")]
-    lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
+    header = "  ".join(f"{name:>{w}}" for name, w in cols)
+    if cfg.mode == "decode":  # one new token per request: T/rank counts the requests
+        header = header.replace(" T/rank", " R/rank", 1)
+    lines.append(header)
     for p in result.points:
         cells = {"T/rank": str(p.tokens_per_rank), "backend": p.backend,
                  "noDBO ms": f"{p.t_nodbo_ms_rank0:.3f}/{p.t_nodbo_ms:.3f}",
                  "DBO ms": f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}",
-                 "speedup": f"{p.speedup:.3f}", "tok/s noDBO": _num(p.tokens_per_s_nodbo),
+                 "speedup": f"{p.speedup:.3f}", "host noDBO": _opt(p.host_nodbo_ms),
+                 "host DBO": _opt(p.host_dbo_ms), "tok/s noDBO": _num(p.tokens_per_s_nodbo),
                  "tok/s DBO": _num(p.tokens_per_s_dbo), "comp ms": _opt(p.t_compute_ms),
                  "comm ms": _opt(p.t_comm_ms), "both ms": _opt(p.t_both_ms),
                  "split ms": _opt(p.t_split_ms), "ceiling": _opt(p.ceiling),

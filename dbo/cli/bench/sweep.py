@@ -79,6 +79,8 @@ DEFINITIONS = {
     "eta": ("(T_noDBO - T_DBO) / (T_noDBO - T_both); null without a probe or when "
             "T_noDBO - T_both < 1% of T_noDBO"),
     "eta_min/eta_max": "the range of eta over the rounds, each round's eta from its own times",
+    "host_nodbo_ms/host_dbo_ms": ("the host's time to issue one step (call to return, "
+                                  "not waiting for the device), median, slowest rank"),
     "gated": "T_DBO where the gate chose dbo, else T_noDBO; gated_speedup = T_noDBO / gated",
     "pred": PREDICTION_NOTE,
     "sm_mhz/capped": ("rank 0's median SM clock and power-capped samples (k/n) while each "
@@ -133,6 +135,8 @@ class Point:
     t_both_ms_rank0: Optional[float] = None
     t_split_ms: Optional[float] = None
     t_split_ms_rank0: Optional[float] = None
+    host_nodbo_ms: Optional[float] = None
+    host_dbo_ms: Optional[float] = None
     t_serial_ms: Optional[float] = None
     ceiling: Optional[float] = None
     ceiling_vs_nodbo: Optional[float] = None
@@ -363,7 +367,8 @@ def make_point(cfg: BenchConfig, *, backend: str, tokens: int, world_size: int, 
         gate="dbo" if use_dbo else "off", gate_reason=gate_reason, t_gated_ms=gated_ms,
         gated_speedup=off_ms / gated_ms, tokens_per_s_gated=_rate(total, gated_ms),
         eta_note=ETA_NO_PROBE,
-        per_rank_ms={"t_nodbo": list(t_off.per_rank_ms), "t_dbo": list(t_on.per_rank_ms)})
+        per_rank_ms={"t_nodbo": list(t_off.per_rank_ms), "t_dbo": list(t_on.per_rank_ms)},
+        host_nodbo_ms=t_off.host_max_ms, host_dbo_ms=t_on.host_max_ms)
     if t_split is not None:
         point.t_split_ms, point.t_split_ms_rank0 = t_split.max_ms, t_split.rank0_ms
         point.per_rank_ms["t_split"] = list(t_split.per_rank_ms)

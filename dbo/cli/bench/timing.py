@@ -1,15 +1,19 @@
 """Step timing for the bench: CUDA events on GPU, perf_counter on CPU; medians; all ranks.
 
     t = time_steps(workload.step, device=device, group=group, warmup=5, iters=20)
-    t.rank0_ms, t.max_ms, t.per_rank_ms
+    t.rank0_ms, t.max_ms, t.per_rank_ms, t.host_max_ms
 
 Every timed step starts from an idle device with the ranks aligned: barrier, device
 synchronize, start event, the step, end event. So a step's time includes its own host
 launch overhead and host syncs (DBO's greenlet switches included), and no rank's skew
 leaks into another's step. Steps are not pipelined back to back. Each rank reports the
 median over `iters` of its own steps; the ranks' medians are gathered (one small
-collective, after the timed loop). `median_of_rounds` folds the Timings of repeated
-rounds into one: per rank, the median of that rank's round medians.
+collective, after the timed loop). Beside it, the **host time** of each step: from the
+call of the step to its return, without waiting for the device (the time the host
+needs to issue the step; where it nears the step time, the step is host-bound). For a
+CUDA graph that is the replay's launch (plus, through a `GraphedRunner`, the vote and
+the input copies). On CPU the two are the same. `median_of_rounds` folds the Timings of
+repeated rounds into one: per rank, the median of that rank's round medians.
 """
 from __future__ import annotations
 
@@ -30,6 +34,13 @@ class Timing:
     """Median step times in milliseconds: each rank's, in rank order."""
 
     per_rank_ms: tuple[float, ...]
+    host_per_rank_ms: tuple[float, ...] = ()
+    """Each rank's median host time per step (module doc); empty where not measured."""
+
+    @property
+    def host_max_ms(self) -> Optional[float]:
+        """The slowest rank's median host time per step; None where not measured."""
+        return max(self.host_per_rank_ms) if self.host_per_rank_ms else None
 
     @property
     def rank0_ms(self) -> float:
@@ -49,8 +60,13 @@ def median_of_rounds(rounds: Sequence[Timing]) -> Timing:
     ranks = {len(t.per_rank_ms) for t in rounds}
     if len(ranks) != 1:
         raise ValueError(f"rounds disagree on the number of ranks: {sorted(ranks)}")
+    num_ranks = ranks.pop()
+    host: tuple[float, ...] = ()
+    if all(len(t.host_per_rank_ms) == num_ranks for t in rounds):
+        host = tuple(statistics.median(t.host_per_rank_ms[r] for t in rounds)
+                     for r in range(num_ranks))
     return Timing(tuple(statistics.median(t.per_rank_ms[r] for t in rounds)
-                        for r in range(ranks.pop())))
+                        for r in range(num_ranks)), host)
 
 
 SpanFn = Callable[[str], ContextManager[Any]]
@@ -80,24 +96,30 @@ def time_steps(fn: Callable[[], Any], *, device: torch.device,
     _sync(device)
     with span if span is not None else contextlib.nullcontext():
         samples = [_time_one(fn, device, group) for _ in range(iters)]
-    return Timing(gather_floats(statistics.median(samples), group))
+    device_ms = statistics.median(s[0] for s in samples)
+    host_ms = statistics.median(s[1] for s in samples)
+    return Timing(gather_floats(device_ms, group), gather_floats(host_ms, group))
 
 
 def _time_one(fn: Callable[[], Any], device: torch.device,
-              group: Optional[dist.ProcessGroup]) -> float:
+              group: Optional[dist.ProcessGroup]) -> tuple[float, float]:
+    """(step ms, host ms) of one step (module doc)."""
     barrier(group, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
+        begin = time.perf_counter()
         fn()
+        host_ms = (time.perf_counter() - begin) * 1e3
         end.record()
         end.synchronize()
-        return float(start.elapsed_time(end))
+        return float(start.elapsed_time(end)), host_ms
     begin = time.perf_counter()
     fn()
-    return (time.perf_counter() - begin) * 1e3
+    elapsed_ms = (time.perf_counter() - begin) * 1e3
+    return elapsed_ms, elapsed_ms
 
 
 def barrier(group: Optional[dist.ProcessGroup], device: torch.device) -> None:

@@ -7,10 +7,13 @@
     out = on.step()                       # DBORunner(model, factory.dbo_config)(...)
 
 Layer mode: a `LayerStack` of the preset's MoE layer shape, inputs [T, H], DBO split
-"tokens". Model mode: `moe.models.transformer.MoETransformer` of the preset, a batch of `requests`
-requests of random lengths summing to T (`moe.models.transformer.make_batch`; each rank its own),
-DBO split "requests" at the request boundary nearest half the tokens (the model has no KV
-cache, so a request is never cut: `dbo.split`).
+"tokens". Decode mode: a `DecodeStack` (`dbo.cli.bench.decode_stack`), T requests of one
+new token each over KV caches of `context` tokens, inputs [T, H], DBO split on request
+boundaries (`SplitRequests`, each ubatch with its requests' caches). Model mode:
+`moe.models.transformer.MoETransformer` of the preset, a batch of `requests` requests of
+random lengths summing to T (`moe.models.transformer.make_batch`; each rank its own), DBO
+split "requests" at the request boundary nearest half the tokens (the model has no KV
+cache in this mode, so a request is never cut: `dbo.split`).
 
 `a2a_ll` and `deepep_ll` have a fixed capacity per rank: the DBO-off model gets max_tokens_per_rank = T,
 the DBO-on model the larger ubatch of the split the runner will make (so DBO moves no
@@ -29,6 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dbo.cli.bench.config import BenchConfig
+from dbo.cli.bench.decode_stack import (DecodeStack, SplitRequests, describe_decode,
+                                        make_kv_caches, ubatch_requests)
 
 #: Backends that size their buffers by MoEConfig.max_tokens_per_rank (and need it).
 FIXED_CAPACITY_BACKENDS: tuple[str, ...] = ("a2a_ll", "deepep_ll")
@@ -110,16 +115,18 @@ class WorkloadFactory:
             split_last_combine=cfg.split_last_combine)
         self.hidden_size = preset.hidden_size
         self.dtype = preset.dtype
-        if cfg.mode == "layer":
+        if cfg.mode in ("layer", "decode"):
             self.num_layers = cfg.layers if cfg.layers is not None else DEFAULT_LAYERS
         else:
             self.num_layers = cfg.layers if cfg.layers is not None else preset.num_layers
-        # Model mode: MoETransformer has no KV cache, so its requests stay whole; any
-        # request boundary is taken (max_imbalance=1.0) so that every point is split.
-        split = dict(split="tokens") if cfg.mode == "layer" else dict(split="requests",
-                                                                      max_imbalance=1.0)
+        # Model mode: MoETransformer runs without a KV cache here, so its requests stay
+        # whole; any request boundary is taken (max_imbalance=1.0) so every point is split.
+        split = {"layer": dict(split="tokens"),
+                 "model": dict(split="requests", max_imbalance=1.0)}.get(
+                     cfg.mode, dict(split=SplitRequests()))
         self.dbo_config = DBOConfig(**split, gemm_sm_carveout=cfg.gemm_sm_carveout,
                                     **_SPLIT_ALWAYS)
+        self._kv_caches: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # decode mode
         self._model_key: Optional[tuple] = None
         self._model: Optional[nn.Module] = None
         self._inputs: dict[int, tuple[tuple, dict]] = {}
@@ -135,7 +142,10 @@ class WorkloadFactory:
                 "intermediate_size": moe.intermediate_size,
                 "num_shared_experts": moe.num_shared_experts, "layers": self.num_layers,
                 "dtype": str(self.dtype).replace("torch.", ""),
-                "grouped_topk": moe.n_group is not None}
+                "grouped_topk": moe.n_group is not None,
+                **(describe_decode(get_preset(self.cfg.preset), context=self.cfg.context,
+                                   max_requests=max(self.cfg.tokens))
+                   if self.cfg.mode == "decode" else {})}
 
     def get(self, *, tokens: int, backend: str, dbo: bool) -> Workload:
         capacity = None
@@ -158,6 +168,8 @@ class WorkloadFactory:
         """Tokens of the larger ubatch the runner makes of a `tokens` step (T if unsplit),
         the max over ranks: a fixed-capacity all-to-all needs the same capacity on all.
         A collective: every rank calls it for the same points."""
+        if self.cfg.mode == "decode":
+            return ubatch_requests(tokens) if tokens >= 2 else tokens  # same R on every rank
         if self.cfg.mode == "layer":
             plan = plan_token_split(tokens, self.dbo_config)
         else:
@@ -168,6 +180,7 @@ class WorkloadFactory:
     def release(self) -> None:
         """Drop the model and inputs (frees device memory before the next build)."""
         self._model = self._model_key = None
+        self._kv_caches = None
         self._inputs.clear()
 
     # --------------------------------------------------------------- internals
@@ -185,6 +198,8 @@ class WorkloadFactory:
                                attn_context=self.cfg.attn_context, group=self.group,
                                device=self.device)
             model.init_weights(self.cfg.seed)
+        elif self.cfg.mode == "decode":
+            model = self._build_decode_stack(moe)
         else:
             model = self._build_transformer(moe)
         self._model, self._model_key = model, key
@@ -199,13 +214,25 @@ class WorkloadFactory:
             p.requires_grad_(False)
         return model
 
+    def _build_decode_stack(self, moe: MoEConfig) -> nn.Module:
+        preset = get_preset(self.cfg.preset)
+        if self._kv_caches is None:  # once per sweep, for its largest request count
+            self._kv_caches = make_kv_caches(preset, max_requests=max(self.cfg.tokens),
+                                             context=self.cfg.context, device=self.device,
+                                             seed=self.cfg.seed * 7 + 1000 * self.rank + 1)
+        keys, values = self._kv_caches
+        model = DecodeStack(moe, preset, num_layers=self.num_layers, keys=keys,
+                            values=values, group=self.group, device=self.device)
+        model.init_weights(self.cfg.seed)
+        return model
+
     def _get_inputs(self, tokens: int) -> tuple[tuple, dict]:
         cached = self._inputs.get(tokens)
         if cached is not None:
             return cached
         self._inputs.clear()  # one token count at a time
         seed = self.cfg.seed * 7 + 1000 * self.rank + tokens
-        if self.cfg.mode == "layer":
+        if self.cfg.mode in ("layer", "decode"):  # decode: one token per request
             x_TH = make_input(tokens, self.hidden_size, dtype=self.dtype, device=self.device,
                               seed=seed)
             inputs: tuple[tuple, dict] = ((x_TH,), {})
