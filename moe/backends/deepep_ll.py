@@ -5,8 +5,8 @@ Shape legend: T tokens here (T <= max_tokens_per_rank), C = the capacity DeepEP 
 (max_tokens_per_rank, rounded up so that W*C is a multiple of 4), H hidden, K top-k,
 W ranks, E_loc local experts, R = E_loc * W * C rows the experts see.
 
-Dispatch (`low_latency_dispatch(..., return_recv_hook=True)`) only sends; its `hook`
-launches the receive. The hook goes back in `Pending(hook, receiver)`, so the modular
+In a DBO step, dispatch (`low_latency_dispatch(..., return_recv_hook=True)`) only sends;
+its `hook` launches the receive (outside one, each call is DeepEP's single kernel). The hook goes back in `Pending(hook, receiver)`, so the modular
 kernel hands it to the other ubatch (`dbo_register_recv_hook`), which launches it after
 queueing its own compute: no SM spins while the tokens travel. DeepEP delivers them
 expert-major, [E_loc, W*C, H] with recv_count[e] valid rows at the front of expert e's
@@ -36,7 +36,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
+from dbo.yield_points import dbo_enabled
 from moe.backends.deepep_support import (
+    LLRowConstants,
     SharedBuffer,
     check_ll_shape,
     dequantize_fp8,
@@ -101,11 +103,14 @@ class DeepEPLLBackend(PrepareFinalize):
         check_capacity(x_TH.shape[0], self.config.max_tokens_per_rank, self.name)
         ids_TK = topk_ids_TK.to(self.topk_idx_dtype).contiguous()
         weights_TK = topk_weights_TK.to(torch.float32).contiguous()
+        split = dbo_enabled()  # outside a DBO step: one kernel, nothing to hand over
         recv, recv_count_E, deep_handle, _, hook = self.shared.buffer.low_latency_dispatch(
             x_TH.contiguous(), ids_TK, self.capacity, self.config.num_experts,
-            use_fp8=self.use_fp8, async_finish=False, return_recv_hook=True)
-        self.shared.ll_started()
+            use_fp8=self.use_fp8, async_finish=False, return_recv_hook=split)
         handle = LLHandle(deep_handle, ids_TK, weights_TK)
+        rows = workspace.keep(f"deepep_ll/rows/{self.rows_per_expert}/{x_TH.device}",
+                              lambda: LLRowConstants.make(self.placement.num_local_experts,
+                                                          self.rows_per_expert, x_TH.device))
 
         def receiver() -> Dispatched:
             if self.use_fp8:
@@ -113,11 +118,9 @@ class DeepEPLLBackend(PrepareFinalize):
                 x_RH = dequantize_fp8(x_fp8_ENH, scales_ENS)
             else:
                 x_RH = recv.view(-1, recv.shape[-1])  # the receive buffer itself, no copy
-            ids_R1 = ll_expert_ids(recv_count_E, self.rows_per_expert)
-            weights_R1 = torch.ones(ids_R1.shape, dtype=torch.float32, device=ids_R1.device)
-            return Dispatched(x_RH, ids_R1, weights_R1, handle)
+            return Dispatched(x_RH, ll_expert_ids(recv_count_E, rows), rows.ones_R1, handle)
 
-        return Pending(self._receive_hook(hook), receiver)
+        return Pending(self._receive_hook(hook) if split else None, receiver)
 
     def finalize_async(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
                        workspace: Workspace, own: Optional[OwnRows] = None) -> Pending[Tensor]:
@@ -125,15 +128,16 @@ class DeepEPLLBackend(PrepareFinalize):
         handle: LLHandle = dispatched.handle
         out_ENH = expert_out_RH.contiguous().view(self.placement.num_local_experts,
                                                  self.rows_per_expert, -1)
+        split = dbo_enabled()
         combined_TH, _, hook = self.shared.buffer.low_latency_combine(
             out_ENH, handle.topk_ids_TK, handle.topk_weights_TK, handle.deep_handle,
-            async_finish=False, return_recv_hook=True)
-        self.shared.ll_started()
-        return Pending(self._receive_hook(hook), lambda: combined_TH)
+            async_finish=False, return_recv_hook=split)
+        return Pending(self._receive_hook(hook) if split else None, lambda: combined_TH)
 
     def _receive_hook(self, hook: Callable[[], None]) -> Callable[[], None]:
         """DeepEP's receive `hook`, run once, counted off the operations in flight."""
         shared = self.shared
+        shared.ll_started()
         ran = []
 
         def receive() -> None:

@@ -113,16 +113,31 @@ def ll_capacity(max_tokens_per_rank: int, world_size: int) -> int:
     return capacity
 
 
-def ll_expert_ids(recv_count_E: torch.Tensor, rows_per_expert: int) -> torch.Tensor:
-    """[E_loc * rows_per_expert, 1] int64: row j of expert e's block in DeepEP's
-    expert-major receive buffer holds a token for local expert e when j < recv_count[e],
-    else padding (-1, routed to no expert). One small GPU op: nothing read on the host."""
-    num_local = recv_count_E.shape[0]
-    device = recv_count_E.device
-    row_1N = torch.arange(rows_per_expert, device=device).unsqueeze(0)
-    expert_E1 = torch.arange(num_local, device=device).unsqueeze(1)
-    valid_EN = row_1N < recv_count_E.to(torch.int64).unsqueeze(1)
-    return torch.where(valid_EN, expert_E1, -1).reshape(-1, 1)
+@dataclass(frozen=True)
+class LLRowConstants:
+    """What `ll_expert_ids` compares against, made once per shape: row_1N [1, N] int64
+    0..N-1 (N rows per expert block), expert_E1 [E_loc, 1] int64 0..E_loc-1, and
+    ones_R1 [E_loc * N, 1] float32 (the experts' weight of every row)."""
+
+    row_1N: torch.Tensor
+    expert_E1: torch.Tensor
+    ones_R1: torch.Tensor
+
+    @staticmethod
+    def make(num_local: int, rows_per_expert: int, device: torch.device) -> "LLRowConstants":
+        return LLRowConstants(
+            torch.arange(rows_per_expert, device=device).unsqueeze(0),
+            torch.arange(num_local, device=device).unsqueeze(1),
+            torch.ones(num_local * rows_per_expert, 1, dtype=torch.float32, device=device))
+
+
+def ll_expert_ids(recv_count_E: torch.Tensor, rows: LLRowConstants) -> torch.Tensor:
+    """[E_loc * N, 1] int64: row j of expert e's block in DeepEP's expert-major receive
+    buffer holds a token for local expert e when j < recv_count[e], else padding (-1,
+    routed to no expert). Two small GPU kernels (compare, select; few host calls matter
+    at decode sizes): nothing read on the host."""
+    valid_EN = rows.row_1N < recv_count_E.unsqueeze(1)
+    return torch.where(valid_EN, rows.expert_E1, -1).reshape(-1, 1)
 
 
 def dequantize_fp8(x_ENH: torch.Tensor, scales_ENS: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ most two operations in flight. The real kernels run in tests/moe/test_deepep_bac
 from __future__ import annotations
 
 import sys
+from unittest import mock
 import types
 from dataclasses import replace
 from typing import Any, Optional
@@ -24,6 +25,7 @@ from moe.backends.deepep_support import (
     dequantize_fp8,
     ht_padded_hidden,
     ll_capacity,
+    LLRowConstants,
     ll_expert_ids,
 )
 from moe.config import DeepEPOptions
@@ -53,7 +55,8 @@ def test_ll_capacity_makes_ranks_times_capacity_a_multiple_of_4():
 
 
 def test_ll_expert_ids_mark_the_valid_rows_of_each_expert_block():
-    ids = ll_expert_ids(torch.tensor([2, 0, 4], dtype=torch.int32), 4)
+    rows = LLRowConstants.make(3, 4, torch.device("cpu"))
+    ids = ll_expert_ids(torch.tensor([2, 0, 4], dtype=torch.int32), rows)
     assert ids.shape == (12, 1) and ids.dtype == torch.int64
     assert ids.view(3, 4).tolist() == [[0, 0, -1, -1], [-1, -1, -1, -1], [2, 2, 2, 2]]
 
@@ -198,19 +201,23 @@ class _Buffer:
                              dispatch_wait_recv_cost_stats=None, use_fp8=True,
                              round_scale=False, use_ue8m0=False, async_finish=False,
                              return_recv_hook=False):
-        assert return_recv_hook and not async_finish
+        assert not async_finish
+        self.log.append(("ll_dispatch", return_recv_hook))
         num_local = num_experts // self.group_size
         rows = self.group_size * num_max_dispatch_tokens_per_rank
         recv = torch.zeros(num_local, rows, x.shape[1], dtype=BF16)
         count = torch.tensor(self.recv_count[:num_local], dtype=torch.int32)
-        return recv, count, ("ll_handle",), _Event(self.log, "none"), self._hook("dispatch")
+        hook = self._hook("dispatch") if return_recv_hook else None
+        return recv, count, ("ll_handle",), _Event(self.log, "none"), hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
                             out=None, combine_wait_recv_cost_stats=None):
-        assert return_recv_hook and x.dim() == 3 and x.is_contiguous()
+        assert x.dim() == 3 and x.is_contiguous()
+        self.log.append(("ll_combine", return_recv_hook))
         out_TH = torch.zeros(topk_idx.shape[0], x.shape[2], dtype=BF16)
-        return out_TH, _Event(self.log, "none"), self._hook("combine")
+        hook = self._hook("combine") if return_recv_hook else None
+        return out_TH, _Event(self.log, "none"), hook
 
     def _hook(self, what: str):
         return lambda: self.log.append(("recv", what))
@@ -273,6 +280,14 @@ def _fake_worker(rank: int, world_size: int) -> dict[str, Any]:
     _Buffer.log.clear()
     x = torch.randn(3, 2048, dtype=BF16)
     ids = torch.tensor([[0, 5]] * 3)
+    # Outside a DBO step each call is one kernel: no receive hook to hand over.
+    plain = ll.prepare_async(x, weights[:3], ids, workspace=ws)
+    out["ll_plain"] = (plain.hook is None, ll.shared.ll_in_flight)
+    ll.finalize(torch.zeros(32, 2048, dtype=BF16), plain.receiver(), workspace=ws)
+    out["ll_plain_log"] = list(_Buffer.log)
+    _Buffer.log.clear()
+    in_step = mock.patch("moe.backends.deepep_ll.dbo_enabled", return_value=True)
+    in_step.start()  # inside a DBO step (as the scheduler makes it): send, then hook
     first_op = ll.prepare_async(x, weights[:3], ids, workspace=ws)
     second_op = ll.prepare_async(x, weights[:3], ids, workspace=ws)
     try:
@@ -295,6 +310,7 @@ def _fake_worker(rank: int, world_size: int) -> dict[str, Any]:
     out["ll_out"] = tuple(back.shape)
     out["ll_log"] = list(_Buffer.log)
     out["in_flight"] = ll.shared.ll_in_flight
+    in_step.stop()
 
     # Orphans: a destroyed group's buffer goes at the next buffer made.
     side = dist.new_group([0, 1])
@@ -338,8 +354,12 @@ def test_adapters_share_buffers_chain_events_and_run_each_hook_once():
         assert out["ll_dispatched"] == ((32, 2048), [
             [0, 0, -1, -1, -1, -1, -1, -1], [-1] * 8, [2] * 8, [3] + [-1] * 7], [1.0])
         assert out["ll_out"] == (3, 2048)
-        assert out["ll_log"] == [("recv", "dispatch"), ("recv", "dispatch"),
-                                 ("recv", "combine")]
+        assert out["ll_plain"] == (True, 0)
+        assert out["ll_plain_log"] == [("ll_dispatch", False), ("ll_combine", False)]
+        assert out["ll_log"] == [("ll_dispatch", True), ("ll_dispatch", True),
+                                 ("ll_dispatch", True),  # the refused third: sent, never counted
+                                 ("recv", "dispatch"), ("recv", "dispatch"),
+                                 ("ll_combine", True), ("recv", "combine")]
         assert out["in_flight"] == 0
         assert out["orphan_destroyed"] == 1
         assert all(d == 1 for d in out["destroyed"]), out["destroyed"]
