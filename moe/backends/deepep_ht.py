@@ -23,6 +23,10 @@ on the compute stream before any yield (`previous_event`; an event recorded afte
 would also cover the other ubatch's queued compute) and `async_finish=True`; the receiver
 makes the compute stream wait on the event DeepEP returns. DeepEP marks the tensors it
 reads or allocates as used by its stream (`record_stream`), so none is reused early.
+Outside a DBO step nothing can overlap, so each call takes DeepEP's synchronous form
+(its comm stream waits on the compute stream and the compute stream on it, inside the
+call): that drops the events and the stream marks, ~80 us per dispatch and combine at
+128 tokens per rank on 2x H200 (the comm micro-benchmark, BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -98,14 +102,15 @@ class DeepEPHTBackend(PrepareFinalize):
         ids_TK = topk_ids_TK.to(self.topk_idx_dtype).contiguous()
         weights_TK = topk_weights_TK.to(torch.float32).contiguous()
 
-        compute_done = buffer.capture()  # before any yield: see the module doc
+        in_step = dbo_enabled()  # outside a step: DeepEP's synchronous form (module doc)
+        compute_done = buffer.capture() if in_step else None  # before any yield
         per_rank, per_rdma_rank, per_expert, in_rank_TW, layout_done = buffer.get_dispatch_layout(
-            ids_TK, self.config.num_experts, previous_event=compute_done, async_finish=True,
+            ids_TK, self.config.num_experts, previous_event=compute_done, async_finish=in_step,
             allocate_on_comm_stream=False)
         # The default dispatch holds the host until the counts arrive: queue the other
         # ubatch's compute first, unless it has not started (then it has nothing queued
         # that the GPU could run meanwhile; `a2a` measured the same choice).
-        yield_first = (self.num_worst_tokens == 0 and dbo_enabled()
+        yield_first = (self.num_worst_tokens == 0 and in_step
                        and dbo_other_ubatch_started())
         if yield_first:
             dbo_yield()
@@ -114,14 +119,16 @@ class DeepEPHTBackend(PrepareFinalize):
             is_token_in_rank=in_rank_TW, num_tokens_per_expert=per_expert, topk_idx=ids_TK,
             topk_weights=weights_TK, expert_alignment=1,
             num_worst_tokens=self.num_worst_tokens, config=self.dispatch_config,
-            previous_event=layout_done, async_finish=True, allocate_on_comm_stream=False)
-        if not yield_first:
+            previous_event=layout_done if in_step else None, async_finish=in_step,
+            allocate_on_comm_stream=False)
+        if in_step and not yield_first:
             dbo_yield()
         handle = HTHandle(deep_handle)
         hidden = self.config.hidden_size
 
         def receiver() -> Dispatched:
-            done.current_stream_wait()
+            if in_step:
+                done.current_stream_wait()
             # ids arrive as DeepEP's topk_idx_t; the experts read int64.
             return Dispatched(recv_x_RP[:, :hidden], recv_ids_RK.to(torch.int64),
                               recv_weights_RK, handle)
@@ -134,15 +141,18 @@ class DeepEPHTBackend(PrepareFinalize):
         handle: HTHandle = dispatched.handle
         buffer = self.shared.buffer
         out_RP = self._pad(expert_out_RH)
-        compute_done = buffer.capture()
+        in_step = dbo_enabled()
         combined_TP, _, done = buffer.combine(
             out_RP, handle.deep_handle, topk_weights=None, config=self.combine_config,
-            previous_event=compute_done, async_finish=True, allocate_on_comm_stream=False)
-        dbo_yield()  # after the send: the combine never holds the host
+            previous_event=buffer.capture() if in_step else None, async_finish=in_step,
+            allocate_on_comm_stream=False)
+        if in_step:
+            dbo_yield()  # after the send: the combine never holds the host
         hidden = self.config.hidden_size
 
         def receiver() -> Tensor:
-            done.current_stream_wait()
+            if in_step:
+                done.current_stream_wait()
             if self.padded_hidden == hidden:
                 return combined_TP
             return combined_TP[:, :hidden].contiguous()

@@ -176,7 +176,7 @@ class _Buffer:
 
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None,
                             async_finish=False, allocate_on_comm_stream=False):
-        self.log.append(("layout", previous_event.name, async_finish))
+        self.log.append(("layout", _name(previous_event), async_finish))
         t, w = topk_idx.shape[0], self.group_size
         return (torch.zeros(w, dtype=torch.int32), None,
                 torch.zeros(num_experts, dtype=torch.int32),
@@ -186,14 +186,14 @@ class _Buffer:
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
                  topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
                  previous_event=None, async_finish=False, allocate_on_comm_stream=False):
-        self.log.append(("dispatch", previous_event.name, async_finish, num_worst_tokens,
+        self.log.append(("dispatch", _name(previous_event), async_finish, num_worst_tokens,
                          tuple(x.shape), x.is_contiguous()))
         return (x.clone(), topk_idx.clone(), topk_weights.clone(), [], ("handle",),
                 _Event(self.log, "dispatch_done"))
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None,
                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):
-        self.log.append(("combine", previous_event.name, async_finish, tuple(x.shape)))
+        self.log.append(("combine", _name(previous_event), async_finish, tuple(x.shape)))
         return x.clone(), None, _Event(self.log, "combine_done")
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -221,6 +221,10 @@ class _Buffer:
 
     def _hook(self, what: str):
         return lambda: self.log.append(("recv", what))
+
+
+def _name(event: Optional[_Event]) -> Optional[str]:
+    return None if event is None else event.name
 
 
 def _fake_deep_ep() -> types.ModuleType:
@@ -267,8 +271,15 @@ def _fake_worker(rank: int, world_size: int) -> dict[str, Any]:
     ids = torch.tensor([[0, 5]] * 5)
     weights = torch.full((5, 2), 0.5)
     _Buffer.log.clear()
+    # Outside a step: DeepEP's synchronous form (no events, nothing to wait on).
     dispatched = ht_pad.prepare(x, weights, ids, workspace=ws)
-    combined = ht_pad.finalize(dispatched.x_RH * 2, dispatched, workspace=ws)
+    plain = ht_pad.finalize(dispatched.x_RH, dispatched, workspace=ws)
+    out["ht_plain_log"] = list(_Buffer.log)
+    out["ht_plain"] = torch.equal(plain, x)
+    _Buffer.log.clear()
+    with mock.patch("moe.backends.deepep_ht.dbo_enabled", return_value=True):
+        dispatched = ht_pad.prepare(x, weights, ids, workspace=ws)
+        combined = ht_pad.finalize(dispatched.x_RH * 2, dispatched, workspace=ws)
     out["ht_log"] = list(_Buffer.log)
     out["ht_shapes"] = (tuple(dispatched.x_RH.shape), tuple(combined.shape),
                         combined.is_contiguous(), torch.equal(combined, x * 2))
@@ -339,6 +350,10 @@ def test_adapters_share_buffers_chain_events_and_run_each_hook_once():
                                       explicit=True)
         assert out["graph_safe"] == (False, True)
         assert out["grown"] == (1, True, 1000 * 6144 + 2)
+        assert out["ht_plain_log"] == [("layout", None, False),
+                                       ("dispatch", None, False, 0, (5, 3072), True),
+                                       ("combine", None, False, (5, 3072))]
+        assert out["ht_plain"]
         assert out["ht_log"] == [
             ("layout", "captured", True),
             ("dispatch", "layout_done", True, 0, (5, 3072), True),
