@@ -159,6 +159,14 @@ REJECTED = {
         "compiled for hidden sizes"),
     "unknown experts kernel": (lambda: layer(experts="nope"), ValueError,
                                "unknown experts kernel 'nope'"),
+    "`DBOConfig(split_inside_requests=True)` for a model whose "
+    "`dbo_can_split_inside_request()` is False": (
+        lambda: DBORunner(MoETransformer(get_preset("tiny", backend="local",
+                                                    experts="reference")),
+                          DBOConfig(split="requests", split_inside_requests=True)),
+        ValueError,
+        "DBOConfig(split_inside_requests=True), but "
+        "MoETransformer.dbo_can_split_inside_request() is False"),
     "unknown `deepep_v2` mode": (
         lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
                           deepep_v2_mode="eager"), ValueError,
