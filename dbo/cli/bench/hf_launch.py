@@ -10,16 +10,9 @@ starts (the architecture, its experts over the ranks), each error one line with 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import sys
-import traceback
-import warnings
-from datetime import timedelta
 from typing import Mapping
 
 import torch
-import torch.distributed as dist
 
 from dbo.cli import check_out_dir, quiet_profiler_logs
 from dbo.cli.bench.config import regime_label, requests_count
@@ -71,7 +64,8 @@ def main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace,
     try:
         cfg = hf_config_from_args(args, env)
         check_out_dir("--out", cfg.out_dir)
-        world = _world_size(args.world_size, cfg, env)
+        from dbo.cli.bench.launch import world_size_of
+        world = world_size_of(args.world_size, cfg.device, env)
         cfg.model_config(world)  # the experts over the ranks, before a rank starts
     except ValueError as exc:
         parser.error(str(exc))  # one line, exit 2
@@ -80,72 +74,19 @@ def main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace,
         return run_hf_rank(cfg, rank=int(env["RANK"]), world_size=world,
                            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
                            init_method="env://")
-    import torch.multiprocessing as mp
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    try:
-        mp.spawn(_spawned_rank, args=(world, f"tcp://127.0.0.1:{port}", cfg), nprocs=world,
-                 join=True)
-    except Exception as exc:  # noqa: BLE001 - a rank failed: its traceback is in exc
-        print(f"[dbo bench] a rank failed:\n{exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _world_size(world_size: int | None, cfg: HFBenchConfig, env: Mapping[str, str]) -> int:
-    if world_size is not None and world_size < 1:
-        raise ValueError(f"--world-size={world_size}: must be >= 1")
-    if "RANK" in env and "WORLD_SIZE" in env:
-        started = int(env["WORLD_SIZE"])
-        if world_size is not None and world_size != started:
-            raise ValueError(f"--world-size={world_size} but torchrun started {started} "
-                             f"ranks: drop --world-size under torchrun")
-        return started
-    world = world_size if world_size is not None else 2
-    if cfg.device == "cuda" and world > torch.cuda.device_count():
-        raise ValueError(f"--world-size={world} needs {world} GPUs, "
-                         f"{torch.cuda.device_count()} visible: lower it, or use torchrun")
-    return world
-
-
-def _spawned_rank(rank: int, world_size: int, init_method: str, cfg: HFBenchConfig) -> None:
-    run_hf_rank(cfg, rank=rank, world_size=world_size, local_rank=rank,
-                init_method=init_method)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip torch's slow teardown; failures above exit normally
+    from dbo.cli.bench import launch
+    return launch.spawn_ranks(cfg, world, run_hf_rank)
 
 
 def run_hf_rank(cfg: HFBenchConfig, *, rank: int, world_size: int, local_rank: int,
                 init_method: str) -> int:
     """One rank: init the group, measure, and (rank 0) print the table and JSON line."""
-    from dbo.cli.bench.hf_report import final_line, format_table, write_outputs
+    from dbo.cli.bench import hf_report
     from dbo.cli.bench.hf_sweep import run_hf_sweep
+    from dbo.cli.bench.launch import measure_on_rank
 
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r".*is deprecated\. Please use .*")
-    if cfg.device == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method=init_method, rank=rank,
-                                world_size=world_size, device_id=device,
-                                timeout=timedelta(minutes=10))
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // world_size)))
-        dist.init_process_group("gloo", init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=timedelta(minutes=5))
-    try:
-        result = run_hf_sweep(cfg, group=dist.group.WORLD, device=device)
-        if rank == 0:
-            files = write_outputs(result)
-            print(format_table(result), flush=True)
-            print(final_line(result, files), flush=True)
-        dist.barrier()
-    except Exception:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return measure_on_rank(cfg.device, rank=rank, world_size=world_size,
+                           local_rank=local_rank, init_method=init_method,
+                           measure=lambda group, device: run_hf_sweep(cfg, group=group,
+                                                                      device=device),
+                           report=hf_report)

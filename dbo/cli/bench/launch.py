@@ -13,7 +13,7 @@ import sys
 import traceback
 import warnings
 from datetime import timedelta
-from typing import Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,6 @@ from dbo.cli.bench.config import (
     EXPERT_KERNELS,
     GRAPH_BACKENDS,
     MODES,
-    OPT_IN_BACKENDS,
     BenchConfig,
     known_presets,
     regime_label,
@@ -201,7 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = config_from_args(args, env)
         check_out_dir("--out", cfg.out_dir)
-        world = world_size_of(args.world_size, cfg, env)
+        world = world_size_of(args.world_size, cfg.device, env)
         from moe.models.presets import PRESETS
         cfg.resolve_num_experts(world, PRESETS[cfg.preset].moe.num_experts)
         for backend in cfg.backends:
@@ -217,9 +216,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return spawn_ranks(cfg, world)
 
 
-def world_size_of(world_size: Optional[int], cfg: BenchConfig, env: Mapping[str, str]) -> int:
-    """The ranks this run will have: torchrun's, else `world_size` (default 2).
-    ValueError (with the fix) for a size that cannot run here."""
+def world_size_of(world_size: Optional[int], device: str, env: Mapping[str, str]) -> int:
+    """The ranks this run will have: torchrun's, else `world_size` (default 2), on
+    `device` ("cpu" or "cuda"). ValueError (with the fix) for a size that cannot run here."""
     if world_size is not None and world_size < 1:
         raise ValueError(f"--world-size={world_size}: must be >= 1")
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -229,24 +228,29 @@ def world_size_of(world_size: Optional[int], cfg: BenchConfig, env: Mapping[str,
                              f"ranks: drop --world-size under torchrun")
         return started
     world = world_size if world_size is not None else 2
-    if cfg.device == "cuda" and world > torch.cuda.device_count():
+    if device == "cuda" and world > torch.cuda.device_count():
         raise ValueError(f"--world-size={world} needs {world} GPUs, "
                          f"{torch.cuda.device_count()} visible: lower it, or use torchrun "
                          f"on the right machine")
     return world
 
 
-def spawn_ranks(cfg: BenchConfig, world_size: int) -> int:
-    """Start `world_size` ranks on this host; 0 when all succeed, 1 otherwise."""
-    import socket
+RankMain = Callable[..., int]
+"""`rank_main(cfg, *, rank, world_size, local_rank, init_method) -> exit code`: one rank
+of a bench mode (`run_rank`, `dbo.cli.bench.hf_launch.run_hf_rank`); module-level, so
+that spawned ranks can unpickle it."""
 
+
+def spawn_ranks(cfg: Any, world_size: int, rank_main: Optional[RankMain] = None) -> int:
+    """Start `world_size` ranks of `rank_main` (default `run_rank`) on this host; 0 when
+    all succeed, 1 otherwise."""
     import torch.multiprocessing as mp
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from dbo.cli.launch import free_port
+
     try:
-        mp.spawn(_spawned_rank, args=(world_size, f"tcp://127.0.0.1:{port}", cfg),
+        mp.spawn(_spawned_rank, args=(world_size, f"tcp://127.0.0.1:{free_port()}", cfg,
+                                      rank_main or run_rank),
                  nprocs=world_size, join=True)
     except Exception as exc:  # noqa: BLE001 - a rank failed: its traceback is in exc
         print(f"[dbo bench] a rank failed:\n{exc}", file=sys.stderr)
@@ -254,9 +258,10 @@ def spawn_ranks(cfg: BenchConfig, world_size: int) -> int:
     return 0
 
 
-def _spawned_rank(rank: int, world_size: int, init_method: str, cfg: BenchConfig) -> None:
-    code = run_rank(cfg, rank=rank, world_size=world_size, local_rank=rank,
-                    init_method=init_method)
+def _spawned_rank(rank: int, world_size: int, init_method: str, cfg: Any,
+                  rank_main: RankMain) -> None:
+    code = rank_main(cfg, rank=rank, world_size=world_size, local_rank=rank,
+                     init_method=init_method)
     if code != 0:
         raise SystemExit(code)
     # Done and flushed: skip the interpreter's teardown of torch, which takes seconds on
@@ -269,13 +274,26 @@ def _spawned_rank(rank: int, world_size: int, init_method: str, cfg: BenchConfig
 def run_rank(cfg: BenchConfig, *, rank: int, world_size: int, local_rank: int,
              init_method: str) -> int:
     """One rank: init the group, sweep, and (rank 0) print the table and the JSON line."""
-    from dbo.cli.bench.report import final_line, format_table, write_outputs
+    from dbo.cli.bench import report
     from dbo.cli.bench.sweep import run_sweep
 
+    return measure_on_rank(cfg.device, rank=rank, world_size=world_size,
+                           local_rank=local_rank, init_method=init_method,
+                           measure=lambda group, device: run_sweep(cfg, group=group,
+                                                                   device=device),
+                           report=report)
+
+
+def measure_on_rank(device_kind: str, *, rank: int, world_size: int, local_rank: int,
+                    init_method: str, measure: Callable[[Any, torch.device], Any],
+                    report: Any) -> int:
+    """Init this rank's process group on `device_kind` ("cpu": gloo, "cuda": NCCL), run
+    `measure(group, device)` on every rank, and on rank 0 write and print its result with
+    `report` (a module with `write_outputs`, `format_table`, `final_line`)."""
     # torch deprecates the *_tensor collectives the backends call; not the bench's business.
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r".*is deprecated\. Please use .*")
-    if cfg.device == "cuda":
+    if device_kind == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", init_method=init_method, rank=rank,
@@ -287,11 +305,11 @@ def run_rank(cfg: BenchConfig, *, rank: int, world_size: int, local_rank: int,
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timedelta(minutes=5))
     try:
-        result = run_sweep(cfg, group=dist.group.WORLD, device=device)
+        result = measure(dist.group.WORLD, device)
         if rank == 0:
-            files = write_outputs(result)
-            print(format_table(result), flush=True)
-            print(final_line(result, files), flush=True)
+            files = report.write_outputs(result)
+            print(report.format_table(result), flush=True)
+            print(report.final_line(result, files), flush=True)
         dist.barrier()
     except Exception:
         traceback.print_exc()
