@@ -10,7 +10,7 @@ starts (the architecture, its experts over the ranks), each error one line with 
 from __future__ import annotations
 
 import argparse
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -58,13 +58,14 @@ def hf_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> HFB
 
 
 def main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace,
-            env: Mapping[str, str]) -> int:
-    """Run `dbo bench --hf` with parsed `args`; returns the exit code."""
+            env: Mapping[str, str], spawn: Callable[..., int]) -> int:
+    """Run `dbo bench --hf` with parsed `args`; returns the exit code. `spawn`: how
+    ranks start outside torchrun (`dbo.cli.bench.ranks.spawn_ranks`)."""
     torchrun = "RANK" in env and "WORLD_SIZE" in env
     try:
         cfg = hf_config_from_args(args, env)
         check_out_dir("--out", cfg.out_dir)
-        from dbo.cli.bench.launch import world_size_of
+        from dbo.cli.bench.ranks import world_size_of
         world = world_size_of(args.world_size, cfg.device, env)
         cfg.model_config(world)  # the experts over the ranks, before a rank starts
     except ValueError as exc:
@@ -74,8 +75,7 @@ def main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace,
         return run_hf_rank(cfg, rank=int(env["RANK"]), world_size=world,
                            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
                            init_method="env://")
-    from dbo.cli.bench import launch
-    return launch.spawn_ranks(cfg, world, run_hf_rank)
+    return spawn(cfg, world, run_hf_rank)
 
 
 def run_hf_rank(cfg: HFBenchConfig, *, rank: int, world_size: int, local_rank: int,
@@ -83,7 +83,7 @@ def run_hf_rank(cfg: HFBenchConfig, *, rank: int, world_size: int, local_rank: i
     """One rank: init the group, measure, and (rank 0) print the table and JSON line."""
     from dbo.cli.bench import hf_report
     from dbo.cli.bench.hf_sweep import run_hf_sweep
-    from dbo.cli.bench.launch import measure_on_rank
+    from dbo.cli.bench.ranks import measure_on_rank
 
     return measure_on_rank(cfg.device, rank=rank, world_size=world_size,
                            local_rank=local_rank, init_method=init_method,
