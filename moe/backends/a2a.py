@@ -89,6 +89,7 @@ class AllToAllBackend(PrepareFinalize):
     """Exact dispatch/combine with `all_to_all_single` and a host-synced count exchange."""
 
     name = "a2a"
+    comm_recordable = True
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(config, group)

@@ -54,6 +54,7 @@ class AllToAllLLBackend(PrepareFinalize):
     """Padded, fixed-capacity all-to-all: static shapes, no count exchange."""
 
     name = "a2a_ll"
+    comm_recordable = True
     graph_safe = True
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:

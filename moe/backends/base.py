@@ -123,6 +123,13 @@ class PrepareFinalize(ABC):
     #: routes the rows it receives (`prepare_logits_async`), so the layer does not route
     #: before the dispatch and `prepare_async` is not used.
     routes_gathered_logits: ClassVar[bool] = False
+    #: Whether every byte this backend exchanges goes through the torch.distributed
+    #: collectives `dbo bench`'s ceiling probe records and replays (`all_to_all_single`,
+    #: `all_gather_into_tensor`, `reduce_scatter_tensor`, `all_reduce`;
+    #: `dbo.cli.bench.ceiling.RECORDED_COLLECTIVES`). False for an exchange of the
+    #: backend's own kernels (DeepEP, NVSHMEM): the probe sees none of its traffic, so
+    #: the bench reports no ceiling or phase times for it. False unless declared.
+    comm_recordable: ClassVar[bool] = False
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         self.config = config

@@ -64,6 +64,7 @@ class DeepEPHTBackend(PrepareFinalize):
     """DeepEP normal kernels: exact rows (default) or worst-case rows (graph-capturable)."""
 
     name = "deepep_ht"
+    comm_recordable = False  # DeepEP's own NVLink/RDMA kernels
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(config, group)

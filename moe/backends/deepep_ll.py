@@ -65,6 +65,7 @@ class DeepEPLLBackend(PrepareFinalize):
     """DeepEP low-latency kernels: fixed capacity, receive halves run as hooks."""
 
     name = "deepep_ll"
+    comm_recordable = False  # DeepEP's own low-latency kernels
     graph_safe = True
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:

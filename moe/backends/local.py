@@ -15,6 +15,7 @@ class LocalBackend(PrepareFinalize):
     """Identity dispatch and combine; global expert ids are the local ids."""
 
     name = "local"
+    comm_recordable = True  # nothing to record: EP size 1
     graph_safe = True
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:

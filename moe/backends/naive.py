@@ -40,6 +40,7 @@ class NaiveBackend(PrepareFinalize):
     """All-gather dispatch, reduce-scatter combine."""
 
     name = "naive"
+    comm_recordable = True
 
     @property
     def graph_safe(self) -> bool:  # type: ignore[override]

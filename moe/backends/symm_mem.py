@@ -78,6 +78,7 @@ class SymmMemBackend(PrepareFinalize):
     """Exact dispatch/combine with `torch.ops.symm_mem.all_to_all_vdev`, counts on the GPU."""
 
     name = "symm_mem"
+    comm_recordable = False  # all_to_all_vdev over NVSHMEM, not a c10d collective
     graph_safe = True
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:

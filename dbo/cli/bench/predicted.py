@@ -95,6 +95,10 @@ def prediction_lines(result: Any) -> list[str]:
         lines.insert(1, "  (CPU: the model assumes comm overlaps compute, which gloo never does)")
     for p in result.points:
         if p.t_nodbo_pred_ms is None:
+            if p.probe_note:  # no phase times were measured: say so, predict nothing
+                lines.append(f"  {p.tokens_per_rank:>6} {p.backend:>7} {'-':>10} {'-':>7} "
+                             f"{'-':>9} {'-':>7} {'-':>6} {'-':>6} {'-':>4}  no prediction: "
+                             f"its phases were not measured (probe note above)")
             continue
         measured = "-" if functional else f"{p.speedup:.3f}"
         phases = "/".join(f"{p.phase_ms[k]:.3g}"

@@ -123,7 +123,7 @@ def final_line(result: SweepResult, files: dict[str, Any]) -> str:
             "t_both_ms", "t_split_ms", "ceiling", "eta", "eta_min", "eta_max", "rounds",
             "eta_note", "dbo_split", "gate", "gate_reason", "gated_speedup",
             "t_nodbo_pred_ms", "t_dbo_pred_ms", "speedup_pred", "pred_err_nodbo",
-            "pred_err_dbo", "pred_choice")
+            "pred_err_dbo", "pred_choice", "probe_note")
     doc = {**header(result), "summary": summarize(result),
            "points": [{**{k: _row(result, p)[k] for k in keys}, "trial_speedups": p.trial_speedups,
                        "sm_mhz": p.sm_mhz}
@@ -151,6 +151,7 @@ def format_table(result: SweepResult) -> str:
         + (f", median of {cfg.rounds} alternating rounds" if cfg.rounds > 1 else "")
         + "; shown rank0/max over ranks; derived figures use the max",
         f"  ceiling probe: {result.probe}",
+        *probe_note_lines(result),
         *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
         "",
     ]
@@ -206,6 +207,12 @@ def format_table(result: SweepResult) -> str:
                      f"{s['min_gated_speedup']:.3f}x; gated never >1% slower: "
                      f"{s['gated_never_slower_than_1pct']}  [{cfg.regime}]")
     return "\n".join(lines)
+
+
+def probe_note_lines(result: SweepResult) -> list[str]:
+    """One line per distinct reason some points were not probed (`Point.probe_note`)."""
+    notes = dict.fromkeys(p.probe_note for p in result.points if p.probe_note)
+    return [f"  {note}" for note in notes]
 
 
 def eta_rounds_cell(p: Point) -> str:

@@ -6,6 +6,9 @@
 Per point (backend outer, tokens inner, so a model is rebuilt only when it must be),
 `rounds` times in a row: DBO off timed, the ceiling probed on that same workload (GPU),
 DBO on timed, then its split compute (GPU; `dbo.cli.bench.ceiling.probe_split_compute`).
+A backend whose exchange is not made of the collectives the probe records (DeepEP,
+symm_mem: `dbo.cli.bench.probe_scope`) gets no probe, split compute, phase times or
+prediction; its point says why (`probe_note`).
 In round 0 the point's per-phase times are measured too (`dbo.cli.bench.phases`), and
 the cost model's prediction from them is reported beside the measured times
 (`dbo.cli.bench.predicted`). Then the gate is decided from the tokens and the measured
@@ -54,6 +57,7 @@ from dbo.cli.bench.gating import GateDecision, GatePolicy
 from dbo.cli.bench.phases import probe_phases, step_is_decode
 from dbo.cli.bench.predicted import (PREDICTION_NOTE, attach_prediction, bench_calibration,
                                      covered)
+from dbo.cli.bench.probe_scope import probe_scope
 from dbo.cli.bench.timing import SpanFn, Timing, median_of_rounds, no_spans, time_steps
 from dbo.cli.bench.workload import WorkloadFactory
 from traces.capture import capture
@@ -83,6 +87,8 @@ DEFINITIONS = {
                                   "not waiting for the device), median, slowest rank"),
     "gated": "T_DBO where the gate chose dbo, else T_noDBO; gated_speedup = T_noDBO / gated",
     "pred": PREDICTION_NOTE,
+    "probe_note": ("why the probe, the split compute and the phase times did not measure "
+                   "this point (their fields are null), or empty"),
     "sm_mhz/capped": ("rank 0's median SM clock and power-capped samples (k/n) while each "
                       "timing ran: nodbo, dbo, split, and the probe's compute, comm, both"),
 }
@@ -166,6 +172,9 @@ class Point:
     pred_err_dbo: Optional[float] = None
     phase_ms: dict[str, float] = field(default_factory=dict)
     measured_point: Optional[MeasuredPoint] = None
+    # Why the probe and the phase times did not measure this point ("" where they could
+    # or, on CPU, where only the two-stream probe is skipped): `probe_scope`.
+    probe_note: str = ""
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
@@ -185,9 +194,12 @@ class SweepResult:
 
 
 def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
-              device: torch.device) -> SweepResult:
-    """Run every point on this rank (all ranks call this with the same `cfg`)."""
-    factory = WorkloadFactory(cfg, group=group, device=device)
+              device: torch.device, factory: Optional[WorkloadFactory] = None) -> SweepResult:
+    """Run every point on this rank (all ranks call this with the same `cfg`).
+    `factory`: builds the workloads (default: a `WorkloadFactory` of `cfg`, `group`,
+    `device`)."""
+    if factory is None:
+        factory = WorkloadFactory(cfg, group=group, device=device)
     gate = GatePolicy(min_tokens_per_rank=cfg.gate_min_tokens, min_gain=cfg.min_gain)
     calibration = bench_calibration(cfg.calibration)
     probe_note = PROBE_MEASURED if device.type == "cuda" else PROBE_SKIPPED_CPU
@@ -248,15 +260,19 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
     prediction = None  # the calibration's, where it covers this point: no trials then
     for index in range(cfg.rounds):
         tag = f" (round {index + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""
-        progress.step(f"{backend} T={tokens}/rank: DBO off" +
-                      (" + ceiling probe" if on_gpu else "") + tag)
         off = factory.get(tokens=tokens, backend=backend, dbo=False)
+        # A backend that communicates outside the recorded collectives gets no probe,
+        # no split compute and no phase times: they would be wrong (`probe_scope`).
+        scope = probe_scope(off.model)
+        probe = on_gpu and scope.measurable
+        progress.step(f"{backend} T={tokens}/rank: DBO off" +
+                      (" + ceiling probe" if probe else "") + tag)
         t_off = time_steps(off.step, **timing, span=span("nodbo"), cuda_graph=cfg.cuda_graph)
         if index == 0:
             _maybe_trace(cfg, factory, off.step, f"{backend}_T{tokens}_dbo-off")
         ceiling = (probe_ceiling(off, **timing, span=span, gemm_sm_carveout=cfg.gemm_sm_carveout,
-                                 cuda_graph=cfg.cuda_graph) if on_gpu else None)
-        if index == 0:
+                                 cuda_graph=cfg.cuda_graph) if probe else None)
+        if index == 0 and scope.measurable:
             decode = step_is_decode(off, factory.dbo_config.split)
             prediction = covered(calibration, backend=backend, tokens=tokens, decode=decode)
             phases = probe_phases(off, **timing, tokens=tokens, decode=decode,
@@ -277,14 +293,15 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
             _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
         was_split, split_reason = on.was_split, on.split_reason  # of the timed steps
         t_split = (probe_split_compute(on, **timing, span=span, cuda_graph=cfg.cuda_graph)
-                   if on_gpu else None)
+                   if probe else None)
         rounds.append(Round(t_off, t_on, ceiling, was_split, split_reason, t_split))
         del on
     merged = Round.median(rounds)
     decision = gate.decide(tokens_per_rank=tokens,
                            ceiling=None if merged.ceiling is None else merged.ceiling.ceiling,
                            trial_speedups=trial_speedups,
-                           no_probe_reason="probe skipped on CPU")
+                           no_probe_reason=scope.gate_reason if not scope.measurable
+                           else "probe skipped on CPU")
     if prediction is not None:
         decision = GateDecision(prediction.chosen == "dbo", f"prediction: {prediction.reason}")
     point = make_point(cfg, backend=backend, tokens=tokens, world_size=factory.world_size,
@@ -294,8 +311,9 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                        t_split=merged.t_split)
     add_rounds(point, rounds)
     point.trial_speedups = trial_speedups
-    assert phases is not None
-    attach_prediction(point, phases, calibration)
+    point.probe_note = scope.note
+    if phases is not None:
+        attach_prediction(point, phases, calibration)
     return point
 
 
