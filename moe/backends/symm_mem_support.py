@@ -20,9 +20,11 @@ Facts about torch's op that the sizes below follow (torch 2.9 to 2.11,
   blocks and asserts that the split is exact (`block_size * blocks_per_peer ==
   peer_size`): a row count times the row stride must divide by it. `num_blocks` comes
   from the size of the op's input: 64 from 4 MiB up within a node (16 across nodes),
-  fewer, and not always a power of two, below. So every send buffer holds at least
-  `_MIN_SEND_BYTES` and every row stride is a multiple of `row_alignment(W)`: then each
-  peer's bytes divide evenly whatever its row count.
+  fewer, and not always a power of two, below. Each block copies its share with
+  `nvshmemx_getmem_block` from the share's byte offset, which is fast only 16-byte
+  aligned. So every send buffer holds at least `_MIN_SEND_BYTES` and every row stride
+  is a multiple of `row_alignment(W)`: then each peer's bytes divide evenly whatever its
+  row count, into 16-byte-aligned shares.
 - `out_splits_offsets` ([2, W] int64) gets, per source rank, the rows received (row 0)
   and where they start in `out` (row 1, the exclusive prefix sum of row 0: the rows of
   the sources lie back to back in rank order from row 0). Newer versions keep per-call
@@ -80,12 +82,17 @@ def require_symm_mem() -> Any:
 
 
 def row_alignment(world_size: int) -> int:
-    """Bytes every row stride of the op's buffers is a multiple of: 16, and a multiple of
-    the thread blocks per peer the op uses for a send buffer of `_MIN_SEND_BYTES` or
-    more (within a node and across nodes), so that each peer's bytes split evenly."""
+    """Bytes every row stride of the op's buffers is a multiple of: 16 times the thread
+    blocks per peer the op uses for a send buffer of `_MIN_SEND_BYTES` or more (within a
+    node and across nodes). Then each peer's bytes split evenly over its blocks whatever
+    its row count, and every block's share starts and ends on a 16-byte boundary, which
+    NVSHMEM's block copy needs for its 16-byte loads: with a 32-byte multiple only (the
+    even split alone), a 7168-wide bf16 row with its routing (14432 bytes) left the
+    blocks' shares unaligned, and the dispatch moved 30 GB/s where the same op moves 410
+    GB/s on aligned rows (2x H200, BENCHMARKS.md section 11)."""
     per_peer = [max(blocks // world_size, 1)
                 for blocks in (_MAX_BLOCKS_INTRA_NODE, _MAX_BLOCKS_INTER_NODE)]
-    return math.lcm(16, *per_peer)
+    return math.lcm(*(16 * blocks for blocks in per_peer))
 
 
 def padded(size: int, multiple: int) -> int:

@@ -83,11 +83,15 @@ def test_without_a_capacity_or_a_group_refuses(monkeypatch):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 def test_buffers_split_evenly_over_the_ops_blocks(world_size):
-    """Each peer's bytes divide by the op's blocks per peer whatever its row count: row
-    strides are multiples of those, and send buffers are big enough for the most blocks."""
+    """Each peer's bytes divide by the op's blocks per peer whatever its row count, into
+    16-byte-aligned shares (NVSHMEM's block copy is fast only aligned): row strides are
+    multiples of 16 x those blocks, and send buffers are big enough for the most blocks."""
     align = row_alignment(world_size)
     for blocks in (64, 16):
-        assert align % max(blocks // world_size, 1) == 0 and align % 16 == 0
+        per_peer = max(blocks // world_size, 1)
+        for rows in (1, 3, 4093):  # every block's share of a peer's rows is 16-aligned
+            share, rest = divmod(rows * padded(14432, align), per_peer)
+            assert rest == 0 and share % 16 == 0, (world_size, blocks, rows)
     bufs = SymmBuffers.build(lambda shape, kind: torch.empty(shape, dtype=kind), rows=6,
                              row_bytes=56, hidden=8, dtype=torch.bfloat16,
                              world_size=world_size, device=torch.device("cpu"))
