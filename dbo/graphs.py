@@ -48,7 +48,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dbo.graph_host import collect_graph_host_buffers
-from dbo.runner import DISABLED_REASON, DBORunner, UBatchArgs, _first_tensor, _num_rows
+from dbo.runner import DISABLED_REASON, DBORunner
+from dbo.split_args import UBatchArgs
+from dbo.split_modes import _first_tensor, _num_rows
 from dbo.split import SplitPlan
 from dbo.agreement import check_inputs
 from dbo.failures import annotate_step_failure, reset_collectives

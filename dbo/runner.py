@@ -4,39 +4,22 @@
     out = runner(x_TH, positions_T, seq_lens=[5, 3, 8])   # same result as model(...)
     runner.last_decision.split, runner.last_decision.reason
 
-One step: plan the split (thresholds, token balance; `dbo.split`), vote across the group
-(`dbo.vote`: every rank splits or none does), then either call the model once, or run
-`model(ubatch 0 inputs)` and `model(ubatch 1 inputs)` as two greenlets of a
-`UBatchScheduler` — they interleave where the model calls `dbo_yield*()` — and merge
-the outputs (`dbo.merge`). While the ubatches run, torch's GEMMs leave
-`DBOConfig.gemm_sm_carveout` SMs to the comm kernels beside them (`streams.gemm_carveout`).
+One step: plan the split (the split mode's cut, `dbo.split_modes`; thresholds, token
+balance, `dbo.split`), vote across the group (`dbo.vote`: every rank splits or none
+does), then either call the model once, or run `model(ubatch 0 inputs)` and
+`model(ubatch 1 inputs)` as two greenlets of a `UBatchScheduler` — they interleave where
+the model calls `dbo_yield*()` — and merge the outputs (`dbo.merge`). While the ubatches
+run, torch's GEMMs leave `DBOConfig.gemm_sm_carveout` SMs to the comm kernels beside them
+(`streams.gemm_carveout`).
 Nothing here assumes MoE: any model whose rows are independent outside its own
 request/sequence works, yields or not.
 
-Split modes (`DBOConfig.split`); only top-level arguments are split, the others are
-passed to both ubatches unchanged:
-- "tokens": dim 0 of the first tensor argument (not declared whole) is the step's
-  tokens; tensor arguments are halved along it; rows are independent tokens (a call
-  without request lengths: each row is its own request, so no request is cut).
-- "requests": as "tokens", balanced on the `seq_lens=` keyword argument (tokens per
-  request); each ubatch gets its own `seq_lens` (same type) counting only its tokens.
-  A request is cut across the ubatches only where the model's
-  `dbo_can_split_inside_request()` says it may (or `DBOConfig.split_inside_requests`);
-  otherwise a step whose request boundaries are more than `max_imbalance` apart runs
-  unsplit (`dbo.split`).
-- "batch": dim 0 is sequences (padded [B, S, ...] inputs): tensors are split at a
-  sequence boundary; S == 1 (or 1-D inputs) counts as decode.
-- a callable `split(args, kwargs) -> [(args0, kwargs0), (args1, kwargs1)] | None`.
-
-In the named modes a tensor argument (not 0-dim) must have the step's rows in dim 0 or
-be declared whole in `DBOConfig.unsplit_args` (by position or keyword name): any other
-is refused with a ValueError naming it, every step, split or not, since handing it whole
-to both ubatches would hide the shape bug the unsplit call raises for. Positional tensors
-with the step's rows are split silently; a keyword tensor with them is split too, and
-warned about once per runner (`SplitArgumentWarning`, on its first split step) unless it
-is declared row-major in `DBOConfig.split_kwargs`: its dim 0 may equal the rows by
-chance (`dbo.split_args`). An error raised inside a ubatch gets a note naming the rows
-of the step that ubatch ran, since the shapes in its message are the ubatch's.
+Split modes (`DBOConfig.split`): "tokens", "requests" (balanced on `seq_lens=`; a
+request is cut across the ubatches only where the model allows it), "batch" (padded
+sequences) or a callable; which arguments each cuts, and which tensors it refuses or
+warns about (`SplitArgumentWarning`), is `dbo.split_modes`'s. An error raised inside a
+ubatch gets a note naming the rows of the step that ubatch ran, since the shapes in its
+message are the ubatch's.
 
 Every rank of `group` must call the runner on every step (with 0 tokens too), with the
 same config: the vote is a collective. To replay steps as CUDA graphs, wrap the runner in
@@ -62,10 +45,9 @@ calibration does not cover keep the thresholds.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -79,15 +61,13 @@ from dbo.merge import merge_outputs
 from dbo.overlap import choose_overlap, collect_sbo_blocker, restrict_split
 from dbo.predicted_overlap import OverlapPredictor, choose_predicted
 from dbo.scheduler import UBatchScheduler
-from dbo.split import (SplitPlan, UBatchSlice, plan_split, plan_token_split,
-                       request_cut_blocker)
-from dbo.split_args import (SplitArgs, SplitArgumentWarning, UBatchArgs, find_split_args,
-                            slice_args, undeclared_warning)
+from dbo.split import SplitPlan, request_cut_blocker
+from dbo.split_args import SplitArgs, SplitArgumentWarning, UBatchArgs, undeclared_warning
+from dbo.split_modes import _first_tensor, split_call
 from dbo.vote import Ballot, Tally, cast_ballot, plan_after_vote
 from dbo.yield_points import dbo_enabled
 from streams.gemm_carveout import gemm_sm_carveout
 
-SEQ_LENS_KWARG = "seq_lens"
 DISABLED_REASON = "DBO disabled (DBOConfig.enabled=False)"
 logger = logging.getLogger(__name__)
 
@@ -345,51 +325,13 @@ class DBORunner:
 
     def _plan_split(self, args: tuple, kwargs: dict, *, thresholds: bool = True
                     ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
-        """The plan the split mode and thresholds give (`_plan` applies the policy);
-        `thresholds=False`: as if both thresholds were 0."""
-        config = self.config if thresholds else dataclasses.replace(
-            self.config, min_decode_tokens=0, min_prefill_tokens=0)
-        mode = self.config.split
-        if callable(mode):
-            return self._plan_callable(mode, args, kwargs)
-        if mode == "tokens":
-            which = find_split_args(args, kwargs, self.config)
-            plan = plan_token_split(which.rows, config)
-            if not plan.split:
-                return plan, [], None
-            self._warn_undeclared(which)
-            return plan, [slice_args(args, kwargs, which, ub.token_start, ub.token_end)
-                          for ub in plan.ubatches], plan.num_tokens
-        if mode == "requests":
-            if SEQ_LENS_KWARG not in kwargs:
-                raise TypeError(
-                    f"split='requests' needs the tokens per request as a keyword argument: "
-                    f"runner(..., {SEQ_LENS_KWARG}=[5, 3, ...]); got keyword arguments "
-                    f"{sorted(kwargs)}. Use split='tokens' for independent tokens")
-            seq_lens = kwargs[SEQ_LENS_KWARG]
-            rest = {k: v for k, v in kwargs.items() if k != SEQ_LENS_KWARG}
-            which = find_split_args(args, rest, self.config)
-            plan = plan_split(seq_lens, config, num_tokens=which.rows,
-                              whole_requests=self._whole_requests())
-            if not plan.split:
-                return plan, [], None
-            self._warn_undeclared(which)
-            ubatch_args = []
-            for ub in plan.ubatches:
-                a, k = slice_args(args, rest, which, ub.token_start, ub.token_end)
-                k[SEQ_LENS_KWARG] = _like(seq_lens, ub)
-                ubatch_args.append((a, {key: k[key] for key in kwargs}))  # keep kwarg order
-            return plan, ubatch_args, plan.num_tokens
-        assert mode == "batch", mode  # DBOConfig validated it
-        which = find_split_args(args, kwargs, self.config)
-        seq_len = which.row_shape[1] if len(which.row_shape) >= 2 else 1
-        plan = plan_split([seq_len] * which.rows, config,
-                          allow_split_inside_request=False)
-        if not plan.split:
-            return plan, [], None
-        self._warn_undeclared(which)
-        return plan, [slice_args(args, kwargs, which, ub.request_start, ub.request_end)
-                      for ub in plan.ubatches], tuple(ub.num_requests for ub in plan.ubatches)
+        """The plan the split mode and thresholds give (`dbo.split_modes`; `_plan`
+        applies the policy); `thresholds=False`: as if both thresholds were 0."""
+        cut = split_call(args, kwargs, self.config, thresholds=thresholds,
+                         whole_requests=self._whole_requests)
+        if cut.split_args is not None:
+            self._warn_undeclared(cut.split_args)
+        return cut.plan, cut.ubatch_args, cut.rows
 
     def _whole_requests(self) -> Optional[str]:
         """Why no request of the model may be cut (`dbo.split.request_cut_blocker`), or
@@ -409,25 +351,6 @@ class DBORunner:
                 warnings.warn(undeclared_warning(keyword, which, self.config),
                               SplitArgumentWarning, stacklevel=5)
 
-    def _plan_callable(self, split_fn: Callable[..., Any], args: tuple, kwargs: dict
-                       ) -> tuple[SplitPlan, list[UBatchArgs], None]:
-        name = getattr(split_fn, "__name__", repr(split_fn))
-        result = split_fn(args, kwargs)
-        if result is None:
-            return SplitPlan(split=False, num_tokens=(_num_rows(args, kwargs),),
-                             reason=f"the split callable {name} returned None"), [], None
-        if (not isinstance(result, (list, tuple)) or len(result) != self.config.num_ubatches
-                or not all(_is_args_pair(r) for r in result)):
-            raise ValueError(
-                f"the split callable {name} returned {_describe(result)}: it must return "
-                f"None (no split) or a list of {self.config.num_ubatches} (args: tuple, "
-                f"kwargs: dict) pairs, one per ubatch")
-        ubatch_args = [(tuple(a), dict(k)) for a, k in result]
-        rows = [_num_rows(a, k) for a, k in ubatch_args]
-        plan = SplitPlan(split=True, num_tokens=tuple(rows), ubatches=(),
-                         reason=f"split by the callable {name}")
-        return plan, ubatch_args, None
-
     def _scheduler(self, x: Optional[torch.Tensor]) -> UBatchScheduler:
         """One scheduler per input device, reused across steps (it caches streams)."""
         device = x.device if x is not None else None
@@ -442,45 +365,3 @@ def _bind(model: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[[], 
     def run_ubatch() -> Any:
         return model(*args, **kwargs)
     return run_ubatch
-
-
-def _first_tensor(args: Sequence[Any], kwargs: dict) -> Optional[torch.Tensor]:
-    for value in itertools.chain(args, kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
-
-
-def _num_rows(args: Sequence[Any], kwargs: dict) -> int:
-    """Dim 0 of the first tensor argument (0 without one, or for a 0-dim tensor)."""
-    x = _first_tensor(args, kwargs)
-    return x.shape[0] if x is not None and x.dim() > 0 else 0
-
-
-def _like(seq_lens: Any, ub: UBatchSlice) -> Any:
-    """The ubatch's seq_lens in the type the caller passed (list, tuple or tensor)."""
-    assert ub.seq_lens is not None
-    if isinstance(seq_lens, torch.Tensor):
-        return torch.tensor(ub.seq_lens, dtype=seq_lens.dtype, device=seq_lens.device)
-    if isinstance(seq_lens, tuple):
-        return tuple(ub.seq_lens)
-    return list(ub.seq_lens)
-
-
-def _is_args_pair(value: Any) -> bool:
-    return (isinstance(value, (tuple, list)) and len(value) == 2
-            and isinstance(value[0], (tuple, list)) and isinstance(value[1], dict))
-
-
-def _describe(value: Any) -> str:
-    """A short structural description (types and lengths, never tensor contents)."""
-    def one(v: Any) -> str:
-        if isinstance(v, torch.Tensor):
-            return f"Tensor{list(v.shape)}"
-        if isinstance(v, (list, tuple, dict)):
-            return f"{type(v).__name__} of {len(v)}"
-        return type(v).__name__
-    if isinstance(value, (list, tuple)):
-        return f"a {type(value).__name__} of {len(value)}: [{', '.join(one(v) for v in value[:4])}" \
-               f"{', ...' if len(value) > 4 else ''}]"
-    return f"a {one(value)}"
