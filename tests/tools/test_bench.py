@@ -27,17 +27,16 @@ from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.launch import build_parser, config_from_args
 from dbo.cli.bench.report import eta_rounds_cell
 from dbo.cli.bench.ceiling import Ceiling
-from dbo.cli.bench.sweep import (
+from dbo.cli.bench.point import (
     ETA_ABOVE_ONE,
     ETA_NO_HEADROOM,
     ETA_SMALL_HEADROOM,
-    PROBE_SKIPPED_CPU,
     Round,
-    SweepResult,
     add_rounds,
     efficiency,
     make_point,
 )
+from dbo.cli.bench.sweep import PROBE_SKIPPED_CPU, SweepResult
 from dbo.cli.bench.timing import Timing, median_of_rounds
 from tests.dist_utils import run_distributed
 

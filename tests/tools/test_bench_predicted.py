@@ -17,8 +17,9 @@ from dbo.calibration import Calibration, MeasuredPoint
 from dbo.cli.bench.ceiling import CommRecording
 from dbo.cli.bench.config import BenchConfig
 from dbo.cli.bench.phases import split_recording, step_is_decode
+from dbo.cli.bench.point import make_point
 from dbo.cli.bench.predicted import attach_prediction, prediction_lines
-from dbo.cli.bench.sweep import SweepResult, make_point
+from dbo.cli.bench.sweep import SweepResult
 from dbo.cli.bench.timing import Timing
 from dbo.cli.bench.workload import Workload
 

@@ -48,7 +48,7 @@ def covered(calibration: Calibration, *, backend: str, tokens: int, decode: bool
 
 
 def attach_prediction(point: Any, measured: MeasuredPoint, calibration: Calibration) -> None:
-    """Set the point's predicted step times, speedup, choice and errors (`sweep.Point`)."""
+    """Set the point's predicted step times, speedup, choice and errors (`point.Point`)."""
     prediction = predict(*point_inputs(measured), calibration)
     times = prediction.times_ms
     point.phase_ms = {k: getattr(measured, k)

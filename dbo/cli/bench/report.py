@@ -18,7 +18,8 @@ from typing import Any, Optional
 
 from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME
 from dbo.cli.bench.predicted import CALIBRATION_FILE, prediction_lines, write_calibration
-from dbo.cli.bench.sweep import CLOCKED, DEFINITIONS, Point, SweepResult
+from dbo.cli.bench.point import DEFINITIONS, Point
+from dbo.cli.bench.sweep import CLOCKED, SweepResult
 
 MAX_GATED_SLOWDOWN = 0.01
 """The acceptance check: with gating on, no point may be more than 1% slower than DBO off."""
