@@ -33,7 +33,7 @@ def apply_rotary(x_TND: Tensor, cos_TD2: Tensor, sin_TD2: Tensor, *,
 
     x_TND: [T, N, D] with D even (a view of a wider projection output is fine; the
     Triton kernel needs the last dim contiguous, else the torch version runs);
-    cos_TD2, sin_TD2: float32 [T, D/2] (`moe.models.transformer.rotary_cos_sin`).
+    cos_TD2, sin_TD2: float32 [T, D/2] (`moe.models.attention.rotary_cos_sin`).
     """
     if x_TND.dim() != 3 or x_TND.shape[-1] % 2:
         raise ValueError(f"apply_rotary: x must be [T, N, D] with D even, got "

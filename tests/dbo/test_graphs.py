@@ -222,7 +222,7 @@ def test_a_captured_graph_owns_its_host_buffers_and_frees_them_with_it() -> None
     import weakref
 
     from dbo import graph_host
-    from moe.models.transformer import causal_attention
+    from moe.models.attention import causal_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     seq_lens = [3, 5, 3, 5, 2]  # unequal groups: attention copies a row index from the host

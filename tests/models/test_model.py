@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from dbo.config import DBOConfig
 from dbo.runner import DBORunner
 from moe.config import MoEConfig
-from moe.models.transformer import (PRESETS, Batch, ModelConfig, MoETransformer, RMSNorm, causal_attention,
+from moe.models.attention import causal_attention
+from moe.models.transformer import (PRESETS, Batch, ModelConfig, MoETransformer, RMSNorm,
                        get_preset, make_batch)
 from moe.models.presets import estimate_param_bytes
 from tests.dist_utils import run_distributed
@@ -386,7 +387,7 @@ def _qkv(tokens: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_replayed_from_a_graph_reads_its_host_indices_unchanged(dtype):
-    from moe.models.transformer import causal_attention
+    from moe.models.attention import causal_attention
 
     seq_lens = [3, 5, 3, 5, 2]  # equal lengths apart: SDPA needs a row index
     q, k, v = _qkv(sum(seq_lens), dtype)

@@ -21,8 +21,8 @@ from dbo import DBOConfig, DBORunner
 from moe import MoEConfig, MoELayer, SharedExperts, init_moe_weights, reference_moe
 from moe.kernels import rotary
 from moe.kernels.policy import KernelPolicy
-from moe.models.transformer import (MoETransformer, causal_attention, get_preset, make_batch,
-                       rotary_cos_sin)
+from moe.models.attention import causal_attention, rotary_cos_sin
+from moe.models.transformer import MoETransformer, get_preset, make_batch
 from tests.dist_utils import run_distributed
 
 SPLIT = DBOConfig(split="tokens", min_decode_tokens=0, min_prefill_tokens=0)

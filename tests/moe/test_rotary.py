@@ -7,7 +7,7 @@ import torch
 
 from moe.kernels import rotary
 from moe.kernels.policy import KernelPolicy
-from moe.models.transformer import rotary_cos_sin
+from moe.models.attention import rotary_cos_sin
 
 
 def _inputs(num_tokens: int, heads: int, dim: int, dtype: torch.dtype, *, device: str = "cpu",
