@@ -21,8 +21,9 @@ from torch import nn
 
 from dbo.cli.bench.ceiling import moe_layers
 from dbo.cli.bench.config import EMULATED_REGIME, NVLINK_REGIME, BenchConfig
+from dbo.cli.bench.point import make_point
 from dbo.cli.bench.probe_scope import ProbeScope, probe_scope
-from dbo.cli.bench.sweep import SweepResult, make_point
+from dbo.cli.bench.sweep import SweepResult
 from dbo.cli.bench.timing import Timing
 from dbo.cli.bench.workload import WorkloadFactory
 from moe.backends.a2a import AllToAllBackend
