@@ -97,7 +97,7 @@ def test_bad_decode_arguments_exit_with_the_fix(argv: list[str], message: str, t
 
 
 @pytest.mark.parametrize("argv, where", [(["--mode", "model"], "--mode model"),
-                                         (["--hf", "qwen3_moe"], "--hf")])
+                                         (["--hf", "qwen3_moe"], "--hf without --mode decode")])
 def test_other_modes_take_one_request_count(argv: list[str], where: str, tmp_path: Path,
                                             capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):

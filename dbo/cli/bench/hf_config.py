@@ -2,11 +2,13 @@
 architecture converted by `moe.hf.convert`, DBO off and on, beside the unconverted model.
 
     cfg = HFBenchConfig(arch="qwen3_moe", tokens=(16,), device="cpu", regime=CPU_REGIME)
+    cfg = HFBenchConfig(arch="qwen3_moe", decode=HFDecodeOptions(requests=(2, 4)))  # decode
 
 Frozen and keyword-only; `__post_init__` rejects bad values saying how to fix them.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -26,6 +28,43 @@ HF_BACKENDS: tuple[str, ...] = tuple(b for b in BENCH_BACKENDS if b != "a2a_ll")
 DEFAULT_HF_GPU_TOKENS: tuple[int, ...] = (4096,)
 DEFAULT_HF_CPU_TOKENS: tuple[int, ...] = (16,)
 DEFAULT_HF_LAYERS = 2
+DEFAULT_HF_GPU_DECODE_REQUESTS: tuple[int, ...] = (64, 256, 512)
+DEFAULT_HF_CPU_DECODE_REQUESTS: tuple[int, ...] = (2, 4)
+DEFAULT_HF_GPU_CONTEXT = 1024
+DEFAULT_HF_CPU_CONTEXT = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFDecodeOptions:
+    """Decode steps (`--mode decode`): what `dbo.cli.bench.hf_decode` sweeps and gates."""
+
+    requests: tuple[int, ...] = DEFAULT_HF_CPU_DECODE_REQUESTS
+    """Requests per rank, one point each; a step adds one token to every request."""
+    context: int = DEFAULT_HF_CPU_CONTEXT
+    """Tokens already in each request's KV cache (prefilled once, untimed)."""
+    gate_min_requests: int = 512
+    """Gate: DBO off below this many requests (tokens) per rank (`--gate-min-tokens`)."""
+    gate_trial_iters: int = 3
+    """Gate: steps of each round's separate DBO trial; the worst trial decides."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.requests, tuple) or not self.requests:
+            raise ValueError(f"requests={self.requests!r}: give at least one count "
+                             f"(--requests 64,256,512)")
+        for r in self.requests:
+            if not _is_int(r) or r < 2:
+                raise ValueError(f"--requests {r!r}: DBO splits each decode step's requests "
+                                 f"into two groups, each with its own KV cache: give counts "
+                                 f">= 2 per rank")
+        if len(set(self.requests)) != len(self.requests):
+            raise ValueError(f"requests={self.requests!r} repeats a count: list each once")
+        if not _is_int(self.context) or self.context < 1:
+            raise ValueError(f"--context {self.context!r}: the tokens already cached per "
+                             f"request must be an int >= 1 (--context 1024)")
+        for name, low in (("gate_min_requests", 0), ("gate_trial_iters", 1)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ValueError(f"{name}={value!r} must be an int >= {low}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,9 +103,13 @@ class HFBenchConfig:
     """Seed of weights (the same on every rank) and inputs (each rank its own)."""
     progress: bool = True
     """Progress lines on stderr (rank 0)."""
+    decode: Optional[HFDecodeOptions] = None
+    """Decode steps over KV caches instead of prefill (`tokens` and `requests` unused)."""
 
     def __post_init__(self) -> None:
         from moe.hf.named import named_architectures
+        if self.decode is not None and not isinstance(self.decode, HFDecodeOptions):
+            raise TypeError(f"decode={self.decode!r} must be an HFDecodeOptions or None")
         names = named_architectures()
         if self.arch not in names:
             raise ValueError(f"unknown architecture {self.arch!r} for --hf: use one of "
@@ -132,7 +175,8 @@ class HFBenchConfig:
                 "tokens": list(self.tokens), "requests": self.requests,
                 "backends": list(self.backends), "experts": self.experts, "iters": self.iters,
                 "warmup": self.warmup, "rounds": self.rounds, "device": self.device,
-                "seed": self.seed}
+                "seed": self.seed,
+                "decode": None if self.decode is None else dataclasses.asdict(self.decode)}
 
 
 def _is_int(value: Any) -> bool:

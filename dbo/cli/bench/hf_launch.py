@@ -1,7 +1,15 @@
 """`dbo bench --hf NAME`: parse the options that apply, start the ranks, report.
 
     python -m dbo.cli.bench --hf qwen3_moe                           # CPU: 2 gloo ranks, tiny
+    python -m dbo.cli.bench --hf qwen3_moe --mode decode --requests 2,4 --context 8
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf deepseek-v3
+    NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf qwen3-30b-a3b \
+        --mode decode --requests 64,256,512 --context 1024
+
+Prefill by default; `--mode decode` times decode steps over KV caches instead
+(`dbo.cli.bench.hf_decode`), sweeping `--requests` (requests per rank) at `--context`
+cached tokens per request, gated as the other modes gate (`--gate-min-tokens`,
+`--gate-trial-iters`).
 
 Ranks as the other modes (`dbo.cli.bench.launch`): under torchrun this process is one
 rank, else it spawns `--world-size` (default 2). Everything is checked before a rank
@@ -10,17 +18,22 @@ starts (the architecture, its experts over the ranks), each error one line with 
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import torch
 
 from dbo.cli import check_out_dir, quiet_profiler_logs
 from dbo.cli.bench.config import regime_label, requests_count
 from dbo.cli.bench.hf_config import (
+    DEFAULT_HF_CPU_CONTEXT,
+    DEFAULT_HF_CPU_DECODE_REQUESTS,
     DEFAULT_HF_CPU_TOKENS,
+    DEFAULT_HF_GPU_CONTEXT,
+    DEFAULT_HF_GPU_DECODE_REQUESTS,
     DEFAULT_HF_GPU_TOKENS,
     DEFAULT_HF_LAYERS,
     HFBenchConfig,
+    HFDecodeOptions,
 )
 
 # Options of the other modes that mean nothing here: (attribute, its default, flag).
@@ -40,21 +53,45 @@ def hf_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> HFB
     elif device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but CUDA is not available here: use --device cpu")
     gpu = device == "cuda"
+    decode = _decode_options(args, gpu=gpu)
     tokens = ([t for group in args.tokens for t in group] if args.tokens else
               list(DEFAULT_HF_GPU_TOKENS if gpu else DEFAULT_HF_CPU_TOKENS))
     backends = [b for group in args.backends for b in group] if args.backends else ["a2a"]
     p2p_disabled = env.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0")
-    return HFBenchConfig(
+    return HFBenchConfig(decode=decode,
         arch=args.hf, layers=args.layers if args.layers is not None else DEFAULT_HF_LAYERS,
         num_experts=args.num_experts, tokens=tuple(tokens),
-        requests=requests_count(args.requests, where="--hf",
-                                default=HFBenchConfig.requests),
+        requests=(HFBenchConfig.requests if decode is not None else
+                  requests_count(args.requests, where="--hf without --mode decode",
+                                 default=HFBenchConfig.requests)),
         backends=tuple(backends), experts=args.experts,
         iters=args.iters if args.iters is not None else (20 if gpu else 5),
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
         rounds=args.rounds if args.rounds is not None else (3 if gpu else 1),
         device=device, regime=regime_label(device, p2p_disabled=p2p_disabled),
         out_dir=args.out, seed=args.seed, progress=not args.no_progress)
+
+
+def _decode_options(args: argparse.Namespace, *, gpu: bool) -> Optional[HFDecodeOptions]:
+    """`--mode decode`'s options (None for prefill); ValueError naming the fix."""
+    if args.mode == "model":
+        raise ValueError("--mode model does not apply to --hf (the architecture is the "
+                         "model): drop it for prefill, or use --mode decode")
+    if args.mode != "decode":
+        if args.context is not None:
+            raise ValueError(f"--context {args.context} applies to decode steps: add "
+                             f"--mode decode, or drop --context")
+        return None
+    if args.tokens:
+        raise ValueError("--hf with --mode decode sweeps --requests (one new token per "
+                         "request per step): drop --tokens")
+    requests = ([r for group in args.requests for r in group] if args.requests else
+                list(DEFAULT_HF_GPU_DECODE_REQUESTS if gpu else DEFAULT_HF_CPU_DECODE_REQUESTS))
+    context = args.context if args.context is not None else (
+        DEFAULT_HF_GPU_CONTEXT if gpu else DEFAULT_HF_CPU_CONTEXT)
+    return HFDecodeOptions(requests=tuple(requests), context=context,
+                           gate_min_requests=args.gate_min_tokens,
+                           gate_trial_iters=args.gate_trial_iters)
 
 
 def main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -81,12 +118,16 @@ def main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace,
 def run_hf_rank(cfg: HFBenchConfig, *, rank: int, world_size: int, local_rank: int,
                 init_method: str) -> int:
     """One rank: init the group, measure, and (rank 0) print the table and JSON line."""
-    from dbo.cli.bench import hf_report
-    from dbo.cli.bench.hf_sweep import run_hf_sweep
     from dbo.cli.bench.ranks import measure_on_rank
+    if cfg.decode is not None:
+        from dbo.cli.bench import hf_decode_report as report
+        from dbo.cli.bench.hf_decode import run_hf_decode as sweep
+    else:
+        from dbo.cli.bench import hf_report as report  # type: ignore[no-redef]
+        from dbo.cli.bench.hf_sweep import run_hf_sweep as sweep  # type: ignore[assignment]
 
     return measure_on_rank(cfg.device, rank=rank, world_size=world_size,
                            local_rank=local_rank, init_method=init_method,
-                           measure=lambda group, device: run_hf_sweep(cfg, group=group,
-                                                                      device=device),
-                           report=hf_report)
+                           measure=lambda group, device: sweep(cfg, group=group,
+                                                               device=device),
+                           report=report)

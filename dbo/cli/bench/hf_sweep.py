@@ -37,7 +37,8 @@ from dbo.cli.bench.timing import Timing, gather_floats, median_of_rounds, time_s
 from dbo.config import DBOConfig
 from dbo.runner import DBORunner
 
-__all__ = ["HFPoint", "HFSweepResult", "run_hf_sweep"]
+__all__ = ["HFPoint", "HFSweepResult", "build_model", "describe_model", "max_rel_diff",
+           "run_hf_sweep"]
 
 # DBO on: every point split (B >= 2 sequences); the bench compares, it does not gate.
 _DBO_ON = DBOConfig(split="batch", min_prefill_tokens=2, min_decode_tokens=2)
@@ -103,9 +104,9 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     inputs = {t: _batch(cfg, t, config.vocab_size, rank=rank, device=device)
               for t in cfg.tokens}
 
-    model: Optional[nn.Module] = _build(cfg, config, device=device, dtype=dtype)
+    model: Optional[nn.Module] = build_model(cfg, config, device=device, dtype=dtype)
     assert model is not None
-    shapes = _describe(model, config, world=world, dtype=dtype)
+    shapes = describe_model(model, config, world=world, dtype=dtype)
     t_hf: dict[int, Timing] = {}
     reference: dict[int, Tensor] = {}
     for tokens in cfg.tokens:
@@ -121,7 +122,7 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     points = []
     for b, backend in enumerate(cfg.backends):
         if model is None:  # the previous backend's converted model is gone
-            model = _build(cfg, config, device=device, dtype=dtype)
+            model = build_model(cfg, config, device=device, dtype=dtype)
         _free(device)
         model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts)
         _free(device)
@@ -130,7 +131,7 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
         runner = DBORunner(model, _DBO_ON, group=group)
         for tokens in cfg.tokens:
             off, on = _step(model, inputs[tokens]), _step(runner, inputs[tokens])
-            diffs = [_rel_diff(s().logits, reference[tokens], group) for s in (off, on)]
+            diffs = [max_rel_diff(s().logits, reference[tokens], group) for s in (off, on)]
             offs, ons = [], []
             for index in range(cfg.rounds):
                 tag = f"{backend} T={tokens}/rank{_round_tag(cfg, index)}"
@@ -150,8 +151,8 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     return HFSweepResult(cfg, world, shapes, points)
 
 
-def _build(cfg: HFBenchConfig, config: Any, *, device: torch.device,
-           dtype: torch.dtype) -> nn.Module:
+def build_model(cfg: HFBenchConfig, config: Any, *, device: torch.device,
+                dtype: torch.dtype) -> nn.Module:
     """The transformers model of `config` with seeded random weights, in eval mode, built
     on `device` in `dtype` (the tiny architectures as `dbo run --hf-config` builds them)."""
     from moe.hf.deps import require
@@ -182,7 +183,7 @@ def _step(call: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[[], Any]
     return step
 
 
-def _rel_diff(logits: Tensor, reference: Tensor, group: Optional[dist.ProcessGroup]) -> float:
+def max_rel_diff(logits: Tensor, reference: Tensor, group: Optional[dist.ProcessGroup]) -> float:
     """max |logits - reference| / max |reference|, the largest over ranks."""
     mine = ((logits.float() - reference).abs().max() / reference.abs().max()).item()
     return max(gather_floats(mine, group))
@@ -210,7 +211,8 @@ def _point(cfg: HFBenchConfig, *, backend: str, tokens: int, world: int, hf: Tim
         rounds_ms={"t_nodbo": [t.max_ms for t in offs], "t_dbo": [t.max_ms for t in ons]})
 
 
-def _describe(model: nn.Module, config: Any, *, world: int, dtype: torch.dtype) -> dict[str, Any]:
+def describe_model(model: nn.Module, config: Any, *, world: int,
+                   dtype: torch.dtype) -> dict[str, Any]:
     from moe.hf.arch import spec_for
     spec = spec_for(config)
     num_experts = getattr(config, spec.num_experts_field)

@@ -44,6 +44,7 @@ examples:
   torchrun --nproc_per_node=2 -m dbo.cli.bench --mode layer --cuda-graph   # a2a_ll as graphs
   torchrun --nproc_per_node=2 -m dbo.cli.bench --mode decode --experts-per-rank 8 --cuda-graph
   NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf deepseek-v3 --tokens 4096
+  NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf qwen3-30b-a3b --mode decode --requests 64,256,512
 """
 
 
@@ -99,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"decode mode: the swept requests per rank, e.g. 16,64,256,1024 "
                         f"(default: GPU {','.join(map(str, DEFAULT_GPU_REQUESTS))}; CPU "
                         f"{','.join(map(str, DEFAULT_CPU_REQUESTS))})")
-    p.add_argument("--context", type=int, default=d.context,
-                   help="decode mode: KV-cache tokens per request")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"decode mode: KV-cache tokens per request (default {d.context}; "
+                        f"with --hf: GPU 1024, CPU 8)")
     p.add_argument("--experts", default=d.experts, choices=EXPERT_KERNELS,
                    help="expert kernel (auto: the fastest that runs here)")
     p.add_argument("--iters", type=int, default=None, help="timed steps (default: GPU 20, CPU 5)")
@@ -172,7 +174,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         requests=(BenchConfig.requests if args.mode == "decode" else
                   requests_count(args.requests, where=f"--mode {args.mode}",
                                  default=BenchConfig.requests)),
-        context=args.context, experts=args.experts,
+        context=args.context if args.context is not None else BenchConfig.context,
+        experts=args.experts,
         iters=args.iters if args.iters is not None else (20 if gpu else 5),
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
         rounds=args.rounds if args.rounds is not None else (3 if gpu else 1),

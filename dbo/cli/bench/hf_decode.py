@@ -1,0 +1,356 @@
+"""Decode steps of `dbo bench --hf NAME --mode decode`: one new token per request over
+KV caches that do not grow, unconverted, converted with DBO off, converted with DBO on.
+
+    result = run_hf_decode(cfg, group=dist.group.WORLD, device=device)   # on every rank
+
+Shape legend: R requests on this rank (one point per count of `cfg.decode.requests`),
+C tokens already cached per request (`context`), V vocab.
+
+Each rank builds the model as the prefill path does (`hf_sweep.build_model`: the same
+random weights on every rank) and fills, untimed, one transformers `DynamicCache` with
+C random tokens of each of its R_max requests (the unconverted model, in chunks of
+about `PREFILL_CHUNK_TOKENS` tokens). A point of R requests uses rows [0, R) of it.
+One decode step calls the model on input_ids [R, 1] with the cache and keeps the last
+position's logits [R, V]; the cache's layers append one position (a `torch.cat` of the
+whole layer, as transformers decodes) and the step then puts back the layers' C-position
+tensors (`PrefixCache.restore`), so every timed step decodes over the same C tokens and
+the cache never grows. The restore only rebinds tensors the append never wrote to.
+
+1. unconverted: every expert on every rank, this rank's requests;
+2. converted (`moe.hf.convert`, this rank's experts), per backend: DBO off (the model
+   called directly on the whole cache) and DBO on (`DBORunner` with `SplitCaches`:
+   ubatch 0 gets requests [0, ceil(R/2)) with a cache of its own rows, ubatch 1 the rest
+   with its own, as `moe.hf.generate` keeps one cache per ubatch), `rounds` rounds in
+   alternation, each round with a separate short trial of DBO on for the gate
+   (`dbo.cli.bench.gating`: the request-count threshold, then the worst trial).
+Each point reports how far the converted model's decode logits are from the unconverted
+model's over the same cached prefix (largest difference over the largest logit, max
+over ranks): ~1e-6 in float32.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dbo.cli.bench.gating import GatePolicy
+from dbo.cli.bench.hf_config import HFBenchConfig, HFDecodeOptions
+from dbo.cli.bench.hf_sweep import build_model, describe_model, max_rel_diff
+from dbo.cli.bench.sweep import Progress
+from dbo.cli.bench.timing import Timing, median_of_rounds, time_steps
+from dbo.config import DBOConfig
+from dbo.runner import DBORunner
+
+__all__ = ["DecodeStep", "HFDecodePoint", "HFDecodeResult", "PrefixCache", "SplitCaches",
+           "prefill_cache", "run_hf_decode"]
+
+PREFILL_CHUNK_TOKENS = 4096
+"""Tokens per untimed prefill call: the prefill bench's step, which fits the real shapes."""
+
+
+@dataclass(eq=False)
+class PrefixCache:
+    """A `DynamicCache` of some requests holding C positions per layer, and those
+    positions' tensors, to put back after a step appended one (`restore`)."""
+
+    cache: Any
+    prefix: tuple[tuple[Tensor, Tensor], ...]
+
+    @classmethod
+    def rows_of(cls, base: Any, rows: slice) -> "PrefixCache":
+        """Rows `rows` of the filled cache `base`, as a new cache viewing its tensors."""
+        cache = copy.copy(base)
+        cache.layers = []
+        for layer in base.layers:
+            _check_layer(layer)
+            new = copy.copy(layer)
+            new.keys, new.values = layer.keys[rows], layer.values[rows]
+            cache.layers.append(new)
+        return cls(cache, tuple((layer.keys, layer.values) for layer in cache.layers))
+
+    @property
+    def num_requests(self) -> int:
+        return self.prefix[0][0].shape[0]
+
+    def restore(self) -> None:
+        for layer, (keys, values) in zip(self.cache.layers, self.prefix, strict=True):
+            layer.keys, layer.values = keys, values
+
+
+class DecodeStep(nn.Module):
+    """One decode step of a transformers causal LM over a `PrefixCache`:
+    `forward(input_ids [R, 1], cache=...)` -> the logits [R, V] in the model's dtype,
+    on the current stream; the cache holds the same C positions before and after.
+    `parts` (two caches of the same requests' rows, split in `SplitCaches`) is used only
+    by a DBO step; an unsplit step uses `cache`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        # transformers 5.24 renamed the forward's `past_key_values` to `cache`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def forward(self, input_ids: Tensor, *, cache: PrefixCache,
+                parts: Optional[tuple[PrefixCache, PrefixCache]] = None) -> Tensor:
+        try:
+            out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1,
+                             **{self._cache_kwarg: cache.cache})
+        finally:
+            cache.restore()
+        return out.logits[:, -1, :]
+
+
+class SplitCaches:
+    """The DBO split of a `DecodeStep` call (a callable `DBOConfig.split`): ubatch u gets
+    the requests of `parts[u]` and that cache; None (unsplit) without `parts`."""
+
+    def __repr__(self) -> str:  # the runner names the callable in its decisions
+        return "SplitCaches()"
+
+    def __call__(self, args: tuple, kwargs: dict) -> Optional[list[tuple[tuple, dict]]]:
+        parts = kwargs.get("parts")
+        if parts is None:
+            return None
+        input_ids = args[0] if args else kwargs["input_ids"]
+        b = parts[0].num_requests
+        assert b + parts[1].num_requests == input_ids.shape[0], (b, input_ids.shape)
+        return [((input_ids[:b],), {"cache": parts[0]}), ((input_ids[b:],), {"cache": parts[1]})]
+
+
+def prefill_cache(model: nn.Module, input_ids: Tensor, *,
+                  chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> Any:
+    """A `DynamicCache` of `input_ids` [R, C] (no padding), filled by `model` in calls of
+    about `chunk_tokens` tokens (whole requests), untimed; the logits are dropped."""
+    from moe.hf.deps import require
+    transformers = require("transformers")
+    step = DecodeStep(model)  # only for the cache keyword's name
+    num_requests, context = input_ids.shape
+    per_call = max(1, chunk_tokens // context)
+    parts = []
+    with torch.no_grad():
+        for start in range(0, num_requests, per_call):
+            cache = transformers.DynamicCache(config=model.config)
+            model(input_ids=input_ids[start:start + per_call], use_cache=True,
+                  logits_to_keep=1, **{step._cache_kwarg: cache})
+            parts.append(cache)
+    base = copy.copy(parts[0])
+    base.layers = []
+    for i, layer in enumerate(parts[0].layers):
+        _check_layer(layer)
+        new = copy.copy(layer)
+        new.keys = torch.cat([p.layers[i].keys for p in parts])
+        new.values = torch.cat([p.layers[i].values for p in parts])
+        base.layers.append(new)
+    return base
+
+
+@dataclass
+class HFDecodePoint:
+    """One backend and request count (times in ms, max over ranks unless *_rank0)."""
+
+    regime: str
+    arch: str
+    backend: str
+    requests_per_rank: int
+    context: int
+    world_size: int
+    t_hf_ms: float
+    t_hf_ms_rank0: float
+    t_nodbo_ms: float
+    t_nodbo_ms_rank0: float
+    t_dbo_ms: float
+    t_dbo_ms_rank0: float
+    tokens_per_s_hf: float
+    tokens_per_s_nodbo: float
+    tokens_per_s_dbo: float
+    gate: str
+    """"dbo" where the gate runs the point with DBO, else "off"."""
+    gate_reason: str
+    t_gated_ms: float
+    speedup: Optional[float]
+    """T_noDBO / T_DBO (None in a functional run)."""
+    gated_speedup: Optional[float]
+    """T_noDBO / T_gated."""
+    dbo_vs_hf: Optional[float]
+    """T_unconverted / T_DBO."""
+    nodbo_vs_hf: Optional[float]
+    """T_unconverted / T_noDBO."""
+    dbo_split: bool
+    dbo_split_reason: str
+    logits_diff_nodbo: float
+    logits_diff_dbo: float
+    rounds: int = 1
+    trial_speedups: list[float] = field(default_factory=list)
+    per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
+    rounds_ms: dict[str, list[float]] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        """The flat fields (CSV columns), rounded for people."""
+        out = {k: v for k, v in dataclasses.asdict(self).items()
+               if k not in ("trial_speedups", "per_rank_ms", "rounds_ms")}
+        return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in out.items()}
+
+
+@dataclass
+class HFDecodeResult:
+    config: HFBenchConfig
+    world_size: int
+    shapes: dict[str, Any]
+    points: list[HFDecodePoint]
+
+
+def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
+                  device: torch.device) -> HFDecodeResult:
+    """Every decode point on this rank (all ranks call this with the same `cfg`)."""
+    opts = cfg.decode
+    assert opts is not None, "run_hf_decode needs HFBenchConfig.decode"
+    world = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    config = cfg.model_config(world)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    timing = dict(device=device, group=group, warmup=cfg.warmup, iters=cfg.iters)
+    # No ceiling probe here (min_gain unused): the threshold and the trials decide.
+    gate = GatePolicy(min_tokens_per_rank=opts.gate_min_requests, min_gain=0.0)
+    progress = Progress(1 + len(opts.requests) * (1 + 2 * len(cfg.backends)) * cfg.rounds,
+                        enabled=cfg.progress and rank == 0)
+    max_requests = max(opts.requests)
+    gen = torch.Generator().manual_seed(cfg.seed * 7 + 1000 * rank + 1)
+    prompt_ids = torch.randint(0, config.vocab_size, (max_requests, opts.context), generator=gen)
+    next_ids = torch.randint(0, config.vocab_size, (max_requests, 1), generator=gen)
+    prompt_ids, next_ids = prompt_ids.to(device), next_ids.to(device)
+
+    model: Optional[nn.Module] = build_model(cfg, config, device=device, dtype=dtype)
+    assert model is not None
+    shapes = describe_model(model, config, world=world, dtype=dtype)
+    progress.step(f"prefill {max_requests} requests x {opts.context} tokens/rank (untimed)")
+    base = prefill_cache(model, prompt_ids)
+    shapes.update(_describe_cache(base, opts))
+    caches = {r: PrefixCache.rows_of(base, slice(0, r)) for r in opts.requests}
+    parts = {r: (PrefixCache.rows_of(base, slice(0, (r + 1) // 2)),
+                 PrefixCache.rows_of(base, slice((r + 1) // 2, r))) for r in opts.requests}
+
+    t_hf: dict[int, Timing] = {}
+    reference: dict[int, Tensor] = {}
+    unconverted = DecodeStep(model)
+    for r in opts.requests:
+        step = _step(unconverted, next_ids[:r], cache=caches[r])
+        reference[r] = step().float()
+        rounds = []
+        for index in range(cfg.rounds):
+            progress.step(f"unconverted R={r}/rank{_round_tag(cfg, index)}")
+            rounds.append(time_steps(step, **timing))
+        t_hf[r] = median_of_rounds(rounds)
+    unconverted = None
+
+    import moe.hf
+    points = []
+    for b, backend in enumerate(cfg.backends):
+        if model is None:  # the previous backend's converted model is gone
+            model = build_model(cfg, config, device=device, dtype=dtype)
+        _free(device)
+        model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts)
+        _free(device)
+        if b == 0:
+            shapes["expert_bytes_per_rank_converted"] = moe.hf.expert_bytes(model)
+        decoder = DecodeStep(model)
+        runner = DBORunner(decoder, DBOConfig(split=SplitCaches()), group=group)
+        for r in opts.requests:
+            off = _step(decoder, next_ids[:r], cache=caches[r])
+            on = _step(runner, next_ids[:r], cache=caches[r], parts=parts[r])
+            diffs = [max_rel_diff(s(), reference[r], group) for s in (off, on)]
+            offs, ons, trials = [], [], []
+            for index in range(cfg.rounds):
+                tag = f"{backend} R={r}/rank{_round_tag(cfg, index)}"
+                progress.step(f"{tag}: DBO off")
+                offs.append(time_steps(off, **timing))
+                progress.step(f"{tag}: DBO trial + on")
+                trial = time_steps(on, **{**timing, "iters": opts.gate_trial_iters})
+                trials.append(offs[-1].max_ms / trial.max_ms)
+                ons.append(time_steps(on, **timing))
+            decision = runner.last_decision
+            points.append(_point(cfg, opts, gate, backend=backend, requests=r, world=world,
+                                 hf=t_hf[r], offs=offs, ons=ons, trials=trials,
+                                 split=bool(decision is not None and decision.split),
+                                 reason="" if decision is None else decision.reason,
+                                 diffs=diffs))
+        model = decoder = runner = None
+    progress.close()
+    _free(device)
+    return HFDecodeResult(cfg, world, shapes, points)
+
+
+def _step(call: Callable[..., Tensor], input_ids: Tensor, **kwargs: Any) -> Callable[[], Tensor]:
+    def step() -> Tensor:
+        with torch.no_grad():
+            return call(input_ids, **kwargs)
+    return step
+
+
+def _point(cfg: HFBenchConfig, opts: HFDecodeOptions, gate: GatePolicy, *, backend: str,
+           requests: int, world: int, hf: Timing, offs: list[Timing], ons: list[Timing],
+           trials: list[float], split: bool, reason: str, diffs: list[float]) -> HFDecodePoint:
+    off, on = median_of_rounds(offs), median_of_rounds(ons)
+    decision = gate.decide(tokens_per_rank=requests, ceiling=None, trial_speedups=trials,
+                           no_probe_reason="no ceiling probe in --hf")
+    gated_ms = on.max_ms if decision.use_dbo else off.max_ms
+    total = requests * world  # one new token per request
+    perf = not cfg.functional
+    return HFDecodePoint(
+        regime=cfg.regime, arch=cfg.arch, backend=backend, requests_per_rank=requests,
+        context=opts.context, world_size=world, t_hf_ms=hf.max_ms, t_hf_ms_rank0=hf.rank0_ms,
+        t_nodbo_ms=off.max_ms, t_nodbo_ms_rank0=off.rank0_ms, t_dbo_ms=on.max_ms,
+        t_dbo_ms_rank0=on.rank0_ms, tokens_per_s_hf=_rate(total, hf.max_ms),
+        tokens_per_s_nodbo=_rate(total, off.max_ms), tokens_per_s_dbo=_rate(total, on.max_ms),
+        gate=decision.choice, gate_reason=decision.reason, t_gated_ms=gated_ms,
+        speedup=off.max_ms / on.max_ms if perf else None,
+        gated_speedup=off.max_ms / gated_ms if perf else None,
+        dbo_vs_hf=hf.max_ms / on.max_ms if perf else None,
+        nodbo_vs_hf=hf.max_ms / off.max_ms if perf else None,
+        dbo_split=split, dbo_split_reason=reason, logits_diff_nodbo=diffs[0],
+        logits_diff_dbo=diffs[1], rounds=len(offs), trial_speedups=trials,
+        per_rank_ms={"t_hf": list(hf.per_rank_ms), "t_nodbo": list(off.per_rank_ms),
+                     "t_dbo": list(on.per_rank_ms)},
+        rounds_ms={"t_nodbo": [t.max_ms for t in offs], "t_dbo": [t.max_ms for t in ons]})
+
+
+def _describe_cache(base: Any, opts: HFDecodeOptions) -> dict[str, Any]:
+    """The cache this run decodes over (the largest point's: R_max requests)."""
+    layer = base.layers[0]
+    return {"context": opts.context, "max_requests": max(opts.requests),
+            "kv_cache_layer": type(layer).__name__,
+            "kv_keys_shape_layer0": list(layer.keys.shape),
+            "kv_values_shape_layer0": list(layer.values.shape),
+            "kv_cache_bytes_per_rank": sum(t.numel() * t.element_size()
+                                           for lay in base.layers
+                                           for t in (lay.keys, lay.values))}
+
+
+def _check_layer(layer: Any) -> None:
+    # A sliding-window layer also counts the positions it has seen: rebinding its
+    # tensors would not restore it.
+    name = type(layer).__name__
+    if name != "DynamicLayer" or not layer.is_initialized:
+        raise ValueError(f"dbo bench --hf --mode decode: the model's KV cache has a {name} "
+                         f"layer{'' if layer.is_initialized else ' left empty by the prefill'}"
+                         f"; the bench restores DynamicLayer caches only: use an "
+                         f"architecture without sliding-window or shared-KV layers")
+
+
+def _round_tag(cfg: HFBenchConfig, index: int) -> str:
+    return f" (round {index + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _rate(tokens: int, ms: float) -> float:
+    return tokens / (ms / 1e3) if ms > 0 else float("inf")

@@ -1,0 +1,154 @@
+"""Outputs of `dbo bench --hf NAME --mode decode` (rank 0): the table, CSV and JSON files,
+the final JSON line.
+
+Files, under `out_dir`: `bench_hf_decode_<arch>_w<world>_<regime tag>.{csv,json}`. A CPU
+run is a functional check: its ratios and `gated_never_slower_than_1pct` are null.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from typing import Any
+
+from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME
+from dbo.cli.bench.hf_decode import HFDecodeResult
+from dbo.cli.bench.hf_report import _clean
+from dbo.cli.bench.report import FUNCTIONAL_NOTE, MAX_GATED_SLOWDOWN, _num
+
+DEFINITIONS = {
+    "step": ("one new token per request over its KV cache of `context` tokens; the cache "
+             "is put back to `context` tokens after every step, so it never grows"),
+    "t_hf": ("the unconverted transformers model, every expert on every rank, running "
+             "this rank's requests (no expert parallelism)"),
+    "t_nodbo / t_dbo": ("the converted model (expert parallelism), DBO off / on (two "
+                        "request groups, each with its own KV cache)"),
+    "step_time": ("per rank, the median over rounds of the median over iters of its "
+                  "steps; the max over ranks unless *_rank0"),
+    "tokens_per_s": "requests per rank * world size / step time",
+    "speedup": "T_noDBO / T_DBO",
+    "gate": ("dbo or off: the request threshold (--gate-min-tokens), then the worst of "
+             "the rounds' separate DBO trials (below 1.01x: off)"),
+    "gated_speedup": "T_noDBO / T_gated, T_gated = T_DBO where the gate chose dbo, else T_noDBO",
+    "dbo_vs_hf": "T_hf / T_DBO", "nodbo_vs_hf": "T_hf / T_noDBO",
+    "logits_diff": ("max |decode logits - unconverted decode logits| / max |unconverted "
+                    "decode logits| over the same cached prefix, the largest over ranks"),
+}
+
+
+def file_stem(result: HFDecodeResult) -> str:
+    cfg = result.config
+    tag = {CPU_REGIME: "cpu", EMULATED_REGIME: "p2p-disabled"}.get(cfg.regime, "nvlink")
+    return f"bench_hf_decode_{cfg.arch}_w{result.world_size}_{tag}"
+
+
+def header(result: HFDecodeResult) -> dict[str, Any]:
+    cfg = result.config
+    return {"bench": "dbo", "mode": "hf_decode", "regime": cfg.regime, "arch": cfg.arch,
+            "world_size": result.world_size, "device": cfg.device,
+            "timings": "functional" if cfg.functional else "performance",
+            **({"note": FUNCTIONAL_NOTE} if cfg.functional else {}),
+            "shapes": result.shapes}
+
+
+def summarize(result: HFDecodeResult) -> dict[str, Any]:
+    points = result.points
+    common = {"points": len(points), "points_split": sum(p.dbo_split for p in points),
+              "points_gated_on": sum(p.gate == "dbo" for p in points),
+              "max_logits_diff": max(max(p.logits_diff_nodbo, p.logits_diff_dbo)
+                                     for p in points)}
+    if result.config.functional:
+        return {"functional": True, **common, "gated_never_slower_than_1pct": None}
+    speedups = [p.speedup for p in points]
+    gated = [p.gated_speedup for p in points]
+    return {**common, "min_speedup": min(speedups), "max_speedup": max(speedups),  # type: ignore[type-var]
+            "min_gated_speedup": min(gated),  # type: ignore[type-var]
+            "gated_never_slower_than_1pct": all(g >= 1.0 / (1.0 + MAX_GATED_SLOWDOWN)  # type: ignore[operator]
+                                                for g in gated),
+            "min_dbo_vs_hf": min(p.dbo_vs_hf for p in points),  # type: ignore[type-var]
+            "min_nodbo_vs_hf": min(p.nodbo_vs_hf for p in points)}  # type: ignore[type-var]
+
+
+def write_outputs(result: HFDecodeResult) -> dict[str, Any]:
+    """Write the CSV and JSON; return {"csv": path, "json": path}."""
+    os.makedirs(result.config.out_dir, exist_ok=True)
+    stem = os.path.join(result.config.out_dir, file_stem(result))
+    files = {"csv": stem + ".csv", "json": stem + ".json"}
+    rows = [p.row() for p in result.points]
+    with open(files["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    doc = {**header(result), "config": result.config.summary(), "definitions": DEFINITIONS,
+           "summary": summarize(result),
+           "points": [{**p.row(), "trial_speedups": p.trial_speedups,
+                       "per_rank_ms": p.per_rank_ms, "rounds_ms": p.rounds_ms}
+                      for p in result.points], "files": files}
+    with open(files["json"], "w") as f:
+        json.dump(_clean(doc), f, indent=2)
+        f.write("\n")
+    return files
+
+
+def final_line(result: HFDecodeResult, files: dict[str, Any]) -> str:
+    """The one JSON line for programs (stdout, last line)."""
+    doc = {**header(result), "summary": summarize(result),
+           "points": [{**p.row(), "trial_speedups": p.trial_speedups}
+                      for p in result.points], "files": files}
+    return json.dumps(_clean(doc), separators=(",", ":"))
+
+
+def format_table(result: HFDecodeResult) -> str:
+    cfg, s = result.config, result.shapes
+    assert cfg.decode is not None
+    lines = [
+        f"dbo bench --hf {cfg.arch} --mode decode: world={result.world_size} "
+        f"regime={cfg.regime}",
+        f"  shapes: {s['model_type']} H={s['hidden_size']} experts={s['num_experts']} "
+        f"({s['experts_per_rank']}/rank converted, all on every rank unconverted) "
+        f"top_k={s['top_k']} I={s['intermediate_size']} layers={s['layers']} {s['dtype']}; "
+        f"unconverted experts: {s['hf_experts_implementation']}",
+        f"  decode: one token per request over {cfg.decode.context} cached tokens "
+        f"({s['kv_cache_layer']}, {s['kv_cache_bytes_per_rank'] / 1e9:.3g} GB/rank at "
+        f"{s['max_requests']} requests); times in ms, median of {cfg.iters} steps after "
+        f"{cfg.warmup} warmup" + (f", median of {cfg.rounds} rounds" if cfg.rounds > 1 else "")
+        + "; shown rank0/max over ranks; ratios use the max",
+        *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
+        "",
+    ]
+    cols = [("R/rank", 6), ("backend", 7), ("unconv ms", 15), ("noDBO ms", 15),
+            ("DBO ms", 15), ("speedup", 7), ("gate", 4), ("gated", 6), ("DBO/unconv", 10),
+            ("tok/s DBO", 9), ("diff", 8)]
+    if cfg.functional:
+        cols = [c for c in cols if c[0] not in ("speedup", "gated", "DBO/unconv")]
+    lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
+    for p in result.points:
+        cells = {"R/rank": str(p.requests_per_rank), "backend": p.backend,
+                 "unconv ms": f"{p.t_hf_ms_rank0:.3f}/{p.t_hf_ms:.3f}",
+                 "noDBO ms": f"{p.t_nodbo_ms_rank0:.3f}/{p.t_nodbo_ms:.3f}",
+                 "DBO ms": f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}",
+                 "speedup": f"{p.speedup or 0:.3f}", "gate": p.gate,
+                 "gated": f"{p.gated_speedup or 0:.3f}",
+                 "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
+                 "tok/s DBO": _num(p.tokens_per_s_dbo),
+                 "diff": f"{max(p.logits_diff_nodbo, p.logits_diff_dbo):.1e}"}
+        lines.append("  ".join(f"{cells[name]:>{w}}" for name, w in cols))
+    lines.append("gate decisions:")
+    for p in result.points:
+        split = "" if p.dbo_split else f" (DBO-on step NOT split: {p.dbo_split_reason})"
+        lines.append(f"  {p.backend:>7} R={p.requests_per_rank:<5} {p.gate:>3}: "
+                     f"{p.gate_reason}{split}")
+    summary = summarize(result)
+    if cfg.functional:
+        lines.append(f"summary: functional run, {summary['points']} points ran (DBO split "
+                     f"the step at {summary['points_split']}); nothing overlaps on CPU: "
+                     f"measure DBO on GPUs  [{cfg.regime}]")
+    else:
+        lines.append(f"summary: speedup {summary['min_speedup']:.3f}-"
+                     f"{summary['max_speedup']:.3f}x; worst gated speedup "
+                     f"{summary['min_gated_speedup']:.3f}x; gated never >1% slower: "
+                     f"{summary['gated_never_slower_than_1pct']}  [{cfg.regime}]")
+    lines.append("  speedup = noDBO/DBO; gated = noDBO/(the gate's choice); DBO/unconv = "
+                 "unconverted/DBO; diff = largest decode-logit difference to the "
+                 "unconverted model, relative")
+    return "\n".join(lines)
