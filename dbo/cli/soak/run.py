@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -15,10 +16,19 @@ import torch.distributed as dist
 from dbo.cli import Parser, check_out_file
 from dbo.cli.launch import RankContext, launch, resolve_world_size
 from dbo.config import DBOConfig
+from dbo.graphs import GraphedRunner
 from dbo.runner import DBORunner
-from dbo.cli.soak.config import BACKENDS, EXPERT_KERNELS, KIB, SoakConfig
+from dbo.cli.soak.config import (BACKENDS, DTYPES, EXPERT_KERNELS, KIB, SoakConfig,
+                                 check_deepep_ll_capacity)
 from dbo.cli.soak.memory import MemorySample, MemoryTracker, MemoryVerdict
+from dbo.cli.soak.padding import pad_rows, padded_size, real_rows
+from dbo.cli.soak.reference import BF16_REL_TOL, DenseReference
 from dbo.cli.soak.workload import SoakModel, draw_step_input
+
+# Splits a graph can be keyed on: DBO split or not (`dbo.graphs`).
+GRAPH_SPLITS = 2
+# NVSHMEM's default queue depth (NVSHMEM_QP_DEPTH), which bounds deepep_ll's capacity.
+DEFAULT_NVSHMEM_QP_DEPTH = 1024
 
 
 # ------------------------------------------------------------------------------ one rank
@@ -35,6 +45,9 @@ class RankResult:
     samples: list[MemorySample]
     memory: MemoryVerdict
     wall_s: float
+    graphs_captured: Optional[int]
+    """CUDA graphs this rank captured (None: eager steps)."""
+    graphs_captured_after_warmup: Optional[int]
 
 
 def run_rank(ctx: RankContext, job: SoakConfig) -> Optional[dict]:
@@ -45,14 +58,25 @@ def run_rank(ctx: RankContext, job: SoakConfig) -> Optional[dict]:
     if job.num_experts % ctx.world_size:
         raise ValueError(f"--num-experts={job.num_experts} is not divisible by the world "
                          f"size {ctx.world_size}")
+    if job.cuda_graph and ctx.device.type != "cuda":
+        raise ValueError(f"--cuda-graph needs CUDA GPUs; this rank runs on {ctx.device}")
     experts = "reference" if job.experts == "auto" and ctx.device.type == "cpu" else job.experts
     model = SoakModel(job, group=ctx.group, experts=experts, device=ctx.device)
     model.init_weights(job.seed)
+    reference = None
+    if job.dtype == "bfloat16":
+        reference = DenseReference(model, [SoakModel.expert_seed(job.seed, i)
+                                           for i in range(job.layers)])
     # split="tokens": rows are independent. A rank with 0 or 1 tokens cannot halve them
     # and votes no, so a step with such a rank runs unsplit everywhere; every rank still
     # calls the runner (the vote is a collective) and runs the MoE collectives.
-    runner = DBORunner(model, DBOConfig(split="tokens", min_prefill_tokens=2,
-                                        min_decode_tokens=2), group=ctx.group)
+    runner: DBORunner | GraphedRunner = DBORunner(
+        model, DBOConfig(split="tokens", min_prefill_tokens=2, min_decode_tokens=2),
+        group=ctx.group)
+    if job.cuda_graph:
+        # Room for every size's graph (the capture sweep makes them all): none is ever
+        # evicted and captured again.
+        runner = GraphedRunner(runner, max_graphs=GRAPH_SPLITS * len(job.capture_sizes))
     memory = MemoryTracker(ctx.device, trace_python=ctx.device.type == "cpu",
                            trace_window=job.trace_window,
                            workspace_bytes=model.workspace_bytes)
@@ -65,18 +89,21 @@ def run_rank(ctx: RankContext, job: SoakConfig) -> Optional[dict]:
     mismatched: list[int] = []
     tokens = split_steps = 0
     max_diff = 0.0
+    tolerance = tolerance_of(job)
+    captures_at_warmup = None
     t_start = time.perf_counter()
     try:
         for step in range(job.steps):
             if step == job.warmup:
                 memory.start(step)
+                captures_at_warmup = _captures(runner)
             if step in window_starts:
                 memory.begin_window()
-            num_tokens, split, diff = _step(job, step, ctx, model, runner, gen)
+            num_tokens, split, diff = _step(job, step, ctx, model, runner, reference, gen)
             tokens += num_tokens
             split_steps += split
             is_zero[step] = num_tokens == 0
-            if not diff <= job.atol:  # NaN is a mismatch too
+            if not diff <= tolerance:  # NaN is a mismatch too
                 mismatched.append(step)
             max_diff = max(max_diff, diff) if not math.isnan(diff) else math.inf
             done = step + 1
@@ -89,10 +116,14 @@ def run_rank(ctx: RankContext, job: SoakConfig) -> Optional[dict]:
         memory.stop()
     t_end = time.perf_counter()
     zero_steps = [step for step, zero in enumerate(is_zero) if zero]
+    captured = _captures(runner)
     result = RankResult(rank=ctx.rank, zero_token_steps=zero_steps, tokens=tokens,
                         split_steps=split_steps, max_abs_diff=max_diff,
                         mismatched_steps=mismatched, samples=memory.samples,
-                        memory=memory.verdict(job.bound_kib * KIB), wall_s=t_end - t_start)
+                        memory=memory.verdict(job.bound_kib * KIB), wall_s=t_end - t_start,
+                        graphs_captured=captured,
+                        graphs_captured_after_warmup=(None if captured is None
+                                                      else captured - captures_at_warmup))
     gathered: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(gathered, result)
     if not ctx.is_main:
@@ -100,24 +131,42 @@ def run_rank(ctx: RankContext, job: SoakConfig) -> Optional[dict]:
     return summarize(job, ctx, experts, gathered)
 
 
-def _step(job: SoakConfig, step: int, ctx: RankContext, model: SoakModel, runner: DBORunner,
+def tolerance_of(job: SoakConfig) -> float:
+    """The bound on `_step`'s error: --atol (float32), else BF16_REL_TOL (relative)."""
+    return BF16_REL_TOL if job.dtype == "bfloat16" else job.atol
+
+
+def _captures(runner: DBORunner | GraphedRunner) -> Optional[int]:
+    return runner.num_captures if isinstance(runner, GraphedRunner) else None
+
+
+def _step(job: SoakConfig, step: int, ctx: RankContext, model: SoakModel,
+          runner: DBORunner | GraphedRunner, reference: Optional[DenseReference],
           gen: torch.Generator) -> tuple[int, bool, float]:
-    """One step: (tokens here, whether DBO split, max |DBO - reference|). No tensor of the
+    """One step: (real tokens here, whether DBO split, its error: float32 max |DBO - the
+    model without DBO|, bfloat16 `DenseReference.error`). A padded step runs on its
+    tokens padded up to a capture size and checks the real rows only. No tensor of the
     step outlives this call, so memory samples between steps see none of them."""
-    x_TH = draw_step_input(job, step, ctx.rank, gen).to(ctx.device)
+    x_TH = draw_step_input(job, step, ctx.rank, gen).to(ctx.device, job.torch_dtype)
+    num_tokens = x_TH.shape[0]
+    x_in = pad_rows(x_TH, padded_size(num_tokens, job.capture_sizes)) if job.padded else x_TH
     with torch.no_grad():
-        ref_TH = model(x_TH)
-        out_TH = runner(x_TH)
-    # Both paths are fp32 with the same weights: they differ only in summation order
-    # (each ubatch's GEMMs block by its own row count; expert partial sums arrive per
-    # ubatch), i.e. in the last bits; routing is per token, so it cannot differ.
-    if out_TH.shape != ref_TH.shape:
-        diff = math.inf
-    elif out_TH.numel() == 0:
-        diff = 0.0
-    else:
-        diff = (out_TH - ref_TH).abs().max().item()
-    return x_TH.shape[0], bool(runner.last_decision.split), diff
+        if reference is None:
+            ref_TH = model(x_TH)[0]
+        out = runner(x_in)
+        if out[0].shape[0] != x_in.shape[0]:
+            return num_tokens, bool(runner.last_decision.split), math.inf
+        out_TH, hidden_TLH, logits_TLE = real_rows(out, num_tokens)
+        if reference is not None:
+            diff = reference.error(out_TH, hidden_TLH, logits_TLE)
+        elif out_TH.numel() == 0:
+            diff = 0.0
+        else:
+            # Both paths are fp32 with the same weights: they differ only in summation
+            # order (each ubatch's GEMMs block by its own row count; expert partial sums
+            # arrive per ubatch), i.e. in the last bits; routing is per token.
+            diff = (out_TH - ref_TH).abs().max().item()
+    return num_tokens, bool(runner.last_decision.split), diff
 
 
 def _progress(job: SoakConfig, done: int, split_steps: int, max_diff: float,
@@ -170,36 +219,61 @@ def summarize(job: SoakConfig, ctx: RankContext, experts: str,
                                           "final": last.traced_bytes,
                                           "growth": r.memory.growth["traced_bytes"]}
         memory[-1]["samples"] = [asdict(x) for x in r.samples]
+    # float32: |DBO - the model without DBO|; bfloat16: relative to the dense reference.
+    err, bound = ("max_rel_err", "rel_tol") if job.dtype == "bfloat16" else ("max_abs_diff",
+                                                                            "atol")
+    graphs = None
+    if job.cuda_graph:
+        limit = GRAPH_SPLITS * len(job.capture_sizes)
+        captured = [r.graphs_captured for r in results]
+        graphs = {"sizes": list(job.capture_sizes), "captured_per_rank": captured,
+                  "captured_after_warmup_per_rank": [r.graphs_captured_after_warmup
+                                                     for r in results],
+                  "bound": limit, "ok": all(n is not None and n <= limit for n in captured)}
+    graphs_ok = graphs is None or graphs["ok"]
     return {
         "job": "dbo soak", "backend": job.backend, "experts": experts,
         "device": ctx.device.type, "world_size": ctx.world_size, "layers": job.layers,
+        "dtype": job.dtype, "cuda_graph": job.cuda_graph, "padded": job.padded,
         "max_tokens": job.max_tokens, "steps": job.steps, "warmup": job.warmup,
         "split_steps": results[0].split_steps,
         "zero_token_steps": [len(r.zero_token_steps) for r in results],
         "all_ranks_zero_steps": len(all_zero),
         "tokens": [r.tokens for r in results],
-        "max_abs_diff": max_diff if math.isfinite(max_diff) else None,
-        "max_abs_diff_per_rank": [r.max_abs_diff if math.isfinite(r.max_abs_diff) else None
-                                  for r in results],
-        "atol": job.atol,
+        err: max_diff if math.isfinite(max_diff) else None,
+        f"{err}_per_rank": [r.max_abs_diff if math.isfinite(r.max_abs_diff) else None
+                            for r in results],
+        bound: tolerance_of(job),
         "mismatched_steps": {"count": len(mismatched), "first": mismatched[:10]},
+        "graphs": graphs,
         "memory_ok": all(r.memory.ok for r in results),
         "memory": memory,
         "wall_s": round(max(r.wall_s for r in results), 3),
         "ms_per_step": round(max(r.wall_s for r in results) / job.steps * 1e3, 3),
-        "ok": not mismatched and all(r.memory.ok for r in results),
+        "ok": not mismatched and all(r.memory.ok for r in results) and graphs_ok,
         "config": asdict(job),
     }
 
 
 def print_summary(s: dict) -> None:
+    mode = ("CUDA graphs" if s["cuda_graph"] else "eager") + (", padded" if s["padded"] else "")
     print(f"dbo soak: {s['steps']} steps ({s['warmup']} warmup), {s['world_size']} ranks on "
           f"{s['device']}, backend {s['backend']}, experts {s['experts']}, MoE layers "
-          f"{s['layers']}, 0..{s['max_tokens']} tokens per rank and step")
+          f"{s['layers']}, {s['dtype']}, {mode}, 0..{s['max_tokens']} tokens per rank and step")
+    if "rel_tol" in s:
+        check = (f"max |layer - fp32 dense reference| / scale {s['max_rel_err']} (bound "
+                 f"{s['rel_tol']:.3g})")
+    else:
+        check = f"max |DBO - reference| {s['max_abs_diff']} (atol {s['atol']})"
     print(f"split steps {s['split_steps']}/{s['steps']}, steps with 0 tokens on every rank "
-          f"{s['all_ranks_zero_steps']}; max |DBO - reference| {s['max_abs_diff']} (atol "
-          f"{s['atol']}); mismatched steps {s['mismatched_steps']['count']} "
-          f"{s['mismatched_steps']['first']}; {s['ms_per_step']:.1f} ms/step")
+          f"{s['all_ranks_zero_steps']}; {check}; mismatched steps "
+          f"{s['mismatched_steps']['count']} {s['mismatched_steps']['first']}; "
+          f"{s['ms_per_step']:.1f} ms/step")
+    if s["graphs"] is not None:
+        g = s["graphs"]
+        print(f"graphs: sizes {g['sizes']}; captured per rank {g['captured_per_rank']} "
+              f"(bound {g['bound']} = sizes x splits; after warmup "
+              f"{g['captured_after_warmup_per_rank']})")
     print(f"\n{'rank':>4} {'0-token':>7} {'tokens':>7} {'max|diff|':>9} {'memory':>6}  "
           f"growth from step {s['memory'][0]['baseline_step']} to "
           f"{s['memory'][0]['final_step']} (asserted: value/bound)")
@@ -207,7 +281,7 @@ def print_summary(s: dict) -> None:
         checked = "  ".join(f"{k} {_fmt(k, c['growth'])}/{_fmt(k, c['bound'])}"
                             for k, c in m["checked"].items())
         rss = m.get("rss_bytes")
-        diff = s["max_abs_diff_per_rank"][r]
+        diff = s["max_rel_err_per_rank" if "rel_tol" in s else "max_abs_diff_per_rank"][r]
         print(f"{r:>4} {s['zero_token_steps'][r]:>7} {s['tokens'][r]:>7} "
               f"{'inf/nan' if diff is None else f'{diff:.1e}':>9} "
               f"{'flat' if m['ok'] else 'GREW':>6}  {checked}"
@@ -244,7 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", default=d.experts, choices=EXPERT_KERNELS,
                    help="expert kernel (auto: reference on CPU, the fastest on GPU)")
     p.add_argument("--atol", type=float, default=d.atol,
-                   help="largest |DBO - reference| at any element of any step")
+                   help="largest |DBO - reference| at any element of any step (float32)")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES,
+                   help="model dtype; bfloat16 checks each layer against a float32 dense "
+                        "reference (dbo.cli.soak.reference)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="run the DBO steps as CUDA graph replays, each padded up to a "
+                        "graph size (GPUs)")
+    p.add_argument("--graph-sizes", type=_sizes, default=None,
+                   help="comma-separated capture sizes, the last = --max-tokens (default: "
+                        "powers of two from 2, then --max-tokens)")
     p.add_argument("--bound-kib", type=int, default=d.bound_kib,
                    help="largest memory growth after warmup, KiB")
     p.add_argument("--trace-window", type=int, default=d.trace_window,
@@ -252,6 +335,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: every step after warmup)")
     p.add_argument("--json-out", default=None, help="also write the full summary here")
     return p
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers, e.g. "
+                                         f"2,8,32,64") from None
+
+
+def check_devices(job: SoakConfig, world_size: int) -> None:
+    """ValueError, before any rank starts, for what this machine cannot run."""
+    if job.cuda_graph and not torch.cuda.is_available():
+        raise ValueError("--cuda-graph needs CUDA GPUs, and none is visible here: drop "
+                         "--cuda-graph to run eager steps")
+    if job.backend.startswith("deepep") and not torch.cuda.is_available():
+        raise ValueError(f"--backend={job.backend} runs DeepEP's kernels on CUDA GPUs, and "
+                         f"none is visible here: use --backend a2a or a2a_ll")
+    if job.backend == "deepep_ll":
+        # The CLI is the one place that reads the environment.
+        depth = int(os.environ.get("NVSHMEM_QP_DEPTH", DEFAULT_NVSHMEM_QP_DEPTH))
+        check_deepep_ll_capacity(job.max_tokens, world_size, depth)
 
 
 def run_soak(job: SoakConfig, *, world_size: Optional[int] = None) -> Optional[dict]:
@@ -271,6 +376,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if job.num_experts % world_size:
             raise ValueError(f"--num-experts={job.num_experts} is not divisible by "
                              f"--world-size={world_size}: use a multiple of {world_size}")
+        check_devices(job, world_size)
         if args.json_out is not None:
             check_out_file("--json-out", args.json_out)
         from moe.experts import make_experts
