@@ -52,7 +52,7 @@ class SoakConfig:
     steps: int = 2000
     """Steps in all, warmup included."""
     backend: str = "a2a"
-    """MoE dispatch/combine backend: "naive", "a2a" or "a2a_ll"."""
+    """MoE dispatch/combine backend (`BACKENDS`; with `cuda_graph`, `GRAPH_BACKENDS`)."""
     max_tokens: int = 64
     """Most tokens per rank and step (also MoEConfig.max_tokens_per_rank)."""
     layers: int = 2
