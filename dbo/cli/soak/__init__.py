@@ -4,6 +4,8 @@
     python -m dbo.cli.soak --steps 500 --backend a2a_ll --layers 1 --world-size 2
     python -m dbo.cli.soak --steps 20000 --max-tokens 512        # GPUs: one rank per GPU, NCCL
     torchrun --nproc_per_node=2 -m dbo.cli.soak --steps 20000
+    python -m dbo.cli.soak --backend deepep_ll --cuda-graph --dtype bfloat16 --hidden 7168 \
+        --intermediate 256 --max-tokens 256 --experts triton    # GPUs: graphed DeepEP LL
 
 Every rank builds the same small fp32 model (`--layers` `MoELayer`s with a shared expert,
 experts split over all ranks, a Linear + GELU after each) and runs `--steps` steps. At
@@ -15,6 +17,16 @@ sized by the token count reach their high-water mark during warmup. The model ru
 directly (the no-DBO reference) and through a `DBORunner(split="tokens")` on the same
 input, and the two must agree within --atol at every step. Every rank calls the runner
 every step, with 0 tokens too: the split vote is a collective.
+
+--dtype bfloat16 checks every MoE layer of every step on its own against a float32 dense
+reference from the same bf16 inputs, weights and routing, to a bound derived from bf16
+rounding (`dbo.cli.soak.reference`), and reports the largest relative error.
+--cuda-graph (GPUs; a graph-safe backend, not a2a) runs the DBO steps as CUDA graph
+replays (`dbo.graphs.GraphedRunner`): each step's tokens are padded with zero rows up to
+the next of --graph-sizes (default: powers of two from 2, then --max-tokens) and only
+the real rows are checked (`dbo.cli.soak.padding`); the first steps sweep the sizes on
+every rank, so each rank captures one graph per size during warmup and none after; the
+captures are counted and held to sizes x splits.
 
 Memory: the baseline is taken after --warmup steps, a sample every --report-every steps
 (each after `gc.collect()`, with no step's tensors alive). Asserted, each on every rank:

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+import torch
+
+from dbo.cli.soak.padding import MIN_GRAPH_SIZE, default_graph_sizes
 from moe.backends import BACKENDS as MOE_BACKENDS
+from moe.backends.deepep_support import LL_HIDDEN_SIZES, ll_capacity
 from moe.registry import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
 
@@ -13,6 +17,13 @@ from moe.experts import EXPERTS
 BACKENDS = tuple(name for name in MOE_BACKENDS
                  if name != "local" and name not in UNTESTED_BACKENDS)
 EXPERT_KERNELS = ("auto", *EXPERTS)
+# Backends whose soak steps a CUDA graph can capture (`PrepareFinalize.graph_safe`, with
+# the capacity the soak always sets): not a2a (it reads its counts on the host), nor
+# deepep_ht (only its worst-case form is capturable, which the soak does not configure).
+GRAPH_BACKENDS = ("naive", "naive_mono", "a2a_ll", "symm_mem", "deepep_ll")
+# DeepEP's kernels move bfloat16 rows only (`moe.backends.deepep_support`).
+BF16_ONLY_BACKENDS = ("deepep_ht", "deepep_ll")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Rank r's forced zero-token period (primes: any two ranks also meet on all-zero steps).
 ZERO_EVERY = (11, 7, 13, 17, 19, 23, 29, 31)
@@ -41,7 +52,7 @@ class SoakConfig:
     steps: int = 2000
     """Steps in all, warmup included."""
     backend: str = "a2a"
-    """MoE dispatch/combine backend: "naive", "a2a" or "a2a_ll"."""
+    """MoE dispatch/combine backend (`BACKENDS`; with `cuda_graph`, `GRAPH_BACKENDS`)."""
     max_tokens: int = 64
     """Most tokens per rank and step (also MoEConfig.max_tokens_per_rank)."""
     layers: int = 2
@@ -63,7 +74,20 @@ class SoakConfig:
     experts: str = "auto"
     """Expert kernel; "auto": "reference" on CPU, the fastest available on GPU."""
     atol: float = 1e-5
-    """Largest |DBO - reference| at any element of any step (fp32; raise it for large --hidden)."""
+    """float32: largest |DBO - reference| at any element of any step (raise it for large
+    --hidden). bfloat16 steps are held to `dbo.cli.soak.reference.BF16_REL_TOL` instead."""
+    dtype: str = "float32"
+    """Model dtype: "float32" (checked against the model run without DBO) or "bfloat16"
+    (checked layer by layer against a float32 dense reference, `dbo.cli.soak.reference`)."""
+    cuda_graph: bool = False
+    """Run the DBO steps as CUDA graph replays (`dbo.graphs.GraphedRunner`; GPUs only),
+    each step padded up to the next of `graph_sizes` (`dbo.cli.soak.padding`)."""
+    graph_sizes: Optional[tuple[int, ...]] = None
+    """Capture sizes, increasing, each in [2, max_tokens], the last = max_tokens; None:
+    powers of two below max_tokens, then max_tokens."""
+    pad_steps: bool = False
+    """Pad every step as `cuda_graph` does, but run it eagerly: the padding path on any
+    device (implied by `cuda_graph`; tests use it on CPU)."""
     bound_kib: int = DEFAULT_BOUND_KIB
     """Largest allowed growth (KiB) of tracemalloc and of tensor storage after warmup."""
     trace_window: int = 0
@@ -95,6 +119,92 @@ class SoakConfig:
         if (isinstance(self.atol, bool) or not isinstance(self.atol, (int, float))
                 or not math.isfinite(self.atol) or self.atol < 0):
             raise ValueError(f"--atol={self.atol!r}: must be a finite number >= 0")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.dtype == "bfloat16" and self.atol != SoakConfig.atol:
+            raise ValueError(f"--atol={self.atol} with --dtype bfloat16: --atol bounds float32 "
+                             f"steps only; bfloat16 steps are held to a bound derived from "
+                             f"bfloat16 rounding (dbo.cli.soak.reference): drop --atol")
+        self._check_padding()
+        self._check_backend()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def padded(self) -> bool:
+        """Whether each step is padded up to a capture size (`dbo.cli.soak.padding`)."""
+        return self.cuda_graph or self.pad_steps
+
+    @property
+    def capture_sizes(self) -> tuple[int, ...]:
+        """The sizes steps are padded to (`graph_sizes`, or its default)."""
+        if self.graph_sizes is not None:
+            return self.graph_sizes
+        return default_graph_sizes(self.max_tokens)
+
+    def _check_padding(self) -> None:
+        if self.graph_sizes is not None and not self.padded:
+            raise ValueError("--graph-sizes without --cuda-graph: the sizes are what steps "
+                             "are padded to for their graphs; add --cuda-graph or drop "
+                             "--graph-sizes")
+        if not self.padded:
+            return
+        if self.max_tokens < MIN_GRAPH_SIZE:
+            raise ValueError(f"--max-tokens={self.max_tokens} with --cuda-graph: steps are "
+                             f"padded to at least {MIN_GRAPH_SIZE} rows (a 1-row step cannot "
+                             f"split); use --max-tokens >= {MIN_GRAPH_SIZE}")
+        sizes = self.graph_sizes
+        if sizes is not None:
+            if (not isinstance(sizes, tuple) or not sizes
+                    or any(isinstance(n, bool) or not isinstance(n, int) for n in sizes)):
+                raise ValueError(f"--graph-sizes={sizes!r}: give increasing integers, e.g. "
+                                 f"--graph-sizes 2,8,32,{self.max_tokens}")
+            text = ",".join(map(str, sizes))
+            if list(sizes) != sorted(set(sizes)) or sizes[0] < MIN_GRAPH_SIZE:
+                raise ValueError(f"--graph-sizes={text}: must be strictly increasing and at "
+                                 f"least {MIN_GRAPH_SIZE} (a 1-row step cannot split)")
+            if sizes[-1] != self.max_tokens:
+                raise ValueError(f"--graph-sizes={text}: the largest must be --max-tokens="
+                                 f"{self.max_tokens}, so that every step fits one: end the "
+                                 f"list with {self.max_tokens}")
+        if self.warmup < len(self.capture_sizes):
+            raise ValueError(f"--warmup={self.warmup} is shorter than the capture sweep "
+                             f"({len(self.capture_sizes)} steps, one per graph size): the "
+                             f"memory baseline must follow every capture; use --warmup >= "
+                             f"{len(self.capture_sizes)} or fewer --graph-sizes")
+
+    def _check_backend(self) -> None:
+        if self.cuda_graph and self.backend not in GRAPH_BACKENDS:
+            raise ValueError(f"--cuda-graph with --backend={self.backend}: that backend reads "
+                             f"device values on the host, which a CUDA graph cannot; use one "
+                             f"of {', '.join(GRAPH_BACKENDS)}")
+        if self.cuda_graph and self.experts == "reference":
+            raise ValueError("--cuda-graph with --experts=reference: the reference experts "
+                             "select each expert's rows on the host; use triton or auto")
+        if self.backend in BF16_ONLY_BACKENDS and self.dtype != "bfloat16":
+            raise ValueError(f"--backend={self.backend} with --dtype {self.dtype}: DeepEP's "
+                             f"kernels move bfloat16 rows only; add --dtype bfloat16")
+        if self.backend == "deepep_ll" and self.hidden not in LL_HIDDEN_SIZES:
+            raise ValueError(f"--backend=deepep_ll with --hidden={self.hidden}: DeepEP's "
+                             f"low-latency kernels are compiled for hidden sizes "
+                             f"{', '.join(map(str, LL_HIDDEN_SIZES))}; use one of them")
+
+
+def check_deepep_ll_capacity(max_tokens: int, world_size: int, qp_depth: int) -> None:
+    """Raise ValueError where deepep_ll cannot take --max-tokens on `world_size` ranks:
+    DeepEP asserts an NVSHMEM queue depth `qp_depth` (NVSHMEM_QP_DEPTH, 1024 by default)
+    of at least 2 (C + 1), C the capacity `moe.backends.deepep_support.ll_capacity` gives
+    it (--max-tokens rounded up so that world_size * C is a multiple of 4)."""
+    capacity = ll_capacity(max_tokens, world_size)
+    if 2 * (capacity + 1) > qp_depth:
+        fits = max((n for n in range(1, max_tokens)
+                    if 2 * (ll_capacity(n, world_size) + 1) <= qp_depth), default=0)
+        raise ValueError(f"--max-tokens={max_tokens} with --backend=deepep_ll on {world_size} "
+                         f"ranks: DeepEP's capacity {capacity} needs an NVSHMEM queue depth "
+                         f"of {2 * (capacity + 1)}, above NVSHMEM_QP_DEPTH={qp_depth}; use "
+                         f"--max-tokens <= {fits}")
 
 
 def _check_int(name: str, value: Any, *, low: int) -> None:

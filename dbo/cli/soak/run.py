@@ -1,12 +1,12 @@
-"""One rank's soak loop, the summary across ranks, and the command line."""
+"""One rank's soak loop and the command line (the summary: `dbo.cli.soak.summary`)."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 import time
-from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import torch
@@ -15,28 +15,21 @@ import torch.distributed as dist
 from dbo.cli import Parser, check_out_file
 from dbo.cli.launch import RankContext, launch, resolve_world_size
 from dbo.config import DBOConfig
+from dbo.graphs import GraphedRunner
 from dbo.runner import DBORunner
-from dbo.cli.soak.config import BACKENDS, EXPERT_KERNELS, KIB, SoakConfig
-from dbo.cli.soak.memory import MemorySample, MemoryTracker, MemoryVerdict
+from dbo.cli.soak.config import (BACKENDS, DTYPES, EXPERT_KERNELS, KIB, SoakConfig,
+                                 check_deepep_ll_capacity)
+from dbo.cli.soak.memory import MemoryTracker
+from dbo.cli.soak.padding import pad_rows, padded_size, real_rows
+from dbo.cli.soak.reference import DenseReference
+from dbo.cli.soak.summary import (GRAPH_SPLITS, RankResult, kib, print_summary, summarize,
+                                  tolerance_of)
 from dbo.cli.soak.workload import SoakModel, draw_step_input
+# NVSHMEM's default queue depth (NVSHMEM_QP_DEPTH), which bounds deepep_ll's capacity.
+DEFAULT_NVSHMEM_QP_DEPTH = 1024
 
 
 # ------------------------------------------------------------------------------ one rank
-@dataclass(frozen=True, kw_only=True)
-class RankResult:
-    """One rank's soak outcome, gathered on rank 0."""
-
-    rank: int
-    zero_token_steps: list[int]
-    tokens: int
-    split_steps: int
-    max_abs_diff: float
-    mismatched_steps: list[int]
-    samples: list[MemorySample]
-    memory: MemoryVerdict
-    wall_s: float
-
-
 def run_rank(ctx: RankContext, job: SoakConfig) -> Optional[dict]:
     """Run the soak on this rank; rank 0 returns the summary (a JSON-able dict)."""
     if ctx.world_size < 2:
@@ -45,14 +38,25 @@ def run_rank(ctx: RankContext, job: SoakConfig) -> Optional[dict]:
     if job.num_experts % ctx.world_size:
         raise ValueError(f"--num-experts={job.num_experts} is not divisible by the world "
                          f"size {ctx.world_size}")
+    if job.cuda_graph and ctx.device.type != "cuda":
+        raise ValueError(f"--cuda-graph needs CUDA GPUs; this rank runs on {ctx.device}")
     experts = "reference" if job.experts == "auto" and ctx.device.type == "cpu" else job.experts
     model = SoakModel(job, group=ctx.group, experts=experts, device=ctx.device)
     model.init_weights(job.seed)
+    reference = None
+    if job.dtype == "bfloat16":
+        reference = DenseReference(model, [SoakModel.expert_seed(job.seed, i)
+                                           for i in range(job.layers)])
     # split="tokens": rows are independent. A rank with 0 or 1 tokens cannot halve them
     # and votes no, so a step with such a rank runs unsplit everywhere; every rank still
     # calls the runner (the vote is a collective) and runs the MoE collectives.
-    runner = DBORunner(model, DBOConfig(split="tokens", min_prefill_tokens=2,
-                                        min_decode_tokens=2), group=ctx.group)
+    runner: DBORunner | GraphedRunner = DBORunner(
+        model, DBOConfig(split="tokens", min_prefill_tokens=2, min_decode_tokens=2),
+        group=ctx.group)
+    if job.cuda_graph:
+        # Room for every size's graph (the capture sweep makes them all): none is ever
+        # evicted and captured again.
+        runner = GraphedRunner(runner, max_graphs=GRAPH_SPLITS * len(job.capture_sizes))
     memory = MemoryTracker(ctx.device, trace_python=ctx.device.type == "cpu",
                            trace_window=job.trace_window,
                            workspace_bytes=model.workspace_bytes)
@@ -65,18 +69,21 @@ def run_rank(ctx: RankContext, job: SoakConfig) -> Optional[dict]:
     mismatched: list[int] = []
     tokens = split_steps = 0
     max_diff = 0.0
+    tolerance = tolerance_of(job)
+    captures_at_warmup = None
     t_start = time.perf_counter()
     try:
         for step in range(job.steps):
             if step == job.warmup:
                 memory.start(step)
+                captures_at_warmup = _captures(runner)
             if step in window_starts:
                 memory.begin_window()
-            num_tokens, split, diff = _step(job, step, ctx, model, runner, gen)
+            num_tokens, split, diff = _step(job, step, ctx, model, runner, reference, gen)
             tokens += num_tokens
             split_steps += split
             is_zero[step] = num_tokens == 0
-            if not diff <= job.atol:  # NaN is a mismatch too
+            if not diff <= tolerance:  # NaN is a mismatch too
                 mismatched.append(step)
             max_diff = max(max_diff, diff) if not math.isnan(diff) else math.inf
             done = step + 1
@@ -89,134 +96,80 @@ def run_rank(ctx: RankContext, job: SoakConfig) -> Optional[dict]:
         memory.stop()
     t_end = time.perf_counter()
     zero_steps = [step for step, zero in enumerate(is_zero) if zero]
+    captured = _captures(runner)
     result = RankResult(rank=ctx.rank, zero_token_steps=zero_steps, tokens=tokens,
                         split_steps=split_steps, max_abs_diff=max_diff,
                         mismatched_steps=mismatched, samples=memory.samples,
-                        memory=memory.verdict(job.bound_kib * KIB), wall_s=t_end - t_start)
+                        memory=memory.verdict(job.bound_kib * KIB), wall_s=t_end - t_start,
+                        graphs_captured=captured,
+                        graphs_captured_after_warmup=(None if captured is None
+                                                      else captured - captures_at_warmup))
     gathered: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(gathered, result)
+    _release(job, ctx, runner)
     if not ctx.is_main:
         return None
     return summarize(job, ctx, experts, gathered)
 
 
-def _step(job: SoakConfig, step: int, ctx: RankContext, model: SoakModel, runner: DBORunner,
+def _release(job: SoakConfig, ctx: RankContext, runner: DBORunner | GraphedRunner) -> None:
+    """Drop the graphs, then tear down the group's DeepEP buffers, on every rank before
+    the group goes (`moe.backends.deepep_support.destroy_buffers`)."""
+    if isinstance(runner, GraphedRunner):
+        runner.reset()
+    if job.backend.startswith("deepep"):
+        from moe.backends.deepep_support import destroy_buffers
+        torch.cuda.synchronize(ctx.device)
+        dist.barrier()
+        destroy_buffers(ctx.group)
+
+def _captures(runner: DBORunner | GraphedRunner) -> Optional[int]:
+    return runner.num_captures if isinstance(runner, GraphedRunner) else None
+
+
+def _step(job: SoakConfig, step: int, ctx: RankContext, model: SoakModel,
+          runner: DBORunner | GraphedRunner, reference: Optional[DenseReference],
           gen: torch.Generator) -> tuple[int, bool, float]:
-    """One step: (tokens here, whether DBO split, max |DBO - reference|). No tensor of the
+    """One step: (real tokens here, whether DBO split, its error: float32 max |DBO - the
+    model without DBO|, bfloat16 `DenseReference.error`). A padded step runs on its
+    tokens padded up to a capture size and checks the real rows only. No tensor of the
     step outlives this call, so memory samples between steps see none of them."""
-    x_TH = draw_step_input(job, step, ctx.rank, gen).to(ctx.device)
+    x_TH = draw_step_input(job, step, ctx.rank, gen).to(ctx.device, job.torch_dtype)
+    num_tokens = x_TH.shape[0]
+    x_in = pad_rows(x_TH, padded_size(num_tokens, job.capture_sizes)) if job.padded else x_TH
     with torch.no_grad():
-        ref_TH = model(x_TH)
-        out_TH = runner(x_TH)
-    # Both paths are fp32 with the same weights: they differ only in summation order
-    # (each ubatch's GEMMs block by its own row count; expert partial sums arrive per
-    # ubatch), i.e. in the last bits; routing is per token, so it cannot differ.
-    if out_TH.shape != ref_TH.shape:
-        diff = math.inf
-    elif out_TH.numel() == 0:
-        diff = 0.0
-    else:
-        diff = (out_TH - ref_TH).abs().max().item()
-    return x_TH.shape[0], bool(runner.last_decision.split), diff
+        if reference is None:
+            ref_TH = model(x_TH)[0]
+        out = runner(x_in)
+        if out[0].shape[0] != x_in.shape[0]:
+            return num_tokens, bool(runner.last_decision.split), math.inf
+        out_TH, hidden_TLH, logits_TLE = real_rows(out, num_tokens)
+        if reference is not None:
+            diff = reference.error(out_TH, hidden_TLH, logits_TLE)
+        elif out_TH.numel() == 0:
+            diff = 0.0
+        else:
+            # Both paths are fp32 with the same weights: they differ only in summation
+            # order (each ubatch's GEMMs block by its own row count; expert partial sums
+            # arrive per ubatch), i.e. in the last bits; routing is per token.
+            diff = (out_TH - ref_TH).abs().max().item()
+    return num_tokens, bool(runner.last_decision.split), diff
 
 
 def _progress(job: SoakConfig, done: int, split_steps: int, max_diff: float,
               mismatched: list[int], memory: MemoryTracker, elapsed: float) -> None:
     first, last = memory.samples[0], memory.samples[-1]
     if last.cuda_allocated is not None:
-        mem = f"cuda {_kib(last.cuda_allocated - first.cuda_allocated)}"
+        mem = f"cuda {kib(last.cuda_allocated - first.cuda_allocated)}"
     elif first.traced_bytes is not None:
-        mem = f"tracemalloc {_kib(last.traced_bytes - first.traced_bytes)}"
+        mem = f"tracemalloc {kib(last.traced_bytes - first.traced_bytes)}"
     else:
-        mem = f"tracemalloc {_kib(last.traced_bytes)} in the last {job.trace_window} steps"
+        mem = f"tracemalloc {kib(last.traced_bytes)} in the last {job.trace_window} steps"
     rss = None if last.rss_bytes is None else last.rss_bytes - first.rss_bytes
     print(f"soak: step {done}/{job.steps}  split {split_steps}  max|diff| {max_diff:.1e}  "
           f"mismatched {len(mismatched)}  {mem}  objects {last.objects - first.objects:+d}  "
-          f"tensors {last.tensors - first.tensors:+d}  rss {_kib(rss)}  "
+          f"tensors {last.tensors - first.tensors:+d}  rss {kib(rss)}  "
           f"{elapsed / done * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
-
-
-def _kib(value: Optional[int]) -> str:
-    return "n/a" if value is None else f"{value / KIB:+.1f} KiB"
-
-
-# ------------------------------------------------------------------------------ summary
-def summarize(job: SoakConfig, ctx: RankContext, experts: str,
-              results: list[RankResult]) -> dict:
-    """The JSON-able summary of every rank's result."""
-    split_counts = {r.split_steps for r in results}
-    assert len(split_counts) == 1, f"ranks disagree on the number of split steps: {split_counts}"
-    mismatched = sorted({s for r in results for s in r.mismatched_steps})
-    all_zero = set.intersection(*(set(r.zero_token_steps) for r in results))
-    max_diff = max(r.max_abs_diff for r in results)
-    memory = []
-    for r in results:
-        first, last = r.samples[0], r.samples[-1]
-        memory.append({
-            "rank": r.rank, "ok": r.memory.ok,
-            "baseline_step": first.step, "final_step": last.step,
-            "checked": {k: {"growth": g, "bound": b} for k, (g, b) in r.memory.checked.items()},
-            **{name: {"baseline": getattr(first, name), "final": getattr(last, name),
-                      "growth": g}
-               for name, g in r.memory.growth.items()
-               if g is not None and name != "traced_bytes"},
-        })
-        if job.trace_window and first.traced_bytes is None:
-            memory[-1]["traced_bytes_per_window"] = {
-                "window_steps": job.trace_window,
-                "bytes": [x.traced_bytes for x in r.samples[1:]]}
-        elif first.traced_bytes is not None:
-            memory[-1]["traced_bytes"] = {"baseline": first.traced_bytes,
-                                          "final": last.traced_bytes,
-                                          "growth": r.memory.growth["traced_bytes"]}
-        memory[-1]["samples"] = [asdict(x) for x in r.samples]
-    return {
-        "job": "dbo soak", "backend": job.backend, "experts": experts,
-        "device": ctx.device.type, "world_size": ctx.world_size, "layers": job.layers,
-        "max_tokens": job.max_tokens, "steps": job.steps, "warmup": job.warmup,
-        "split_steps": results[0].split_steps,
-        "zero_token_steps": [len(r.zero_token_steps) for r in results],
-        "all_ranks_zero_steps": len(all_zero),
-        "tokens": [r.tokens for r in results],
-        "max_abs_diff": max_diff if math.isfinite(max_diff) else None,
-        "max_abs_diff_per_rank": [r.max_abs_diff if math.isfinite(r.max_abs_diff) else None
-                                  for r in results],
-        "atol": job.atol,
-        "mismatched_steps": {"count": len(mismatched), "first": mismatched[:10]},
-        "memory_ok": all(r.memory.ok for r in results),
-        "memory": memory,
-        "wall_s": round(max(r.wall_s for r in results), 3),
-        "ms_per_step": round(max(r.wall_s for r in results) / job.steps * 1e3, 3),
-        "ok": not mismatched and all(r.memory.ok for r in results),
-        "config": asdict(job),
-    }
-
-
-def print_summary(s: dict) -> None:
-    print(f"dbo soak: {s['steps']} steps ({s['warmup']} warmup), {s['world_size']} ranks on "
-          f"{s['device']}, backend {s['backend']}, experts {s['experts']}, MoE layers "
-          f"{s['layers']}, 0..{s['max_tokens']} tokens per rank and step")
-    print(f"split steps {s['split_steps']}/{s['steps']}, steps with 0 tokens on every rank "
-          f"{s['all_ranks_zero_steps']}; max |DBO - reference| {s['max_abs_diff']} (atol "
-          f"{s['atol']}); mismatched steps {s['mismatched_steps']['count']} "
-          f"{s['mismatched_steps']['first']}; {s['ms_per_step']:.1f} ms/step")
-    print(f"\n{'rank':>4} {'0-token':>7} {'tokens':>7} {'max|diff|':>9} {'memory':>6}  "
-          f"growth from step {s['memory'][0]['baseline_step']} to "
-          f"{s['memory'][0]['final_step']} (asserted: value/bound)")
-    for r, m in zip(range(s["world_size"]), s["memory"]):
-        checked = "  ".join(f"{k} {_fmt(k, c['growth'])}/{_fmt(k, c['bound'])}"
-                            for k, c in m["checked"].items())
-        rss = m.get("rss_bytes")
-        diff = s["max_abs_diff_per_rank"][r]
-        print(f"{r:>4} {s['zero_token_steps'][r]:>7} {s['tokens'][r]:>7} "
-              f"{'inf/nan' if diff is None else f'{diff:.1e}':>9} "
-              f"{'flat' if m['ok'] else 'GREW':>6}  {checked}"
-              f"  (rss {_kib(None if rss is None else rss['growth'])}, not asserted)")
-    print(f"\nverdict: {'PASS' if s['ok'] else 'FAIL'}")
-
-
-def _fmt(name: str, value: int) -> str:
-    return str(value) if name in ("objects", "tensors") else f"{value / KIB:.1f}K"
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -244,7 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", default=d.experts, choices=EXPERT_KERNELS,
                    help="expert kernel (auto: reference on CPU, the fastest on GPU)")
     p.add_argument("--atol", type=float, default=d.atol,
-                   help="largest |DBO - reference| at any element of any step")
+                   help="largest |DBO - reference| at any element of any step (float32)")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES,
+                   help="model dtype; bfloat16 checks each layer against a float32 dense "
+                        "reference (dbo.cli.soak.reference)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="run the DBO steps as CUDA graph replays, each padded up to a "
+                        "graph size (GPUs)")
+    p.add_argument("--graph-sizes", type=_sizes, default=None,
+                   help="comma-separated capture sizes, the last = --max-tokens (default: "
+                        "powers of two from 2, then --max-tokens)")
     p.add_argument("--bound-kib", type=int, default=d.bound_kib,
                    help="largest memory growth after warmup, KiB")
     p.add_argument("--trace-window", type=int, default=d.trace_window,
@@ -252,6 +214,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: every step after warmup)")
     p.add_argument("--json-out", default=None, help="also write the full summary here")
     return p
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers, e.g. "
+                                         f"2,8,32,64") from None
+
+
+def check_devices(job: SoakConfig, world_size: int) -> None:
+    """ValueError, before any rank starts, for what this machine cannot run."""
+    if job.cuda_graph and not torch.cuda.is_available():
+        raise ValueError("--cuda-graph needs CUDA GPUs, and none is visible here: drop "
+                         "--cuda-graph to run eager steps")
+    if job.backend.startswith("deepep") and not torch.cuda.is_available():
+        raise ValueError(f"--backend={job.backend} runs DeepEP's kernels on CUDA GPUs, and "
+                         f"none is visible here: use --backend a2a or a2a_ll")
+    if job.backend == "deepep_ll":
+        # The CLI is the one place that reads the environment.
+        depth = int(os.environ.get("NVSHMEM_QP_DEPTH", DEFAULT_NVSHMEM_QP_DEPTH))
+        check_deepep_ll_capacity(job.max_tokens, world_size, depth)
 
 
 def run_soak(job: SoakConfig, *, world_size: Optional[int] = None) -> Optional[dict]:
@@ -271,6 +255,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if job.num_experts % world_size:
             raise ValueError(f"--num-experts={job.num_experts} is not divisible by "
                              f"--world-size={world_size}: use a multiple of {world_size}")
+        check_devices(job, world_size)
         if args.json_out is not None:
             check_out_file("--json-out", args.json_out)
         from moe.experts import make_experts

@@ -13,36 +13,48 @@ from moe.layer import MoELayer
 from moe.reference import init_moe_weights
 from moe.shared import SharedExperts
 from dbo.cli.soak.config import SoakConfig, ZERO_EVERY
+from dbo.cli.soak.padding import capture_sweep_tokens
 
 
 # ------------------------------------------------------------------------------ model
 class SoakModel(nn.Module):
-    """x [T, H] -> [T, H], fp32: per layer `x = gelu(dense(x + moe(x)))`.
+    """x [T, H] -> (out_TH [T, H], hidden_TLH [T, L, H], logits_TLE [T, L, E]), all in
+    --dtype: per layer `x = gelu(dense(x + moe(x)))`; hidden_TLH[:, l] is layer l's input
+    and logits_TLE[:, l] its router's logits (what `dbo.cli.soak.reference` checks each
+    layer with). Every output is row-major, so a DBO step concatenates them.
 
     The MoE layers dispatch/combine over `group` and yield there under DBO; the dense
-    Linear + GELU between them calls nothing DBO-specific.
+    Linear + GELU between them calls nothing DBO-specific. `backend` overrides
+    --backend (tests run "local" on one process).
     """
 
     def __init__(self, job: SoakConfig, *, group: Optional[dist.ProcessGroup],
-                 experts: str, device: torch.device) -> None:
+                 experts: str, device: torch.device, backend: Optional[str] = None) -> None:
         super().__init__()
+        dtype = job.torch_dtype
         self.moe_config = MoEConfig(num_experts=job.num_experts, top_k=job.top_k,
                                     hidden_size=job.hidden, intermediate_size=job.intermediate,
-                                    num_shared_experts=1, dtype=torch.float32,
+                                    num_shared_experts=1, dtype=dtype,
                                     max_tokens_per_rank=job.max_tokens,
-                                    backend=job.backend, experts=experts)
+                                    backend=backend or job.backend, experts=experts)
         self.moe = nn.ModuleList(
             MoELayer(self.moe_config, group=group, layer_id=i,
                      last_layer=i == job.layers - 1, device=device)
             for i in range(job.layers))
         self.dense = nn.ModuleList(
-            nn.Linear(job.hidden, job.hidden, device=device) for _ in range(job.layers))
+            nn.Linear(job.hidden, job.hidden, device=device, dtype=dtype)
+            for _ in range(job.layers))
+
+    @staticmethod
+    def expert_seed(seed: int, layer: int) -> int:
+        """The seed of layer `layer`'s routed experts and router (`init_moe_weights`)."""
+        return seed * 1000 + layer
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Seeded weights drawn on the CPU: the same on every rank (each keeps its experts)."""
         for i, (moe, dense) in enumerate(zip(self.moe, self.dense)):
-            moe.load_weights(init_moe_weights(self.moe_config, seed=seed * 1000 + i))
+            moe.load_weights(init_moe_weights(self.moe_config, seed=self.expert_seed(seed, i)))
             shared = SharedExperts.from_config(self.moe_config, seed=seed * 1000 + 500 + i)
             moe.shared_experts.load_state_dict(shared.state_dict())
             gen = torch.Generator().manual_seed(seed * 1000 + 900 + i)
@@ -50,10 +62,14 @@ class SoakModel(nn.Module):
                                / dense.weight.shape[1] ** 0.5)
             dense.bias.copy_(0.1 * torch.randn(dense.bias.shape, generator=gen))
 
-    def forward(self, x_TH: Tensor) -> Tensor:
+    def forward(self, x_TH: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        hidden, logits = [], []
         for moe, dense in zip(self.moe, self.dense):
+            hidden.append(x_TH)
+            # The router's own call on the same rows: the logits the layer routes with.
+            logits.append(moe.router(x_TH))
             x_TH = F.gelu(dense(x_TH + moe(x_TH)))
-        return x_TH
+        return x_TH, torch.stack(hidden, dim=1), torch.stack(logits, dim=1)
 
     def dbo_can_split_inside_request(self) -> bool:
         """True: every row is computed on its own (`dbo.split`), so any cut is exact."""
@@ -80,10 +96,15 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 def draw_step_input(job: SoakConfig, step: int, rank: int, gen: torch.Generator) -> Tensor:
     """This rank's input x [T, hidden] fp32 (CPU) at `step`; T is forced to 0 on this
-    rank's zero steps, --max-tokens at step 0, else uniform in [0, --max-tokens]."""
+    rank's zero steps, --max-tokens at step 0, else uniform in [0, --max-tokens]. Padded
+    runs first sweep the capture sizes, largest first, on every rank at once
+    (`dbo.cli.soak.padding.capture_sweep_tokens`)."""
     gen.manual_seed(step_seed(job.seed, step, rank))
     every = ZERO_EVERY[rank % len(ZERO_EVERY)]
-    if step % every == every - 1:
+    sweep = capture_sweep_tokens(step, job.capture_sizes) if job.padded else None
+    if sweep is not None:
+        num_tokens = sweep
+    elif step % every == every - 1:
         num_tokens = 0
     elif step == 0:
         num_tokens = job.max_tokens
