@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import greenlet
 import torch
@@ -219,7 +219,3 @@ def format_host_reads(reads: list[HostRead]) -> str:
         lines.append(f"{n:3d}x {place}: {op} [{kind}] at {' < '.join(frames) or '?'}")
     return "\n".join(lines)
 
-
-def iter_owned(reads: list[HostRead], owners: tuple[str, ...]) -> Iterator[HostRead]:
-    """The reads whose innermost recorded frame is in one of `owners`."""
-    return (r for r in reads if r.owner in owners)
