@@ -244,6 +244,13 @@ def hf_convert(arch: str, **sizes) -> None:
     convert(tiny_model(arch, **sizes))
 
 
+def hf_batch_mask(*, mask_len: int = 4, **overrides) -> None:
+    import moe.hf
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    moe.hf.batch_attention_mask(tiny_model("qwen2_moe", **overrides), ids,
+                                torch.ones(2, mask_len, dtype=torch.long))
+
+
 # The same for moe.hf (transformers models); each action takes a tmp directory.
 HF_REJECTED = {
     "`moe.hf.convert` of a block whose experts dbo cannot compute (biases, clamped "
@@ -267,6 +274,15 @@ HF_REJECTED = {
     "`moe.hf.generate` on a model not converted": (
         lambda tmp: hf_generate_unconverted(), ValueError,
         "has no converted MoE block: convert it first, model = moe.hf.convert(model"),
+    "`moe.hf.batch_attention_mask` for a model whose layers mix full and sliding-window "
+    "attention": (
+        lambda tmp: hf_batch_mask(layer_types=["full_attention", "sliding_attention"],
+                                  use_sliding_window=True, sliding_window=4),
+        ValueError, "the model's layers mix attention kinds ['full_attention', "
+                    "'sliding_attention'], which need masks of their own"),
+    "`moe.hf.batch_attention_mask` with input_ids and attention_mask of other shapes": (
+        lambda tmp: hf_batch_mask(mask_len=3), ValueError,
+        "input_ids (2, 4) and attention_mask (2, 3) must both be [B, S]"),
 }
 
 

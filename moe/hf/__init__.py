@@ -4,6 +4,7 @@
     model = moe.hf.load(path, group=ep_group)              # a checkpoint dir, experts sharded
     tokens = moe.hf.generate(DBORunner(model, group=ep_group), ids, attention_mask=mask,
                              max_new_tokens=16)            # greedy, one KV cache per ubatch
+    mask = moe.hf.batch_attention_mask(model, ids, mask)   # [B, 1, S, S], built once per step
 
 Every MoE block becomes an `HFMoEBlock` running a dbo `MoELayer` (dbo routing with the
 model's settings, dispatch/combine over the EP group, this rank's experts, shared experts
@@ -15,6 +16,7 @@ from moe.hf.block import HFMoEBlock, expert_bytes
 from moe.hf.convert import convert
 from moe.hf.generate import generate
 from moe.hf.load import load
+from moe.hf.mask import batch_attention_mask
 
-__all__ = ["ARCHITECTURES", "ArchSpec", "HFMoEBlock", "convert", "expert_bytes", "generate",
-           "load"]
+__all__ = ["ARCHITECTURES", "ArchSpec", "HFMoEBlock", "batch_attention_mask", "convert",
+           "expert_bytes", "generate", "load"]
