@@ -26,6 +26,7 @@ from dbo.cli.bench.config import (
     EXPERT_KERNELS,
     GRAPH_BACKENDS,
     MODES,
+    OVERLAPS,
     BenchConfig,
     known_presets,
     regime_label,
@@ -138,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time every step as a CUDA graph replay (DBO on: vote, then "
                         "replay); backends: " + ", ".join(GRAPH_BACKENDS) + " (default "
                         "with this flag: " + ",".join(DEFAULT_GRAPH_BACKENDS) + ")")
+    p.add_argument("--overlaps", type=_name_list, nargs="+", default=None,
+                   help=f"comma list of the overlaps timed beside no overlap at every "
+                        f"point: dbo (two ubatches), sbo (single-batch overlap, no split) "
+                        f"(default: {','.join(OVERLAPS)})")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="calibration JSON (e.g. an earlier run's <out>/calibration.json): "
                         "its machine figures feed the predicted columns; points it covers "
@@ -182,6 +187,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         seed=args.seed, plot=not args.no_plot, progress=not args.no_progress,
         trace=args.trace, split_last_combine=not args.no_split_combine,
         gemm_sm_carveout=args.gemm_sm_carveout, cuda_graph=args.cuda_graph,
+        overlaps=(tuple(o for group in args.overlaps for o in group) if args.overlaps
+                  else OVERLAPS),
         calibration=args.calibration)
 
 

@@ -1,11 +1,13 @@
-"""The sweep: tokens per rank x backend x DBO off/on, the ceiling probe, the gate.
+"""The sweep: tokens per rank x backend x DBO off / SBO / DBO on, the ceiling probe, the gate.
 
     result = run_sweep(cfg, group=dist.group.WORLD, device=device)   # on every rank
     result.points[0].speedup, result.points[0].gate, ...
 
 Per point (backend outer, tokens inner, so a model is rebuilt only when it must be),
 `rounds` times in a row: DBO off timed, the ceiling probed on that same workload (GPU),
-DBO on timed, then its split compute (GPU; `dbo.cli.bench.ceiling.probe_split_compute`).
+single-batch overlap (SBO) timed on that same model (`dbo.cli.bench.sbo`), DBO on timed,
+then its split compute (GPU; `dbo.cli.bench.ceiling.probe_split_compute`); `--overlaps`
+leaves out SBO or DBO.
 A backend whose exchange is not made of the collectives the probe records (DeepEP,
 symm_mem: `dbo.cli.bench.probe_scope`) gets no probe, split compute, phase times or
 prediction; its point says why (`probe_note`).
@@ -30,6 +32,7 @@ each step and replays its graph.
 Definitions (also in every JSON output):
     tokens/s      = tokens per rank * world size / step time
     speedup       = T_noDBO / T_DBO
+    speedup_sbo   = T_noDBO / T_SBO
     T_serial      = T_compute + T_comm             (both measured alone)
     ceiling       = T_serial / T_both
     T_split       = the DBO step with its collectives replaced by their results: its
@@ -38,7 +41,8 @@ Definitions (also in every JSON output):
                     is under 1% of T_noDBO (no headroom, or less than the timing noise);
                     above 1 where DBO's schedule beat the probe's interleaving (a note
                     says so)
-    gated time    = T_DBO where the gate chose DBO, else T_noDBO
+    gated time    = the time of the mode the gate chose: T_DBO, T_SBO or T_noDBO
+    best          = the fastest of the three reported times (an oracle, beside the gate)
 """
 from __future__ import annotations
 
@@ -53,11 +57,13 @@ import torch.distributed as dist
 from dbo.cli.bench.ceiling import Ceiling, median_ceiling, probe_ceiling, probe_split_compute
 from dbo.cli.bench.config import BenchConfig
 from dbo.calibration import Calibration, MeasuredPoint
-from dbo.cli.bench.gating import GateDecision, GatePolicy
+from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.phases import probe_phases, step_is_decode
 from dbo.cli.bench.predicted import (PREDICTION_NOTE, attach_prediction, bench_calibration,
                                      covered)
 from dbo.cli.bench.probe_scope import probe_scope
+from dbo.cli.bench.sbo import (DBO_SKIPPED, SboRound, attach_sbo, best_overlap, gate_point,
+                               measure_sbo, sbo_missing)
 from dbo.cli.bench.timing import SpanFn, Timing, median_of_rounds, no_spans, time_steps
 from dbo.cli.bench.workload import WorkloadFactory
 from traces.capture import capture
@@ -73,6 +79,8 @@ DEFINITIONS = {
     "step_time": ("per rank, the median over rounds of the median over iters of its steps; "
                   "the max over ranks unless *_rank0"),
     "speedup": "T_noDBO / T_DBO",
+    "speedup_sbo": ("T_noDBO / T_SBO: single-batch overlap, the step unsplit through "
+                    "DBOConfig(overlap='sbo'); null where not timed (sbo_note says why)"),
     "t_serial": "T_compute + T_comm, each measured alone",
     "ceiling": "T_serial / T_both",
     "ceiling_vs_nodbo": "T_noDBO / T_both",
@@ -85,12 +93,16 @@ DEFINITIONS = {
     "eta_min/eta_max": "the range of eta over the rounds, each round's eta from its own times",
     "host_nodbo_ms/host_dbo_ms": ("the host's time to issue one step (call to return, "
                                   "not waiting for the device), median, slowest rank"),
-    "gated": "T_DBO where the gate chose dbo, else T_noDBO; gated_speedup = T_noDBO / gated",
+    "gated": ("the time of the gate's mode (gate: off, sbo or dbo); gated_speedup = "
+              "T_noDBO / gated"),
+    "best_overlap/best_speedup": ("the fastest of the reported off / sbo / dbo times and "
+                                  "its T_noDBO / T; an oracle beside the gate's choice"),
     "pred": PREDICTION_NOTE,
     "probe_note": ("why the probe, the split compute and the phase times did not measure "
                    "this point (their fields are null), or empty"),
     "sm_mhz/capped": ("rank 0's median SM clock and power-capped samples (k/n) while each "
-                      "timing ran: nodbo, dbo, split, and the probe's compute, comm, both"),
+                      "timing ran: nodbo, dbo, split, the probe's compute, comm, both, "
+                      "and sbo"),
 }
 ETA_NO_PROBE = "no probe, no T_both"
 ETA_NO_HEADROOM = ("T_noDBO <= T_both: the unsplit step already runs at or under the "
@@ -121,11 +133,11 @@ class Point:
     world_size: int
     t_nodbo_ms: float
     t_nodbo_ms_rank0: float
-    t_dbo_ms: float
-    t_dbo_ms_rank0: float
+    t_dbo_ms: Optional[float]  # None where --overlaps leaves DBO out (and its figures)
+    t_dbo_ms_rank0: Optional[float]
     tokens_per_s_nodbo: float
-    tokens_per_s_dbo: float
-    speedup: float
+    tokens_per_s_dbo: Optional[float]
+    speedup: Optional[float]
     dbo_split: bool
     dbo_split_reason: str
     gate: str
@@ -158,7 +170,7 @@ class Point:
     # The gate's trial speedups, one per round (T_noDBO of the round / the trial's step).
     trial_speedups: list[float] = field(default_factory=list)
     # Rank 0's median SM clock (MHz) and power-capped samples ("k/n") per timing:
-    # "nodbo", "dbo", "split", and the probe's "compute", "comm", "both" (GPU, where
+    # "nodbo", "dbo", "split", "sbo", the probe's "compute", "comm", "both" (GPU, where
     # readable).
     sm_mhz: dict[str, float] = field(default_factory=dict)
     capped: dict[str, str] = field(default_factory=dict)
@@ -175,11 +187,22 @@ class Point:
     # Why the probe and the phase times did not measure this point ("" where they could
     # or, on CPU, where only the two-stream probe is skipped): `probe_scope`.
     probe_note: str = ""
+    # Single-batch overlap (`dbo.cli.bench.sbo`): None where not timed, `sbo_note` why.
+    t_sbo_ms: Optional[float] = None
+    t_sbo_ms_rank0: Optional[float] = None
+    host_sbo_ms: Optional[float] = None
+    tokens_per_s_sbo: Optional[float] = None
+    speedup_sbo: Optional[float] = None
+    sbo_note: str = ""
+    sbo_trial_speedups: list[float] = field(default_factory=list)
+    pred_err_sbo: Optional[float] = None
+    best_overlap: str = "off"
+    best_speedup: float = 1.0
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
         nested = ("per_rank_ms", "rounds_ms", "eta_rounds", "trial_speedups", "sm_mhz",
-                  "capped", "phase_ms", "measured_point")
+                  "capped", "phase_ms", "measured_point", "sbo_trial_speedups")
         out = {k: v for k, v in asdict(self).items() if k not in nested}
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
@@ -204,7 +227,8 @@ def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
     calibration = bench_calibration(cfg.calibration)
     probe_note = PROBE_MEASURED if device.type == "cuda" else PROBE_SKIPPED_CPU
     show = cfg.progress and factory.rank == 0
-    progress = Progress(len(cfg.backends) * len(cfg.tokens) * 2 * cfg.rounds, enabled=show)
+    progress = Progress(len(cfg.backends) * len(cfg.tokens) * (1 + len(cfg.overlaps))
+                        * cfg.rounds, enabled=show)
     timing = dict(device=device, group=group, warmup=cfg.warmup, iters=cfg.iters)
     clocks = ClockLog.start(device) if factory.rank == 0 else None
     points = []
@@ -228,7 +252,7 @@ def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
 
 #: The timings whose clock a point reports (name -> label), in the report's order.
 CLOCKED = {"nodbo": "no DBO", "dbo": "DBO", "split": "split", "compute": "compute",
-           "comm": "comm", "both": "both"}
+           "comm": "comm", "both": "both", "sbo": "SBO"}
 
 
 def _clock_spans(clocks: Optional[ClockLog], backend: str, tokens: int) -> SpanFn:
@@ -250,13 +274,14 @@ def attach_clocks(point: Point, clocks: ClockLog) -> None:
 def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                    progress: "Progress", *, backend: str, tokens: int,
                    timing: dict[str, Any], span: SpanFn, calibration: Calibration) -> Point:
-    """`cfg.rounds` rounds of (DBO off, the probe (GPU), the gate's trial, DBO on, its
-    split compute (GPU)), then the gate. Workloads die within a round, so the factory can
+    """`cfg.rounds` rounds of (DBO off, the probe (GPU), SBO's trial and SBO, DBO's trial,
+    DBO on, its split compute (GPU)), then the gate. Workloads die within a round, so the factory can
     free a model before building the next one."""
     on_gpu = factory.device.type == "cuda"
     rounds: list[Round] = []
     trial_speedups: list[float] = []
     phases: Optional[MeasuredPoint] = None
+    sbo_note = ""
     prediction = None  # the calibration's, where it covers this point: no trials then
     for index in range(cfg.rounds):
         tag = f" (round {index + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""
@@ -278,40 +303,54 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
             phases = probe_phases(off, **timing, tokens=tokens, decode=decode,
                                   backend=backend, label=f"bench {cfg.mode} {cfg.preset} "
                                   f"w{factory.world_size} {cfg.regime}")
+            sbo_note = sbo_missing(cfg, off.model)
+        sbo = None
+        if not sbo_note:  # the SBO model is the DBO-off one: no rebuild between them
+            progress.step(f"{backend} T={tokens}/rank: SBO" + tag)
+            sbo = measure_sbo(factory, cfg, backend=backend, tokens=tokens, t_off=t_off,
+                              timing=timing, span=span, trial=prediction is None)
         del off  # a2a_ll's DBO-on model differs: let the factory free this one first
-        progress.step(f"{backend} T={tokens}/rank: DBO on" + tag)
-        on = factory.get(tokens=tokens, backend=backend, dbo=True)
-        # The gate's trial of this round: its own short timing, before (and apart from)
-        # the reported one, against this round's DBO-off time, after as many warmup
-        # steps. Trials of a host-bound point still spread widely (a2a at 1024 tokens on
-        # 4x H200: 0.67-1.07x within one run), hence one per round and the worst decides.
-        if prediction is None:
-            trial = time_steps(on.step, **{**timing, "iters": cfg.gate_trial_iters})
-            trial_speedups.append(t_off.max_ms / trial.max_ms)
-        t_on = time_steps(on.step, **timing, span=span("dbo"))
-        if index == 0:
-            _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
-        was_split, split_reason = on.was_split, on.split_reason  # of the timed steps
-        t_split = (probe_split_compute(on, **timing, span=span, cuda_graph=cfg.cuda_graph)
-                   if probe else None)
-        rounds.append(Round(t_off, t_on, ceiling, was_split, split_reason, t_split))
-        del on
+        t_on = t_split = None
+        was_split, split_reason = False, DBO_SKIPPED
+        if "dbo" in cfg.overlaps:
+            progress.step(f"{backend} T={tokens}/rank: DBO on" + tag)
+            on = factory.get(tokens=tokens, backend=backend, dbo=True)
+            # The gate's trial of this round: its own short timing, before (and apart
+            # from) the reported one, against this round's DBO-off time, after as many
+            # warmup steps. Trials of a host-bound point still spread widely (a2a at 1024
+            # tokens on 4x H200: 0.67-1.07x within one run), hence one per round and the
+            # worst decides.
+            if prediction is None:
+                trial = time_steps(on.step, **{**timing, "iters": cfg.gate_trial_iters})
+                trial_speedups.append(t_off.max_ms / trial.max_ms)
+            t_on = time_steps(on.step, **timing, span=span("dbo"))
+            if index == 0:
+                _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
+            was_split, split_reason = on.was_split, on.split_reason  # of the timed steps
+            t_split = (probe_split_compute(on, **timing, span=span, cuda_graph=cfg.cuda_graph)
+                       if probe else None)
+            del on
+        rounds.append(Round(t_off, t_on, ceiling, was_split, split_reason, t_split, sbo))
     merged = Round.median(rounds)
-    decision = gate.decide(tokens_per_rank=tokens,
-                           ceiling=None if merged.ceiling is None else merged.ceiling.ceiling,
-                           trial_speedups=trial_speedups,
-                           no_probe_reason=scope.gate_reason if not scope.measurable
-                           else "probe skipped on CPU")
-    if prediction is not None:
-        decision = GateDecision(prediction.chosen == "dbo", f"prediction: {prediction.reason}")
+    decision = (gate.decide(tokens_per_rank=tokens,
+                            ceiling=None if merged.ceiling is None else merged.ceiling.ceiling,
+                            trial_speedups=trial_speedups,
+                            no_probe_reason=scope.gate_reason if not scope.measurable
+                            else "probe skipped on CPU")
+                if "dbo" in cfg.overlaps else None)
+    sbo_rounds = [r.sbo for r in rounds if r.sbo is not None]
+    choice = gate_point(gate, dbo=decision, dbo_trials=trial_speedups, sbo_rounds=sbo_rounds,
+                        sbo_note=sbo_note, dbo_note="" if decision else DBO_SKIPPED,
+                        prediction=prediction)
     point = make_point(cfg, backend=backend, tokens=tokens, world_size=factory.world_size,
                        t_off=merged.t_off, t_on=merged.t_on, ceiling=merged.ceiling,
                        split=merged.split, split_reason=merged.split_reason,
-                       use_dbo=decision.use_dbo, gate_reason=decision.reason,
+                       use_dbo=choice.mode == "dbo", gate_reason=choice.reason,
                        t_split=merged.t_split)
     add_rounds(point, rounds)
     point.trial_speedups = trial_speedups
     point.probe_note = scope.note
+    attach_sbo(point, sbo_rounds, note=sbo_note, choice=choice)
     if phases is not None:
         attach_prediction(point, phases, calibration)
     return point
@@ -319,22 +358,25 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
 
 @dataclass(frozen=True)
 class Round:
-    """One round of a point: DBO off, the probe (None on CPU), DBO on."""
+    """One round of a point: DBO off, the probe (None on CPU), SBO and DBO on (each None
+    where not timed)."""
 
     t_off: Timing
-    t_on: Timing
+    t_on: Optional[Timing]
     ceiling: Optional[Ceiling]
     split: bool
     split_reason: str
     t_split: Optional[Timing] = None
+    sbo: Optional[SboRound] = None
 
     @staticmethod
     def median(rounds: list["Round"]) -> "Round":
         """Every timing folded over the rounds (per rank, the median of round medians)."""
         ceilings = [r.ceiling for r in rounds if r.ceiling is not None]
         splits = [r.t_split for r in rounds if r.t_split is not None]
+        ons = [r.t_on for r in rounds if r.t_on is not None]
         return Round(median_of_rounds([r.t_off for r in rounds]),
-                     median_of_rounds([r.t_on for r in rounds]),
+                     median_of_rounds(ons) if len(ons) == len(rounds) else None,
                      median_ceiling(ceilings) if len(ceilings) == len(rounds) else None,
                      all(r.split for r in rounds), rounds[-1].split_reason,
                      median_of_rounds(splits) if len(splits) == len(rounds) else None)
@@ -343,15 +385,17 @@ class Round:
 def add_rounds(point: Point, rounds: list[Round]) -> None:
     """Record each round's step times (max over ranks) and eta, and eta's range."""
     point.rounds = len(rounds)
-    point.rounds_ms = {"t_nodbo": [r.t_off.max_ms for r in rounds],
-                       "t_dbo": [r.t_on.max_ms for r in rounds]}
+    point.rounds_ms = {"t_nodbo": [r.t_off.max_ms for r in rounds]}
+    if all(r.t_on is not None for r in rounds):
+        point.rounds_ms["t_dbo"] = [r.t_on.max_ms for r in rounds]  # type: ignore[union-attr]
     splits = [r.t_split for r in rounds if r.t_split is not None]
     if len(splits) == len(rounds):
         point.rounds_ms["t_split"] = [t.max_ms for t in splits]
     ceilings = [r.ceiling for r in rounds if r.ceiling is not None]
     if len(ceilings) == len(rounds):
         point.rounds_ms["t_both"] = [c.both.max_ms for c in ceilings]
-        etas = [efficiency(r.t_off.max_ms, r.t_on.max_ms, c.both.max_ms)[0]
+    if len(ceilings) == len(rounds) and "t_dbo" in point.rounds_ms:
+        etas = [efficiency(r.t_off.max_ms, r.t_on.max_ms, c.both.max_ms)[0]  # type: ignore[union-attr]
                 for r, c in zip(rounds, ceilings)]
         point.eta_rounds = etas
         known = [e for e in etas if e is not None]
@@ -369,24 +413,32 @@ def _maybe_trace(cfg: BenchConfig, factory: WorkloadFactory, step: Any, name: st
 
 
 def make_point(cfg: BenchConfig, *, backend: str, tokens: int, world_size: int, t_off: Timing,
-               t_on: Timing, ceiling: Optional[Ceiling], split: bool, split_reason: str,
-               use_dbo: bool, gate_reason: str, t_split: Optional[Timing] = None) -> Point:
-    """Derive one point's figures from its timings (see the module doc)."""
+               t_on: Optional[Timing], ceiling: Optional[Ceiling], split: bool,
+               split_reason: str, use_dbo: bool, gate_reason: str,
+               t_split: Optional[Timing] = None) -> Point:
+    """Derive one point's figures from its timings (see the module doc); `t_on` None
+    where DBO was not timed. SBO's are set after (`dbo.cli.bench.sbo.attach_sbo`)."""
     total = tokens * world_size
-    off_ms, on_ms = t_off.max_ms, t_on.max_ms
-    gated_ms = on_ms if use_dbo else off_ms
+    off_ms = t_off.max_ms
+    on_ms = t_on.max_ms if t_on is not None else None
+    gated_ms = on_ms if use_dbo and on_ms is not None else off_ms
     point = Point(
         regime=cfg.regime, mode=cfg.mode, preset=cfg.preset, backend=backend,
         tokens_per_rank=tokens, world_size=world_size,
         t_nodbo_ms=off_ms, t_nodbo_ms_rank0=t_off.rank0_ms,
-        t_dbo_ms=on_ms, t_dbo_ms_rank0=t_on.rank0_ms,
-        tokens_per_s_nodbo=_rate(total, off_ms), tokens_per_s_dbo=_rate(total, on_ms),
-        speedup=off_ms / on_ms, dbo_split=split, dbo_split_reason=split_reason,
+        t_dbo_ms=on_ms, t_dbo_ms_rank0=t_on.rank0_ms if t_on is not None else None,
+        tokens_per_s_nodbo=_rate(total, off_ms),
+        tokens_per_s_dbo=_rate(total, on_ms) if on_ms is not None else None,
+        speedup=off_ms / on_ms if on_ms is not None else None, dbo_split=split,
+        dbo_split_reason=split_reason,
         gate="dbo" if use_dbo else "off", gate_reason=gate_reason, t_gated_ms=gated_ms,
         gated_speedup=off_ms / gated_ms, tokens_per_s_gated=_rate(total, gated_ms),
-        eta_note=ETA_NO_PROBE,
-        per_rank_ms={"t_nodbo": list(t_off.per_rank_ms), "t_dbo": list(t_on.per_rank_ms)},
-        host_nodbo_ms=t_off.host_max_ms, host_dbo_ms=t_on.host_max_ms)
+        eta_note=ETA_NO_PROBE, per_rank_ms={"t_nodbo": list(t_off.per_rank_ms)},
+        host_nodbo_ms=t_off.host_max_ms,
+        host_dbo_ms=t_on.host_max_ms if t_on is not None else None)
+    if t_on is not None:
+        point.per_rank_ms["t_dbo"] = list(t_on.per_rank_ms)
+    point.best_overlap, point.best_speedup = best_overlap(point)
     if t_split is not None:
         point.t_split_ms, point.t_split_ms_rank0 = t_split.max_ms, t_split.rank0_ms
         point.per_rank_ms["t_split"] = list(t_split.per_rank_ms)
@@ -400,7 +452,8 @@ def make_point(cfg: BenchConfig, *, backend: str, tokens: int, world_size: int, 
         point.ceiling = ceiling.ceiling
         point.ceiling_vs_nodbo = off_ms / both_ms
         point.tokens_per_s_ceiling = _rate(total, both_ms)
-        point.eta, point.eta_note = efficiency(off_ms, on_ms, both_ms)
+        point.eta, point.eta_note = (efficiency(off_ms, on_ms, both_ms) if on_ms is not None
+                                     else (None, f"DBO {DBO_SKIPPED}"))
         point.per_rank_ms.update(t_compute=list(ceiling.compute.per_rank_ms),
                                  t_comm=list(ceiling.comm.per_rank_ms),
                                  t_both=list(ceiling.both.per_rank_ms))
