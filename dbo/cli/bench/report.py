@@ -167,12 +167,11 @@ def format_table(result: SweepResult) -> str:
         *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
         "",
     ]
-    cols = [("T/rank", 7), ("backend", 7), ("noDBO ms", 15), ("SBO ms", 15), ("SBO x", 6),
-            ("DBO ms", 15), ("speedup", 7),
+    cols = [("T/rank", 7), ("backend", 7), ("noDBO ms", 15), ("DBO ms", 15), ("speedup", 7),
             ("host noDBO", 10), ("host DBO", 8),
             ("tok/s noDBO", 11), ("tok/s DBO", 11), ("comp ms", 8), ("comm ms", 8),
             ("both ms", 8), ("split ms", 8), ("ceiling", 7), ("eta", 6), ("eta rounds", 10),
-            ("gate", 4), ("gated", 6), ("best", 9)]
+            ("SBO ms", 15), ("SBO x", 6), ("gate", 4), ("gated", 6), ("best", 9)]
     if cfg.functional:
         cols = [(name, w) for name, w in cols
                 if name not in ("speedup", "gated", "SBO x", "best")]
