@@ -133,8 +133,8 @@ class BenchConfig:
     warmup: int = 5
     """Untimed steps before each measurement (allocations, autotuning, NCCL setup)."""
     rounds: int = 3
-    """Each point is measured this many times in alternation (DBO off, probe, DBO on, then
-    again), so slow drift of clocks or host load hits all three alike; times are medians
+    """Each point is measured this many times in alternation (DBO off, probe, SBO, DBO on,
+    then again), so slow drift of clocks or host load hits them all alike; times are medians
     over the rounds, and eta's spread over the rounds is reported beside it."""
     min_gain: float = 0.03
     """Gate: keep DBO off where the measured ceiling T_serial / T_both is below 1 + min_gain."""

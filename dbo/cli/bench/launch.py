@@ -62,9 +62,9 @@ def _name_list(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         "dbo bench", epilog=USAGE_EXAMPLES,
-        description="Throughput of DBO on/off over tokens per rank and backends, with the "
-                    "measured overlap ceiling (GPU) and a gate that keeps DBO off where it "
-                    "would lose. Prints a table, writes CSV/JSON/PNG, ends with one JSON line.")
+        description="Throughput of no overlap, single-batch overlap (SBO) and DBO over "
+                    "tokens per rank and backends, with the measured overlap ceiling (GPU) "
+                    "and a gate that chooses among the three. Prints a table, writes CSV/JSON/PNG, ends with one JSON line.")
     p.add_argument("--mode", default="layer", choices=MODES,
                    help="layer: MoE layers with attention-sized GEMMs between; model: the "
                         "reference MoE transformer; decode: one token per request over its "
@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=None, help="timed steps (default: GPU 20, CPU 5)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: GPU 5, CPU 2)")
     p.add_argument("--rounds", type=int, default=None,
-                   help="measure each point this many times, alternating DBO off, probe and "
-                        "DBO on; report medians and eta's spread (default: GPU 3, CPU 1)")
+                   help="measure each point this many times, alternating DBO off, probe, "
+                        "SBO and DBO on; report medians and eta's spread (default: GPU 3, CPU 1)")
     p.add_argument("--min-gain", type=float, default=d.min_gain,
                    help="gate: DBO off where the measured ceiling < 1 + this")
     p.add_argument("--gate-min-tokens", type=int, default=d.gate_min_tokens,
