@@ -84,7 +84,7 @@ class MeasuredPoint:
     label: str = ""
     """Where it comes from, e.g. "bench layer tiny w2 CPU gloo"."""
     measured_ms: dict[str, float] = field(default_factory=dict)
-    """Step times measured at this point: "none" (DBO off), "dbo" (DBO on)."""
+    """Step times measured here: "none" (DBO off), "dbo" (DBO on), "sbo" (single-batch overlap)."""
 
     def __post_init__(self) -> None:
         for name in ("tokens", "layers"):

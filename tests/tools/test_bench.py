@@ -262,7 +262,7 @@ def test_cpu_run_is_reported_as_functional_without_a_speedup(tmp_path: Path) -> 
     for out in (doc, final):
         assert out["timings"] == "functional" and out["note"] == FUNCTIONAL_NOTE
         assert out["summary"] == {"functional": True, "points": 2, "points_split": 2,
-                                  "points_gated_on": 2}
+                                  "points_gated_on": 2, "points_gated_sbo": 0}
         assert all(p["speedup"] is None and p["gated_speedup"] is None for p in out["points"])
     with open(files["csv"]) as f:
         assert {r["speedup"] for r in csv.DictReader(f)} == {""}
@@ -309,7 +309,7 @@ def test_points_report_the_clock_of_each_timing() -> None:
         attach_clocks(point, Log())  # type: ignore[arg-type]
     assert points[0].sm_mhz == {} and points[0].capped == {}
     assert points[1].sm_mhz == {"nodbo": 1400.0, "dbo": 1410.0, "split": 1420.0,
-                                "compute": 1430.0, "both": 1450.0}
+                                "compute": 1430.0, "both": 1450.0, "sbo": 1460.0}
     assert points[1].capped["both"] == "2/3" and "sm_mhz" not in points[1].row()
     shapes = {"hidden_size": 8, "num_experts": 4, "experts_per_rank": 2, "top_k": 2,
               "intermediate_size": 8, "layers": 2, "dtype": "float32"}
@@ -317,7 +317,8 @@ def test_points_report_the_clock_of_each_timing() -> None:
     clock_lines = table.split("SM clock, rank 0")[1].splitlines()[1:]
     assert clock_lines[0].split() == ["a2a", "T=4096", "no", "DBO", "1400", "(2/3),", "DBO",
                                       "1410", "(2/3),", "split", "1420", "(2/3),", "compute",
-                                      "1430", "(2/3),", "both", "1450", "(2/3)"]
+                                      "1430", "(2/3),", "both", "1450", "(2/3),", "SBO",
+                                      "1460", "(2/3)"]
     assert "T=1024" not in table.split("SM clock, rank 0")[1]
 
 
@@ -371,15 +372,26 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path) -> None:
         trials = p["trial_speedups"]  # one per round, each against its round's DBO-off time
         assert len(trials) == 2 and all(t > 0 for t in trials), p
         worst = f"{min(trials):.3f}x (worst of 2 trials)"
+        dbo_reason = p["gate_reason"].split("DBO: ", 1)[1]  # after SBO's (`GatePolicy.choose`)
         if p["tokens_per_rank"] < 32:
-            assert p["gate"] == "off" and p["gate_reason"].startswith("threshold")
-        elif p["gate"] == "off":  # a separate trial saw DBO lose (usual with gloo)
-            assert min(trials) < 1.01 and p["gate_reason"].startswith(f"trial: DBO {worst}")
+            assert p["gate"] != "dbo" and dbo_reason.startswith("threshold")
+        elif min(trials) < 1.01:  # a separate trial saw DBO lose (usual with gloo)
+            assert p["gate"] != "dbo" and dbo_reason.startswith(f"trial: DBO {worst}")
         else:
-            assert min(trials) >= 1.01 and f"trial DBO {worst}" in p["gate_reason"]
+            assert f"trial DBO {worst}" in dbo_reason
+        # SBO: timed every round with its own trial; only its trials gate it.
+        sbo_trials = p["sbo_trial_speedups"]
+        assert len(sbo_trials) == 2 and p["t_sbo_ms"] > 0 and p["host_sbo_ms"] > 0
+        assert p["speedup_sbo"] is None and p["sbo_note"] == ""  # functional: no speedup
+        assert (p["gate"] == "sbo") == (min(sbo_trials) >= 1.01 and (
+            p["tokens_per_rank"] < 32 or min(trials) < 1.01 or min(sbo_trials) >= min(trials)))
+        assert f"trial SBO {min(sbo_trials):.3f}x (worst of 2 trials)" in p["gate_reason"]
     summary = final["summary"]
     assert summary["points"] == 4 and summary["functional"] is True
     assert summary["points_gated_on"] == sum(p["gate"] == "dbo" for p in points)
+    assert summary["points_gated_sbo"] == sum(p["gate"] == "sbo" for p in points)
+    columns = next(line for line in table.splitlines() if "T/rank" in line)
+    assert " SBO ms" in columns and "SBO x" not in columns  # functional: no ratio column
     assert final["timings"] == "functional" and "summary: functional run" in table
     assert all(p["speedup"] is None for p in points)
 
@@ -393,6 +405,9 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path) -> None:
     doc = json.loads(Path(files["json"]).read_text())
     assert doc["regime"] == CPU_REGIME and "eta" in doc["definitions"]
     assert all(len(p["per_rank_ms"]["t_dbo"]) == 2 for p in doc["points"])
+    assert all(len(p["per_rank_ms"]["t_sbo"]) == 2 and len(p["rounds_ms"]["t_sbo"]) == 2
+               for p in doc["points"])
+    assert {"t_sbo_ms", "speedup_sbo", "best_overlap", "best_speedup"} <= set(rows[0])
     assert all(len(p["rounds_ms"]["t_nodbo"]) == 2 and p["eta_rounds"] == []
                for p in doc["points"])
 
@@ -460,11 +475,16 @@ def test_model_mode_and_probe_pieces_on_gloo(tmp_path: Path) -> None:
         (b, t) for b in ("a2a", "a2a_ll") for t in (12, 40)}
     for p in final["points"]:
         assert p["dbo_split"] is True and p["rounds"] == 2, p
+        reason = p["gate_reason"]  # SBO's verdict, then DBO's (`GatePolicy.choose`)
         if p["tokens_per_rank"] < 20:
-            assert p["gate"] == "off" and p["gate_reason"].startswith("threshold"), p
-        else:  # decided by the separate trial (DBO usually loses with gloo)
-            assert ("trial" in p["gate_reason"]) and (p["gate"] == "dbo") == (
-                not p["gate_reason"].startswith("trial: DBO")), p
+            assert p["gate"] != "dbo" and "DBO: threshold" in reason, p
+        else:  # decided by the separate trials (DBO usually loses with gloo)
+            dbo_lost = "DBO: trial: DBO" in reason
+            assert dbo_lost or "trial DBO" in reason, p
+            assert not (dbo_lost and p["gate"] == "dbo"), p
+        sbo_passed = "(no split: thresholds and probe do not apply)" in reason
+        assert p["gate"] != "sbo" or sbo_passed, p
+        assert p["gate"] != "off" or not sbo_passed, p
     assert all(size > 0 for size in results[0]["sizes"].values())
     for r in results:
         # Segment 0 precedes the first MoE layer; each layer: count exchange, data, combine.

@@ -142,14 +142,17 @@ def _check_opaque_sweep(out: dict, *, gpu: bool) -> None:
             assert p["probe_note"] == "" and p["t_nodbo_pred_ms"] > 0, p
             assert (p["t_comm_ms"] is not None) is gpu, p
             assert (p["ceiling"] is not None) is gpu, p
+        # SBO's verdict, then DBO's (`GatePolicy.choose`); SBO runs through any backend.
+        assert len(p["sbo_trial_speedups"]) == 1 and p["t_sbo_ms"] > 0, p
+        dbo_reason = p["gate_reason"].split("DBO: ", 1)[1]
         if tokens < 16:
-            assert p["gate"] == "off" and p["gate_reason"].startswith("threshold"), p
-        elif p["gate"] == "off":
-            assert p["gate_reason"].startswith("trial: DBO"), p
+            assert p["gate"] != "dbo" and dbo_reason.startswith("threshold"), p
+        elif dbo_reason.startswith("trial: DBO"):
+            assert p["gate"] != "dbo", p
         else:  # passed the trial; the missing probe is named, not a ceiling
-            assert "trial DBO" in p["gate_reason"], p
+            assert "trial DBO" in dbo_reason, p
             if backend == "a2a":
-                assert "no probe (backend 'opaque_a2a'" in p["gate_reason"], p
+                assert "no probe (backend 'opaque_a2a'" in dbo_reason, p
     assert out["doc_notes"] == [note, note, "", ""]
     assert out["calibrated"] == ["naive"]  # no phase times were measured for the stand-in
     assert f"  {note}" in out["table"].splitlines()

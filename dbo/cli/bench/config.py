@@ -53,6 +53,11 @@ EXPERT_KERNELS: tuple[str, ...] = ("auto", *EXPERTS)
 
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 
+OVERLAPS: tuple[str, ...] = ("dbo", "sbo")
+"""The overlaps each point times beside no overlap (`--overlaps`): "dbo", two ubatches
+(`DBOConfig(overlap="dbo")`); "sbo", single-batch overlap (`DBOConfig(overlap="sbo")`:
+one ubatch, shared experts under the dispatch, own rows under the combine)."""
+
 NVLINK_REGIME = "NVLink"
 CPU_REGIME = "CPU gloo"
 EMULATED_REGIME = "scale-out emulated (NCCL_P2P_DISABLE=1)"
@@ -128,8 +133,8 @@ class BenchConfig:
     warmup: int = 5
     """Untimed steps before each measurement (allocations, autotuning, NCCL setup)."""
     rounds: int = 3
-    """Each point is measured this many times in alternation (DBO off, probe, DBO on, then
-    again), so slow drift of clocks or host load hits all three alike; times are medians
+    """Each point is measured this many times in alternation (DBO off, probe, SBO, DBO on,
+    then again), so slow drift of clocks or host load hits them all alike; times are medians
     over the rounds, and eta's spread over the rounds is reported beside it."""
     min_gain: float = 0.03
     """Gate: keep DBO off where the measured ceiling T_serial / T_both is below 1 + min_gain."""
@@ -162,6 +167,9 @@ class BenchConfig:
     cuda_graph: bool = False
     """Time every step as a CUDA graph replay (`dbo.graphs`): DBO on through a
     `GraphedRunner` (vote, then replay), DBO off and the probe's timings captured whole."""
+    overlaps: tuple[str, ...] = OVERLAPS
+    """The overlaps timed at every point beside no overlap (any of OVERLAPS, each once);
+    the gate chooses among no overlap and these."""
     calibration: Optional[str] = None
     """A calibration file (`dbo.calibration`): its machine figures feed each point's
     prediction, and a point its measured points cover is gated on the prediction, with no
@@ -187,6 +195,7 @@ class BenchConfig:
                              f"{', '.join(BENCH_BACKENDS)} (--backends a2a,a2a_ll,naive)")
         if len(set(self.backends)) != len(self.backends):
             raise ValueError(f"backends={self.backends!r} repeats a name: list each once")
+        self._check_overlaps()
         for name in ("layers", "num_experts", "experts_per_rank"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
@@ -239,6 +248,18 @@ class BenchConfig:
             raise ValueError("--trace labels phases from the host, which a graph replay "
                              "does not run: trace without --cuda-graph")
 
+    def _check_overlaps(self) -> None:
+        if not isinstance(self.overlaps, tuple) or not self.overlaps:
+            raise ValueError(f"overlaps={self.overlaps!r}: give at least one of "
+                             f"{', '.join(OVERLAPS)} (--overlaps dbo,sbo)")
+        unknown = [o for o in self.overlaps if o not in OVERLAPS]
+        if unknown:
+            raise ValueError(f"unknown overlap {unknown[0]!r}: use one or both of "
+                             f"{', '.join(OVERLAPS)} (--overlaps dbo,sbo; no overlap is "
+                             f"always timed)")
+        if len(set(self.overlaps)) != len(self.overlaps):
+            raise ValueError(f"overlaps={self.overlaps!r} repeats a name: list each once")
+
     def _check_decode(self) -> None:
         if not _is_int(self.context) or self.context < 1:
             raise ValueError(f"context={self.context!r} must be an int >= 1 (KV-cache tokens "
@@ -283,6 +304,7 @@ class BenchConfig:
                 "experts": self.experts, "iters": self.iters, "warmup": self.warmup,
                 "rounds": self.rounds, "split_last_combine": self.split_last_combine,
                 "gemm_sm_carveout": self.gemm_sm_carveout, "cuda_graph": self.cuda_graph,
+                "overlaps": list(self.overlaps),
                 "min_gain": self.min_gain, "gate_min_tokens": self.gate_min_tokens,
                 "device": self.device, "seed": self.seed, "calibration": self.calibration}
 

@@ -1,8 +1,10 @@
-"""The DBO gate: keep DBO off where it would lose, and say why.
+"""The gate: per point, no overlap, single-batch overlap (SBO) or DBO, and why.
 
     gate = GatePolicy(min_tokens_per_rank=512, min_gain=0.03)
-    decision = gate.decide(tokens_per_rank=1024, ceiling=1.21)
+    decision = gate.decide(tokens_per_rank=1024, ceiling=1.21)      # the DBO rules
     decision.use_dbo, decision.reason
+    choice = gate.choose(dbo=decision, dbo_trials=[1.05], sbo_trials=[1.08])
+    choice.mode, choice.reason                                       # "sbo", why
 
 Three rules, in order, decided *before* looking at the reported DBO-on time (an oracle
 that picked the faster of the two reported times would prove nothing):
@@ -24,6 +26,12 @@ that picked the faster of the two reported times would prove nothing):
    one. A serving system would run the same trials per batch-size bucket at start-up.
 
 Without a probe (CPU) the probe rule is skipped, and the reason says so.
+
+SBO splits nothing: no ubatch shrinks, no weight is read twice, no kernel launched twice,
+so the thresholds and the probe's ceiling (made for the split) do not gate it; only its
+own trials do, as rule 3 for DBO: the worst of them at least `min_trial_speedup`.
+`choose` takes whichever of the two passes; where both pass, the one whose worst trial
+is faster (SBO on a tie: it splits nothing), else no overlap.
 """
 from __future__ import annotations
 
@@ -41,6 +49,14 @@ class GateDecision:
     @property
     def choice(self) -> str:
         return "dbo" if self.use_dbo else "off"
+
+
+@dataclass(frozen=True)
+class GateChoice:
+    """The gated mode of one point, "off", "sbo" or "dbo", and why."""
+
+    mode: str
+    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,3 +104,44 @@ class GatePolicy:
             passed.append(f"trial DBO {worst:.3f}x{of_trials} >= "
                           f"{self.min_trial_speedup:.3f}x")
         return GateDecision(True, "; ".join(passed))
+
+    def choose(self, *, dbo: Optional[GateDecision], dbo_trials: Sequence[float] = (),
+               sbo_trials: Sequence[float] = (), dbo_missing: str = "",
+               sbo_missing: str = "") -> GateChoice:
+        """The point's mode among off / sbo / dbo (module doc). `dbo`: the DBO rules'
+        decision (`decide`), None where DBO was not timed (`dbo_missing` says why);
+        `sbo_missing`: why SBO was not timed ("" where it was, with `sbo_trials`)."""
+        sbo_ok, sbo_reason = self._sbo_verdict(sbo_trials, sbo_missing)
+        dbo_ok = dbo is not None and dbo.use_dbo
+        dbo_reason = dbo.reason if dbo is not None else dbo_missing
+        why = f"SBO: {sbo_reason}; DBO: {dbo_reason}"
+        if sbo_ok and dbo_ok:
+            worst_sbo, worst_dbo = min(sbo_trials), min(dbo_trials, default=None)
+            if worst_dbo is not None and worst_dbo > worst_sbo:
+                return GateChoice("dbo", f"both pass, DBO's worst trial {worst_dbo:.3f}x > "
+                                         f"SBO's {worst_sbo:.3f}x; {why}")
+            versus = (" (DBO ran no trial)" if worst_dbo is None
+                      else f" >= DBO's {worst_dbo:.3f}x")
+            return GateChoice("sbo", f"both pass, SBO's worst trial {worst_sbo:.3f}x"
+                                     f"{versus}; {why}")
+        if sbo_ok:
+            return GateChoice("sbo", why)
+        if dbo_ok:
+            return GateChoice("dbo", why)
+        return GateChoice("off", why)
+
+    def _sbo_verdict(self, trials: Sequence[float], missing: str) -> tuple[bool, str]:
+        """Whether SBO passes its one rule, and why."""
+        if missing:
+            return False, missing
+        if not trials:
+            return False, "no SBO trial ran"
+        worst = min(trials)
+        of_trials = f" (worst of {len(trials)} trials)" if len(trials) > 1 else ""
+        if worst < self.min_trial_speedup:
+            return False, (f"trial SBO {worst:.3f}x{of_trials} < {self.min_trial_speedup:.3f}x "
+                           f"in a separate short run: reordering the step (shared experts "
+                           f"under the dispatch, own rows under the combine) hides less "
+                           f"than it costs")
+        return True, (f"trial SBO {worst:.3f}x{of_trials} >= {self.min_trial_speedup:.3f}x "
+                      f"(no split: thresholds and probe do not apply)")

@@ -26,6 +26,7 @@ from dbo.cli.bench.config import (
     EXPERT_KERNELS,
     GRAPH_BACKENDS,
     MODES,
+    OVERLAPS,
     BenchConfig,
     known_presets,
     regime_label,
@@ -62,9 +63,9 @@ def _name_list(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         "dbo bench", epilog=USAGE_EXAMPLES,
-        description="Throughput of DBO on/off over tokens per rank and backends, with the "
-                    "measured overlap ceiling (GPU) and a gate that keeps DBO off where it "
-                    "would lose. Prints a table, writes CSV/JSON/PNG, ends with one JSON line.")
+        description="Throughput of no overlap, single-batch overlap (SBO) and DBO over "
+                    "tokens per rank and backends, with the measured overlap ceiling (GPU) "
+                    "and a gate that chooses among the three. Prints a table, writes CSV/JSON/PNG, ends with one JSON line.")
     p.add_argument("--mode", default="layer", choices=MODES,
                    help="layer: MoE layers with attention-sized GEMMs between; model: the "
                         "reference MoE transformer; decode: one token per request over its "
@@ -108,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=None, help="timed steps (default: GPU 20, CPU 5)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: GPU 5, CPU 2)")
     p.add_argument("--rounds", type=int, default=None,
-                   help="measure each point this many times, alternating DBO off, probe and "
-                        "DBO on; report medians and eta's spread (default: GPU 3, CPU 1)")
+                   help="measure each point this many times, alternating DBO off, probe, "
+                        "SBO and DBO on; report medians and eta's spread (default: GPU 3, CPU 1)")
     p.add_argument("--min-gain", type=float, default=d.min_gain,
                    help="gate: DBO off where the measured ceiling < 1 + this")
     p.add_argument("--gate-min-tokens", type=int, default=d.gate_min_tokens,
@@ -140,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time every step as a CUDA graph replay (DBO on: vote, then "
                         "replay); backends: " + ", ".join(GRAPH_BACKENDS) + " (default "
                         "with this flag: " + ",".join(DEFAULT_GRAPH_BACKENDS) + ")")
+    p.add_argument("--overlaps", type=_name_list, nargs="+", default=None,
+                   help=f"comma list of the overlaps timed beside no overlap at every "
+                        f"point: dbo (two ubatches), sbo (single-batch overlap, no split) "
+                        f"(default: {','.join(OVERLAPS)})")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="calibration JSON (e.g. an earlier run's <out>/calibration.json): "
                         "its machine figures feed the predicted columns; points it covers "
@@ -185,6 +190,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         seed=args.seed, plot=not args.no_plot, progress=not args.no_progress,
         trace=args.trace, split_last_combine=not args.no_split_combine,
         gemm_sm_carveout=args.gemm_sm_carveout, cuda_graph=args.cuda_graph,
+        overlaps=(tuple(o for group in args.overlaps for o in group) if args.overlaps
+                  else OVERLAPS),
         calibration=args.calibration)
 
 

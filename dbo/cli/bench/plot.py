@@ -1,8 +1,8 @@
 """The sweep's PNG: throughput and DBO speedup vs tokens per rank, one colour per backend.
 
 Left: tokens/s with DBO off (thin, circles), DBO on (solid, squares) and the measured
-ceiling, all ranks' tokens / T_both (dashed). Right: speedup T_noDBO / T_DBO (solid), the
-gated speedup (dotted) and the ceiling T_serial / T_both (dashed), with 1.0 marked.
+ceiling, all ranks' tokens / T_both (dashed). Right: speedup T_noDBO / T_DBO (solid), SBO's
+T_noDBO / T_SBO (dash-dot, triangles), the gated speedup (dotted) and the ceiling T_serial / T_both (dashed), with 1.0 marked.
 The title carries the regime label. matplotlib is imported here only (Agg backend). A
 CPU run is not drawn (`BenchConfig.functional`: its times are no performance figures).
 """
@@ -43,10 +43,16 @@ def plot_sweep(result: SweepResult, path: str) -> None:
         xs = [p.tokens_per_rank for p in pts]
         ax_tps.plot(xs, [p.tokens_per_s_nodbo for p in pts], "o-", color=c, lw=1, alpha=0.6,
                     label=f"{backend} DBO off")
-        ax_tps.plot(xs, [p.tokens_per_s_dbo for p in pts], "s-", color=c, lw=2,
-                    label=f"{backend} DBO on")
-        ax_speed.plot(xs, [p.speedup for p in pts], "s-", color=c, lw=2,
-                      label=f"{backend} DBO on")
+        dbo = [p for p in pts if p.speedup is not None]
+        if dbo:
+            ax_tps.plot([p.tokens_per_rank for p in dbo], [p.tokens_per_s_dbo for p in dbo],
+                        "s-", color=c, lw=2, label=f"{backend} DBO on")
+            ax_speed.plot([p.tokens_per_rank for p in dbo], [p.speedup for p in dbo], "s-",
+                          color=c, lw=2, label=f"{backend} DBO on")
+        sbo = [p for p in pts if p.speedup_sbo is not None]
+        if sbo:
+            ax_speed.plot([p.tokens_per_rank for p in sbo], [p.speedup_sbo for p in sbo],
+                          "^-.", color=c, lw=1.5, label=f"{backend} SBO")
         ax_speed.plot(xs, [p.gated_speedup for p in pts], ":", color=c, lw=1.5,
                       label=f"{backend} gated")
         ceil = [(p.tokens_per_rank, p.tokens_per_s_ceiling, p.ceiling) for p in pts

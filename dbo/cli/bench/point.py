@@ -10,6 +10,7 @@ are derived from the timings (`make_point`, `efficiency`), and its rounds (`Roun
 Definitions (also in every JSON output):
     tokens/s      = tokens per rank * world size / step time
     speedup       = T_noDBO / T_DBO
+    speedup_sbo   = T_noDBO / T_SBO
     T_serial      = T_compute + T_comm             (both measured alone)
     ceiling       = T_serial / T_both
     T_split       = the DBO step with its collectives replaced by their results: its
@@ -18,7 +19,8 @@ Definitions (also in every JSON output):
                     is under 1% of T_noDBO (no headroom, or less than the timing noise);
                     above 1 where DBO's schedule beat the probe's interleaving (a note
                     says so)
-    gated time    = T_DBO where the gate chose DBO, else T_noDBO
+    gated time    = the time of the mode the gate chose: T_DBO, T_SBO or T_noDBO
+    best          = the fastest of the three reported times (an oracle, beside the gate)
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from dbo.calibration import MeasuredPoint
 from dbo.cli.bench.ceiling import Ceiling, median_ceiling
 from dbo.cli.bench.config import BenchConfig
 from dbo.cli.bench.predicted import PREDICTION_NOTE
+from dbo.cli.bench.sbo import DBO_SKIPPED, SboRound, best_overlap
 from dbo.cli.bench.timing import Timing, median_of_rounds
 
 DEFINITIONS = {
@@ -36,6 +39,8 @@ DEFINITIONS = {
     "step_time": ("per rank, the median over rounds of the median over iters of its steps; "
                   "the max over ranks unless *_rank0"),
     "speedup": "T_noDBO / T_DBO",
+    "speedup_sbo": ("T_noDBO / T_SBO: single-batch overlap, the step unsplit through "
+                    "DBOConfig(overlap='sbo'); null where not timed (sbo_note says why)"),
     "t_serial": "T_compute + T_comm, each measured alone",
     "ceiling": "T_serial / T_both",
     "ceiling_vs_nodbo": "T_noDBO / T_both",
@@ -48,12 +53,16 @@ DEFINITIONS = {
     "eta_min/eta_max": "the range of eta over the rounds, each round's eta from its own times",
     "host_nodbo_ms/host_dbo_ms": ("the host's time to issue one step (call to return, "
                                   "not waiting for the device), median, slowest rank"),
-    "gated": "T_DBO where the gate chose dbo, else T_noDBO; gated_speedup = T_noDBO / gated",
+    "gated": ("the time of the gate's mode (gate: off, sbo or dbo); gated_speedup = "
+              "T_noDBO / gated"),
+    "best_overlap/best_speedup": ("the fastest of the reported off / sbo / dbo times and "
+                                  "its T_noDBO / T; an oracle beside the gate's choice"),
     "pred": PREDICTION_NOTE,
     "probe_note": ("why the probe, the split compute and the phase times did not measure "
                    "this point (their fields are null), or empty"),
     "sm_mhz/capped": ("rank 0's median SM clock and power-capped samples (k/n) while each "
-                      "timing ran: nodbo, dbo, split, and the probe's compute, comm, both"),
+                      "timing ran: nodbo, dbo, split, the probe's compute, comm, both, "
+                      "and sbo"),
 }
 ETA_NO_PROBE = "no probe, no T_both"
 ETA_NO_HEADROOM = ("T_noDBO <= T_both: the unsplit step already runs at or under the "
@@ -84,11 +93,11 @@ class Point:
     world_size: int
     t_nodbo_ms: float
     t_nodbo_ms_rank0: float
-    t_dbo_ms: float
-    t_dbo_ms_rank0: float
+    t_dbo_ms: Optional[float]  # None where --overlaps leaves DBO out (and its figures)
+    t_dbo_ms_rank0: Optional[float]
     tokens_per_s_nodbo: float
-    tokens_per_s_dbo: float
-    speedup: float
+    tokens_per_s_dbo: Optional[float]
+    speedup: Optional[float]
     dbo_split: bool
     dbo_split_reason: str
     gate: str
@@ -121,7 +130,7 @@ class Point:
     # The gate's trial speedups, one per round (T_noDBO of the round / the trial's step).
     trial_speedups: list[float] = field(default_factory=list)
     # Rank 0's median SM clock (MHz) and power-capped samples ("k/n") per timing:
-    # "nodbo", "dbo", "split", and the probe's "compute", "comm", "both" (GPU, where
+    # "nodbo", "dbo", "split", "sbo", the probe's "compute", "comm", "both" (GPU, where
     # readable).
     sm_mhz: dict[str, float] = field(default_factory=dict)
     capped: dict[str, str] = field(default_factory=dict)
@@ -138,33 +147,47 @@ class Point:
     # Why the probe and the phase times did not measure this point ("" where they could
     # or, on CPU, where only the two-stream probe is skipped): `probe_scope`.
     probe_note: str = ""
+    # Single-batch overlap (`dbo.cli.bench.sbo`): None where not timed, `sbo_note` why.
+    t_sbo_ms: Optional[float] = None
+    t_sbo_ms_rank0: Optional[float] = None
+    host_sbo_ms: Optional[float] = None
+    tokens_per_s_sbo: Optional[float] = None
+    speedup_sbo: Optional[float] = None
+    sbo_note: str = ""
+    sbo_trial_speedups: list[float] = field(default_factory=list)
+    pred_err_sbo: Optional[float] = None
+    best_overlap: str = "off"
+    best_speedup: float = 1.0
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
         nested = ("per_rank_ms", "rounds_ms", "eta_rounds", "trial_speedups", "sm_mhz",
-                  "capped", "phase_ms", "measured_point")
+                  "capped", "phase_ms", "measured_point", "sbo_trial_speedups")
         out = {k: v for k, v in asdict(self).items() if k not in nested}
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
 @dataclass(frozen=True)
 class Round:
-    """One round of a point: DBO off, the probe (None on CPU), DBO on."""
+    """One round of a point: DBO off, the probe (None on CPU), SBO and DBO on (each None
+    where not timed)."""
 
     t_off: Timing
-    t_on: Timing
+    t_on: Optional[Timing]
     ceiling: Optional[Ceiling]
     split: bool
     split_reason: str
     t_split: Optional[Timing] = None
+    sbo: Optional[SboRound] = None
 
     @staticmethod
     def median(rounds: list["Round"]) -> "Round":
         """Every timing folded over the rounds (per rank, the median of round medians)."""
         ceilings = [r.ceiling for r in rounds if r.ceiling is not None]
         splits = [r.t_split for r in rounds if r.t_split is not None]
+        ons = [r.t_on for r in rounds if r.t_on is not None]
         return Round(median_of_rounds([r.t_off for r in rounds]),
-                     median_of_rounds([r.t_on for r in rounds]),
+                     median_of_rounds(ons) if len(ons) == len(rounds) else None,
                      median_ceiling(ceilings) if len(ceilings) == len(rounds) else None,
                      all(r.split for r in rounds), rounds[-1].split_reason,
                      median_of_rounds(splits) if len(splits) == len(rounds) else None)
@@ -173,15 +196,17 @@ class Round:
 def add_rounds(point: Point, rounds: list[Round]) -> None:
     """Record each round's step times (max over ranks) and eta, and eta's range."""
     point.rounds = len(rounds)
-    point.rounds_ms = {"t_nodbo": [r.t_off.max_ms for r in rounds],
-                       "t_dbo": [r.t_on.max_ms for r in rounds]}
+    point.rounds_ms = {"t_nodbo": [r.t_off.max_ms for r in rounds]}
+    if all(r.t_on is not None for r in rounds):
+        point.rounds_ms["t_dbo"] = [r.t_on.max_ms for r in rounds]  # type: ignore[union-attr]
     splits = [r.t_split for r in rounds if r.t_split is not None]
     if len(splits) == len(rounds):
         point.rounds_ms["t_split"] = [t.max_ms for t in splits]
     ceilings = [r.ceiling for r in rounds if r.ceiling is not None]
     if len(ceilings) == len(rounds):
         point.rounds_ms["t_both"] = [c.both.max_ms for c in ceilings]
-        etas = [efficiency(r.t_off.max_ms, r.t_on.max_ms, c.both.max_ms)[0]
+    if len(ceilings) == len(rounds) and "t_dbo" in point.rounds_ms:
+        etas = [efficiency(r.t_off.max_ms, r.t_on.max_ms, c.both.max_ms)[0]  # type: ignore[union-attr]
                 for r, c in zip(rounds, ceilings)]
         point.eta_rounds = etas
         known = [e for e in etas if e is not None]
@@ -190,24 +215,32 @@ def add_rounds(point: Point, rounds: list[Round]) -> None:
 
 
 def make_point(cfg: BenchConfig, *, backend: str, tokens: int, world_size: int, t_off: Timing,
-               t_on: Timing, ceiling: Optional[Ceiling], split: bool, split_reason: str,
-               use_dbo: bool, gate_reason: str, t_split: Optional[Timing] = None) -> Point:
-    """Derive one point's figures from its timings (see the module doc)."""
+               t_on: Optional[Timing], ceiling: Optional[Ceiling], split: bool,
+               split_reason: str, use_dbo: bool, gate_reason: str,
+               t_split: Optional[Timing] = None) -> Point:
+    """Derive one point's figures from its timings (see the module doc); `t_on` None
+    where DBO was not timed. SBO's are set after (`dbo.cli.bench.sbo.attach_sbo`)."""
     total = tokens * world_size
-    off_ms, on_ms = t_off.max_ms, t_on.max_ms
-    gated_ms = on_ms if use_dbo else off_ms
+    off_ms = t_off.max_ms
+    on_ms = t_on.max_ms if t_on is not None else None
+    gated_ms = on_ms if use_dbo and on_ms is not None else off_ms
     point = Point(
         regime=cfg.regime, mode=cfg.mode, preset=cfg.preset, backend=backend,
         tokens_per_rank=tokens, world_size=world_size,
         t_nodbo_ms=off_ms, t_nodbo_ms_rank0=t_off.rank0_ms,
-        t_dbo_ms=on_ms, t_dbo_ms_rank0=t_on.rank0_ms,
-        tokens_per_s_nodbo=_rate(total, off_ms), tokens_per_s_dbo=_rate(total, on_ms),
-        speedup=off_ms / on_ms, dbo_split=split, dbo_split_reason=split_reason,
+        t_dbo_ms=on_ms, t_dbo_ms_rank0=t_on.rank0_ms if t_on is not None else None,
+        tokens_per_s_nodbo=_rate(total, off_ms),
+        tokens_per_s_dbo=_rate(total, on_ms) if on_ms is not None else None,
+        speedup=off_ms / on_ms if on_ms is not None else None, dbo_split=split,
+        dbo_split_reason=split_reason,
         gate="dbo" if use_dbo else "off", gate_reason=gate_reason, t_gated_ms=gated_ms,
         gated_speedup=off_ms / gated_ms, tokens_per_s_gated=_rate(total, gated_ms),
-        eta_note=ETA_NO_PROBE,
-        per_rank_ms={"t_nodbo": list(t_off.per_rank_ms), "t_dbo": list(t_on.per_rank_ms)},
-        host_nodbo_ms=t_off.host_max_ms, host_dbo_ms=t_on.host_max_ms)
+        eta_note=ETA_NO_PROBE, per_rank_ms={"t_nodbo": list(t_off.per_rank_ms)},
+        host_nodbo_ms=t_off.host_max_ms,
+        host_dbo_ms=t_on.host_max_ms if t_on is not None else None)
+    if t_on is not None:
+        point.per_rank_ms["t_dbo"] = list(t_on.per_rank_ms)
+    point.best_overlap, point.best_speedup = best_overlap(point)
     if t_split is not None:
         point.t_split_ms, point.t_split_ms_rank0 = t_split.max_ms, t_split.rank0_ms
         point.per_rank_ms["t_split"] = list(t_split.per_rank_ms)
@@ -221,7 +254,8 @@ def make_point(cfg: BenchConfig, *, backend: str, tokens: int, world_size: int, 
         point.ceiling = ceiling.ceiling
         point.ceiling_vs_nodbo = off_ms / both_ms
         point.tokens_per_s_ceiling = _rate(total, both_ms)
-        point.eta, point.eta_note = efficiency(off_ms, on_ms, both_ms)
+        point.eta, point.eta_note = (efficiency(off_ms, on_ms, both_ms) if on_ms is not None
+                                     else (None, f"DBO {DBO_SKIPPED}"))
         point.per_rank_ms.update(t_compute=list(ceiling.compute.per_rank_ms),
                                  t_comm=list(ceiling.comm.per_rank_ms),
                                  t_both=list(ceiling.both.per_rank_ms))

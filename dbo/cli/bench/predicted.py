@@ -58,9 +58,13 @@ def attach_prediction(point: Any, measured: MeasuredPoint, calibration: Calibrat
     point.speedup_pred = times["none"] / times["dbo"]
     point.pred_choice = prediction.chosen
     point.pred_err_nodbo = times["none"] / point.t_nodbo_ms - 1.0
-    point.pred_err_dbo = times["dbo"] / point.t_dbo_ms - 1.0
-    point.measured_point = dataclasses.replace(
-        measured, measured_ms={"none": point.t_nodbo_ms, "dbo": point.t_dbo_ms})
+    measured_ms = {"none": point.t_nodbo_ms, "dbo": point.t_dbo_ms, "sbo": point.t_sbo_ms}
+    measured_ms = {mode: ms for mode, ms in measured_ms.items() if ms is not None}
+    if "dbo" in measured_ms:
+        point.pred_err_dbo = times["dbo"] / measured_ms["dbo"] - 1.0
+    if "sbo" in measured_ms:
+        point.pred_err_sbo = times["sbo"] / measured_ms["sbo"] - 1.0
+    point.measured_point = dataclasses.replace(measured, measured_ms=measured_ms)
 
 
 def device_name(device: torch.device) -> str:
@@ -100,10 +104,11 @@ def prediction_lines(result: Any) -> list[str]:
                              f"{'-':>9} {'-':>7} {'-':>6} {'-':>6} {'-':>4}  no prediction: "
                              f"its phases were not measured (probe note above)")
             continue
-        measured = "-" if functional else f"{p.speedup:.3f}"
+        measured = "-" if functional or p.speedup is None else f"{p.speedup:.3f}"
         phases = "/".join(f"{p.phase_ms[k]:.3g}"
                           for k in ("attention", "shared", "experts", "dispatch", "combine"))
+        err_dbo = "-" if p.pred_err_dbo is None else f"{p.pred_err_dbo:+.1%}"
         lines.append(f"  {p.tokens_per_rank:>6} {p.backend:>7} {p.t_nodbo_pred_ms:>10.3f} "
-                     f"{p.pred_err_nodbo:>+7.1%} {p.t_dbo_pred_ms:>9.3f} {p.pred_err_dbo:>+7.1%} "
+                     f"{p.pred_err_nodbo:>+7.1%} {p.t_dbo_pred_ms:>9.3f} {err_dbo:>7} "
                      f"{p.speedup_pred:>6.3f} {measured:>6} {p.pred_choice:>4}  {phases}")
     return lines

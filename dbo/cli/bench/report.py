@@ -27,7 +27,7 @@ MAX_GATED_SLOWDOWN = 0.01
 FUNCTIONAL_NOTE = ("functional run, not a performance figure: gloo runs each collective on "
                    "the calling thread, so nothing overlaps on CPU; the times show that "
                    "every point ran, and no speedup is computed from them")
-SPEEDUP_FIELDS = ("speedup", "gated_speedup")
+SPEEDUP_FIELDS = ("speedup", "gated_speedup", "speedup_sbo", "best_overlap", "best_speedup")
 """Row fields that a functional run leaves out (null)."""
 
 
@@ -65,6 +65,7 @@ def write_outputs(result: SweepResult) -> dict[str, Any]:
     doc = {**header(result), "definitions": DEFINITIONS, "summary": summarize(result),
            "points": [{**_row(result, p), "per_rank_ms": p.per_rank_ms, "rounds_ms": p.rounds_ms,
                        "eta_rounds": p.eta_rounds, "trial_speedups": p.trial_speedups,
+                       "sbo_trial_speedups": p.sbo_trial_speedups,
                        "sm_mhz": p.sm_mhz, "capped": p.capped, "phase_ms": p.phase_ms}
                       for p in result.points],
            "files": files}
@@ -99,19 +100,26 @@ def summarize(result: SweepResult) -> dict[str, Any]:
     if result.config.functional:
         return {"functional": True, "points": len(points),
                 "points_split": sum(p.dbo_split for p in points),
-                "points_gated_on": sum(p.gate == "dbo" for p in points)}
+                "points_gated_on": sum(p.gate == "dbo" for p in points),
+                "points_gated_sbo": sum(p.gate == "sbo" for p in points)}
     worst = min(points, key=lambda p: p.gated_speedup)
-    best = max(points, key=lambda p: p.speedup)
+    timed = [p for p in points if p.speedup is not None]
+    best = max(timed, key=lambda p: p.speedup) if timed else None  # type: ignore[arg-type,return-value]
     return {
-        "max_speedup": best.speedup,
-        "max_speedup_at": {"backend": best.backend, "tokens_per_rank": best.tokens_per_rank},
-        "min_speedup": min(p.speedup for p in points),
+        "max_speedup": best.speedup if best else None,
+        "max_speedup_at": ({"backend": best.backend, "tokens_per_rank": best.tokens_per_rank}
+                           if best else None),
+        "min_speedup": min((p.speedup for p in timed), default=None),  # type: ignore[type-var]
+        "best": [{"backend": p.backend, "tokens_per_rank": p.tokens_per_rank,
+                  "best_overlap": p.best_overlap, "best_speedup": p.best_speedup}
+                 for p in points],
         "min_gated_speedup": worst.gated_speedup,
         "min_gated_speedup_at": {"backend": worst.backend,
                                  "tokens_per_rank": worst.tokens_per_rank},
         "gated_never_slower_than_1pct": all(p.gated_speedup >= 1.0 / (1.0 + MAX_GATED_SLOWDOWN)
                                             for p in points),
         "points_gated_on": sum(p.gate == "dbo" for p in points),
+        "points_gated_sbo": sum(p.gate == "sbo" for p in points),
         "points": len(points),
     }
 
@@ -119,15 +127,16 @@ def summarize(result: SweepResult) -> dict[str, Any]:
 def final_line(result: SweepResult, files: dict[str, Any]) -> str:
     """The one JSON line for programs (stdout, last line)."""
     keys = ("backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
-            "host_nodbo_ms", "host_dbo_ms",
+            "t_sbo_ms", "speedup_sbo", "sbo_note", "best_overlap", "best_speedup",
+            "host_nodbo_ms", "host_dbo_ms", "host_sbo_ms",
             "tokens_per_s_nodbo", "tokens_per_s_dbo", "t_compute_ms", "t_comm_ms",
             "t_both_ms", "t_split_ms", "ceiling", "eta", "eta_min", "eta_max", "rounds",
             "eta_note", "dbo_split", "gate", "gate_reason", "gated_speedup",
-            "t_nodbo_pred_ms", "t_dbo_pred_ms", "speedup_pred", "pred_err_nodbo",
-            "pred_err_dbo", "pred_choice", "probe_note")
+            "t_nodbo_pred_ms", "t_dbo_pred_ms", "t_sbo_pred_ms", "speedup_pred",
+            "pred_err_nodbo", "pred_err_dbo", "pred_err_sbo", "pred_choice", "probe_note")
     doc = {**header(result), "summary": summarize(result),
            "points": [{**{k: _row(result, p)[k] for k in keys}, "trial_speedups": p.trial_speedups,
-                       "sm_mhz": p.sm_mhz}
+                       "sbo_trial_speedups": p.sbo_trial_speedups, "sm_mhz": p.sm_mhz}
                       for p in result.points], "files": files}
     doc.pop("config")
     return json.dumps(_clean(doc), separators=(",", ":"))
@@ -148,6 +157,9 @@ def format_table(result: SweepResult) -> str:
            f"KV cache {shapes['kv_cache_gb']} GB/rank" if cfg.mode == "decode" else ""),
         "  host noDBO / host DBO: the host's time to issue one step (not waiting for the "
         "device), slowest rank",
+        "  SBO: single-batch overlap (one ubatch; shared experts under the dispatch, own "
+        "rows under the combine), SBO x = noDBO / SBO; gate: off, sbo or dbo, chosen from "
+        "separate trials; best: the fastest of the reported times",
         f"  times in ms, median of {cfg.iters} steps after {cfg.warmup} warmup"
         + (f", median of {cfg.rounds} alternating rounds" if cfg.rounds > 1 else "")
         + "; shown rank0/max over ranks; derived figures use the max",
@@ -160,9 +172,10 @@ def format_table(result: SweepResult) -> str:
             ("host noDBO", 10), ("host DBO", 8),
             ("tok/s noDBO", 11), ("tok/s DBO", 11), ("comp ms", 8), ("comm ms", 8),
             ("both ms", 8), ("split ms", 8), ("ceiling", 7), ("eta", 6), ("eta rounds", 10),
-            ("gate", 4), ("gated", 6)]
+            ("SBO ms", 15), ("SBO x", 6), ("gate", 4), ("gated", 6), ("best", 9)]
     if cfg.functional:
-        cols = [(name, w) for name, w in cols if name not in ("speedup", "gated")]
+        cols = [(name, w) for name, w in cols
+                if name not in ("speedup", "gated", "SBO x", "best")]
     header = "  ".join(f"{name:>{w}}" for name, w in cols)
     if cfg.mode == "decode":  # one new token per request: T/rank counts the requests
         header = header.replace(" T/rank", " R/rank", 1)
@@ -170,26 +183,31 @@ def format_table(result: SweepResult) -> str:
     for p in result.points:
         cells = {"T/rank": str(p.tokens_per_rank), "backend": p.backend,
                  "noDBO ms": f"{p.t_nodbo_ms_rank0:.3f}/{p.t_nodbo_ms:.3f}",
-                 "DBO ms": f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}",
-                 "speedup": f"{p.speedup:.3f}", "host noDBO": _opt(p.host_nodbo_ms),
+                 "SBO ms": _pair(p.t_sbo_ms_rank0, p.t_sbo_ms), "SBO x": _opt(p.speedup_sbo),
+                 "DBO ms": _pair(p.t_dbo_ms_rank0, p.t_dbo_ms),
+                 "speedup": _opt(p.speedup), "host noDBO": _opt(p.host_nodbo_ms),
                  "host DBO": _opt(p.host_dbo_ms), "tok/s noDBO": _num(p.tokens_per_s_nodbo),
-                 "tok/s DBO": _num(p.tokens_per_s_dbo), "comp ms": _opt(p.t_compute_ms),
+                 "tok/s DBO": "-" if p.tokens_per_s_dbo is None else _num(p.tokens_per_s_dbo),
+                 "comp ms": _opt(p.t_compute_ms),
                  "comm ms": _opt(p.t_comm_ms), "both ms": _opt(p.t_both_ms),
                  "split ms": _opt(p.t_split_ms), "ceiling": _opt(p.ceiling),
                  "eta": _opt(p.eta, "{:.2f}"), "eta rounds": eta_rounds_cell(p),
-                 "gate": p.gate, "gated": f"{p.gated_speedup:.3f}"}
+                 "gate": p.gate, "gated": f"{p.gated_speedup:.3f}",
+                 "best": f"{p.best_overlap} {p.best_speedup:.3f}"}
         lines.append("  ".join(f"{cells[name]:>{w}}" for name, w in cols))
     lines.append("")
     lines.append("gate decisions:")
     for p in result.points:
-        split = "" if p.dbo_split else f" [DBO-on step NOT split: {p.dbo_split_reason}]"
+        split = ("" if p.dbo_split or p.t_dbo_ms is None
+                 else f" [DBO-on step NOT split: {p.dbo_split_reason}]")
+        sbo = f" [SBO {p.sbo_note}]" if p.sbo_note else ""
         note = ""
         if p.eta is None and p.t_both_ms is not None:
             note = f" (eta n/a: {p.eta_note})"
         elif p.eta is not None and p.eta_note:
             note = f" ({p.eta_note})"
         lines.append(f"  {p.backend:>7} T={p.tokens_per_rank:<6} {p.gate:>3}: "
-                     f"{p.gate_reason}{note}{split}")
+                     f"{p.gate_reason}{note}{split}{sbo}")
     lines.extend(prediction_lines(result))
     clocked = [p for p in result.points if p.sm_mhz]
     if clocked:
@@ -204,9 +222,12 @@ def format_table(result: SweepResult) -> str:
                      f"at {s['points_split']}); nothing overlaps on CPU: measure DBO on "
                      f"GPUs  [{cfg.regime}]")
     else:
-        lines.append(f"summary: best speedup {s['max_speedup']:.3f}x; worst gated speedup "
-                     f"{s['min_gated_speedup']:.3f}x; gated never >1% slower: "
-                     f"{s['gated_never_slower_than_1pct']}  [{cfg.regime}]")
+        dbo = "-" if s["max_speedup"] is None else f"{s['max_speedup']:.3f}x"
+        best = max(result.points, key=lambda p: p.best_speedup)
+        lines.append(f"summary: best DBO speedup {dbo}; best overlap {best.best_overlap} "
+                     f"{best.best_speedup:.3f}x ({best.backend}, {best.tokens_per_rank}/rank); "
+                     f"worst gated speedup {s['min_gated_speedup']:.3f}x; gated never >1% "
+                     f"slower: {s['gated_never_slower_than_1pct']}  [{cfg.regime}]")
     return "\n".join(lines)
 
 
@@ -222,6 +243,11 @@ def eta_rounds_cell(p: Point) -> str:
     if p.rounds < 2 or p.eta is None or p.eta_min is None or p.eta_max is None:
         return "-"
     return f"{p.eta_min:.2f}..{p.eta_max:.2f}"
+
+
+def _pair(rank0: Optional[float], most: Optional[float]) -> str:
+    """rank0/max of a timing, "-" where it was not timed."""
+    return "-" if rank0 is None or most is None else f"{rank0:.3f}/{most:.3f}"
 
 
 def _num(v: float) -> str:

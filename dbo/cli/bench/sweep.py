@@ -1,11 +1,13 @@
-"""The sweep: tokens per rank x backend x DBO off/on, the ceiling probe, the gate.
+"""The sweep: tokens per rank x backend x DBO off / SBO / DBO on, the ceiling probe, the gate.
 
     result = run_sweep(cfg, group=dist.group.WORLD, device=device)   # on every rank
     result.points[0].speedup, result.points[0].gate, ...
 
 Per point (backend outer, tokens inner, so a model is rebuilt only when it must be),
 `rounds` times in a row: DBO off timed, the ceiling probed on that same workload (GPU),
-DBO on timed, then its split compute (GPU; `dbo.cli.bench.ceiling.probe_split_compute`).
+single-batch overlap (SBO) timed on that same model (`dbo.cli.bench.sbo`), DBO on timed,
+then its split compute (GPU; `dbo.cli.bench.ceiling.probe_split_compute`); `--overlaps`
+leaves out SBO or DBO.
 A backend whose exchange is not made of the collectives the probe records (DeepEP,
 symm_mem: `dbo.cli.bench.probe_scope`) gets no probe, split compute, phase times or
 prediction; its point says why (`probe_note`).
@@ -41,11 +43,12 @@ import torch.distributed as dist
 from dbo.cli.bench.ceiling import probe_ceiling, probe_split_compute
 from dbo.cli.bench.config import BenchConfig
 from dbo.calibration import Calibration, MeasuredPoint
-from dbo.cli.bench.gating import GateDecision, GatePolicy
+from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.phases import probe_phases, step_is_decode
 from dbo.cli.bench.point import Point, Round, add_rounds, make_point
 from dbo.cli.bench.predicted import attach_prediction, bench_calibration, covered
 from dbo.cli.bench.probe_scope import probe_scope
+from dbo.cli.bench.sbo import DBO_SKIPPED, attach_sbo, gate_point, measure_sbo, sbo_missing
 from dbo.cli.bench.timing import SpanFn, no_spans, time_steps
 from dbo.cli.bench.workload import WorkloadFactory
 from traces.capture import capture
@@ -78,7 +81,8 @@ def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
     calibration = bench_calibration(cfg.calibration)
     probe_note = PROBE_MEASURED if device.type == "cuda" else PROBE_SKIPPED_CPU
     show = cfg.progress and factory.rank == 0
-    progress = Progress(len(cfg.backends) * len(cfg.tokens) * 2 * cfg.rounds, enabled=show)
+    progress = Progress(len(cfg.backends) * len(cfg.tokens) * (1 + len(cfg.overlaps))
+                        * cfg.rounds, enabled=show)
     timing = dict(device=device, group=group, warmup=cfg.warmup, iters=cfg.iters)
     clocks = ClockLog.start(device) if factory.rank == 0 else None
     points = []
@@ -102,7 +106,7 @@ def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
 
 #: The timings whose clock a point reports (name -> label), in the report's order.
 CLOCKED = {"nodbo": "no DBO", "dbo": "DBO", "split": "split", "compute": "compute",
-           "comm": "comm", "both": "both"}
+           "comm": "comm", "both": "both", "sbo": "SBO"}
 
 
 def _clock_spans(clocks: Optional[ClockLog], backend: str, tokens: int) -> SpanFn:
@@ -124,13 +128,14 @@ def attach_clocks(point: Point, clocks: ClockLog) -> None:
 def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                    progress: "Progress", *, backend: str, tokens: int,
                    timing: dict[str, Any], span: SpanFn, calibration: Calibration) -> Point:
-    """`cfg.rounds` rounds of (DBO off, the probe (GPU), the gate's trial, DBO on, its
-    split compute (GPU)), then the gate. Workloads die within a round, so the factory can
+    """`cfg.rounds` rounds of (DBO off, the probe (GPU), SBO's trial and SBO, DBO's trial,
+    DBO on, its split compute (GPU)), then the gate. Workloads die within a round, so the factory can
     free a model before building the next one."""
     on_gpu = factory.device.type == "cuda"
     rounds: list[Round] = []
     trial_speedups: list[float] = []
     phases: Optional[MeasuredPoint] = None
+    sbo_note = ""
     prediction = None  # the calibration's, where it covers this point: no trials then
     for index in range(cfg.rounds):
         tag = f" (round {index + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""
@@ -152,40 +157,54 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
             phases = probe_phases(off, **timing, tokens=tokens, decode=decode,
                                   backend=backend, label=f"bench {cfg.mode} {cfg.preset} "
                                   f"w{factory.world_size} {cfg.regime}")
+            sbo_note = sbo_missing(cfg, off.model)
+        sbo = None
+        if not sbo_note:  # the SBO model is the DBO-off one: no rebuild between them
+            progress.step(f"{backend} T={tokens}/rank: SBO" + tag)
+            sbo = measure_sbo(factory, cfg, backend=backend, tokens=tokens, t_off=t_off,
+                              timing=timing, span=span, trial=prediction is None)
         del off  # a2a_ll's DBO-on model differs: let the factory free this one first
-        progress.step(f"{backend} T={tokens}/rank: DBO on" + tag)
-        on = factory.get(tokens=tokens, backend=backend, dbo=True)
-        # The gate's trial of this round: its own short timing, before (and apart from)
-        # the reported one, against this round's DBO-off time, after as many warmup
-        # steps. Trials of a host-bound point still spread widely (a2a at 1024 tokens on
-        # 4x H200: 0.67-1.07x within one run), hence one per round and the worst decides.
-        if prediction is None:
-            trial = time_steps(on.step, **{**timing, "iters": cfg.gate_trial_iters})
-            trial_speedups.append(t_off.max_ms / trial.max_ms)
-        t_on = time_steps(on.step, **timing, span=span("dbo"))
-        if index == 0:
-            _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
-        was_split, split_reason = on.was_split, on.split_reason  # of the timed steps
-        t_split = (probe_split_compute(on, **timing, span=span, cuda_graph=cfg.cuda_graph)
-                   if probe else None)
-        rounds.append(Round(t_off, t_on, ceiling, was_split, split_reason, t_split))
-        del on
+        t_on = t_split = None
+        was_split, split_reason = False, DBO_SKIPPED
+        if "dbo" in cfg.overlaps:
+            progress.step(f"{backend} T={tokens}/rank: DBO on" + tag)
+            on = factory.get(tokens=tokens, backend=backend, dbo=True)
+            # The gate's trial of this round: its own short timing, before (and apart
+            # from) the reported one, against this round's DBO-off time, after as many
+            # warmup steps. Trials of a host-bound point still spread widely (a2a at 1024
+            # tokens on 4x H200: 0.67-1.07x within one run), hence one per round and the
+            # worst decides.
+            if prediction is None:
+                trial = time_steps(on.step, **{**timing, "iters": cfg.gate_trial_iters})
+                trial_speedups.append(t_off.max_ms / trial.max_ms)
+            t_on = time_steps(on.step, **timing, span=span("dbo"))
+            if index == 0:
+                _maybe_trace(cfg, factory, on.step, f"{backend}_T{tokens}_dbo-on")
+            was_split, split_reason = on.was_split, on.split_reason  # of the timed steps
+            t_split = (probe_split_compute(on, **timing, span=span, cuda_graph=cfg.cuda_graph)
+                       if probe else None)
+            del on
+        rounds.append(Round(t_off, t_on, ceiling, was_split, split_reason, t_split, sbo))
     merged = Round.median(rounds)
-    decision = gate.decide(tokens_per_rank=tokens,
-                           ceiling=None if merged.ceiling is None else merged.ceiling.ceiling,
-                           trial_speedups=trial_speedups,
-                           no_probe_reason=scope.gate_reason if not scope.measurable
-                           else "probe skipped on CPU")
-    if prediction is not None:
-        decision = GateDecision(prediction.chosen == "dbo", f"prediction: {prediction.reason}")
+    decision = (gate.decide(tokens_per_rank=tokens,
+                            ceiling=None if merged.ceiling is None else merged.ceiling.ceiling,
+                            trial_speedups=trial_speedups,
+                            no_probe_reason=scope.gate_reason if not scope.measurable
+                            else "probe skipped on CPU")
+                if "dbo" in cfg.overlaps else None)
+    sbo_rounds = [r.sbo for r in rounds if r.sbo is not None]
+    choice = gate_point(gate, dbo=decision, dbo_trials=trial_speedups, sbo_rounds=sbo_rounds,
+                        sbo_note=sbo_note, dbo_note="" if decision else DBO_SKIPPED,
+                        prediction=prediction)
     point = make_point(cfg, backend=backend, tokens=tokens, world_size=factory.world_size,
                        t_off=merged.t_off, t_on=merged.t_on, ceiling=merged.ceiling,
                        split=merged.split, split_reason=merged.split_reason,
-                       use_dbo=decision.use_dbo, gate_reason=decision.reason,
+                       use_dbo=choice.mode == "dbo", gate_reason=choice.reason,
                        t_split=merged.t_split)
     add_rounds(point, rounds)
     point.trial_speedups = trial_speedups
     point.probe_note = scope.note
+    attach_sbo(point, sbo_rounds, note=sbo_note, choice=choice)
     if phases is not None:
         attach_prediction(point, phases, calibration)
     return point

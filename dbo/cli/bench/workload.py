@@ -5,6 +5,8 @@
     out = off.step()                      # the model called directly (DBO off)
     on = factory.get(tokens=1024, backend="a2a", dbo=True)
     out = on.step()                       # DBORunner(model, factory.dbo_config)(...)
+    sbo = factory.get(tokens=1024, backend="a2a", dbo=False, sbo=True)
+    out = sbo.step()                      # the same, with DBOConfig(overlap="sbo")
 
 Layer mode: a `LayerStack` of the preset's MoE layer shape, inputs [T, H], DBO split
 "tokens". Decode mode: a `DecodeStack` (`dbo.cli.bench.decode_stack`), T requests of one
@@ -17,7 +19,9 @@ cache in this mode, so a request is never cut: `dbo.split`).
 
 `a2a_ll` and `deepep_ll` have a fixed capacity per rank: the DBO-off model gets max_tokens_per_rank = T,
 the DBO-on model the larger ubatch of the split the runner will make (so DBO moves no
-more padding than the unsplit step), computed with the runner's own planner. `symm_mem`
+more padding than the unsplit step), computed with the runner's own planner. A
+single-batch-overlap (SBO) step is not split: it runs on the DBO-off model, through a
+runner whose policy never splits (`DBOConfig(overlap="sbo")`, `dbo.overlap`). `symm_mem`
 sizes its buffers by a capacity but moves only routed rows: both models get T. The factory
 keeps one model alive, rebuilt only when the backend or that capacity changes.
 """
@@ -147,7 +151,11 @@ class WorkloadFactory:
                                    max_requests=max(self.cfg.tokens))
                    if self.cfg.mode == "decode" else {})}
 
-    def get(self, *, tokens: int, backend: str, dbo: bool) -> Workload:
+    def get(self, *, tokens: int, backend: str, dbo: bool, sbo: bool = False) -> Workload:
+        """The workload of one point: the model called directly (`dbo` and `sbo` False),
+        through a DBO runner (`dbo`), or through a runner that overlaps within the one
+        unsplit batch (`sbo`; a `GraphedRunner` around either under --cuda-graph)."""
+        assert not (dbo and sbo), "a workload runs DBO (two ubatches) or SBO (one)"
         capacity = None
         if backend in FIXED_CAPACITY_BACKENDS:
             capacity = self.ubatch_capacity(tokens) if dbo else tokens
@@ -158,8 +166,10 @@ class WorkloadFactory:
         model = self._get_model(backend, capacity)
         args, kwargs = self._get_inputs(tokens)
         runner: Optional[Union[DBORunner, GraphedRunner]] = None
-        if dbo:
-            runner = DBORunner(model, self.dbo_config, group=self.group)
+        if dbo or sbo:
+            config = (dataclasses.replace(self.dbo_config, overlap="sbo") if sbo
+                      else self.dbo_config)
+            runner = DBORunner(model, config, group=self.group)
             if self.cfg.cuda_graph:
                 runner = GraphedRunner(runner, warmup=max(self.cfg.warmup, 1))
         return Workload(model, args, kwargs, tokens, runner)
