@@ -109,6 +109,13 @@ class MoEConfig:
     True)`) sends the other ranks' expert outputs first and computes its own rows while
     that combine is in flight (a2a, a2a_ll): the step's final combine is otherwise exposed.
     In a single-batch-overlap step (`DBOConfig.overlap`) every MoE layer's combine splits so."""
+    combine_chunks: int = 1
+    """In a single-batch-overlap step, backend `a2a_ll` only: run the experts on the rows
+    other ranks sent in this many chunks (slot positions [i*C/n, (i+1)*C/n) of every
+    rank's block, C = max_tokens_per_rank) and send each chunk's combine while the next
+    chunk's experts run, then this rank's own rows under the last one. 1 = the combine
+    whole (with `split_last_combine`'s split). Each chunk reads the weights of the
+    experts its rows use, so n chunks may read an expert's weights up to n times."""
     kernels: KernelPolicy = KernelPolicy()
     """Which path the router, the backends' row kernels and the Triton experts take
     (`moe.kernels.policy`); the default is the shipped choice."""
@@ -183,6 +190,7 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.expert_chunk_size={self.expert_chunk_size!r}: must be a positive int."
             )
+        self._check_combine_chunks()
         if self.deepep_v2_mode not in _DEEPEP_V2_MODES:
             raise ValueError(f"MoEConfig.deepep_v2_mode={self.deepep_v2_mode!r} is not a "
                              f"deepep_v2 mode: use one of {_DEEPEP_V2_MODES}.")
@@ -232,6 +240,18 @@ class MoEConfig:
                     f"use_correction_bias scores a group by its top-2 experts: use n_group <= "
                     f"{self.num_experts // 2}."
                 )
+
+    def _check_combine_chunks(self) -> None:
+        chunks = self.combine_chunks
+        if not _is_int(chunks) or chunks < 1:
+            raise ValueError(f"MoEConfig.combine_chunks={chunks!r}: must be a positive int "
+                             f"(1 = the combine in one piece).")
+        capacity = self.max_tokens_per_rank
+        if capacity is not None and chunks > capacity:
+            raise ValueError(
+                f"MoEConfig.combine_chunks={chunks} exceeds max_tokens_per_rank={capacity}: "
+                f"each chunk takes at least one slot row of every rank's block; use at most "
+                f"{capacity} chunks.")
 
     def _check_custom_routing(self) -> None:
         fn = self.custom_routing_function

@@ -28,6 +28,13 @@ receive, and every layer's combine is split as above (with `split_combine`'s con
 `MoEConfig.split_last_combine`): the other ranks' rows go first and this rank's own
 rows are computed under that combine. Same operations on the same rows as without
 overlap, only queued in another order.
+
+The chunked combine (SBO only, `MoEConfig.combine_chunks` > 1, backends with
+`chunks_combine`: a2a_ll): the experts run on the other ranks' rows in chunks, each
+chunk's combine sent on the comm stream while the next chunk's experts run, the own rows
+last (`PrepareFinalize.finalize_chunked_async`). It replaces the split above; a chunk
+count of 1, and DBO steps, take the path above. The same rows go through the experts
+once each, in other row groups (equal within floating-point rounding).
 """
 from __future__ import annotations
 
@@ -46,7 +53,7 @@ from dbo.yield_points import (
     dbo_single_batch_overlap,
     dbo_yield,
 )
-from moe.backends.base import OwnRows, Pending, PrepareFinalize, R
+from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, R
 from moe.config import MoEConfig
 from moe.experts.base import Experts
 from moe.workspace import Workspace, WorkspaceSets
@@ -111,6 +118,11 @@ class ModularKernel:
                 shared_TH = shared_experts(x_TH)  # under the dispatch
         with phase_scope("dispatch_recv", layer=layer):
             dispatched = await_pending(pending)
+        if sbo and self.config.combine_chunks > 1 and self.backend.chunks_combine:
+            pending_out = self._chunked_combine(dispatched, w13_EIH, w2_EHI, workspace, layer)
+            with phase_scope("combine_recv", layer=layer):
+                out_TH = await_pending(pending_out)
+            return out_TH if shared_TH is None else out_TH + shared_TH
         own = None
         if ((split_combine or (sbo and self.config.split_last_combine)) and dbo_enabled()
                 and dbo_is_last_ubatch()):
@@ -139,6 +151,21 @@ class ModularKernel:
         with phase_scope("combine_recv", layer=layer):
             out_TH = await_pending(pending_out)
         return out_TH if shared_TH is None else out_TH + shared_TH
+
+    def _chunked_combine(self, dispatched: Dispatched, w13_EIH: Tensor, w2_EHI: Tensor,
+                         workspace: Workspace, layer: Optional[int]) -> Pending[Tensor]:
+        """The experts and the combine interleaved by the backend (`combine_chunks`
+        chunks; see the module doc): each chunk's experts are an `experts` phase inside
+        the `combine_send` phase that queues the chunks' transfers."""
+        def run_experts(x_NH: Tensor, ids_NK: Tensor, weights_NK: Tensor) -> Tensor:
+            with phase_scope("experts", layer=layer):
+                return self._run_experts(x_NH, ids_NK, weights_NK, w13_EIH, w2_EHI,
+                                         workspace)
+
+        with phase_scope("combine_send", layer=layer):
+            return self.backend.finalize_chunked_async(
+                run_experts, dispatched, num_chunks=self.config.combine_chunks,
+                workspace=workspace)
 
     def _prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor,
                        workspace: Workspace) -> Pending:

@@ -167,6 +167,10 @@ REJECTED = {
         ValueError,
         "DBOConfig(split_inside_requests=True), but "
         "MoETransformer.dbo_can_split_inside_request() is False"),
+    "more combine chunks than slot rows": (
+        lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                          max_tokens_per_rank=8, combine_chunks=9), ValueError,
+        "MoEConfig.combine_chunks=9 exceeds max_tokens_per_rank=8"),
     "unknown `deepep_v2` mode": (
         lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
                           deepep_v2_mode="eager"), ValueError,

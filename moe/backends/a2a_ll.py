@@ -22,6 +22,12 @@ queued its compute and yielded back (at a step's start, when the host is not ahe
 GPU, that wait left the compute stream idle for ~1.2 ms on 2x H200). Both halves send
 before they yield, so the comm stream still gets the ubatches' transfers alternating:
 dispatch 0, dispatch 1, combine 0, combine 1, dispatch 0 of the next layer, ...
+
+The chunked combine (`finalize_chunked_async`, `MoEConfig.combine_chunks` > 1, in a
+single-batch-overlap step): the slots being fixed-size, chunk i is the same slot
+positions of every other rank's block, one `all_to_all_single` with split sizes the host
+knows (`moe.backends.combine_chunks`); the own block goes last, computed under the last
+chunk's transfer. Nothing yields (one ubatch), no host read: graph-safe as above.
 """
 from __future__ import annotations
 
@@ -34,7 +40,9 @@ from torch import Tensor
 
 from dbo.failures import note_collective
 from dbo.yield_points import dbo_switch_to_comm_sync, dbo_switch_to_compute_async, dbo_yield
-from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
+from moe.backends.base import (Dispatched, OwnRows, Pending, PrepareFinalize, RunExperts,
+                               check_capacity)
+from moe.backends.combine_chunks import CombineChunks, plan_combine_chunks
 from moe.config import MoEConfig
 from moe.kernels.rows import pack_rows, sum_rows
 from moe.kernels.slots import ll_slots
@@ -64,6 +72,7 @@ class AllToAllLLBackend(PrepareFinalize):
                              "fixed capacity per rank): set it to the largest token count a "
                              "rank sends in one step")
         self.capacity = config.max_tokens_per_rank
+        self._chunk_plans: dict[tuple[int, torch.device], CombineChunks] = {}
 
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:
@@ -123,3 +132,56 @@ class AllToAllLLBackend(PrepareFinalize):
             return sum_rows(back_XH, handle.slot_TW, policy=self.config.kernels)
 
         return Pending(None, receiver)
+
+    @property
+    def chunks_combine(self) -> bool:
+        """With peers to send to: one rank has no combine to chunk."""
+        return self.world_size > 1
+
+    def finalize_chunked_async(self, run_experts: RunExperts, dispatched: Dispatched, *,
+                               num_chunks: int, workspace: Workspace) -> Pending[Tensor]:
+        """Per chunk (compute stream): the experts on the chunk's rows (gathered: a
+        chunk spans every peer's block); then on the comm stream its combine into its
+        rows of the chunked buffer. Last, the own block's experts, copied in on the
+        compute stream. The receiver waits for the last chunk (the comm stream runs them
+        in order) and sums each token's rows through the slot remap."""
+        handle: LLHandle = dispatched.handle
+        x_RH, ids_RK, weights_RK = (dispatched.x_RH, dispatched.topk_ids_RK,
+                                    dispatched.topk_weights_RK)
+        plan = self._chunk_plan(num_chunks, x_RH.device)
+        back_XH = workspace.get("a2a_ll.back", tuple(x_RH.shape), x_RH.dtype, x_RH.device)
+        wait = None
+        for chunk in plan.chunks:
+            rows_N = chunk.rows_N
+            send_NH = run_experts(x_RH.index_select(0, rows_N), ids_RK.index_select(0, rows_N),
+                                  weights_RK.index_select(0, rows_N)).contiguous()
+            dbo_switch_to_comm_sync()
+            note_collective("all_to_all_single")
+            dist.all_to_all_single(back_XH[chunk.out_rows], send_NH,
+                                   output_split_sizes=chunk.splits,
+                                   input_split_sizes=chunk.splits, group=self.group)
+            record_on_current_stream(send_NH)
+            wait = dbo_switch_to_compute_async()
+        own = plan.own_rows
+        # The own block's rows are a contiguous view: no gather. They never travel, so
+        # they are computed under the last chunk's transfer and copied in here.
+        back_XH[plan.own_out_rows].copy_(run_experts(x_RH[own], ids_RK[own], weights_RK[own]))
+        assert wait is not None  # num_chunks >= 1
+
+        def receiver() -> Tensor:
+            wait.wait()
+            return sum_rows(back_XH, plan.remap(handle.slot_TW), policy=self.config.kernels)
+
+        return Pending(None, receiver)
+
+    def _chunk_plan(self, num_chunks: int, device: torch.device) -> CombineChunks:
+        """The chunks' index tensors, built once per chunk count and device (eagerly,
+        before a CUDA graph's capture: a graph's warmup steps run first)."""
+        key = (num_chunks, device)
+        plan = self._chunk_plans.get(key)
+        if plan is None:
+            plan = plan_combine_chunks(world_size=self.world_size, rank=self.placement.rank,
+                                       capacity=self.capacity, num_chunks=num_chunks,
+                                       device=device)
+            self._chunk_plans[key] = plan
+        return plan

@@ -22,6 +22,11 @@ copy, not over the network. A backend that can say which rows those are lets the
 send the other ranks' outputs first and compute its own rows while that combine is in
 flight, handing their outputs over before it receives.
 
+A chunked combine (`chunks_combine`, `finalize_chunked_async`, single-batch overlap only):
+the backend runs the experts itself, through a callable, on one chunk of rows at a time
+and queues each chunk's combine before the next chunk's experts, so the transfer of one
+overlaps the GEMMs of the next.
+
 This is also the one module of helpers the backends share (`check_capacity`); the row
 layout they and their kernels share is `moe.row_layout`.
 """
@@ -40,6 +45,10 @@ from moe.row_layout import RowLayout
 from moe.workspace import Workspace
 
 R = TypeVar("R")
+
+#: The experts over some rows of a `Dispatched`: (x_NH, topk_ids_NK, topk_weights_NK) ->
+#: out_NH, the weighted outputs in x's dtype, on the compute stream.
+RunExperts = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 class Pending(NamedTuple, Generic[R]):
@@ -189,6 +198,21 @@ class PrepareFinalize(ABC):
         take their outputs after its send (`finalize_async(own=...)`); None (this
         default) where the backend cannot split its combine."""
         return None
+
+    @property
+    def chunks_combine(self) -> bool:
+        """Whether `finalize_chunked_async` runs here; False (this default) where the
+        backend's combine cannot be sent in chunks."""
+        return False
+
+    def finalize_chunked_async(self, run_experts: RunExperts, dispatched: Dispatched, *,
+                               num_chunks: int, workspace: Workspace) -> Pending[Tensor]:
+        """Experts and combine interleaved (only where `chunks_combine`): `run_experts` on
+        one chunk of `dispatched`'s rows, that chunk's combine queued on the comm stream,
+        the next chunk's experts under it, ...; the receiver gives out_TH as
+        `finalize_async` does. Every row goes through `run_experts` exactly once."""
+        raise TypeError(f"backend {self.name!r} cannot send its combine in chunks "
+                        f"(chunks_combine is False): call finalize_async")
 
     def refuse_split(self, own: Optional[OwnRows]) -> None:
         """For backends without a split combine: `own` must be None."""
