@@ -117,6 +117,20 @@ def test_split_combine_switch_reaches_the_layers() -> None:
         assert all(layer.config.split_last_combine is split for layer in stack.moe)
 
 
+def test_combine_chunks_reach_the_no_overlap_layers() -> None:
+    from dbo.cli.bench.workload import WorkloadFactory
+
+    argv = ["--device", "cpu", "--tokens", "8", "--backends", "a2a_ll", "--combine-chunks", "4"]
+    cfg = config_from_args(build_parser().parse_args(argv), {})
+    assert cfg.combine_chunks == 4 and cfg.summary()["combine_chunks"] == 4
+    factory = WorkloadFactory(cfg, group=None, device=torch.device("cpu"))
+    stack = factory.get(tokens=8, backend="a2a_ll", dbo=False).model
+    assert all(layer.config.combine_chunks == 4 for layer in stack.moe)
+    with pytest.raises(ValueError, match="combine_chunks=9 must be an int from 1 to the "
+                                         "smallest point's 8 tokens"):
+        config_from_args(build_parser().parse_args([*argv[:-1], "9"]), {})
+
+
 def test_gate_thresholds_then_probe_then_trial() -> None:
     gate = GatePolicy(min_tokens_per_rank=512, min_gain=0.03)
     small = gate.decide(tokens_per_rank=256, ceiling=1.4, trial_speedups=[1.3])

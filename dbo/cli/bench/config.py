@@ -161,6 +161,10 @@ class BenchConfig:
     split_last_combine: bool = True
     """The last MoE layer's last ubatch sends the other ranks' rows before computing its
     own (`MoEConfig.split_last_combine`); False runs that layer like the others."""
+    combine_chunks: int = 1
+    """SBO steps of `a2a_ll`: the combine in this many chunks, each sent under the next
+    chunk's experts (`MoEConfig.combine_chunks`); at most the smallest point's tokens
+    (requests in decode mode), the capacity of its no-overlap model."""
     gemm_sm_carveout: int = DBOConfig().gemm_sm_carveout or 0
     """SMs that torch's GEMMs leave to the comm kernels in DBO steps and in the probe's
     `both` (`DBOConfig.gemm_sm_carveout`); 0: every SM."""
@@ -209,6 +213,10 @@ class BenchConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
+        if not _is_int(self.combine_chunks) or not 1 <= self.combine_chunks <= min(self.tokens):
+            raise ValueError(f"combine_chunks={self.combine_chunks!r} must be an int from 1 to "
+                             f"the smallest point's {min(self.tokens)} tokens per rank (each "
+                             f"chunk takes one slot row per rank): lower --combine-chunks")
         if self.mode == "model" and self.requests > min(self.tokens):
             raise ValueError(f"requests={self.requests} per rank exceeds the smallest token "
                              f"count {min(self.tokens)}: every request needs a token; lower "
@@ -303,6 +311,7 @@ class BenchConfig:
                 "context": self.context,
                 "experts": self.experts, "iters": self.iters, "warmup": self.warmup,
                 "rounds": self.rounds, "split_last_combine": self.split_last_combine,
+                "combine_chunks": self.combine_chunks,
                 "gemm_sm_carveout": self.gemm_sm_carveout, "cuda_graph": self.cuda_graph,
                 "overlaps": list(self.overlaps),
                 "min_gain": self.min_gain, "gate_min_tokens": self.gate_min_tokens,

@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the last MoE layer's last ubatch like the others (by default "
                         "it sends the other ranks' rows first and computes its own while "
                         "that combine is in flight)")
+    p.add_argument("--combine-chunks", type=int, default=d.combine_chunks, metavar="N",
+                   help="a2a_ll in SBO steps: send the combine in N chunks, each under the "
+                        "next chunk's experts (1: whole)")
     p.add_argument("--gemm-sm-carveout", type=int, default=d.gemm_sm_carveout,
                    metavar="N",
                    help="SMs that torch's GEMMs leave to the comm kernels in DBO steps and "
@@ -189,6 +192,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         regime=regime_label(device, p2p_disabled=p2p_disabled), out_dir=args.out,
         seed=args.seed, plot=not args.no_plot, progress=not args.no_progress,
         trace=args.trace, split_last_combine=not args.no_split_combine,
+        combine_chunks=args.combine_chunks,
         gemm_sm_carveout=args.gemm_sm_carveout, cuda_graph=args.cuda_graph,
         overlaps=(tuple(o for group in args.overlaps for o in group) if args.overlaps
                   else OVERLAPS),

@@ -201,8 +201,13 @@ class WorkloadFactory:
         self._model = None  # free the old weights before allocating the new ones
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        # Only SBO steps chunk their combine, on the no-overlap model (capacity T); the
+        # DBO model's smaller capacity may hold fewer slot rows than chunks.
+        chunks = self.cfg.combine_chunks if capacity is None else min(self.cfg.combine_chunks,
+                                                                       capacity)
         moe = dataclasses.replace(self.base_moe, max_tokens_per_rank=capacity,
-                                  backend=backend, experts=self.cfg.experts)
+                                  backend=backend, experts=self.cfg.experts,
+                                  combine_chunks=chunks)
         if self.cfg.mode == "layer":
             model = LayerStack(moe, num_layers=self.num_layers,
                                attn_context=self.cfg.attn_context, group=self.group,
