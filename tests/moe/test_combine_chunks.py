@@ -75,8 +75,9 @@ def test_chunk_count_without_a_capacity_is_accepted():
 
 def _all_on_expert_five(logits_TE: torch.Tensor, top_k: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    ones = torch.ones(logits_TE.shape[0], top_k)
-    return ones, torch.full((logits_TE.shape[0], top_k), 5, dtype=torch.int64)
+    shape, device = (logits_TE.shape[0], top_k), logits_TE.device
+    return (torch.ones(shape, device=device),
+            torch.full(shape, 5, dtype=torch.int64, device=device))
 
 
 # name: (MoEConfig overrides, tokens per rank)
@@ -89,28 +90,29 @@ SCENARIOS = {
 }
 
 
-def make_layer(overrides: dict, *, last_layer: bool = False) -> MoELayer:
+def make_layer(overrides: dict, *, last_layer: bool = False, device: str = "cpu"
+               ) -> MoELayer:
     cfg = replace(BASE, **overrides)
     layer = MoELayer(cfg, group=dist.group.WORLD, last_layer=last_layer)
     layer.load_weights(init_moe_weights(cfg, seed=7))
     if layer.shared_experts is not None:
         layer.shared_experts.load_state_dict(SharedExperts.from_config(cfg, seed=3).state_dict())
-    return layer
+    return layer.to(device)
 
 
-def sbo_errors(rank: int, world_size: int) -> dict[str, float]:
+def sbo_errors(rank: int, world_size: int, device: str = "cpu") -> dict[str, float]:
     """max |SBO - no overlap| per scenario, chunk count and last_layer."""
     torch.manual_seed(100 + rank)
     errors = {}
     for name, (overrides, tokens) in SCENARIOS.items():
-        x = torch.randn(tokens[rank], BASE.hidden_size)
+        x = torch.randn(tokens[rank], BASE.hidden_size).to(device)
         with torch.no_grad():
-            want = make_layer(overrides)(x)
+            want = make_layer(overrides, device=device)(x)
             for chunks in (1, 2, 4):
                 for last in (False, True):
                     layer = make_layer({**overrides, "combine_chunks": chunks},
-                                       last_layer=last)
-                    (out,) = UBatchScheduler("cpu").run([lambda: layer(x)])
+                                       last_layer=last, device=device)
+                    (out,) = UBatchScheduler(device).run([lambda: layer(x)])
                     assert out.shape == x.shape
                     errors[f"{name}/chunks={chunks}/last={last}"] = (
                         (out - want).abs().max().item() if out.numel() else 0.0)
@@ -120,6 +122,17 @@ def sbo_errors(rank: int, world_size: int) -> dict[str, float]:
 @pytest.mark.distributed
 def test_sbo_with_chunks_equals_no_overlap():
     for rank, errors in enumerate(run_distributed(2, sbo_errors)):
+        assert len(errors) == len(SCENARIOS) * 3 * 2
+        for case, error in errors.items():
+            assert error <= 1e-5, f"rank {rank} {case}: SBO differs by {error}"
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_sbo_with_chunks_equals_no_overlap_over_nccl():
+    """The same on two GPUs: the chunks' collectives really run on the comm stream,
+    under the next chunk's experts on the compute stream."""
+    for rank, errors in enumerate(run_distributed(2, sbo_errors, "cuda", backend="nccl")):
         assert len(errors) == len(SCENARIOS) * 3 * 2
         for case, error in errors.items():
             assert error <= 1e-5, f"rank {rank} {case}: SBO differs by {error}"
