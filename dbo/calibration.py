@@ -93,12 +93,27 @@ class MeasuredPoint:
     """Graphed compute-alone step / sum of the eager compute phases (1.0: not rescaled)."""
     comm_scale: float = 1.0
     """Graphed comm-alone replay / eager dispatch + combine (1.0: not rescaled)."""
+    preset: str = ""
+    """The model shape the bench ran (`moe.models.presets` name; "" unknown: `dbo plan`
+    does not use the point)."""
+    mode: str = ""
+    """The bench's --mode: "layer" (an attention stand-in), "decode" or "model"."""
+    num_experts: int = 0
+    """Routed experts over all ranks (0 unknown)."""
+    world_size: int = 0
+    """Ranks of the run (0 unknown)."""
+    regime: str = ""
+    """The link its collectives crossed, a `Calibration.regimes` name ("nvlink",
+    "scale_out"; "" unknown or CPU gloo)."""
+    context: int = 0
+    """Decode: KV-cache tokens per request (0 otherwise)."""
 
     def __post_init__(self) -> None:
-        for name in ("tokens", "layers"):
+        for name, low in (("tokens", 1), ("layers", 1), ("num_experts", 0), ("world_size", 0),
+                          ("context", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MeasuredPoint.{name}={value!r}: must be an int >= 1.")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"MeasuredPoint.{name}={value!r}: must be an int >= {low}.")
         for name in ("decode", "cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MeasuredPoint.{name}={getattr(self, name)!r}: must be True "

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from dbo.calibration import Calibration, MeasuredPoint
+from dbo.cli.bench.config import EMULATED_REGIME, NVLINK_REGIME
 from dbo.cost_model import Prediction, predict
 from dbo.predicted_overlap import OverlapPredictor, point_inputs
 
@@ -67,6 +68,16 @@ def attach_prediction(point: Any, measured: MeasuredPoint, calibration: Calibrat
     if "sbo" in measured_ms:
         point.pred_err_sbo = times["sbo"] / measured_ms["sbo"] - 1.0
     point.measured_point = dataclasses.replace(measured, measured_ms=measured_ms)
+
+
+def bench_shape(point: MeasuredPoint, cfg: Any, *, num_experts: int, world_size: int
+                ) -> MeasuredPoint:
+    """`point` with the shape of the run that measured it (`cfg`: a `BenchConfig`), so
+    that `dbo plan` can evaluate its roofline at that shape."""
+    regime = {NVLINK_REGIME: "nvlink", EMULATED_REGIME: "scale_out"}.get(cfg.regime, "")
+    return dataclasses.replace(point, preset=cfg.preset, mode=cfg.mode,
+                               num_experts=num_experts, world_size=world_size, regime=regime,
+                               context=cfg.context if cfg.mode == "decode" else 0)
 
 
 def device_name(device: torch.device) -> str:

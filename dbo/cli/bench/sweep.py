@@ -47,7 +47,8 @@ from dbo.calibration import Calibration, MeasuredPoint
 from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.phases import probe_phases, step_is_decode, to_graph_mode
 from dbo.cli.bench.point import Point, Round, add_rounds, make_point
-from dbo.cli.bench.predicted import attach_prediction, bench_calibration, covered
+from dbo.cli.bench.predicted import (attach_prediction, bench_calibration, bench_shape,
+                                     covered)
 from dbo.cli.bench.probe_scope import probe_scope
 from dbo.cli.bench.sbo import DBO_SKIPPED, attach_sbo, gate_point, measure_sbo, sbo_missing
 from dbo.cli.bench.timing import SpanFn, no_spans, time_steps
@@ -206,6 +207,9 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
     point.trial_speedups = trial_speedups
     point.probe_note = scope.note
     attach_sbo(point, sbo_rounds, note=sbo_note, choice=choice)
+    if phases is not None:  # what `dbo plan` needs to find the roofline of this shape
+        phases = bench_shape(phases, cfg, num_experts=factory.num_experts,
+                             world_size=factory.world_size)
     if phases is not None and cfg.cuda_graph and merged.ceiling is not None:
         # The step times are of graph replays; the phases were timed eagerly.
         phases = to_graph_mode(phases, compute_ms=merged.ceiling.compute.max_ms,
