@@ -5,13 +5,15 @@ DBO 5.20 ms; the probe's graphed compute alone 2.77 ms, comm alone 0.44 ms; the 
 phases summed to 5.59 ms), hand-computed predictions."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dbo.calibration import Calibration, MeasuredPoint
-from dbo.cli.bench.config import BenchConfig
+from dbo.cli.bench.config import EMULATED_REGIME, NVLINK_REGIME, BenchConfig
 from dbo.cli.bench.phases import to_graph_mode
 from dbo.cli.bench.point import make_point
-from dbo.cli.bench.predicted import attach_prediction, prediction_lines
+from dbo.cli.bench.predicted import attach_prediction, bench_shape, prediction_lines
 from dbo.cli.bench.sweep import SweepResult
 from dbo.cli.bench.timing import Timing
 
@@ -80,3 +82,16 @@ def test_scales_round_trip_and_bad_scale_refused():
     with pytest.raises(ValueError, match="compute_scale"):
         MeasuredPoint(tokens=8, decode=True, layers=1, attention=1.0, experts=1.0,
                       dispatch=0.0, combine=0.0, compute_scale=0.0)
+
+
+def test_bench_points_record_the_shape_dbo_plan_needs():
+    cfg = BenchConfig(mode="decode", tokens=(64,), backends=("a2a_ll",), context=128)
+    point = bench_shape(EAGER, cfg, num_experts=16, world_size=2)
+    assert (point.preset, point.mode, point.num_experts, point.world_size, point.context) \
+        == (cfg.preset, "decode", 16, 2, 128)
+    assert point.regime == ""  # CPU gloo: no link of the calibration's
+    nvlink = dataclasses.replace(cfg, regime=NVLINK_REGIME)
+    assert bench_shape(EAGER, nvlink, num_experts=16, world_size=2).regime == "nvlink"
+    emulated = dataclasses.replace(cfg, regime=EMULATED_REGIME, mode="layer")
+    layer = bench_shape(EAGER, emulated, num_experts=16, world_size=2)
+    assert (layer.regime, layer.context) == ("scale_out", 0)
