@@ -85,14 +85,39 @@ class MeasuredPoint:
     """Where it comes from, e.g. "bench layer tiny w2 CPU gloo"."""
     measured_ms: dict[str, float] = field(default_factory=dict)
     """Step times measured here: "none" (DBO off), "dbo" (DBO on), "sbo" (single-batch overlap)."""
+    cuda_graph: bool = False
+    """The step times are of CUDA-graph replays, and the phase times were brought to that
+    mode: the hook-timed (eager) attention, shared and experts multiplied by
+    `compute_scale`, the eagerly replayed dispatch and combine by `comm_scale`."""
+    compute_scale: float = 1.0
+    """Graphed compute-alone step / sum of the eager compute phases (1.0: not rescaled)."""
+    comm_scale: float = 1.0
+    """Graphed comm-alone replay / eager dispatch + combine (1.0: not rescaled)."""
+    preset: str = ""
+    """The model shape the bench ran (`moe.models.presets` name; "" unknown: `dbo plan`
+    does not use the point)."""
+    mode: str = ""
+    """The bench's --mode: "layer" (an attention stand-in), "decode" or "model"."""
+    num_experts: int = 0
+    """Routed experts over all ranks (0 unknown)."""
+    world_size: int = 0
+    """Ranks of the run (0 unknown)."""
+    regime: str = ""
+    """The link its collectives crossed, a `Calibration.regimes` name ("nvlink",
+    "scale_out"; "" unknown or CPU gloo)."""
+    context: int = 0
+    """Decode: KV-cache tokens per request (0 otherwise)."""
 
     def __post_init__(self) -> None:
-        for name in ("tokens", "layers"):
+        for name, low in (("tokens", 1), ("layers", 1), ("num_experts", 0), ("world_size", 0),
+                          ("context", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MeasuredPoint.{name}={value!r}: must be an int >= 1.")
-        if not isinstance(self.decode, bool):
-            raise ValueError(f"MeasuredPoint.decode={self.decode!r}: must be True or False.")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"MeasuredPoint.{name}={value!r}: must be an int >= {low}.")
+        for name in ("decode", "cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MeasuredPoint.{name}={getattr(self, name)!r}: must be True "
+                                 f"or False.")
         values = {name: getattr(self, name) for name in (
             "attention", "experts", "dispatch", "combine", "shared", "comm_latency",
             "expert_weight_bytes", "attention_weight_bytes", "shared_weight_bytes")}
@@ -102,6 +127,10 @@ class MeasuredPoint:
                     or not 0.0 <= float(value) < math.inf):
                 raise ValueError(f"MeasuredPoint.{name}={value!r}: must be a finite number "
                                  f">= 0 (ms, or bytes).")
+        for name in ("compute_scale", "comm_scale"):
+            if not _finite_positive(getattr(self, name)):
+                raise ValueError(f"MeasuredPoint.{name}={getattr(self, name)!r}: must be a "
+                                 f"finite number > 0 (1.0: not rescaled).")
         if not _finite_positive(self.rows_per_expert):
             raise ValueError(f"MeasuredPoint.rows_per_expert={self.rows_per_expert!r}: must "
                              f"be > 0.")

@@ -10,6 +10,11 @@ Prints per phase (prefill: --tokens, decode: --requests, one token each) a table
 predicted step time and gain of each mode over the sweep, the smallest token count where
 DBO / SBO wins by the margin, the token counts where overlap loses, writes
 `plan.png` (with --out) and ends with one JSON line.
+
+The phase times are rooflines (`dbo.cli.plan_model`); where the --calibration file holds
+points `dbo bench` measured for this preset and phase, each is rescaled by measured /
+roofline at the nearest measured token counts (`dbo.cli.plan_measured`), and a line
+says which phases were rescaled from which points and which stayed roofline.
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from typing import Any, Optional
 from dbo.calibration import Calibration
 from dbo.cli import Parser, check_out_dir
 from dbo.cost_model import MODES, Prediction, predict
-from dbo.cli.plan_model import Cluster, step_inputs
+from dbo.cli.plan_measured import measured_scale
+from dbo.cli.plan_model import Cluster, comm_time, step_inputs
 
 DEFAULT_SWEEP = tuple(2 ** i for i in range(4, 15))  # 16 .. 16384 tokens per rank
 
@@ -78,6 +84,9 @@ def build_parser() -> Parser:
                    help="an overlap mode must win by at least this (0.01 = 1%%)")
     p.add_argument("--calibration", default=None,
                    help="calibration JSON file (default: illustrative H100/H200 figures)")
+    p.add_argument("--backend", default=None,
+                   help="use the --calibration's measured points of this MoE backend "
+                        "(needed where it holds several)")
     p.add_argument("--out", default=None, help="folder for plan.png (created if missing)")
     return p
 
@@ -112,18 +121,27 @@ def plan_phase(args: Any, model: Any, cluster: Cluster, cal: Calibration, *, dec
     """Predict every token count of the sweep and the point itself; print the table."""
     layers = args.layers or model.num_moe_layers
     kernels = 0 if args.cuda_graph else args.launches_per_layer
+    scale = measured_scale(cal, model, args.preset, decode=decode, backend=args.backend,
+                           context_len=args.context_len)
+    # inter- and intra-node bytes both grow with the tokens: one bound for the sweep.
+    _, _, regime = comm_time(model, cluster, tokens=point, bytes_per_row=1.0)
 
     def run(tokens: int) -> Prediction:
         times, shape = step_inputs(model, cluster, cal, tokens=tokens, decode=decode,
                                    context_len=args.context_len, layers=layers,
                                    fp8_dispatch=args.fp8_dispatch, kernels_per_layer=kernels)
+        if scale is not None:
+            times = scale.apply(times, tokens=tokens, comm_regime=regime)
         return predict(times, shape, cal, margin=args.margin, sbo_chunks=args.sbo_chunks)
 
     name = "decode" if decode else "prefill"
+    rescale = (scale.describe(regime) if scale is not None else
+               "roofline only (no measured points of this preset and phase in the calibration)")
     sweep = sorted(set(args.sweep) | {point})
     rows = [_point(run(t), t) for t in sweep]
     print(f"\nprediction, {name} ({'requests' if decode else 'tokens'} per rank), "
           f"{layers} MoE layers, EP {cluster.ep_size} on {cluster.nodes} node(s):")
+    print(f"phase times: {rescale}")
     print(f"{'tokens':>7} {'none ms':>9} {'dbo ms':>9} {'dbo gain':>9} {'sbo ms':>9} "
           f"{'sbo gain':>9}  chosen")
     for r in rows:
@@ -140,7 +158,7 @@ def plan_phase(args: Any, model: Any, cluster: Cluster, cal: Calibration, *, dec
           f"loses at: {_ranges(loses)}")
     print(f"prediction at {point}: {at['reason']}")
     return {"phase": name, "point": at, "sweep": rows, "thresholds": thresholds,
-            "overlap_loses_at": loses}
+            "overlap_loses_at": loses, "phase_times": rescale}
 
 
 def _plot(phases: list[dict[str, Any]], path: Path) -> None:

@@ -26,7 +26,7 @@ from dbo.calibration import Calibration
 from dbo.cost_model import PhaseTimes, StepShape
 from moe.models.presets import ModelConfig
 
-__all__ = ["Cluster", "step_inputs"]
+__all__ = ["Cluster", "comm_time", "step_inputs"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +62,26 @@ class Cluster:
 def _distinct(bins: float, picks: int) -> float:
     """Expected distinct bins hit by `picks` uniform picks among `bins`."""
     return bins * (1.0 - (1.0 - 1.0 / bins) ** picks)
+
+
+def comm_time(model: ModelConfig, cluster: Cluster, *, tokens: int, bytes_per_row: float
+              ) -> tuple[float, float, str]:
+    """(ms, latency ms, the regime that bounds it: "nvlink" or "scale_out") of one
+    dispatch or combine of one layer (module docstring: the formulas)."""
+    moe, T, ep = model.moe, tokens, cluster.ep_size
+    H, K = moe.hidden_size, moe.top_k
+    if cluster.nodes == 1:
+        others = _distinct(ep, K) * (ep - 1) / ep
+        lam = cluster.intra_latency_us * 1e-3
+        return T * others * H * bytes_per_row / (cluster.intra_gbs * 1e6) + lam, lam, "nvlink"
+    nodes = _distinct(cluster.nodes, K)
+    if moe.n_group is not None and moe.n_group > 1:
+        nodes = min(nodes, moe.topk_group)
+    remote = nodes * (cluster.nodes - 1) / cluster.nodes
+    inter = T * remote * H * bytes_per_row / (cluster.inter_gbs * 1e6)
+    intra = T * K * H * bytes_per_row / (cluster.intra_gbs * 1e6)
+    lam = cluster.inter_latency_us * 1e-3
+    return max(inter, intra) + lam, lam, "scale_out" if inter >= intra else "nvlink"
 
 
 def step_inputs(model: ModelConfig, cluster: Cluster, calibration: Calibration, *,
@@ -100,22 +120,9 @@ def step_inputs(model: ModelConfig, cluster: Cluster, calibration: Calibration, 
     a = max((2 * T * p_attn + core_flops) * flops_ms / cal.efficiency(T),
             (p_attn * bw + kv_bytes) * bytes_ms)
 
-    def comm(bytes_per_row: float) -> tuple[float, float]:
-        if cluster.nodes == 1:
-            others = _distinct(ep, K) * (ep - 1) / ep
-            lam = cluster.intra_latency_us * 1e-3
-            return T * others * H * bytes_per_row / (cluster.intra_gbs * 1e6) + lam, lam
-        nodes = _distinct(cluster.nodes, K)
-        if moe.n_group > 1:
-            nodes = min(nodes, moe.topk_group)
-        remote = nodes * (cluster.nodes - 1) / cluster.nodes
-        inter = T * remote * H * bytes_per_row / (cluster.inter_gbs * 1e6)
-        intra = T * K * H * bytes_per_row / (cluster.intra_gbs * 1e6)
-        lam = cluster.inter_latency_us * 1e-3
-        return max(inter, intra) + lam, lam
-
-    d, lam = comm(1 + 4 / 128 if fp8_dispatch else bw)
-    c, _ = comm(bw)
+    d, lam, _ = comm_time(model, cluster, tokens=T, bytes_per_row=1 + 4 / 128
+                          if fp8_dispatch else bw)
+    c, _, _ = comm_time(model, cluster, tokens=T, bytes_per_row=bw)
     times = PhaseTimes(attention=layers * a, shared=layers * s, experts=layers * x,
                        dispatch=layers * d, combine=layers * c, comm_latency=lam)
     shape = StepShape(layers=layers, tokens=T, rows_per_expert=rows_per_expert,

@@ -22,13 +22,16 @@ from typing import Any, Optional
 import torch
 
 from dbo.calibration import Calibration, MeasuredPoint
+from dbo.cli.bench.config import EMULATED_REGIME, NVLINK_REGIME
 from dbo.cost_model import Prediction, predict
 from dbo.predicted_overlap import OverlapPredictor, point_inputs
 
 CALIBRATION_FILE = "calibration.json"
 PREDICTION_NOTE = ("pred: the cost model (dbo.cost_model) on this point's measured phase "
                    "times (dispatch, combine replayed alone; attention, shared, experts timed "
-                   "by hooks in the compute-alone step); pred_err = predicted / measured - 1")
+                   "by hooks in the compute-alone step; under --cuda-graph both scaled to the "
+                   "probe's graphed compute alone and comm alone, compute_scale and "
+                   "comm_scale in calibration.json); pred_err = predicted / measured - 1")
 
 
 def bench_calibration(path: Optional[str]) -> Calibration:
@@ -65,6 +68,16 @@ def attach_prediction(point: Any, measured: MeasuredPoint, calibration: Calibrat
     if "sbo" in measured_ms:
         point.pred_err_sbo = times["sbo"] / measured_ms["sbo"] - 1.0
     point.measured_point = dataclasses.replace(measured, measured_ms=measured_ms)
+
+
+def bench_shape(point: MeasuredPoint, cfg: Any, *, num_experts: int, world_size: int
+                ) -> MeasuredPoint:
+    """`point` with the shape of the run that measured it (`cfg`: a `BenchConfig`), so
+    that `dbo plan` can evaluate its roofline at that shape."""
+    regime = {NVLINK_REGIME: "nvlink", EMULATED_REGIME: "scale_out"}.get(cfg.regime, "")
+    return dataclasses.replace(point, preset=cfg.preset, mode=cfg.mode,
+                               num_experts=num_experts, world_size=world_size, regime=regime,
+                               context=cfg.context if cfg.mode == "decode" else 0)
 
 
 def device_name(device: torch.device) -> str:
@@ -107,6 +120,9 @@ def prediction_lines(result: Any) -> list[str]:
         measured = "-" if functional or p.speedup is None else f"{p.speedup:.3f}"
         phases = "/".join(f"{p.phase_ms[k]:.3g}"
                           for k in ("attention", "shared", "experts", "dispatch", "combine"))
+        mp = p.measured_point
+        if mp is not None and mp.cuda_graph:  # eager phases scaled to the graphed step
+            phases += f" (eager x{mp.compute_scale:.3g} compute, x{mp.comm_scale:.3g} comm)"
         err_dbo = "-" if p.pred_err_dbo is None else f"{p.pred_err_dbo:+.1%}"
         lines.append(f"  {p.tokens_per_rank:>6} {p.backend:>7} {p.t_nodbo_pred_ms:>10.3f} "
                      f"{p.pred_err_nodbo:>+7.1%} {p.t_dbo_pred_ms:>9.3f} {err_dbo:>7} "

@@ -11,8 +11,9 @@ leaves out SBO or DBO.
 A backend whose exchange is not made of the collectives the probe records (DeepEP,
 symm_mem: `dbo.cli.bench.probe_scope`) gets no probe, split compute, phase times or
 prediction; its point says why (`probe_note`).
-In round 0 the point's per-phase times are measured too (`dbo.cli.bench.phases`), and
-the cost model's prediction from them is reported beside the measured times
+In round 0 the point's per-phase times are measured too (`dbo.cli.bench.phases`;
+eagerly, then under --cuda-graph scaled to the probe's graphed compute alone and comm
+alone, `phases.to_graph_mode`), and the cost model's prediction from them is reported beside the measured times
 (`dbo.cli.bench.predicted`). Then the gate is decided from the tokens and the measured
 ceiling and trials, or, where a --calibration's measured points cover the point, from
 the prediction, with no trial steps. Times are medians
@@ -44,9 +45,10 @@ from dbo.cli.bench.ceiling import probe_ceiling, probe_split_compute
 from dbo.cli.bench.config import BenchConfig
 from dbo.calibration import Calibration, MeasuredPoint
 from dbo.cli.bench.gating import GatePolicy
-from dbo.cli.bench.phases import probe_phases, step_is_decode
+from dbo.cli.bench.phases import probe_phases, step_is_decode, to_graph_mode
 from dbo.cli.bench.point import Point, Round, add_rounds, make_point
-from dbo.cli.bench.predicted import attach_prediction, bench_calibration, covered
+from dbo.cli.bench.predicted import (attach_prediction, bench_calibration, bench_shape,
+                                     covered)
 from dbo.cli.bench.probe_scope import probe_scope
 from dbo.cli.bench.sbo import DBO_SKIPPED, attach_sbo, gate_point, measure_sbo, sbo_missing
 from dbo.cli.bench.timing import SpanFn, no_spans, time_steps
@@ -205,6 +207,13 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
     point.trial_speedups = trial_speedups
     point.probe_note = scope.note
     attach_sbo(point, sbo_rounds, note=sbo_note, choice=choice)
+    if phases is not None:  # what `dbo plan` needs to find the roofline of this shape
+        phases = bench_shape(phases, cfg, num_experts=factory.num_experts,
+                             world_size=factory.world_size)
+    if phases is not None and cfg.cuda_graph and merged.ceiling is not None:
+        # The step times are of graph replays; the phases were timed eagerly.
+        phases = to_graph_mode(phases, compute_ms=merged.ceiling.compute.max_ms,
+                               comm_ms=merged.ceiling.comm.max_ms)
     if phases is not None:
         attach_prediction(point, phases, calibration)
     return point
