@@ -227,7 +227,8 @@ class GraphedRunner:
         finally:
             rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
         assert plan is not None and x is not None  # else the vote raised
-        plan = runner.choose_overlap(plan_after_vote(plan, tally.split, tally.max_tokens))
+        plan = runner.choose_overlap(plan_after_vote(plan, tally.split, tally.max_tokens,
+                                                     tally.all_decode))
         runner.last_decision = plan
         runner.check_capacity(plan, tally, cuda_graph=True)
         all_split, all_unsplit = tally.have_graphs
@@ -251,7 +252,8 @@ class GraphedRunner:
         """Capture the step `decided` (after the vote) on copies of the inputs."""
         static_args = tree_map(_clone_cuda, args)
         static_kwargs = tree_map(_clone_cuda, kwargs)
-        step = decided_step(self.runner, static_args, static_kwargs, split=decided.split)
+        step = decided_step(self.runner, static_args, static_kwargs, split=decided.split,
+                            voted=decided)
         captured = capture_graph(step, device=device, warmup=self.warmup)
         self.num_captures += 1
         return _Entry(captured, static_args, static_kwargs, device)
@@ -266,13 +268,19 @@ def _release(entries: list[_Entry]) -> None:
         torch.cuda.synchronize(device)
 
 
-def decided_step(runner: DBORunner, args: tuple, kwargs: dict, *,
-                 split: bool) -> Callable[[], Any]:
+def decided_step(runner: DBORunner, args: tuple, kwargs: dict, *, split: bool,
+                 voted: Optional[SplitPlan] = None) -> Callable[[], Any]:
     """The runner's step on these inputs with the split decided by the caller and no vote
     (every rank must decide alike): what `GraphedRunner` captures. `split=True` where
-    the runner's plan would not split runs unsplit, as a veto would."""
+    the runner's plan would not split runs unsplit, as a veto would. `voted`: the plan
+    the step's vote left, whose group figures (largest token count, decode) the overlap
+    choice reads, so that every rank captures the same mode; None: this rank's own."""
     plan, ubatch_args, rows = _plan_of(runner, args, kwargs)
-    plan = runner.choose_overlap(plan_after_vote(plan, split, plan.total_tokens))
+    group_tokens = plan.total_tokens
+    group_decode = None
+    if voted is not None and voted.group_max_tokens is not None:
+        group_tokens, group_decode = voted.group_max_tokens, voted.group_decode
+    plan = runner.choose_overlap(plan_after_vote(plan, split, group_tokens, group_decode))
 
     def step() -> Any:
         return runner._execute(plan, ubatch_args, rows, args, kwargs)

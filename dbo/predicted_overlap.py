@@ -113,6 +113,13 @@ class OverlapPredictor:
         return self._cache[key]
 
 
+def group_is_decode(plan: SplitPlan) -> bool:
+    """Whether the group's step is decode-shaped: every rank's, as the vote found
+    (`SplitPlan.group_decode`), so every rank predicts the same shape; this rank's own
+    where no vote ran."""
+    return plan.group_decode if plan.group_decode is not None else plan.is_decode
+
+
 def choose_predicted(plan: SplitPlan, predictor: OverlapPredictor,
                      sbo_blocker: Optional[str]) -> Optional[SplitPlan]:
     """The voted `plan` with the mode `predictor` gives, or None where it does not cover
@@ -120,7 +127,7 @@ def choose_predicted(plan: SplitPlan, predictor: OverlapPredictor,
     the margin and the model offers it (`sbo_blocker` None), else none, predicted at the
     group's largest token count (`plan.group_max_tokens`, the same on every rank)."""
     tokens = plan.group_max_tokens if plan.group_max_tokens is not None else plan.total_tokens
-    prediction = predictor.predict(tokens=tokens, decode=plan.is_decode)
+    prediction = predictor.predict(tokens=tokens, decode=group_is_decode(plan))
     if prediction is None:
         return None
     if plan.split:

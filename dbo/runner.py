@@ -59,7 +59,7 @@ from dbo.failures import (annotate_step_failure, annotate_ubatch_rows, mark_stop
                           reset_collectives)
 from dbo.merge import merge_outputs
 from dbo.overlap import choose_overlap, collect_sbo_blocker, restrict_split
-from dbo.predicted_overlap import OverlapPredictor, choose_predicted
+from dbo.predicted_overlap import OverlapPredictor, choose_predicted, group_is_decode
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, request_cut_blocker
 from dbo.split_args import SplitArgs, SplitArgumentWarning, UBatchArgs, undeclared_warning
@@ -162,7 +162,8 @@ class DBORunner:
         finally:
             rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
         assert plan is not None  # a rejected plan stopped the step in the vote
-        plan = self.choose_overlap(plan_after_vote(plan, tally.split, tally.max_tokens))
+        plan = self.choose_overlap(plan_after_vote(plan, tally.split, tally.max_tokens,
+                                                   tally.all_decode))
         self.last_decision = plan
         if not self.config.enabled:
             return self.model(*args, **kwargs)
@@ -189,7 +190,7 @@ class DBORunner:
             num_tokens=plan.total_tokens if ok else 0,
             max_ubatch_tokens=max(plan.num_tokens, default=0) if ok and plan.split else 0,
             fingerprint=agreement.fingerprint if agreement is not None else 0,
-            have_graphs=have_graphs), self.group)
+            have_graphs=have_graphs, decode=ok and plan.is_decode), self.group)
         if tally.configs_agree:
             cache.mark_agreed()
         if tally.stops:
@@ -223,7 +224,7 @@ class DBORunner:
             return None
         assert self.predictor is not None
         chosen = choose_predicted(plan, self.predictor, sbo_blocker)
-        shape = (plan.group_max_tokens or plan.total_tokens, plan.is_decode)
+        shape = (plan.group_max_tokens or plan.total_tokens, group_is_decode(plan))
         if chosen is not None and shape not in self._explained:
             self._explained.add(shape)
             logger.info("dbo: %d %s tokens/rank run %s: %s", shape[0],

@@ -98,6 +98,8 @@ class SplitPlan:
     """This rank wanted to split, but a peer rank of the group did not."""
     group_max_tokens: Optional[int] = None
     """The largest token count of any rank of the group this step (from the vote)."""
+    group_decode: Optional[bool] = None
+    """Every rank of the group had a decode-shaped step (from the vote; None without one)."""
     overlap: str = "none"
     """The mode the step ran: "dbo" (split), "sbo" (single-batch overlap) or "none" (`dbo.overlap`)."""
 

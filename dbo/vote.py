@@ -147,10 +147,12 @@ def apply_vote(plan: SplitPlan, group: Optional[dist.ProcessGroup] = None, *,
     return plan_after_vote(plan, agreed, max_tokens)
 
 
-def plan_after_vote(plan: SplitPlan, agreed: bool, max_tokens: int) -> SplitPlan:
-    """`plan` as the vote left it: `group_max_tokens` set, and unsplit (vetoed, with the
-    reason) where this rank wanted to split but a peer did not."""
-    plan = dataclasses.replace(plan, group_max_tokens=max_tokens)
+def plan_after_vote(plan: SplitPlan, agreed: bool, max_tokens: int,
+                    all_decode: Optional[bool] = None) -> SplitPlan:
+    """`plan` as the vote left it: `group_max_tokens` (and `group_decode`, where the vote
+    carried it) set, and unsplit (vetoed, with the reason) where this rank wanted to split
+    but a peer did not."""
+    plan = dataclasses.replace(plan, group_max_tokens=max_tokens, group_decode=all_decode)
     if agreed or not plan.split:
         return plan
     return dataclasses.replace(
@@ -174,6 +176,8 @@ class Ballot(NamedTuple):
     """Whether this rank holds a CUDA graph for the (split, unsplit) step; eager: both."""
     max_ubatch_tokens: int = 0
     """This rank's largest ubatch when it wants to split (what one model call carries)."""
+    decode: bool = False
+    """This rank's step is decode-shaped (`SplitPlan.is_decode`)."""
 
 
 class Tally(NamedTuple):
@@ -189,6 +193,9 @@ class Tally(NamedTuple):
     """The largest token count of any rank."""
     have_graphs: tuple[bool, bool]
     """Every rank holds a graph for the (split, unsplit) step."""
+    all_decode: bool = False
+    """Every rank's step is decode-shaped: the group's step is a decode step, for choices
+    that every rank must make alike (the predicted overlap, `dbo.predicted_overlap`)."""
     max_ubatch_tokens: int = 0
     """The largest ubatch of any rank: the most tokens one model call carries when the
     step is split (every rank wanted to)."""
@@ -201,9 +208,9 @@ class Tally(NamedTuple):
 
 def cast_ballot(ballot: Ballot, group: Optional[dist.ProcessGroup] = None, *,
                 device: Union[torch.device, str, None] = None) -> Tally:
-    """Vote `ballot` across `group` in one all-reduce (MIN) of 8 int64s (`vote_min`):
+    """Vote `ballot` across `group` in one all-reduce (MIN) of 9 int64s (`vote_min`):
     [ok or this rank, want, -tokens, fingerprint, -fingerprint, have split, have unsplit,
-    -largest ubatch].
+    -largest ubatch, decode].
     The fingerprints agree when their minimum equals their maximum."""
     if not 0 <= ballot.fingerprint < 1 << 62:
         raise ValueError(f"Ballot.fingerprint={ballot.fingerprint!r}: an int in [0, 2**62)")
@@ -211,13 +218,13 @@ def cast_ballot(ballot: Ballot, group: Optional[dist.ProcessGroup] = None, *,
     fp = ballot.fingerprint
     have_split, have_unsplit = ballot.have_graphs
     values = [ok, int(ballot.want_split), -ballot.num_tokens, fp, -fp, int(have_split),
-              int(have_unsplit), -ballot.max_ubatch_tokens]
-    ok, agreed, neg_max, low_fp, neg_high_fp, have_split, have_unsplit, neg_ubatch = vote_min(
-        values, group, device=device)
+              int(have_unsplit), -ballot.max_ubatch_tokens, int(ballot.decode)]
+    (ok, agreed, neg_max, low_fp, neg_high_fp, have_split, have_unsplit, neg_ubatch,
+     all_decode) = vote_min(values, group, device=device)
     return Tally(rejected_by=None if ok == INPUTS_OK else ok,
                  configs_agree=low_fp == -neg_high_fp, split=bool(agreed),
                  max_tokens=-neg_max, have_graphs=(bool(have_split), bool(have_unsplit)),
-                 max_ubatch_tokens=-neg_ubatch)
+                 max_ubatch_tokens=-neg_ubatch, all_decode=bool(all_decode))
 
 
 def group_rank(group: Optional[dist.ProcessGroup] = None) -> int:

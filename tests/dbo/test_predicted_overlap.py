@@ -130,3 +130,41 @@ def test_runner_runs_the_predicted_mode_without_trial_steps(tokens, mode, calls,
         assert logged == [f"dbo: {tokens} decode tokens/rank run {mode}: {plan.reason}"]
     else:
         assert logged == []
+
+
+class RequestLayer(Layer):
+    """`Layer` over requests (`seq_lens=`), so a step is decode- or prefill-shaped."""
+
+    def forward(self, x: torch.Tensor, *, seq_lens: list[int]) -> torch.Tensor:
+        return super().forward(x)
+
+
+def _mixed_shapes_worker(rank: int, world_size: int) -> tuple[bool, str, str]:
+    """Rank 0 runs 16 decode tokens (16 requests of 1), rank 1 16 prefill tokens (2 of 8).
+    The calibration predicts SBO for decode and no overlap for prefill at 16 tokens."""
+    import torch.distributed as dist
+
+    cal = Calibration(points=(
+        point(16, **WEIGHT_BOUND),
+        MeasuredPoint(tokens=16, decode=False, layers=1, rows_per_expert=ROWS, backend="a2a",
+                      **NO_COMM)))
+    runner = DBORunner(RequestLayer(), DBOConfig(split="requests", overlap="auto"),
+                       group=dist.group.WORLD, calibration=cal)
+    seq_lens = [1] * 16 if rank == 0 else [8, 8]
+    x = torch.ones(16, 1)
+    runner(x, seq_lens=seq_lens)
+    plan = runner.last_decision
+    return plan.is_decode, plan.overlap, plan.reason
+
+
+@pytest.mark.distributed
+def test_ranks_with_decode_and_prefill_steps_predict_the_same_mode():
+    """The overlap mode must be the same on every rank (a chunked SBO combine issues other
+    collectives than no overlap): the vote tells every rank whether the group's step is
+    decode (`Tally.all_decode`), and each predicts at that shape, not at its own."""
+    from tests.dist_utils import run_distributed
+
+    (decode0, mode0, reason0), (decode1, mode1, reason1) = run_distributed(
+        2, _mixed_shapes_worker)
+    assert (decode0, decode1) == (True, False)
+    assert mode0 == mode1 == "none", (reason0, reason1)
