@@ -138,7 +138,13 @@ class MoELayer(nn.Module):
                 "backend": self.backend.name, "experts": cfg.experts,
                 "max_tokens_per_rank": cfg.max_tokens_per_rank,
                 "apply_router_weight_on_input": cfg.apply_router_weight_on_input,
-                "split_combine": self.last_layer and cfg.split_last_combine}
+                "split_combine": self.last_layer and cfg.split_last_combine,
+                # Each changes the collectives: the SBO combine's count, DeepEP's receive
+                # sizes and element type, the v2 mode's host sync.
+                "combine_chunks": cfg.combine_chunks,
+                "deepep_worst_case_dispatch": cfg.deepep.worst_case_dispatch,
+                "deepep_fp8_dispatch": cfg.deepep.fp8_dispatch,
+                "deepep_v2_mode": cfg.deepep_v2_mode}
 
     def load_weights(self, weights: dict[str, Tensor], *, global_experts: bool = True) -> None:
         """Copy `router_weight`, `w13`, `w2` (and `e_score_correction_bias`) in.

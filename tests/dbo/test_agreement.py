@@ -200,9 +200,10 @@ def test_capacity_overflow_on_one_rank_says_and_lets_the_next_step_run(rejected)
         assert result["next_step"], rank
 
 
-def ep_layer(group: Any, *, top_k: int = 2, backend: str = "naive") -> MoELayer:
+def ep_layer(group: Any, *, top_k: int = 2, backend: str = "naive",
+             combine_chunks: int = 1) -> MoELayer:
     cfg = MoEConfig(num_experts=4, top_k=top_k, hidden_size=16, intermediate_size=8,
-                    max_tokens_per_rank=16)
+                    max_tokens_per_rank=16, combine_chunks=combine_chunks)
     layer = MoELayer(replace(cfg, backend=backend, experts="reference"), group=group)
     layer.load_weights(init_moe_weights(cfg, seed=2))
     return layer
@@ -225,6 +226,9 @@ def mismatched_configs(rank: int, world_size: int) -> dict[str, Any]:
         "backend": DBORunner(ep_layer(group, backend="a2a_ll" if one else "naive"), on,
                              group=group),
         "enabled": DBORunner(ep_layer(group), DBOConfig(enabled=not one), group=group),
+        # A chunked SBO combine issues more collectives than one combine.
+        "combine_chunks": DBORunner(ep_layer(group, backend="a2a_ll",
+                                             combine_chunks=2 if one else 1), on, group=group),
         "cuda_graph": (DBORunner(PlainModel(), on, group=group) if one
                        else GraphedRunner(DBORunner(PlainModel(), on, group=group))),
     }
@@ -245,7 +249,8 @@ def mismatched_configs(rank: int, world_size: int) -> dict[str, Any]:
 def test_configurations_that_differ_raise_the_same_named_error_on_every_rank() -> None:
     for rank, out in enumerate(run_distributed(2, mismatched_configs)):
         for case, field in (("top_k", "top_k"), ("backend", "backend"),
-                            ("enabled", "DBOConfig.enabled"), ("cuda_graph", "cuda_graph")):
+                            ("enabled", "DBOConfig.enabled"), ("cuda_graph", "cuda_graph"),
+                            ("combine_chunks", "combine_chunks")):
             result = out[case]
             assert result["type"] == "ConfigMismatchError", (rank, case, result)
             assert field in result["fields"] and f"{field}: rank 0:" in result["text"], result
