@@ -32,7 +32,7 @@ import logging
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,8 @@ class _Twin:
 _TWINS: list[_Twin] = []
 # Groups whose side traffic shares the group's own communicator (logged once each).
 _SHARED: "weakref.WeakSet[dist.ProcessGroup]" = weakref.WeakSet()
+# What `destroy_group` runs first (`on_group_destroy`).
+_ON_DESTROY: list[Callable[[dist.ProcessGroup], None]] = []
 
 
 def new_group(ranks: Optional[Sequence[int]] = None, *, timeout_s: Optional[float] = None,
@@ -72,13 +74,24 @@ def new_group(ranks: Optional[Sequence[int]] = None, *, timeout_s: Optional[floa
                           **kwargs)
 
 
-def destroy_group(group: dist.ProcessGroup) -> None:
-    """Destroy `group`'s side groups, then `group` (`dist.destroy_process_group`).
+def on_group_destroy(callback: Callable[[dist.ProcessGroup], None]) -> None:
+    """Have `destroy_group` call `callback(group)` first, for what a layer above the core
+    holds per group and must tear down with it (DeepEP's buffers,
+    `moe.backends.deepep_support`). Registering the same callback again does nothing."""
+    if callback not in _ON_DESTROY:
+        _ON_DESTROY.append(callback)
 
-    Local, like `dist.destroy_process_group(group)`; every rank of the group calls it
-    after the group's last collective. For the default group this destroys every group,
-    as torch does.
+
+def destroy_group(group: dist.ProcessGroup) -> None:
+    """Tear down what was registered for `group` (`on_group_destroy`), destroy its side
+    groups, then `group` (`dist.destroy_process_group`).
+
+    Local, like `dist.destroy_process_group(group)`, but the callbacks may be collective:
+    every rank of the group calls it after the group's last collective, in the same
+    order. For the default group this destroys every group, as torch does.
     """
+    for callback in list(_ON_DESTROY):
+        callback(group)
     for entry in [e for e in _TWINS if e.owner() is group]:
         _TWINS.remove(entry)
         _destroy_if_live(entry.twin)

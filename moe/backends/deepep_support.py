@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dbo.groups import on_group_destroy
 from moe.config import round_up_hidden
 
 _HOW_TO_GET = {
@@ -218,11 +219,14 @@ def shared_buffer(deep_ep: ModuleType, group: dist.ProcessGroup, mode: str, *,
 
 def destroy_buffers(group: dist.ProcessGroup) -> None:
     """Tear down `group`'s DeepEP buffers (collective: every rank of the group, after its
-    last DeepEP operation, before the group is destroyed). Layers built on them must not
-    run afterwards."""
+    last DeepEP operation, before the group is destroyed; `dbo.destroy_group` calls it).
+    Layers built on them must not run afterwards."""
     for entry in [e for e in _ENTRIES if e.owner() is group]:
         _ENTRIES.remove(entry)
         _destroy(entry.shared)
+
+
+on_group_destroy(destroy_buffers)  # `dbo.destroy_group` tears them down with the group
 
 
 def _make(deep_ep: ModuleType, group: dist.ProcessGroup, shared: SharedBuffer) -> Any:

@@ -156,3 +156,27 @@ def test_recreating_the_group_keeps_open_files_flat() -> None:
             # dbo.destroy_group takes the side group down with the group, at once: torch
             # holds the default group alone.
             assert all(groups == 1 for _, groups in after[1::2]), (how, after)
+
+
+def teardown_calls(rank: int, world_size: int) -> list[str]:
+    seen: list[str] = []
+
+    def note(group: dist.ProcessGroup) -> None:
+        seen.append(f"callback sees {dist.get_world_size(group)} ranks")
+
+    from dbo.groups import _ON_DESTROY, on_group_destroy
+    try:
+        on_group_destroy(note)
+        on_group_destroy(note)  # once is enough
+        group = dbo.new_group(timeout_s=30)
+        dbo.destroy_group(group)  # the callback runs first, while the group is usable
+        seen.append(f"destroyed: {group not in dist.distributed_c10d._world.pg_map}")
+    finally:
+        _ON_DESTROY.remove(note)  # the forked rank is reused by later tests
+    return seen
+
+
+@pytest.mark.distributed
+def test_destroy_group_runs_the_registered_teardowns_first() -> None:
+    for seen in run_distributed(2, teardown_calls):
+        assert seen == ["callback sees 2 ranks", "destroyed: True"]

@@ -331,6 +331,14 @@ def _fake_worker(rank: int, world_size: int) -> dict[str, Any]:
     DeepEPLLBackend(_config("deepep_ll", capacity=100), world)  # grows the LL buffer
     out["orphan_destroyed"] = side_buffer.destroyed
 
+    # dbo.destroy_group tears a group's buffers down with it.
+    import dbo
+    torn = dist.new_group([0, 1])
+    DeepEPHTBackend(_config("deepep_ht"), torn)
+    torn_buffer = _Buffer.made[-1]
+    dbo.destroy_group(torn)
+    out["destroy_group"] = torn_buffer.destroyed
+
     destroy_buffers(world)
     out["destroyed"] = [b.destroyed for b in _Buffer.made]
     _Buffer.nvshmem_qp_depth = 8
@@ -377,5 +385,6 @@ def test_adapters_share_buffers_chain_events_and_run_each_hook_once():
                                  ("ll_combine", True), ("recv", "combine")]
         assert out["in_flight"] == 0
         assert out["orphan_destroyed"] == 1
+        assert out["destroy_group"] == 1
         assert all(d == 1 for d in out["destroyed"]), out["destroyed"]
         assert "NVSHMEM queue depth of at least 18" in out["qp"]
