@@ -25,13 +25,37 @@ rows' ids are -1).
 No split combine (`own_rows` is None): where this rank's own rows land in the receive
 buffer is a device value, which the host cannot slice without a sync.
 
-Buffers: one set of symmetric buffers per ubatch workspace (`Workspace.keep`), sized from
-C, the same on every rank, made (a collective) at the ubatch's first dispatch and reused by
-every later step: nothing is allocated after warmup. Reuse is safe because each op starts
-with a barrier of all ranks: a buffer of one ubatch's dispatch is next written by that
-ubatch's next dispatch, which every rank reaches only after it has passed the barrier of
-the combine between them, i.e. after every rank has finished this dispatch (and likewise
-for the combine's buffers).
+Buffers: two sets of symmetric buffers per process group, one per ubatch, shared by every
+MoE layer of that row layout (`moe.backends.symm_mem_support.shared_buffers`): sized from
+C, the same on every rank, made (a collective) at the ubatch's first dispatch and reused
+by every later layer and step, so nothing is allocated after warmup, and a model of any
+depth holds two (at DeepSeek-V3 shapes, H 7168, K 8, C 4096, W 2, a set is 478 MB per
+rank: 0.96 GB, not 55 GB for 58 layers). Each layer keeps a reference in its ubatch
+workspace (`Workspace.keep`), so a frozen workspace still refuses a first use.
+
+Why one set per ubatch is enough. torch's op is two kernels: the first puts this rank's
+counts into every peer's `out_splits_offsets` and ends in a barrier of all ranks; the
+second gets each peer's rows from the peer's `input` and waits for its own gets only.
+Every rank issues the same ops in the same order on the device's one comm stream, each
+after waiting on its compute-done, so a peer's op k reaches this rank's memory only after
+this rank has entered op k-1 (puts, before op k's barrier) or op k (gets, after it), that
+is after all that this rank queued before those ops has run. A ubatch uses a set
+alternately: the dispatch's half (send_XB, recv_NB, splits_D, got_D) at dispatch k, the
+combine's half at its combine c, the dispatch's half again at the next dispatch k', and
+between c and k' the combine's receiver makes the compute stream wait on c and reads the
+combined rows (a new tensor leaves the layer; the rows in recv_NB are read only by the
+layer's experts, before c). So: this rank writes the dispatch's half for k' (packing on
+compute, op k' on comm) after all its reads of k (mask, experts, splits copy: before c);
+peers put into it for k' only after this rank entered c; peers' gets of k from send_XB
+ended before they entered c, whose barrier this rank passed before it packs for k'.
+Likewise for the combine's half between c and the next combine, with k' between. None of
+this asks whether k' is the same layer's next step or the next layer's dispatch, so
+every layer of a ubatch can use the same set (a layer runs its combine's receiver before
+the next layer starts: the modular kernel awaits it). The other ubatch's ops interleave
+with these on the comm stream with no receiver between (its dispatch of layer L runs
+while this ubatch's experts still read recv_NB), so the two ubatches keep two sets. The
+ubatches' layers must run on one compute stream, one step after another, as a step's do.
+Layers of another hidden size, top-k, dtype or capacity get their own two sets.
 
 Send/receive split: none. The op takes no signal and returns nothing: it launches a
 kernel that exchanges the counts and ends in a barrier of all ranks, then the data kernel,
@@ -55,10 +79,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dbo.failures import note_collective
-from dbo.yield_points import dbo_switch_to_comm_sync, dbo_switch_to_compute_async, dbo_yield
+from dbo.yield_points import (dbo_current_ubatch_id, dbo_switch_to_comm_sync,
+                              dbo_switch_to_compute_async, dbo_yield)
 from moe.backends.a2a import send_order
 from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
-from moe.backends.symm_mem_support import SymmBuffers, require_symm_mem
+from moe.backends.symm_mem_support import SymmBuffers, require_symm_mem, shared_buffers
 from moe.config import MoEConfig
 from moe.kernels.rows import pack_rows, sum_rows
 from moe.row_layout import RowLayout, destination_mask
@@ -100,14 +125,22 @@ class SymmMemBackend(PrepareFinalize):
 
     def _buffers(self, workspace: Workspace, layout: RowLayout,
                  device: torch.device) -> SymmBuffers:
-        """This ubatch's buffers for rows of `layout` (made at its first dispatch)."""
+        """This ubatch's buffers for rows of `layout`: the set every layer of the group
+        shares (`shared_buffers`, made at the first dispatch of the ubatch and layout),
+        kept in this layer's workspace so that later calls find it with one look-up."""
+        rows = self.world_size * self.capacity
+
         def make() -> SymmBuffers:
             return SymmBuffers.allocate(
-                rows=self.world_size * self.capacity, row_bytes=layout.row_bytes,
-                hidden=layout.hidden_size, dtype=layout.dtype, world_size=self.world_size,
-                group_name=self.group_name, device=device)
+                rows=rows, row_bytes=layout.row_bytes, hidden=layout.hidden_size,
+                dtype=layout.dtype, world_size=self.world_size, group_name=self.group_name,
+                device=device)
 
-        return workspace.keep(f"symm_mem/{layout}/{device}", make)
+        def shared() -> SymmBuffers:
+            key = (dbo_current_ubatch_id(), layout, rows)
+            return shared_buffers(self.group, key, device=device, make=make)
+
+        return workspace.keep(f"symm_mem/{layout}/{device}", shared)
 
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:

@@ -3,7 +3,8 @@
 `require_symm_mem` checks, in one line each, what a process must have before the backend
 can run: torch's `torch.distributed._symmetric_memory` with the op
 `torch.ops.symm_mem.all_to_all_vdev` of the schema this backend was written against, a
-CUDA device, and NVSHMEM. `SymmBuffers.allocate` makes one set of the backend's buffers.
+CUDA device, and NVSHMEM. `SymmBuffers.allocate` makes one set of the backend's buffers,
+and `shared_buffers` keeps the sets every layer of a group shares.
 
 Shape legend: W ranks, N = W*C rows (C = `MoEConfig.max_tokens_per_rank`), Bp bytes per
 padded packed row, Hp padded hidden size.
@@ -29,15 +30,29 @@ Facts about torch's op that the sizes below follow (torch 2.9 to 2.11,
   and where they start in `out` (row 1, the exclusive prefix sum of row 0: the rows of
   the sources lie back to back in rank order from row 0). Newer versions keep per-call
   signals in that tensor's signal pad, so each such tensor is its own allocation.
+
+Shared sets (`shared_buffers`): one set per (process group, ubatch, row layout, capacity,
+device), made by the first layer that dispatches with that key and used by every later
+layer, so a model holds two sets (one per ubatch) whatever its number of MoE layers;
+layers of another hidden size, top-k, dtype or capacity get their own. The registry holds
+groups by weak reference, as `dbo.groups` does for side groups: `release_buffers(group)`
+drops a group's sets (`dbo.destroy_group` calls it), and the sets of a group that is gone
+are dropped at the next point where a set is made, a point every rank reaches in the
+same order. A set is never made inside a CUDA graph capture (allocation and rendezvous
+are host-side collectives): the eager warmup before a capture makes it.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from dbo.groups import on_group_destroy
 
 OP_NAME = "all_to_all_vdev"
 #: (name, type, written) of each argument of torch.ops.symm_mem.all_to_all_vdev, which
@@ -101,13 +116,14 @@ def padded(size: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class SymmBuffers:
-    """One ubatch's symmetric buffers (same sizes on every rank), made once and reused by
-    every step. Dispatch: `send_XB` (rows out, rank-major), `recv_NB` (rows in, sources
-    back to back), `splits_D` [W] (rows sent to each rank), `got_D` [2, W] (rows received
-    from each rank, and their offsets). Combine: `back_send_YH` (expert outputs of the
-    received rows, in receive order), `back_recv_NH` (the outputs of this rank's rows, in
-    its send order), `splits_C`, `got_C`. `row_N1`: [N, 1] int64 0..N-1 (plain memory),
-    to mark the received rows. uint8 rows are Bp bytes; hidden rows Hp wide."""
+    """One ubatch's symmetric buffers (same sizes on every rank), made once and shared by
+    every layer of its row layout, every step (`shared_buffers`). Dispatch: `send_XB`
+    (rows out, rank-major), `recv_NB` (rows in, sources back to back), `splits_D` [W]
+    (rows sent to each rank), `got_D` [2, W] (rows received from each rank, and their
+    offsets). Combine: `back_send_YH` (expert outputs of the received rows, in receive
+    order), `back_recv_NH` (the outputs of this rank's rows, in its send order),
+    `splits_C`, `got_C`. `row_N1`: [N, 1] int64 0..N-1 (plain memory), to mark the
+    received rows. uint8 rows are Bp bytes; hidden rows Hp wide."""
 
     send_XB: Tensor
     recv_NB: Tensor
@@ -163,6 +179,69 @@ class SymmBuffers:
         for tensor in (bufs.send_XB, bufs.recv_NB, bufs.back_send_YH, bufs.back_recv_NH):
             tensor.zero_()
         return bufs
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """One shared set: its group (held weakly), key and buffers."""
+
+    owner: "weakref.ref[dist.ProcessGroup]"
+    key: Hashable
+    device: torch.device
+    buffers: SymmBuffers
+
+
+# Every shared set made here, in the order made (process groups and symmetric memory are
+# process-wide objects).
+_SHARED: list[_Shared] = []
+
+
+def shared_buffers(group: dist.ProcessGroup, key: Hashable, *, device: torch.device,
+                   make: Callable[[], SymmBuffers]) -> SymmBuffers:
+    """The set of (`group`, `key`) on `device`, made by `make()` (a collective,
+    `SymmBuffers.allocate`) on the first request and shared by every later one. `key`
+    names what the set's sizes and users depend on: (ubatch id, row layout, rows).
+
+    Collective when it makes one: every rank of `group` reaches the first request of a
+    key in the same order (a ubatch's first dispatch of that layout). Raises
+    RuntimeError inside a CUDA graph capture, where nothing may be allocated."""
+    for entry in _SHARED:
+        if entry.owner() is group and entry.key == key and entry.device == device:
+            return entry.buffers
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"backend 'symm_mem' would make its symmetric buffers for {key} "
+                           f"inside a CUDA graph capture, where nothing may be allocated: "
+                           f"run the step eagerly first (GraphedRunner warms up before "
+                           f"it captures)")
+    _release_orphans()
+    buffers = make()
+    _SHARED.append(_Shared(weakref.ref(group), key, device, buffers))
+    return buffers
+
+
+def num_shared_sets(group: dist.ProcessGroup) -> int:
+    """How many sets `group` holds (two per row layout, one per ubatch that has run)."""
+    return sum(entry.owner() is group for entry in _SHARED)
+
+
+def release_buffers(group: dist.ProcessGroup) -> None:
+    """Drop `group`'s shared sets (on every rank, after the group's last `symm_mem`
+    operation, before the group is destroyed; `dbo.destroy_group` calls it). Layers
+    built on them must not run afterwards. The memory goes with the last reference,
+    the layers' included (torch's allocator may keep rendezvoused memory until the
+    process ends)."""
+    _SHARED[:] = [entry for entry in _SHARED if entry.owner() is not group]
+
+
+on_group_destroy(release_buffers)  # `dbo.destroy_group` drops them with the group
+
+
+def _release_orphans() -> None:
+    """Drop the sets of groups that are gone (collected, or destroyed in torch)."""
+    # torch has no public query for a live group (dbo.groups reads the same map).
+    live = dist.distributed_c10d._world.pg_map
+    _SHARED[:] = [entry for entry in _SHARED
+                  if (group := entry.owner()) is not None and group in live]
 
 
 def _use_nvshmem(symm: Any, device: torch.device) -> None:

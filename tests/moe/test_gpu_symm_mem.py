@@ -4,7 +4,8 @@ backend `symm_mem` with the real `torch.ops.symm_mem.all_to_all_vdev`.
 Bit-exact against `a2a` on the same routing (fp32 and bf16, DBO off and on, a zero-token
 rank, all tokens to one expert; reference and triton experts), a capacity overflow
 raising the same error on every rank, a DBO step captured in a CUDA graph and replayed,
-and 200 random-size steps with flat memory.
+and 200 random-size steps with flat memory, the two layers holding two shared sets of
+symmetric buffers (one per ubatch).
 
 Run alone: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     python -m pytest -q -m gpu tests/moe/test_gpu_symm_mem.py
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from dbo import DBOConfig, DBORunner
 from dbo.graphs import GraphedRunner
+from moe.backends.symm_mem_support import num_shared_sets
 from moe.config import MoEConfig
 from tests.dist_utils import run_distributed
 from tests.moe.test_symm_mem import compare_with_a2a
@@ -142,6 +144,7 @@ def _soak_worker(rank: int, world_size: int, steps: int) -> dict[str, Any]:
         torch.cuda.synchronize()
         out["allocated"] = (allocated, torch.cuda.memory_allocated(device))
         out["allocations"] = (allocations, _workspace_allocations(model))
+    out["sets"] = num_shared_sets(dist.group.WORLD)
     return out
 
 
@@ -149,3 +152,4 @@ def test_random_size_steps_keep_memory_flat():
     for out in run_distributed(2, _soak_worker, 200, backend="nccl"):
         assert out["allocated"][1] == out["allocated"][0], out
         assert out["allocations"][1] == out["allocations"][0], out
+        assert out["sets"] == 2, out  # both layers share one set per ubatch

@@ -2,12 +2,15 @@
 
 Layer 1 (CPU): constructing it refuses in one line saying what is missing (torch's op,
 the op's schema, CUDA, NVSHMEM, the capacity, a process group); its buffers' row strides
-and send sizes follow the op's block split.
+and send sizes follow the op's block split; a shared set is found, never made, inside a
+CUDA graph capture.
 Layer 2 (two gloo processes): the backend's packing, receive masking and combine, with a
 stand-in for `torch.ops.symm_mem.all_to_all_vdev` made of gloo collectives (the same
 contract: counts on the device in, rows back to back in rank order and the received
 counts out): bit-exact against `a2a` on the same routing, DBO off and on, a zero-token
-rank, all tokens to one expert. The real op runs in `tests/moe/test_gpu_symm_mem.py`.
+rank, all tokens to one expert; a stack of layers shares two sets (one per ubatch), a
+layer of another hidden size gets its own, and `dbo.destroy_group` drops them. The real
+op runs in `tests/moe/test_gpu_symm_mem.py`.
 """
 from __future__ import annotations
 
@@ -20,9 +23,11 @@ import torch.distributed as dist
 
 import moe.backends.symm_mem as symm_backend
 import moe.backends.symm_mem_support as support
+import dbo
 from dbo import UBatchScheduler
 from moe import MoEConfig, MoELayer, init_moe_weights
-from moe.backends.symm_mem_support import SymmBuffers, padded, row_alignment
+from moe.backends.symm_mem_support import (SymmBuffers, num_shared_sets, padded,
+                                           release_buffers, row_alignment, shared_buffers)
 from tests.dist_utils import run_distributed
 
 
@@ -104,6 +109,34 @@ def test_buffers_split_evenly_over_the_ops_blocks(world_size):
     assert torch.equal(bufs.row_N1[:, 0], torch.arange(6))
 
 
+class FakeGroup:
+    """Stands for a process group where only its identity matters (held weakly)."""
+
+
+def test_a_shared_set_is_found_but_never_made_inside_a_capture(monkeypatch):
+    group, device = FakeGroup(), torch.device("cuda", 0)
+    made: list[SymmBuffers] = []
+
+    def make() -> SymmBuffers:
+        made.append(SymmBuffers.build(lambda shape, kind: torch.zeros(shape, dtype=kind),
+                                      rows=4, row_bytes=32, hidden=8, dtype=torch.float32,
+                                      world_size=2, device=torch.device("cpu")))
+        return made[-1]
+
+    try:
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        first = shared_buffers(group, (0, "layout"), device=device, make=make)
+        assert shared_buffers(group, (0, "layout"), device=device, make=make) is first
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert shared_buffers(group, (0, "layout"), device=device, make=make) is first
+        with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+            shared_buffers(group, (1, "layout"), device=device, make=make)
+        assert len(made) == 1 and num_shared_sets(group) == 1
+    finally:
+        release_buffers(group)
+    assert num_shared_sets(group) == 0
+
+
 # ------------------------------------------------------------------------------- layer 2
 def stand_in_op(group: dist.ProcessGroup) -> Callable[..., None]:
     """`all_to_all_vdev(input, out, in_splits, out_splits_offsets, group_name)` from gloo
@@ -120,16 +153,21 @@ def stand_in_op(group: dist.ProcessGroup) -> Callable[..., None]:
     return op
 
 
-def install_stand_in(group: dist.ProcessGroup) -> None:
-    """In a rank process: the stand-in op, plain tensors for the symmetric buffers."""
+def install_stand_in(group: dist.ProcessGroup) -> list[dict[str, Any]]:
+    """In a rank process: the stand-in op, plain tensors for the symmetric buffers.
+    Returns the list of the sizes of every set allocated from now on."""
     import torch.distributed._symmetric_memory as symm
 
+    allocated: list[dict[str, Any]] = []
+
     def allocate(*, group_name: str, **sizes: Any) -> SymmBuffers:
+        allocated.append(sizes)
         return SymmBuffers.build(lambda shape, kind: torch.zeros(shape, dtype=kind), **sizes)
 
     symm_backend.require_symm_mem = lambda: stand_in_op(group)
     SymmBuffers.allocate = staticmethod(allocate)  # type: ignore[method-assign]
     symm.enable_symm_mem_for_group = lambda name: None
+    return allocated
 
 
 def to_one_expert(logits_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,3 +236,60 @@ def test_matches_a2a_bit_for_bit_with_a_stand_in_op(dtype_name):
                                                    "reference", True)):
         for name, same in results.items():
             assert same == [True, True, True], (rank, name, same)
+
+
+def run_stack(layers: list[MoELayer], x_TH: torch.Tensor, dbo_on: bool) -> torch.Tensor:
+    """The layers one after another, in two ubatches when `dbo_on`."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    if not dbo_on:
+        return run(x_TH)
+    half = x_TH.shape[0] // 2
+    return torch.cat(UBatchScheduler(x_TH.device).run([lambda: run(x_TH[:half]),
+                                                       lambda: run(x_TH[half:])]))
+
+
+def shared_sets_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """Three symm_mem layers on one group against three a2a layers (same weights), DBO
+    off then on; then a wider layer; then the group's teardown."""
+    group = dbo.new_group()
+    allocated = install_stand_in(group)
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16,
+                    max_tokens_per_rank=16, experts="reference")
+    stacks: dict[str, list[MoELayer]] = {}
+    for backend in ("a2a", "symm_mem"):
+        stacks[backend] = []
+        for seed in (1, 2, 3):
+            layer = MoELayer(replace(cfg, backend=backend), group=group)
+            layer.load_weights(init_moe_weights(cfg, seed=seed))
+            stacks[backend].append(layer)
+    x = torch.randn(11 + 3 * rank, 32, generator=torch.Generator().manual_seed(rank))
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        out["same"] = [torch.equal(run_stack(stacks["a2a"], x, on),
+                                   run_stack(stacks["symm_mem"], x, on))
+                       for on in (False, True)]
+        out["sets"] = (len(allocated), num_shared_sets(group))
+        wide = MoELayer(replace(cfg, backend="symm_mem", hidden_size=64), group=group)
+        wide.load_weights(init_moe_weights(replace(cfg, hidden_size=64), seed=4))
+        for on in (False, True):
+            run_stack([wide], torch.randn(7, 64), on)
+    out["wide_sets"] = (len(allocated), num_shared_sets(group))
+    out["hidden"] = [sizes["hidden"] for sizes in allocated]
+    dbo.destroy_group(group)
+    out["after_destroy"] = num_shared_sets(group)
+    return out
+
+
+def test_layers_of_a_group_share_two_sets_and_stay_exact():
+    """Three layers make two sets (one per ubatch), not six; bit-exact against a2a DBO
+    off and on; a layer of another hidden size makes its own two; the group's teardown
+    drops them all."""
+    for rank, out in enumerate(run_distributed(2, shared_sets_worker)):
+        assert out["same"] == [True, True], (rank, out)
+        assert out["sets"] == (2, 2), (rank, out)
+        assert out["wide_sets"] == (4, 4) and out["hidden"] == [32, 32, 64, 64], (rank, out)
+        assert out["after_destroy"] == 0, (rank, out)
