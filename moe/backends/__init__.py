@@ -39,14 +39,19 @@ def resolve_backend_name(name: str, world_size: int) -> str:
     return name
 
 
+def backend_class(name: str, world_size: int) -> type[PrepareFinalize]:
+    """The class of backend `name` ("auto" allowed) for an EP group of `world_size` ranks,
+    imported but not built: its class attributes (`needs_capacity`, ...) answer what a
+    config needs before anything is made."""
+    module_name, cls_name = BACKENDS[resolve_backend_name(name, world_size)].split(":")
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
 def make_backend(config: MoEConfig, group: Optional[dist.ProcessGroup]) -> PrepareFinalize:
     """Instantiate backend `config.backend` ("auto" allowed) on `group` (None: EP = 1)."""
     world_size = 1 if group is None else dist.get_world_size(group)
-    name = resolve_backend_name(config.backend, world_size)
-    module_name, cls_name = BACKENDS[name].split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls(config, group)
+    return backend_class(config.backend, world_size)(config, group)
 
 
-__all__ = ["BACKENDS", "Dispatched", "Pending", "PrepareFinalize", "make_backend",
-           "resolve_backend_name"]
+__all__ = ["BACKENDS", "Dispatched", "Pending", "PrepareFinalize", "backend_class",
+           "make_backend", "resolve_backend_name"]

@@ -62,6 +62,7 @@ class AllToAllLLBackend(PrepareFinalize):
     """Padded, fixed-capacity all-to-all: static shapes, no count exchange."""
 
     name = "a2a_ll"
+    needs_capacity = True
     comm_recordable = True
     graph_safe = True
 

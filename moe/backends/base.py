@@ -139,6 +139,9 @@ class PrepareFinalize(ABC):
     #: backend's own kernels (DeepEP, NVSHMEM): the probe sees none of its traffic, so
     #: the bench reports no ceiling or phase times for it. False unless declared.
     comm_recordable: ClassVar[bool] = False
+    #: Whether the backend needs `MoEConfig.max_tokens_per_rank` (its buffers or padded
+    #: slots are sized by it) and refuses a config without one. False unless declared.
+    needs_capacity: ClassVar[bool] = False
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         self.config = config

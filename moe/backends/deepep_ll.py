@@ -65,6 +65,7 @@ class DeepEPLLBackend(PrepareFinalize):
     """DeepEP low-latency kernels: fixed capacity, receive halves run as hooks."""
 
     name = "deepep_ll"
+    needs_capacity = True
     comm_recordable = False  # DeepEP's own low-latency kernels
     graph_safe = True
 

@@ -40,6 +40,9 @@ _HOW_TO_GET = {
                       "see its README; it needs NCCL >= 2.30.4) and pip install it"),
 }
 
+#: NVSHMEM's default queue depth (NVSHMEM_QP_DEPTH), which bounds deepep_ll's capacity:
+#: DeepEP asserts a depth of at least 2 (C + 1) (`ll_capacity`).
+DEFAULT_NVSHMEM_QP_DEPTH = 1024
 #: Hidden sizes DeepEP's low-latency kernels are compiled for (`SWITCH_HIDDEN`).
 LL_HIDDEN_SIZES: tuple[int, ...] = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 #: Rank counts of one node that DeepEP's normal (intranode) kernels take.

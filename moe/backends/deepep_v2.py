@@ -182,6 +182,7 @@ class DeepEPV2Backend(PrepareFinalize):
     """
 
     name = "deepep_v2"
+    needs_capacity = True
     comm_recordable = False  # DeepEP v2's own kernels
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup], *,

@@ -2,12 +2,14 @@
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     model = moe.hf.convert(model, group=ep_group, backend="a2a")   # this rank's experts only
+    # or, with no host read in the MoE layers: a capacity of B * S rows per rank and call
+    # model = moe.hf.convert(model, group=ep_group, backend="a2a_ll", max_tokens_per_rank=B * S)
     config = DBOConfig(split="batch", split_kwargs=("attention_mask",))  # [B, S] mask
     logits = DBORunner(model, config, group=ep_group)(
         input_ids, attention_mask=mask, use_cache=False).logits
 
 Shape legend: E routed experts, E_loc = E / W experts on this rank, W ranks in the EP
-group, H hidden, I one expert's width.
+group, H hidden, I one expert's width, B sequences and S positions of one call.
 
 Why the block and not transformers' experts hook (`integrations/moe.py`,
 `config._experts_implementation`): an experts implementation is handed tokens already
@@ -37,7 +39,8 @@ from moe.hf.block import HFMoEBlock, HFRouter, HFSharedExperts
 from moe.hf.router_logits import record_router_logits
 from moe.layer import MoELayer
 
-__all__ = ["BlockPlan", "convert", "convert_blocks", "find_moe_blocks"]
+__all__ = ["BlockPlan", "check_capacity_argument", "convert", "convert_blocks",
+           "find_moe_blocks"]
 
 # Experts-module flags of `use_experts_implementation` (transformers 5.x) and the value
 # dbo's expert kernels need, with what a different value means.
@@ -76,7 +79,8 @@ def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
-            backend: str = "auto", experts: str = "auto") -> nn.Module:
+            backend: str = "auto", experts: str = "auto",
+            max_tokens_per_rank: Optional[int] = None) -> nn.Module:
     """Replace every MoE block of `model` (a loaded transformers model) by an `HFMoEBlock`
     holding this rank's experts; return `model` (changed in place).
 
@@ -88,18 +92,27 @@ def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
         backend: dispatch/combine backend (`moe.backends`); "auto": local for EP size 1,
             else a2a.
         experts: expert kernel (`moe.experts`); "auto": the fastest available.
+        max_tokens_per_rank: the most rows one rank sends through an MoE block in one
+            model call (a [B, S] call: B * S, padding included), set as every converted
+            layer's `MoEConfig.max_tokens_per_rank`. Needed by the backends that never
+            read counts on the host (a2a_ll, symm_mem, deepep_ll: their buffers or
+            padded slots are sized by it); a call with more rows raises (under DBO, on
+            every rank at the vote). None: no capacity.
 
     Raises:
         ValueError: an unsupported architecture or block (naming the block and what is
             unsupported), a routing setting dbo cannot express, an expert count the EP
-            size does not divide, a block already converted. Nothing is changed then.
+            size does not divide, a block already converted, a backend that needs
+            `max_tokens_per_rank` without it, a `max_tokens_per_rank` that is not a
+            positive int. Nothing is changed then.
     """
     return convert_blocks(model, group=group, backend=backend, experts=experts,
-                          weights_from_blocks=True)
+                          max_tokens_per_rank=max_tokens_per_rank, weights_from_blocks=True)
 
 
 def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], backend: str,
-                   experts: str, weights_from_blocks: bool) -> nn.Module:
+                   experts: str, max_tokens_per_rank: Optional[int],
+                   weights_from_blocks: bool) -> nn.Module:
     """`convert`; with `weights_from_blocks=False` the new blocks' parameters are left
     uninitialised and the old blocks' expert tensors are not read (`moe.hf.load` builds
     the model with placeholder experts and fills every parameter from the checkpoint)."""
@@ -107,19 +120,43 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
         raise TypeError(f"moe.hf.convert takes a transformers model (an nn.Module), got "
                         f"{type(model).__name__}")
     world = 1 if group is None else dist.get_world_size(group)
+    check_capacity_argument(backend, max_tokens_per_rank, world=world, where="moe.hf.convert")
     plans = plan_blocks(model, world=world, check_weights=weights_from_blocks)
     new_blocks = []
     last = len(plans) - 1
     for i, plan in enumerate(plans):
         old = model.get_submodule(plan.path)
         new_blocks.append(_build_block(plan, old, group=group, backend=backend,
-                                       experts=experts, last_layer=i == last,
+                                       experts=experts, capacity=max_tokens_per_rank,
+                                       last_layer=i == last,
                                        copy_weights=weights_from_blocks))
     for plan, block in zip(plans, new_blocks):  # nothing above changed the model
         parent_path, _, name = plan.path.rpartition(".")
         setattr(model.get_submodule(parent_path), name, block)
     record_router_logits(model, [block.moe.router for block in new_blocks])
     return model
+
+
+def check_capacity_argument(backend: str, max_tokens_per_rank: Any, *, world: int,
+                            where: str) -> None:
+    """ValueError, before anything is built, for a `max_tokens_per_rank` that is not a
+    positive int, or None where `backend` needs one (`PrepareFinalize.needs_capacity`);
+    the message names the keyword and `where`, the caller ("moe.hf.convert")."""
+    from moe.backends import backend_class, resolve_backend_name
+    if max_tokens_per_rank is not None:
+        if (isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int)
+                or max_tokens_per_rank < 1):
+            raise ValueError(f"{where}: max_tokens_per_rank={max_tokens_per_rank!r} must be a "
+                             f"positive int (the most rows one rank sends through an MoE "
+                             f"block in one call, B * S of a [B, S] batch) or None")
+        return
+    name = resolve_backend_name(backend, world)
+    if backend_class(name, world).needs_capacity:
+        raise ValueError(f"{where}: backend {name!r} needs max_tokens_per_rank (its buffers "
+                         f"are sized for the most rows one rank sends in one call): pass "
+                         f"max_tokens_per_rank=N, N the largest B * S a rank calls the model "
+                         f"with, padding included (or use backend 'a2a', which reads its "
+                         f"counts on the host)")
 
 
 def plan_blocks(model: nn.Module, *, world: int, check_weights: bool) -> list[BlockPlan]:
@@ -208,11 +245,13 @@ def _check_block(path: str, block: nn.Module, spec: Optional[ArchSpec], config: 
 
 
 def _build_block(plan: BlockPlan, old: nn.Module, *, group: Optional[dist.ProcessGroup],
-                 backend: str, experts: str, last_layer: bool,
+                 backend: str, experts: str, capacity: Optional[int], last_layer: bool,
                  copy_weights: bool) -> HFMoEBlock:
     """The new block for `old`: this rank's experts copied (or left uninitialised), the
     router's and shared experts' tensors taken over as they are."""
-    spec, config = plan.spec, dataclasses.replace(plan.config, backend=backend, experts=experts)
+    spec = plan.spec
+    config = dataclasses.replace(plan.config, backend=backend, experts=experts,
+                                 max_tokens_per_rank=capacity)
     device = old.experts.gate_up_proj.device
     layer = MoELayer(config, group=group, layer_id=plan.layer_id, last_layer=last_layer,
                      device=device)

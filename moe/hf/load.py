@@ -27,7 +27,7 @@ from torch import nn
 from moe.hf.arch import ArchSpec, spec_for
 from moe.hf.block import HFMoEBlock, hf_param_name
 from moe.hf.checkpoint import Checkpoint, ExpertRange
-from moe.hf.convert import convert_blocks
+from moe.hf.convert import check_capacity_argument, convert_blocks
 from moe.hf.deps import require
 
 __all__ = ["load"]
@@ -38,6 +38,7 @@ _SKELETON_EXPERTS = 1
 
 def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
          backend: str = "auto", experts: str = "auto",
+         max_tokens_per_rank: Optional[int] = None,
          dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Build the model of checkpoint directory `path`, convert it (`moe.hf.convert`) and
     load its weights, this rank's experts only. Returns the model in eval mode on the CPU.
@@ -45,7 +46,7 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
     Args:
         path: a directory with config.json and model.safetensors (or shards and
             model.safetensors.index.json), as `save_pretrained` writes it.
-        group, backend, experts: as for `moe.hf.convert`.
+        group, backend, experts, max_tokens_per_rank: as for `moe.hf.convert`.
         dtype: parameter dtype; None: the dtype config.json names, else float32.
 
     Raises:
@@ -54,6 +55,8 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
     """
     transformers = require("transformers")
     path = os.fspath(path)
+    world = 1 if group is None else dist.get_world_size(group)
+    check_capacity_argument(backend, max_tokens_per_rank, world=world, where="moe.hf.load")
     with Checkpoint(path) as checkpoint:  # checks the directory before building anything
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         spec = spec_for(config)
@@ -62,7 +65,7 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
                 else torch.float32
         model = _build_skeleton(transformers, config, spec, dtype)
         convert_blocks(model, group=group, backend=backend, experts=experts,
-                       weights_from_blocks=False)
+                       max_tokens_per_rank=max_tokens_per_rank, weights_from_blocks=False)
         _load_weights(model, checkpoint, spec)
     generation_file = os.path.join(path, "generation_config.json")
     if os.path.exists(generation_file):

@@ -21,9 +21,14 @@ from dbo.cli.bench.config import (
     NVLINK_REGIME,
 )
 
-HF_BACKENDS: tuple[str, ...] = tuple(b for b in BENCH_BACKENDS if b != "a2a_ll")
-"""Backends a converted model can run: a2a_ll needs a fixed capacity per rank, which
-`moe.hf.convert` does not set."""
+HF_BACKENDS: tuple[str, ...] = BENCH_BACKENDS
+"""Backends a converted model can run (those that need a capacity get one per
+conversion: `conversions`)."""
+
+PADDED_BACKENDS: tuple[str, ...] = ("a2a_ll", "deepep_ll")
+"""Capacity backends whose work grows with the capacity, not with the routed rows (a2a_ll
+sends every slot of it; deepep_ll's experts see E_loc * W * C rows): a capacity above a
+point's tokens would time padding the point does not need."""
 
 DEFAULT_HF_GPU_TOKENS: tuple[int, ...] = (4096,)
 DEFAULT_HF_CPU_TOKENS: tuple[int, ...] = (16,)
@@ -177,6 +182,50 @@ class HFBenchConfig:
                 "warmup": self.warmup, "rounds": self.rounds, "device": self.device,
                 "seed": self.seed,
                 "decode": None if self.decode is None else dataclasses.asdict(self.decode)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Conversion:
+    """One `moe.hf.convert` of the bench's model and the points it serves."""
+
+    max_tokens_per_rank: Optional[int]
+    """The converted layers' capacity (None: a backend that needs none)."""
+    points: tuple[int, ...]
+    """Tokens (prefill) or requests (decode) per rank of the points timed on it."""
+
+
+def conversions(backend: str, points: tuple[int, ...], *, world_size: int) -> list[Conversion]:
+    """How the bench converts its model for `backend` over `points` (tokens per rank of a
+    DBO-off step: prefill tokens, or decode requests). One conversion serves DBO off and
+    on (a second would hold the model twice). A backend without a capacity: one
+    conversion for every point. symm_mem (its capacity only sizes buffers: only routed
+    rows travel): one, with the largest point as capacity. a2a_ll and deepep_ll (padded
+    slots of the whole capacity travel): one per point, capacity = that point, so a point
+    moves no padding another point needs; each rebuilds the model."""
+    from moe.backends import backend_class
+    if not backend_class(backend, world_size).needs_capacity:
+        return [Conversion(max_tokens_per_rank=None, points=points)]
+    if backend not in PADDED_BACKENDS:
+        return [Conversion(max_tokens_per_rank=max(points), points=points)]
+    return [Conversion(max_tokens_per_rank=p, points=(p,)) for p in points]
+
+
+def capacity_note(backends: tuple[str, ...], *, world_size: int) -> Optional[str]:
+    """What the capacity means for the timings of `backends` (None: none takes one)."""
+    from moe.backends import backend_class
+    taking = [b for b in backends if backend_class(b, world_size).needs_capacity]
+    if not taking:
+        return None
+    notes = []
+    padded = [b for b in taking if b in PADDED_BACKENDS]
+    if padded:
+        notes.append(f"{', '.join(padded)}: max_tokens_per_rank = the point's tokens per "
+                     f"rank, one converted model for DBO off and on, so each DBO ubatch "
+                     f"pads to the full capacity (2x the padding of DBO off)")
+    if "symm_mem" in taking:
+        notes.append("symm_mem: max_tokens_per_rank = the largest point (it sizes the "
+                     "buffers); only routed rows travel")
+    return "; ".join(notes)
 
 
 def _is_int(value: Any) -> bool:

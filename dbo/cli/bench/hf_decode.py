@@ -22,7 +22,9 @@ the cache never grows. The restore only rebinds tensors the append never wrote t
    ubatch 0 gets requests [0, ceil(R/2)) with a cache of its own rows, ubatch 1 the rest
    with its own, as `moe.hf.generate` keeps one cache per ubatch), `rounds` rounds in
    alternation, each round with a separate short trial of DBO on for the gate
-   (`dbo.cli.bench.gating`: the request-count threshold, then the worst trial).
+   (`dbo.cli.bench.gating`: the request-count threshold, then the worst trial). A
+   backend that needs a capacity gets `max_tokens_per_rank` as in prefill
+   (`hf_config.conversions`), a point's requests being its tokens per rank.
 Each point reports how far the converted model's decode logits are from the unconverted
 model's over the same cached prefix (largest difference over the largest logit, max
 over ranks): ~1e-6 in float32.
@@ -40,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dbo.cli.bench.gating import GatePolicy
-from dbo.cli.bench.hf_config import HFBenchConfig, HFDecodeOptions
+from dbo.cli.bench.hf_config import HFBenchConfig, HFDecodeOptions, conversions
 from dbo.cli.bench.hf_sweep import build_model, describe_model, max_rel_diff
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import Timing, median_of_rounds, time_steps
@@ -167,6 +169,8 @@ class HFDecodePoint:
     t_nodbo_ms_rank0: float
     t_dbo_ms: float
     t_dbo_ms_rank0: float
+    max_tokens_per_rank: Optional[int]
+    """The converted layers' capacity (`moe.hf.convert`), None for a backend without one."""
     tokens_per_s_hf: float
     tokens_per_s_nodbo: float
     tokens_per_s_dbo: float
@@ -251,17 +255,19 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
 
     import moe.hf
     points = []
-    for b, backend in enumerate(cfg.backends):
-        if model is None:  # the previous backend's converted model is gone
+    plans = [(backend, conversion) for backend in cfg.backends
+             for conversion in conversions(backend, opts.requests, world_size=world)]
+    for backend, conversion in plans:
+        if model is None:  # the previous conversion's model is gone
             model = build_model(cfg, config, device=device, dtype=dtype)
         _free(device)
-        model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts)
+        model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
+                               max_tokens_per_rank=conversion.max_tokens_per_rank)
         _free(device)
-        if b == 0:
-            shapes["expert_bytes_per_rank_converted"] = moe.hf.expert_bytes(model)
+        shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
         decoder = DecodeStep(model)
         runner = DBORunner(decoder, DBOConfig(split=SplitCaches()), group=group)
-        for r in opts.requests:
+        for r in conversion.points:
             off = _step(decoder, next_ids[:r], cache=caches[r])
             on = _step(runner, next_ids[:r], cache=caches[r], parts=parts[r])
             diffs = [max_rel_diff(s(), reference[r], group) for s in (off, on)]
@@ -276,7 +282,7 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                 ons.append(time_steps(on, **timing))
             decision = runner.last_decision
             points.append(_point(cfg, opts, gate, backend=backend, requests=r, world=world,
-                                 hf=t_hf[r], offs=offs, ons=ons, trials=trials,
+                                 capacity=conversion.max_tokens_per_rank, hf=t_hf[r], offs=offs, ons=ons, trials=trials,
                                  split=bool(decision is not None and decision.split),
                                  reason="" if decision is None else decision.reason,
                                  diffs=diffs))
@@ -294,8 +300,9 @@ def _step(call: Callable[..., Tensor], input_ids: Tensor, **kwargs: Any) -> Call
 
 
 def _point(cfg: HFBenchConfig, opts: HFDecodeOptions, gate: GatePolicy, *, backend: str,
-           requests: int, world: int, hf: Timing, offs: list[Timing], ons: list[Timing],
-           trials: list[float], split: bool, reason: str, diffs: list[float]) -> HFDecodePoint:
+           requests: int, world: int, capacity: Optional[int], hf: Timing,
+           offs: list[Timing], ons: list[Timing], trials: list[float], split: bool,
+           reason: str, diffs: list[float]) -> HFDecodePoint:
     off, on = median_of_rounds(offs), median_of_rounds(ons)
     decision = gate.decide(tokens_per_rank=requests, ceiling=None, trial_speedups=trials,
                            no_probe_reason="no ceiling probe in --hf")
@@ -306,7 +313,8 @@ def _point(cfg: HFBenchConfig, opts: HFDecodeOptions, gate: GatePolicy, *, backe
         regime=cfg.regime, arch=cfg.arch, backend=backend, requests_per_rank=requests,
         context=opts.context, world_size=world, t_hf_ms=hf.max_ms, t_hf_ms_rank0=hf.rank0_ms,
         t_nodbo_ms=off.max_ms, t_nodbo_ms_rank0=off.rank0_ms, t_dbo_ms=on.max_ms,
-        t_dbo_ms_rank0=on.rank0_ms, tokens_per_s_hf=_rate(total, hf.max_ms),
+        t_dbo_ms_rank0=on.rank0_ms, max_tokens_per_rank=capacity,
+        tokens_per_s_hf=_rate(total, hf.max_ms),
         tokens_per_s_nodbo=_rate(total, off.max_ms), tokens_per_s_dbo=_rate(total, on.max_ms),
         gate=decision.choice, gate_reason=decision.reason, t_gated_ms=gated_ms,
         speedup=off.max_ms / on.max_ms if perf else None,

@@ -13,7 +13,7 @@ from typing import Any
 
 from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME
 from dbo.cli.bench.hf_decode import HFDecodeResult
-from dbo.cli.bench.hf_report import _clean
+from dbo.cli.bench.hf_report import _capacity_note, _clean
 from dbo.cli.bench.report import FUNCTIONAL_NOTE, MAX_GATED_SLOWDOWN, _num
 
 DEFINITIONS = {
@@ -31,6 +31,8 @@ DEFINITIONS = {
              "the rounds' separate DBO trials (below 1.01x: off)"),
     "gated_speedup": "T_noDBO / T_gated, T_gated = T_DBO where the gate chose dbo, else T_noDBO",
     "dbo_vs_hf": "T_hf / T_DBO", "nodbo_vs_hf": "T_hf / T_noDBO",
+    "max_tokens_per_rank": ("the converted layers' capacity (moe.hf.convert), for the "
+                            "backends that need one; null otherwise"),
     "logits_diff": ("max |decode logits - unconverted decode logits| / max |unconverted "
                     "decode logits| over the same cached prefix, the largest over ranks"),
 }
@@ -48,6 +50,7 @@ def header(result: HFDecodeResult) -> dict[str, Any]:
             "world_size": result.world_size, "device": cfg.device,
             "timings": "functional" if cfg.functional else "performance",
             **({"note": FUNCTIONAL_NOTE} if cfg.functional else {}),
+            **({"capacity_note": note} if (note := _capacity_note(result)) else {}),
             "shapes": result.shapes}
 
 
@@ -114,6 +117,7 @@ def format_table(result: HFDecodeResult) -> str:
         f"{cfg.warmup} warmup" + (f", median of {cfg.rounds} rounds" if cfg.rounds > 1 else "")
         + "; shown rank0/max over ranks; ratios use the max",
         *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
+        *([f"  capacity: {note}"] if (note := _capacity_note(result)) else []),
         "",
     ]
     cols = [("R/rank", 6), ("backend", 7), ("unconv ms", 15), ("noDBO ms", 15),

@@ -11,19 +11,24 @@ Prefill by default; `--mode decode` times decode steps over KV caches instead
 cached tokens per request, gated as the other modes gate (`--gate-min-tokens`,
 `--gate-trial-iters`).
 
+`--backends a2a_ll` (also symm_mem, deepep_ll) converts with a capacity per rank
+(`hf_config.conversions`): no MoE layer reads counts on the host.
+
 Ranks as the other modes (`dbo.cli.bench.launch`): under torchrun this process is one
 rank, else it spawns `--world-size` (default 2). Everything is checked before a rank
-starts (the architecture, its experts over the ranks), each error one line with the fix.
+starts (the architecture, its experts over the ranks, each backend's library, device and
+shape limits), each error one line with the fix.
 """
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from dbo.cli import check_out_dir, quiet_profiler_logs
 from dbo.cli.bench.config import regime_label, requests_count
+from dbo.cli.run_config import check_backend_runs
 from dbo.cli.bench.hf_config import (
     DEFAULT_HF_CPU_CONTEXT,
     DEFAULT_HF_CPU_DECODE_REQUESTS,
@@ -104,8 +109,8 @@ def main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace,
         check_out_dir("--out", cfg.out_dir)
         from dbo.cli.bench.ranks import world_size_of
         world = world_size_of(args.world_size, cfg.device, env)
-        cfg.model_config(world)  # the experts over the ranks, before a rank starts
-    except ValueError as exc:
+        check_backends_run(cfg, cfg.model_config(world), world_size=world, env=env)
+    except (ImportError, ValueError) as exc:
         parser.error(str(exc))  # one line, exit 2
     quiet_profiler_logs()
     if torchrun:
@@ -113,6 +118,32 @@ def main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace,
                            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
                            init_method="env://")
     return spawn(cfg, world, run_hf_rank)
+
+
+def check_backends_run(cfg: HFBenchConfig, config: Any, *, world_size: int,
+                       env: Mapping[str, str]) -> None:
+    """ImportError or ValueError, in one line, for a backend of `cfg` that cannot run the
+    model of transformers config `config` here: symm_mem without its op, CUDA or NVSHMEM;
+    the DeepEP backends without deep_ep or CUDA; deepep_ll at a hidden size its kernels
+    lack, or at more tokens per rank than NVSHMEM's queue depth takes."""
+    from moe.backends.deepep_support import (DEFAULT_NVSHMEM_QP_DEPTH, check_ll_shape,
+                                             ll_capacity, require_deep_ep)
+    points = cfg.tokens if cfg.decode is None else cfg.decode.requests
+    for backend in cfg.backends:
+        check_backend_runs(backend)
+        if backend in ("deepep_ht", "deepep_ll"):
+            require_deep_ep(backend, "Buffer")
+        if backend == "deepep_ll":
+            check_ll_shape(backend, config.hidden_size, torch.bfloat16, world_size)
+            depth = int(env.get("NVSHMEM_QP_DEPTH", DEFAULT_NVSHMEM_QP_DEPTH))
+            capacity = ll_capacity(max(points), world_size)
+            if 2 * (capacity + 1) > depth:
+                what = "--tokens" if cfg.decode is None else "--requests"
+                raise ValueError(f"--backends deepep_ll at {max(points)} {what[2:]} per rank "
+                                 f"on {world_size} ranks: DeepEP's capacity {capacity} needs "
+                                 f"an NVSHMEM queue depth of {2 * (capacity + 1)}, above "
+                                 f"NVSHMEM_QP_DEPTH={depth}; use smaller {what}, or raise "
+                                 f"NVSHMEM_QP_DEPTH")
 
 
 def run_hf_rank(cfg: HFBenchConfig, *, rank: int, world_size: int, local_rank: int,

@@ -9,9 +9,10 @@ from __future__ import annotations
 import csv
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME
+from dbo.cli.bench.hf_config import capacity_note
 from dbo.cli.bench.hf_sweep import HFSweepResult
 import math
 
@@ -26,6 +27,8 @@ DEFINITIONS = {
     "tokens_per_s": "tokens per rank * world size / step time",
     "speedup": "T_noDBO / T_DBO",
     "dbo_vs_hf": "T_hf / T_DBO", "nodbo_vs_hf": "T_hf / T_noDBO",
+    "max_tokens_per_rank": ("the converted layers' capacity (moe.hf.convert), for the "
+                            "backends that need one; null otherwise"),
     "logits_diff": ("max |logits - unconverted logits| / max |unconverted logits| on the "
                     "same batch, the largest over ranks"),
 }
@@ -43,6 +46,11 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _capacity_note(result: Any) -> Optional[str]:
+    """`hf_config.capacity_note` for the run's backends (prefill or decode result)."""
+    return capacity_note(result.config.backends, world_size=result.world_size)
+
+
 def file_stem(result: HFSweepResult) -> str:
     cfg = result.config
     tag = {CPU_REGIME: "cpu", EMULATED_REGIME: "p2p-disabled"}.get(cfg.regime, "nvlink")
@@ -55,6 +63,7 @@ def header(result: HFSweepResult) -> dict[str, Any]:
             "world_size": result.world_size, "device": cfg.device,
             "timings": "functional" if cfg.functional else "performance",
             **({"note": FUNCTIONAL_NOTE} if cfg.functional else {}),
+            **({"capacity_note": note} if (note := _capacity_note(result)) else {}),
             "shapes": result.shapes}
 
 
@@ -110,6 +119,7 @@ def format_table(result: HFSweepResult) -> str:
         (f", median of {cfg.rounds} rounds" if cfg.rounds > 1 else "") +
         "; shown rank0/max over ranks; ratios use the max",
         *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
+        *([f"  capacity: {note}"] if (note := _capacity_note(result)) else []),
         "",
     ]
     cols = [("T/rank", 7), ("backend", 7), ("unconv ms", 15), ("noDBO ms", 15),

@@ -16,6 +16,10 @@ logits are the last position's, as a server computes them: [B, 1, V]).
    rank's experts only, the others' freed), then per token count `rounds` rounds of
    DBO off (the model called directly) and DBO on (`DBORunner`, split "batch" between
    sequences) in alternation. Another backend rebuilds the model and converts it again.
+   A backend that needs a capacity gets `max_tokens_per_rank` (`hf_config.conversions`):
+   a2a_ll and deepep_ll the point's tokens per rank, converted (and rebuilt) per point;
+   symm_mem the largest point's. The DBO-on runner shares the DBO-off model, so its
+   ubatches carry that capacity too (a2a_ll: padding of the whole capacity per ubatch).
 Times are per-rank medians (`dbo.cli.bench.timing`), folded over rounds; the derived
 figures use the slowest rank's. Each point also reports how far the converted model's
 logits are from the unconverted model's on the same batch (largest difference over
@@ -31,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dbo.cli.bench.hf_config import HFBenchConfig
+from dbo.cli.bench.hf_config import HFBenchConfig, conversions
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import Timing, gather_floats, median_of_rounds, time_steps
 from dbo.config import DBOConfig
@@ -59,6 +63,8 @@ class HFPoint:
     t_nodbo_ms_rank0: float
     t_dbo_ms: float
     t_dbo_ms_rank0: float
+    max_tokens_per_rank: Optional[int]
+    """The converted layers' capacity (`moe.hf.convert`), None for a backend without one."""
     tokens_per_s_hf: float
     tokens_per_s_nodbo: float
     tokens_per_s_dbo: float
@@ -120,16 +126,18 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
 
     import moe.hf
     points = []
-    for b, backend in enumerate(cfg.backends):
-        if model is None:  # the previous backend's converted model is gone
+    plans = [(backend, conversion) for backend in cfg.backends
+             for conversion in conversions(backend, cfg.tokens, world_size=world)]
+    for backend, conversion in plans:
+        if model is None:  # the previous conversion's model is gone
             model = build_model(cfg, config, device=device, dtype=dtype)
         _free(device)
-        model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts)
+        model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
+                               max_tokens_per_rank=conversion.max_tokens_per_rank)
         _free(device)
-        if b == 0:
-            shapes["expert_bytes_per_rank_converted"] = moe.hf.expert_bytes(model)
+        shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
         runner = DBORunner(model, _DBO_ON, group=group)
-        for tokens in cfg.tokens:
+        for tokens in conversion.points:
             off, on = _step(model, inputs[tokens]), _step(runner, inputs[tokens])
             diffs = [max_rel_diff(s().logits, reference[tokens], group) for s in (off, on)]
             offs, ons = [], []
@@ -141,6 +149,7 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                 ons.append(time_steps(on, **timing))
             decision = runner.last_decision
             points.append(_point(cfg, backend=backend, tokens=tokens, world=world,
+                                 capacity=conversion.max_tokens_per_rank,
                                  hf=t_hf[tokens], offs=offs, ons=ons,
                                  split=bool(decision is not None and decision.split),
                                  reason="" if decision is None else decision.reason,
@@ -189,9 +198,9 @@ def max_rel_diff(logits: Tensor, reference: Tensor, group: Optional[dist.Process
     return max(gather_floats(mine, group))
 
 
-def _point(cfg: HFBenchConfig, *, backend: str, tokens: int, world: int, hf: Timing,
-           offs: list[Timing], ons: list[Timing], split: bool, reason: str,
-           diffs: list[float]) -> HFPoint:
+def _point(cfg: HFBenchConfig, *, backend: str, tokens: int, world: int,
+           capacity: Optional[int], hf: Timing, offs: list[Timing], ons: list[Timing],
+           split: bool, reason: str, diffs: list[float]) -> HFPoint:
     off, on = median_of_rounds(offs), median_of_rounds(ons)
     total = tokens * world
     perf = not cfg.functional
@@ -199,7 +208,8 @@ def _point(cfg: HFBenchConfig, *, backend: str, tokens: int, world: int, hf: Tim
         regime=cfg.regime, arch=cfg.arch, backend=backend, tokens_per_rank=tokens,
         world_size=world, t_hf_ms=hf.max_ms, t_hf_ms_rank0=hf.rank0_ms,
         t_nodbo_ms=off.max_ms, t_nodbo_ms_rank0=off.rank0_ms, t_dbo_ms=on.max_ms,
-        t_dbo_ms_rank0=on.rank0_ms, tokens_per_s_hf=_rate(total, hf.max_ms),
+        t_dbo_ms_rank0=on.rank0_ms, max_tokens_per_rank=capacity,
+        tokens_per_s_hf=_rate(total, hf.max_ms),
         tokens_per_s_nodbo=_rate(total, off.max_ms), tokens_per_s_dbo=_rate(total, on.max_ms),
         speedup=off.max_ms / on.max_ms if perf else None,
         dbo_vs_hf=hf.max_ms / on.max_ms if perf else None,

@@ -25,8 +25,7 @@ from dbo.cli.soak.reference import DenseReference
 from dbo.cli.soak.summary import (GRAPH_SPLITS, RankResult, kib, print_summary, summarize,
                                   tolerance_of)
 from dbo.cli.soak.workload import SoakModel, draw_step_input
-# NVSHMEM's default queue depth (NVSHMEM_QP_DEPTH), which bounds deepep_ll's capacity.
-DEFAULT_NVSHMEM_QP_DEPTH = 1024
+from moe.backends.deepep_support import DEFAULT_NVSHMEM_QP_DEPTH
 
 
 # ------------------------------------------------------------------------------ one rank
