@@ -1,7 +1,9 @@
 """Layers 1-2: `dbo bench --hf ARCH` on CPU. Argument errors before any rank starts and
 the named real-shape architectures (layer 1, in-process; the real shapes are built on
-the meta device only); the command line end to end on two gloo ranks at tiny shapes,
-float32: table, CSV/JSON files and the final JSON line (layer 2).
+the meta device only); how each backend is converted (`conversions`: a capacity per
+point, or the largest, or none); the command line end to end on two gloo ranks at tiny
+shapes, float32, with a2a, naive and a2a_ll (converted with the point's capacity): table,
+CSV/JSON files and the final JSON line (layer 2).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ pytest.importorskip("transformers")
 
 from dbo.cli.bench import main  # noqa: E402
 from dbo.cli.bench.config import CPU_REGIME  # noqa: E402
+from dbo.cli.bench.hf_config import Conversion, conversions  # noqa: E402
 from moe.hf.named import REAL_SHAPES, named_architectures, named_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +34,10 @@ VALID = ", ".join(named_architectures())
      "128 routed experts of qwen3-30b-a3b do not split over 3 ranks"),
     (["--hf", "qwen3_moe", "--num-experts", "5"],
      "5 routed experts of qwen3_moe do not split over 2 ranks"),
-    (["--hf", "qwen3_moe", "--backends", "a2a_ll"], "backend 'a2a_ll' cannot run a converted"),
+    (["--hf", "qwen3_moe", "--backends", "a2a,symm_mem"], "backend 'symm_mem' "),
+    (["--hf", "qwen3_moe", "--backends", "deepep_ll"], "backend 'deepep_ll' needs DeepEP"),
+    (["--hf", "qwen3_moe", "--backends", "deepep_v2"], "backend 'deepep_v2' cannot run a "
+                                                       "converted model"),
     (["--hf", "qwen3_moe", "--tokens", "10"], "tokens per rank 10 is not a positive multiple"),
     (["--hf", "qwen3_moe", "--requests", "1"], "requests=1 must be an int >= 2"),
     (["--hf", "qwen3_moe", "--preset", "tiny"], "--preset does not apply to --hf"),
@@ -51,6 +57,45 @@ def test_bad_arguments_exit_with_the_fix_before_any_rank(
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1 and err.startswith("dbo bench: "), err
+
+
+def test_each_backend_is_converted_with_the_capacity_its_points_need() -> None:
+    points = (64, 256, 512)
+    assert conversions("a2a", points, world_size=2) == [
+        Conversion(max_tokens_per_rank=None, points=points)]
+    assert conversions("symm_mem", points, world_size=2) == [
+        Conversion(max_tokens_per_rank=512, points=points)]
+    for padded in ("a2a_ll", "deepep_ll"):
+        assert conversions(padded, points, world_size=2) == [
+            Conversion(max_tokens_per_rank=p, points=(p,)) for p in points]
+
+
+def test_deepep_ll_shape_and_queue_depth_are_checked_before_any_rank(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a GPU machine with DeepEP (a stand-in module): a hidden size its kernels
+    lack, and more tokens per rank than NVSHMEM's queue depth takes, are refused."""
+    import types
+
+    from dbo.cli.bench.hf_config import HFBenchConfig
+    from dbo.cli.bench.hf_launch import check_backends_run
+    fake = types.ModuleType("deep_ep")
+    fake.__spec__ = types.SimpleNamespace(name="deep_ep")  # type: ignore[assignment]
+    fake.Buffer = object  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deep_ep", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def check(arch: str, tokens: int, env: dict[str, str]) -> None:
+        cfg = HFBenchConfig(arch=arch, tokens=(tokens,), backends=("deepep_ll",))
+        check_backends_run(cfg, cfg.model_config(2), world_size=2, env=env)
+
+    with pytest.raises(ValueError, match="MoEConfig.hidden_size=64 is not supported"):
+        check("qwen3_moe", 16, {})
+    check("qwen3-30b-a3b", 256, {})
+    with pytest.raises(ValueError, match=r"deepep_ll at 4096 tokens per rank on 2 ranks: "
+                                         r".* needs an NVSHMEM queue depth of 8194, above "
+                                         r"NVSHMEM_QP_DEPTH=1024"):
+        check("qwen3-30b-a3b", 4096, {})
+    check("qwen3-30b-a3b", 4096, {"NVSHMEM_QP_DEPTH": "8194"})
 
 
 @pytest.mark.parametrize("name", sorted(REAL_SHAPES))
@@ -83,7 +128,7 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE")}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "dbo.cli.bench", "--device", "cpu", "--hf", "deepseek_v3",
-           "--tokens", "8", "--requests", "2", "--backends", "a2a,naive", "--iters", "1",
+           "--tokens", "8,16", "--requests", "2", "--backends", "a2a,naive,a2a_ll", "--iters", "1",
            "--warmup", "0", "--rounds", "2", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=180)
@@ -98,7 +143,11 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
         8, 4, "float32")
     assert shapes["expert_bytes_per_rank_converted"] == 1 * 4 * 3 * 64 * 32 * 4  # 1 MoE layer
     points = final["points"]
-    assert [(p["backend"], p["tokens_per_rank"]) for p in points] == [("a2a", 8), ("naive", 8)]
+    assert [(p["backend"], p["tokens_per_rank"], p["max_tokens_per_rank"]) for p in points] == [
+        ("a2a", 8, None), ("a2a", 16, None), ("naive", 8, None), ("naive", 16, None),
+        ("a2a_ll", 8, 8), ("a2a_ll", 16, 16)]
+    assert "a2a_ll: max_tokens_per_rank = the point's tokens per rank" in final["capacity_note"]
+    assert "2x the padding of DBO off" in final["capacity_note"]
     for p in points:
         assert p["t_hf_ms"] > 0 and p["t_nodbo_ms"] > 0 and p["t_dbo_ms"] > 0
         assert p["dbo_split"] is True and p["rounds"] == 2
@@ -107,10 +156,11 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     table = "\n".join(lines[:-1])
     assert "dbo bench --hf deepseek_v3: world=2 regime=CPU gloo" in table
     assert "functional run" in table and "unconv ms" in table
+    assert "  capacity: a2a_ll: max_tokens_per_rank" in table
     files = final["files"]
     with open(files["csv"]) as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 2 and {r["backend"] for r in rows} == {"a2a", "naive"}
+    assert len(rows) == 6 and {r["backend"] for r in rows} == {"a2a", "naive", "a2a_ll"}
     doc = json.loads(Path(files["json"]).read_text())
     assert doc["config"]["arch"] == "deepseek_v3" and "dbo_vs_hf" in doc["definitions"]
     assert all(len(p["rounds_ms"]["t_dbo"]) == 2 for p in doc["points"])

@@ -1,7 +1,8 @@
 """Layers 1-2: `dbo bench --hf ARCH --mode decode` on CPU. The decode step over a KV
 cache that is put back after every step, and its DBO split into one cache per ubatch,
 against transformers (layer 1, one process, float32); argument errors before any rank
-starts (layer 1); the command line end to end on two gloo ranks at tiny shapes: table,
+starts (layer 1); the command line end to end on two gloo ranks at tiny shapes, with
+a2a and a2a_ll (converted per point with the point's requests as capacity): table,
 CSV/JSON files and the final JSON line, decode logits equal to the unconverted model's
 (layer 2).
 """
@@ -113,7 +114,7 @@ def test_cli_hf_decode_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE")}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "dbo.cli.bench", "--device", "cpu", "--hf", "deepseek_v3",
-           "--mode", "decode", "--requests", "2,3", "--context", "5", "--backends", "a2a",
+           "--mode", "decode", "--requests", "2,3", "--context", "5", "--backends", "a2a,a2a_ll",
            "--iters", "1", "--warmup", "0", "--rounds", "2", "--gate-min-tokens", "3",
            "--gate-trial-iters", "1", "--out", str(tmp_path), "--no-progress"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -127,21 +128,27 @@ def test_cli_hf_decode_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert (final["shapes"]["context"], final["shapes"]["max_requests"]) == (5, 3)
     assert final["summary"]["gated_never_slower_than_1pct"] is None  # functional: no ratios
     points = final["points"]
-    assert [(p["backend"], p["requests_per_rank"]) for p in points] == [("a2a", 2), ("a2a", 3)]
+    assert [(p["backend"], p["requests_per_rank"], p["max_tokens_per_rank"])
+            for p in points] == [("a2a", 2, None), ("a2a", 3, None), ("a2a_ll", 2, 2),
+                                 ("a2a_ll", 3, 3)]
+    assert "2x the padding of DBO off" in final["capacity_note"]
     for p in points:
         assert p["t_hf_ms"] > 0 and p["t_nodbo_ms"] > 0 and p["t_dbo_ms"] > 0
         assert p["dbo_split"] is True and p["rounds"] == 2 and len(p["trial_speedups"]) == 2
         assert p["speedup"] is None and p["gated_speedup"] is None
         assert p["logits_diff_nodbo"] < 1e-5 and p["logits_diff_dbo"] < 1e-5
-    assert points[0]["gate"] == "off" and points[0]["gate_reason"].startswith("threshold: 2")
-    assert points[1]["gate_reason"].startswith("trial: DBO") or "trial DBO" in points[1]["gate_reason"]
+    for p in points[0], points[2]:
+        assert p["gate"] == "off" and p["gate_reason"].startswith("threshold: 2")
+    for p in points[1], points[3]:
+        assert p["gate_reason"].startswith("trial: DBO") or "trial DBO" in p["gate_reason"]
     table = "\n".join(lines[:-1])
     assert "dbo bench --hf deepseek_v3 --mode decode: world=2 regime=CPU gloo" in table
     assert "one token per request over 5 cached tokens" in table and "gate decisions:" in table
+    assert "  capacity: a2a_ll: max_tokens_per_rank" in table
     files = final["files"]
     with open(files["csv"]) as f:
         rows = list(csv.DictReader(f))
-    assert [r["requests_per_rank"] for r in rows] == ["2", "3"]
+    assert [r["requests_per_rank"] for r in rows] == ["2", "3", "2", "3"]
     doc = json.loads(Path(files["json"]).read_text())
     assert doc["config"]["decode"]["context"] == 5 and "gated_speedup" in doc["definitions"]
     assert all(len(p["rounds_ms"]["t_dbo"]) == 2 for p in doc["points"])
