@@ -248,6 +248,11 @@ def hf_convert(arch: str, **sizes) -> None:
     convert(tiny_model(arch, **sizes))
 
 
+def hf_convert_with(**options) -> None:
+    from moe.hf import convert
+    convert(tiny_model("qwen3_moe"), **options)
+
+
 def hf_batch_mask(*, mask_len: int = 4, **overrides) -> None:
     import moe.hf
     ids = torch.zeros(2, 4, dtype=torch.long)
@@ -269,6 +274,13 @@ HF_REJECTED = {
         ValueError, "unsupported architecture 'olmoe'"),
     "`moe.hf.convert` of a converted model": (
         lambda tmp: hf_convert_twice(), ValueError, "'model.layers.0.mlp' is already converted"),
+    "`moe.hf.convert` / `moe.hf.load` with a backend that needs a capacity (`a2a_ll`, "
+    "`symm_mem`, `deepep_ll`) and no `max_tokens_per_rank`": (
+        lambda tmp: hf_convert_with(backend="a2a_ll"), ValueError,
+        "backend 'a2a_ll' needs max_tokens_per_rank"),
+    "`moe.hf.convert` / `moe.hf.load`: `max_tokens_per_rank` that is not a positive int": (
+        lambda tmp: hf_convert_with(backend="a2a_ll", max_tokens_per_rank=0), ValueError,
+        "max_tokens_per_rank=0 must be a positive int"),
     "`moe.hf.load` of a checkpoint missing an expert's tensor": (
         lambda tmp: hf_load_without(tmp, "model.layers.1.block_sparse_moe.experts.2.w3.weight"),
         ValueError, "has no tensor 'model.layers.1.block_sparse_moe.experts.2.w3.weight'"),
