@@ -5,6 +5,8 @@
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf deepseek-v3
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf qwen3-30b-a3b \
         --mode decode --requests 64,256,512 --context 1024
+    NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf qwen3-30b-a3b \
+        --tokens 4096 --backends a2a,a2a_ll                  # a2a_ll: a capacity per point
 
 Prefill by default; `--mode decode` times decode steps over KV caches instead
 (`dbo.cli.bench.hf_decode`), sweeping `--requests` (requests per rank) at `--context`
