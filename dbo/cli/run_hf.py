@@ -85,21 +85,27 @@ def build_hf(ctx: Any, job: Any, tokens: int) -> dict[str, Any]:
     """This rank's model (its experts), batch and runner: the fields of the run job's
     `RankSetup` (`tokens`: this rank's token count)."""
     import moe.hf
+    from dbo.cli.run_config import tokens_for_rank
+    from moe.backends import backend_class
     from moe.hf.block import HFMoEBlock
     from moe.hf.tiny import tiny_model
 
     backend = job.backend
     if backend == "auto" and ctx.world_size > 1:
         backend = "a2a"
+    # A fixed-capacity backend gets the largest rank's tokens (the same on every rank).
+    capacity = (max(tokens_for_rank(job, r) for r in range(ctx.world_size))
+                if backend_class(backend, ctx.world_size).needs_capacity else None)
     dtype: Optional[torch.dtype] = torch.bfloat16 if ctx.device.type == "cuda" else None
     if job.hf is not None:
         model = moe.hf.load(job.hf, group=ctx.group, backend=backend, experts=job.experts,
-                            dtype=dtype)
+                            dtype=dtype, max_tokens_per_rank=capacity)
     else:
         model = tiny_model(hf_model_config(job, ctx.world_size), seed=job.seed)
         if dtype is not None:
             model = model.to(dtype)
-        model = moe.hf.convert(model, group=ctx.group, backend=backend, experts=job.experts)
+        model = moe.hf.convert(model, group=ctx.group, backend=backend, experts=job.experts,
+                               max_tokens_per_rank=capacity)
     model = LogitsOnly(model.to(ctx.device))
     num_seqs = job.requests
     seq_len = max(1, tokens // num_seqs)

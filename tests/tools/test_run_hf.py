@@ -17,14 +17,17 @@ from dbo import cli  # noqa: E402
 
 
 @pytest.mark.distributed
-def test_dbo_run_hf_config_end_to_end(tmp_path):
+@pytest.mark.parametrize("backend", ["auto", "a2a_ll"])  # a2a_ll: a capacity is given
+def test_dbo_run_hf_config_end_to_end(tmp_path, backend):
     proc = subprocess.run([sys.executable, "-m", "dbo.cli", "run", "--hf-config", "qwen3_moe",
                            "--tokens", "48", "--requests", "4", "--steps", "1",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+                           "--backend", backend, "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["model"] == "hf-config qwen3_moe" and summary["world_size"] == 2
-    assert summary["backend"] == "a2a" and summary["num_experts"] == 8
+    assert summary["backend"] == ("a2a" if backend == "auto" else backend)
+    assert summary["num_experts"] == 8
     assert summary["split"] is True and summary["outputs_match"] is True
     assert summary["tokens_per_rank"] == [48, 40]  # 4 sequences of 12 and of 10 tokens
     # The MoE layer's phases interleave: ubatch 1 routes before ubatch 0 receives.
