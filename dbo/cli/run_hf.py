@@ -81,11 +81,11 @@ def hf_model_config(job: Any, world_size: int) -> Any:
     return config
 
 
-def build_hf(ctx: Any, job: Any, tokens: int) -> dict[str, Any]:
+def build_hf(ctx: Any, job: Any, tokens: int, max_tokens: int) -> dict[str, Any]:
     """This rank's model (its experts), batch and runner: the fields of the run job's
-    `RankSetup` (`tokens`: this rank's token count)."""
+    `RankSetup` (`tokens`: this rank's token count; `max_tokens`: the largest rank's, the
+    capacity a fixed-capacity backend gets, the same on every rank)."""
     import moe.hf
-    from dbo.cli.run_config import tokens_for_rank
     from moe.backends import backend_class
     from moe.hf.block import HFMoEBlock
     from moe.hf.tiny import tiny_model
@@ -93,9 +93,7 @@ def build_hf(ctx: Any, job: Any, tokens: int) -> dict[str, Any]:
     backend = job.backend
     if backend == "auto" and ctx.world_size > 1:
         backend = "a2a"
-    # A fixed-capacity backend gets the largest rank's tokens (the same on every rank).
-    capacity = (max(tokens_for_rank(job, r) for r in range(ctx.world_size))
-                if backend_class(backend, ctx.world_size).needs_capacity else None)
+    capacity = max_tokens if backend_class(backend, ctx.world_size).needs_capacity else None
     dtype: Optional[torch.dtype] = torch.bfloat16 if ctx.device.type == "cuda" else None
     if job.hf is not None:
         model = moe.hf.load(job.hf, group=ctx.group, backend=backend, experts=job.experts,

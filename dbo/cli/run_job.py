@@ -112,7 +112,9 @@ def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
     from moe.models.transformer import MoETransformer, make_batch
 
     if job.hf is not None or job.hf_config is not None:
-        return RankSetup(**build_hf(ctx, job, tokens_for_rank(job, ctx.rank)))
+        return RankSetup(**build_hf(
+            ctx, job, tokens_for_rank(job, ctx.rank),
+            max(tokens_for_rank(job, r) for r in range(ctx.world_size))))
     config = model_config(job, ctx.world_size)
     if job.cuda_graph and ctx.device.type != "cuda":
         raise ValueError(f"--cuda-graph needs CUDA GPUs; this rank runs on {ctx.device}")
