@@ -6,15 +6,13 @@ run is a functional check: its ratios and `gated_never_slower_than_1pct` are nul
 """
 from __future__ import annotations
 
-import csv
-import json
-import os
 from typing import Any
 
-from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME
 from dbo.cli.bench.hf_decode import HFDecodeResult
-from dbo.cli.bench.hf_report import _capacity_note, _clean
+from dbo.cli.bench.hf_report import _capacity_note, json_line, write_files
 from dbo.cli.bench.report import FUNCTIONAL_NOTE, MAX_GATED_SLOWDOWN, _num
+
+MODE = "hf_decode"  # the JSON's mode and the files' stem
 
 DEFINITIONS = {
     "step": ("one new token per request over its KV cache of `context` tokens; the cache "
@@ -38,22 +36,6 @@ DEFINITIONS = {
 }
 
 
-def file_stem(result: HFDecodeResult) -> str:
-    cfg = result.config
-    tag = {CPU_REGIME: "cpu", EMULATED_REGIME: "p2p-disabled"}.get(cfg.regime, "nvlink")
-    return f"bench_hf_decode_{cfg.arch}_w{result.world_size}_{tag}"
-
-
-def header(result: HFDecodeResult) -> dict[str, Any]:
-    cfg = result.config
-    return {"bench": "dbo", "mode": "hf_decode", "regime": cfg.regime, "arch": cfg.arch,
-            "world_size": result.world_size, "device": cfg.device,
-            "timings": "functional" if cfg.functional else "performance",
-            **({"note": FUNCTIONAL_NOTE} if cfg.functional else {}),
-            **({"capacity_note": note} if (note := _capacity_note(result)) else {}),
-            "shapes": result.shapes}
-
-
 def summarize(result: HFDecodeResult) -> dict[str, Any]:
     points = result.points
     common = {"points": len(points), "points_split": sum(p.dbo_split for p in points),
@@ -74,31 +56,17 @@ def summarize(result: HFDecodeResult) -> dict[str, Any]:
 
 def write_outputs(result: HFDecodeResult) -> dict[str, Any]:
     """Write the CSV and JSON; return {"csv": path, "json": path}."""
-    os.makedirs(result.config.out_dir, exist_ok=True)
-    stem = os.path.join(result.config.out_dir, file_stem(result))
-    files = {"csv": stem + ".csv", "json": stem + ".json"}
-    rows = [p.row() for p in result.points]
-    with open(files["csv"], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    doc = {**header(result), "config": result.config.summary(), "definitions": DEFINITIONS,
-           "summary": summarize(result),
-           "points": [{**p.row(), "trial_speedups": p.trial_speedups,
-                       "per_rank_ms": p.per_rank_ms, "rounds_ms": p.rounds_ms}
-                      for p in result.points], "files": files}
-    with open(files["json"], "w") as f:
-        json.dump(_clean(doc), f, indent=2)
-        f.write("\n")
-    return files
+    return write_files(result, mode=MODE, definitions=DEFINITIONS, summary=summarize(result),
+                       points=[{**p.row(), "trial_speedups": p.trial_speedups,
+                                "per_rank_ms": p.per_rank_ms, "rounds_ms": p.rounds_ms}
+                               for p in result.points])
 
 
 def final_line(result: HFDecodeResult, files: dict[str, Any]) -> str:
     """The one JSON line for programs (stdout, last line)."""
-    doc = {**header(result), "summary": summarize(result),
-           "points": [{**p.row(), "trial_speedups": p.trial_speedups}
-                      for p in result.points], "files": files}
-    return json.dumps(_clean(doc), separators=(",", ":"))
+    return json_line(result, mode=MODE, summary=summarize(result),
+                     points=[{**p.row(), "trial_speedups": p.trial_speedups}
+                             for p in result.points], files=files)
 
 
 def format_table(result: HFDecodeResult) -> str:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 from typing import Any, Optional
 
 from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME
 from dbo.cli.bench.hf_config import capacity_note
 from dbo.cli.bench.hf_sweep import HFSweepResult
-import math
-
 from dbo.cli.bench.report import FUNCTIONAL_NOTE, _num
 
 DEFINITIONS = {
@@ -51,20 +50,50 @@ def _capacity_note(result: Any) -> Optional[str]:
     return capacity_note(result.config.backends, world_size=result.world_size)
 
 
-def file_stem(result: HFSweepResult) -> str:
+def file_stem(result: Any, kind: str = "hf") -> str:
+    """`bench_<kind>_<arch>_w<world>_<regime tag>` (`kind`: "hf" or "hf_decode")."""
     cfg = result.config
     tag = {CPU_REGIME: "cpu", EMULATED_REGIME: "p2p-disabled"}.get(cfg.regime, "nvlink")
-    return f"bench_hf_{cfg.arch}_w{result.world_size}_{tag}"
+    return f"bench_{kind}_{cfg.arch}_w{result.world_size}_{tag}"
 
 
-def header(result: HFSweepResult) -> dict[str, Any]:
+def header(result: Any, mode: str = "hf") -> dict[str, Any]:
+    """The fields every output of an HF bench run starts with (prefill or decode)."""
     cfg = result.config
-    return {"bench": "dbo", "mode": "hf", "regime": cfg.regime, "arch": cfg.arch,
+    return {"bench": "dbo", "mode": mode, "regime": cfg.regime, "arch": cfg.arch,
             "world_size": result.world_size, "device": cfg.device,
             "timings": "functional" if cfg.functional else "performance",
             **({"note": FUNCTIONAL_NOTE} if cfg.functional else {}),
             **({"capacity_note": note} if (note := _capacity_note(result)) else {}),
             "shapes": result.shapes}
+
+
+def write_files(result: Any, *, mode: str, definitions: dict[str, Any],
+                summary: dict[str, Any], points: list[dict[str, Any]]) -> dict[str, Any]:
+    """Write the run's CSV (one row per point, `Point.row()`) and JSON (`header`, config,
+    `definitions`, `summary`, `points`) under `out_dir`; return {"csv": path, "json":
+    path}. `mode`: "hf" or "hf_decode"."""
+    os.makedirs(result.config.out_dir, exist_ok=True)
+    stem = os.path.join(result.config.out_dir, file_stem(result, mode))
+    files = {"csv": stem + ".csv", "json": stem + ".json"}
+    rows = [p.row() for p in result.points]
+    with open(files["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    doc = {**header(result, mode), "config": result.config.summary(),
+           "definitions": definitions, "summary": summary, "points": points, "files": files}
+    with open(files["json"], "w") as f:
+        json.dump(_clean(doc), f, indent=2)
+        f.write("\n")
+    return files
+
+
+def json_line(result: Any, *, mode: str, summary: dict[str, Any],
+              points: list[dict[str, Any]], files: dict[str, Any]) -> str:
+    """The one JSON line for programs (stdout, last line) of an HF bench run."""
+    doc = {**header(result, mode), "summary": summary, "points": points, "files": files}
+    return json.dumps(_clean(doc), separators=(",", ":"))
 
 
 def summarize(result: HFSweepResult) -> dict[str, Any]:
@@ -81,29 +110,15 @@ def summarize(result: HFSweepResult) -> dict[str, Any]:
 
 def write_outputs(result: HFSweepResult) -> dict[str, Any]:
     """Write the CSV and JSON; return {"csv": path, "json": path}."""
-    os.makedirs(result.config.out_dir, exist_ok=True)
-    stem = os.path.join(result.config.out_dir, file_stem(result))
-    files = {"csv": stem + ".csv", "json": stem + ".json"}
-    rows = [p.row() for p in result.points]
-    with open(files["csv"], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    doc = {**header(result), "config": result.config.summary(), "definitions": DEFINITIONS,
-           "summary": summarize(result),
-           "points": [{**p.row(), "per_rank_ms": p.per_rank_ms, "rounds_ms": p.rounds_ms}
-                      for p in result.points], "files": files}
-    with open(files["json"], "w") as f:
-        json.dump(_clean(doc), f, indent=2)
-        f.write("\n")
-    return files
+    return write_files(result, mode="hf", definitions=DEFINITIONS, summary=summarize(result),
+                       points=[{**p.row(), "per_rank_ms": p.per_rank_ms,
+                                "rounds_ms": p.rounds_ms} for p in result.points])
 
 
 def final_line(result: HFSweepResult, files: dict[str, Any]) -> str:
     """The one JSON line for programs (stdout, last line)."""
-    doc = {**header(result), "summary": summarize(result),
-           "points": [p.row() for p in result.points], "files": files}
-    return json.dumps(_clean(doc), separators=(",", ":"))
+    return json_line(result, mode="hf", summary=summarize(result),
+                     points=[p.row() for p in result.points], files=files)
 
 
 def format_table(result: HFSweepResult) -> str:
