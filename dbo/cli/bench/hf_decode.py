@@ -32,7 +32,6 @@ over ranks): ~1e-6 in float32.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -43,9 +42,10 @@ from torch import Tensor, nn
 
 from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.hf_config import HFBenchConfig, HFDecodeOptions, conversions
-from dbo.cli.bench.hf_sweep import build_model, describe_model, max_rel_diff
+from dbo.cli.bench.hf_sweep import (build_model, describe_model, flat_row, free_memory,
+                                    max_rel_diff, round_tag)
 from dbo.cli.bench.sweep import Progress
-from dbo.cli.bench.timing import Timing, median_of_rounds, time_steps
+from dbo.cli.bench.timing import Timing, median_of_rounds, rate, time_steps
 from dbo.config import DBOConfig
 from dbo.runner import DBORunner
 
@@ -197,9 +197,7 @@ class HFDecodePoint:
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
-        out = {k: v for k, v in dataclasses.asdict(self).items()
-               if k not in ("trial_speedups", "per_rank_ms", "rounds_ms")}
-        return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in out.items()}
+        return flat_row(self, ("trial_speedups", "per_rank_ms", "rounds_ms"))
 
 
 @dataclass
@@ -248,7 +246,7 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
         reference[r] = step().float()
         rounds = []
         for index in range(cfg.rounds):
-            progress.step(f"unconverted R={r}/rank{_round_tag(cfg, index)}")
+            progress.step(f"unconverted R={r}/rank{round_tag(cfg, index)}")
             rounds.append(time_steps(step, **timing))
         t_hf[r] = median_of_rounds(rounds)
     unconverted = None
@@ -260,10 +258,10 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     for backend, conversion in plans:
         if model is None:  # the previous conversion's model is gone
             model = build_model(cfg, config, device=device, dtype=dtype)
-        _free(device)
+        free_memory(device)
         model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
                                max_tokens_per_rank=conversion.max_tokens_per_rank)
-        _free(device)
+        free_memory(device)
         shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
         decoder = DecodeStep(model)
         runner = DBORunner(decoder, DBOConfig(split=SplitCaches()), group=group)
@@ -273,7 +271,7 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
             diffs = [max_rel_diff(s(), reference[r], group) for s in (off, on)]
             offs, ons, trials = [], [], []
             for index in range(cfg.rounds):
-                tag = f"{backend} R={r}/rank{_round_tag(cfg, index)}"
+                tag = f"{backend} R={r}/rank{round_tag(cfg, index)}"
                 progress.step(f"{tag}: DBO off")
                 offs.append(time_steps(off, **timing))
                 progress.step(f"{tag}: DBO trial + on")
@@ -288,7 +286,7 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                                  diffs=diffs))
         model = decoder = runner = None
     progress.close()
-    _free(device)
+    free_memory(device)
     return HFDecodeResult(cfg, world, shapes, points)
 
 
@@ -314,8 +312,8 @@ def _point(cfg: HFBenchConfig, opts: HFDecodeOptions, gate: GatePolicy, *, backe
         context=opts.context, world_size=world, t_hf_ms=hf.max_ms, t_hf_ms_rank0=hf.rank0_ms,
         t_nodbo_ms=off.max_ms, t_nodbo_ms_rank0=off.rank0_ms, t_dbo_ms=on.max_ms,
         t_dbo_ms_rank0=on.rank0_ms, max_tokens_per_rank=capacity,
-        tokens_per_s_hf=_rate(total, hf.max_ms),
-        tokens_per_s_nodbo=_rate(total, off.max_ms), tokens_per_s_dbo=_rate(total, on.max_ms),
+        tokens_per_s_hf=rate(total, hf.max_ms),
+        tokens_per_s_nodbo=rate(total, off.max_ms), tokens_per_s_dbo=rate(total, on.max_ms),
         gate=decision.choice, gate_reason=decision.reason, t_gated_ms=gated_ms,
         speedup=off.max_ms / on.max_ms if perf else None,
         gated_speedup=off.max_ms / gated_ms if perf else None,
@@ -350,15 +348,3 @@ def _check_layer(layer: Any) -> None:
                          f"; the bench restores DynamicLayer caches only: use an "
                          f"architecture without sliding-window or shared-KV layers")
 
-
-def _round_tag(cfg: HFBenchConfig, index: int) -> str:
-    return f" (round {index + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""
-
-
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _rate(tokens: int, ms: float) -> float:
-    return tokens / (ms / 1e3) if ms > 0 else float("inf")

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from dbo.cli.bench.hf_config import HFBenchConfig, conversions
 from dbo.cli.bench.sweep import Progress
-from dbo.cli.bench.timing import Timing, gather_floats, median_of_rounds, time_steps
+from dbo.cli.bench.timing import Timing, gather_floats, median_of_rounds, rate, time_steps
 from dbo.config import DBOConfig
 from dbo.runner import DBORunner
 
@@ -84,9 +84,7 @@ class HFPoint:
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
-        out = {k: v for k, v in dataclasses.asdict(self).items()
-               if k not in ("per_rank_ms", "rounds_ms")}
-        return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in out.items()}
+        return flat_row(self, ("per_rank_ms", "rounds_ms"))
 
 
 @dataclass
@@ -120,7 +118,7 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
         reference[tokens] = step().logits.float()
         rounds = []
         for index in range(cfg.rounds):
-            progress.step(f"unconverted T={tokens}/rank{_round_tag(cfg, index)}")
+            progress.step(f"unconverted T={tokens}/rank{round_tag(cfg, index)}")
             rounds.append(time_steps(step, **timing))
         t_hf[tokens] = median_of_rounds(rounds)
 
@@ -131,10 +129,10 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     for backend, conversion in plans:
         if model is None:  # the previous conversion's model is gone
             model = build_model(cfg, config, device=device, dtype=dtype)
-        _free(device)
+        free_memory(device)
         model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
                                max_tokens_per_rank=conversion.max_tokens_per_rank)
-        _free(device)
+        free_memory(device)
         shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
         runner = DBORunner(model, _DBO_ON, group=group)
         for tokens in conversion.points:
@@ -142,7 +140,7 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
             diffs = [max_rel_diff(s().logits, reference[tokens], group) for s in (off, on)]
             offs, ons = [], []
             for index in range(cfg.rounds):
-                tag = f"{backend} T={tokens}/rank{_round_tag(cfg, index)}"
+                tag = f"{backend} T={tokens}/rank{round_tag(cfg, index)}"
                 progress.step(f"{tag}: DBO off")
                 offs.append(time_steps(off, **timing))
                 progress.step(f"{tag}: DBO on")
@@ -156,7 +154,7 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                                  diffs=diffs))
         model = runner = None
     progress.close()
-    _free(device)
+    free_memory(device)
     return HFSweepResult(cfg, world, shapes, points)
 
 
@@ -209,8 +207,8 @@ def _point(cfg: HFBenchConfig, *, backend: str, tokens: int, world: int,
         world_size=world, t_hf_ms=hf.max_ms, t_hf_ms_rank0=hf.rank0_ms,
         t_nodbo_ms=off.max_ms, t_nodbo_ms_rank0=off.rank0_ms, t_dbo_ms=on.max_ms,
         t_dbo_ms_rank0=on.rank0_ms, max_tokens_per_rank=capacity,
-        tokens_per_s_hf=_rate(total, hf.max_ms),
-        tokens_per_s_nodbo=_rate(total, off.max_ms), tokens_per_s_dbo=_rate(total, on.max_ms),
+        tokens_per_s_hf=rate(total, hf.max_ms),
+        tokens_per_s_nodbo=rate(total, off.max_ms), tokens_per_s_dbo=rate(total, on.max_ms),
         speedup=off.max_ms / on.max_ms if perf else None,
         dbo_vs_hf=hf.max_ms / on.max_ms if perf else None,
         nodbo_vs_hf=hf.max_ms / off.max_ms if perf else None,
@@ -237,14 +235,19 @@ def describe_model(model: nn.Module, config: Any, *, world: int,
                                            for p in model.parameters())}
 
 
-def _round_tag(cfg: HFBenchConfig, index: int) -> str:
+def round_tag(cfg: HFBenchConfig, index: int) -> str:
+    """" (round i/n)" for progress lines, "" for a run of one round."""
     return f" (round {index + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""
 
 
-def _free(device: torch.device) -> None:
+def free_memory(device: torch.device) -> None:
+    """Give the caching allocator's free blocks back (between models of the sweep)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def _rate(tokens: int, ms: float) -> float:
-    return tokens / (ms / 1e3) if ms > 0 else float("inf")
+def flat_row(point: Any, nested: tuple[str, ...]) -> dict[str, Any]:
+    """A point's flat fields (its CSV columns) without the `nested` ones, floats rounded
+    to 6 significant digits for people."""
+    out = {k: v for k, v in dataclasses.asdict(point).items() if k not in nested}
+    return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in out.items()}

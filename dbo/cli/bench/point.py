@@ -32,7 +32,7 @@ from dbo.cli.bench.ceiling import Ceiling, median_ceiling
 from dbo.cli.bench.config import BenchConfig
 from dbo.cli.bench.predicted import PREDICTION_NOTE
 from dbo.cli.bench.sbo import DBO_SKIPPED, SboRound, best_overlap
-from dbo.cli.bench.timing import Timing, median_of_rounds
+from dbo.cli.bench.timing import Timing, median_of_rounds, rate
 
 DEFINITIONS = {
     "tokens_per_s": "tokens per rank * world size / step time",
@@ -229,12 +229,12 @@ def make_point(cfg: BenchConfig, *, backend: str, tokens: int, world_size: int, 
         tokens_per_rank=tokens, world_size=world_size,
         t_nodbo_ms=off_ms, t_nodbo_ms_rank0=t_off.rank0_ms,
         t_dbo_ms=on_ms, t_dbo_ms_rank0=t_on.rank0_ms if t_on is not None else None,
-        tokens_per_s_nodbo=_rate(total, off_ms),
-        tokens_per_s_dbo=_rate(total, on_ms) if on_ms is not None else None,
+        tokens_per_s_nodbo=rate(total, off_ms),
+        tokens_per_s_dbo=rate(total, on_ms) if on_ms is not None else None,
         speedup=off_ms / on_ms if on_ms is not None else None, dbo_split=split,
         dbo_split_reason=split_reason,
         gate="dbo" if use_dbo else "off", gate_reason=gate_reason, t_gated_ms=gated_ms,
-        gated_speedup=off_ms / gated_ms, tokens_per_s_gated=_rate(total, gated_ms),
+        gated_speedup=off_ms / gated_ms, tokens_per_s_gated=rate(total, gated_ms),
         eta_note=ETA_NO_PROBE, per_rank_ms={"t_nodbo": list(t_off.per_rank_ms)},
         host_nodbo_ms=t_off.host_max_ms,
         host_dbo_ms=t_on.host_max_ms if t_on is not None else None)
@@ -253,7 +253,7 @@ def make_point(cfg: BenchConfig, *, backend: str, tokens: int, world_size: int, 
         point.t_serial_ms = ceiling.serial_ms
         point.ceiling = ceiling.ceiling
         point.ceiling_vs_nodbo = off_ms / both_ms
-        point.tokens_per_s_ceiling = _rate(total, both_ms)
+        point.tokens_per_s_ceiling = rate(total, both_ms)
         point.eta, point.eta_note = (efficiency(off_ms, on_ms, both_ms) if on_ms is not None
                                      else (None, f"DBO {DBO_SKIPPED}"))
         point.per_rank_ms.update(t_compute=list(ceiling.compute.per_rank_ms),
@@ -272,6 +272,3 @@ def efficiency(t_nodbo: float, t_dbo: float, t_both: float) -> tuple[Optional[fl
     eta = (t_nodbo - t_dbo) / headroom
     return eta, ETA_ABOVE_ONE if eta > 1 else ""
 
-
-def _rate(tokens: int, ms: float) -> float:
-    return tokens / (ms / 1e3) if ms > 0 else float("inf")

@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 from dbo.cli.bench.config import BenchConfig
 from dbo.cli.bench.gating import GateChoice, GateDecision, GatePolicy
-from dbo.cli.bench.timing import SpanFn, Timing, median_of_rounds, time_steps
+from dbo.cli.bench.timing import SpanFn, Timing, median_of_rounds, rate, time_steps
 from dbo.cli.bench.workload import WorkloadFactory
 from dbo.overlap import collect_sbo_blocker
 
@@ -117,5 +117,4 @@ def best_overlap(point: Any) -> tuple[str, float]:
 
 
 def _rate(point: Any, ms: float) -> float:
-    tokens = point.tokens_per_rank * point.world_size
-    return tokens / (ms / 1e3) if ms > 0 else float("inf")
+    return rate(point.tokens_per_rank * point.world_size, ms)

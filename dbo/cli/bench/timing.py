@@ -144,3 +144,8 @@ def gather_floats(value: float, group: Optional[dist.ProcessGroup]) -> tuple[flo
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def rate(tokens: int, ms: float) -> float:
+    """Tokens per second of `tokens` in `ms` milliseconds (inf for a zero time)."""
+    return tokens / (ms / 1e3) if ms > 0 else float("inf")
