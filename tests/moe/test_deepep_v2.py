@@ -29,11 +29,11 @@ from moe.config import MoEConfig
 from moe.experts.reference import ReferenceExperts
 from moe.layer import MoELayer
 from moe.reference import init_moe_weights, reference_moe
-from moe.shared import SharedExperts
 from moe.workspace import Workspace
 from tests.dist_utils import run_distributed
 from tests.moe.fake_elastic_buffer import FakeElasticBuffer
 from tests.moe.test_moe_backends import SCENARIOS
+from tests.moe.test_moe_backends import errors_against_reference as scenario_errors
 
 ATOL = 1e-5
 MODES = ("prefill", "decode")
@@ -54,37 +54,8 @@ def errors_against_reference(rank: int, group: Optional[dist.ProcessGroup],
     """Per scenario: max |out - reference| with DBO off, on, and on as the model's last
     layer (the split combine, which this backend declines), and the output shapes."""
     torch.manual_seed(99 + rank)
-    errors = {}
-    for name, (overrides, tokens) in SCENARIOS.items():
-        cfg = MoEConfig(**{**dict(num_experts=12, top_k=3, hidden_size=24,
-                                  intermediate_size=16, max_tokens_per_rank=16,
-                                  experts="reference", deepep_v2_mode=mode), **overrides})
-        layer = v2_layer(cfg, group)
-        weights = init_moe_weights(cfg, seed=7)
-        layer.load_weights(weights)
-        shared = None
-        if cfg.num_shared_experts:
-            shared = SharedExperts.from_config(cfg, seed=3)
-            layer.shared_experts.load_state_dict(shared.state_dict())
-        x = torch.randn(tokens[rank], cfg.hidden_size)
-        ref = reference_moe(x, router_weight_EH=weights["router_weight"], w13_EIH=weights["w13"],
-                            w2_EHI=weights["w2"], config=cfg,
-                            correction_bias_E=weights.get("e_score_correction_bias"),
-                            shared_experts=shared)
-        with torch.no_grad():
-            if "e_score_correction_bias" in weights:
-                layer.router.e_score_correction_bias.copy_(weights["e_score_correction_bias"])
-            off = layer(x)
-            half = x.shape[0] // 2
-            on = torch.cat(UBatchScheduler("cpu").run(
-                [lambda: layer(x[:half]), lambda: layer(x[half:])]))
-            layer.last_layer = True
-            last = torch.cat(UBatchScheduler("cpu").run(
-                [lambda: layer(x[:half]), lambda: layer(x[half:])]))
-        errors[name] = tuple((out - ref).abs().max().item() if x.numel() else 0.0
-                             for out in (off, on, last)) + tuple(
-                                 tuple(out.shape) for out in (off, on, last))
-    return errors
+    return scenario_errors(rank, lambda cfg: v2_layer(cfg, group), experts="reference",
+                           deepep_v2_mode=mode)
 
 
 def assert_close(errors: dict[str, tuple], rank: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 import os
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -65,12 +66,22 @@ def check_backend(rank: int, world_size: int, backend: str,
     the layer as the model's last (a2a/a2a_ll split the last ubatch's combine), shapes);
     `kernels`: the row and slot kernels' paths."""
     torch.manual_seed(1234 + rank)
+    return errors_against_reference(
+        rank, lambda cfg: MoELayer(replace(cfg, backend=backend, experts="reference"),
+                                   group=dist.group.WORLD), kernels=kernels)
+
+
+def errors_against_reference(rank: int, make_layer: Callable[[MoEConfig], MoELayer],
+                             **config: Any) -> dict[str, tuple]:
+    """Every scenario through the layer `make_layer(cfg)` builds (cfg: the scenario's
+    MoEConfig with `config`'s fields): (max |out - reference| with DBO off, on, and on
+    as the model's last layer, then the three output shapes). Seed torch first."""
     errors = {}
     for name, (overrides, tokens) in SCENARIOS.items():
         cfg = MoEConfig(**{**dict(num_experts=12, top_k=3, hidden_size=24,
-                                  intermediate_size=16, max_tokens_per_rank=16,
-                                  kernels=kernels), **overrides})
-        layer = MoELayer(replace(cfg, backend=backend, experts="reference"), group=dist.group.WORLD)
+                                  intermediate_size=16, max_tokens_per_rank=16, **config),
+                           **overrides})
+        layer = make_layer(cfg)
         weights = init_moe_weights(cfg, seed=7)
         layer.load_weights(weights)
         shared = None
