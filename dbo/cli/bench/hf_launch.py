@@ -31,6 +31,7 @@ import torch
 from dbo.cli import check_out_dir, quiet_profiler_logs
 from dbo.cli.bench.config import regime_label, requests_count
 from dbo.cli.run_config import check_backend_runs
+from dbo.cli.bench.ranks import measure_on_rank, p2p_disabled, resolve_device, world_size_of
 from dbo.cli.bench.hf_config import (
     DEFAULT_HF_CPU_CONTEXT,
     DEFAULT_HF_CPU_DECODE_REQUESTS,
@@ -54,17 +55,12 @@ def hf_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> HFB
         if getattr(args, name) != default:
             raise ValueError(f"{flag} does not apply to --hf (it names the model and its "
                              f"shapes): drop {flag}")
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but CUDA is not available here: use --device cpu")
+    device = resolve_device(args.device)
     gpu = device == "cuda"
     decode = _decode_options(args, gpu=gpu)
     tokens = ([t for group in args.tokens for t in group] if args.tokens else
               list(DEFAULT_HF_GPU_TOKENS if gpu else DEFAULT_HF_CPU_TOKENS))
     backends = [b for group in args.backends for b in group] if args.backends else ["a2a"]
-    p2p_disabled = env.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0")
     return HFBenchConfig(decode=decode,
         arch=args.hf, layers=args.layers if args.layers is not None else DEFAULT_HF_LAYERS,
         num_experts=args.num_experts, tokens=tuple(tokens),
@@ -75,7 +71,7 @@ def hf_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> HFB
         iters=args.iters if args.iters is not None else (20 if gpu else 5),
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
         rounds=args.rounds if args.rounds is not None else (3 if gpu else 1),
-        device=device, regime=regime_label(device, p2p_disabled=p2p_disabled),
+        device=device, regime=regime_label(device, p2p_disabled=p2p_disabled(env)),
         out_dir=args.out, seed=args.seed, progress=not args.no_progress)
 
 
@@ -109,7 +105,6 @@ def main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace,
     try:
         cfg = hf_config_from_args(args, env)
         check_out_dir("--out", cfg.out_dir)
-        from dbo.cli.bench.ranks import world_size_of
         world = world_size_of(args.world_size, cfg.device, env)
         check_backends_run(cfg, cfg.model_config(world), world_size=world, env=env)
     except (ImportError, ValueError) as exc:
@@ -151,7 +146,6 @@ def check_backends_run(cfg: HFBenchConfig, config: Any, *, world_size: int,
 def run_hf_rank(cfg: HFBenchConfig, *, rank: int, world_size: int, local_rank: int,
                 init_method: str) -> int:
     """One rank: init the group, measure, and (rank 0) print the table and JSON line."""
-    from dbo.cli.bench.ranks import measure_on_rank
     if cfg.decode is not None:
         from dbo.cli.bench import hf_decode_report as report
         from dbo.cli.bench.hf_decode import run_hf_decode as sweep

@@ -11,7 +11,6 @@ import argparse
 import os
 from typing import Mapping, Optional, Sequence
 
-import torch
 
 from dbo.cli.bench.config import (
     BENCH_BACKENDS,
@@ -34,7 +33,8 @@ from dbo.cli.bench.config import (
 )
 from dbo.cli import Parser, check_out_dir, quiet_profiler_logs
 from dbo.cli.run_config import check_backend_runs
-from dbo.cli.bench.ranks import measure_on_rank, spawn_ranks, world_size_of
+from dbo.cli.bench.ranks import (measure_on_rank, p2p_disabled, resolve_device, spawn_ranks,
+                                  world_size_of)
 
 USAGE_EXAMPLES = """\
 examples:
@@ -157,11 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchConfig:
     """A validated BenchConfig (ValueError with the fix on bad input)."""
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but CUDA is not available here: use --device cpu")
+    device = resolve_device(args.device)
     gpu = device == "cuda"
     tokens = ([t for group in args.tokens for t in group] if args.tokens else
               list(DEFAULT_GPU_TOKENS if gpu else DEFAULT_CPU_TOKENS))
@@ -173,7 +169,6 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
                              "per step): drop --tokens")
         tokens = ([r for group in args.requests for r in group] if args.requests else
                   list(DEFAULT_GPU_REQUESTS if gpu else DEFAULT_CPU_REQUESTS))
-    p2p_disabled = env.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0")
     return BenchConfig(
         mode=args.mode, preset=args.preset or (DEFAULT_GPU_PRESET if gpu else DEFAULT_CPU_PRESET),
         tokens=tuple(tokens), backends=tuple(backends), layers=args.layers,
@@ -189,7 +184,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         rounds=args.rounds if args.rounds is not None else (3 if gpu else 1),
         min_gain=args.min_gain, gate_min_tokens=args.gate_min_tokens,
         gate_trial_iters=args.gate_trial_iters, device=device,
-        regime=regime_label(device, p2p_disabled=p2p_disabled), out_dir=args.out,
+        regime=regime_label(device, p2p_disabled=p2p_disabled(env)), out_dir=args.out,
         seed=args.seed, plot=not args.no_plot, progress=not args.no_progress,
         trace=args.trace, split_last_combine=not args.no_split_combine,
         combine_chunks=args.combine_chunks,

@@ -102,3 +102,18 @@ def measure_on_rank(device_kind: str, *, rank: int, world_size: int, local_rank:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def resolve_device(choice: str) -> str:
+    """`--device` as "cpu" or "cuda" ("auto": CUDA where available); ValueError with the
+    fix for "cuda" without CUDA."""
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but CUDA is not available here: use --device cpu")
+    return choice
+
+
+def p2p_disabled(env: Mapping[str, str]) -> bool:
+    """Whether NCCL_P2P_DISABLE is set (the scale-out emulated regime)."""
+    return env.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0")
