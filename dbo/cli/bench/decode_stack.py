@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dbo.cli.bench.layer_stack import generator, init_moe_experts, rms_norm
 from moe.config import MoEConfig
 from moe.layer import MoELayer
 from moe.models.presets import ModelConfig
@@ -101,23 +102,18 @@ class DecodeStack(nn.Module):
         assert rows.stop <= self.keys.shape[0], (rows, self.keys.shape)
         keys, values = self.keys[rows], self.values[rows]
         for attention, moe in zip(self.attention, self.moe):
-            x_RH = x_RH + attention(_rms_norm(x_RH), keys, values)
-            x_RH = x_RH + moe(_rms_norm(x_RH))
+            x_RH = x_RH + attention(rms_norm(x_RH), keys, values)
+            x_RH = x_RH + moe(rms_norm(x_RH))
         return x_RH
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Seeded N(0, 1/fan_in) weights drawn on the parameters' device (no CPU copy)."""
         for i, (attention, moe) in enumerate(zip(self.attention, self.moe)):
-            gen = _generator(attention.w_qkv.device, seed * 1000 + i)
+            gen = generator(attention.w_qkv.device, seed * 1000 + i)
             for tensor in (attention.w_qkv, attention.w_o, moe.router.weight):
                 tensor.normal_(0.0, 1.0 / math.sqrt(tensor.shape[-1]), generator=gen)
-            gen = _generator(moe.w13.device, seed * 1000 + i + 7919 * (moe.first_expert + 1))
-            for tensor in (moe.w13, moe.w2):
-                tensor.normal_(0.0, 1.0 / math.sqrt(tensor.shape[-1]), generator=gen)
-            if moe.shared_experts is not None:
-                for p in moe.shared_experts.parameters():
-                    p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+            init_moe_experts(moe, seed * 1000 + i)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -151,7 +147,7 @@ def make_kv_caches(preset: ModelConfig, *, max_requests: int, context: int,
     """Keys and values [max_requests, Nk, context + 1, D] in the preset dtype, N(0, 1)
     (unit-order values keep the attention output O(1)), drawn on `device`."""
     shape = (max_requests, preset.num_kv_heads, context + 1, preset.head_dim)
-    gen = _generator(device, seed)
+    gen = generator(device, seed)
     keys = torch.empty(shape, dtype=preset.dtype, device=device).normal_(generator=gen)
     values = torch.empty(shape, dtype=preset.dtype, device=device).normal_(generator=gen)
     return keys, values
@@ -165,10 +161,3 @@ def describe_decode(preset: ModelConfig, *, context: int, max_requests: int) -> 
             "num_kv_heads": preset.num_kv_heads, "head_dim": preset.head_dim,
             "kv_cache_gb": round(cache_bytes / 1e9, 3)}
 
-
-def _rms_norm(x_TH: Tensor) -> Tensor:
-    return F.rms_norm(x_TH, (x_TH.shape[-1],), eps=1e-6)
-
-
-def _generator(device: torch.device, seed: int) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)

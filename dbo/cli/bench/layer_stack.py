@@ -79,8 +79,8 @@ class LayerStack(nn.Module):
     def forward(self, x_TH: Tensor) -> Tensor:
         """[T, H] in the config dtype -> [T, H], on the current (compute) stream."""
         for attention, moe in zip(self.attention, self.moe):
-            x_TH = x_TH + attention(_rms_norm(x_TH))
-            x_TH = x_TH + moe(_rms_norm(x_TH))
+            x_TH = x_TH + attention(rms_norm(x_TH))
+            x_TH = x_TH + moe(rms_norm(x_TH))
         return x_TH
 
     def dbo_can_split_inside_request(self) -> bool:
@@ -91,17 +91,12 @@ class LayerStack(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Seeded N(0, 1/fan_in) weights drawn on the parameters' device (no CPU copy)."""
         for i, (attention, moe) in enumerate(zip(self.attention, self.moe)):
-            gen = _generator(attention.w_qkv.device, seed * 1000 + i)
+            gen = generator(attention.w_qkv.device, seed * 1000 + i)
             for tensor in (attention.w_qkv, attention.w_o, attention.keys_CH, moe.router.weight):
                 tensor.normal_(0.0, 1.0 / math.sqrt(tensor.shape[-1]), generator=gen)
             # Values O(1) so that the softmax average keeps unit-order activations.
             attention.values_CH.normal_(0.0, 1.0, generator=gen)
-            gen = _generator(moe.w13.device, seed * 1000 + i + 7919 * (moe.first_expert + 1))
-            for tensor in (moe.w13, moe.w2):
-                tensor.normal_(0.0, 1.0 / math.sqrt(tensor.shape[-1]), generator=gen)
-            if moe.shared_experts is not None:
-                for p in moe.shared_experts.parameters():
-                    p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+            init_moe_experts(moe, seed * 1000 + i)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -130,13 +125,25 @@ def layer_moe_config(base: MoEConfig, *, num_experts: int,
 def make_input(num_tokens: int, hidden_size: int, *, dtype: torch.dtype,
                device: torch.device, seed: int) -> Tensor:
     """[T, H] standard-normal hidden states, seeded."""
-    gen = _generator(device, seed)
+    gen = generator(device, seed)
     return torch.randn(num_tokens, hidden_size, generator=gen, device=device).to(dtype)
 
 
-def _rms_norm(x_TH: Tensor) -> Tensor:
+@torch.no_grad()
+def init_moe_experts(moe: MoELayer, seed: int) -> None:
+    """Seeded N(0, 1/fan_in) weights for `moe`'s experts and shared experts, drawn on
+    their device; this rank's experts from a stream of their own (`first_expert`)."""
+    gen = generator(moe.w13.device, seed + 7919 * (moe.first_expert + 1))
+    for tensor in (moe.w13, moe.w2):
+        tensor.normal_(0.0, 1.0 / math.sqrt(tensor.shape[-1]), generator=gen)
+    if moe.shared_experts is not None:
+        for p in moe.shared_experts.parameters():
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+
+
+def rms_norm(x_TH: Tensor) -> Tensor:
     return F.rms_norm(x_TH, (x_TH.shape[-1],), eps=1e-6)
 
 
-def _generator(device: torch.device, seed: int) -> torch.Generator:
+def generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
