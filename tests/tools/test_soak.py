@@ -141,6 +141,11 @@ def test_memory_tracker_sees_leaks():
     (["--atol", "nan"], "--atol=nan"),
 ])
 def test_bad_args_exit_2(argv, message, capsys, monkeypatch):
+    assert message in refused_before_any_rank(argv, capsys, monkeypatch)
+
+
+def refused_before_any_rank(argv: list[str], capsys: Any, monkeypatch: Any) -> str:
+    """`dbo soak argv` exits 2 with one line on stderr, starting no rank: that line."""
     import dbo.cli.soak.run
 
     def refuse(*args: Any, **kwargs: Any) -> None:
@@ -151,5 +156,5 @@ def test_bad_args_exit_2(argv, message, capsys, monkeypatch):
         main(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert message in err
     assert err.count("\n") == 1 and err.startswith("dbo soak: "), err  # one line
+    return err

@@ -21,6 +21,7 @@ from dbo.cli.soak.workload import SoakModel, draw_step_input
 from moe.config import MoEConfig
 from moe.reference import init_moe_weights, reference_moe
 from tests.dist_utils import run_distributed
+from tests.tools.test_soak import refused_before_any_rank
 
 CPU = torch.device("cpu")
 
@@ -164,16 +165,8 @@ def test_bf16_padded_soak_a2a_two_ranks():
      "--warmup=3 is shorter than the capture sweep (6 steps"),
 ])
 def test_bad_args_exit_2(argv, message, capsys, monkeypatch):
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("ranks were started")
-
-    monkeypatch.setattr(dbo.cli.soak.run, "run_soak", refuse)
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    err = refused_before_any_rank(argv, capsys, monkeypatch)
     assert message in err, err
-    assert err.count("\n") == 1 and err.startswith("dbo soak: "), err
 
 
 def test_deepep_ll_capacity_refused_before_ranks(capsys, monkeypatch):
