@@ -45,6 +45,13 @@ VALID = ", ".join(named_architectures())
 def test_bad_arguments_exit_with_the_fix_before_any_rank(
         argv: list[str], message: str, capsys: pytest.CaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
+    assert message in refused_before_any_rank(argv, capsys, monkeypatch)
+
+
+def refused_before_any_rank(argv: list[str], capsys: pytest.CaptureFixture,
+                            monkeypatch: pytest.MonkeyPatch) -> str:
+    """`dbo bench --device cpu argv` exits 2 with one line on stderr, spawning no rank:
+    that line."""
     import torch.multiprocessing
 
     def refuse(*args: object, **kwargs: object) -> None:
@@ -55,8 +62,8 @@ def test_bad_arguments_exit_with_the_fix_before_any_rank(
         main(["--device", "cpu", *argv])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert message in err
     assert err.count("\n") == 1 and err.startswith("dbo bench: "), err
+    return err
 
 
 def test_each_backend_is_converted_with_the_capacity_its_points_need() -> None:

@@ -22,9 +22,9 @@ pytest.importorskip("transformers")
 
 import dbo  # noqa: E402
 import moe.hf  # noqa: E402
-from dbo.cli.bench import main  # noqa: E402
 from dbo.cli.bench.config import CPU_REGIME  # noqa: E402
 from dbo.cli.bench.hf_decode import DecodeStep, PrefixCache, SplitCaches, prefill_cache  # noqa: E402
+from tests.tools.test_bench_hf import refused_before_any_rank  # noqa: E402
 from moe.hf.tiny import tiny_config, tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,18 +94,8 @@ def test_converted_decode_split_in_two_caches_equals_unconverted() -> None:
 def test_bad_decode_arguments_exit_with_the_fix_before_any_rank(
         argv: list[str], message: str, capsys: pytest.CaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch.multiprocessing
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("ranks were started")
-
-    monkeypatch.setattr(torch.multiprocessing, "spawn", refuse)
-    with pytest.raises(SystemExit) as exc:
-        main(["--device", "cpu", "--hf", "qwen3_moe", *argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err
-    assert err.count("\n") == 1 and err.startswith("dbo bench: "), err
+    assert message in refused_before_any_rank(["--hf", "qwen3_moe", *argv], capsys,
+                                              monkeypatch)
 
 
 @pytest.mark.distributed
