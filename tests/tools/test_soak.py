@@ -158,3 +158,29 @@ def refused_before_any_rank(argv: list[str], capsys: Any, monkeypatch: Any) -> s
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("dbo soak: "), err  # one line
     return err
+
+
+def test_object_count_is_held_over_the_later_half_of_a_long_run() -> None:
+    """A one-off rise after warmup (caches filled by a first occurrence) passes once five
+    samples were taken; a steady rise of one object per step fails; with fewer samples the
+    count is held from the baseline, as before."""
+    from dataclasses import astuple
+
+    from dbo.cli.soak.memory import MemorySample
+
+    def tracker(objects: list[int]) -> MemoryTracker:
+        t = MemoryTracker(torch.device("cpu"), trace_python=False)
+        t._rows = [astuple(MemorySample(step=100 * i, traced_bytes=None, objects=n,
+                                        tensors=0, tensor_bytes=0, cuda_allocated=None,
+                                        workspace_bytes=0, rss_bytes=None))
+                   for i, n in enumerate(objects)]
+        return t
+
+    one_off = [1000, 1150, 1150, 1150, 1150, 1150]
+    assert tracker(one_off).verdict(1 << 20).checked["objects"][0] == 0
+    assert tracker(one_off).verdict(1 << 20).ok
+    leak = [1000 + 100 * i for i in range(6)]  # one object per step
+    growth, bound = tracker(leak).verdict(1 << 20).checked["objects"]
+    assert growth == 100 > bound and not tracker(leak).verdict(1 << 20).ok
+    short = [1000, 1150, 1150]
+    assert tracker(short).verdict(1 << 20).checked["objects"][0] == 150

@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dbo.calibration import MeasuredPoint
-from dbo.cli.bench.ceiling import (CommRecording, CommReplay, moe_layers, record_collectives,
-                                   replayed_results)
+from dbo.cli.bench.ceiling import (CommRecording, CommReplay, log_drift, moe_layers,
+                                   record_collectives, replayed_results)
 from dbo.cli.bench.timing import barrier, gather_floats, time_steps
 from dbo.cli.bench.workload import Workload
 
@@ -170,8 +170,9 @@ def probe_phases(workload: Workload, *, device: torch.device,
     timing = dict(device=device, group=group, warmup=warmup, iters=iters)
     dispatch, combine = (time_steps(CommReplay(part).run_all, **timing).max_ms
                          for part in split_recording(recording))
-    with replayed_results(recording):
+    with replayed_results(recording) as drift:
         compute = _compute_phases(workload, **timing)
+    log_drift("phase times", drift)
     layers = moe_layers(model)
     moe = layers[0].config
     world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1

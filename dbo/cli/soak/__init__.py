@@ -41,8 +41,10 @@ Memory: the baseline is taken after --warmup steps, a sample every --report-ever
   distinct storages of the tensors reachable from Python (`gc`), each less the growth of
   the MoE layers' scratch workspaces (grow-only buffers, bounded by --max-tokens and the
   routing; logged separately) <= --bound-kib.
-- Object counts: gc-tracked Python objects <= MAX_OBJECT_GROWTH, tensors reachable from
-  Python <= MAX_TENSOR_GROWTH: a leak of one object per step adds one per step.
+- Object counts: gc-tracked Python objects <= MAX_OBJECT_GROWTH over the later half of
+  the run (from the middle sample, where at least five were taken: lazily filled caches
+  rise once after warmup and stop, a leak keeps adding one object per step), tensors
+  reachable from Python <= MAX_TENSOR_GROWTH from the baseline.
 Growth is taken at the smaller of the last two samples (a sample can catch the tensors of
 the last collective before the communication thread lets go of them; a leak raises both).
 The process RSS (/proc/self/statm) is reported, not asserted: malloc keeps freed pages.
