@@ -12,6 +12,7 @@ torchrun). How the ranks start:
 """
 from __future__ import annotations
 
+import gc
 import os
 import queue as queue_mod
 import socket
@@ -23,6 +24,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from dbo.groups import destroy_group
 
 DEFAULT_CPU_RANKS = 2
 
@@ -107,10 +110,29 @@ def _run_rank(rank: int, world_size: int, local_rank: int, worker: Worker, job: 
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=timedelta(minutes=10), **kwargs)
+    clean = False
     try:
-        return worker(RankContext(rank, world_size, device, backend), job)
+        result = worker(RankContext(rank, world_size, device, backend), job)
+        clean = True
+        return result
     finally:
+        end_process_group(clean=clean)
+
+
+def end_process_group(*, clean: bool) -> None:
+    """Tear down the default group after a rank's last collective. On a clean finish every
+    rank gets here: free what the steps left (CUDA graphs that replay kernels into
+    DeepEP's or NVSHMEM's memory, models), then run the teardowns registered for the
+    group (DeepEP buffers, collective) through `dbo.destroy_group`. A process that left
+    them to interpreter exit was seen to segfault there (4 ranks, graphed deepep_ll).
+    After an error only torch's local teardown runs: a peer may be gone."""
+    if not clean:
         dist.destroy_process_group()
+        return
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    destroy_group(dist.group.WORLD)
 
 
 def _spawned(rank: int, world_size: int, port: int, worker: Worker, job: Any, results: Any) -> None:

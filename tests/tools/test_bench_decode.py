@@ -188,6 +188,6 @@ def test_graphed_decode_sweep_times_steps_probe_and_host_on_two_gpus(tmp_path: P
         for name in ("t_nodbo_ms", "t_dbo_ms", "t_compute_ms", "t_comm_ms", "t_both_ms",
                      "t_split_ms", "host_nodbo_ms", "host_dbo_ms", "t_sbo_ms", "host_sbo_ms",
                      "speedup_sbo"):
-            assert point[name] > 0, (name, point)
+            assert point[name] is not None and point[name] > 0, (name, point)
         # SBO ran graphed too: a GraphedRunner of DBOConfig(overlap="sbo"), one trial.
         assert point["sbo_note"] == "" and len(point["sbo_trial_speedups"]) == 1, point

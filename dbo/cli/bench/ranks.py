@@ -13,6 +13,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from dbo.cli.launch import end_process_group
+
 
 def world_size_of(world_size: Optional[int], device: str, env: Mapping[str, str]) -> int:
     """The ranks this run will have: torchrun's, else `world_size` (default 2), on
@@ -89,6 +91,7 @@ def measure_on_rank(device_kind: str, *, rank: int, world_size: int, local_rank:
         torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // world_size)))
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timedelta(minutes=5))
+    clean = False
     try:
         result = measure(dist.group.WORLD, device)
         if rank == 0:
@@ -96,11 +99,12 @@ def measure_on_rank(device_kind: str, *, rank: int, world_size: int, local_rank:
             print(report.format_table(result), flush=True)
             print(report.final_line(result, files), flush=True)
         dist.barrier()
+        clean = True
     except Exception:
         traceback.print_exc()
         raise
     finally:
-        dist.destroy_process_group()
+        end_process_group(clean=clean)
     return 0
 
 
