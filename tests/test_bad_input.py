@@ -81,14 +81,13 @@ def deepep_ll_buffer_after_symm_mem() -> None:
     """`deepep_ll`'s low-latency buffer in a process where `symm_mem` has made its
     symmetric buffers (the record of that set by hand; a stand-in `deep_ep`): refused
     before DeepEP is called (the reverse order: tests/moe/test_nvshmem_one_owner.py)."""
-    import moe.backends.deepep_support as deepep_support
-    import moe.backends.symm_mem_support as symm_support
+    import moe.backends.nvshmem_owner as nvshmem_owner
+    from moe.backends.deepep_support import shared_buffer
 
     fake = types.ModuleType("deep_ep")
     fake.Buffer = mock.Mock(side_effect=AssertionError("a DeepEP buffer was made"))
-    with mock.patch.object(symm_support, "_NVSHMEM_STARTED_ON", {"cuda:0"}), \
-            mock.patch.object(deepep_support, "_LL_MADE_BY", []):
-        deepep_support.shared_buffer(fake, mock.Mock(), "ll", num_rdma_bytes=1 << 20)
+    with mock.patch.object(nvshmem_owner, "_CLAIMS", ["symm_mem"]):
+        shared_buffer(fake, mock.Mock(), "ll", num_rdma_bytes=1 << 20)
 
 
 def nan_logits_input() -> torch.Tensor:

@@ -15,16 +15,9 @@ The registry holds groups by weak reference, as `dbo.groups` does for side group
 destroying the group), and the buffers of a group that is gone are torn down at the
 next point where a buffer is made, a point every rank reaches in the same order.
 Buffers are made with `explicitly_destroy=True`: DeepEP's destructor would otherwise run
-a cross-rank barrier whenever Python happens to collect it.
-
-NVSHMEM is set up once per process, by its first user. DeepEP's low-latency `Buffer` sets
-NVSHMEM's IBGDA settings (NVSHMEM_IBGDA_NUM_RC_PER_PE = num_qps_per_rank, ...) before it
-starts NVSHMEM; where backend `symm_mem` (torch symmetric memory) has started NVSHMEM
-first, they do not take effect, and DeepEP's first low-latency kernel aborts the process
-(`internode_ll.cu`: `num_rc_per_pe >= num_local_experts`). The other order is untested.
-So a process holds one or the other: `start_ll_buffer` refuses a low-latency buffer after
-`symm_mem` (`moe.backends.symm_mem_support` refuses the reverse), and `check_one_process`
-refuses a command that would run both.
+a cross-rank barrier whenever Python happens to collect it. A low-latency buffer claims
+NVSHMEM first (`moe.backends.nvshmem_owner`): refused in a process where backend
+`symm_mem` has started it, as DeepEP's low-latency kernels would abort the process.
 """
 from __future__ import annotations
 
@@ -33,12 +26,13 @@ import importlib.util
 import weakref
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dbo.groups import on_group_destroy
+from moe.backends.nvshmem_owner import claim_nvshmem
 from moe.config import round_up_hidden
 
 _HOW_TO_GET = {
@@ -210,7 +204,7 @@ def shared_buffer(deep_ep: ModuleType, group: dist.ProcessGroup, mode: str, *,
     reaches in the same order (a layer's construction)."""
     assert mode in ("ht", "ll"), mode
     if mode == "ll":
-        start_ll_buffer("deepep_ll")
+        claim_nvshmem("deepep_ll")  # RuntimeError after symm_mem, before DeepEP is called
     _destroy_orphans()
     for entry in _ENTRIES:
         if entry.owner() is group and entry.shared.mode == mode:
@@ -270,66 +264,6 @@ def _live(group: dist.ProcessGroup) -> bool:
     """Whether `group` is still registered with torch (not destroyed)."""
     # torch has no public query for this (dbo.groups reads the same map).
     return group in dist.distributed_c10d._world.pg_map
-
-
-# ---------------------------------------------------------------- NVSHMEM's one owner
-
-#: Backends that make DeepEP low-latency buffers (`deepep_raw_ll`: `moe.bench.comm_raw`).
-LL_BUFFER_BACKENDS: tuple[str, ...] = ("deepep_ll", "deepep_raw_ll")
-
-# The backends that have made (or begun to make) a DeepEP low-latency buffer in this
-# process, in order. Never emptied: NVSHMEM keeps the set-up of its first user.
-_LL_MADE_BY: list[str] = []
-
-
-def ll_buffer_makers() -> tuple[str, ...]:
-    """The backends that have made a DeepEP low-latency buffer in this process."""
-    return tuple(_LL_MADE_BY)
-
-
-def start_ll_buffer(backend: str) -> None:
-    """Call before `backend` makes a DeepEP low-latency `Buffer`: RuntimeError, in one
-    line, where backend `symm_mem` has started NVSHMEM in this process (DeepEP's first
-    low-latency kernel would abort it); otherwise the buffer is recorded."""
-    from moe.backends.symm_mem_support import symm_mem_started_nvshmem
-
-    if symm_mem_started_nvshmem():
-        raise RuntimeError(nvshmem_clash(first="symm_mem", then=backend))
-    if backend not in _LL_MADE_BY:
-        _LL_MADE_BY.append(backend)
-
-
-def nvshmem_clash(*, first: str, then: str) -> str:
-    """Why backend `then` cannot start in a process where backend `first` has set NVSHMEM
-    up (one of them `symm_mem`, the other in `LL_BUFFER_BACKENDS`), and the fix: one line."""
-    if first == "symm_mem":
-        what = (f"backend {then!r} would make a DeepEP low-latency buffer in a process where "
-                f"backend 'symm_mem' has started NVSHMEM (torch symmetric memory): DeepEP's "
-                f"IBGDA settings (NVSHMEM_IBGDA_NUM_RC_PER_PE) then do not take effect, and "
-                f"its first low-latency kernel would abort the process")
-    else:
-        what = (f"backend 'symm_mem' would start NVSHMEM (torch symmetric memory) in a "
-                f"process where backend {first!r} has made a DeepEP low-latency buffer, which "
-                f"set NVSHMEM up its own way (the other order aborts the process; this one "
-                f"is untested)")
-    return (f"{what}; run {first} and {then} in separate processes (separate runs, e.g. "
-            f"--backends {first}, then --backends {then})")
-
-
-def check_one_process(backends: Sequence[str]) -> None:
-    """ValueError, in one line with the fix, where `backends` (run one after another in
-    one process, as `dbo bench` and `dbo bench-comm` run theirs) hold `symm_mem` and a
-    backend that makes DeepEP low-latency buffers (`LL_BUFFER_BACKENDS`)."""
-    low_latency = [b for b in backends if b in LL_BUFFER_BACKENDS]
-    if "symm_mem" not in backends or not low_latency:
-        return
-    rest = [b for b in backends if b not in low_latency]
-    raise ValueError(f"--backends {','.join(backends)}: symm_mem cannot run in one process "
-                     f"with {', '.join(low_latency)} (once symm_mem's "
-                     f"torch symmetric memory has started NVSHMEM, DeepEP's low-latency "
-                     f"kernels abort it: their NVSHMEM settings do not take effect); time them "
-                     f"in separate runs: --backends {','.join(rest)}, then --backends "
-                     f"{','.join(low_latency)}")
 
 
 def ht_buffer_bytes(deep_ep: ModuleType, hidden_bytes: int, world_size: int) -> tuple[int, int]:

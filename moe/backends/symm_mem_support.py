@@ -41,10 +41,9 @@ are dropped at the next point where a set is made, a point every rank reaches in
 same order. A set is never made inside a CUDA graph capture (allocation and rendezvous
 are host-side collectives): the eager warmup before a capture makes it.
 
-NVSHMEM: the first set made in a process starts it (torch symmetric memory), and this
-process records that (`symm_mem_started_nvshmem`): DeepEP's low-latency buffers cannot
-share a process with it, in either order (`moe.backends.deepep_support.start_ll_buffer`
-says why); `SymmBuffers.allocate` refuses where one has been made.
+NVSHMEM: making a set claims it for `symm_mem` (`moe.backends.nvshmem_owner`), which
+refuses in a process that has made a DeepEP low-latency buffer and makes any later one
+refuse (DeepEP's low-latency kernels abort a process whose NVSHMEM symm_mem started).
 """
 from __future__ import annotations
 
@@ -58,6 +57,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dbo.groups import on_group_destroy
+from moe.backends.nvshmem_owner import claim_nvshmem
 
 OP_NAME = "all_to_all_vdev"
 #: (name, type, written) of each argument of torch.ops.symm_mem.all_to_all_vdev, which
@@ -153,7 +153,7 @@ class SymmBuffers:
             symm.rendezvous(tensor, group_name)
             return tensor
 
-        _start_nvshmem(device)
+        claim_nvshmem("symm_mem")  # RuntimeError after a DeepEP low-latency buffer
         with torch.cuda.device(device):
             _use_nvshmem(symm, device)
             return SymmBuffers.build(make, rows=rows, row_bytes=row_bytes, hidden=hidden,
@@ -248,29 +248,6 @@ def _release_orphans() -> None:
     live = dist.distributed_c10d._world.pg_map
     _SHARED[:] = [entry for entry in _SHARED
                   if (group := entry.owner()) is not None and group in live]
-
-
-# The devices on which this process's `symm_mem` has made symmetric buffers (started
-# NVSHMEM). Never emptied: NVSHMEM stays set up until the process ends.
-_NVSHMEM_STARTED_ON: set[str] = set()
-
-
-def symm_mem_started_nvshmem() -> bool:
-    """Whether backend `symm_mem` has made symmetric buffers in this process, which starts
-    NVSHMEM through torch's symmetric memory (after which no DeepEP low-latency buffer
-    may be made: `moe.backends.deepep_support.start_ll_buffer`)."""
-    return bool(_NVSHMEM_STARTED_ON)
-
-
-def _start_nvshmem(device: torch.device) -> None:
-    """Record that `symm_mem` starts NVSHMEM on `device`; RuntimeError, in one line with
-    the fix, where this process has made a DeepEP low-latency buffer."""
-    from moe.backends.deepep_support import ll_buffer_makers, nvshmem_clash
-
-    made_by = ll_buffer_makers()
-    if made_by:
-        raise RuntimeError(nvshmem_clash(first=made_by[0], then="symm_mem"))
-    _NVSHMEM_STARTED_ON.add(str(device))
 
 
 def _use_nvshmem(symm: Any, device: torch.device) -> None:

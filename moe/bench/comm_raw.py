@@ -18,7 +18,7 @@ N = the low-latency buffer's tokens per rank.
 One `Buffer` per source, created at the first point and destroyed by `close()`, so the two
 sources never hold buffers at once. `deep_ep` is imported on first use only. The
 low-latency buffer is refused in a process where backend `symm_mem` has started NVSHMEM
-(`moe.backends.deepep_support.start_ll_buffer`: DeepEP's kernels would abort it).
+(`moe.backends.nvshmem_owner`: DeepEP's kernels would abort it).
 """
 from __future__ import annotations
 
@@ -116,9 +116,9 @@ class DeepEPRawSource:
         if self.buffer is not None:
             return self.buffer
         if self.low_latency:
-            from moe.backends.deepep_support import start_ll_buffer
+            from moe.backends.nvshmem_owner import claim_nvshmem
 
-            start_ll_buffer(self.name)  # refused after symm_mem, before anything is made
+            claim_nvshmem(self.name)  # refused after symm_mem, before anything is made
         Buffer, world = self.deep_ep.Buffer, dist.get_world_size(self.group)
         s = self.shapes
         if self.low_latency:

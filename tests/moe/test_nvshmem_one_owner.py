@@ -1,5 +1,5 @@
 """Layer 1 (CPU): backend `symm_mem` and DeepEP's low-latency buffers never share a
-process. Once `symm_mem` has made its symmetric buffers (torch symmetric memory starts
+process (`moe.backends.nvshmem_owner`). Once `symm_mem` has made its symmetric buffers (torch symmetric memory starts
 NVSHMEM), a DeepEP low-latency buffer (`deepep_ll`'s shared buffer, the raw
 `deepep_raw_ll` yardstick of `dbo bench-comm`) raises RuntimeError naming both and the
 fix instead of making one (DeepEP's first low-latency kernel would abort the process);
@@ -21,9 +21,10 @@ import pytest
 import torch
 
 import moe.backends.deepep_support as deepep_support
-import moe.backends.symm_mem_support as symm_support
-from moe.backends.deepep_support import check_one_process, shared_buffer
-from moe.backends.symm_mem_support import SymmBuffers, symm_mem_started_nvshmem
+import moe.backends.nvshmem_owner as nvshmem_owner
+from moe.backends.deepep_support import shared_buffer
+from moe.backends.nvshmem_owner import check_one_process, nvshmem_users, symm_mem_started_nvshmem
+from moe.backends.symm_mem_support import SymmBuffers
 from moe.bench.comm_engines import Shapes
 from moe.bench.comm_raw import DeepEPRawSource
 
@@ -51,13 +52,13 @@ class FakeBuffer:
 
 
 @pytest.fixture
-def fresh_process(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+def fresh_process(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     """A process that has made no symmetric memory and no DeepEP buffer, with stand-ins
-    for torch's symmetric memory (CPU tensors) and for `deep_ep`: the stand-in module."""
+    for torch's symmetric memory (CPU tensors) and for `deep_ep`: `deep_ep` (the stand-in
+    module) and `symm_made` (the shapes of the symmetric tensors made)."""
     import torch.distributed._symmetric_memory as symm
 
-    monkeypatch.setattr(symm_support, "_NVSHMEM_STARTED_ON", set())
-    monkeypatch.setattr(deepep_support, "_LL_MADE_BY", [])
+    monkeypatch.setattr(nvshmem_owner, "_CLAIMS", [])
     monkeypatch.setattr(deepep_support, "_ENTRIES", [])
     made: list[tuple[int, ...]] = []
     monkeypatch.setattr(symm, "empty", lambda shape, dtype, device: (
@@ -68,10 +69,9 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     fake = types.ModuleType("deep_ep")
     fake.__spec__ = types.SimpleNamespace(name="deep_ep")  # type: ignore[assignment]
     fake.Buffer = FakeBuffer  # type: ignore[attr-defined]
-    fake.symm_made = made  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "deep_ep", fake)
     FakeBuffer.made = []
-    return fake
+    return types.SimpleNamespace(deep_ep=fake, symm_made=made)
 
 
 def allocate_symm_mem() -> SymmBuffers:
@@ -90,7 +90,7 @@ def test_deepep_ll_after_symm_mem_raises_naming_both_and_the_fix(fresh_process):
     assert symm_mem_started_nvshmem() and fresh_process.symm_made
     group = FakeGroup()
     with pytest.raises(RuntimeError) as exc:
-        ll_buffer(fresh_process, group)
+        ll_buffer(fresh_process.deep_ep, group)
     message = str(exc.value)
     assert "\n" not in message
     assert message.startswith("backend 'deepep_ll' would make a DeepEP low-latency buffer in "
@@ -98,7 +98,7 @@ def test_deepep_ll_after_symm_mem_raises_naming_both_and_the_fix(fresh_process):
     assert "run symm_mem and deepep_ll in separate processes" in message
     assert FakeBuffer.made == []
     # DeepEP's normal buffers set no NVSHMEM IBGDA settings: still made.
-    shared_buffer(fresh_process, group, "ht", num_nvl_bytes=1024)
+    shared_buffer(fresh_process.deep_ep, group, "ht", num_nvl_bytes=1024)
     assert [b["low_latency_mode"] for b in FakeBuffer.made] == [False]
 
 
@@ -115,8 +115,9 @@ def test_raw_low_latency_yardstick_after_symm_mem_raises(fresh_process):
 
 def test_symm_mem_after_a_deepep_low_latency_buffer_raises(fresh_process):
     group = FakeGroup()
-    ll_buffer(fresh_process, group)
+    ll_buffer(fresh_process.deep_ep, group)
     assert [b["low_latency_mode"] for b in FakeBuffer.made] == [True]
+    assert nvshmem_users() == ("deepep_ll",)
     with pytest.raises(RuntimeError) as exc:
         allocate_symm_mem()
     message = str(exc.value)
@@ -125,7 +126,7 @@ def test_symm_mem_after_a_deepep_low_latency_buffer_raises(fresh_process):
                               "memory) in a process where backend 'deepep_ll' has made a "
                               "DeepEP low-latency buffer")
     assert "run deepep_ll and symm_mem in separate processes" in message
-    assert not symm_mem_started_nvshmem() and fresh_process.symm_made == []
+    assert nvshmem_users() == ("deepep_ll",) and fresh_process.symm_made == []
 
 
 @pytest.mark.parametrize("backends, runs", [

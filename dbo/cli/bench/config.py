@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from dbo.config import DBOConfig
 from moe.backends import BACKENDS
-from moe.backends.deepep_support import check_one_process
+from moe.backends.nvshmem_owner import check_one_process
 from moe.registry import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
 

@@ -20,7 +20,7 @@ from dbo.cli.bench.config import (
     EXPERT_KERNELS,
     NVLINK_REGIME,
 )
-from moe.backends.deepep_support import check_one_process
+from moe.backends.nvshmem_owner import check_one_process
 
 HF_BACKENDS: tuple[str, ...] = BENCH_BACKENDS
 """Backends a converted model can run (those that need a capacity get one per
