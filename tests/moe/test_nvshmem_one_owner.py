@@ -1,11 +1,11 @@
 """Layer 1 (CPU): backend `symm_mem` and DeepEP's low-latency buffers never share a
-process (`moe.backends.nvshmem_owner`). Once `symm_mem` has made its symmetric buffers (torch symmetric memory starts
-NVSHMEM), a DeepEP low-latency buffer (`deepep_ll`'s shared buffer, the raw
-`deepep_raw_ll` yardstick of `dbo bench-comm`) raises RuntimeError naming both and the
-fix instead of making one (DeepEP's first low-latency kernel would abort the process);
-the reverse order raises likewise; DeepEP's normal buffers are unaffected. The command
-lines that would run both refuse before any rank starts: tests/tools/test_bench.py,
-test_bench_comm.py, test_bench_hf.py.
+process (`moe.backends.nvshmem_owner`). Once `symm_mem` has made its symmetric buffers
+(torch symmetric memory starts NVSHMEM), a DeepEP low-latency buffer (`deepep_ll`'s
+shared buffer, the raw `deepep_raw_ll` yardstick of `dbo bench-comm`) raises
+RuntimeError naming both and the fix instead of making one (DeepEP's first low-latency
+kernel would abort the process); the reverse order raises likewise; DeepEP's normal
+buffers are unaffected. The command lines that would run both refuse before any rank
+starts: tests/tools/test_bench.py, test_bench_comm.py, test_bench_hf.py.
 
 Stand-ins: torch's symmetric-memory calls make plain CPU tensors, and a `deep_ep` module
 whose `Buffer` records what it was asked to make.
@@ -105,7 +105,8 @@ def test_deepep_ll_after_symm_mem_raises_naming_both_and_the_fix(fresh_process):
 def test_raw_low_latency_yardstick_after_symm_mem_raises(fresh_process):
     allocate_symm_mem()
     shapes = Shapes(hidden=2048, top_k=2, num_experts=8, dtype=torch.bfloat16)
-    raw = DeepEPRawSource("deepep_raw_ll", shapes, FakeGroup(), tokens=(16,))  # type: ignore[arg-type]
+    group: Any = FakeGroup()
+    raw = DeepEPRawSource("deepep_raw_ll", shapes, group, tokens=(16,))
     with pytest.raises(RuntimeError, match="backend 'deepep_raw_ll' would make a DeepEP "
                                            "low-latency buffer .* run symm_mem and "
                                            "deepep_raw_ll in separate processes"):
