@@ -12,8 +12,10 @@ up, and a claim by the other kind raises RuntimeError naming both and the fix; c
 that run several backends in one process refuse such a list before any rank starts
 (`check_one_process`).
 
-Only the names live here: `moe.backends.symm_mem_support` and
-`moe.backends.deepep_support` (and `moe.bench.comm_raw`) make the claims.
+The record and the rule live here, importing nothing, so that both sides can reach them
+without importing each other: `moe.backends.symm_mem_support` (`SymmBuffers.allocate`),
+`moe.backends.deepep_support` (`shared_buffer`, mode "ll") and `moe.bench.comm_raw` make
+the claims.
 """
 from __future__ import annotations
 
