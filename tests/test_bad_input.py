@@ -77,6 +77,19 @@ def deepep_v2_on(*, nccl: tuple = (2, 30, 4), dtype: torch.dtype = torch.bfloat1
                          nccl_version=lambda: nccl, cuda_available=lambda: True)
 
 
+def deepep_ll_buffer_after_symm_mem() -> None:
+    """`deepep_ll`'s low-latency buffer in a process where `symm_mem` has made its
+    symmetric buffers (the record of that set by hand; a stand-in `deep_ep`): refused
+    before DeepEP is called (the reverse order: tests/moe/test_nvshmem_one_owner.py)."""
+    import moe.backends.nvshmem_owner as nvshmem_owner
+    from moe.backends.deepep_support import shared_buffer
+
+    fake = types.ModuleType("deep_ep")
+    fake.Buffer = mock.Mock(side_effect=AssertionError("a DeepEP buffer was made"))
+    with mock.patch.object(nvshmem_owner, "_CLAIMS", ["symm_mem"]):
+        shared_buffer(fake, mock.Mock(), "ll", num_rdma_bytes=1 << 20)
+
+
 def nan_logits_input() -> torch.Tensor:
     x = torch.randn(5, 8)
     x[2] = float("nan")
@@ -157,6 +170,11 @@ REJECTED = {
         lambda: deepep_layer_with_hidden(1000), ValueError,
         "MoEConfig.hidden_size=1000 is not supported: DeepEP's low-latency kernels are "
         "compiled for hidden sizes"),
+    "a DeepEP low-latency buffer (`deepep_ll`, bench-comm's `deepep_raw_ll`) and `symm_mem` "
+    "in one process, either order": (
+        deepep_ll_buffer_after_symm_mem, RuntimeError,
+        "backend 'deepep_ll' would make a DeepEP low-latency buffer in a process where backend "
+        "'symm_mem' has started NVSHMEM"),
     "unknown experts kernel": (lambda: layer(experts="nope"), ValueError,
                                "unknown experts kernel 'nope'"),
     "`DBOConfig(split_inside_requests=True)` for a model whose "

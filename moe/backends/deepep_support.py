@@ -15,7 +15,9 @@ The registry holds groups by weak reference, as `dbo.groups` does for side group
 destroying the group), and the buffers of a group that is gone are torn down at the
 next point where a buffer is made, a point every rank reaches in the same order.
 Buffers are made with `explicitly_destroy=True`: DeepEP's destructor would otherwise run
-a cross-rank barrier whenever Python happens to collect it.
+a cross-rank barrier whenever Python happens to collect it. A low-latency buffer claims
+NVSHMEM first (`moe.backends.nvshmem_owner`): refused in a process where backend
+`symm_mem` has started it, as DeepEP's low-latency kernels would abort the process.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.groups import on_group_destroy
+from moe.backends.nvshmem_owner import claim_nvshmem
 from moe.config import round_up_hidden
 
 _HOW_TO_GET = {
@@ -200,6 +203,8 @@ def shared_buffer(deep_ep: ModuleType, group: dist.ProcessGroup, mode: str, *,
     grown here. Collective when it makes one: call it at a point every rank of `group`
     reaches in the same order (a layer's construction)."""
     assert mode in ("ht", "ll"), mode
+    if mode == "ll":
+        claim_nvshmem("deepep_ll")  # RuntimeError after symm_mem, before DeepEP is called
     _destroy_orphans()
     for entry in _ENTRIES:
         if entry.owner() is group and entry.shared.mode == mode:

@@ -40,6 +40,10 @@ drops a group's sets (`dbo.destroy_group` calls it), and the sets of a group tha
 are dropped at the next point where a set is made, a point every rank reaches in the
 same order. A set is never made inside a CUDA graph capture (allocation and rendezvous
 are host-side collectives): the eager warmup before a capture makes it.
+
+NVSHMEM: making a set claims it for `symm_mem` (`moe.backends.nvshmem_owner`), which
+refuses in a process that has made a DeepEP low-latency buffer and makes any later one
+refuse (DeepEP's low-latency kernels abort a process whose NVSHMEM symm_mem started).
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dbo.groups import on_group_destroy
+from moe.backends.nvshmem_owner import claim_nvshmem
 
 OP_NAME = "all_to_all_vdev"
 #: (name, type, written) of each argument of torch.ops.symm_mem.all_to_all_vdev, which
@@ -148,6 +153,7 @@ class SymmBuffers:
             symm.rendezvous(tensor, group_name)
             return tensor
 
+        claim_nvshmem("symm_mem")  # RuntimeError after a DeepEP low-latency buffer
         with torch.cuda.device(device):
             _use_nvshmem(symm, device)
             return SymmBuffers.build(make, rows=rows, row_bytes=row_bytes, hidden=hidden,

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from moe.backends.nvshmem_owner import check_one_process
 from moe.bench.comm_engines import Engine, Shapes, bench_names, make_source
 from moe.bench.comm_metrics import (ROUTINGS, CommKernels, algbw_gbps, comm_kernel_sms,
                                     expert_slots, make_routing, make_tokens, rows_to_ranks)
@@ -90,6 +91,7 @@ class CommBenchConfig:
         if unknown:
             raise ValueError(f"unknown backend {unknown[0]!r}: choose from "
                              f"{', '.join(valid)}")
+        check_one_process(self.backends)  # symm_mem with a DeepEP LL one aborts the process
         for name in ("hidden", "top_k", "num_experts", "iters"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:

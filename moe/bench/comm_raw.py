@@ -16,7 +16,9 @@ N = the low-latency buffer's tokens per rank.
   with `get_low_latency_rdma_size_hint`; larger points are refused.
 
 One `Buffer` per source, created at the first point and destroyed by `close()`, so the two
-sources never hold buffers at once. `deep_ep` is imported on first use only.
+sources never hold buffers at once. `deep_ep` is imported on first use only. The
+low-latency buffer is refused in a process where backend `symm_mem` has started NVSHMEM
+(`moe.backends.nvshmem_owner`: DeepEP's kernels would abort it).
 """
 from __future__ import annotations
 
@@ -113,6 +115,10 @@ class DeepEPRawSource:
     def _buffer(self) -> Any:
         if self.buffer is not None:
             return self.buffer
+        if self.low_latency:
+            from moe.backends.nvshmem_owner import claim_nvshmem
+
+            claim_nvshmem(self.name)  # refused after symm_mem, before anything is made
         Buffer, world = self.deep_ep.Buffer, dist.get_world_size(self.group)
         s = self.shapes
         if self.low_latency:

@@ -6,12 +6,15 @@ rank, all tokens to one expert; reference and triton experts), a capacity overfl
 raising the same error on every rank, a DBO step captured in a CUDA graph and replayed,
 and 200 random-size steps with flat memory, the two layers holding two shared sets of
 symmetric buffers (one per ubatch).
+With DeepEP installed too: a deepep_ll layer made after symm_mem has run is refused
+(RuntimeError) instead of aborting the process in DeepEP's first low-latency kernel.
 
 Run alone: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     python -m pytest -q -m gpu tests/moe/test_gpu_symm_mem.py
 """
 from __future__ import annotations
 
+import importlib.util
 import random
 from dataclasses import replace
 from typing import Any
@@ -153,3 +156,37 @@ def test_random_size_steps_keep_memory_flat():
         assert out["allocated"][1] == out["allocated"][0], out
         assert out["allocations"][1] == out["allocations"][0], out
         assert out["sets"] == 2, out  # both layers share one set per ubatch
+
+
+def _deepep_ll_after_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """symm_mem runs a step (its symmetric buffers start NVSHMEM), then a deepep_ll layer
+    is made in the same process: refused with RuntimeError, not DeepEP's abort."""
+    from moe.layer import MoELayer
+    from moe.reference import init_moe_weights
+    device = torch.device("cuda", rank)
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=2048, intermediate_size=64,
+                    dtype=torch.bfloat16, max_tokens_per_rank=16, experts="triton")
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        layer = MoELayer(replace(cfg, backend="symm_mem"), group=dist.group.WORLD,
+                         device=device)
+        layer.load_weights(init_moe_weights(replace(cfg, backend="symm_mem"), seed=0,
+                                            device=device))
+        gen = torch.Generator(device=device).manual_seed(rank)
+        layer(torch.randn(8, 2048, generator=gen, device=device).to(torch.bfloat16))
+        torch.cuda.synchronize()
+        try:
+            MoELayer(replace(cfg, backend="deepep_ll"), group=dist.group.WORLD, device=device)
+            out["error"] = "no error"
+        except RuntimeError as exc:
+            out["error"] = str(exc)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deep_ep") is None, reason="needs DeepEP")
+def test_deepep_ll_after_symm_mem_is_refused_not_aborted():
+    for out in run_distributed(2, _deepep_ll_after_worker, backend="nccl"):
+        assert out["error"].startswith("backend 'deepep_ll' would make a DeepEP low-latency "
+                                       "buffer in a process where backend 'symm_mem' has "
+                                       "started NVSHMEM"), out

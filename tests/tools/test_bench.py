@@ -66,6 +66,9 @@ POINT_KEYS = {"backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
     (["--world-size", "3"], "8 routed experts do not split over 3 ranks"),
     (["--num-experts", "5"], "5 routed experts do not split over 2 ranks"),
     (["--out", "FILE"], "that is an existing file"),
+    (["--backends", "a2a_ll,symm_mem,deepep_ll"],
+     "--backends a2a_ll,symm_mem,deepep_ll: symm_mem cannot run in one process with "
+     "deepep_ll"),
     pytest.param(["--device", "cuda"], "CUDA is not available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
 ])

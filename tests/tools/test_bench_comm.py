@@ -36,6 +36,9 @@ REPO = Path(__file__).resolve().parents[2]
     (["--hidden", "0"], "hidden=0: must be an int >= 1"),
     (["--routing", "skewed"], "argument --routing: invalid choice: 'skewed'"),
     (["--out", "FILE"], "that is an existing file"),
+    (["--backends", "symm_mem,deepep_raw_ht,deepep_raw_ll,deepep_ht,deepep_ll,a2a_ll"],
+     "symm_mem cannot run in one process with deepep_raw_ll, deepep_ll (once symm_mem's"),
+    (["--backends", "deepep_raw_ll,symm_mem"], "then --backends deepep_raw_ll"),
 ])
 def test_bad_arguments_exit_with_the_fix(argv: list[str], message: str, tmp_path: Path,
                                          capsys: pytest.CaptureFixture,

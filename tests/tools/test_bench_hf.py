@@ -36,6 +36,8 @@ VALID = ", ".join(named_architectures())
      "5 routed experts of qwen3_moe do not split over 2 ranks"),
     (["--hf", "qwen3_moe", "--backends", "a2a,symm_mem"], "backend 'symm_mem' "),
     (["--hf", "qwen3_moe", "--backends", "deepep_ll"], "backend 'deepep_ll' needs DeepEP"),
+    (["--hf", "qwen3_moe", "--backends", "symm_mem,deepep_ll"],
+     "symm_mem cannot run in one process with deepep_ll"),
     (["--hf", "qwen3_moe", "--backends", "deepep_v2"], "backend 'deepep_v2' cannot run a "
                                                        "converted model"),
     (["--hf", "qwen3_moe", "--tokens", "10"], "tokens per rank 10 is not a positive multiple"),

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from dbo.config import DBOConfig
 from moe.backends import BACKENDS
+from moe.backends.nvshmem_owner import check_one_process
 from moe.registry import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
 
@@ -199,6 +200,7 @@ class BenchConfig:
                              f"{', '.join(BENCH_BACKENDS)} (--backends a2a,a2a_ll,naive)")
         if len(set(self.backends)) != len(self.backends):
             raise ValueError(f"backends={self.backends!r} repeats a name: list each once")
+        check_one_process(self.backends)  # symm_mem with deepep_ll aborts the process
         self._check_overlaps()
         for name in ("layers", "num_experts", "experts_per_rank"):
             value = getattr(self, name)

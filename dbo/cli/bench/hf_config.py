@@ -20,6 +20,7 @@ from dbo.cli.bench.config import (
     EXPERT_KERNELS,
     NVLINK_REGIME,
 )
+from moe.backends.nvshmem_owner import check_one_process
 
 HF_BACKENDS: tuple[str, ...] = BENCH_BACKENDS
 """Backends a converted model can run (those that need a capacity get one per
@@ -144,6 +145,7 @@ class HFBenchConfig:
                              f"bench --hf: use one of {', '.join(HF_BACKENDS)}")
         if len(set(self.backends)) != len(self.backends):
             raise ValueError(f"backends={self.backends!r} repeats a name: list each once")
+        check_one_process(self.backends)  # symm_mem with deepep_ll aborts the process
         if self.experts not in EXPERT_KERNELS:
             raise ValueError(f"unknown experts kernel {self.experts!r}: use one of "
                              f"{', '.join(EXPERT_KERNELS)}")
