@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dbo import DBOConfig, DBORunner
-from dbo.cli.bench.config import BenchConfig
+from dbo.cli.bench.config import NVLINK_REGIME, BenchConfig
 from dbo.cli.bench.launch import build_parser, config_from_args
 from dbo.graphs import (GraphedRunner, _signature, capture_graph, decided_step,
                         graph_blockers)
@@ -98,12 +98,15 @@ def test_bench_cuda_graph_options_are_checked() -> None:
     with pytest.raises(ValueError, match="needs --device cuda"):
         BenchConfig(device="cpu", cuda_graph=True)
     with pytest.raises(ValueError, match="cannot capture backend 'a2a'"):
-        BenchConfig(device="cuda", backends=("a2a", "a2a_ll"), cuda_graph=True)
+        BenchConfig(device="cuda", regime=NVLINK_REGIME, backends=("a2a", "a2a_ll"),
+                    cuda_graph=True)
     with pytest.raises(ValueError, match="reference experts"):
-        BenchConfig(device="cuda", backends=("a2a_ll",), experts="reference", cuda_graph=True)
+        BenchConfig(device="cuda", regime=NVLINK_REGIME, backends=("a2a_ll",),
+                    experts="reference", cuda_graph=True)
     with pytest.raises(ValueError, match="trace without --cuda-graph"):
-        BenchConfig(device="cuda", backends=("a2a_ll",), trace=True, cuda_graph=True)
-    ok = BenchConfig(device="cuda", backends=("a2a_ll",), cuda_graph=True)
+        BenchConfig(device="cuda", regime=NVLINK_REGIME, backends=("a2a_ll",), trace=True,
+                    cuda_graph=True)
+    ok = BenchConfig(device="cuda", regime=NVLINK_REGIME, backends=("a2a_ll",), cuda_graph=True)
     assert ok.summary()["cuda_graph"] is True
     args = build_parser().parse_args(["--cuda-graph", "--device", "cpu"])
     with pytest.raises(ValueError, match="needs --device cuda"):
@@ -336,7 +339,8 @@ def _graph_bench_worker(rank: int, world_size: int, out_dir: str) -> dict[str, A
     from dbo.cli.bench.sweep import run_sweep
 
     cfg = BenchConfig(preset="tiny", tokens=(64,), backends=("a2a_ll",), iters=2, warmup=1,
-                      rounds=2, device="cuda", cuda_graph=True, out_dir=out_dir,
+                      rounds=2, device="cuda", regime=NVLINK_REGIME, cuda_graph=True,
+                      out_dir=out_dir,
                       plot=False, progress=False, gate_min_tokens=0)
     result = run_sweep(cfg, group=dist.group.WORLD, device=torch.device("cuda", rank))
     return json.loads(final_line(result, write_outputs(result))) if rank == 0 else {}
@@ -374,3 +378,10 @@ def test_dbo_run_with_cuda_graphs_checks_the_graphed_step_against_eager(tmp_path
     assert summary["step_ms"]["dbo_on"] > 0 and summary["step_ms"]["dbo_off"] > 0
     assert "both modes ran as CUDA graph replays" in proc.stdout
     assert (tmp_path / "trace.json").stat().st_size > 0
+
+
+def test_bench_config_regime_must_fit_the_device() -> None:
+    """A CUDA config left with the CPU label would report its speedups as null
+    (a functional run)."""
+    with pytest.raises(ValueError, match="does not fit device='cuda'"):
+        BenchConfig(device="cuda", backends=("a2a_ll",))

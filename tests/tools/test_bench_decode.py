@@ -14,7 +14,7 @@ import torch
 
 from dbo import DBOConfig, DBORunner
 from dbo.cli.bench import main
-from dbo.cli.bench.config import CPU_REGIME, BenchConfig
+from dbo.cli.bench.config import CPU_REGIME, NVLINK_REGIME, BenchConfig
 from dbo.cli.bench.decode_stack import (DecodeAttention, DecodeStack, SplitRequests,
                                         make_kv_caches)
 from dbo.cli.bench.layer_stack import layer_moe_config
@@ -170,6 +170,7 @@ def _graphed_decode_sweep(rank: int, world_size: int, out_dir: str) -> dict:
 
     cfg = BenchConfig(mode="decode", preset="tiny", tokens=(8, 32), context=64,
                       backends=("a2a_ll",), iters=2, warmup=1, rounds=1, device="cuda",
+                      regime=NVLINK_REGIME,
                       cuda_graph=True, out_dir=out_dir, plot=False, progress=False,
                       gate_min_tokens=0)
     result = run_sweep(cfg, group=dist.group.WORLD, device=torch.device("cuda", rank))

@@ -231,6 +231,10 @@ class BenchConfig:
             raise ValueError(f"device={self.device!r}: use one of {', '.join(DEVICES)}")
         if self.regime not in (NVLINK_REGIME, CPU_REGIME, EMULATED_REGIME):
             raise ValueError(f"regime={self.regime!r}: build it with regime_label()")
+        if self.device == "cuda" and self.regime == CPU_REGIME:
+            # It would be reported as a functional run: every speedup null.
+            raise ValueError(f"regime={self.regime!r} does not fit device='cuda': pass "
+                             f"regime=regime_label('cuda', p2p_disabled=...)")
         if self.experts not in EXPERT_KERNELS:
             raise ValueError(f"unknown experts kernel {self.experts!r}: use one of "
                              f"{', '.join(EXPERT_KERNELS)}")
