@@ -21,7 +21,10 @@ Terms (source of each parameter after the colon):
   ov(u, m) = max(m, u / kappa + f * m)   compute u under comm m; f = comm_sm_share,
              kappa = overlap_clock (compute runs at (1 - f) speed while comm runs) : Calibration
   host(k) = L * k * launch_us            k launches per layer : StepShape, Calibration
-  none:   T = max(L * (a + s + x + d + c), host(k))
+  h = host_ms: the measured host time to issue the unsplit step : StepShape (the bench)
+  none:   T = max(L * (a + x + d + ov(s, c)), host(k), h)
+          (the shared experts are queued between the combine's send and its receive,
+          and the combine runs on the comm stream: they run under it)
   DBO, per ubatch: a2 = max(a / 2, W_a)           weights read twice (each ubatch reads them)
                    s2 = max(s / 2, W_s)
                    x2 = max(g * x / 2, W_e)       half-size GEMM efficiency, weights twice
@@ -36,11 +39,12 @@ Terms (source of each parameter after the colon):
                   comm-bound: a2)
                   + [first_dispatch_exposed] (a2 + d2 - ov(a2, d2)): the step's first
                   dispatch waits on the host before ubatch 1 queues work (a2a)
-          T = max(L * layer + fill/drain, host(2k))       twice the launches
+          T = max(L * layer + fill/drain, host(2k), 2 h)  twice the launches; the host
+                  runs every layer's Python once per ubatch
   SBO, n = sbo_chunks expert chunks (chunked over experts: no weight re-read):
           x_n = x / n, c_n = (c - lam) / n + lam
           layer = a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + c_n
-          T = max(L * layer, host(k + n - 1))
+          T = max(L * layer, host(k + n - 1), h)
   choice: the fastest mode, unless its gain T_none / T_mode - 1 is below `margin`:
           then "none" (an overlap mode that is predicted to win by less never runs).
 """
@@ -48,7 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from dbo.calibration import Calibration
 
@@ -109,6 +113,12 @@ class StepShape:
     first_dispatch_exposed: bool = False
     """The step's first dispatch waits on the host before the second ubatch queues work
     (backends that read counts on the host: a2a)."""
+    host_ms: float = 0.0
+    """Measured host time to issue the unsplit step, ms (0: not known). A floor for
+    every mode; a DBO step issues every layer's Python once per ubatch: 2 * host_ms."""
+    comm_sm_share: Optional[float] = None
+    """The comm kernels' SM share for this step's backend and link (None: the
+    calibration's `comm_sm_share`; `Calibration.comm_sm_share_for`)."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "tokens"):
@@ -120,7 +130,13 @@ class StepShape:
             raise ValueError(f"StepShape.kernels_per_layer={self.kernels_per_layer!r}: must be "
                              f"an int >= 0.")
         _check_nonneg("StepShape", self, ("rows_per_expert", "expert_weight_bytes",
-                                          "attention_weight_bytes", "shared_weight_bytes"))
+                                          "attention_weight_bytes", "shared_weight_bytes",
+                                          "host_ms"))
+        share = self.comm_sm_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0.0 <= share < 1.0):
+            raise ValueError(f"StepShape.comm_sm_share={share!r}: must be None or in [0, 1) "
+                             f"(the fraction of SMs the comm kernels hold).")
         if self.rows_per_expert <= 0:
             raise ValueError(f"StepShape.rows_per_expert={self.rows_per_expert!r}: must be > 0.")
 
@@ -172,7 +188,8 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
     if isinstance(sbo_chunks, bool) or not isinstance(sbo_chunks, int) or sbo_chunks < 1:
         raise ValueError(f"sbo_chunks={sbo_chunks!r}: must be an int >= 1.")
     cal, L = calibration, shape.layers
-    f, kappa = cal.comm_sm_share, cal.overlap_clock
+    f = cal.comm_sm_share if shape.comm_sm_share is None else shape.comm_sm_share
+    kappa = cal.overlap_clock
     a, s, x = times.attention / L, times.shared / L, times.experts / L
     d, c = times.dispatch / L, times.combine / L
     lam = min(times.comm_latency, d, c)
@@ -186,20 +203,20 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
     def host(k: int) -> float:
         return L * k * launch_ms if shape.kernels_per_layer else 0.0
 
-    k = shape.kernels_per_layer
-    t_none = max(L * (a + s + x + d + c), host(k))
+    k, h = shape.kernels_per_layer, shape.host_ms
+    ov = lambda u, m: _ov(u, m, f=f, kappa=kappa)  # noqa: E731
+    t_none = max(L * (a + x + d + ov(s, c)), host(k), h)
 
     a2, s2, x2 = max(a / 2, w_a), max(s / 2, w_s), max(g * x / 2, w_e)
     y2 = x2 + s2
     d2, c2 = (d - lam) / 2 + lam, (c - lam) / 2 + lam
     exposed = shape.first_dispatch_exposed
     gpu_dbo = _dbo_gpu(a2, y2, d2, c2, L, f=f, kappa=kappa, first_dispatch_exposed=exposed)
-    t_dbo = max(gpu_dbo, host(2 * k))
+    t_dbo = max(gpu_dbo, host(2 * k), 2 * h)
 
     n = sbo_chunks
     x_n, c_n = x / n, (c - lam) / n + lam
-    ov = lambda u, m: _ov(u, m, f=f, kappa=kappa)  # noqa: E731
-    t_sbo = max(L * (a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + c_n), host(k + n - 1))
+    t_sbo = max(L * (a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + c_n), host(k + n - 1), h)
 
     costs = {
         "weights_read_twice": 2 * L * (max(0.0, w_a - a / 2) + max(0.0, w_s - s / 2)
@@ -210,10 +227,11 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
                                             first_dispatch_exposed=exposed),
         "clock": gpu_dbo - _dbo_gpu(a2, y2, d2, c2, L, f=f, kappa=1.0,
                                     first_dispatch_exposed=exposed),
-        "launches": max(0.0, host(2 * k) - gpu_dbo),
+        "launches": max(0.0, max(host(2 * k), 2 * h) - gpu_dbo),
     }
     times_ms = {"none": t_none, "dbo": t_dbo, "sbo": t_sbo}
-    chosen, reason = _choose(times_ms, times, costs, margin=margin, host_bound=host(k) >= t_none)
+    chosen, reason = _choose(times_ms, times, costs, margin=margin,
+                             host_bound=max(host(k), h) >= t_none)
     return Prediction(times_ms=times_ms, chosen=chosen, reason=reason, dbo_costs_ms=costs)
 
 

@@ -28,12 +28,17 @@ __all__ = ["OverlapPredictor", "choose_predicted", "covering_point", "point_inpu
 # The fields of a MeasuredPoint that scale with the step's tokens.
 _SCALED = ("attention", "experts", "dispatch", "combine", "shared", "comm_latency",
            "rows_per_expert", "expert_weight_bytes", "attention_weight_bytes",
-           "shared_weight_bytes")
+           "shared_weight_bytes", "host_ms")
 
 
-def point_inputs(point: MeasuredPoint) -> tuple[PhaseTimes, StepShape]:
+def point_inputs(point: MeasuredPoint, calibration: Optional[Calibration] = None
+                 ) -> tuple[PhaseTimes, StepShape]:
     """The cost model's inputs at a measured point (no launch cost: the measured phase
-    times already hold the launches of an unsplit step)."""
+    times already hold the launches of an unsplit step; the measured host time of the
+    unsplit step as its host floor). With `calibration`, the comm kernels' SM share of
+    the point's backend and link (`Calibration.comm_sm_share_for`)."""
+    share = (None if calibration is None
+             else calibration.comm_sm_share_for(point.backend, point.regime))
     times = PhaseTimes(attention=point.attention, experts=point.experts,
                        dispatch=point.dispatch, combine=point.combine, shared=point.shared,
                        comm_latency=point.comm_latency)
@@ -41,7 +46,8 @@ def point_inputs(point: MeasuredPoint) -> tuple[PhaseTimes, StepShape]:
                       rows_per_expert=point.rows_per_expert,
                       expert_weight_bytes=point.expert_weight_bytes,
                       attention_weight_bytes=point.attention_weight_bytes,
-                      shared_weight_bytes=point.shared_weight_bytes)
+                      shared_weight_bytes=point.shared_weight_bytes, host_ms=point.host_ms,
+                      comm_sm_share=share)
     return times, shape
 
 
@@ -108,7 +114,7 @@ class OverlapPredictor:
         if key not in self._cache:
             point = covering_point(self.calibration, tokens=tokens, decode=decode)
             self._cache[key] = None if point is None else predict(
-                *point_inputs(point), self.calibration, margin=self.margin,
+                *point_inputs(point, self.calibration), self.calibration, margin=self.margin,
                 sbo_chunks=self.sbo_chunks)
         return self._cache[key]
 

@@ -4,7 +4,7 @@ measured ones.
 
     point = probe_phases(off_workload, device=device, group=group, warmup=2, iters=5,
                          tokens=1024, decode=False, backend="a2a", label="...")
-    prediction = predict(*point_inputs(point), calibration)
+    prediction = predict(*point_inputs(point, calibration), calibration)
 
 From the DBO-off step, as the ceiling probe (`dbo.cli.bench.ceiling`) does:
 - **dispatch, combine**: the step's recorded collectives replayed alone, split per MoE

@@ -52,7 +52,7 @@ def covered(calibration: Calibration, *, backend: str, tokens: int, decode: bool
 
 def attach_prediction(point: Any, measured: MeasuredPoint, calibration: Calibration) -> None:
     """Set the point's predicted step times, speedup, choice and errors (`point.Point`)."""
-    prediction = predict(*point_inputs(measured), calibration)
+    prediction = predict(*point_inputs(measured, calibration), calibration)
     times = prediction.times_ms
     point.phase_ms = {k: getattr(measured, k)
                       for k in ("attention", "shared", "experts", "dispatch", "combine")}
