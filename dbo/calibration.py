@@ -111,10 +111,20 @@ class MeasuredPoint:
     """The host's time to issue the unsplit step (call to return), ms; 0: not measured,
     or not an issue time (a backend that reads device values on the host waits for the
     device inside it, and a CUDA-graph replay issues no layer's Python)."""
+    split_compute: float = 0.0
+    """The DBO step's compute alone, ms: the probe's split compute (the step with its
+    collectives replaced by their recorded results; graphed where the steps were); 0:
+    not measured. The model then takes the two ubatches' compute from it."""
+    sbo_chunks: int = 1
+    """Chunks of the combine in the point's single-batch-overlap step
+    (`MoEConfig.combine_chunks` where the backend chunks its combine, else 1)."""
+    own_row_share: float = 0.0
+    """Share of the received rows this rank sent itself, computed last in an SBO step
+    (1/W where the backend splits its combine and the layer does; 0 otherwise)."""
 
     def __post_init__(self) -> None:
         for name, low in (("tokens", 1), ("layers", 1), ("num_experts", 0), ("world_size", 0),
-                          ("context", 0)):
+                          ("context", 0), ("sbo_chunks", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"MeasuredPoint.{name}={value!r}: must be an int >= {low}.")
@@ -124,7 +134,8 @@ class MeasuredPoint:
                                  f"or False.")
         values = {name: getattr(self, name) for name in (
             "attention", "experts", "dispatch", "combine", "shared", "comm_latency",
-            "expert_weight_bytes", "attention_weight_bytes", "shared_weight_bytes", "host_ms")}
+            "expert_weight_bytes", "attention_weight_bytes", "shared_weight_bytes", "host_ms",
+            "split_compute")}
         values.update({f"measured_ms[{k!r}]": v for k, v in self.measured_ms.items()})
         for name, value in values.items():
             if (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -135,6 +146,10 @@ class MeasuredPoint:
             if not _finite_positive(getattr(self, name)):
                 raise ValueError(f"MeasuredPoint.{name}={getattr(self, name)!r}: must be a "
                                  f"finite number > 0 (1.0: not rescaled).")
+        if (isinstance(self.own_row_share, bool) or not isinstance(self.own_row_share, (int, float))
+                or not 0.0 <= self.own_row_share < 1.0):
+            raise ValueError(f"MeasuredPoint.own_row_share={self.own_row_share!r}: must be in "
+                             f"[0, 1) (1/W with an own-rows pass, else 0).")
         if not _finite_positive(self.rows_per_expert):
             raise ValueError(f"MeasuredPoint.rows_per_expert={self.rows_per_expert!r}: must "
                              f"be > 0.")

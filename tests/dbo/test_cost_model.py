@@ -102,6 +102,33 @@ def test_sbo_hides_shared_under_dispatch_and_combine_under_chunks():
     assert p.times_ms["sbo"] == pytest.approx(10.5)
 
 
+def test_sbo_passes_each_read_the_expert_weights_and_own_rows_go_last():
+    # As moe.modular_kernel runs SBO: the other ranks' rows (1 - o = 0.5 of them) in 2
+    # chunks, then the own rows under the last chunk's combine. c_n = 2 * 0.5 / 2 = 0.5.
+    times = PhaseTimes(attention=1, experts=2, dispatch=1, combine=2)
+    # No weight floor: 1 + ov(0, 1) + 0.5 + ov(0.5, 0.5) + ov(1, 0.5) = 1 + 1 + .5 + .5 + 1.
+    light = predict(times, shape(own_row_share=0.5), FLAT, sbo_chunks=2)
+    assert light.times_ms["sbo"] == pytest.approx(4.0)
+    # Weight-bound (W_e = 1e9 B at 1000 GB/s = 1 ms): each of the three passes reads the
+    # weights, 1 ms however few its rows: 1 + 1 + 1 + ov(1, .5) + ov(1, .5) = 5.
+    heavy = predict(times, shape(own_row_share=0.5, expert_weight_bytes=1e9), FLAT,
+                    sbo_chunks=2)
+    assert heavy.times_ms["sbo"] == pytest.approx(5.0)
+    assert heavy.times_ms["none"] == pytest.approx(6.0)  # 1 + 2 + 1 + ov(0, 2)
+    with pytest.raises(ValueError, match="own_row_share"):
+        shape(own_row_share=1.0)
+
+
+def test_a_measured_split_compute_replaces_the_modelled_one():
+    # No comm: the DBO step is its two ubatches' compute. Modelled 2 * (a/2 + x/2) = 4 ms;
+    # measured 6 ms: a2 and x2 scaled by 1.5 each, 4 * 1.5 = 6 ms.
+    times = PhaseTimes(attention=2, experts=2, dispatch=0, combine=0)
+    assert predict(times, shape(), FLAT).times_ms["dbo"] == pytest.approx(4.0)
+    measured = predict(times, shape(split_compute_ms=6.0), FLAT)
+    assert measured.times_ms["dbo"] == pytest.approx(6.0)
+    assert measured.times_ms["none"] == pytest.approx(4.0)  # the unsplit step unchanged
+
+
 def test_host_bound_step_doubles_its_launches_and_stays_unsplit():
     cal = Calibration(gemm_efficiency=((1.0, 1.0),), launch_us=100.0)
     p = predict(PhaseTimes(attention=0.1, experts=0.1, dispatch=0.1, combine=0.1),
