@@ -107,10 +107,24 @@ class MeasuredPoint:
     "scale_out"; "" unknown or CPU gloo)."""
     context: int = 0
     """Decode: KV-cache tokens per request (0 otherwise)."""
+    host_ms: float = 0.0
+    """The host's time to issue the unsplit step (call to return), ms; 0: not measured,
+    or not an issue time (a backend that reads device values on the host waits for the
+    device inside it, and a CUDA-graph replay issues no layer's Python)."""
+    split_compute: float = 0.0
+    """The DBO step's compute alone, ms: the probe's split compute (the step with its
+    collectives replaced by their recorded results; graphed where the steps were); 0:
+    not measured. The model then takes the two ubatches' compute from it."""
+    sbo_chunks: int = 1
+    """Chunks of the combine in the point's single-batch-overlap step
+    (`MoEConfig.combine_chunks` where the backend chunks its combine, else 1)."""
+    own_row_share: float = 0.0
+    """Share of the received rows this rank sent itself, computed last in an SBO step
+    (1/W where the backend splits its combine and the layer does; 0 otherwise)."""
 
     def __post_init__(self) -> None:
         for name, low in (("tokens", 1), ("layers", 1), ("num_experts", 0), ("world_size", 0),
-                          ("context", 0)):
+                          ("context", 0), ("sbo_chunks", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"MeasuredPoint.{name}={value!r}: must be an int >= {low}.")
@@ -120,7 +134,8 @@ class MeasuredPoint:
                                  f"or False.")
         values = {name: getattr(self, name) for name in (
             "attention", "experts", "dispatch", "combine", "shared", "comm_latency",
-            "expert_weight_bytes", "attention_weight_bytes", "shared_weight_bytes")}
+            "expert_weight_bytes", "attention_weight_bytes", "shared_weight_bytes", "host_ms",
+            "split_compute")}
         values.update({f"measured_ms[{k!r}]": v for k, v in self.measured_ms.items()})
         for name, value in values.items():
             if (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -131,6 +146,10 @@ class MeasuredPoint:
             if not _finite_positive(getattr(self, name)):
                 raise ValueError(f"MeasuredPoint.{name}={getattr(self, name)!r}: must be a "
                                  f"finite number > 0 (1.0: not rescaled).")
+        if (isinstance(self.own_row_share, bool) or not isinstance(self.own_row_share, (int, float))
+                or not 0.0 <= self.own_row_share < 1.0):
+            raise ValueError(f"MeasuredPoint.own_row_share={self.own_row_share!r}: must be in "
+                             f"[0, 1) (1/W with an own-rows pass, else 0).")
         if not _finite_positive(self.rows_per_expert):
             raise ValueError(f"MeasuredPoint.rows_per_expert={self.rows_per_expert!r}: must "
                              f"be > 0.")
@@ -153,6 +172,14 @@ def _default_regimes() -> dict[str, CommRegime]:
             "scale_out": CommRegime(bandwidth_gbs=46.0, latency_us=30.0)}
 
 
+def _default_comm_sm_shares() -> dict[str, float]:
+    # SMs the comm kernels' grids hold, over an H100/H200's 132: NCCL's all_to_all_single
+    # (a2a, a2a_ll) on 32 CTAs over NVLink (BENCHMARKS.md section 11, "SMs d/c") and on
+    # 4 CTAs scale-out emulated (`streams.gemm_carveout`, BENCHMARKS.md section 3).
+    return {"a2a/nvlink": 32 / 132, "a2a_ll/nvlink": 32 / 132,
+            "a2a/scale_out": 4 / 132, "a2a_ll/scale_out": 4 / 132}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
     """Machine figures for `dbo.cost_model` (illustrative H100/H200 defaults)."""
@@ -171,7 +198,11 @@ class Calibration:
     bench puts one fused-MoE call (several launches) at 492 us of host time."""
     comm_sm_share: float = 0.18
     """Fraction of the SMs the comm kernels hold while they run: DeepEP's normal kernels
-    on 24 of an H100's 132 SMs (REFERENCE.md)."""
+    on 24 of an H100's 132 SMs (REFERENCE.md). Where `comm_sm_shares` names the
+    point's backend and link, that figure is used instead."""
+    comm_sm_shares: dict[str, float] = field(default_factory=_default_comm_sm_shares)
+    """Fraction of the SMs the comm kernels hold, per "<backend>/<regime>" (e.g.
+    "a2a_ll/scale_out"): how many SMs a backend's kernels take depends on both."""
     overlap_clock: float = 1.0
     """SM clock during overlapped compute, as a fraction of the clock in the measured
     phase times (< 1 where concurrent comm pushes a power-capped GPU lower); 1.0 = not
@@ -200,6 +231,12 @@ class Calibration:
                 or not 0.0 <= self.comm_sm_share < 1.0:
             raise ValueError(f"Calibration.comm_sm_share={self.comm_sm_share!r}: must be in "
                              f"[0, 1) (the fraction of SMs the comm kernels hold).")
+        shares = self.comm_sm_shares
+        if not isinstance(shares, dict) or not all(
+                isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float))
+                and 0.0 <= v < 1.0 for k, v in shares.items()):
+            raise ValueError(f"Calibration.comm_sm_shares={shares!r}: must map "
+                             f"\"<backend>/<regime>\" to a fraction in [0, 1).")
         if not _finite_positive(self.overlap_clock) or self.overlap_clock > 1.0:
             raise ValueError(f"Calibration.overlap_clock={self.overlap_clock!r}: must be in "
                              f"(0, 1] (1.0 = no clock drop measured).")
@@ -248,6 +285,11 @@ class Calibration:
                 t = math.log(rows_per_expert / r0) / math.log(r1 / r0)
                 return e0 + t * (e1 - e0)
         return points[-1][1]
+
+    def comm_sm_share_for(self, backend: str, regime: str) -> float:
+        """The comm kernels' SM share of `backend` over the link `regime`
+        (`comm_sm_shares`), else `comm_sm_share`."""
+        return self.comm_sm_shares.get(f"{backend}/{regime}", self.comm_sm_share)
 
     def regime(self, name: str) -> CommRegime:
         """The link kind `name` (ValueError naming the known ones)."""

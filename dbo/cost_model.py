@@ -21,10 +21,15 @@ Terms (source of each parameter after the colon):
   ov(u, m) = max(m, u / kappa + f * m)   compute u under comm m; f = comm_sm_share,
              kappa = overlap_clock (compute runs at (1 - f) speed while comm runs) : Calibration
   host(k) = L * k * launch_us            k launches per layer : StepShape, Calibration
-  none:   T = max(L * (a + s + x + d + c), host(k))
+  h = host_ms: the measured host time to issue the unsplit step : StepShape (the bench)
+  none:   T = max(L * (a + x + d + ov(s, c)), host(k), h)
+          (the shared experts are queued between the combine's send and its receive,
+          and the combine runs on the comm stream: they run under it)
   DBO, per ubatch: a2 = max(a / 2, W_a)           weights read twice (each ubatch reads them)
                    s2 = max(s / 2, W_s)
                    x2 = max(g * x / 2, W_e)       half-size GEMM efficiency, weights twice
+                   (a2, s2, x2 scaled together to the measured split compute where the
+                   bench measured it: 2 * L * (a2 + s2 + x2) = split_compute_ms)
                    y2 = x2 + s2                   shared experts beside the routed ones
                    d2 = (d - lam) / 2 + lam       the latency is paid per ubatch
                    c2 = (c - lam) / 2 + lam
@@ -36,11 +41,18 @@ Terms (source of each parameter after the colon):
                   comm-bound: a2)
                   + [first_dispatch_exposed] (a2 + d2 - ov(a2, d2)): the step's first
                   dispatch waits on the host before ubatch 1 queues work (a2a)
-          T = max(L * layer + fill/drain, host(2k))       twice the launches
-  SBO, n = sbo_chunks expert chunks (chunked over experts: no weight re-read):
-          x_n = x / n, c_n = (c - lam) / n + lam
-          layer = a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + c_n
-          T = max(L * layer, host(k + n - 1))
+          T = max(L * layer + fill/drain, host(2k), 2 h)  twice the launches; the host
+                  runs every layer's Python once per ubatch
+  SBO, as `moe.modular_kernel` runs it: the shared experts under the dispatch, then the
+          experts over the other ranks' rows in n = sbo_chunks chunks of rows (each
+          chunk's combine under the next chunk's experts), then this rank's own rows
+          (share o = own_row_share, never sent) under the last chunk's combine. Every
+          pass reads the expert weights its rows need, all of them at decode sizes:
+          pass(q) = max(q * x, W_e)           a pass over a share q of the rows
+          x_n = pass((1 - o) / n), x_o = pass(o), c_n = (c - lam) * (1 - o) / n + lam
+          layer = a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + tail
+          tail = ov(x_o, c_n) if o > 0, else c_n (the last combine exposed)
+          T = max(L * layer, host(k + n - 1 + [o > 0]), h)
   choice: the fastest mode, unless its gain T_none / T_mode - 1 is below `margin`:
           then "none" (an overlap mode that is predicted to win by less never runs).
 """
@@ -48,7 +60,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from dbo.calibration import Calibration
 
@@ -109,6 +121,22 @@ class StepShape:
     first_dispatch_exposed: bool = False
     """The step's first dispatch waits on the host before the second ubatch queues work
     (backends that read counts on the host: a2a)."""
+    host_ms: float = 0.0
+    """Measured host time to issue the unsplit step, ms (0: not known). A floor for
+    every mode; a DBO step issues every layer's Python once per ubatch: 2 * host_ms."""
+    comm_sm_share: Optional[float] = None
+    """The comm kernels' SM share for this step's backend and link (None: the
+    calibration's `comm_sm_share`; `Calibration.comm_sm_share_for`)."""
+    split_compute_ms: float = 0.0
+    """Measured compute of the DBO step alone, ms (the bench's probe: `t_split`); 0: not
+    measured. Where given, the two ubatches' attention and experts (a2, s2, x2) are
+    scaled together so that 2 * L * (a2 + s2 + x2) equals it: what splitting really
+    costs (half-size kernels, twice the kernels, weights read twice) instead of the
+    modelled terms."""
+    own_row_share: float = 0.0
+    """Share of the received rows this rank sent itself (1/W under even routing, with a
+    backend that splits its combine: a2a, a2a_ll; 0 otherwise). An SBO step computes
+    them in a pass of their own, after the other ranks' rows have been sent back."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "tokens"):
@@ -119,8 +147,18 @@ class StepShape:
                 or self.kernels_per_layer < 0:
             raise ValueError(f"StepShape.kernels_per_layer={self.kernels_per_layer!r}: must be "
                              f"an int >= 0.")
+        if not 0.0 <= self.own_row_share < 1.0:
+            raise ValueError(f"StepShape.own_row_share={self.own_row_share!r}: must be in "
+                             f"[0, 1) (1/W for W ranks, 0 without an own-rows pass).")
         _check_nonneg("StepShape", self, ("rows_per_expert", "expert_weight_bytes",
-                                          "attention_weight_bytes", "shared_weight_bytes"))
+                                          "attention_weight_bytes", "shared_weight_bytes",
+                                          "split_compute_ms",
+                                          "host_ms"))
+        share = self.comm_sm_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0.0 <= share < 1.0):
+            raise ValueError(f"StepShape.comm_sm_share={share!r}: must be None or in [0, 1) "
+                             f"(the fraction of SMs the comm kernels hold).")
         if self.rows_per_expert <= 0:
             raise ValueError(f"StepShape.rows_per_expert={self.rows_per_expert!r}: must be > 0.")
 
@@ -164,7 +202,7 @@ def _fill_drain(a2: float, d2: float, c2: float, ov: Callable[[float, float], fl
 
 
 def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
-            margin: float = 0.01, sbo_chunks: int = 4) -> Prediction:
+            margin: float = 0.01, sbo_chunks: int = 1) -> Prediction:
     """Predicted step time with no overlap, DBO and SBO (module docstring: the terms),
     and the mode to run: the fastest, if it beats no overlap by at least `margin`."""
     if not 0.0 <= margin < 1.0:
@@ -172,7 +210,8 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
     if isinstance(sbo_chunks, bool) or not isinstance(sbo_chunks, int) or sbo_chunks < 1:
         raise ValueError(f"sbo_chunks={sbo_chunks!r}: must be an int >= 1.")
     cal, L = calibration, shape.layers
-    f, kappa = cal.comm_sm_share, cal.overlap_clock
+    f = cal.comm_sm_share if shape.comm_sm_share is None else shape.comm_sm_share
+    kappa = cal.overlap_clock
     a, s, x = times.attention / L, times.shared / L, times.experts / L
     d, c = times.dispatch / L, times.combine / L
     lam = min(times.comm_latency, d, c)
@@ -186,20 +225,26 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
     def host(k: int) -> float:
         return L * k * launch_ms if shape.kernels_per_layer else 0.0
 
-    k = shape.kernels_per_layer
-    t_none = max(L * (a + s + x + d + c), host(k))
+    k, h = shape.kernels_per_layer, shape.host_ms
+    ov = lambda u, m: _ov(u, m, f=f, kappa=kappa)  # noqa: E731
+    t_none = max(L * (a + x + d + ov(s, c)), host(k), h)
 
     a2, s2, x2 = max(a / 2, w_a), max(s / 2, w_s), max(g * x / 2, w_e)
+    if shape.split_compute_ms > 0 and a2 + s2 + x2 > 0:  # measured: take it
+        sigma = shape.split_compute_ms / (2 * L * (a2 + s2 + x2))
+        a2, s2, x2 = a2 * sigma, s2 * sigma, x2 * sigma
     y2 = x2 + s2
     d2, c2 = (d - lam) / 2 + lam, (c - lam) / 2 + lam
     exposed = shape.first_dispatch_exposed
     gpu_dbo = _dbo_gpu(a2, y2, d2, c2, L, f=f, kappa=kappa, first_dispatch_exposed=exposed)
-    t_dbo = max(gpu_dbo, host(2 * k))
+    t_dbo = max(gpu_dbo, host(2 * k), 2 * h)
 
-    n = sbo_chunks
-    x_n, c_n = x / n, (c - lam) / n + lam
-    ov = lambda u, m: _ov(u, m, f=f, kappa=kappa)  # noqa: E731
-    t_sbo = max(L * (a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + c_n), host(k + n - 1))
+    n, o = sbo_chunks, shape.own_row_share
+    x_n, x_o = max((1.0 - o) / n * x, w_e), (max(o * x, w_e) if o > 0 else 0.0)
+    c_n = (c - lam) * (1.0 - o) / n + lam
+    tail = ov(x_o, c_n) if o > 0 else c_n
+    t_sbo = max(L * (a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + tail),
+                host(k + n - 1 + (o > 0)), h)
 
     costs = {
         "weights_read_twice": 2 * L * (max(0.0, w_a - a / 2) + max(0.0, w_s - s / 2)
@@ -210,10 +255,11 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
                                             first_dispatch_exposed=exposed),
         "clock": gpu_dbo - _dbo_gpu(a2, y2, d2, c2, L, f=f, kappa=1.0,
                                     first_dispatch_exposed=exposed),
-        "launches": max(0.0, host(2 * k) - gpu_dbo),
+        "launches": max(0.0, max(host(2 * k), 2 * h) - gpu_dbo),
     }
     times_ms = {"none": t_none, "dbo": t_dbo, "sbo": t_sbo}
-    chosen, reason = _choose(times_ms, times, costs, margin=margin, host_bound=host(k) >= t_none)
+    chosen, reason = _choose(times_ms, times, costs, margin=margin,
+                             host_bound=max(host(k), h) >= t_none)
     return Prediction(times_ms=times_ms, chosen=chosen, reason=reason, dbo_costs_ms=costs)
 
 

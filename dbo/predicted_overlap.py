@@ -28,12 +28,17 @@ __all__ = ["OverlapPredictor", "choose_predicted", "covering_point", "point_inpu
 # The fields of a MeasuredPoint that scale with the step's tokens.
 _SCALED = ("attention", "experts", "dispatch", "combine", "shared", "comm_latency",
            "rows_per_expert", "expert_weight_bytes", "attention_weight_bytes",
-           "shared_weight_bytes")
+           "shared_weight_bytes", "host_ms", "split_compute")
 
 
-def point_inputs(point: MeasuredPoint) -> tuple[PhaseTimes, StepShape]:
+def point_inputs(point: MeasuredPoint, calibration: Optional[Calibration] = None
+                 ) -> tuple[PhaseTimes, StepShape]:
     """The cost model's inputs at a measured point (no launch cost: the measured phase
-    times already hold the launches of an unsplit step)."""
+    times already hold the launches of an unsplit step; the measured host time of the
+    unsplit step as its host floor). With `calibration`, the comm kernels' SM share of
+    the point's backend and link (`Calibration.comm_sm_share_for`)."""
+    share = (None if calibration is None
+             else calibration.comm_sm_share_for(point.backend, point.regime))
     times = PhaseTimes(attention=point.attention, experts=point.experts,
                        dispatch=point.dispatch, combine=point.combine, shared=point.shared,
                        comm_latency=point.comm_latency)
@@ -41,7 +46,9 @@ def point_inputs(point: MeasuredPoint) -> tuple[PhaseTimes, StepShape]:
                       rows_per_expert=point.rows_per_expert,
                       expert_weight_bytes=point.expert_weight_bytes,
                       attention_weight_bytes=point.attention_weight_bytes,
-                      shared_weight_bytes=point.shared_weight_bytes)
+                      shared_weight_bytes=point.shared_weight_bytes, host_ms=point.host_ms,
+                      comm_sm_share=share, own_row_share=point.own_row_share,
+                      split_compute_ms=point.split_compute)
     return times, shape
 
 
@@ -76,6 +83,9 @@ def covering_point(calibration: Calibration, *, tokens: int, decode: bool
     t = (tokens - lo.tokens) / (hi.tokens - lo.tokens)
     mixed = {name: getattr(lo, name) + t * (getattr(hi, name) - getattr(lo, name))
              for name in _SCALED}
+    # A figure measured at one end only is not known in between.
+    mixed["split_compute"] = (mixed["split_compute"] if lo.split_compute > 0
+                              and hi.split_compute > 0 else 0.0)
     return dataclasses.replace(lo, tokens=tokens, measured_ms={},
                                label=f"interpolated between {lo.tokens} and {hi.tokens}",
                                **mixed)
@@ -88,11 +98,12 @@ class OverlapPredictor:
     Args:
         calibration: machine figures and measured points, one per shape.
         margin: an overlap mode must be predicted to win by this much (0.01 = 1%).
-        sbo_chunks: expert chunks of a single-batch-overlap step (`dbo.cost_model`).
+        sbo_chunks: combine chunks of a single-batch-overlap step (`dbo.cost_model`);
+            None: each measured point's own (`MeasuredPoint.sbo_chunks`).
     """
 
     def __init__(self, calibration: Calibration, *, margin: float = 0.01,
-                 sbo_chunks: int = 4) -> None:
+                 sbo_chunks: Optional[int] = None) -> None:
         if not isinstance(calibration, Calibration):
             raise TypeError(f"calibration must be a dbo.Calibration, got a "
                             f"{type(calibration).__name__}: load one with "
@@ -108,8 +119,8 @@ class OverlapPredictor:
         if key not in self._cache:
             point = covering_point(self.calibration, tokens=tokens, decode=decode)
             self._cache[key] = None if point is None else predict(
-                *point_inputs(point), self.calibration, margin=self.margin,
-                sbo_chunks=self.sbo_chunks)
+                *point_inputs(point, self.calibration), self.calibration, margin=self.margin,
+                sbo_chunks=point.sbo_chunks if self.sbo_chunks is None else self.sbo_chunks)
         return self._cache[key]
 
 

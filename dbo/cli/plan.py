@@ -78,8 +78,9 @@ def build_parser() -> Parser:
                    help="kernel launches per layer of the unsplit step (illustrative)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="steps replayed as CUDA graphs: no host launch cost")
-    p.add_argument("--sbo-chunks", type=_positive_int, default=4,
-                   help="expert chunks whose combines overlap the later chunks (SBO)")
+    p.add_argument("--sbo-chunks", type=_positive_int, default=1,
+                   help="combine chunks of an SBO step, each under the next chunk's "
+                        "experts (MoEConfig.combine_chunks)")
     p.add_argument("--margin", type=float, default=0.01,
                    help="an overlap mode must win by at least this (0.01 = 1%%)")
     p.add_argument("--calibration", default=None,

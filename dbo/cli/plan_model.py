@@ -129,5 +129,6 @@ def step_inputs(model: ModelConfig, cluster: Cluster, calibration: Calibration, 
                       expert_weight_bytes=layers * w_expert,
                       attention_weight_bytes=layers * p_attn * bw,
                       shared_weight_bytes=layers * w_shared if i_sh else 0.0,
-                      kernels_per_layer=kernels_per_layer)
+                      kernels_per_layer=kernels_per_layer,
+                      own_row_share=1.0 / ep if ep > 1 else 0.0)  # a2a-style split combine
     return times, shape

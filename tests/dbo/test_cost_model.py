@@ -19,10 +19,16 @@ def shape(layers: int = 1, **kw: object) -> StepShape:
     return StepShape(layers=layers, tokens=64, rows_per_expert=64.0, **kw)
 
 
-def test_none_is_the_serial_sum():
+def test_none_is_serial_but_runs_the_shared_experts_under_the_combine():
+    # Per layer a=2, s=0.5, x=2, d=1, c=1: the shared experts hide under the combine
+    # (queued between its send and its receive): 2 + 2 + 1 + max(1, 0.5) = 6 per layer.
     p = predict(PhaseTimes(attention=4, shared=1, experts=4, dispatch=2, combine=2),
                 shape(2), FLAT)
-    assert p.times_ms["none"] == pytest.approx(13.0)
+    assert p.times_ms["none"] == pytest.approx(12.0)
+    # Shared longer than the combine, comm holding half the SMs: ov(3, 2) = max(2, 3 + 1).
+    longer = predict(PhaseTimes(attention=1, shared=3, experts=1, dispatch=1, combine=2),
+                     shape(), Calibration(gemm_efficiency=((1.0, 1.0),), comm_sm_share=0.5))
+    assert longer.times_ms["none"] == pytest.approx(1 + 1 + 1 + 4)
 
 
 def test_comm_fully_hidden_when_compute_exceeds_comm():
@@ -96,6 +102,33 @@ def test_sbo_hides_shared_under_dispatch_and_combine_under_chunks():
     assert p.times_ms["sbo"] == pytest.approx(10.5)
 
 
+def test_sbo_passes_each_read_the_expert_weights_and_own_rows_go_last():
+    # As moe.modular_kernel runs SBO: the other ranks' rows (1 - o = 0.5 of them) in 2
+    # chunks, then the own rows under the last chunk's combine. c_n = 2 * 0.5 / 2 = 0.5.
+    times = PhaseTimes(attention=1, experts=2, dispatch=1, combine=2)
+    # No weight floor: 1 + ov(0, 1) + 0.5 + ov(0.5, 0.5) + ov(1, 0.5) = 1 + 1 + .5 + .5 + 1.
+    light = predict(times, shape(own_row_share=0.5), FLAT, sbo_chunks=2)
+    assert light.times_ms["sbo"] == pytest.approx(4.0)
+    # Weight-bound (W_e = 1e9 B at 1000 GB/s = 1 ms): each of the three passes reads the
+    # weights, 1 ms however few its rows: 1 + 1 + 1 + ov(1, .5) + ov(1, .5) = 5.
+    heavy = predict(times, shape(own_row_share=0.5, expert_weight_bytes=1e9), FLAT,
+                    sbo_chunks=2)
+    assert heavy.times_ms["sbo"] == pytest.approx(5.0)
+    assert heavy.times_ms["none"] == pytest.approx(6.0)  # 1 + 2 + 1 + ov(0, 2)
+    with pytest.raises(ValueError, match="own_row_share"):
+        shape(own_row_share=1.0)
+
+
+def test_a_measured_split_compute_replaces_the_modelled_one():
+    # No comm: the DBO step is its two ubatches' compute. Modelled 2 * (a/2 + x/2) = 4 ms;
+    # measured 6 ms: a2 and x2 scaled by 1.5 each, 4 * 1.5 = 6 ms.
+    times = PhaseTimes(attention=2, experts=2, dispatch=0, combine=0)
+    assert predict(times, shape(), FLAT).times_ms["dbo"] == pytest.approx(4.0)
+    measured = predict(times, shape(split_compute_ms=6.0), FLAT)
+    assert measured.times_ms["dbo"] == pytest.approx(6.0)
+    assert measured.times_ms["none"] == pytest.approx(4.0)  # the unsplit step unchanged
+
+
 def test_host_bound_step_doubles_its_launches_and_stays_unsplit():
     cal = Calibration(gemm_efficiency=((1.0, 1.0),), launch_us=100.0)
     p = predict(PhaseTimes(attention=0.1, experts=0.1, dispatch=0.1, combine=0.1),
@@ -104,6 +137,45 @@ def test_host_bound_step_doubles_its_launches_and_stays_unsplit():
     assert p.times_ms["dbo"] == pytest.approx(2.0)
     assert p.dbo_costs_ms["launches"] > 0
     assert p.chosen == "none" and "host-bound" in p.reason
+
+
+def test_measured_host_time_is_a_floor_and_dbo_issues_it_twice():
+    # GPU: none = 1 + 1 + 1 + max(1, 0) = 4; DBO = 4 * ov(.5, .5) + (.5 + .5 - .5) = 2.5.
+    # The unsplit step's host took 3 ms to issue: DBO runs every layer's Python once per
+    # ubatch, so its host needs 6 ms > 2.5 on the GPU; none keeps its GPU time (3 < 4).
+    times = PhaseTimes(attention=1, experts=1, dispatch=1, combine=1)
+    free = predict(times, shape(), FLAT)
+    assert free.times_ms["none"] == pytest.approx(4.0)
+    assert free.times_ms["dbo"] == pytest.approx(2.5) and free.chosen == "dbo"
+    bound = predict(times, shape(host_ms=3.0), FLAT)
+    assert bound.times_ms["none"] == pytest.approx(4.0)
+    assert bound.times_ms["dbo"] == pytest.approx(6.0)
+    assert bound.dbo_costs_ms["launches"] == pytest.approx(3.5)
+    assert bound.chosen != "dbo"
+    # Above the unsplit GPU time it is that step's floor too, and SBO's.
+    slow = predict(times, shape(host_ms=5.0), FLAT)
+    assert slow.times_ms["none"] == pytest.approx(5.0) and slow.times_ms["sbo"] >= 5.0
+    assert slow.chosen == "none" and "host-bound" in slow.reason
+
+
+def test_step_comm_sm_share_overrides_the_calibration():
+    # y2 = 2 under d2 = 2: ov = max(2, 2 + f * 2); f = 0.5 from the step, not FLAT's 0.
+    times = PhaseTimes(attention=0, experts=4, dispatch=4, combine=0)
+    assert predict(times, shape(), FLAT).times_ms["dbo"] == pytest.approx(6.0)
+    assert predict(times, shape(comm_sm_share=0.5), FLAT).times_ms["dbo"] == pytest.approx(7.0)
+    with pytest.raises(ValueError, match="comm_sm_share"):
+        shape(comm_sm_share=1.0)
+    with pytest.raises(ValueError, match="host_ms"):
+        shape(host_ms=-1.0)
+
+
+def test_comm_sm_share_per_backend_and_link():
+    cal = Calibration(comm_sm_share=0.18)
+    # NCCL's all-to-all: 4 of 132 SMs scale-out emulated, 32 over NVLink.
+    assert cal.comm_sm_share_for("a2a_ll", "scale_out") == pytest.approx(4 / 132)
+    assert cal.comm_sm_share_for("a2a", "nvlink") == pytest.approx(32 / 132)
+    assert cal.comm_sm_share_for("deepep_ht", "nvlink") == 0.18  # not listed: the default
+    assert cal.comm_sm_share_for("a2a", "") == 0.18
 
 
 def test_choice_respects_the_margin_and_says_why():
@@ -166,6 +238,7 @@ def test_calibration_json_round_trip(tmp_path):
     ({"memory_gbs": 0}, "memory_gbs"),
     ({"comm_sm_share": 1.0}, "comm_sm_share"),
     ({"overlap_clock": 1.2}, "overlap_clock"),
+    ({"comm_sm_shares": {"a2a/nvlink": 1.5}}, "comm_sm_shares"),
     ({"regimes": {"ib": {"bandwidth_gbs": -1, "latency_us": 1}}}, "bandwidth_gbs"),
     ({"regimes": {"ib": {"bandwidth": 1}}}, "regimes"),
     ({"tflops": 1}, "unknown keys"),

@@ -3,6 +3,7 @@
 synthetic points, the reason line, interpolation between points, no trial steps."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from dbo import DBOConfig, DBORunner
 from dbo.calibration import Calibration, MeasuredPoint
-from dbo.predicted_overlap import OverlapPredictor, covering_point
+from dbo.predicted_overlap import OverlapPredictor, covering_point, point_inputs
 from dbo.split import SplitPlan
 from dbo.yield_points import dbo_enabled, dbo_single_batch_overlap
 
@@ -27,14 +28,14 @@ def point(tokens: int, **times: float) -> MeasuredPoint:
 
 
 # A: comm-heavy. none = 2+2+4+4 = 12. DBO: a2 = x2 = 1, d2 = c2 = 2, ov(1, 2) = max(2, 1 +
-# 0.18*2) = 2, layer = 4*2 = 8, fill/drain = 1 + 2 - 2 = 1: 9 (+33.3%). SBO (4 chunks):
-# 2 + ov(0, 4) + 0.5 + 3*ov(0.5, 1) + 1 = 2 + 4 + 0.5 + 3 + 1 = 10.5 (+14.3%).
+# 0.18*2) = 2, layer = 4*2 = 8, fill/drain = 1 + 2 - 2 = 1: 9 (+33.3%). SBO (one combine
+# chunk, no own-rows pass): 2 + ov(0, 4) + 2 + 4 = 12 (+0.0%: nothing under the combine).
 COMM_HEAVY = dict(attention=2.0, experts=2.0, dispatch=4.0, combine=4.0)
 # B: weight-bound experts (W_e = 6e9 B / 3000 GB/s = 2 ms = x): splitting reads them twice.
-# none = 1+2+2+2+1 = 8. DBO: a2 = .5, s2 = 1, x2 = max(1, 2) = 2, y2 = 3, d2 = 1, c2 = .5;
+# none = 1+2+2 + ov(2, 1) = 5 + (2 + .18) = 7.18 (shared experts under the combine). DBO: a2 = .5, s2 = 1, x2 = max(1, 2) = 2, y2 = 3, d2 = 1, c2 = .5;
 # layer = ov(.5,1) + ov(3,1) + ov(3,.5) + ov(.5,.5) = 1 + 3.18 + 3.09 + .59 = 7.86, fill/drain
-# .5 + .5 - .59 = .41: 8.27 (-3.3%). SBO: 1 + ov(2, 2) + .5 + 3*ov(.5, .25) + .25 =
-# 1 + 2.36 + .5 + 1.635 + .25 = 5.745 (+39.3%).
+# .5 + .5 - .59 = .41: 8.27 (-13.2%). SBO: 1 + ov(2, 2) + max(2, W_e = 2) + 1 =
+# 1 + 2.36 + 2 + 1 = 6.36 (+12.9%: the shared experts under the dispatch).
 WEIGHT_BOUND = dict(attention=1.0, shared=2.0, experts=2.0, dispatch=2.0, combine=1.0,
                     expert_weight_bytes=6e9)
 # C: no comm: every mode takes 2 ms, no gain.
@@ -49,13 +50,13 @@ def calibration() -> Calibration:
 def test_hand_computed_predictions_and_reasons():
     predictor = OverlapPredictor(calibration())
     a = predictor.predict(tokens=4, decode=True)
-    assert a.times_ms == pytest.approx({"none": 12.0, "dbo": 9.0, "sbo": 10.5})
+    assert a.times_ms == pytest.approx({"none": 12.0, "dbo": 9.0, "sbo": 12.0})
     assert a.chosen == "dbo"
-    assert a.reason == ("dbo: predicted +33.3% over no overlap (dbo +33.3%, sbo +14.3%; "
+    assert a.reason == ("dbo: predicted +33.3% over no overlap (dbo +33.3%, sbo +0.0%; "
                         "comm is 67% of the unsplit GPU time)")
     b = predictor.predict(tokens=16, decode=True)
-    assert b.times_ms == pytest.approx({"none": 8.0, "dbo": 8.27, "sbo": 5.745})
-    assert b.chosen == "sbo" and b.reason.startswith("sbo: predicted +39.3%")
+    assert b.times_ms == pytest.approx({"none": 7.18, "dbo": 8.27, "sbo": 6.36})
+    assert b.chosen == "sbo" and b.reason.startswith("sbo: predicted +12.9%")
     c = predictor.predict(tokens=32, decode=True)
     assert c.times_ms == pytest.approx({"none": 2.0, "dbo": 2.0, "sbo": 2.0})
     assert c.chosen == "none" and c.reason.endswith("; no comm to hide)"), c.reason
@@ -106,7 +107,7 @@ class Layer(nn.Module):
     # 4 < min_decode_tokens=8, yet DBO is predicted to win by 33%: split.
     (4, "dbo", [(True, False)] * 2, "predicted dbo: predicted +33.3% over no overlap"),
     # Above the threshold, but splitting would read the expert weights twice: SBO.
-    (16, "sbo", [(True, True)], "predicted sbo: predicted +39.3%"),
+    (16, "sbo", [(True, True)], "predicted sbo: predicted +12.9%"),
     (32, "none", [(False, False)], "predicted none: best overlap"),
     # Not covered: the thresholds decide, as without a calibration.
     (64, "dbo", [(True, False)] * 2, "halved 64 independent tokens"),
@@ -168,3 +169,15 @@ def test_ranks_with_decode_and_prefill_steps_predict_the_same_mode():
         2, _mixed_shapes_worker)
     assert (decode0, decode1) == (True, False)
     assert mode0 == mode1 == "none", (reason0, reason1)
+
+
+def test_point_inputs_carry_the_host_floor_and_the_backends_sm_share():
+    measured = MeasuredPoint(tokens=512, decode=False, layers=4, attention=1.0, experts=1.0,
+                             dispatch=1.0, combine=1.0, backend="a2a_ll", regime="scale_out",
+                             host_ms=3.0)
+    times, shape = point_inputs(measured, Calibration(comm_sm_share=0.18))
+    assert shape.host_ms == 3.0 and shape.comm_sm_share == pytest.approx(4 / 132)
+    assert point_inputs(measured)[1].comm_sm_share is None  # no calibration: its default
+    mid = covering_point(Calibration(points=(measured, dataclasses.replace(
+        measured, tokens=1024, host_ms=5.0))), tokens=768, decode=False)
+    assert mid.host_ms == pytest.approx(4.0)

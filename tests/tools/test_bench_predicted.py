@@ -63,6 +63,23 @@ def test_point_gets_predicted_times_and_errors():
     assert lines[-1].split()[:7] == ["64", "a2a", "12.000", "+20.0%", "9.000", "-10.0%", "1.333"]
 
 
+def test_the_probes_split_compute_feeds_the_dbo_prediction():
+    # COMM_HEAVY's DBO: a2 = x2 = 1, d2 = c2 = 2: 9 ms. A measured split compute of 6 ms
+    # (against the modelled 2 * (1 + 1) = 4) scales a2 and x2 to 1.5; with f = 0.18,
+    # ov(1.5, 2) = max(2, 1.5 + 0.36) = 2, so the layer is 4 * 2 = 8 ms and the fill/drain
+    # 1.5 + 2 - 2 = 1.5 ms: 9.5 ms.
+    measured = MeasuredPoint(tokens=64, decode=True, layers=1, rows_per_expert=1e6,
+                             attention=2.0, experts=2.0, dispatch=4.0, combine=4.0)
+    cfg = BenchConfig(tokens=(64,), backends=("a2a",))
+    point = make_point(cfg, backend="a2a", tokens=64, world_size=2, t_off=Timing((10.0, 10.0)),
+                       t_on=Timing((10.0, 10.0)), ceiling=None, split=True, split_reason="",
+                       use_dbo=False, gate_reason="")
+    point.t_split_ms = 6.0
+    attach_prediction(point, measured, Calibration())
+    assert point.t_dbo_pred_ms == pytest.approx(9.5)
+    assert point.measured_point.split_compute == 6.0
+
+
 def _bench(out: Path, *extra: str) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE")}

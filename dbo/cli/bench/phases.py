@@ -4,7 +4,7 @@ measured ones.
 
     point = probe_phases(off_workload, device=device, group=group, warmup=2, iters=5,
                          tokens=1024, decode=False, backend="a2a", label="...")
-    prediction = predict(*point_inputs(point), calibration)
+    prediction = predict(*point_inputs(point, calibration), calibration)
 
 From the DBO-off step, as the ceiling probe (`dbo.cli.bench.ceiling`) does:
 - **dispatch, combine**: the step's recorded collectives replayed alone, split per MoE
@@ -45,6 +45,7 @@ from dbo.cli.bench.ceiling import (CommRecording, CommReplay, log_drift, moe_lay
                                    record_collectives, replayed_results)
 from dbo.cli.bench.timing import barrier, gather_floats, time_steps
 from dbo.cli.bench.workload import Workload
+from moe.backends.base import PrepareFinalize
 
 __all__ = ["probe_phases", "split_recording", "step_is_decode", "to_graph_mode"]
 
@@ -181,7 +182,18 @@ def probe_phases(workload: Workload, *, device: torch.device,
         comm_latency=comm_latency_ms, rows_per_expert=max(tokens * moe.top_k * world
                                                           / moe.num_experts, 1e-3),
         backend=backend, label=label, measured_ms=dict(measured_ms or {}),
-        **compute, **_weight_bytes(model))
+        **_sbo_passes(layers[0], world), **compute, **_weight_bytes(model))
+
+
+def _sbo_passes(layer: Any, world: int) -> dict[str, Any]:
+    """How the layer's SBO step passes over its rows (`dbo.cost_model`): the combine
+    chunks where its backend chunks the combine, and the own rows' share (1/W) where the
+    backend splits its combine and the layer does (`moe.modular_kernel`)."""
+    config, backend = layer.config, layer.backend
+    chunks = config.combine_chunks if backend.chunks_combine else 1
+    splits = (config.split_last_combine and world > 1
+              and type(backend).own_rows is not PrepareFinalize.own_rows)
+    return {"sbo_chunks": chunks, "own_row_share": 1.0 / world if splits else 0.0}
 
 
 def to_graph_mode(point: MeasuredPoint, *, compute_ms: float, comm_ms: float) -> MeasuredPoint:

@@ -52,7 +52,10 @@ def covered(calibration: Calibration, *, backend: str, tokens: int, decode: bool
 
 def attach_prediction(point: Any, measured: MeasuredPoint, calibration: Calibration) -> None:
     """Set the point's predicted step times, speedup, choice and errors (`point.Point`)."""
-    prediction = predict(*point_inputs(measured), calibration)
+    if point.t_split_ms:  # the probe measured the DBO step's compute alone
+        measured = dataclasses.replace(measured, split_compute=point.t_split_ms)
+    prediction = predict(*point_inputs(measured, calibration), calibration,
+                         sbo_chunks=measured.sbo_chunks)
     times = prediction.times_ms
     point.phase_ms = {k: getattr(measured, k)
                       for k in ("attention", "shared", "experts", "dispatch", "combine")}

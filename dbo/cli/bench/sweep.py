@@ -33,6 +33,7 @@ output), are `dbo.cli.bench.point`'s.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from dbo.cli.bench.ceiling import probe_ceiling, probe_split_compute
+from dbo.cli.bench.ceiling import moe_layers, probe_ceiling, probe_split_compute
 from dbo.cli.bench.config import BenchConfig
 from dbo.calibration import Calibration, MeasuredPoint
 from dbo.cli.bench.gating import GatePolicy
@@ -138,6 +139,7 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
     trial_speedups: list[float] = []
     phases: Optional[MeasuredPoint] = None
     sbo_note = ""
+    issue_only = False
     prediction = None  # the calibration's, where it covers this point: no trials then
     for index in range(cfg.rounds):
         tag = f" (round {index + 1}/{cfg.rounds})" if cfg.rounds > 1 else ""
@@ -160,6 +162,9 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                                   backend=backend, label=f"bench {cfg.mode} {cfg.preset} "
                                   f"w{factory.world_size} {cfg.regime}")
             sbo_note = sbo_missing(cfg, off.model)
+            # Only a backend that never waits on the device leaves a host time that is
+            # the issue time alone: the cost model's host floor.
+            issue_only = all(layer.backend.graph_safe for layer in moe_layers(off.model))
         sbo = None
         if not sbo_note:  # the SBO model is the DBO-off one: no rebuild between them
             progress.step(f"{backend} T={tokens}/rank: SBO" + tag)
@@ -214,6 +219,8 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
         # The step times are of graph replays; the phases were timed eagerly.
         phases = to_graph_mode(phases, compute_ms=merged.ceiling.compute.max_ms,
                                comm_ms=merged.ceiling.comm.max_ms)
+    if phases is not None and not cfg.cuda_graph and issue_only and merged.t_off.host_max_ms:
+        phases = dataclasses.replace(phases, host_ms=merged.t_off.host_max_ms)
     if phases is not None:
         attach_prediction(point, phases, calibration)
     return point
