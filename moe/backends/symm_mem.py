@@ -185,7 +185,7 @@ class SymmMemBackend(PrepareFinalize):
         layout, views = self._views(workspace, x_TH, topk_ids_TK.shape[1])
         bufs = views.buffers
         mask_TW = destination_mask(topk_ids_TK, self.placement.num_local_experts, world)
-        bufs.splits_D.copy_(mask_TW.sum(0))
+        torch.sum(mask_TW, 0, out=bufs.splits_D)  # the counts straight into the buffer
         src_X, slot_TW = send_order(mask_TW)
         num_rows = src_X.shape[0]
         ids_XK, weights_XK, x_XH = views.send_fields
