@@ -100,8 +100,8 @@ class DeepEPHTBackend(PrepareFinalize):
             check_capacity(x_TH.shape[0], self.config.max_tokens_per_rank, self.name)
         buffer = self.shared.buffer
         x_TP = self._pad(x_TH)
-        ids_TK = topk_ids_TK.to(self.topk_idx_dtype).contiguous()
-        weights_TK = topk_weights_TK.to(torch.float32).contiguous()
+        ids_TK = _as(topk_ids_TK, self.topk_idx_dtype)
+        weights_TK = _as(topk_weights_TK, torch.float32)
 
         in_step = dbo_enabled()  # outside a step: DeepEP's synchronous form (module doc)
         compute_done = buffer.capture() if in_step else None  # before any yield
@@ -131,8 +131,9 @@ class DeepEPHTBackend(PrepareFinalize):
             if in_step:
                 done.current_stream_wait()
             # ids arrive as DeepEP's topk_idx_t; the experts read int64.
-            return Dispatched(recv_x_RP[:, :hidden], recv_ids_RK.to(torch.int64),
-                              recv_weights_RK, handle)
+            recv_x_RH = recv_x_RP if self.padded_hidden == hidden else recv_x_RP[:, :hidden]
+            return Dispatched(recv_x_RH, _as(recv_ids_RK, torch.int64), recv_weights_RK,
+                              handle)
 
         return Pending(None, receiver)
 
@@ -167,3 +168,12 @@ class DeepEPHTBackend(PrepareFinalize):
             return rows_NH.contiguous()
         return F.pad(rows_NH, (0, pad))
 
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """`t` as a contiguous tensor of `dtype`: itself when it is one already, checked here
+    because `Tensor.to` and `contiguous` cost a dispatcher call each even when they
+    return `t` (a few us per dispatch, which is host-bound at small token counts)."""
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    return t.to(dtype).contiguous()

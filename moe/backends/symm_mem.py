@@ -85,9 +85,30 @@ from moe.backends.a2a import send_order
 from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
 from moe.backends.symm_mem_support import SymmBuffers, require_symm_mem, shared_buffers
 from moe.config import MoEConfig
-from moe.kernels.rows import pack_rows, sum_rows
+from moe.kernels.rows import pack_row_fields, sum_rows
 from moe.row_layout import RowLayout, destination_mask
 from moe.workspace import Workspace
+
+
+@dataclass(frozen=True)
+class SymmViews:
+    """One ubatch's shared buffers for one row layout, with the views of them that every
+    call reads, made once: each view op is a host cost per call on CUDA, and the buffers
+    never move (`shared_buffers`), so the views never go stale. send_fields: (ids, weights,
+    x) of all of `send_XB`'s rows; recv_fields: (ids_NK, weights_NK, x_NH) of `recv_NB`;
+    got_rows_W: `got_D[0]`, the rows received from each rank; back_out_NH:
+    `back_recv_NH[:, :H]`, the combined rows without the stride padding."""
+
+    buffers: SymmBuffers
+    send_fields: tuple[Tensor, Tensor, Tensor]
+    recv_fields: tuple[Tensor, Tensor, Tensor]
+    got_rows_W: Tensor
+    back_out_NH: Tensor
+
+    @staticmethod
+    def of(buffers: SymmBuffers, layout: RowLayout) -> "SymmViews":
+        return SymmViews(buffers, layout.unpack(buffers.send_XB), layout.unpack(buffers.recv_NB),
+                         buffers.got_D[0], buffers.back_recv_NH[:, :layout.hidden_size])
 
 
 @dataclass(frozen=True)
@@ -96,7 +117,7 @@ class SymmHandle:
     rank w (-1 where it did not go), and the ubatch's buffers the dispatch used."""
 
     slot_TW: Tensor
-    buffers: SymmBuffers
+    views: SymmViews
 
 
 class SymmMemBackend(PrepareFinalize):
@@ -121,14 +142,27 @@ class SymmMemBackend(PrepareFinalize):
 
         self.capacity = config.max_tokens_per_rank
         self.group_name: str = group.group_name
+        # (hidden, top_k, dtype, device) of the inputs -> their row layout and the name
+        # its buffers are kept under in a workspace: constants, made at the first call.
+        self._layouts: dict[tuple[int, int, torch.dtype, torch.device],
+                            tuple[RowLayout, str]] = {}
         if hasattr(symm, "enable_symm_mem_for_group"):  # a no-op where already enabled
             symm.enable_symm_mem_for_group(self.group_name)
 
-    def _buffers(self, workspace: Workspace, layout: RowLayout,
-                 device: torch.device) -> SymmBuffers:
-        """This ubatch's buffers for rows of `layout`: the set every layer of the group
-        shares (`shared_buffers`, made at the first dispatch of the ubatch and layout),
-        kept in this layer's workspace so that later calls find it with one look-up."""
+    def _views(self, workspace: Workspace, x_TH: Tensor,
+               top_k: int) -> tuple[RowLayout, SymmViews]:
+        """The row layout of these inputs, and this ubatch's buffers for it: the set every
+        layer of the group shares (`shared_buffers`, made at the first dispatch of the
+        ubatch and layout), kept in this layer's workspace with its views so that later
+        calls find both with one look-up."""
+        device = x_TH.device
+        key = (x_TH.shape[1], top_k, x_TH.dtype, device)
+        named = self._layouts.get(key)
+        if named is None:
+            layout = RowLayout(x_TH.shape[1], top_k, x_TH.dtype)
+            # The name is made once: formatting the layout costs microseconds a call.
+            named = self._layouts[key] = (layout, f"symm_mem/{layout}/{device}")
+        layout, name = named
         rows = self.world_size * self.capacity
 
         def make() -> SymmBuffers:
@@ -137,36 +171,39 @@ class SymmMemBackend(PrepareFinalize):
                 dtype=layout.dtype, world_size=self.world_size, group_name=self.group_name,
                 device=device)
 
-        def shared() -> SymmBuffers:
+        def shared() -> SymmViews:
             key = (dbo_current_ubatch_id(), layout, rows)
-            return shared_buffers(self.group, key, device=device, make=make)
+            return SymmViews.of(shared_buffers(self.group, key, device=device, make=make),
+                                layout)
 
-        return workspace.keep(f"symm_mem/{layout}/{device}", shared)
+        return layout, workspace.keep(name, shared)
 
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:
         num_tokens, world = x_TH.shape[0], self.world_size
         check_capacity(num_tokens, self.capacity, self.name)
-        layout = RowLayout(x_TH.shape[1], topk_ids_TK.shape[1], x_TH.dtype)
-        bufs = self._buffers(workspace, layout, x_TH.device)
+        layout, views = self._views(workspace, x_TH, topk_ids_TK.shape[1])
+        bufs = views.buffers
         mask_TW = destination_mask(topk_ids_TK, self.placement.num_local_experts, world)
-        bufs.splits_D.copy_(mask_TW.sum(0))
+        torch.sum(mask_TW, 0, out=bufs.splits_D)  # the counts straight into the buffer
         src_X, slot_TW = send_order(mask_TW)
-        pack_rows(bufs.send_XB[:src_X.shape[0]], layout, x_TH, topk_ids_TK, topk_weights_TK,
-                  src_X, policy=self.config.kernels)
+        num_rows = src_X.shape[0]
+        ids_XK, weights_XK, x_XH = views.send_fields
+        pack_row_fields(ids_XK[:num_rows], weights_XK[:num_rows], x_XH[:num_rows], x_TH,
+                        topk_ids_TK, topk_weights_TK, src_X, policy=self.config.kernels)
 
         dbo_switch_to_comm_sync()
         note_collective("symm_mem.all_to_all_vdev")
         self._op(bufs.send_XB, bufs.recv_NB, bufs.splits_D, bufs.got_D, self.group_name)
         wait = dbo_switch_to_compute_async()
         dbo_yield()  # after the send: nothing to read first (see a2a_ll's module doc)
-        handle = SymmHandle(slot_TW, bufs)
+        handle = SymmHandle(slot_TW, views)
 
         def receiver() -> Dispatched:
             wait.wait()
-            ids_NK, weights_NK, x_NH = layout.unpack(bufs.recv_NB)
+            ids_NK, weights_NK, x_NH = views.recv_fields
             # Rows at or past the received total are left from earlier calls.
-            stale_N1 = bufs.row_N1 >= bufs.got_D[0].sum()
+            stale_N1 = bufs.row_N1 >= views.got_rows_W.sum()
             ids_NK = self.local_ids(ids_NK).masked_fill_(stale_N1, -1)
             return Dispatched(x_NH, ids_NK, weights_NK, handle)
 
@@ -176,11 +213,13 @@ class SymmMemBackend(PrepareFinalize):
                        workspace: Workspace, own: Optional[OwnRows] = None) -> Pending[Tensor]:
         self.refuse_split(own)
         handle: SymmHandle = dispatched.handle
-        bufs = handle.buffers
+        views = handle.views
+        bufs = views.buffers
         rows, hidden = expert_out_RH.shape
+        assert hidden == views.back_out_NH.shape[1], (hidden, views.back_out_NH.shape)
         # The op reads only the rows each peer sent (its counts), from row 0 on.
         bufs.back_send_YH[:rows, :hidden].copy_(expert_out_RH)
-        bufs.splits_C.copy_(bufs.got_D[0])
+        bufs.splits_C.copy_(views.got_rows_W)
 
         dbo_switch_to_comm_sync()
         note_collective("symm_mem.all_to_all_vdev")
@@ -191,7 +230,6 @@ class SymmMemBackend(PrepareFinalize):
 
         def receiver() -> Tensor:
             wait.wait()
-            return sum_rows(bufs.back_recv_NH[:, :hidden], handle.slot_TW,
-                            policy=self.config.kernels)
+            return sum_rows(views.back_out_NH, handle.slot_TW, policy=self.config.kernels)
 
         return Pending(None, receiver)

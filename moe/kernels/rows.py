@@ -47,17 +47,29 @@ def pack_rows(rows_XB: Tensor, layout: RowLayout, x_TH: Tensor, topk_ids_TK: Ten
     if rows_XB.shape[0] == 0:
         return
     ids_XK, weights_XK, x_XH = layout.unpack(rows_XB)
+    pack_row_fields(ids_XK, weights_XK, x_XH, x_TH, topk_ids_TK, topk_weights_TK, src_X,
+                    policy=policy)
+
+
+def pack_row_fields(ids_XK: Tensor, weights_XK: Tensor, x_XH: Tensor, x_TH: Tensor,
+                    topk_ids_TK: Tensor, topk_weights_TK: Tensor, src_X: Tensor, *,
+                    policy: KernelPolicy = KernelPolicy()) -> None:
+    """`pack_rows` into the three field views of X packed rows (`RowLayout.unpack`), for
+    a caller that keeps those views of a buffer that never moves: unpacking is six view
+    ops per call, each a host cost on CUDA. Same contract as `pack_rows`."""
+    if src_X.shape[0] == 0:
+        return
     if x_TH.shape[0] == 0:  # nothing to pack: every row is padding
         ids_XK.fill_(-1)
         weights_XK.zero_()
         x_XH.zero_()
         return
-    if not use_triton(policy, rows_XB):
+    if not use_triton(policy, x_XH):
         valid_X1 = (src_X >= 0)[:, None]
         token_X = src_X.clamp(min=0)
-        layout.pack_into(rows_XB, torch.where(valid_X1, x_TH[token_X], 0),
-                         torch.where(valid_X1, topk_ids_TK[token_X], -1),
-                         topk_weights_TK[token_X] * valid_X1)
+        ids_XK.copy_(torch.where(valid_X1, topk_ids_TK[token_X], -1))
+        weights_XK.copy_(topk_weights_TK[token_X] * valid_X1)
+        x_XH.copy_(torch.where(valid_X1, x_TH[token_X], 0))
         return
     _triton().launch_pack_rows(ids_XK, weights_XK, x_XH, x_TH, topk_ids_TK, topk_weights_TK,
                                src_X, compiled=policy.compiled_launches)

@@ -388,3 +388,19 @@ def test_adapters_share_buffers_chain_events_and_run_each_hook_once():
         assert out["destroy_group"] == 1
         assert all(d == 1 for d in out["destroyed"]), out["destroyed"]
         assert "NVSHMEM queue depth of at least 18" in out["qp"]
+
+
+# ---------------------------------------------------------------- Layer 1: host cost
+
+def test_ht_inputs_already_in_deepeps_dtypes_pass_through_without_a_call():
+    """`deepep_ht` hands DeepEP its inputs as they are when their dtype and layout are
+    already the ones it takes (no `to`/`contiguous` call per dispatch), else converts."""
+    from moe.backends.deepep_ht import _as
+
+    ids = torch.arange(6).view(3, 2)
+    assert _as(ids, torch.int64) is ids
+    as_int32 = _as(ids, torch.int32)
+    assert as_int32.dtype == torch.int32 and torch.equal(as_int32, ids.int())
+    strided = ids.t()
+    out = _as(strided, torch.int64)
+    assert out is not strided and out.is_contiguous() and torch.equal(out, strided)

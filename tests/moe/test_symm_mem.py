@@ -137,6 +137,70 @@ def test_a_shared_set_is_found_but_never_made_inside_a_capture(monkeypatch):
     assert num_shared_sets(group) == 0
 
 
+def loopback_backend(monkeypatch: pytest.MonkeyPatch, group: Any) -> Any:
+    """A symm_mem backend of two ranks in one process: the op sends every row back to
+    this rank (rows back to back from row 0, counts in got[0]), the buffers are plain."""
+    import torch.distributed._symmetric_memory as symm
+
+    def op(inp: torch.Tensor, out: torch.Tensor, in_splits: torch.Tensor,
+           got: torch.Tensor, group_name: str) -> None:
+        sent = int(in_splits.sum())
+        out[:sent].copy_(inp[:sent])
+        got[0].copy_(in_splits)
+
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(symm_backend, "require_symm_mem", lambda: op)
+    monkeypatch.setattr(symm, "enable_symm_mem_for_group", lambda name: None, raising=False)
+    monkeypatch.setattr(SymmBuffers, "allocate", staticmethod(
+        lambda *, group_name, **sizes: SymmBuffers.build(
+            lambda shape, kind: torch.zeros(shape, dtype=kind), **sizes)))
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                    backend="symm_mem", max_tokens_per_rank=4)
+    return symm_backend.SymmMemBackend(cfg, group)
+
+
+def test_the_layout_and_views_are_made_once_and_show_each_calls_rows(monkeypatch):
+    """The row layout (and its workspace name) once per backend, the buffer views once
+    per workspace; every call's receiver still reads that call's rows through them."""
+    from moe.row_layout import RowLayout
+    from moe.workspace import Workspace
+
+    group = FakeGroup()
+    group.group_name = "fake"  # type: ignore[attr-defined]
+    backend = loopback_backend(monkeypatch, group)
+    layouts, views = [], []
+
+    views_of = symm_backend.SymmViews.of
+    monkeypatch.setattr(symm_backend, "RowLayout",
+                        lambda *a: layouts.append(RowLayout(*a)) or layouts[-1])
+    monkeypatch.setattr(symm_backend.SymmViews, "of",
+                        staticmethod(lambda *a: views.append(views_of(*a)) or views[-1]))
+    workspaces = [Workspace(), Workspace()]
+    try:
+        for step in range(3):
+            for workspace in workspaces:
+                gen = torch.Generator().manual_seed(step)
+                x = torch.randn(3, 8, generator=gen)
+                ids = torch.randint(0, 4, (3, 2), generator=gen)
+                weights = torch.rand(3, 2, generator=gen)
+                got = backend.prepare(x, weights, ids, workspace=workspace)
+                bufs = got.handle.views.buffers
+                _, weights_NK, x_NH = RowLayout(8, 2, x.dtype).unpack(bufs.recv_NB)
+                sent = int(bufs.got_D[0].sum())
+                assert sent > 0 and torch.equal(got.x_RH, x_NH)
+                assert torch.equal(got.topk_weights_RK, weights_NK)
+                assert torch.equal(got.x_RH[:sent].sort(0).values,
+                                   torch.cat([x[(ids // 2 == w).any(1)] for w in (0, 1)])
+                                   .sort(0).values)
+                out = backend.finalize(got.x_RH, got, workspace=workspace)
+                assert out.shape == x.shape
+        assert len(layouts) == 1
+        assert len(views) == 2 and views[0].buffers is views[1].buffers  # one set: no step
+    finally:
+        release_buffers(group)
+
+
 # ------------------------------------------------------------------------------- layer 2
 def stand_in_op(group: dist.ProcessGroup) -> Callable[..., None]:
     """`all_to_all_vdev(input, out, in_splits, out_splits_offsets, group_name)` from gloo
