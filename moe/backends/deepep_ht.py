@@ -169,7 +169,6 @@ class DeepEPHTBackend(PrepareFinalize):
         return F.pad(rows_NH, (0, pad))
 
 
-
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
     """`t` as a contiguous tensor of `dtype`: itself when it is one already, checked here
     because `Tensor.to` and `contiguous` cost a dispatcher call each even when they
