@@ -45,21 +45,28 @@ def test_decode_as_the_runner_plans_it():
                  num_tokens=4, runner=None), "batch")
 
 
+# none = 2+2+4+4 = 12 ms, DBO 9 ms (tests/dbo/test_predicted_overlap.py: COMM_HEAVY).
+COMM_HEAVY = MeasuredPoint(tokens=64, decode=True, layers=1, rows_per_expert=1e6,
+                           attention=2.0, experts=2.0, dispatch=4.0, combine=4.0)
+CFG = BenchConfig(tokens=(64,), backends=("a2a",))
+
+
+def _point():
+    """A measured 10 ms point with DBO on and off, to attach predictions to."""
+    return make_point(CFG, backend="a2a", tokens=64, world_size=2, t_off=Timing((10.0, 10.0)),
+                      t_on=Timing((10.0, 10.0)), ceiling=None, split=True, split_reason="",
+                      use_dbo=False, gate_reason="")
+
+
 def test_point_gets_predicted_times_and_errors():
-    # none = 2+2+4+4 = 12 ms, DBO 9 ms (tests/dbo/test_predicted_overlap.py: COMM_HEAVY).
-    measured = MeasuredPoint(tokens=64, decode=True, layers=1, rows_per_expert=1e6,
-                             attention=2.0, experts=2.0, dispatch=4.0, combine=4.0)
-    cfg = BenchConfig(tokens=(64,), backends=("a2a",))
-    point = make_point(cfg, backend="a2a", tokens=64, world_size=2, t_off=Timing((10.0, 10.0)),
-                       t_on=Timing((10.0, 10.0)), ceiling=None, split=True, split_reason="",
-                       use_dbo=False, gate_reason="")
-    attach_prediction(point, measured, Calibration())
+    point = _point()
+    attach_prediction(point, COMM_HEAVY, Calibration())
     assert point.t_nodbo_pred_ms == pytest.approx(12.0) and point.t_dbo_pred_ms == pytest.approx(9.0)
     assert point.pred_err_nodbo == pytest.approx(0.2) and point.pred_err_dbo == pytest.approx(-0.1)
     assert point.speedup_pred == pytest.approx(12 / 9) and point.pred_choice == "dbo"
     assert point.measured_point.measured_ms == {"none": 10.0, "dbo": 10.0}
     assert {"t_dbo_pred_ms", "pred_err_dbo", "speedup_pred"} <= set(point.row())
-    lines = prediction_lines(SweepResult(cfg, 2, {}, "", [point]))
+    lines = prediction_lines(SweepResult(CFG, 2, {}, "", [point]))
     assert lines[-1].split()[:7] == ["64", "a2a", "12.000", "+20.0%", "9.000", "-10.0%", "1.333"]
 
 
@@ -68,14 +75,9 @@ def test_the_probes_split_compute_feeds_the_dbo_prediction():
     # (against the modelled 2 * (1 + 1) = 4) scales a2 and x2 to 1.5; with f = 0.18,
     # ov(1.5, 2) = max(2, 1.5 + 0.36) = 2, so the layer is 4 * 2 = 8 ms and the fill/drain
     # 1.5 + 2 - 2 = 1.5 ms: 9.5 ms.
-    measured = MeasuredPoint(tokens=64, decode=True, layers=1, rows_per_expert=1e6,
-                             attention=2.0, experts=2.0, dispatch=4.0, combine=4.0)
-    cfg = BenchConfig(tokens=(64,), backends=("a2a",))
-    point = make_point(cfg, backend="a2a", tokens=64, world_size=2, t_off=Timing((10.0, 10.0)),
-                       t_on=Timing((10.0, 10.0)), ceiling=None, split=True, split_reason="",
-                       use_dbo=False, gate_reason="")
+    point = _point()
     point.t_split_ms = 6.0
-    attach_prediction(point, measured, Calibration())
+    attach_prediction(point, COMM_HEAVY, Calibration())
     assert point.t_dbo_pred_ms == pytest.approx(9.5)
     assert point.measured_point.split_compute == 6.0
 
