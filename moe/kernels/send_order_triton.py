@@ -26,7 +26,7 @@ all blocks). Program b:
     3. writes -1 to its share of src_X's tail [S, X), split evenly over the programs.
 
 Every src entry is written once, with no fill first and no ordering between programs.
-W <= TRITON_MAX_WORLD_SIZE (a token's ranks are the bits of an int64, `_rank_bits`).
+W <= TRITON_MAX_WORLD_SIZE (a token's ranks are the bits of an int64, `rank_bits`).
 
 Import this module only after TRITON_INTERPRET is settled: Triton reads it when the
 kernel is defined. Nothing is compiled or launched at import.
@@ -39,7 +39,7 @@ import triton.language as tl
 
 from moe.kernels.launch import FastLauncher
 from moe.kernels.slots import TRITON_MAX_WORLD_SIZE
-from moe.kernels.slots_triton import _rank_bits
+from moe.kernels.slots_triton import rank_bits
 
 _BLOCK_T = 256  # tokens per program
 _BLOCK_X = 256  # src positions per step of the tail fill
@@ -74,7 +74,7 @@ def send_order_kernel(
     before_W = tl.zeros((WORLD_POW2,), dtype=tl.int32)
     total_W = tl.zeros((WORLD_POW2,), dtype=tl.int32)
     for start in range(0, num_tokens, BLOCK_T):
-        bits = _rank_bits(ids_ptr, start + tl.arange(0, BLOCK_T), num_tokens,
+        bits = rank_bits(ids_ptr, start + tl.arange(0, BLOCK_T), num_tokens,
                           NUM_LOCAL_EXPERTS, TOP_K)
         hit = ((bits[:, None] >> offs_w[None, :].to(tl.int64)) & 1).to(tl.int32)
         count_W = tl.sum(hit, axis=0)
@@ -88,7 +88,7 @@ def send_order_kernel(
 
     # 2. This block's slots.
     offs_t = block_start + tl.arange(0, BLOCK_T)
-    bits = _rank_bits(ids_ptr, offs_t, num_tokens, NUM_LOCAL_EXPERTS, TOP_K)
+    bits = rank_bits(ids_ptr, offs_t, num_tokens, NUM_LOCAL_EXPERTS, TOP_K)
     hit = ((bits[:, None] >> offs_w[None, :].to(tl.int64)) & 1).to(tl.int32)
     hit = tl.where(w_mask[None, :], hit, 0)
     pos = base_W[None, :] + before_W[None, :] + tl.cumsum(hit, axis=0) - hit
