@@ -13,12 +13,12 @@ Dispatch: the rows are `a2a`'s (token + its K ids and weights, `moe.row_layout`)
 rank-major in the order of `a2a.send_order` into a symmetric send buffer, with the rows
 for each rank counted on the GPU into a symmetric [W] tensor. On the Triton path the
 order and the counts are one kernel (`moe.kernels.send_order_triton`, in place of ~30
-torch ops, each a launch's host time), so the dispatch launches that, the packing kernel
-and the op. The op puts each source's
-rows back to back in rank order from row 0 of a receive buffer of N rows (each peer
-sends at most C rows to a rank) and leaves the counts it received on the GPU. Rows past
-the received total hold an earlier call's rows: the receiver gives them ids -1 (a
-comparison with the total on the GPU), so they route to no expert.
+torch ops, each a launch's host time): the dispatch launches that, the packing kernel
+and the op. The op puts each source's rows back to back in rank order from row 0 of a
+receive buffer of N rows (each peer sends at most C rows to a rank) and leaves the
+counts it received on the GPU. Rows past the received total hold an earlier call's
+rows: the receiver gives them ids -1 (a comparison with the total on the GPU), so they
+route to no expert.
 Combine: the same op backwards. The expert outputs of the received rows go back with
 the received counts as splits, so they arrive at the sender in its own send order; the
 sum over each token's rows is `a2a`'s (`moe.kernels.rows.sum_rows`). Both directions
