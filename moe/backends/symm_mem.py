@@ -11,11 +11,14 @@ graph.
 
 Dispatch: the rows are `a2a`'s (token + its K ids and weights, `moe.row_layout`), packed
 rank-major in the order of `a2a.send_order` into a symmetric send buffer, with the rows
-for each rank counted on the GPU into a symmetric [W] tensor. The op puts each source's
-rows back to back in rank order from row 0 of a receive buffer of N rows (each peer
-sends at most C rows to a rank) and leaves the counts it received on the GPU. Rows past
-the received total hold an earlier call's rows: the receiver gives them ids -1 (a
-comparison with the total on the GPU), so they route to no expert.
+for each rank counted on the GPU into a symmetric [W] tensor. On the Triton path the
+order and the counts are one kernel (`moe.kernels.send_order_triton`, in place of ~30
+torch ops, each a launch's host time): the dispatch launches that, the packing kernel
+and the op. The op puts each source's rows back to back in rank order from row 0 of a
+receive buffer of N rows (each peer sends at most C rows to a rank) and leaves the
+counts it received on the GPU. Rows past the received total hold an earlier call's
+rows: the receiver gives them ids -1 (a comparison with the total on the GPU), so they
+route to no expert.
 Combine: the same op backwards. The expert outputs of the received rows go back with
 the received counts as splits, so they arrive at the sender in its own send order; the
 sum over each token's rows is `a2a`'s (`moe.kernels.rows.sum_rows`). Both directions
@@ -85,9 +88,32 @@ from moe.backends.a2a import send_order
 from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
 from moe.backends.symm_mem_support import SymmBuffers, require_symm_mem, shared_buffers
 from moe.config import MoEConfig
+from moe.kernels.policy import KernelPolicy, triton_module, use_triton
 from moe.kernels.rows import pack_row_fields, sum_rows
+from moe.kernels.slots import TRITON_MAX_WORLD_SIZE
 from moe.row_layout import RowLayout, destination_mask
 from moe.workspace import Workspace
+
+
+def packed_send_order(topk_ids_TK: Tensor, num_local_experts: int, *, splits_W: Tensor,
+                      policy: KernelPolicy) -> tuple[Tensor, Tensor]:
+    """The rank-major send order of the ids' (token, rank) pairs, as `a2a.send_order`
+    gives it, with the rows for each rank written into splits_W (int [W], the send
+    counts' buffer). Returns (src_X int64 [W*T], slot_TW int64 [T, W]), fresh, on the
+    current stream, no host sync. On the Triton path (`use_triton`, W <= 64) one kernel
+    (`moe.kernels.send_order_triton`); otherwise the torch ops, bit-identical."""
+    num_tokens, world = topk_ids_TK.shape[0], splits_W.shape[0]
+    if not (use_triton(policy, topk_ids_TK) and world <= TRITON_MAX_WORLD_SIZE):
+        mask_TW = destination_mask(topk_ids_TK, num_local_experts, world)
+        torch.sum(mask_TW, 0, out=splits_W)
+        return send_order(mask_TW)
+    device = topk_ids_TK.device
+    src_X = torch.empty(world * num_tokens, dtype=torch.int64, device=device)
+    slot_TW = torch.empty(num_tokens, world, dtype=torch.int64, device=device)
+    triton_module("moe.kernels.send_order_triton").launch_send_order(
+        topk_ids_TK, num_local_experts=num_local_experts, splits_W=splits_W, slot_TW=slot_TW,
+        src_X=src_X, compiled=policy.compiled_launches)
+    return src_X, slot_TW
 
 
 @dataclass(frozen=True)
@@ -180,13 +206,12 @@ class SymmMemBackend(PrepareFinalize):
 
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:
-        num_tokens, world = x_TH.shape[0], self.world_size
+        num_tokens = x_TH.shape[0]
         check_capacity(num_tokens, self.capacity, self.name)
         layout, views = self._views(workspace, x_TH, topk_ids_TK.shape[1])
         bufs = views.buffers
-        mask_TW = destination_mask(topk_ids_TK, self.placement.num_local_experts, world)
-        torch.sum(mask_TW, 0, out=bufs.splits_D)  # the counts straight into the buffer
-        src_X, slot_TW = send_order(mask_TW)
+        src_X, slot_TW = packed_send_order(topk_ids_TK, self.placement.num_local_experts,
+                                           splits_W=bufs.splits_D, policy=self.config.kernels)
         num_rows = src_X.shape[0]
         ids_XK, weights_XK, x_XH = views.send_fields
         pack_row_fields(ids_XK[:num_rows], weights_XK[:num_rows], x_XH[:num_rows], x_TH,

@@ -37,7 +37,7 @@ _NUM_WARPS = 8
 
 
 @triton.jit
-def _rank_bits(ids_ptr, offs_t, num_tokens, NUM_LOCAL_EXPERTS: tl.constexpr,
+def rank_bits(ids_ptr, offs_t, num_tokens, NUM_LOCAL_EXPERTS: tl.constexpr,
                TOP_K: tl.constexpr):
     """int64 [len(offs_t)]: bit w set when the token has an expert on rank w; 0 past T."""
     t_mask = offs_t < num_tokens
@@ -79,7 +79,7 @@ def ll_slots_kernel(
     before_W = tl.zeros((WORLD_POW2,), dtype=tl.int32)
     total_W = tl.zeros((WORLD_POW2,), dtype=tl.int32)
     for start in range(0, num_tokens, BLOCK_T):
-        bits = _rank_bits(ids_ptr, start + tl.arange(0, BLOCK_T), num_tokens,
+        bits = rank_bits(ids_ptr, start + tl.arange(0, BLOCK_T), num_tokens,
                           NUM_LOCAL_EXPERTS, TOP_K)
         hit = ((bits[:, None] >> offs_w[None, :].to(tl.int64)) & 1).to(tl.int32)
         count_W = tl.sum(hit, axis=0)
@@ -88,7 +88,7 @@ def ll_slots_kernel(
 
     # 2. This block's slots.
     offs_t = block_start + tl.arange(0, BLOCK_T)
-    bits = _rank_bits(ids_ptr, offs_t, num_tokens, NUM_LOCAL_EXPERTS, TOP_K)
+    bits = rank_bits(ids_ptr, offs_t, num_tokens, NUM_LOCAL_EXPERTS, TOP_K)
     hit = ((bits[:, None] >> offs_w[None, :].to(tl.int64)) & 1).to(tl.int32)
     hit = tl.where(w_mask[None, :], hit, 0)
     pos = before_W[None, :] + tl.cumsum(hit, axis=0) - hit

@@ -3,7 +3,8 @@
 Layer 1 (CPU): constructing it refuses in one line saying what is missing (torch's op,
 the op's schema, CUDA, NVSHMEM, the capacity, a process group); its buffers' row strides
 and send sizes follow the op's block split; a shared set is found, never made, inside a
-CUDA graph capture.
+CUDA graph capture; on the Triton path (interpreted) the send order is one kernel and
+every call equals the torch path's bit for bit.
 Layer 2 (two gloo processes): the backend's packing, receive masking and combine, with a
 stand-in for `torch.ops.symm_mem.all_to_all_vdev` made of gloo collectives (the same
 contract: counts on the device in, rows back to back in rank order and the received
@@ -26,6 +27,8 @@ import moe.backends.symm_mem_support as support
 import dbo
 from dbo import UBatchScheduler
 from moe import MoEConfig, MoELayer, init_moe_weights
+from moe.kernels.policy import KernelPolicy
+from moe.workspace import Workspace
 from moe.backends.symm_mem_support import (SymmBuffers, num_shared_sets, padded,
                                            release_buffers, row_alignment, shared_buffers)
 from tests.dist_utils import run_distributed
@@ -137,7 +140,8 @@ def test_a_shared_set_is_found_but_never_made_inside_a_capture(monkeypatch):
     assert num_shared_sets(group) == 0
 
 
-def loopback_backend(monkeypatch: pytest.MonkeyPatch, group: Any) -> Any:
+def loopback_backend(monkeypatch: pytest.MonkeyPatch, group: Any,
+                     kernels: KernelPolicy = KernelPolicy()) -> Any:
     """A symm_mem backend of two ranks in one process: the op sends every row back to
     this rank (rows back to back from row 0, counts in got[0]), the buffers are plain."""
     import torch.distributed._symmetric_memory as symm
@@ -156,7 +160,7 @@ def loopback_backend(monkeypatch: pytest.MonkeyPatch, group: Any) -> Any:
         lambda *, group_name, **sizes: SymmBuffers.build(
             lambda shape, kind: torch.zeros(shape, dtype=kind), **sizes)))
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
-                    backend="symm_mem", max_tokens_per_rank=4)
+                    backend="symm_mem", max_tokens_per_rank=4, kernels=kernels)
     return symm_backend.SymmMemBackend(cfg, group)
 
 
@@ -199,6 +203,54 @@ def test_the_layout_and_views_are_made_once_and_show_each_calls_rows(monkeypatch
         assert len(views) == 2 and views[0].buffers is views[1].buffers  # one set: no step
     finally:
         release_buffers(group)
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the loopback's buffers are CPU tensors, "
+                    "which Triton takes only interpreted (tests/conftest.py, without CUDA)")
+def test_the_triton_path_routes_in_one_kernel_and_matches_torch(monkeypatch):
+    """With KernelPolicy "triton" (interpreted here) the send counts, order and slots come
+    from `moe.kernels.send_order_triton`, not the torch ops, and every dispatch and
+    combine equals the torch path's bit for bit: zero tokens, tokens to one rank only
+    (ids -1 beside them), and random ids at the capacity."""
+    pytest.importorskip("triton")
+    from moe.backends import a2a
+
+    groups = {name: FakeGroup() for name in ("torch", "triton")}
+    backends = {}
+    for name, group in groups.items():
+        group.group_name = name  # type: ignore[attr-defined]
+        backends[name] = loopback_backend(monkeypatch, group, KernelPolicy(implementation=name))
+    torch_calls: list[str] = []
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda *a: torch_calls.append(name) or fn(*a)
+
+    monkeypatch.setattr(symm_backend, "send_order", counted("send_order", a2a.send_order))
+    monkeypatch.setattr(symm_backend, "destination_mask",
+                        counted("destination_mask", symm_backend.destination_mask))
+    gen = torch.Generator().manual_seed(5)
+    cases = [torch.zeros(0, 2, dtype=torch.int64), torch.tensor([[2, -1], [3, 2], [-1, 3]]),
+             torch.randint(-1, 4, (4, 2), generator=gen)]
+    try:
+        for ids in cases:
+            x = torch.randn(ids.shape[0], 8, generator=gen)
+            weights = torch.rand(ids.shape, generator=gen)
+            outs = {}
+            for name, backend in backends.items():
+                torch_calls.clear()
+                got = backend.prepare(x, weights, ids, workspace=Workspace())
+                assert torch_calls == ([] if name == "triton" else
+                                       ["destination_mask", "send_order"]), (name, torch_calls)
+                splits = got.handle.views.buffers.splits_D.clone()
+                out = backend.finalize(got.x_RH * 2, got, workspace=Workspace())
+                outs[name] = (splits, got.handle.slot_TW, got.x_RH, got.topk_ids_RK,
+                              got.topk_weights_RK, out)
+            for want, have in zip(outs["torch"], outs["triton"]):
+                assert want.dtype == have.dtype and torch.equal(want, have), ids
+    finally:
+        for group in groups.values():
+            release_buffers(group)
 
 
 # ------------------------------------------------------------------------------- layer 2
