@@ -5,7 +5,8 @@ calibration's measured points (`Calibration.points`, written by `dbo bench`) sho
                            context_len=4096)      # None: no points of that shape
     times = scale.apply(times, tokens=256, comm_regime="nvlink")
 
-For each measured point of the planned preset and phase (decode or prefill), each phase
+For each measured point of the planned preset and phase (decode or prefill; "layer" points
+serve both, `serves_phase`), each phase
 time's ratio r = measured / roofline, the roofline (`dbo.cli.plan_model.step_inputs`)
 evaluated at the point's own shape: its tokens, layers, experts, ranks on one node, the
 link it crossed (`MeasuredPoint.regime`) and its KV context. At a planned token count the
@@ -110,13 +111,21 @@ def _roofline(model: object, point: MeasuredPoint, cal: Calibration, context_len
     return times
 
 
+def serves_phase(point: MeasuredPoint, decode: bool) -> bool:
+    """Whether `point` rescales the plan's decode (or prefill) phases. A "layer" point
+    serves both: only its MoE phases are used (its attention stand-in is not the
+    model's), and those do not depend on the phase, only on the tokens per rank (the
+    runner, which sees one token per row and no requests, records it as decode)."""
+    return point.mode == "layer" or point.decode == decode
+
+
 def measured_scale(cal: Calibration, model: object, preset: str, *, decode: bool,
                    backend: Optional[str], context_len: int) -> Optional[MeasuredScale]:
     """The ratios of `cal`'s points of `preset` at this phase (and `backend`, when given),
     or None where it has none (`context_len`: the KV context of points that record
     none, the prefill sequence cap). ValueError when they hold several backends or several
     runs at one token count and `backend` does not pick one."""
-    points = [p for p in cal.points if p.preset == preset and p.decode == decode
+    points = [p for p in cal.points if p.preset == preset and serves_phase(p, decode)
               and p.num_experts > 0 and p.world_size > 0
               and (backend is None or p.backend == backend)]
     if not points:

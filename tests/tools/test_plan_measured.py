@@ -64,15 +64,19 @@ def test_ratios_interpolated_and_held_flat_outside():
     assert "dispatch (points crossed nvlink, the plan's comm is bound by scale_out)" in line
 
 
-def test_layer_points_keep_the_roofline_attention_and_other_presets_are_ignored():
+def test_layer_points_keep_the_roofline_attention_serve_both_phases_and_other_presets_are_ignored():
     cal = dataclasses.replace(CAL, points=(measured(64, mode="layer"),))
     scale = measured_scale(cal, MODEL, "tiny", decode=True, backend=None, context_len=4096)
     assert scale.ratio("attention", 64) is None and scale.ratio("experts", 64) == pytest.approx(2.0)
     assert "roofline: attention" in scale.describe("nvlink")
     assert measured_scale(cal, MODEL, "mixtral-like", decode=True, backend=None,
                           context_len=4096) is None
-    assert measured_scale(cal, MODEL, "tiny", decode=False, backend=None,
-                          context_len=4096) is None
+    # Its MoE phases serve the prefill plan too (they depend on the tokens alone); a
+    # decode-mode point serves only decode.
+    prefill = measured_scale(cal, MODEL, "tiny", decode=False, backend=None, context_len=4096)
+    assert prefill is not None and prefill.ratio("experts", 64) == pytest.approx(2.0)
+    assert measured_scale(dataclasses.replace(CAL, points=(measured(64),)), MODEL, "tiny",
+                          decode=False, backend=None, context_len=4096) is None
     unknown = dataclasses.replace(measured(64), preset="", num_experts=0, world_size=0)
     assert measured_scale(dataclasses.replace(CAL, points=(unknown,)), MODEL, "tiny",
                           decode=True, backend=None, context_len=4096) is None
