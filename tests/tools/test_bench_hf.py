@@ -3,7 +3,7 @@ the named real-shape architectures (layer 1, in-process; the real shapes are bui
 the meta device only); how each backend is converted (`conversions`: a capacity per
 point, or the largest, or none); the command line end to end on two gloo ranks at tiny
 shapes, float32, with a2a, naive and a2a_ll (converted with the point's capacity): table,
-CSV/JSON files and the final JSON line (layer 2).
+CSV/JSON files and the final JSON line, host issue times included (layer 2).
 """
 from __future__ import annotations
 
@@ -159,17 +159,21 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert "2x the padding of DBO off" in final["capacity_note"]
     for p in points:
         assert p["t_hf_ms"] > 0 and p["t_nodbo_ms"] > 0 and p["t_dbo_ms"] > 0
+        assert p["host_hf_ms"] > 0 and p["host_nodbo_ms"] > 0 and p["host_dbo_ms"] > 0
+        assert p["dbo_host_bound"] is None  # functional: host time = step time on CPU
         assert p["dbo_split"] is True and p["rounds"] == 2
         assert p["speedup"] is None and p["dbo_vs_hf"] is None  # functional: no ratios
         assert p["logits_diff_nodbo"] < 1e-5 and p["logits_diff_dbo"] < 1e-5
     table = "\n".join(lines[:-1])
     assert "dbo bench --hf deepseek_v3: world=2 regime=CPU gloo" in table
     assert "functional run" in table and "unconv ms" in table
+    assert "host unconv  host noDBO  host DBO" in table and "host-bound" not in table
     assert "  capacity: a2a_ll: max_tokens_per_rank" in table
     files = final["files"]
     with open(files["csv"]) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 6 and {r["backend"] for r in rows} == {"a2a", "naive", "a2a_ll"}
+    assert all(float(r["host_dbo_ms"]) > 0 for r in rows)
     doc = json.loads(Path(files["json"]).read_text())
     assert doc["config"]["arch"] == "deepseek_v3" and "dbo_vs_hf" in doc["definitions"]
     assert all(len(p["rounds_ms"]["t_dbo"]) == 2 for p in doc["points"])

@@ -3,8 +3,8 @@ cache that is put back after every step, and its DBO split into one cache per ub
 against transformers (layer 1, one process, float32); argument errors before any rank
 starts (layer 1); the command line end to end on two gloo ranks at tiny shapes, with
 a2a and a2a_ll (converted per point with the point's requests as capacity): table,
-CSV/JSON files and the final JSON line, decode logits equal to the unconverted model's
-(layer 2).
+CSV/JSON files and the final JSON line (host issue times included), decode logits equal
+to the unconverted model's (layer 2).
 """
 from __future__ import annotations
 
@@ -124,6 +124,8 @@ def test_cli_hf_decode_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert "2x the padding of DBO off" in final["capacity_note"]
     for p in points:
         assert p["t_hf_ms"] > 0 and p["t_nodbo_ms"] > 0 and p["t_dbo_ms"] > 0
+        assert p["host_hf_ms"] > 0 and p["host_nodbo_ms"] > 0 and p["host_dbo_ms"] > 0
+        assert p["dbo_host_bound"] is None  # functional: host time = step time on CPU
         assert p["dbo_split"] is True and p["rounds"] == 2 and len(p["trial_speedups"]) == 2
         assert p["speedup"] is None and p["gated_speedup"] is None
         assert p["logits_diff_nodbo"] < 1e-5 and p["logits_diff_dbo"] < 1e-5
@@ -135,10 +137,12 @@ def test_cli_hf_decode_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert "dbo bench --hf deepseek_v3 --mode decode: world=2 regime=CPU gloo" in table
     assert "one token per request over 5 cached tokens" in table and "gate decisions:" in table
     assert "  capacity: a2a_ll: max_tokens_per_rank" in table
+    assert "host unconv  host noDBO  host DBO" in table and "host-bound" not in table
     files = final["files"]
     with open(files["csv"]) as f:
         rows = list(csv.DictReader(f))
     assert [r["requests_per_rank"] for r in rows] == ["2", "3", "2", "3"]
+    assert all(float(r["host_dbo_ms"]) > 0 for r in rows)
     doc = json.loads(Path(files["json"]).read_text())
     assert doc["config"]["decode"]["context"] == 5 and "gated_speedup" in doc["definitions"]
     assert all(len(p["rounds_ms"]["t_dbo"]) == 2 for p in doc["points"])

@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from dbo.cli.bench.hf_decode import HFDecodeResult
-from dbo.cli.bench.hf_report import _capacity_note, json_line, write_files
+from dbo.cli.bench.hf_report import (HOST_COLUMNS, HOST_DEFINITIONS, HOST_LEGEND,
+                                     _capacity_note, host_bound_lines, host_cells, json_line,
+                                     write_files)
 from dbo.cli.bench.report import FUNCTIONAL_NOTE, MAX_GATED_SLOWDOWN, _num
 
 MODE = "hf_decode"  # the JSON's mode and the files' stem
@@ -33,6 +35,7 @@ DEFINITIONS = {
                             "backends that need one; null otherwise"),
     "logits_diff": ("max |decode logits - unconverted decode logits| / max |unconverted "
                     "decode logits| over the same cached prefix, the largest over ranks"),
+    **HOST_DEFINITIONS,
 }
 
 
@@ -84,13 +87,14 @@ def format_table(result: HFDecodeResult) -> str:
         f"{s['max_requests']} requests); times in ms, median of {cfg.iters} steps after "
         f"{cfg.warmup} warmup" + (f", median of {cfg.rounds} rounds" if cfg.rounds > 1 else "")
         + "; shown rank0/max over ranks; ratios use the max",
+        HOST_LEGEND,
         *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
         *([f"  capacity: {note}"] if (note := _capacity_note(result)) else []),
         "",
     ]
     cols = [("R/rank", 6), ("backend", 7), ("unconv ms", 15), ("noDBO ms", 15),
-            ("DBO ms", 15), ("speedup", 7), ("gate", 4), ("gated", 6), ("DBO/unconv", 10),
-            ("tok/s DBO", 9), ("diff", 8)]
+            ("DBO ms", 15), *HOST_COLUMNS, ("speedup", 7), ("gate", 4), ("gated", 6),
+            ("DBO/unconv", 10), ("tok/s DBO", 9), ("diff", 8)]
     if cfg.functional:
         cols = [c for c in cols if c[0] not in ("speedup", "gated", "DBO/unconv")]
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
@@ -98,13 +102,14 @@ def format_table(result: HFDecodeResult) -> str:
         cells = {"R/rank": str(p.requests_per_rank), "backend": p.backend,
                  "unconv ms": f"{p.t_hf_ms_rank0:.3f}/{p.t_hf_ms:.3f}",
                  "noDBO ms": f"{p.t_nodbo_ms_rank0:.3f}/{p.t_nodbo_ms:.3f}",
-                 "DBO ms": f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}",
+                 "DBO ms": f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}", **host_cells(p),
                  "speedup": f"{p.speedup or 0:.3f}", "gate": p.gate,
                  "gated": f"{p.gated_speedup or 0:.3f}",
                  "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
                  "tok/s DBO": _num(p.tokens_per_s_dbo),
                  "diff": f"{max(p.logits_diff_nodbo, p.logits_diff_dbo):.1e}"}
         lines.append("  ".join(f"{cells[name]:>{w}}" for name, w in cols))
+    lines += host_bound_lines(result.points, lambda p: f"{p.backend} R={p.requests_per_rank}")
     lines.append("gate decisions:")
     for p in result.points:
         split = "" if p.dbo_split else f" (DBO-on step NOT split: {p.dbo_split_reason})"

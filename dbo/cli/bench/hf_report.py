@@ -2,7 +2,8 @@
 
 Files, under `out_dir`: `bench_hf_<arch>_w<world>_<regime tag>.{csv,json}` (regime tag as
 `dbo.cli.bench.report`). A CPU run is a functional check: its ratios are null and the
-table says so.
+table says so. Below the table, one line per point whose DBO step is host-bound
+(`host_bound_lines`, also used by the decode table).
 """
 from __future__ import annotations
 
@@ -10,13 +11,21 @@ import csv
 import json
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME
 from dbo.cli.bench.hf_config import capacity_note
 from dbo.cli.bench.hf_sweep import HFSweepResult
-from dbo.cli.bench.report import FUNCTIONAL_NOTE, _num
+from dbo.cli.bench.report import FUNCTIONAL_NOTE, _num, _opt
+from dbo.cli.bench.timing import HOST_BOUND_SHARE
 
+HOST_DEFINITIONS = {
+    "host_hf_ms/host_nodbo_ms/host_dbo_ms": (
+        "the host's time to issue one step (call to return, not waiting for the device), "
+        "unconverted / DBO off / DBO on, median, slowest rank; on CPU the step time"),
+    "dbo_host_bound": (f"host_dbo_ms >= {HOST_BOUND_SHARE:g} * t_dbo_ms: the device waits "
+                       f"for the host's launches; null in a functional run"),
+}
 DEFINITIONS = {
     "t_hf": ("the unconverted transformers model, every expert on every rank, running "
              "this rank's batch (no expert parallelism)"),
@@ -30,7 +39,27 @@ DEFINITIONS = {
                             "backends that need one; null otherwise"),
     "logits_diff": ("max |logits - unconverted logits| / max |unconverted logits| on the "
                     "same batch, the largest over ranks"),
+    **HOST_DEFINITIONS,
 }
+HOST_COLUMNS = [("host unconv", 11), ("host noDBO", 10), ("host DBO", 8)]
+HOST_LEGEND = ("  host unconv / host noDBO / host DBO: the host's time to issue one step (not "
+               "waiting for the device), slowest rank; on CPU the step time itself")
+
+
+def host_cells(point: Any) -> dict[str, str]:
+    """The `HOST_COLUMNS` cells of a point (prefill or decode)."""
+    return {"host unconv": _opt(point.host_hf_ms), "host noDBO": _opt(point.host_nodbo_ms),
+            "host DBO": _opt(point.host_dbo_ms)}
+
+
+def host_bound_lines(points: list[Any], label: Callable[[Any], str]) -> list[str]:
+    """One line per point whose DBO step is host-bound (`point.dbo_host_bound`), saying
+    so and why; `label(point)` names the point ("a2a T=4096")."""
+    return [f"  {label(p)}: the DBO step is host-bound (issued in {p.host_dbo_ms:.3g} of "
+            f"{p.t_dbo_ms:.3g} ms; DBO off: {p.host_nodbo_ms:.3g} of {p.t_nodbo_ms:.3g} ms): "
+            f"each ubatch runs the model's Python, so DBO pays the host's launch cost twice "
+            f"per step; larger batches per rank or CUDA graphs would help"
+            for p in points if p.dbo_host_bound]
 
 
 def _clean(value: Any) -> Any:
@@ -133,13 +162,14 @@ def format_table(result: HFSweepResult) -> str:
         f"steps after {cfg.warmup} warmup" +
         (f", median of {cfg.rounds} rounds" if cfg.rounds > 1 else "") +
         "; shown rank0/max over ranks; ratios use the max",
+        HOST_LEGEND,
         *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
         *([f"  capacity: {note}"] if (note := _capacity_note(result)) else []),
         "",
     ]
     cols = [("T/rank", 7), ("backend", 7), ("unconv ms", 15), ("noDBO ms", 15),
-            ("DBO ms", 15), ("speedup", 7), ("DBO/unconv", 10), ("noDBO/unconv", 12),
-            ("tok/s DBO", 9), ("diff", 8)]
+            ("DBO ms", 15), *HOST_COLUMNS, ("speedup", 7), ("DBO/unconv", 10),
+            ("noDBO/unconv", 12), ("tok/s DBO", 9), ("diff", 8)]
     if cfg.functional:
         cols = [c for c in cols if c[0] not in ("speedup", "DBO/unconv", "noDBO/unconv")]
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
@@ -147,7 +177,7 @@ def format_table(result: HFSweepResult) -> str:
         cells = {"T/rank": str(p.tokens_per_rank), "backend": p.backend,
                  "unconv ms": f"{p.t_hf_ms_rank0:.3f}/{p.t_hf_ms:.3f}",
                  "noDBO ms": f"{p.t_nodbo_ms_rank0:.3f}/{p.t_nodbo_ms:.3f}",
-                 "DBO ms": f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}",
+                 "DBO ms": f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}", **host_cells(p),
                  "speedup": f"{p.speedup or 0:.3f}", "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
                  "noDBO/unconv": f"{p.nodbo_vs_hf or 0:.3f}",
                  "tok/s DBO": _num(p.tokens_per_s_dbo),
@@ -157,6 +187,7 @@ def format_table(result: HFSweepResult) -> str:
     for p in not_split:
         lines.append(f"  {p.backend} T={p.tokens_per_rank}: DBO-on step NOT split: "
                      f"{p.dbo_split_reason}")
+    lines += host_bound_lines(result.points, lambda p: f"{p.backend} T={p.tokens_per_rank}")
     lines.append("  speedup = noDBO/DBO; DBO/unconv = unconverted/DBO (above 1: the converted "
                  "model with DBO is faster); diff = largest logit difference to the "
                  "unconverted model, relative")

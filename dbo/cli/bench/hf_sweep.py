@@ -37,7 +37,8 @@ from torch import Tensor, nn
 
 from dbo.cli.bench.hf_config import HFBenchConfig, conversions
 from dbo.cli.bench.sweep import Progress
-from dbo.cli.bench.timing import Timing, gather_floats, median_of_rounds, rate, time_steps
+from dbo.cli.bench.timing import (Timing, gather_floats, host_bound, median_of_rounds, rate,
+                                  time_steps)
 from dbo.config import DBOConfig
 from dbo.runner import DBORunner
 
@@ -63,6 +64,14 @@ class HFPoint:
     t_nodbo_ms_rank0: float
     t_dbo_ms: float
     t_dbo_ms_rank0: float
+    host_hf_ms: Optional[float]
+    host_nodbo_ms: Optional[float]
+    host_dbo_ms: Optional[float]
+    """The host's time to issue one step (`dbo.cli.bench.timing`): unconverted, DBO off,
+    DBO on; slowest rank."""
+    dbo_host_bound: Optional[bool]
+    """Whether the DBO step is host-bound (`timing.host_bound`); None in a functional run
+    (on CPU the host time is the step time)."""
     max_tokens_per_rank: Optional[int]
     """The converted layers' capacity (`moe.hf.convert`), None for a backend without one."""
     tokens_per_s_hf: float
@@ -206,7 +215,10 @@ def _point(cfg: HFBenchConfig, *, backend: str, tokens: int, world: int,
         regime=cfg.regime, arch=cfg.arch, backend=backend, tokens_per_rank=tokens,
         world_size=world, t_hf_ms=hf.max_ms, t_hf_ms_rank0=hf.rank0_ms,
         t_nodbo_ms=off.max_ms, t_nodbo_ms_rank0=off.rank0_ms, t_dbo_ms=on.max_ms,
-        t_dbo_ms_rank0=on.rank0_ms, max_tokens_per_rank=capacity,
+        t_dbo_ms_rank0=on.rank0_ms, host_hf_ms=hf.host_max_ms, host_nodbo_ms=off.host_max_ms,
+        host_dbo_ms=on.host_max_ms,
+        dbo_host_bound=host_bound(on.host_max_ms, on.max_ms) if perf else None,
+        max_tokens_per_rank=capacity,
         tokens_per_s_hf=rate(total, hf.max_ms),
         tokens_per_s_nodbo=rate(total, off.max_ms), tokens_per_s_dbo=rate(total, on.max_ms),
         speedup=off.max_ms / on.max_ms if perf else None,

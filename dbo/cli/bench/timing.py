@@ -14,6 +14,7 @@ needs to issue the step; where it nears the step time, the step is host-bound). 
 CUDA graph that is the replay's launch (plus, through a `GraphedRunner`, the vote and
 the input copies). On CPU the two are the same. `median_of_rounds` folds the Timings of
 repeated rounds into one: per rank, the median of that rank's round medians.
+`host_bound(host_ms, step_ms)` is the rule the reports use to call a GPU step host-bound.
 """
 from __future__ import annotations
 
@@ -67,6 +68,22 @@ def median_of_rounds(rounds: Sequence[Timing]) -> Timing:
                      for r in range(num_ranks))
     return Timing(tuple(statistics.median(t.per_rank_ms[r] for t in rounds)
                         for r in range(num_ranks)), host)
+
+
+HOST_BOUND_SHARE = 0.9
+"""A GPU step whose host time is at least this share of its step time is host-bound."""
+# The end event is recorded after the step returns, so a step's time is at least its host
+# time: at 90% or more the device spends the step waiting for launches rather than
+# working (a DBO step of Qwen3-30B-A3B's shapes on 2 GPUs was issued in 24.8 of its
+# 24.8 ms, the unsplit step in 11.0), and only less host work per step makes it faster.
+
+
+def host_bound(host_ms: Optional[float], step_ms: float, *,
+               share: float = HOST_BOUND_SHARE) -> bool:
+    """Whether a step issued in `host_ms` (None: not measured) that took `step_ms` on the
+    device is host-bound (`HOST_BOUND_SHARE`). Meaningful on GPU only: on CPU the two
+    times are the same measurement."""
+    return host_ms is not None and step_ms > 0 and host_ms >= share * step_ms
 
 
 SpanFn = Callable[[str], ContextManager[Any]]
