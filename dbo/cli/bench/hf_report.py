@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any, Callable, Optional
 
-from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME
+from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME, GRAPH_BACKENDS
 from dbo.cli.bench.hf_config import capacity_note
 from dbo.cli.bench.hf_sweep import HFSweepResult
 from dbo.cli.bench.report import FUNCTIONAL_NOTE, _num, _opt
@@ -54,12 +54,22 @@ def host_cells(point: Any) -> dict[str, str]:
 
 def host_bound_lines(points: list[Any], label: Callable[[Any], str]) -> list[str]:
     """One line per point whose DBO step is host-bound (`point.dbo_host_bound`), saying
-    so and why; `label(point)` names the point ("a2a T=4096")."""
-    return [f"  {label(p)}: the DBO step is host-bound (issued in {p.host_dbo_ms:.3g} of "
-            f"{p.t_dbo_ms:.3g} ms; DBO off: {p.host_nodbo_ms:.3g} of {p.t_nodbo_ms:.3g} ms): "
-            f"each ubatch runs the model's Python, so DBO pays the host's launch cost twice "
-            f"per step; larger batches per rank or CUDA graphs would help"
-            for p in points if p.dbo_host_bound]
+    so and why; `label(point)` names the point ("a2a T=4096"). A backend that reads on the
+    host within the step (not in `GRAPH_BACKENDS`: a2a its counts) makes the host wait
+    for the device there, so its host time only bounds the issue time from above: the
+    line says so."""
+    lines = []
+    for p in points:
+        if not p.dbo_host_bound:
+            continue
+        waits = ("" if p.backend in GRAPH_BACKENDS else
+                 f"; {p.backend} reads on the host, so this includes waits for the device")
+        lines.append(f"  {label(p)}: the DBO step is host-bound (issued in {p.host_dbo_ms:.3g} "
+                     f"of {p.t_dbo_ms:.3g} ms; DBO off: {p.host_nodbo_ms:.3g} of "
+                     f"{p.t_nodbo_ms:.3g} ms{waits}): each ubatch runs the model's Python, "
+                     f"so DBO pays the host's launch cost twice per step; larger batches per "
+                     f"rank or CUDA graphs would help")
+    return lines
 
 
 def _clean(value: Any) -> Any:

@@ -73,9 +73,11 @@ def median_of_rounds(rounds: Sequence[Timing]) -> Timing:
 HOST_BOUND_SHARE = 0.9
 """A GPU step whose host time is at least this share of its step time is host-bound."""
 # The end event is recorded after the step returns, so a step's time is at least its host
-# time: at 90% or more the device spends the step waiting for launches rather than
-# working (a DBO step of Qwen3-30B-A3B's shapes on 2 GPUs was issued in 24.8 of its
-# 24.8 ms, the unsplit step in 11.0), and only less host work per step makes it faster.
+# time: at 90% or more the host's launches, not the device's work, set the step time (a
+# DBO step of Qwen3-30B-A3B's shapes on 2 GPUs was issued in 24.8 of its 24.8 ms, the
+# unsplit step in 11.0), and only less host work per step makes it faster. A step that
+# reads on the host (a2a's counts) also waits for the device there: its host time is an
+# upper bound of the issue time, and the reports say so.
 
 
 def host_bound(host_ms: Optional[float], step_ms: float, *,
