@@ -43,9 +43,9 @@ from torch import Tensor, nn
 from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.hf_config import HFBenchConfig, HFDecodeOptions, conversions
 from dbo.cli.bench.hf_sweep import (build_model, describe_model, flat_row, free_memory,
-                                    max_rel_diff, round_tag)
+                                    max_rel_diff, round_tag, timing_fields)
 from dbo.cli.bench.sweep import Progress
-from dbo.cli.bench.timing import Timing, host_bound, median_of_rounds, rate, time_steps
+from dbo.cli.bench.timing import Timing, median_of_rounds, time_steps
 from dbo.config import DBOConfig
 from dbo.runner import DBORunner
 
@@ -309,32 +309,18 @@ def _point(cfg: HFBenchConfig, opts: HFDecodeOptions, gate: GatePolicy, *, backe
            requests: int, world: int, capacity: Optional[int], hf: Timing,
            offs: list[Timing], ons: list[Timing], trials: list[float], split: bool,
            reason: str, diffs: list[float]) -> HFDecodePoint:
-    off, on = median_of_rounds(offs), median_of_rounds(ons)
+    times = timing_fields(hf, offs, ons, total_tokens=requests * world,  # a token each
+                          perf=not cfg.functional)
     decision = gate.decide(tokens_per_rank=requests, ceiling=None, trial_speedups=trials,
                            no_probe_reason="no ceiling probe in --hf")
-    gated_ms = on.max_ms if decision.use_dbo else off.max_ms
-    total = requests * world  # one new token per request
-    perf = not cfg.functional
+    gated_ms = times["t_dbo_ms"] if decision.use_dbo else times["t_nodbo_ms"]
     return HFDecodePoint(
         regime=cfg.regime, arch=cfg.arch, backend=backend, requests_per_rank=requests,
-        context=opts.context, world_size=world, t_hf_ms=hf.max_ms, t_hf_ms_rank0=hf.rank0_ms,
-        t_nodbo_ms=off.max_ms, t_nodbo_ms_rank0=off.rank0_ms, t_dbo_ms=on.max_ms,
-        t_dbo_ms_rank0=on.rank0_ms, host_hf_ms=hf.host_max_ms, host_nodbo_ms=off.host_max_ms,
-        host_dbo_ms=on.host_max_ms,
-        dbo_host_bound=host_bound(on.host_max_ms, on.max_ms) if perf else None,
-        max_tokens_per_rank=capacity,
-        tokens_per_s_hf=rate(total, hf.max_ms),
-        tokens_per_s_nodbo=rate(total, off.max_ms), tokens_per_s_dbo=rate(total, on.max_ms),
+        context=opts.context, world_size=world, max_tokens_per_rank=capacity,
         gate=decision.choice, gate_reason=decision.reason, t_gated_ms=gated_ms,
-        speedup=off.max_ms / on.max_ms if perf else None,
-        gated_speedup=off.max_ms / gated_ms if perf else None,
-        dbo_vs_hf=hf.max_ms / on.max_ms if perf else None,
-        nodbo_vs_hf=hf.max_ms / off.max_ms if perf else None,
+        gated_speedup=times["t_nodbo_ms"] / gated_ms if not cfg.functional else None,
         dbo_split=split, dbo_split_reason=reason, logits_diff_nodbo=diffs[0],
-        logits_diff_dbo=diffs[1], rounds=len(offs), trial_speedups=trials,
-        per_rank_ms={"t_hf": list(hf.per_rank_ms), "t_nodbo": list(off.per_rank_ms),
-                     "t_dbo": list(on.per_rank_ms)},
-        rounds_ms={"t_nodbo": [t.max_ms for t in offs], "t_dbo": [t.max_ms for t in ons]})
+        logits_diff_dbo=diffs[1], trial_speedups=trials, **times)
 
 
 def _describe_cache(base: Any, opts: HFDecodeOptions) -> dict[str, Any]:

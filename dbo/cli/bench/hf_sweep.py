@@ -43,7 +43,7 @@ from dbo.config import DBOConfig
 from dbo.runner import DBORunner
 
 __all__ = ["HFPoint", "HFSweepResult", "build_model", "describe_model", "max_rel_diff",
-           "run_hf_sweep"]
+           "run_hf_sweep", "timing_fields"]
 
 # DBO on: every point split (B >= 2 sequences); the bench compares, it does not gate.
 _DBO_ON = DBOConfig(split="batch", min_prefill_tokens=2, min_decode_tokens=2)
@@ -208,24 +208,34 @@ def max_rel_diff(logits: Tensor, reference: Tensor, group: Optional[dist.Process
 def _point(cfg: HFBenchConfig, *, backend: str, tokens: int, world: int,
            capacity: Optional[int], hf: Timing, offs: list[Timing], ons: list[Timing],
            split: bool, reason: str, diffs: list[float]) -> HFPoint:
-    off, on = median_of_rounds(offs), median_of_rounds(ons)
-    total = tokens * world
-    perf = not cfg.functional
     return HFPoint(
         regime=cfg.regime, arch=cfg.arch, backend=backend, tokens_per_rank=tokens,
-        world_size=world, t_hf_ms=hf.max_ms, t_hf_ms_rank0=hf.rank0_ms,
+        world_size=world, max_tokens_per_rank=capacity, dbo_split=split,
+        dbo_split_reason=reason, logits_diff_nodbo=diffs[0], logits_diff_dbo=diffs[1],
+        **timing_fields(hf, offs, ons, total_tokens=tokens * world,
+                        perf=not cfg.functional))
+
+
+def timing_fields(hf: Timing, offs: list[Timing], ons: list[Timing], *, total_tokens: int,
+                  perf: bool) -> dict[str, Any]:
+    """The fields of an `--hf` point (`HFPoint`, `hf_decode.HFDecodePoint`) that its
+    timings give: the unconverted step `hf`, the DBO-off and DBO-on rounds (medians over
+    rounds), step and host times, rates of `total_tokens` over all ranks, and the ratios
+    (None in a functional run, `perf` False)."""
+    off, on = median_of_rounds(offs), median_of_rounds(ons)
+    return dict(
+        t_hf_ms=hf.max_ms, t_hf_ms_rank0=hf.rank0_ms,
         t_nodbo_ms=off.max_ms, t_nodbo_ms_rank0=off.rank0_ms, t_dbo_ms=on.max_ms,
         t_dbo_ms_rank0=on.rank0_ms, host_hf_ms=hf.host_max_ms, host_nodbo_ms=off.host_max_ms,
         host_dbo_ms=on.host_max_ms,
         dbo_host_bound=host_bound(on.host_max_ms, on.max_ms) if perf else None,
-        max_tokens_per_rank=capacity,
-        tokens_per_s_hf=rate(total, hf.max_ms),
-        tokens_per_s_nodbo=rate(total, off.max_ms), tokens_per_s_dbo=rate(total, on.max_ms),
+        tokens_per_s_hf=rate(total_tokens, hf.max_ms),
+        tokens_per_s_nodbo=rate(total_tokens, off.max_ms),
+        tokens_per_s_dbo=rate(total_tokens, on.max_ms),
         speedup=off.max_ms / on.max_ms if perf else None,
         dbo_vs_hf=hf.max_ms / on.max_ms if perf else None,
         nodbo_vs_hf=hf.max_ms / off.max_ms if perf else None,
-        dbo_split=split, dbo_split_reason=reason, logits_diff_nodbo=diffs[0],
-        logits_diff_dbo=diffs[1], rounds=len(offs),
+        rounds=len(offs),
         per_rank_ms={"t_hf": list(hf.per_rank_ms), "t_nodbo": list(off.per_rank_ms),
                      "t_dbo": list(on.per_rank_ms)},
         rounds_ms={"t_nodbo": [t.max_ms for t in offs], "t_dbo": [t.max_ms for t in ons]})
