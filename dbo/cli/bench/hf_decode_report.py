@@ -10,7 +10,7 @@ from typing import Any
 
 from dbo.cli.bench.hf_decode import HFDecodeResult
 from dbo.cli.bench.hf_report import (HOST_COLUMNS, HOST_DEFINITIONS, HOST_LEGEND,
-                                     _capacity_note, host_bound_lines, host_cells, json_line,
+                                     _capacity_note, host_bound_lines, step_cells, json_line,
                                      write_files)
 from dbo.cli.bench.report import FUNCTIONAL_NOTE, MAX_GATED_SLOWDOWN, _num
 
@@ -99,10 +99,7 @@ def format_table(result: HFDecodeResult) -> str:
         cols = [c for c in cols if c[0] not in ("speedup", "gated", "DBO/unconv")]
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
     for p in result.points:
-        cells = {"R/rank": str(p.requests_per_rank), "backend": p.backend,
-                 "unconv ms": f"{p.t_hf_ms_rank0:.3f}/{p.t_hf_ms:.3f}",
-                 "noDBO ms": f"{p.t_nodbo_ms_rank0:.3f}/{p.t_nodbo_ms:.3f}",
-                 "DBO ms": f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}", **host_cells(p),
+        cells = {"R/rank": str(p.requests_per_rank), "backend": p.backend, **step_cells(p),
                  "speedup": f"{p.speedup or 0:.3f}", "gate": p.gate,
                  "gated": f"{p.gated_speedup or 0:.3f}",
                  "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",

@@ -46,9 +46,13 @@ HOST_LEGEND = ("  host unconv / host noDBO / host DBO: the host's time to issue 
                "waiting for the device), slowest rank; on CPU the step time itself")
 
 
-def host_cells(point: Any) -> dict[str, str]:
-    """The `HOST_COLUMNS` cells of a point (prefill or decode)."""
-    return {"host unconv": _opt(point.host_hf_ms), "host noDBO": _opt(point.host_nodbo_ms),
+def step_cells(point: Any) -> dict[str, str]:
+    """The step-time cells of a point (prefill or decode): unconverted, DBO off and DBO
+    on as rank 0/max, then the `HOST_COLUMNS`."""
+    return {"unconv ms": f"{point.t_hf_ms_rank0:.3f}/{point.t_hf_ms:.3f}",
+            "noDBO ms": f"{point.t_nodbo_ms_rank0:.3f}/{point.t_nodbo_ms:.3f}",
+            "DBO ms": f"{point.t_dbo_ms_rank0:.3f}/{point.t_dbo_ms:.3f}",
+            "host unconv": _opt(point.host_hf_ms), "host noDBO": _opt(point.host_nodbo_ms),
             "host DBO": _opt(point.host_dbo_ms)}
 
 
@@ -184,10 +188,7 @@ def format_table(result: HFSweepResult) -> str:
         cols = [c for c in cols if c[0] not in ("speedup", "DBO/unconv", "noDBO/unconv")]
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
     for p in result.points:
-        cells = {"T/rank": str(p.tokens_per_rank), "backend": p.backend,
-                 "unconv ms": f"{p.t_hf_ms_rank0:.3f}/{p.t_hf_ms:.3f}",
-                 "noDBO ms": f"{p.t_nodbo_ms_rank0:.3f}/{p.t_nodbo_ms:.3f}",
-                 "DBO ms": f"{p.t_dbo_ms_rank0:.3f}/{p.t_dbo_ms:.3f}", **host_cells(p),
+        cells = {"T/rank": str(p.tokens_per_rank), "backend": p.backend, **step_cells(p),
                  "speedup": f"{p.speedup or 0:.3f}", "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
                  "noDBO/unconv": f"{p.nodbo_vs_hf or 0:.3f}",
                  "tok/s DBO": _num(p.tokens_per_s_dbo),
