@@ -39,7 +39,7 @@ import triton.language as tl
 
 from moe.kernels.launch import FastLauncher
 from moe.kernels.slots import TRITON_MAX_WORLD_SIZE
-from moe.kernels.slots_triton import rank_bits
+from moe.kernels.slots_triton import rank_counts, rank_hits
 
 _BLOCK_T = 256  # tokens per program
 _BLOCK_X = 256  # src positions per step of the tail fill
@@ -71,15 +71,8 @@ def send_order_kernel(
     w_mask = offs_w < WORLD
 
     # 1. Tokens bound for each rank: before this block, and in all.
-    before_W = tl.zeros((WORLD_POW2,), dtype=tl.int32)
-    total_W = tl.zeros((WORLD_POW2,), dtype=tl.int32)
-    for start in range(0, num_tokens, BLOCK_T):
-        bits = rank_bits(ids_ptr, start + tl.arange(0, BLOCK_T), num_tokens,
-                          NUM_LOCAL_EXPERTS, TOP_K)
-        hit = ((bits[:, None] >> offs_w[None, :].to(tl.int64)) & 1).to(tl.int32)
-        count_W = tl.sum(hit, axis=0)
-        total_W += count_W
-        before_W += tl.where(start < block_start, count_W, 0)
+    before_W, total_W = rank_counts(ids_ptr, num_tokens, block_start, offs_w,
+                                    NUM_LOCAL_EXPERTS, TOP_K, WORLD_POW2, BLOCK_T)
     total_W = tl.where(w_mask, total_W, 0)
     if tl.program_id(0) == 0:
         tl.store(splits_ptr + offs_w, total_W.to(splits_ptr.dtype.element_ty), mask=w_mask)
@@ -88,8 +81,7 @@ def send_order_kernel(
 
     # 2. This block's slots.
     offs_t = block_start + tl.arange(0, BLOCK_T)
-    bits = rank_bits(ids_ptr, offs_t, num_tokens, NUM_LOCAL_EXPERTS, TOP_K)
-    hit = ((bits[:, None] >> offs_w[None, :].to(tl.int64)) & 1).to(tl.int32)
+    hit = rank_hits(ids_ptr, offs_t, num_tokens, offs_w, NUM_LOCAL_EXPERTS, TOP_K)
     hit = tl.where(w_mask[None, :], hit, 0)
     pos = base_W[None, :] + before_W[None, :] + tl.cumsum(hit, axis=0) - hit
     goes = hit > 0

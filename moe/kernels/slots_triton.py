@@ -52,6 +52,29 @@ def rank_bits(ids_ptr, offs_t, num_tokens, NUM_LOCAL_EXPERTS: tl.constexpr,
 
 
 @triton.jit
+def rank_hits(ids_ptr, offs_t, num_tokens, offs_w, NUM_LOCAL_EXPERTS: tl.constexpr,
+              TOP_K: tl.constexpr):
+    """int32 [len(offs_t), len(offs_w)]: 1 where the token has an expert on rank w."""
+    bits = rank_bits(ids_ptr, offs_t, num_tokens, NUM_LOCAL_EXPERTS, TOP_K)
+    return ((bits[:, None] >> offs_w[None, :].to(tl.int64)) & 1).to(tl.int32)
+
+
+@triton.jit
+def rank_counts(ids_ptr, num_tokens, block_start, offs_w, NUM_LOCAL_EXPERTS: tl.constexpr,
+                TOP_K: tl.constexpr, WORLD_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(before_W, total_W), int32 [WORLD_POW2]: the tokens bound for each rank before
+    `block_start`, and in all (every program recounts them: see the module doc)."""
+    before_W = tl.zeros((WORLD_POW2,), dtype=tl.int32)
+    total_W = tl.zeros((WORLD_POW2,), dtype=tl.int32)
+    for start in range(0, num_tokens, BLOCK_T):
+        count_W = tl.sum(rank_hits(ids_ptr, start + tl.arange(0, BLOCK_T), num_tokens, offs_w,
+                                   NUM_LOCAL_EXPERTS, TOP_K), axis=0)
+        total_W += count_W
+        before_W += tl.where(start < block_start, count_W, 0)
+    return before_W, total_W
+
+
+@triton.jit
 def ll_slots_kernel(
     # Pointers
     ids_ptr,  # int [T, K], contiguous: global expert ids in [-1, W * E_loc), -1 = none
@@ -76,20 +99,12 @@ def ll_slots_kernel(
     base_W = offs_w * capacity
 
     # 1. Tokens bound for each rank: before this block, and in all.
-    before_W = tl.zeros((WORLD_POW2,), dtype=tl.int32)
-    total_W = tl.zeros((WORLD_POW2,), dtype=tl.int32)
-    for start in range(0, num_tokens, BLOCK_T):
-        bits = rank_bits(ids_ptr, start + tl.arange(0, BLOCK_T), num_tokens,
-                          NUM_LOCAL_EXPERTS, TOP_K)
-        hit = ((bits[:, None] >> offs_w[None, :].to(tl.int64)) & 1).to(tl.int32)
-        count_W = tl.sum(hit, axis=0)
-        total_W += count_W
-        before_W += tl.where(start < block_start, count_W, 0)
+    before_W, total_W = rank_counts(ids_ptr, num_tokens, block_start, offs_w,
+                                    NUM_LOCAL_EXPERTS, TOP_K, WORLD_POW2, BLOCK_T)
 
     # 2. This block's slots.
     offs_t = block_start + tl.arange(0, BLOCK_T)
-    bits = rank_bits(ids_ptr, offs_t, num_tokens, NUM_LOCAL_EXPERTS, TOP_K)
-    hit = ((bits[:, None] >> offs_w[None, :].to(tl.int64)) & 1).to(tl.int32)
+    hit = rank_hits(ids_ptr, offs_t, num_tokens, offs_w, NUM_LOCAL_EXPERTS, TOP_K)
     hit = tl.where(w_mask[None, :], hit, 0)
     pos = before_W[None, :] + tl.cumsum(hit, axis=0) - hit
     goes = hit > 0
