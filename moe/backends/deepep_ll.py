@@ -38,6 +38,7 @@ from torch import Tensor
 from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
 from dbo.yield_points import dbo_enabled
 from moe.backends.deepep_support import (
+    DEEPEP_MAX_INT4S,
     LLRowConstants,
     SharedBuffer,
     check_ll_shape,
@@ -83,6 +84,14 @@ class DeepEPLLBackend(PrepareFinalize):
         self.topk_idx_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
         num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
             self.capacity, config.hidden_size, self.world_size, config.num_experts)
+        if num_rdma_bytes // 16 >= DEEPEP_MAX_INT4S:  # DeepEP asserts this in C++
+            raise ValueError(
+                f"backend 'deepep_ll': MoEConfig.max_tokens_per_rank="
+                f"{config.max_tokens_per_rank} at hidden size {config.hidden_size} with "
+                f"{config.num_experts} experts over {self.world_size} ranks needs a "
+                f"{num_rdma_bytes / 2**30:.1f} GiB low-latency buffer, beyond DeepEP's "
+                f"{DEEPEP_MAX_INT4S * 16 / 2**30:.0f} GiB: lower max_tokens_per_rank, or use "
+                f"'deepep_ht' for prefill-sized steps")
         self.shared: SharedBuffer = shared_buffer(
             deep_ep, group, "ll", num_rdma_bytes=num_rdma_bytes,
             num_qps_per_rank=self.placement.num_local_experts)

@@ -46,6 +46,9 @@ _HOW_TO_GET = {
 #: NVSHMEM's default queue depth (NVSHMEM_QP_DEPTH), which bounds deepep_ll's capacity:
 #: DeepEP asserts a depth of at least 2 (C + 1) (`ll_capacity`).
 DEFAULT_NVSHMEM_QP_DEPTH = 1024
+#: DeepEP counts its buffers in 16-byte units in an int: a buffer must hold fewer than
+#: 2**31 - 1 of them (it asserts `num_rdma_bytes / sizeof(int4) < INT_MAX`).
+DEEPEP_MAX_INT4S = 2**31 - 1
 #: Hidden sizes DeepEP's low-latency kernels are compiled for (`SWITCH_HIDDEN`).
 LL_HIDDEN_SIZES: tuple[int, ...] = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 #: Rank counts of one node that DeepEP's normal (intranode) kernels take.
@@ -213,7 +216,7 @@ def shared_buffer(deep_ep: ModuleType, group: dist.ProcessGroup, mode: str, *,
                     and shared.num_qps_per_rank >= num_qps_per_rank):
                 return shared
             # Grow: one buffer per group and mode (NVSHMEM is set up once per buffer).
-            shared.buffer.destroy()
+            _destroy(shared)  # a failed remake below leaves None, not a destroyed Buffer
             shared.num_nvl_bytes = max(shared.num_nvl_bytes, num_nvl_bytes)
             shared.num_rdma_bytes = max(shared.num_rdma_bytes, num_rdma_bytes)
             shared.num_qps_per_rank = max(shared.num_qps_per_rank, num_qps_per_rank)

@@ -142,6 +142,7 @@ class _Buffer:
     log: list = []
     nvshmem_qp_depth = 1024
     recv_count = (2, 0, 8, 1)
+    fail = False  # the next construction raises, as DeepEP's C++ asserts do
 
     def __init__(self, group: Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
@@ -150,6 +151,8 @@ class _Buffer:
                  enable_shrink: bool = False, comm: Any = None) -> None:
         self.args = dict(nvl=num_nvl_bytes, rdma=num_rdma_bytes, ll=low_latency_mode,
                          qps=num_qps_per_rank, explicit=explicitly_destroy)
+        if _Buffer.fail:
+            raise RuntimeError("Failed: Assertion error (fake)")
         self.group_size = group.size()
         self.destroyed = 0
         _Buffer.made.append(self)
@@ -232,7 +235,7 @@ def _fake_deep_ep() -> types.ModuleType:
     module.__spec__ = types.SimpleNamespace(name="deep_ep")  # find_spec reads sys.modules
     module.Buffer = _Buffer
     module.topk_idx_t = torch.int64
-    _Buffer.made, _Buffer.log = [], []
+    _Buffer.made, _Buffer.log, _Buffer.fail = [], [], False
     return module
 
 
@@ -347,6 +350,23 @@ def _fake_worker(rank: int, world_size: int) -> dict[str, Any]:
         out["qp"] = "no error"
     except ValueError as exc:
         out["qp"] = str(exc)
+    _Buffer.nvshmem_qp_depth = 1024
+    try:  # 2**20 tokens: 2**35 bytes by the fake's size hint, beyond DeepEP's int count
+        DeepEPLLBackend(_config("deepep_ll", capacity=2**20), world)
+        out["too_big"] = "no error"
+    except ValueError as exc:
+        out["too_big"] = str(exc)
+    # Growing the LL buffer (made above at capacity 8) where DeepEP's remake fails: the
+    # old buffer is destroyed once, and the group's teardown does not destroy it again.
+    _Buffer.fail = True
+    try:
+        DeepEPLLBackend(_config("deepep_ll", capacity=200), world)
+        out["failed_grow"] = "no error"
+    except RuntimeError as exc:
+        out["failed_grow"] = str(exc)
+    _Buffer.fail = False
+    destroy_buffers(world)
+    out["destroyed_after_failed_grow"] = [b.destroyed for b in _Buffer.made]
     return out
 
 
@@ -388,6 +408,9 @@ def test_adapters_share_buffers_chain_events_and_run_each_hook_once():
         assert out["destroy_group"] == 1
         assert all(d == 1 for d in out["destroyed"]), out["destroyed"]
         assert "NVSHMEM queue depth of at least 18" in out["qp"]
+        assert "needs a 32.0 GiB low-latency buffer, beyond DeepEP's 32 GiB" in out["too_big"]
+        assert out["failed_grow"].startswith("Failed: Assertion error")
+        assert all(d == 1 for d in out["destroyed_after_failed_grow"]), out
 
 
 # ---------------------------------------------------------------- Layer 1: host cost

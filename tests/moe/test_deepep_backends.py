@@ -66,8 +66,9 @@ class _OneLayer(nn.Module):
 
 
 def _count_hooks() -> dict[str, Any]:
-    """Wrap DeepEP's low-latency calls (in this process) so that every receive hook they
-    return counts its runs."""
+    """Wrap DeepEP's low-latency calls (in this process) so that every receive hook asked
+    for (`return_recv_hook=True`, inside a DBO step) counts its runs. Outside a DBO step
+    the adapter asks for none, and DeepEP's returned placeholder is never run."""
     import deep_ep
 
     counts: dict[str, Any] = {"sent": 0, "runs": []}
@@ -76,6 +77,8 @@ def _count_hooks() -> dict[str, Any]:
 
         def wrapped(self, *args, _original=original, **kwargs):
             result = list(_original(self, *args, **kwargs))
+            if not kwargs.get("return_recv_hook", False):
+                return tuple(result)
             hook, slot = result[-1], len(counts["runs"])
             counts["sent"] += 1
             counts["runs"].append(0)
