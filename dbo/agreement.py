@@ -23,6 +23,8 @@ from two duck-typed hooks, so that this core never imports `moe`:
   step's capacity is the smallest reported (`Agreement.capacity`); the runner stops a
   step in which any rank has more, on every rank, after the vote and before any
   collective of the model. The capacity is thus stated once, where the buffers are.
+- `dbo_max_tokens_per_ubatch() -> int | None`, likewise: the most tokens one rank may
+  hold in one ubatch of a DBO step (`Agreement.ubatch_capacity`), None: the step's.
 
 The fields are hashed into a 62-bit fingerprint carried by every step's vote; they are
 collected on the runner's first step and again only when its `model` or `config` object
@@ -48,6 +50,7 @@ from dbo.vote import Tally, group_rank
 AGREEMENT_HOOK = "dbo_agreement"
 CHECK_INPUTS_HOOK = "dbo_check_inputs"
 CAPACITY_HOOK = "dbo_max_tokens_per_rank"
+UBATCH_CAPACITY_HOOK = "dbo_max_tokens_per_ubatch"
 # Fields listed in a ConfigMismatchError's message (all are on `.fields`).
 MAX_LISTED_FIELDS = 6
 # Characters of a peer's error text carried into a PeerInputError.
@@ -82,17 +85,20 @@ class PeerInputError(RuntimeError):
 @dataclass(frozen=True)
 class Agreement:
     """The fields that must agree across ranks, and their fingerprint in [0, 2**62);
-    `capacity`: the model's tokens per rank and step (`collect_capacity`), None: no limit."""
+    `capacity`: the model's tokens per rank and step (`collect_capacity`), None: no limit;
+    `ubatch_capacity`: per rank and ubatch of a DBO step, None: `capacity`."""
 
     fields: Fields
     fingerprint: int
     capacity: Optional[int] = None
+    ubatch_capacity: Optional[int] = None
 
     @classmethod
-    def of(cls, fields: Mapping[str, Any], capacity: Optional[int] = None) -> "Agreement":
+    def of(cls, fields: Mapping[str, Any], capacity: Optional[int] = None,
+           ubatch_capacity: Optional[int] = None) -> "Agreement":
         stable = {name: _stable(value, name) for name, value in sorted(fields.items())}
         digest = hashlib.blake2b(repr(sorted(stable.items())).encode(), digest_size=8).digest()
-        return cls(stable, int.from_bytes(digest, "little") >> 2, capacity)
+        return cls(stable, int.from_bytes(digest, "little") >> 2, capacity, ubatch_capacity)
 
 
 def _owners(model: Any) -> list[tuple[str, Any]]:
@@ -102,17 +108,18 @@ def _owners(model: Any) -> list[tuple[str, Any]]:
     return [("", model)]
 
 
-def collect_capacity(model: Any) -> Optional[int]:
-    """The smallest `dbo_max_tokens_per_rank()` of `model`'s modules (or of `model`
-    itself when it is not an `nn.Module`); None when none reports a limit."""
+def collect_capacity(model: Any, hook_name: str = CAPACITY_HOOK) -> Optional[int]:
+    """The smallest `dbo_max_tokens_per_rank()` (or other `hook_name`) of `model`'s
+    modules (or of `model` itself when it is not an `nn.Module`); None when none reports
+    a limit."""
     limits = []
     for prefix, owner in _owners(model):
-        hook = getattr(owner, CAPACITY_HOOK, None)
+        hook = getattr(owner, hook_name, None)
         limit = None if hook is None else hook()
         if limit is None:
             continue
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise TypeError(f"{type(owner).__name__}.{CAPACITY_HOOK}() returned {limit!r}: "
+            raise TypeError(f"{type(owner).__name__}.{hook_name}() returned {limit!r}: "
                             f"it must return a positive int (tokens per rank) or None")
         limits.append(limit)
     return min(limits, default=None)
@@ -152,8 +159,10 @@ class AgreementCache:
         if self._agreement is None or model is not self._model or config is not self._config:
             self._agreement = None  # a hook that raises leaves nothing behind
             capacity = collect_capacity(model)  # a field too: every rank must check alike
+            ubatch = collect_capacity(model, UBATCH_CAPACITY_HOOK)
             self._agreement = Agreement.of(
-                {**own(), **collect_agreement(model), "capacity": capacity}, capacity)
+                {**own(), **collect_agreement(model), "capacity": capacity,
+                 "ubatch_capacity": ubatch}, capacity, ubatch)
             self._model, self._config, self._agreed = model, config, False
         return self._agreement
 
@@ -165,6 +174,12 @@ class AgreementCache:
     def capacity(self) -> Optional[int]:
         """The collected agreement's capacity (None before the first `get`)."""
         return None if self._agreement is None else self._agreement.capacity
+
+    @property
+    def ubatch_capacity(self) -> Optional[int]:
+        """The collected agreement's capacity per ubatch (None: before the first `get`,
+        or the step's `capacity` applies)."""
+        return None if self._agreement is None else self._agreement.ubatch_capacity
 
     def mark_agreed(self) -> None:
         self._agreed = self._agreement is not None

@@ -270,21 +270,24 @@ class DBORunner:
                        ) -> None:
         """Raise when one model call of a rank of the group would carry more tokens this
         step (its step unsplit, its largest ubatch split; `plan` and `tally` after the
-        vote) than the model's capacity (`dbo_max_tokens_per_rank`, `dbo.agreement`).
+        vote) than the model's capacity (`dbo_max_tokens_per_rank`, and per ubatch of a
+        split step `dbo_max_tokens_per_ubatch`, `dbo.agreement`).
         Every rank sees the group's largest count and the same capacity (its
         fingerprint was voted on), so every rank raises here together, before any
         collective of the model. `cuda_graph`: the check of a `GraphedRunner` step."""
-        capacity = self._agreement_caches[cuda_graph].capacity
+        cache = self._agreement_caches[cuda_graph]
+        capacity, name = cache.capacity, "max_tokens_per_rank"
+        if plan.split and cache.ubatch_capacity is not None:
+            capacity, name = cache.ubatch_capacity, "max_tokens_per_ubatch"
         most = tally.max_ubatch_tokens if plan.split else tally.max_tokens
         if capacity is not None and most > capacity:
             mine = max(plan.num_tokens) if plan.split else plan.total_tokens
             exc = ValueError(
                 f"a rank of the group has {most} tokens in one model call this step "
                 f"({'its largest ubatch' if plan.split else 'unsplit'}; this rank: {mine}), "
-                f"more than the model's capacity max_tokens_per_rank={capacity} (the "
-                f"smallest its modules report, e.g. MoEConfig.max_tokens_per_rank): every "
-                f"rank stops here so none waits in a collective; split the batch or raise "
-                f"the capacity")
+                f"more than the model's capacity {name}={capacity} (the smallest its "
+                f"modules report, e.g. MoEConfig.{name}): every rank stops here so none "
+                f"waits in a collective; split the batch or raise the capacity")
             mark_stopped_together(exc)
             raise exc
 

@@ -102,6 +102,12 @@ class MoEConfig:
     """Activation and weight dtype: torch.float32, torch.float16 or torch.bfloat16."""
     max_tokens_per_rank: int | None = None
     """Tokens one rank may send per step (fixed-capacity backends size buffers by it)."""
+    max_tokens_per_ubatch: int | None = None
+    """Backend `a2a_ll` only: the capacity of one ubatch of a DBO step (at most
+    max_tokens_per_rank). a2a_ll sends every slot of its capacity whether filled or not;
+    without this, each of a DBO step's two ubatches pads to the whole step's capacity and
+    the step moves twice what the unsplit step moves. None: max_tokens_per_rank. The DBO
+    runner stops a step whose largest ubatch exceeds it on every rank at once."""
     expert_chunk_size: int = 8192
     """Most tokens sent through the experts at once; larger batches go in chunks."""
     split_last_combine: bool = True
@@ -186,6 +192,7 @@ class MoEConfig:
                 f"MoEConfig.max_tokens_per_rank={self.max_tokens_per_rank!r}: must be a "
                 f"positive int, or None for backends without a fixed capacity."
             )
+        self._check_ubatch_capacity()
         if not _is_int(self.expert_chunk_size) or self.expert_chunk_size < 1:
             raise ValueError(
                 f"MoEConfig.expert_chunk_size={self.expert_chunk_size!r}: must be a positive int."
@@ -240,6 +247,21 @@ class MoEConfig:
                     f"use_correction_bias scores a group by its top-2 experts: use n_group <= "
                     f"{self.num_experts // 2}."
                 )
+
+    def _check_ubatch_capacity(self) -> None:
+        value, capacity = self.max_tokens_per_ubatch, self.max_tokens_per_rank
+        if value is None:
+            return
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"MoEConfig.max_tokens_per_ubatch={value!r}: must be a positive "
+                             f"int, or None (a ubatch takes max_tokens_per_rank).")
+        if self.backend != "a2a_ll":
+            raise ValueError(f"MoEConfig.max_tokens_per_ubatch is taken by backend 'a2a_ll' "
+                             f"only (its padded slots), not {self.backend!r}: drop it.")
+        if capacity is None or value > capacity:
+            raise ValueError(f"MoEConfig.max_tokens_per_ubatch={value} needs "
+                             f"max_tokens_per_rank >= {value} (got {capacity}): a ubatch "
+                             f"holds at most the step's tokens.")
 
     def _check_combine_chunks(self) -> None:
         chunks = self.combine_chunks

@@ -129,6 +129,11 @@ class MoELayer(nn.Module):
         on every rank at once, before any collective (`dbo.agreement`)."""
         return self.config.max_tokens_per_rank
 
+    def dbo_max_tokens_per_ubatch(self) -> Optional[int]:
+        """The most tokens one rank may send through this layer in one ubatch of a DBO
+        step (`MoEConfig.max_tokens_per_ubatch`), or None: the step's capacity."""
+        return self.config.max_tokens_per_ubatch
+
     def dbo_agreement(self) -> dict[str, object]:
         """What every rank's copy of this layer must share, or the ranks' dispatch and
         combine collectives differ (checked by the DBO runner's vote, `dbo.agreement`)."""
@@ -137,6 +142,7 @@ class MoELayer(nn.Module):
                 "hidden_size": cfg.hidden_size, "dtype": cfg.dtype,
                 "backend": self.backend.name, "experts": cfg.experts,
                 "max_tokens_per_rank": cfg.max_tokens_per_rank,
+                "max_tokens_per_ubatch": cfg.max_tokens_per_ubatch,
                 "apply_router_weight_on_input": cfg.apply_router_weight_on_input,
                 "split_combine": self.last_layer and cfg.split_last_combine,
                 # Each changes the collectives: the SBO combine's count, DeepEP's receive

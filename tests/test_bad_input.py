@@ -149,6 +149,10 @@ REJECTED = {
         lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
                           apply_router_weight_on_input=True), ValueError,
         "apply_router_weight_on_input=True needs top_k=1"),
+    "`MoEConfig.max_tokens_per_ubatch` above `max_tokens_per_rank`, or with a backend other than `a2a_ll`": (
+        lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                          backend="a2a_ll", max_tokens_per_rank=8, max_tokens_per_ubatch=9),
+        ValueError, "MoEConfig.max_tokens_per_ubatch=9 needs max_tokens_per_rank >= 9 (got 8)"),
     "a config boolean that is not a bool": (
         lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
                           renormalize="false"), TypeError,

@@ -14,6 +14,8 @@ packing and that sum are one kernel each on the GPU (`moe.kernels.slots`,
 `moe.kernels.rows`).
 
 More tokens than the capacity is an error naming the capacity: a token is never dropped.
+In a DBO step each ubatch sends slots of `MoEConfig.max_tokens_per_ubatch` rows where it
+is set (each ubatch's exchange then moves half of the step's, not all of it again).
 
 Streams: with nothing to read on the host, each half queues its collective first and
 yields after it (the `a2a` backend must yield first, to read its counts). The transfer
@@ -39,7 +41,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dbo.failures import note_collective
-from dbo.yield_points import dbo_switch_to_comm_sync, dbo_switch_to_compute_async, dbo_yield
+from dbo.yield_points import (dbo_enabled, dbo_single_batch_overlap, dbo_switch_to_comm_sync,
+                              dbo_switch_to_compute_async, dbo_yield)
 from moe.backends.base import (Dispatched, OwnRows, Pending, PrepareFinalize, RunExperts,
                                check_capacity)
 from moe.backends.combine_chunks import CombineChunks, plan_combine_chunks
@@ -53,9 +56,12 @@ from streams.memory import record_on_current_stream
 
 @dataclass(frozen=True)
 class LLHandle:
-    """slot_TW: the flat slot row of token t on rank w, or -1 if t does not go to w."""
+    """slot_TW: the flat slot row of token t on rank w, or -1 if t does not go to w;
+    capacity: the slot size C of this exchange (the step's or, in a DBO step, the
+    ubatch's)."""
 
     slot_TW: Tensor
+    capacity: int
 
 
 class AllToAllLLBackend(PrepareFinalize):
@@ -73,11 +79,14 @@ class AllToAllLLBackend(PrepareFinalize):
                              "fixed capacity per rank): set it to the largest token count a "
                              "rank sends in one step")
         self.capacity = config.max_tokens_per_rank
+        self.ubatch_capacity = config.max_tokens_per_ubatch or self.capacity
         self._chunk_plans: dict[tuple[int, torch.device], CombineChunks] = {}
 
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:
-        num_tokens, world, cap = x_TH.shape[0], self.world_size, self.capacity
+        num_tokens, world = x_TH.shape[0], self.world_size
+        in_two_ubatches = dbo_enabled() and not dbo_single_batch_overlap()
+        cap = self.ubatch_capacity if in_two_ubatches else self.capacity
         check_capacity(num_tokens, cap, self.name)
         device = x_TH.device
         layout = RowLayout(x_TH.shape[1], topk_ids_TK.shape[1], x_TH.dtype)
@@ -96,7 +105,7 @@ class AllToAllLLBackend(PrepareFinalize):
         dist.all_to_all_single(recv_RB, send_XB, group=self.group)
         wait = dbo_switch_to_compute_async()
         dbo_yield()  # after the send: see the module doc
-        handle = LLHandle(slot_TW)
+        handle = LLHandle(slot_TW, cap)
 
         def receiver() -> Dispatched:
             wait.wait()
@@ -106,8 +115,9 @@ class AllToAllLLBackend(PrepareFinalize):
 
     def own_rows(self, dispatched: Dispatched) -> Optional[slice]:
         """Rows from this rank: its slot of C rows (padding included)."""
-        start = self.placement.rank * self.capacity
-        return slice(start, start + self.capacity)
+        capacity = dispatched.handle.capacity
+        start = self.placement.rank * capacity
+        return slice(start, start + capacity)
 
     def finalize_async(self, expert_out_RH: Tensor, dispatched: Dispatched, *,
                        workspace: Workspace, own: Optional[OwnRows] = None) -> Pending[Tensor]:
@@ -147,6 +157,7 @@ class AllToAllLLBackend(PrepareFinalize):
         compute stream. The receiver waits for the last chunk (the comm stream runs them
         in order) and sums each token's rows through the slot remap."""
         handle: LLHandle = dispatched.handle
+        assert handle.capacity == self.capacity  # one ubatch (SBO): the step's slots
         x_RH, ids_RK, weights_RK = (dispatched.x_RH, dispatched.topk_ids_RK,
                                     dispatched.topk_weights_RK)
         plan = self._chunk_plan(num_chunks, x_RH.device)

@@ -80,7 +80,8 @@ def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
             backend: str = "auto", experts: str = "auto",
-            max_tokens_per_rank: Optional[int] = None) -> nn.Module:
+            max_tokens_per_rank: Optional[int] = None,
+            max_tokens_per_ubatch: Optional[int] = None) -> nn.Module:
     """Replace every MoE block of `model` (a loaded transformers model) by an `HFMoEBlock`
     holding this rank's experts; return `model` (changed in place).
 
@@ -98,6 +99,9 @@ def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
             read counts on the host (a2a_ll, symm_mem, deepep_ll: their buffers or
             padded slots are sized by it); a call with more rows raises (under DBO, on
             every rank at the vote). None: no capacity.
+        max_tokens_per_ubatch: backend a2a_ll: the capacity of one ubatch of a DBO step
+            (`MoEConfig.max_tokens_per_ubatch`; each ubatch then sends slots of this
+            size, not of max_tokens_per_rank). None: max_tokens_per_rank.
 
     Raises:
         ValueError: an unsupported architecture or block (naming the block and what is
@@ -107,12 +111,14 @@ def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
             positive int. Nothing is changed then.
     """
     return convert_blocks(model, group=group, backend=backend, experts=experts,
-                          max_tokens_per_rank=max_tokens_per_rank, weights_from_blocks=True)
+                          max_tokens_per_rank=max_tokens_per_rank,
+                          max_tokens_per_ubatch=max_tokens_per_ubatch, weights_from_blocks=True)
 
 
 def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], backend: str,
                    experts: str, max_tokens_per_rank: Optional[int],
-                   weights_from_blocks: bool) -> nn.Module:
+                   weights_from_blocks: bool,
+                   max_tokens_per_ubatch: Optional[int] = None) -> nn.Module:
     """`convert`; with `weights_from_blocks=False` the new blocks' parameters are left
     uninitialised and the old blocks' expert tensors are not read (`moe.hf.load` builds
     the model with placeholder experts and fills every parameter from the checkpoint)."""
@@ -128,6 +134,7 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
         old = model.get_submodule(plan.path)
         new_blocks.append(_build_block(plan, old, group=group, backend=backend,
                                        experts=experts, capacity=max_tokens_per_rank,
+                                       ubatch_capacity=max_tokens_per_ubatch,
                                        last_layer=i == last,
                                        copy_weights=weights_from_blocks))
     for plan, block in zip(plans, new_blocks):  # nothing above changed the model
@@ -245,13 +252,15 @@ def _check_block(path: str, block: nn.Module, spec: Optional[ArchSpec], config: 
 
 
 def _build_block(plan: BlockPlan, old: nn.Module, *, group: Optional[dist.ProcessGroup],
-                 backend: str, experts: str, capacity: Optional[int], last_layer: bool,
+                 backend: str, experts: str, capacity: Optional[int],
+                 ubatch_capacity: Optional[int], last_layer: bool,
                  copy_weights: bool) -> HFMoEBlock:
     """The new block for `old`: this rank's experts copied (or left uninitialised), the
     router's and shared experts' tensors taken over as they are."""
     spec = plan.spec
     config = dataclasses.replace(plan.config, backend=backend, experts=experts,
-                                 max_tokens_per_rank=capacity)
+                                 max_tokens_per_rank=capacity,
+                                 max_tokens_per_ubatch=ubatch_capacity)
     device = old.experts.gate_up_proj.device
     layer = MoELayer(config, group=group, layer_id=plan.layer_id, last_layer=last_layer,
                      device=device)

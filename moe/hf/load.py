@@ -39,6 +39,7 @@ _SKELETON_EXPERTS = 1
 def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
          backend: str = "auto", experts: str = "auto",
          max_tokens_per_rank: Optional[int] = None,
+         max_tokens_per_ubatch: Optional[int] = None,
          dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Build the model of checkpoint directory `path`, convert it (`moe.hf.convert`) and
     load its weights, this rank's experts only. Returns the model in eval mode on the CPU.
@@ -46,7 +47,8 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
     Args:
         path: a directory with config.json and model.safetensors (or shards and
             model.safetensors.index.json), as `save_pretrained` writes it.
-        group, backend, experts, max_tokens_per_rank: as for `moe.hf.convert`.
+        group, backend, experts, max_tokens_per_rank, max_tokens_per_ubatch: as for
+            `moe.hf.convert`.
         dtype: parameter dtype; None: the dtype config.json names, else float32.
 
     Raises:
@@ -65,7 +67,8 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
                 else torch.float32
         model = _build_skeleton(transformers, config, spec, dtype)
         convert_blocks(model, group=group, backend=backend, experts=experts,
-                       max_tokens_per_rank=max_tokens_per_rank, weights_from_blocks=False)
+                       max_tokens_per_rank=max_tokens_per_rank,
+                       max_tokens_per_ubatch=max_tokens_per_ubatch, weights_from_blocks=False)
         _load_weights(model, checkpoint, spec)
     generation_file = os.path.join(path, "generation_config.json")
     if os.path.exists(generation_file):

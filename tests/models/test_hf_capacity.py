@@ -2,7 +2,8 @@
 max_tokens_per_rank=N)` and `moe.hf.load(...)` with it. Over two expert-parallel ranks,
 a model converted with backend `a2a_ll` (no host read in its MoE layers) gives the
 unconverted model's logits with DBO off and on, every layer carrying the capacity, and
-a step over it raises on both ranks at the vote; a backend that needs a capacity without
+a step over it raises on both ranks at the vote (likewise a ubatch over
+`max_tokens_per_ubatch`); a backend that needs a capacity without
 one, and a capacity that is not a positive int, are refused naming the keyword with the
 model unchanged; every registered backend's `needs_capacity` says what its constructor
 does.
@@ -129,6 +130,23 @@ def _ep_a2a_ll(rank: int, world: int) -> dict:
         result["over"] = "ran"
     except ValueError as exc:
         result["over"] = str(exc)
+    # A ubatch capacity of 10 rows: (2, 6) splits into ubatches of 6 and fits; rank 0's
+    # (3, 6) splits 12 + 6, over it, and both ranks stop at the vote.
+    model = tiny_model("qwen3_moe")
+    ids, mask = batch(*[(2, 6), (2, 4)][rank], seed=40 + rank)
+    expected = logits(model, ids, mask)
+    moe.hf.convert(model, group=group, backend="a2a_ll", max_tokens_per_rank=18,
+                   max_tokens_per_ubatch=10)
+    layers = [m.moe for m in model.modules() if isinstance(m, HFMoEBlock)]
+    result["ubatch_capacity"] = sorted({layer.backend.ubatch_capacity for layer in layers})
+    out, decision = run_dbo(model, ids, mask, group)
+    assert_logits_close(out, expected)
+    result["ubatch_split"] = decision.split
+    try:
+        run_dbo(model, *batch(*[(3, 6), (2, 4)][rank], seed=50), group)
+        result["ubatch_over"] = "ran"
+    except ValueError as exc:
+        result["ubatch_over"] = str(exc)
     return result
 
 
@@ -140,3 +158,7 @@ def test_a2a_ll_with_a_capacity_over_two_ranks_equals_the_unconverted_model():
         assert ("a rank of the group has 26 tokens in one model call this step"
                 in result["over"]), result["over"]
         assert "max_tokens_per_rank=18" in result["over"]
+        assert result["ubatch_capacity"] == [10] and result["ubatch_split"], result
+        assert "has 12 tokens in one model call this step (its largest ubatch" in \
+            result["ubatch_over"], result["ubatch_over"]
+        assert "max_tokens_per_ubatch=10" in result["ubatch_over"]
