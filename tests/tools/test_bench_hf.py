@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,9 @@ pytest.importorskip("transformers")
 
 from dbo.cli.bench import main  # noqa: E402
 from dbo.cli.bench.config import CPU_REGIME  # noqa: E402
-from dbo.cli.bench.hf_config import Conversion, conversions  # noqa: E402
+from dbo.cli.bench.config import NVLINK_REGIME  # noqa: E402
+from dbo.cli.bench.hf_config import (Conversion, HFBenchConfig, HFDecodeOptions,  # noqa: E402
+                                     conversions)
 from moe.hf.named import REAL_SHAPES, named_architectures, named_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,6 +46,7 @@ VALID = ", ".join(named_architectures())
     (["--hf", "qwen3_moe", "--tokens", "10"], "tokens per rank 10 is not a positive multiple"),
     (["--hf", "qwen3_moe", "--requests", "1"], "requests=1 must be an int >= 2"),
     (["--hf", "qwen3_moe", "--preset", "tiny"], "--preset does not apply to --hf"),
+    (["--hf", "qwen3_moe", "--cuda-graph"], "--cuda-graph needs CUDA GPUs: drop it on CPU"),
 ])
 def test_bad_arguments_exit_with_the_fix_before_any_rank(
         argv: list[str], message: str, capsys: pytest.CaptureFixture,
@@ -77,6 +81,33 @@ def test_each_backend_is_converted_with_the_capacity_its_points_need() -> None:
     for padded in ("a2a_ll", "deepep_ll"):
         assert conversions(padded, points, world_size=2) == [
             Conversion(max_tokens_per_rank=p, points=(p,)) for p in points]
+    # a2a_ll's DBO ubatches get their own capacity; deepep_ll's share the whole one.
+    half = lambda p: p // 2  # noqa: E731
+    assert conversions("a2a_ll", points, world_size=2, ubatch_of=half) == [
+        Conversion(max_tokens_per_rank=p, max_tokens_per_ubatch=p // 2, points=(p,))
+        for p in points]
+    assert conversions("deepep_ll", points, world_size=2, ubatch_of=half) == [
+        Conversion(max_tokens_per_rank=p, points=(p,)) for p in points]
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(device="cpu"), "--cuda-graph needs CUDA GPUs"),
+    (dict(backends=("a2a_ll", "a2a")), "--cuda-graph with --backends a2a: that backend "
+                                       "reads device values on the host"),
+    (dict(decode=HFDecodeOptions(requests=(4,))), "--cuda-graph with --hf --mode decode"),
+    (dict(cuda_graph=1), "cuda_graph=1 must be True or False"),
+])
+def test_cuda_graph_refuses_what_a_graph_cannot_replay(fields: dict, message: str) -> None:
+    base = dict(arch="qwen3_moe", backends=("a2a_ll",), device="cuda", regime=NVLINK_REGIME,
+                cuda_graph=True)
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+        HFBenchConfig(**{**base, **fields})
+
+
+def test_largest_ubatch_is_the_bigger_half_of_the_sequences() -> None:
+    from dbo.cli.bench.hf_sweep import largest_ubatch
+    assert largest_ubatch(HFBenchConfig(arch="qwen3_moe", tokens=(12,), requests=4), 12) == 6
+    assert largest_ubatch(HFBenchConfig(arch="qwen3_moe", tokens=(15,), requests=3), 15) == 10
 
 
 def test_deepep_ll_shape_and_queue_depth_are_checked_before_any_rank(
@@ -155,8 +186,10 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert [(p["backend"], p["tokens_per_rank"], p["max_tokens_per_rank"]) for p in points] == [
         ("a2a", 8, None), ("a2a", 16, None), ("naive", 8, None), ("naive", 16, None),
         ("a2a_ll", 8, 8), ("a2a_ll", 16, 16)]
-    assert "a2a_ll: max_tokens_per_rank = the point's tokens per rank" in final["capacity_note"]
-    assert "2x the padding of DBO off" in final["capacity_note"]
+    assert "a2a_ll: max_tokens_per_rank = the point's tokens per rank, " \
+        "max_tokens_per_ubatch = its largest DBO ubatch" in final["capacity_note"]
+    # Two sequences per rank: a DBO ubatch holds one, half the point's tokens.
+    assert [p["max_tokens_per_ubatch"] for p in points] == [None] * 4 + [4, 8]
     for p in points:
         assert p["t_hf_ms"] > 0 and p["t_nodbo_ms"] > 0 and p["t_dbo_ms"] > 0
         assert p["host_hf_ms"] > 0 and p["host_nodbo_ms"] > 0 and p["host_dbo_ms"] > 0
@@ -177,3 +210,38 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     doc = json.loads(Path(files["json"]).read_text())
     assert doc["config"]["arch"] == "deepseek_v3" and "dbo_vs_hf" in doc["definitions"]
     assert all(len(p["rounds_ms"]["t_dbo"]) == 2 for p in doc["points"])
+
+
+def _graphed_hf_sweep(rank: int, world_size: int, out_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from dbo.cli.bench.hf_report import final_line, format_table, write_outputs
+    from dbo.cli.bench.hf_sweep import run_hf_sweep
+    cfg = HFBenchConfig(arch="qwen3_moe", tokens=(16, 32), requests=4, backends=("a2a_ll",),
+                        iters=2, warmup=1, rounds=1, device="cuda", regime=NVLINK_REGIME,
+                        cuda_graph=True, out_dir=out_dir, progress=False)
+    result = run_hf_sweep(cfg, group=dist.group.WORLD, device=torch.device("cuda", rank))
+    if rank:
+        return {}
+    return {"final": json.loads(final_line(result, write_outputs(result))),
+            "table": format_table(result)}
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_graphed_hf_sweep_replays_the_converted_model_on_two_gpus(tmp_path: Path) -> None:
+    """`--cuda-graph`: DBO off and on replayed from graphs give the unconverted model's
+    logits (bfloat16 rounding), a2a_ll's ubatches at half the capacity; the unconverted
+    model's graph is timed or its failure said."""
+    from tests.dist_utils import run_distributed
+
+    out = run_distributed(2, _graphed_hf_sweep, str(tmp_path), backend="nccl")[0]
+    final, table = out["final"], out["table"]
+    assert final["files"]["json"].endswith("_nvlink_graphs.json"), final["files"]
+    for point in final["points"]:
+        assert point["cuda_graph"] and point["dbo_split"], point
+        assert point["max_tokens_per_ubatch"] == point["tokens_per_rank"] // 2, point
+        assert point["logits_diff_nodbo"] < 5e-2 and point["logits_diff_dbo"] < 5e-2, point
+        assert point["t_hf_eager_ms"] > 0 and point["t_nodbo_ms"] > 0 and point["t_dbo_ms"] > 0
+        assert (point["t_hf_graph_ms"] is None) == bool(point["hf_graph_note"]), point
+    assert "CUDA graphs: the converted model's steps are replayed" in table

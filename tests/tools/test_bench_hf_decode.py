@@ -121,7 +121,8 @@ def test_cli_hf_decode_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert [(p["backend"], p["requests_per_rank"], p["max_tokens_per_rank"])
             for p in points] == [("a2a", 2, None), ("a2a", 3, None), ("a2a_ll", 2, 2),
                                  ("a2a_ll", 3, 3)]
-    assert "2x the padding of DBO off" in final["capacity_note"]
+    assert "max_tokens_per_ubatch = its largest DBO ubatch" in final["capacity_note"]
+    assert [p["max_tokens_per_ubatch"] for p in points] == [None, None, 1, 2]
     for p in points:
         assert p["t_hf_ms"] > 0 and p["t_nodbo_ms"] > 0 and p["t_dbo_ms"] > 0
         assert p["host_hf_ms"] > 0 and p["host_nodbo_ms"] > 0 and p["host_dbo_ms"] > 0

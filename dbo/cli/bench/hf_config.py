@@ -3,6 +3,8 @@ architecture converted by `moe.hf.convert`, DBO off and on, beside the unconvert
 
     cfg = HFBenchConfig(arch="qwen3_moe", tokens=(16,), device="cpu", regime=CPU_REGIME)
     cfg = HFBenchConfig(arch="qwen3_moe", decode=HFDecodeOptions(requests=(2, 4)))  # decode
+    cfg = HFBenchConfig(arch="qwen3-30b-a3b", tokens=(4096,), backends=("a2a_ll",),
+                        device="cuda", regime=EMULATED_REGIME, cuda_graph=True)  # graphed
 
 Frozen and keyword-only; `__post_init__` rejects bad values saying how to fix them.
 """
@@ -10,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from dbo.cli.bench.config import (
     BENCH_BACKENDS,
     CPU_REGIME,
+    GRAPH_BACKENDS,
     DEVICES,
     EMULATED_REGIME,
     EXPERT_KERNELS,
@@ -111,6 +114,10 @@ class HFBenchConfig:
     """Progress lines on stderr (rank 0)."""
     decode: Optional[HFDecodeOptions] = None
     """Decode steps over KV caches instead of prefill (`tokens` and `requests` unused)."""
+    cuda_graph: bool = False
+    """Prefill on GPUs: the converted model's steps, DBO off and on, captured in CUDA
+    graphs and replayed (`dbo.graphs`); the unconverted model is timed eagerly and, where
+    transformers' model captures, graphed too."""
 
     def __post_init__(self) -> None:
         from moe.hf.named import named_architectures
@@ -153,6 +160,23 @@ class HFBenchConfig:
             raise ValueError(f"device={self.device!r}: use one of {', '.join(DEVICES)}")
         if self.regime not in (NVLINK_REGIME, CPU_REGIME, EMULATED_REGIME):
             raise ValueError(f"regime={self.regime!r}: build it with regime_label()")
+        if not isinstance(self.cuda_graph, bool):
+            raise TypeError(f"cuda_graph={self.cuda_graph!r} must be True or False")
+        if self.cuda_graph:
+            self._check_cuda_graph()
+
+    def _check_cuda_graph(self) -> None:
+        if self.device != "cuda":
+            raise ValueError("--cuda-graph needs CUDA GPUs: drop it on CPU")
+        if self.decode is not None:
+            raise ValueError("--cuda-graph with --hf --mode decode: transformers' KV caches "
+                             "grow by a token every step, which a captured graph cannot "
+                             "replay; run decode eagerly (drop --cuda-graph)")
+        eager = [b for b in self.backends if b not in GRAPH_BACKENDS]
+        if eager:
+            raise ValueError(f"--cuda-graph with --backends {eager[0]}: that backend reads "
+                             f"device values on the host, which a graph cannot replay; use "
+                             f"one of {', '.join(GRAPH_BACKENDS)}")
 
     @property
     def functional(self) -> bool:
@@ -182,7 +206,7 @@ class HFBenchConfig:
                 "tokens": list(self.tokens), "requests": self.requests,
                 "backends": list(self.backends), "experts": self.experts, "iters": self.iters,
                 "warmup": self.warmup, "rounds": self.rounds, "device": self.device,
-                "seed": self.seed,
+                "seed": self.seed, "cuda_graph": self.cuda_graph,
                 "decode": None if self.decode is None else dataclasses.asdict(self.decode)}
 
 
@@ -192,24 +216,32 @@ class Conversion:
 
     max_tokens_per_rank: Optional[int]
     """The converted layers' capacity (None: a backend that needs none)."""
+    max_tokens_per_ubatch: Optional[int] = None
+    """a2a_ll: the capacity of one DBO ubatch (`MoEConfig.max_tokens_per_ubatch`), the
+    largest ubatch of the point; None: the whole capacity."""
     points: tuple[int, ...]
     """Tokens (prefill) or requests (decode) per rank of the points timed on it."""
 
 
-def conversions(backend: str, points: tuple[int, ...], *, world_size: int) -> list[Conversion]:
+def conversions(backend: str, points: tuple[int, ...], *, world_size: int,
+                ubatch_of: Optional[Callable[[int], int]] = None) -> list[Conversion]:
     """How the bench converts its model for `backend` over `points` (tokens per rank of a
     DBO-off step: prefill tokens, or decode requests). One conversion serves DBO off and
     on (a second would hold the model twice). A backend without a capacity: one
     conversion for every point. symm_mem (its capacity only sizes buffers: only routed
     rows travel): one, with the largest point as capacity. a2a_ll and deepep_ll (padded
     slots of the whole capacity travel): one per point, capacity = that point, so a point
-    moves no padding another point needs; each rebuilds the model."""
+    moves no padding another point needs; each rebuilds the model. a2a_ll's DBO ubatches
+    get a capacity of their own, `ubatch_of(point)` (the point's largest ubatch), so that
+    each sends half the slots, not the whole capacity again."""
     from moe.backends import backend_class
     if not backend_class(backend, world_size).needs_capacity:
         return [Conversion(max_tokens_per_rank=None, points=points)]
     if backend not in PADDED_BACKENDS:
         return [Conversion(max_tokens_per_rank=max(points), points=points)]
-    return [Conversion(max_tokens_per_rank=p, points=(p,)) for p in points]
+    ubatch = ubatch_of if backend == "a2a_ll" and ubatch_of is not None else (lambda p: None)
+    return [Conversion(max_tokens_per_rank=p, max_tokens_per_ubatch=ubatch(p), points=(p,))
+            for p in points]
 
 
 def capacity_note(backends: tuple[str, ...], *, world_size: int) -> Optional[str]:
@@ -219,11 +251,14 @@ def capacity_note(backends: tuple[str, ...], *, world_size: int) -> Optional[str
     if not taking:
         return None
     notes = []
-    padded = [b for b in taking if b in PADDED_BACKENDS]
-    if padded:
-        notes.append(f"{', '.join(padded)}: max_tokens_per_rank = the point's tokens per "
-                     f"rank, one converted model for DBO off and on, so each DBO ubatch "
-                     f"pads to the full capacity (2x the padding of DBO off)")
+    if "a2a_ll" in taking:
+        notes.append("a2a_ll: max_tokens_per_rank = the point's tokens per rank, "
+                     "max_tokens_per_ubatch = its largest DBO ubatch (each ubatch sends "
+                     "slots of its own capacity)")
+    if "deepep_ll" in taking:
+        notes.append("deepep_ll: max_tokens_per_rank = the point's tokens per rank, one "
+                     "converted model for DBO off and on, so each DBO ubatch pads to the "
+                     "full capacity (2x the padding of DBO off)")
     if "symm_mem" in taking:
         notes.append("symm_mem: max_tokens_per_rank = the largest point (it sizes the "
                      "buffers); only routed rows travel")

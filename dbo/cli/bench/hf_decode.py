@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dbo.cli.bench.gating import GatePolicy
-from dbo.cli.bench.hf_config import HFBenchConfig, HFDecodeOptions, conversions
+from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, HFDecodeOptions, conversions
 from dbo.cli.bench.hf_sweep import (build_model, describe_model, flat_row, free_memory,
                                     max_rel_diff, round_tag, timing_fields)
 from dbo.cli.bench.sweep import Progress
@@ -179,6 +179,8 @@ class HFDecodePoint:
     (on CPU the host time is the step time)."""
     max_tokens_per_rank: Optional[int]
     """The converted layers' capacity (`moe.hf.convert`), None for a backend without one."""
+    max_tokens_per_ubatch: Optional[int]
+    """a2a_ll's capacity of one DBO ubatch (`hf_config.conversions`), else None."""
     tokens_per_s_hf: float
     tokens_per_s_nodbo: float
     tokens_per_s_dbo: float
@@ -262,13 +264,15 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     import moe.hf
     points = []
     plans = [(backend, conversion) for backend in cfg.backends
-             for conversion in conversions(backend, opts.requests, world_size=world)]
+             for conversion in conversions(backend, opts.requests, world_size=world,
+                                           ubatch_of=lambda r: (r + 1) // 2)]
     for backend, conversion in plans:
         if model is None:  # the previous conversion's model is gone
             model = build_model(cfg, config, device=device, dtype=dtype)
         free_memory(device)
         model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
-                               max_tokens_per_rank=conversion.max_tokens_per_rank)
+                               max_tokens_per_rank=conversion.max_tokens_per_rank,
+                               max_tokens_per_ubatch=conversion.max_tokens_per_ubatch)
         free_memory(device)
         shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
         decoder = DecodeStep(model)
@@ -288,7 +292,8 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                 ons.append(time_steps(on, **timing))
             decision = runner.last_decision
             points.append(_point(cfg, opts, gate, backend=backend, requests=r, world=world,
-                                 capacity=conversion.max_tokens_per_rank, hf=t_hf[r], offs=offs, ons=ons, trials=trials,
+                                 conversion=conversion, hf=t_hf[r], offs=offs, ons=ons,
+                                 trials=trials,
                                  split=bool(decision is not None and decision.split),
                                  reason="" if decision is None else decision.reason,
                                  diffs=diffs))
@@ -306,7 +311,7 @@ def _step(call: Callable[..., Tensor], input_ids: Tensor, **kwargs: Any) -> Call
 
 
 def _point(cfg: HFBenchConfig, opts: HFDecodeOptions, gate: GatePolicy, *, backend: str,
-           requests: int, world: int, capacity: Optional[int], hf: Timing,
+           requests: int, world: int, conversion: Conversion, hf: Timing,
            offs: list[Timing], ons: list[Timing], trials: list[float], split: bool,
            reason: str, diffs: list[float]) -> HFDecodePoint:
     times = timing_fields(hf, offs, ons, total_tokens=requests * world,  # a token each
@@ -316,7 +321,9 @@ def _point(cfg: HFBenchConfig, opts: HFDecodeOptions, gate: GatePolicy, *, backe
     gated_ms = times["t_dbo_ms"] if decision.use_dbo else times["t_nodbo_ms"]
     return HFDecodePoint(
         regime=cfg.regime, arch=cfg.arch, backend=backend, requests_per_rank=requests,
-        context=opts.context, world_size=world, max_tokens_per_rank=capacity,
+        context=opts.context, world_size=world,
+        max_tokens_per_rank=conversion.max_tokens_per_rank,
+        max_tokens_per_ubatch=conversion.max_tokens_per_ubatch,
         gate=decision.choice, gate_reason=decision.reason, t_gated_ms=gated_ms,
         gated_speedup=times["t_nodbo_ms"] / gated_ms if not cfg.functional else None,
         dbo_split=split, dbo_split_reason=reason, logits_diff_nodbo=diffs[0],

@@ -7,6 +7,8 @@
         --mode decode --requests 64,256,512 --context 1024
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf qwen3-30b-a3b \
         --tokens 4096 --backends a2a,a2a_ll                  # a2a_ll: a capacity per point
+    NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf qwen3-30b-a3b \
+        --tokens 4096 --backends a2a_ll --cuda-graph         # converted steps as graphs
 
 Prefill by default; `--mode decode` times decode steps over KV caches instead
 (`dbo.cli.bench.hf_decode`), sweeping `--requests` (requests per rank) at `--context`
@@ -14,7 +16,10 @@ cached tokens per request, gated as the other modes gate (`--gate-min-tokens`,
 `--gate-trial-iters`).
 
 `--backends a2a_ll` (also symm_mem, deepep_ll) converts with a capacity per rank
-(`hf_config.conversions`): no MoE layer reads counts on the host.
+(`hf_config.conversions`): no MoE layer reads counts on the host. Prefill with
+`--cuda-graph` (GPUs; those backends only) replays the converted model's steps, DBO off
+and on, from CUDA graphs: an eager DBO step issues every layer's Python once per ubatch,
+which at small hidden sizes costs more host time than the GPU takes (`hf_sweep`).
 
 Ranks as the other modes (`dbo.cli.bench.launch`): under torchrun this process is one
 rank, else it spawns `--world-size` (default 2). Everything is checked before a rank
@@ -46,7 +51,7 @@ from dbo.cli.bench.hf_config import (
 
 # Options of the other modes that mean nothing here: (attribute, its default, flag).
 _NOT_WITH_HF = (("preset", None, "--preset"), ("experts_per_rank", None, "--experts-per-rank"),
-                ("cuda_graph", False, "--cuda-graph"), ("trace", False, "--trace"))
+                ("trace", False, "--trace"))
 
 
 def hf_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> HFBenchConfig:
@@ -72,6 +77,7 @@ def hf_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> HFB
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
         rounds=args.rounds if args.rounds is not None else (3 if gpu else 1),
         device=device, regime=regime_label(device, p2p_disabled=p2p_disabled(env)),
+        cuda_graph=args.cuda_graph,
         out_dir=args.out, seed=args.seed, progress=not args.no_progress)
 
 

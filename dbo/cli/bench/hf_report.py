@@ -29,7 +29,12 @@ HOST_DEFINITIONS = {
 DEFINITIONS = {
     "t_hf": ("the unconverted transformers model, every expert on every rank, running "
              "this rank's batch (no expert parallelism)"),
-    "t_nodbo / t_dbo": "the converted model (expert parallelism), DBO off / on",
+    "t_nodbo / t_dbo": ("the converted model (expert parallelism), DBO off / on; with "
+                        "cuda_graph replayed from CUDA graphs"),
+    "t_hf_eager / t_hf_graph": ("with cuda_graph: the unconverted model eagerly / as a "
+                                "replayed graph (null where it did not capture: "
+                                "hf_graph_note); t_hf is the faster"),
+    "max_tokens_per_ubatch": "a2a_ll's capacity of one DBO ubatch, null otherwise",
     "step_time": ("per rank, the median over rounds of the median over iters of its "
                   "steps; the max over ranks unless *_rank0"),
     "tokens_per_s": "tokens per rank * world size / step time",
@@ -44,6 +49,20 @@ DEFINITIONS = {
 HOST_COLUMNS = [("host unconv", 11), ("host noDBO", 10), ("host DBO", 8)]
 HOST_LEGEND = ("  host unconv / host noDBO / host DBO: the host's time to issue one step (not "
                "waiting for the device), slowest rank; on CPU the step time itself")
+
+
+GRAPH_LEGEND = ("  CUDA graphs: the converted model's steps are replayed (DBO off: one "
+                "captured forward; DBO on: GraphedRunner, the vote then a replay); the "
+                "unconverted model eagerly and graphed where it captures, unconv ms the "
+                "faster")
+
+
+def _eager_graph(point: Any) -> str:
+    """The unconverted model's eager/graphed times ("" outside a --cuda-graph run)."""
+    if point.t_hf_eager_ms is None:
+        return ""
+    graph = "-" if point.t_hf_graph_ms is None else f"{point.t_hf_graph_ms:.3f}"
+    return f"{point.t_hf_eager_ms:.3f}/{graph}"
 
 
 def step_cells(point: Any) -> dict[str, str]:
@@ -97,7 +116,8 @@ def file_stem(result: Any, kind: str = "hf") -> str:
     """`bench_<kind>_<arch>_w<world>_<regime tag>` (`kind`: "hf" or "hf_decode")."""
     cfg = result.config
     tag = {CPU_REGIME: "cpu", EMULATED_REGIME: "p2p-disabled"}.get(cfg.regime, "nvlink")
-    return f"bench_{kind}_{cfg.arch}_w{result.world_size}_{tag}"
+    graphs = "_graphs" if getattr(cfg, "cuda_graph", False) else ""
+    return f"bench_{kind}_{cfg.arch}_w{result.world_size}_{tag}{graphs}"
 
 
 def header(result: Any, mode: str = "hf") -> dict[str, Any]:
@@ -177,6 +197,7 @@ def format_table(result: HFSweepResult) -> str:
         (f", median of {cfg.rounds} rounds" if cfg.rounds > 1 else "") +
         "; shown rank0/max over ranks; ratios use the max",
         HOST_LEGEND,
+        *([GRAPH_LEGEND] if cfg.cuda_graph else []),
         *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
         *([f"  capacity: {note}"] if (note := _capacity_note(result)) else []),
         "",
@@ -186,19 +207,24 @@ def format_table(result: HFSweepResult) -> str:
             ("noDBO/unconv", 12), ("tok/s DBO", 9), ("diff", 8)]
     if cfg.functional:
         cols = [c for c in cols if c[0] not in ("speedup", "DBO/unconv", "noDBO/unconv")]
+    if cfg.cuda_graph:
+        cols.insert(3, ("unconv eager/graph", 18))
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
     for p in result.points:
         cells = {"T/rank": str(p.tokens_per_rank), "backend": p.backend, **step_cells(p),
                  "speedup": f"{p.speedup or 0:.3f}", "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
                  "noDBO/unconv": f"{p.nodbo_vs_hf or 0:.3f}",
                  "tok/s DBO": _num(p.tokens_per_s_dbo),
-                 "diff": f"{max(p.logits_diff_nodbo, p.logits_diff_dbo):.1e}"}
+                 "diff": f"{max(p.logits_diff_nodbo, p.logits_diff_dbo):.1e}",
+                 "unconv eager/graph": _eager_graph(p)}
         lines.append("  ".join(f"{cells[name]:>{w}}" for name, w in cols))
     not_split = [p for p in result.points if not p.dbo_split]
     for p in not_split:
         lines.append(f"  {p.backend} T={p.tokens_per_rank}: DBO-on step NOT split: "
                      f"{p.dbo_split_reason}")
     lines += host_bound_lines(result.points, lambda p: f"{p.backend} T={p.tokens_per_rank}")
+    notes = {p.tokens_per_rank: p.hf_graph_note for p in result.points if p.hf_graph_note}
+    lines += [f"  unconverted T={t}: no graph: {note}" for t, note in notes.items()]
     lines.append("  speedup = noDBO/DBO; DBO/unconv = unconverted/DBO (above 1: the converted "
                  "model with DBO is faster); diff = largest logit difference to the "
                  "unconverted model, relative")

@@ -18,8 +18,15 @@ logits are the last position's, as a server computes them: [B, 1, V]).
    sequences) in alternation. Another backend rebuilds the model and converts it again.
    A backend that needs a capacity gets `max_tokens_per_rank` (`hf_config.conversions`):
    a2a_ll and deepep_ll the point's tokens per rank, converted (and rebuilt) per point;
-   symm_mem the largest point's. The DBO-on runner shares the DBO-off model, so its
-   ubatches carry that capacity too (a2a_ll: padding of the whole capacity per ubatch).
+   symm_mem the largest point's. The DBO-on runner shares the DBO-off model; a2a_ll's
+   ubatches get a capacity of their own (the point's larger ubatch), deepep_ll's carry
+   the whole capacity (its padding, twice).
+With `cuda_graph` (GPU, prefill): DBO off is one captured forward (`dbo.graphs.
+capture_graph`) replayed, DBO on a `dbo.graphs.GraphedRunner` (the vote, then a
+replay), both with their output cloned out as a caller would keep it. The unconverted
+model is timed eagerly and, if transformers' forward captures, as a replayed graph as
+well; its ratios use the faster of the two (`t_hf_ms` is that one, `t_hf_eager_ms` and
+`t_hf_graph_ms` both, or why it did not capture).
 Times are per-rank medians (`dbo.cli.bench.timing`), folded over rounds; the derived
 figures use the slowest rank's. Each point also reports how far the converted model's
 logits are from the unconverted model's on the same batch (largest difference over
@@ -35,11 +42,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dbo.cli.bench.hf_config import HFBenchConfig, conversions
+from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, conversions
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import (Timing, gather_floats, host_bound, median_of_rounds, rate,
                                   time_steps)
+from torch.utils._pytree import tree_map
+
 from dbo.config import DBOConfig
+from dbo.graphs import GraphedRunner, capture_graph
 from dbo.runner import DBORunner
 
 __all__ = ["HFPoint", "HFSweepResult", "build_model", "describe_model", "max_rel_diff",
@@ -47,6 +57,8 @@ __all__ = ["HFPoint", "HFSweepResult", "build_model", "describe_model", "max_rel
 
 # DBO on: every point split (B >= 2 sequences); the bench compares, it does not gate.
 _DBO_ON = DBOConfig(split="batch", min_prefill_tokens=2, min_decode_tokens=2)
+#: Eager steps before each capture (compiles, autotunes, allocates the workspaces).
+GRAPH_WARMUP = 2
 
 
 @dataclass
@@ -87,6 +99,16 @@ class HFPoint:
     dbo_split_reason: str
     logits_diff_nodbo: float
     logits_diff_dbo: float
+    max_tokens_per_ubatch: Optional[int] = None
+    """a2a_ll's capacity of one DBO ubatch (`hf_config.conversions`), else None."""
+    cuda_graph: bool = False
+    """Converted steps replayed from CUDA graphs (module doc)."""
+    t_hf_eager_ms: Optional[float] = None
+    t_hf_graph_ms: Optional[float] = None
+    """The unconverted model eagerly and as a replayed graph (max over ranks; the graph
+    None where it did not capture: `hf_graph_note`); under `cuda_graph` only. `t_hf_ms`
+    is the faster."""
+    hf_graph_note: str = ""
     rounds: int = 1
     per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
     rounds_ms: dict[str, list[float]] = field(default_factory=dict)
@@ -121,6 +143,7 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     assert model is not None
     shapes = describe_model(model, config, world=world, dtype=dtype)
     t_hf: dict[int, Timing] = {}
+    unconverted: dict[int, UnconvertedTimes] = {}
     reference: dict[int, Tensor] = {}
     for tokens in cfg.tokens:
         step = _step(model, inputs[tokens])
@@ -130,22 +153,32 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
             progress.step(f"unconverted T={tokens}/rank{round_tag(cfg, index)}")
             rounds.append(time_steps(step, **timing))
         t_hf[tokens] = median_of_rounds(rounds)
+        if cfg.cuda_graph:
+            unconverted[tokens] = _graphed_unconverted(step, t_hf[tokens], cfg, timing,
+                                                       device=device, group=group)
+            t_hf[tokens] = unconverted[tokens].best
 
     import moe.hf
     points = []
     plans = [(backend, conversion) for backend in cfg.backends
-             for conversion in conversions(backend, cfg.tokens, world_size=world)]
+             for conversion in conversions(backend, cfg.tokens, world_size=world,
+                                           ubatch_of=lambda t: largest_ubatch(cfg, t))]
     for backend, conversion in plans:
         if model is None:  # the previous conversion's model is gone
             model = build_model(cfg, config, device=device, dtype=dtype)
         free_memory(device)
         model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
-                               max_tokens_per_rank=conversion.max_tokens_per_rank)
+                               max_tokens_per_rank=conversion.max_tokens_per_rank,
+                               max_tokens_per_ubatch=conversion.max_tokens_per_ubatch)
         free_memory(device)
         shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
         runner = DBORunner(model, _DBO_ON, group=group)
+        graphed = GraphedRunner(runner, warmup=GRAPH_WARMUP) if cfg.cuda_graph else None
         for tokens in conversion.points:
-            off, on = _step(model, inputs[tokens]), _step(runner, inputs[tokens])
+            off = _step(model, inputs[tokens])
+            if cfg.cuda_graph:
+                off = _replayed(capture_graph(off, device=device, warmup=GRAPH_WARMUP))
+            on = _step(graphed if graphed is not None else runner, inputs[tokens])
             diffs = [max_rel_diff(s().logits, reference[tokens], group) for s in (off, on)]
             offs, ons = [], []
             for index in range(cfg.rounds):
@@ -156,12 +189,16 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                 ons.append(time_steps(on, **timing))
             decision = runner.last_decision
             points.append(_point(cfg, backend=backend, tokens=tokens, world=world,
-                                 capacity=conversion.max_tokens_per_rank,
+                                 conversion=conversion, unconverted=unconverted.get(tokens),
                                  hf=t_hf[tokens], offs=offs, ons=ons,
                                  split=bool(decision is not None and decision.split),
                                  reason="" if decision is None else decision.reason,
                                  diffs=diffs))
-        model = runner = None
+            off = on = None  # the DBO-off graph and its memory go here
+            free_memory(device)
+        if graphed is not None:
+            graphed.reset()
+        model = runner = graphed = None
     progress.close()
     free_memory(device)
     return HFSweepResult(cfg, world, shapes, points)
@@ -192,6 +229,59 @@ def _batch(cfg: HFBenchConfig, tokens: int, vocab: int, *, rank: int,
     return {"input_ids": ids.to(device), "use_cache": False, "logits_to_keep": 1}
 
 
+def largest_ubatch(cfg: HFBenchConfig, tokens: int) -> int:
+    """Rows of the larger ubatch of a DBO step at `tokens` per rank: the "batch" split
+    gives it ceil(B / 2) of the B sequences."""
+    return -(-cfg.requests // 2) * (tokens // cfg.requests)
+
+
+@dataclass
+class UnconvertedTimes:
+    """The unconverted model eagerly and as a replayed graph (None: it did not capture,
+    `note` says why); `best` the faster."""
+
+    eager: Timing
+    graph: Optional[Timing]
+    note: str
+
+    @property
+    def best(self) -> Timing:
+        if self.graph is None or self.eager.max_ms <= self.graph.max_ms:
+            return self.eager
+        return self.graph
+
+
+def _graphed_unconverted(step: Callable[[], Any], eager: Timing, cfg: HFBenchConfig,
+                         timing: dict[str, Any], *, device: torch.device,
+                         group: Optional[dist.ProcessGroup]) -> UnconvertedTimes:
+    """Time the unconverted model as a replayed graph, where every rank captures it (it
+    runs no collective: a rank whose capture fails only tells the others, below)."""
+    note, graph = "", None
+    try:
+        replay = _replayed(capture_graph(step, device=device, warmup=GRAPH_WARMUP))
+    except RuntimeError as exc:
+        replay, note = None, f"did not capture: {str(exc).splitlines()[0][:200]}"
+    captured = gather_floats(0.0 if replay is None else 1.0, group)
+    if min(captured) == 1.0:
+        assert replay is not None
+        rounds = [time_steps(replay, **timing) for _ in range(cfg.rounds)]
+        graph = median_of_rounds(rounds)
+    elif not note:
+        note = "did not capture on another rank"
+    replay = None
+    free_memory(device)
+    return UnconvertedTimes(eager, graph, note)
+
+
+def _replayed(captured: Any) -> Callable[[], Any]:
+    """A step that replays `captured` (`dbo.graphs.CapturedGraph`) and clones its output
+    out, as `GraphedRunner` does (the next replay overwrites the graph's own)."""
+    def step() -> Any:
+        return tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v,
+                        captured.replay())
+    return step
+
+
 def _step(call: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[[], Any]:
     def step() -> Any:
         with torch.no_grad():
@@ -206,11 +296,20 @@ def max_rel_diff(logits: Tensor, reference: Tensor, group: Optional[dist.Process
 
 
 def _point(cfg: HFBenchConfig, *, backend: str, tokens: int, world: int,
-           capacity: Optional[int], hf: Timing, offs: list[Timing], ons: list[Timing],
-           split: bool, reason: str, diffs: list[float]) -> HFPoint:
+           conversion: Conversion, unconverted: Optional["UnconvertedTimes"], hf: Timing,
+           offs: list[Timing], ons: list[Timing], split: bool, reason: str,
+           diffs: list[float]) -> HFPoint:
+    graph_fields: dict[str, Any] = {}
+    if unconverted is not None:
+        graph_fields = dict(t_hf_eager_ms=unconverted.eager.max_ms,
+                            t_hf_graph_ms=(None if unconverted.graph is None
+                                           else unconverted.graph.max_ms),
+                            hf_graph_note=unconverted.note)
     return HFPoint(
         regime=cfg.regime, arch=cfg.arch, backend=backend, tokens_per_rank=tokens,
-        world_size=world, max_tokens_per_rank=capacity, dbo_split=split,
+        world_size=world, max_tokens_per_rank=conversion.max_tokens_per_rank,
+        max_tokens_per_ubatch=conversion.max_tokens_per_ubatch, cuda_graph=cfg.cuda_graph,
+        dbo_split=split, **graph_fields,
         dbo_split_reason=reason, logits_diff_nodbo=diffs[0], logits_diff_dbo=diffs[1],
         **timing_fields(hf, offs, ons, total_tokens=tokens * world,
                         perf=not cfg.functional))
