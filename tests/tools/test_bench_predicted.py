@@ -67,7 +67,20 @@ def test_point_gets_predicted_times_and_errors():
     assert point.measured_point.measured_ms == {"none": 10.0, "dbo": 10.0}
     assert {"t_dbo_pred_ms", "pred_err_dbo", "speedup_pred"} <= set(point.row())
     lines = prediction_lines(SweepResult(CFG, 2, {}, "", [point]))
-    assert lines[-1].split()[:7] == ["64", "a2a", "12.000", "+20.0%", "9.000", "-10.0%", "1.333"]
+    # SBO not timed here: its prediction (2 + ov(0, 4) + 2 + 4 = 12 ms), no error.
+    assert lines[-1].split()[:9] == ["64", "a2a", "12.000", "+20.0%", "9.000", "-10.0%",
+                                     "12.000", "-", "1.333"]
+
+
+def test_a_timed_sbo_step_gets_its_prediction_and_error_in_the_table():
+    point = _point()
+    point.t_sbo_ms = 15.0  # predicted 12 ms (above): -20%
+    attach_prediction(point, COMM_HEAVY, Calibration())
+    assert point.t_sbo_pred_ms == pytest.approx(12.0)
+    assert point.pred_err_sbo == pytest.approx(-0.2)
+    assert point.measured_point.measured_ms["sbo"] == 15.0
+    line = prediction_lines(SweepResult(CFG, 2, {}, "", [point]))[-1].split()
+    assert line[6:8] == ["12.000", "-20.0%"]
 
 
 def test_the_probes_split_compute_feeds_the_dbo_prediction():
