@@ -200,7 +200,8 @@ class Prediction:
     """One line: why that mode."""
     dbo_costs_ms: dict[str, float]
     """What splitting costs against a perfect overlap, per term (weights_read_twice,
-    half_gemm, fill_drain, comm_sm_share, clock, launches)."""
+    half_gemm, fill_drain, comm_sm_share, clock, launches: the DBO step's host time
+    beyond its GPU time, or all of it under CUDA graphs)."""
 
     def gain(self, mode: str) -> float:
         """T_none / T_mode - 1 (0.25 = 25% faster)."""

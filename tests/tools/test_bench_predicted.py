@@ -138,3 +138,16 @@ def test_bench_writes_the_calibration_a_second_run_and_plan_use(tmp_path, capsys
     out = capsys.readouterr().out
     assert f"calibration: {path} (written by dbo bench on cpu" in out
     assert "2 measured points" in json.loads(out.strip().splitlines()[-1])["calibration"]
+
+
+@pytest.mark.distributed
+def test_bench_records_each_modes_host_time_for_an_issue_only_backend(tmp_path):
+    # a2a_ll never waits on the device: its host times are issue times, the floors of
+    # the no-overlap, DBO and SBO predictions (`dbo.cost_model`).
+    row = _bench(tmp_path / "ll", "--backends", "a2a_ll", "--tokens", "16")
+    point = Calibration.load(row["files"]["calibration"]).points[0]
+    assert point.backend == "a2a_ll"
+    assert point.host_ms == pytest.approx(row["points"][0]["host_nodbo_ms"], rel=1e-3)
+    assert point.host_dbo_ms == pytest.approx(row["points"][0]["host_dbo_ms"], rel=1e-3)
+    assert point.host_sbo_ms == pytest.approx(row["points"][0]["host_sbo_ms"], rel=1e-3)
+    assert min(point.host_ms, point.host_dbo_ms, point.host_sbo_ms) > 0

@@ -9,7 +9,10 @@ the gate's choice from a calibration (no trial steps), and the calibration file.
 The prediction at a point is the cost model's (`dbo.cost_model.predict`) on the phase
 times measured at that same point (`dbo.cli.bench.phases`) with the machine figures of
 the calibration: what `dbo plan` and a runner with a calibration would predict there.
-pred_err = predicted / measured - 1.
+pred_err = predicted / measured - 1, for each mode timed at the point (no overlap, DBO,
+SBO). The point's host times go in with its phases (`dbo.cli.bench.sweep`): for a backend
+that never waits on the device, each mode's measured issue time is its floor (eager) or
+adds to its GPU time (CUDA graphs: the runner's vote before the replay).
 """
 from __future__ import annotations
 
