@@ -110,7 +110,14 @@ class MeasuredPoint:
     host_ms: float = 0.0
     """The host's time to issue the unsplit step (call to return), ms; 0: not measured,
     or not an issue time (a backend that reads device values on the host waits for the
-    device inside it, and a CUDA-graph replay issues no layer's Python)."""
+    device inside it). Under `cuda_graph`, the host's time before and around the replay
+    (no layer's Python runs), which the GPU waits for."""
+    host_dbo_ms: float = 0.0
+    """The same for the DBO step (the runner's vote, the scheduler, every layer's Python
+    once per ubatch); 0: not measured (the model then takes 2 * host_ms)."""
+    host_sbo_ms: float = 0.0
+    """The same for the single-batch-overlap step (the runner's vote, the own-rows
+    pass); 0: not measured (the model then takes host_ms)."""
     split_compute: float = 0.0
     """The DBO step's compute alone, ms: the probe's split compute (the step with its
     collectives replaced by their recorded results; graphed where the steps were); 0:
@@ -135,7 +142,7 @@ class MeasuredPoint:
         values = {name: getattr(self, name) for name in (
             "attention", "experts", "dispatch", "combine", "shared", "comm_latency",
             "expert_weight_bytes", "attention_weight_bytes", "shared_weight_bytes", "host_ms",
-            "split_compute")}
+            "host_dbo_ms", "host_sbo_ms", "split_compute")}
         values.update({f"measured_ms[{k!r}]": v for k, v in self.measured_ms.items()})
         for name, value in values.items():
             if (isinstance(value, bool) or not isinstance(value, (int, float))

@@ -21,8 +21,13 @@ Terms (source of each parameter after the colon):
   ov(u, m) = max(m, u / kappa + f * m)   compute u under comm m; f = comm_sm_share,
              kappa = overlap_clock (compute runs at (1 - f) speed while comm runs) : Calibration
   host(k) = L * k * launch_us            k launches per layer : StepShape, Calibration
-  h = host_ms: the measured host time to issue the unsplit step : StepShape (the bench)
-  none:   T = max(L * (a + x + d + ov(s, c)), host(k), h)
+  h, h_dbo, h_sbo = the measured host time to issue the unsplit, DBO and SBO step :
+             StepShape (the bench); h_dbo = 2 h and h_sbo = h where only h was measured
+  step(gpu, h) = max(gpu, h) for an eager step (the host issues while the GPU runs: the
+             slower of the two sets the step), gpu + h under CUDA graphs (`cuda_graph`:
+             the host time is the runner's vote and the replay's launch, spent before the
+             GPU has any of the step's work)
+  none:   T = step(L * (a + x + d + ov(s, c)), max(host(k), h))
           (the shared experts are queued between the combine's send and its receive,
           and the combine runs on the comm stream: they run under it)
   DBO, per ubatch: a2 = max(a / 2, W_a)           weights read twice (each ubatch reads them)
@@ -41,18 +46,23 @@ Terms (source of each parameter after the colon):
                   comm-bound: a2)
                   + [first_dispatch_exposed] (a2 + d2 - ov(a2, d2)): the step's first
                   dispatch waits on the host before ubatch 1 queues work (a2a)
-          T = max(L * layer + fill/drain, host(2k), 2 h)  twice the launches; the host
-                  runs every layer's Python once per ubatch
+          T = step(L * layer + fill/drain, max(host(2k), h_dbo))  twice the launches
   SBO, as `moe.modular_kernel` runs it: the shared experts under the dispatch, then the
           experts over the other ranks' rows in n = sbo_chunks chunks of rows (each
           chunk's combine under the next chunk's experts), then this rank's own rows
           (share o = own_row_share, never sent) under the last chunk's combine. Every
-          pass reads the expert weights its rows need, all of them at decode sizes:
-          pass(q) = max(q * x, W_e)           a pass over a share q of the rows
-          x_n = pass((1 - o) / n), x_o = pass(o), c_n = (c - lam) * (1 - o) / n + lam
+          pass is a smaller GEMM than the unsplit step's and reads the expert weights its
+          rows need, all of them at decode sizes:
+          pass(q) = max(q * x * eff(r) / eff(q * r), W_e)   a pass over a share q of the
+                                              rows, at the GEMM efficiency of its rows
+          x_n = pass((1 - o) / n), x_o = pass(o)
+          c_n = (c - lam) / n + lam           the measured combine is the other ranks'
+                                              rows alone (the own rows never cross the
+                                              link, in the unsplit step either): each
+                                              chunk carries 1/n of it
           layer = a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + tail
           tail = ov(x_o, c_n) if o > 0, else c_n (the last combine exposed)
-          T = max(L * layer, host(k + n - 1 + [o > 0]), h)
+          T = step(L * layer, max(host(k + n - 1 + [o > 0]), h_sbo))
   choice: the fastest mode, unless its gain T_none / T_mode - 1 is below `margin`:
           then "none" (an overlap mode that is predicted to win by less never runs).
 """
@@ -122,8 +132,19 @@ class StepShape:
     """The step's first dispatch waits on the host before the second ubatch queues work
     (backends that read counts on the host: a2a)."""
     host_ms: float = 0.0
-    """Measured host time to issue the unsplit step, ms (0: not known). A floor for
-    every mode; a DBO step issues every layer's Python once per ubatch: 2 * host_ms."""
+    """Measured host time to issue the unsplit step, ms (0: not known). Eager: a floor
+    of the step; under CUDA graphs (`cuda_graph`) added to its GPU time."""
+    host_dbo_ms: float = 0.0
+    """Measured host time to issue the DBO step, ms (0: not known: 2 * host_ms, every
+    layer's Python once per ubatch). The runner's vote, the scheduler's switches and
+    twice the layers' Python: 1.7-3.2x host_ms measured on 2x H200, eager."""
+    host_sbo_ms: float = 0.0
+    """Measured host time to issue the SBO step, ms (0: not known: host_ms). The
+    runner's vote and the own-rows pass's launches on top of the unsplit step's."""
+    cuda_graph: bool = False
+    """The step is a CUDA-graph replay: its host time (the runner's vote, the replay's
+    launch) is spent before the GPU has any of its work, so it adds to the GPU time
+    instead of bounding it."""
     comm_sm_share: Optional[float] = None
     """The comm kernels' SM share for this step's backend and link (None: the
     calibration's `comm_sm_share`; `Calibration.comm_sm_share_for`)."""
@@ -153,7 +174,10 @@ class StepShape:
         _check_nonneg("StepShape", self, ("rows_per_expert", "expert_weight_bytes",
                                           "attention_weight_bytes", "shared_weight_bytes",
                                           "split_compute_ms",
-                                          "host_ms"))
+                                          "host_ms", "host_dbo_ms", "host_sbo_ms"))
+        if not isinstance(self.cuda_graph, bool):
+            raise ValueError(f"StepShape.cuda_graph={self.cuda_graph!r}: must be True or "
+                             f"False.")
         share = self.comm_sm_share
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
                                   or not 0.0 <= share < 1.0):
@@ -176,7 +200,8 @@ class Prediction:
     """One line: why that mode."""
     dbo_costs_ms: dict[str, float]
     """What splitting costs against a perfect overlap, per term (weights_read_twice,
-    half_gemm, fill_drain, comm_sm_share, clock, launches)."""
+    half_gemm, fill_drain, comm_sm_share, clock, launches: the DBO step's host time
+    beyond its GPU time, or all of it under CUDA graphs)."""
 
     def gain(self, mode: str) -> float:
         """T_none / T_mode - 1 (0.25 = 25% faster)."""
@@ -226,8 +251,14 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
         return L * k * launch_ms if shape.kernels_per_layer else 0.0
 
     k, h = shape.kernels_per_layer, shape.host_ms
+    h_dbo = shape.host_dbo_ms or 2 * h
+    h_sbo = shape.host_sbo_ms or h
     ov = lambda u, m: _ov(u, m, f=f, kappa=kappa)  # noqa: E731
-    t_none = max(L * (a + x + d + ov(s, c)), host(k), h)
+
+    def step(gpu: float, host_ms: float) -> float:
+        return gpu + host_ms if shape.cuda_graph else max(gpu, host_ms)
+
+    t_none = step(L * (a + x + d + ov(s, c)), max(host(k), h))
 
     a2, s2, x2 = max(a / 2, w_a), max(s / 2, w_s), max(g * x / 2, w_e)
     if shape.split_compute_ms > 0 and a2 + s2 + x2 > 0:  # measured: take it
@@ -237,14 +268,19 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
     d2, c2 = (d - lam) / 2 + lam, (c - lam) / 2 + lam
     exposed = shape.first_dispatch_exposed
     gpu_dbo = _dbo_gpu(a2, y2, d2, c2, L, f=f, kappa=kappa, first_dispatch_exposed=exposed)
-    t_dbo = max(gpu_dbo, host(2 * k), 2 * h)
+    host_dbo = max(host(2 * k), h_dbo)
+    t_dbo = step(gpu_dbo, host_dbo)
 
-    n, o = sbo_chunks, shape.own_row_share
-    x_n, x_o = max((1.0 - o) / n * x, w_e), (max(o * x, w_e) if o > 0 else 0.0)
-    c_n = (c - lam) * (1.0 - o) / n + lam
+    n, o, r = sbo_chunks, shape.own_row_share, shape.rows_per_expert
+
+    def sbo_pass(q: float) -> float:  # experts over a share q of the rows
+        return max(q * x * cal.efficiency(r) / cal.efficiency(q * r), w_e)
+
+    x_n, x_o = sbo_pass((1.0 - o) / n), (sbo_pass(o) if o > 0 else 0.0)
+    c_n = (c - lam) / n + lam
     tail = ov(x_o, c_n) if o > 0 else c_n
-    t_sbo = max(L * (a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + tail),
-                host(k + n - 1 + (o > 0)), h)
+    t_sbo = step(L * (a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + tail),
+                 max(host(k + n - 1 + (o > 0)), h_sbo))
 
     costs = {
         "weights_read_twice": 2 * L * (max(0.0, w_a - a / 2) + max(0.0, w_s - s / 2)
@@ -255,11 +291,11 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
                                             first_dispatch_exposed=exposed),
         "clock": gpu_dbo - _dbo_gpu(a2, y2, d2, c2, L, f=f, kappa=1.0,
                                     first_dispatch_exposed=exposed),
-        "launches": max(0.0, max(host(2 * k), 2 * h) - gpu_dbo),
+        "launches": host_dbo if shape.cuda_graph else max(0.0, host_dbo - gpu_dbo),
     }
     times_ms = {"none": t_none, "dbo": t_dbo, "sbo": t_sbo}
     chosen, reason = _choose(times_ms, times, costs, margin=margin,
-                             host_bound=max(host(k), h) >= t_none)
+                             host_bound=not shape.cuda_graph and max(host(k), h) >= t_none)
     return Prediction(times_ms=times_ms, chosen=chosen, reason=reason, dbo_costs_ms=costs)
 
 

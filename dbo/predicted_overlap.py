@@ -28,15 +28,17 @@ __all__ = ["OverlapPredictor", "choose_predicted", "covering_point", "point_inpu
 # The fields of a MeasuredPoint that scale with the step's tokens.
 _SCALED = ("attention", "experts", "dispatch", "combine", "shared", "comm_latency",
            "rows_per_expert", "expert_weight_bytes", "attention_weight_bytes",
-           "shared_weight_bytes", "host_ms", "split_compute")
+           "shared_weight_bytes", "host_ms", "host_dbo_ms", "host_sbo_ms",
+           "split_compute")
 
 
 def point_inputs(point: MeasuredPoint, calibration: Optional[Calibration] = None
                  ) -> tuple[PhaseTimes, StepShape]:
     """The cost model's inputs at a measured point (no launch cost: the measured phase
-    times already hold the launches of an unsplit step; the measured host time of the
-    unsplit step as its host floor). With `calibration`, the comm kernels' SM share of
-    the point's backend and link (`Calibration.comm_sm_share_for`)."""
+    times already hold the launches of an unsplit step; the measured host times of the
+    unsplit, DBO and SBO steps as their host floors, or under CUDA graphs as the host
+    time before each replay). With `calibration`, the comm kernels' SM share of the
+    point's backend and link (`Calibration.comm_sm_share_for`)."""
     share = (None if calibration is None
              else calibration.comm_sm_share_for(point.backend, point.regime))
     times = PhaseTimes(attention=point.attention, experts=point.experts,
@@ -47,6 +49,8 @@ def point_inputs(point: MeasuredPoint, calibration: Optional[Calibration] = None
                       expert_weight_bytes=point.expert_weight_bytes,
                       attention_weight_bytes=point.attention_weight_bytes,
                       shared_weight_bytes=point.shared_weight_bytes, host_ms=point.host_ms,
+                      host_dbo_ms=point.host_dbo_ms, host_sbo_ms=point.host_sbo_ms,
+                      cuda_graph=point.cuda_graph,
                       comm_sm_share=share, own_row_share=point.own_row_share,
                       split_compute_ms=point.split_compute)
     return times, shape

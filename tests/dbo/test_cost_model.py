@@ -104,19 +104,62 @@ def test_sbo_hides_shared_under_dispatch_and_combine_under_chunks():
 
 def test_sbo_passes_each_read_the_expert_weights_and_own_rows_go_last():
     # As moe.modular_kernel runs SBO: the other ranks' rows (1 - o = 0.5 of them) in 2
-    # chunks, then the own rows under the last chunk's combine. c_n = 2 * 0.5 / 2 = 0.5.
+    # chunks, then the own rows under the last chunk's combine. The measured combine is
+    # the other ranks' rows alone (the own rows never cross the link): c_n = 2 / 2 = 1.
     times = PhaseTimes(attention=1, experts=2, dispatch=1, combine=2)
-    # No weight floor: 1 + ov(0, 1) + 0.5 + ov(0.5, 0.5) + ov(1, 0.5) = 1 + 1 + .5 + .5 + 1.
+    # No weight floor: 1 + ov(0, 1) + 0.5 + ov(0.5, 1) + ov(1, 1) = 1 + 1 + .5 + 1 + 1.
     light = predict(times, shape(own_row_share=0.5), FLAT, sbo_chunks=2)
-    assert light.times_ms["sbo"] == pytest.approx(4.0)
+    assert light.times_ms["sbo"] == pytest.approx(4.5)
     # Weight-bound (W_e = 1e9 B at 1000 GB/s = 1 ms): each of the three passes reads the
-    # weights, 1 ms however few its rows: 1 + 1 + 1 + ov(1, .5) + ov(1, .5) = 5.
+    # weights, 1 ms however few its rows: 1 + 1 + 1 + ov(1, 1) + ov(1, 1) = 5.
     heavy = predict(times, shape(own_row_share=0.5, expert_weight_bytes=1e9), FLAT,
                     sbo_chunks=2)
     assert heavy.times_ms["sbo"] == pytest.approx(5.0)
     assert heavy.times_ms["none"] == pytest.approx(6.0)  # 1 + 2 + 1 + ov(0, 2)
     with pytest.raises(ValueError, match="own_row_share"):
         shape(own_row_share=1.0)
+
+
+def test_sbo_passes_run_at_the_gemm_efficiency_of_their_rows():
+    # 64 rows per expert at efficiency 0.8, a pass over half of them (32 rows) at 0.4:
+    # each half pass takes 0.5 * 2 * 0.8 / 0.4 = 2 ms, not 1. No own rows, 2 chunks:
+    # 1 + ov(0, 1) + 2 + ov(2, 1) + c_n = 1 + 1 + 2 + 2 + 1 = 7 (flat curve: 5).
+    times = PhaseTimes(attention=1, experts=2, dispatch=1, combine=2)
+    steep = Calibration(gemm_efficiency=((32.0, 0.4), (64.0, 0.8)), comm_sm_share=0.0,
+                        memory_gbs=1000.0)
+    assert predict(times, shape(), FLAT, sbo_chunks=2).times_ms["sbo"] == pytest.approx(5.0)
+    assert predict(times, shape(), steep, sbo_chunks=2).times_ms["sbo"] == pytest.approx(7.0)
+    # One pass over all the rows keeps the unsplit step's efficiency: 1 + 1 + 2 + 2 = 6.
+    assert predict(times, shape(), steep).times_ms["sbo"] == pytest.approx(6.0)
+
+
+def test_measured_dbo_and_sbo_host_times_are_their_floors():
+    # GPU: none 4, DBO 2.5, SBO 1 + ov(0, 1) + 1 + 1 = 4 (test below). The unsplit step
+    # was issued in 1 ms; the DBO step in 7 (the vote, the scheduler, twice the Python:
+    # more than 2 * 1), the SBO step in 4.5.
+    times = PhaseTimes(attention=1, experts=1, dispatch=1, combine=1)
+    guessed = predict(times, shape(host_ms=1.0), FLAT)
+    assert guessed.times_ms["dbo"] == pytest.approx(2.5)  # 2 * 1 < 2.5 on the GPU
+    assert guessed.times_ms["sbo"] == pytest.approx(4.0)
+    measured = predict(times, shape(host_ms=1.0, host_dbo_ms=7.0, host_sbo_ms=4.5), FLAT)
+    assert measured.times_ms["dbo"] == pytest.approx(7.0)
+    assert measured.times_ms["sbo"] == pytest.approx(4.5)
+    assert measured.times_ms["none"] == pytest.approx(4.0) and measured.chosen == "none"
+    assert measured.dbo_costs_ms["launches"] == pytest.approx(4.5)
+    with pytest.raises(ValueError, match="host_dbo_ms"):
+        shape(host_dbo_ms=-1.0)
+
+
+def test_under_cuda_graphs_the_host_time_adds_to_the_gpu_time():
+    # A replay's host time (the runner's vote) is spent before the GPU has the step's
+    # work: GPU none 4, DBO 2.5, SBO 4 (above) plus 0.1, 0.7 and 0.6 ms.
+    times = PhaseTimes(attention=1, experts=1, dispatch=1, combine=1)
+    p = predict(times, shape(host_ms=0.1, host_dbo_ms=0.7, host_sbo_ms=0.6, cuda_graph=True),
+                FLAT)
+    assert p.times_ms == pytest.approx({"none": 4.1, "dbo": 3.2, "sbo": 4.6})
+    assert p.dbo_costs_ms["launches"] == pytest.approx(0.7)
+    with pytest.raises(ValueError, match="cuda_graph"):
+        shape(cuda_graph=1)
 
 
 def test_a_measured_split_compute_replaces_the_modelled_one():

@@ -181,3 +181,15 @@ def test_point_inputs_carry_the_host_floor_and_the_backends_sm_share():
     mid = covering_point(Calibration(points=(measured, dataclasses.replace(
         measured, tokens=1024, host_ms=5.0))), tokens=768, decode=False)
     assert mid.host_ms == pytest.approx(4.0)
+
+
+def test_point_inputs_carry_each_modes_host_time_and_the_graph_mode():
+    measured = MeasuredPoint(tokens=512, decode=True, layers=4, attention=1.0, experts=1.0,
+                             dispatch=1.0, combine=1.0, host_ms=0.1, host_dbo_ms=0.7,
+                             host_sbo_ms=0.6, cuda_graph=True)
+    shape = point_inputs(measured)[1]
+    assert (shape.host_ms, shape.host_dbo_ms, shape.host_sbo_ms) == (0.1, 0.7, 0.6)
+    assert shape.cuda_graph
+    mid = covering_point(Calibration(points=(measured, dataclasses.replace(
+        measured, tokens=1024, host_dbo_ms=0.9, host_sbo_ms=1.0))), tokens=768, decode=True)
+    assert (mid.host_dbo_ms, mid.host_sbo_ms) == pytest.approx((0.8, 0.8))

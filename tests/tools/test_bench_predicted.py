@@ -67,7 +67,20 @@ def test_point_gets_predicted_times_and_errors():
     assert point.measured_point.measured_ms == {"none": 10.0, "dbo": 10.0}
     assert {"t_dbo_pred_ms", "pred_err_dbo", "speedup_pred"} <= set(point.row())
     lines = prediction_lines(SweepResult(CFG, 2, {}, "", [point]))
-    assert lines[-1].split()[:7] == ["64", "a2a", "12.000", "+20.0%", "9.000", "-10.0%", "1.333"]
+    # SBO not timed here: its prediction (2 + ov(0, 4) + 2 + 4 = 12 ms), no error.
+    assert lines[-1].split()[:9] == ["64", "a2a", "12.000", "+20.0%", "9.000", "-10.0%",
+                                     "12.000", "-", "1.333"]
+
+
+def test_a_timed_sbo_step_gets_its_prediction_and_error_in_the_table():
+    point = _point()
+    point.t_sbo_ms = 15.0  # predicted 12 ms (above): -20%
+    attach_prediction(point, COMM_HEAVY, Calibration())
+    assert point.t_sbo_pred_ms == pytest.approx(12.0)
+    assert point.pred_err_sbo == pytest.approx(-0.2)
+    assert point.measured_point.measured_ms["sbo"] == 15.0
+    line = prediction_lines(SweepResult(CFG, 2, {}, "", [point]))[-1].split()
+    assert line[6:8] == ["12.000", "-20.0%"]
 
 
 def test_the_probes_split_compute_feeds_the_dbo_prediction():
@@ -125,3 +138,16 @@ def test_bench_writes_the_calibration_a_second_run_and_plan_use(tmp_path, capsys
     out = capsys.readouterr().out
     assert f"calibration: {path} (written by dbo bench on cpu" in out
     assert "2 measured points" in json.loads(out.strip().splitlines()[-1])["calibration"]
+
+
+@pytest.mark.distributed
+def test_bench_records_each_modes_host_time_for_an_issue_only_backend(tmp_path):
+    # a2a_ll never waits on the device: its host times are issue times, the floors of
+    # the no-overlap, DBO and SBO predictions (`dbo.cost_model`).
+    row = _bench(tmp_path / "ll", "--backends", "a2a_ll", "--tokens", "16")
+    point = Calibration.load(row["files"]["calibration"]).points[0]
+    assert point.backend == "a2a_ll"
+    assert point.host_ms == pytest.approx(row["points"][0]["host_nodbo_ms"], rel=1e-3)
+    assert point.host_dbo_ms == pytest.approx(row["points"][0]["host_dbo_ms"], rel=1e-3)
+    assert point.host_sbo_ms == pytest.approx(row["points"][0]["host_sbo_ms"], rel=1e-3)
+    assert min(point.host_ms, point.host_dbo_ms, point.host_sbo_ms) > 0

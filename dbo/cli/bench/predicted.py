@@ -9,7 +9,10 @@ the gate's choice from a calibration (no trial steps), and the calibration file.
 The prediction at a point is the cost model's (`dbo.cost_model.predict`) on the phase
 times measured at that same point (`dbo.cli.bench.phases`) with the machine figures of
 the calibration: what `dbo plan` and a runner with a calibration would predict there.
-pred_err = predicted / measured - 1.
+pred_err = predicted / measured - 1, for each mode timed at the point (no overlap, DBO,
+SBO). The point's host times go in with its phases (`dbo.cli.bench.sweep`): for a backend
+that never waits on the device, each mode's measured issue time is its floor (eager) or
+adds to its GPU time (CUDA graphs: the runner's vote before the replay).
 """
 from __future__ import annotations
 
@@ -105,20 +108,23 @@ def write_calibration(result: Any, path: str) -> str:
 
 
 def prediction_lines(result: Any) -> list[str]:
-    """The table's block of predicted beside measured step times, one line per point."""
+    """The table's block of predicted beside measured step times, one line per point:
+    no overlap, DBO and SBO, each with its error where that mode was timed ("-" where
+    not)."""
     functional = result.config.functional
     lines = ["predicted (cost model on each point's measured phase times; pred_err = "
              "predicted / measured - 1):",
              f"  {'T/rank':>6} {'backend':>7} {'noDBO pred':>10} {'err':>7} {'DBO pred':>9} "
-             f"{'err':>7} {'pred x':>6} {'meas x':>6} {'pred':>4}  phases att/sh/exp/disp/comb ms"]
+             f"{'err':>7} {'SBO pred':>9} {'err':>7} {'pred x':>6} {'meas x':>6} {'pred':>4}  "
+             f"phases att/sh/exp/disp/comb ms"]
     if functional:
         lines.insert(1, "  (CPU: the model assumes comm overlaps compute, which gloo never does)")
     for p in result.points:
         if p.t_nodbo_pred_ms is None:
             if p.probe_note:  # no phase times were measured: say so, predict nothing
                 lines.append(f"  {p.tokens_per_rank:>6} {p.backend:>7} {'-':>10} {'-':>7} "
-                             f"{'-':>9} {'-':>7} {'-':>6} {'-':>6} {'-':>4}  no prediction: "
-                             f"its phases were not measured (probe note above)")
+                             f"{'-':>9} {'-':>7} {'-':>9} {'-':>7} {'-':>6} {'-':>6} {'-':>4}  "
+                             f"no prediction: its phases were not measured (probe note above)")
             continue
         measured = "-" if functional or p.speedup is None else f"{p.speedup:.3f}"
         phases = "/".join(f"{p.phase_ms[k]:.3g}"
@@ -126,8 +132,14 @@ def prediction_lines(result: Any) -> list[str]:
         mp = p.measured_point
         if mp is not None and mp.cuda_graph:  # eager phases scaled to the graphed step
             phases += f" (eager x{mp.compute_scale:.3g} compute, x{mp.comm_scale:.3g} comm)"
-        err_dbo = "-" if p.pred_err_dbo is None else f"{p.pred_err_dbo:+.1%}"
+        err_dbo, err_sbo = (_err(e) for e in (p.pred_err_dbo, p.pred_err_sbo))
         lines.append(f"  {p.tokens_per_rank:>6} {p.backend:>7} {p.t_nodbo_pred_ms:>10.3f} "
                      f"{p.pred_err_nodbo:>+7.1%} {p.t_dbo_pred_ms:>9.3f} {err_dbo:>7} "
+                     f"{p.t_sbo_pred_ms:>9.3f} {err_sbo:>7} "
                      f"{p.speedup_pred:>6.3f} {measured:>6} {p.pred_choice:>4}  {phases}")
     return lines
+
+
+def _err(err: Optional[float]) -> str:
+    """A prediction's error, "-" where the mode was not timed."""
+    return "-" if err is None else f"{err:+.1%}"

@@ -219,8 +219,13 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
         # The step times are of graph replays; the phases were timed eagerly.
         phases = to_graph_mode(phases, compute_ms=merged.ceiling.compute.max_ms,
                                comm_ms=merged.ceiling.comm.max_ms)
-    if phases is not None and not cfg.cuda_graph and issue_only and merged.t_off.host_max_ms:
-        phases = dataclasses.replace(phases, host_ms=merged.t_off.host_max_ms)
+    if phases is not None and issue_only:
+        # Eager: each step's issue time, its floor; graphed: the host's time around each
+        # replay (the runner's vote), which the GPU waits for (`dbo.cost_model`).
+        phases = dataclasses.replace(
+            phases, host_ms=merged.t_off.host_max_ms or 0.0,
+            host_dbo_ms=(merged.t_on.host_max_ms or 0.0) if merged.t_on is not None else 0.0,
+            host_sbo_ms=point.host_sbo_ms or 0.0)
     if phases is not None:
         attach_prediction(point, phases, calibration)
     return point
