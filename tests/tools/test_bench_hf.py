@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -220,19 +221,52 @@ def _graphed_hf_sweep(rank: int, world_size: int, out_dir: str) -> dict:
     cfg = HFBenchConfig(arch="qwen3_moe", tokens=(16, 32), requests=4, backends=("a2a_ll",),
                         iters=2, warmup=1, rounds=1, device="cuda", regime=NVLINK_REGIME,
                         cuda_graph=True, out_dir=out_dir, progress=False)
-    result = run_hf_sweep(cfg, group=dist.group.WORLD, device=torch.device("cuda", rank))
+    device = torch.device("cuda", rank)
+    result = run_hf_sweep(cfg, group=dist.group.WORLD, device=device)
+    replays = _replays_equal_eager(cfg, device)
     if rank:
         return {}
     return {"final": json.loads(final_line(result, write_outputs(result))),
-            "table": format_table(result)}
+            "table": format_table(result), "replays": replays}
+
+
+def _replays_equal_eager(cfg: Any, device: torch.device) -> dict[str, bool]:
+    """The converted model's steps as the sweep replays them (a captured forward; a
+    GraphedRunner) against the same steps run eagerly: bit for bit."""
+    import torch.distributed as dist
+
+    import moe.hf
+    from dbo import DBOConfig, DBORunner, GraphedRunner
+    from dbo.cli.bench.hf_sweep import _replayed, _step, build_model, largest_ubatch
+    from dbo.graphs import capture_graph
+    model = build_model(cfg, cfg.model_config(2), device=device, dtype=torch.bfloat16)
+    tokens = cfg.tokens[-1]
+    moe.hf.convert(model, group=dist.group.WORLD, backend="a2a_ll", max_tokens_per_rank=tokens,
+                   max_tokens_per_ubatch=largest_ubatch(cfg, tokens))
+    torch.manual_seed(dist.get_rank())
+    ids = torch.randint(0, model.config.vocab_size, (cfg.requests, tokens // cfg.requests),
+                        device=device)
+    kwargs = {"input_ids": ids, "use_cache": False, "logits_to_keep": 1}
+    runner = DBORunner(model, DBOConfig(split="batch", min_prefill_tokens=2,
+                                        min_decode_tokens=2))
+    off, on = _step(model, kwargs), _step(runner, kwargs)
+    eager_off, eager_on = off().logits, on().logits
+    graph_off = _replayed(capture_graph(off, device=device, warmup=2))().logits
+    graph_on = _step(GraphedRunner(runner), kwargs)().logits
+    return {"off": torch.equal(graph_off, eager_off), "on": torch.equal(graph_on, eager_on),
+            "split": bool(runner.last_decision.split)}
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_graphed_hf_sweep_replays_the_converted_model_on_two_gpus(tmp_path: Path) -> None:
-    """`--cuda-graph`: DBO off and on replayed from graphs give the unconverted model's
-    logits (bfloat16 rounding), a2a_ll's ubatches at half the capacity; the unconverted
-    model's graph is timed or its failure said."""
+    """`--cuda-graph`: DBO off and on replayed from graphs give exactly what the same
+    converted steps give eagerly; the sweep's points carry the graph fields, a2a_ll's
+    ubatches at half the capacity; the unconverted model's graph is timed or its failure
+    said. (At these tiny random bfloat16 shapes the logits of our expert kernels and
+    transformers' grouped_mm differ by up to ~15% of the largest logit, so the sweep's
+    difference to the unconverted model is only bounded loosely here; at real shapes it
+    is 1-3%, BENCHMARKS.md section 13.)"""
     from tests.dist_utils import run_distributed
 
     out = run_distributed(2, _graphed_hf_sweep, str(tmp_path), backend="nccl")[0]
@@ -241,7 +275,8 @@ def test_graphed_hf_sweep_replays_the_converted_model_on_two_gpus(tmp_path: Path
     for point in final["points"]:
         assert point["cuda_graph"] and point["dbo_split"], point
         assert point["max_tokens_per_ubatch"] == point["tokens_per_rank"] // 2, point
-        assert point["logits_diff_nodbo"] < 5e-2 and point["logits_diff_dbo"] < 5e-2, point
+        assert point["logits_diff_nodbo"] < 0.3 and point["logits_diff_dbo"] < 0.3, point
         assert point["t_hf_eager_ms"] > 0 and point["t_nodbo_ms"] > 0 and point["t_dbo_ms"] > 0
         assert (point["t_hf_graph_ms"] is None) == bool(point["hf_graph_note"]), point
     assert "CUDA graphs: the converted model's steps are replayed" in table
+    assert out["replays"] == {"off": True, "on": True, "split": True}, out["replays"]
