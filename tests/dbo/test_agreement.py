@@ -79,8 +79,9 @@ def test_the_cache_collects_again_only_when_the_model_or_config_is_replaced() ->
     model, cache = Counting(), AgreementCache()
     on, off = DBOConfig(), DBOConfig(enabled=False)
     first = cache.get(model, on, lambda: {"enabled": True})
-    assert first.fields == {"enabled": True, "width": 4, "capacity": 12}
-    assert first.capacity == cache.capacity == 12
+    assert first.fields == {"enabled": True, "width": 4, "capacity": 12,
+                            "ubatch_capacity": None}
+    assert first.capacity == cache.capacity == 12 and cache.ubatch_capacity is None
     assert cache.get(model, on, lambda: {"enabled": True}) is first and len(calls) == 1
     cache.mark_agreed()
     assert cache.agreed(model, on) and not cache.agreed(model, off)
