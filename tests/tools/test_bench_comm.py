@@ -250,3 +250,61 @@ def test_command_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert by_point[("a2a", 16)]["rank_rows"] == by_point[("a2a_ll", 16)]["rank_rows"]
     # a2a_ll pads every peer's slot to the capacity (16): 2 x 16 rows delivered per rank.
     assert by_point[("a2a_ll", 16)]["rows_delivered"] == [32, 32]
+
+
+class _RefusingSource:
+    """A source whose engine refuses 16 tokens per rank at bind, as `deepep_ll` refuses a
+    capacity beyond DeepEP's buffer limit (ValueError from the backend's constructor)."""
+
+    name = "fake"
+
+    def bind(self, x_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
+             topk_ids_TK: torch.Tensor) -> object:
+        if x_TH.shape[0] == 16:
+            raise ValueError("backend 'deepep_ll': MoEConfig.max_tokens_per_rank=16 ... "
+                             "needs a 40.0 GiB low-latency buffer, beyond DeepEP's 32 GiB")
+        return _EchoEngine(x_TH)
+
+    def close(self) -> None:
+        pass
+
+
+class _EchoEngine:
+    def __init__(self, x_TH: torch.Tensor) -> None:
+        self.x_TH = x_TH
+
+    def dispatch(self) -> torch.Tensor:
+        return self.x_TH.clone()
+
+    def combine(self, state: torch.Tensor) -> torch.Tensor:
+        return state + 0
+
+    def rows_delivered(self, state: torch.Tensor) -> int:
+        return int(state.shape[0])
+
+    def graph_blocker(self) -> None:
+        return None
+
+
+def _sweep_with_a_refused_point(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    import moe.bench.comm as comm
+
+    comm.make_source = lambda name, shapes, group, tokens: _RefusingSource()  # this rank only
+    cfg = CommBenchConfig(tokens=(1, 16, 4), hidden=8, top_k=2, num_experts=4, iters=2,
+                          warmup=1, backends=("a2a_ll", "naive"))
+    result = comm.run_comm_sweep(cfg, group=dist.group.WORLD, device=torch.device("cpu"))
+    return {"points": [(p.backend, p.tokens) for p in result.points],
+            "skipped": [(s.backend, s.tokens, s.reason) for s in result.skipped]}
+
+
+@pytest.mark.distributed
+def test_a_point_refused_at_bind_is_skipped_and_the_run_goes_on() -> None:
+    from tests.dist_utils import run_distributed
+
+    for out in run_distributed(2, _sweep_with_a_refused_point):
+        assert out["points"] == [("a2a_ll", 1), ("a2a_ll", 4), ("naive", 1), ("naive", 4)]
+        assert [(b, t) for b, t, _ in out["skipped"]] == [("a2a_ll", 16), ("naive", 16)]
+        assert all(r.startswith("rank 0: ValueError: backend 'deepep_ll'") and
+                   "beyond DeepEP's 32 GiB" in r for _, _, r in out["skipped"])
