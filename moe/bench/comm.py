@@ -69,7 +69,8 @@ class CommBenchConfig:
     iters: int = 50
     """Timed dispatch + combine calls per point."""
     warmup: int = 10
-    """Untimed calls per point before them (after the first, checked one)."""
+    """Untimed calls per point before them (after the first, checked one); with
+    `cuda_graph`, untimed replays of the captured graph."""
     routing: str = "random"
     """"random" (top-K of random scores, as DeepEP's tests) or "balanced"."""
     seed: int = 0
