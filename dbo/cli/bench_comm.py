@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-experts", type=int, default=d.num_experts,
                    help="routed experts over all ranks (a multiple of the ranks)")
     p.add_argument("--iters", type=int, default=d.iters, help="timed calls per point")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed calls per point (with --cuda-graph: untimed replays)")
+    p.add_argument("--warmup", type=int, default=d.warmup,
+                   help="untimed calls per point (with --cuda-graph: untimed replays)")
     p.add_argument("--routing", default=d.routing, choices=ROUTINGS,
                    help="random: top-k of random scores (as DeepEP's tests); balanced: "
                         "every expert and rank gets the same share")
