@@ -5,6 +5,8 @@ MoE backend and of DeepEP's raw calls, over tokens per rank (`moe.bench.comm`).
     torchrun --nproc_per_node=2 -m dbo.cli.bench_comm --backends a2a,deepep_ht,deepep_raw_ht
     dbo bench-comm --hidden 64 --num-experts 8 --top-k 2 --tokens 1,16   # CPU: 2 gloo ranks
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench_comm --backends a2a,a2a_ll
+    torchrun --nproc_per_node=2 -m dbo.cli.bench_comm --cuda-graph --tokens 1,128 \
+        --backends a2a_ll,symm_mem                                      # GPU, graphed
 
 Without torchrun it starts one rank per visible GPU (NCCL), or 2 gloo ranks on a CPU
 machine. Backends: every registered multi-rank one (a2a, a2a_ll, naive, naive_mono,
@@ -14,6 +16,12 @@ or run here is skipped with a one-line reason. NCCL_P2P_DISABLE=1 slows NCCL onl
 (DeepEP and NVSHMEM do not go through NCCL): the regime label says which was set.
 Progress lines on stderr; a table, then one JSON line on stdout; CSV, JSON and PNG under
 --out.
+
+`--cuda-graph` (GPU only) times `--graph-layers` dispatch + combine pairs replayed from one
+CUDA graph instead of eager calls (`moe.bench.comm_timing`): the device time per pair
+without per-call launch cost, and the host time per layer (one replay call / N).
+Engines that cannot be captured (a2a, deepep_ht and deepep_raw_ht read counts on the
+host) are skipped with the reason; outputs carry `cuda_graph: true` and end in `_graphs`.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ examples:
   torchrun --nproc_per_node=2 -m dbo.cli.bench_comm
   torchrun --nproc_per_node=2 -m dbo.cli.bench_comm --tokens 128,4096 --backends deepep_ll,deepep_raw_ll
   dbo bench-comm --hidden 64 --num-experts 8 --top-k 2 --tokens 1,16 --iters 3   # CPU
+  torchrun --nproc_per_node=2 -m dbo.cli.bench_comm --cuda-graph --tokens 128 --backends a2a_ll,symm_mem
 """
 
 
@@ -66,13 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-experts", type=int, default=d.num_experts,
                    help="routed experts over all ranks (a multiple of the ranks)")
     p.add_argument("--iters", type=int, default=d.iters, help="timed calls per point")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed calls per point")
+    p.add_argument("--warmup", type=int, default=d.warmup,
+                   help="untimed calls per point (with --cuda-graph: untimed replays)")
     p.add_argument("--routing", default=d.routing, choices=ROUTINGS,
                    help="random: top-k of random scores (as DeepEP's tests); balanced: "
                         "every expert and rank gets the same share")
     p.add_argument("--seed", type=int, default=d.seed, help="tokens and routing")
     p.add_argument("--out", default=d.out_dir, help="output folder")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="GPU only: time --graph-layers dispatch+combine pairs replayed from "
+                        "one CUDA graph (device time per pair without launch cost, host "
+                        "time per layer = one replay call / N); engines that cannot be "
+                        "captured are skipped with the reason")
+    p.add_argument("--graph-layers", type=int, default=None,
+                   help=f"dispatch+combine pairs per graph, with --cuda-graph (default "
+                        f"{d.graph_layers})")
     return p
 
 
@@ -88,11 +106,18 @@ def config_from_args(args: argparse.Namespace) -> "CommBenchConfig":  # noqa: F8
     regime = regime_label(device, p2p_disabled=p2p_disabled)
     if p2p_disabled and device == "cuda":
         regime += "; DeepEP/NVSHMEM unaffected"
-    return CommBenchConfig(
-        tokens=tuple(args.tokens) if args.tokens is not None else DEFAULT_TOKENS, backends=tuple(args.backends or ()), hidden=args.hidden,
-        top_k=args.top_k, num_experts=args.num_experts, iters=args.iters,
-        warmup=args.warmup, routing=args.routing, seed=args.seed, regime=regime,
-        out_dir=args.out, plot=not args.no_plot)
+    if args.graph_layers is not None and not args.cuda_graph:
+        raise ValueError(f"--graph-layers {args.graph_layers} does nothing without "
+                         f"--cuda-graph: add --cuda-graph, or drop --graph-layers")
+    graph_layers = {} if args.graph_layers is None else {"graph_layers": args.graph_layers}
+    cfg = CommBenchConfig(
+        tokens=tuple(args.tokens) if args.tokens is not None else DEFAULT_TOKENS,
+        backends=tuple(args.backends or ()), hidden=args.hidden, top_k=args.top_k,
+        num_experts=args.num_experts, iters=args.iters, warmup=args.warmup,
+        routing=args.routing, seed=args.seed, regime=regime, out_dir=args.out,
+        plot=not args.no_plot, cuda_graph=args.cuda_graph, **graph_layers)
+    cfg.check_device(torch.device(device))
+    return cfg
 
 
 def _rank(ctx: RankContext, cfg: "CommBenchConfig") -> object:  # noqa: F821

@@ -45,6 +45,7 @@ from moe.backends.deepep_support import (
     dequantize_fp8,
     ll_capacity,
     ll_expert_ids,
+    ll_queue_depth,
     require_deep_ep,
     shared_buffer,
 )
@@ -92,15 +93,19 @@ class DeepEPLLBackend(PrepareFinalize):
                 f"{num_rdma_bytes / 2**30:.1f} GiB low-latency buffer, beyond DeepEP's "
                 f"{DEEPEP_MAX_INT4S * 16 / 2**30:.0f} GiB: lower max_tokens_per_rank, or use "
                 f"'deepep_ht' for prefill-sized steps")
+        # DeepEP asserts the queue depth on every call; say it here, once, with the fix:
+        # before a grown buffer is made where the group has one (it keeps the depth).
+        self._check_queue_depth(ll_queue_depth(group))
         self.shared: SharedBuffer = shared_buffer(
             deep_ep, group, "ll", num_rdma_bytes=num_rdma_bytes,
             num_qps_per_rank=self.placement.num_local_experts)
-        # DeepEP asserts this on every call; say it here, once, with the fix.
-        depth = getattr(self.shared.buffer, "nvshmem_qp_depth", None)
+        self._check_queue_depth(getattr(self.shared.buffer, "nvshmem_qp_depth", None))
+
+    def _check_queue_depth(self, depth: Optional[int]) -> None:
         if depth is not None and depth < 2 * (self.capacity + 1):
             raise ValueError(f"backend 'deepep_ll': MoEConfig.max_tokens_per_rank="
-                             f"{config.max_tokens_per_rank} needs an NVSHMEM queue depth of "
-                             f"at least {2 * (self.capacity + 1)}, and DeepEP was given "
+                             f"{self.config.max_tokens_per_rank} needs an NVSHMEM queue depth "
+                             f"of at least {2 * (self.capacity + 1)}, and DeepEP was given "
                              f"{depth}: lower max_tokens_per_rank, or set NVSHMEM_QP_DEPTH "
                              f"before the first DeepEP low-latency buffer is made")
 

@@ -26,7 +26,7 @@ import importlib.util
 import weakref
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -226,6 +226,17 @@ def shared_buffer(deep_ep: ModuleType, group: dist.ProcessGroup, mode: str, *,
     shared.buffer = _make(deep_ep, group, shared)
     _ENTRIES.append(_Entry(weakref.ref(group), shared))
     return shared
+
+
+def ll_queue_depth(group: dist.ProcessGroup) -> Optional[int]:
+    """The NVSHMEM queue depth of `group`'s low-latency buffer (DeepEP's
+    `Buffer.nvshmem_qp_depth`), None where none is made. A remade (grown) buffer gets the
+    same depth: DeepEP reads it from NVSHMEM_QP_DEPTH, which its first buffer set."""
+    for entry in _ENTRIES:
+        if (entry.owner() is group and entry.shared.mode == "ll"
+                and entry.shared.buffer is not None):
+            return getattr(entry.shared.buffer, "nvshmem_qp_depth", None)
+    return None
 
 
 def destroy_buffers(group: dist.ProcessGroup) -> None:

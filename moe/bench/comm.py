@@ -7,15 +7,16 @@ Shape legend: T tokens per rank, H hidden, K top-k, E experts over all ranks, W 
 
 Every rank runs, for each backend and point: the engine is built (`moe.bench.comm_engines`)
 and called once untimed (a construction or first call that raises on any rank skips the
-point on every rank, with that rank's one-line reason); `warmup` more untimed calls; then
-`iters` calls back to back, as DeepEP's `bench` times them: CUDA events around the
-dispatch and the combine of each call, no synchronisation in between, and perf_counter
-around each call for the host time (the host waits only where the engine itself does).
-Figures are per-rank medians over the calls; the latency reported is the slowest rank's
-median, the bandwidth the mean over ranks of each rank's bytes over its own median
-(`moe.bench.comm_metrics`). On GPU one more dispatch and combine run under torch.profiler
-for the SMs the comm kernels occupy. On CPU (gloo) the times are host wall times: a
-functional check, no performance figure.
+point on every rank, with that rank's one-line reason); then it is timed
+(`moe.bench.comm_timing`): eagerly, `warmup` more untimed calls then `iters` calls back to
+back, CUDA events around each dispatch and combine and perf_counter around each call; or,
+with `cuda_graph`, `graph_layers` dispatch + combine pairs captured in one CUDA graph
+(an engine that cannot be captured, or a capture that fails on any rank, skips the point
+with the reason) and its replays timed. Figures are per-rank medians; the latency
+reported is the slowest rank's median, the bandwidth the mean over ranks of each rank's
+bytes over its own median (`moe.bench.comm_metrics`). On GPU one more eager dispatch and
+combine run under torch.profiler for the SMs the comm kernels occupy. On CPU (gloo) the
+times are host wall times: a functional check, no performance figure (and no graphs).
 
 All backends see the same inputs per point: x_TH random bf16, routing per `routing` from
 (seed, rank).
@@ -28,7 +29,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -39,6 +39,11 @@ from moe.backends.nvshmem_owner import check_one_process
 from moe.bench.comm_engines import Engine, Shapes, bench_names, make_source
 from moe.bench.comm_metrics import (ROUTINGS, CommKernels, algbw_gbps, comm_kernel_sms,
                                     expert_slots, make_routing, make_tokens, rows_to_ranks)
+from moe.bench.comm_timing import (DEFAULT_GRAPH_LAYERS, RankTiming, capture_layers,
+                                   time_engine, time_replays)
+
+__all__ = ["CommBenchConfig", "CommResult", "Point", "RankTiming", "Skip", "make_point",
+           "run_comm_sweep"]
 
 DEFAULT_TOKENS = (1, 128, 512, 2048, 4096, 8192)
 
@@ -64,7 +69,8 @@ class CommBenchConfig:
     iters: int = 50
     """Timed dispatch + combine calls per point."""
     warmup: int = 10
-    """Untimed calls per point before them (after the first, checked one)."""
+    """Untimed calls per point before them (after the first, checked one); with
+    `cuda_graph`, untimed replays of the captured graph."""
     routing: str = "random"
     """"random" (top-K of random scores, as DeepEP's tests) or "balanced"."""
     seed: int = 0
@@ -77,6 +83,12 @@ class CommBenchConfig:
     """Folder of the CSV, JSON and PNG."""
     plot: bool = True
     """Draw the PNG."""
+    cuda_graph: bool = False
+    """Time `graph_layers` dispatch + combine pairs replayed from one CUDA graph instead of
+    eager calls (GPU only; engines that cannot be captured are skipped with the reason)."""
+    graph_layers: int = DEFAULT_GRAPH_LAYERS
+    """Dispatch + combine pairs per graph (as many MoE layers of one step); with
+    `cuda_graph` only."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, tuple) or not self.tokens:
@@ -92,7 +104,9 @@ class CommBenchConfig:
             raise ValueError(f"unknown backend {unknown[0]!r}: choose from "
                              f"{', '.join(valid)}")
         check_one_process(self.backends)  # symm_mem with a DeepEP LL one aborts the process
-        for name in ("hidden", "top_k", "num_experts", "iters"):
+        if not isinstance(self.cuda_graph, bool):
+            raise TypeError(f"cuda_graph={self.cuda_graph!r}: must be True or False")
+        for name in ("hidden", "top_k", "num_experts", "iters", "graph_layers"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
@@ -108,6 +122,12 @@ class CommBenchConfig:
     def names(self) -> tuple[str, ...]:
         return self.backends or bench_names()
 
+    def check_device(self, device: torch.device) -> None:
+        """ValueError (with the fix) for what `device` cannot run: graphs need CUDA."""
+        if self.cuda_graph and torch.device(device).type != "cuda":
+            raise ValueError("--cuda-graph needs CUDA GPUs, and none is visible here: drop "
+                             "--cuda-graph to time eager calls (on CPU, over gloo)")
+
     def check_world(self, world_size: int) -> None:
         """ValueError (with the fix) when the experts do not split over the ranks."""
         if world_size < 2:
@@ -122,15 +142,18 @@ class CommBenchConfig:
 @dataclass(frozen=True)
 class Point:
     """One (backend, tokens per rank): latencies in microseconds (slowest rank's median),
-    bandwidths in GB/s (mean over ranks), SMs (most over ranks; None on CPU)."""
+    bandwidths in GB/s (mean over ranks), SMs (most over ranks; None on CPU). Host times:
+    per dispatch and per combine call (eager; None graphed) and per dispatch + combine
+    pair, i.e. per layer (eager: the two calls; graphed: one replay call / N)."""
 
     backend: str
     tokens: int
     dispatch_us: float
     combine_us: float
     total_us: float
-    host_dispatch_us: float
-    host_combine_us: float
+    host_dispatch_us: Optional[float]
+    host_combine_us: Optional[float]
+    host_total_us: float
     algbw_dispatch_gbps: Optional[float]
     algbw_combine_gbps: Optional[float]
     algbw_total_gbps: Optional[float]
@@ -163,58 +186,6 @@ class CommResult:
     def functional(self) -> bool:
         """A CPU run: host wall times of gloo collectives, no performance figure."""
         return self.sm_count is None
-
-
-@dataclass(frozen=True)
-class RankTiming:
-    """One rank's medians over the timed calls (device ms; host us)."""
-
-    dispatch_ms: float
-    combine_ms: float
-    total_ms: float
-    host_dispatch_us: float
-    host_combine_us: float
-
-
-def time_engine(engine: Engine, *, device: torch.device, group: Optional[dist.ProcessGroup],
-                warmup: int, iters: int) -> RankTiming:
-    """Time `iters` back-to-back dispatch + combine calls after `warmup` (see the module)."""
-    cuda = device.type == "cuda"
-    for _ in range(warmup):
-        engine.combine(engine.dispatch())
-    if cuda:
-        torch.cuda.synchronize(device)
-    if group is not None:
-        dist.barrier(group=group, **({"device_ids": [device.index]} if cuda else {}))
-    events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
-              for _ in range(iters)] if cuda else []
-    host: list[tuple[float, float]] = []
-    for i in range(iters):
-        if cuda:
-            events[i][0].record()
-        t0 = time.perf_counter()
-        state = engine.dispatch()
-        t1 = time.perf_counter()
-        if cuda:
-            events[i][1].record()
-        t2 = time.perf_counter()
-        engine.combine(state)
-        t3 = time.perf_counter()
-        if cuda:
-            events[i][2].record()
-        host.append(((t1 - t0) * 1e3, (t3 - t2) * 1e3))
-        del state
-    if cuda:
-        torch.cuda.synchronize(device)
-        device_ms = [(a.elapsed_time(b), b.elapsed_time(c)) for a, b, c in events]
-    else:
-        device_ms = host
-    med = statistics.median
-    return RankTiming(dispatch_ms=med(d for d, _ in device_ms),
-                      combine_ms=med(c for _, c in device_ms),
-                      total_ms=med(d + c for d, c in device_ms),
-                      host_dispatch_us=1e3 * med(d for d, _ in host),
-                      host_combine_us=1e3 * med(c for _, c in host))
 
 
 def _kernel_events(fn: Callable[[], Any], device: torch.device) -> tuple[Any, list[dict]]:
@@ -274,6 +245,10 @@ def _mean(values: list[Optional[float]]) -> Optional[float]:
     return None if any(v is None for v in values) else statistics.mean(values)  # type: ignore
 
 
+def _max(values: list[Optional[float]]) -> Optional[float]:
+    return None if any(v is None for v in values) else max(values)  # type: ignore
+
+
 def make_point(name: str, tokens: int, ranks: list[dict[str, Any]], *,
                itemsize: int, hidden: int) -> Point:
     """Fold the ranks' figures (`_run_point`'s dicts, rank order) into one Point."""
@@ -287,7 +262,8 @@ def make_point(name: str, tokens: int, ranks: list[dict[str, Any]], *,
                 "combine_us": [t.combine_ms * 1e3 for t in timing],
                 "total_us": [t.total_ms * 1e3 for t in timing],
                 "host_dispatch_us": [t.host_dispatch_us for t in timing],
-                "host_combine_us": [t.host_combine_us for t in timing]}
+                "host_combine_us": [t.host_combine_us for t in timing],
+                "host_total_us": [t.host_total_us for t in timing]}
     sms = per_rank.pop("sms")
     kernels = per_rank.pop("kernels")
     phase_sms = [max((s[i] for s in sms if s[i] is not None), default=None) for i in (0, 1)]
@@ -295,8 +271,9 @@ def make_point(name: str, tokens: int, ranks: list[dict[str, Any]], *,
         backend=name, tokens=tokens,
         dispatch_us=max(per_rank["dispatch_us"]), combine_us=max(per_rank["combine_us"]),
         total_us=max(per_rank["total_us"]),
-        host_dispatch_us=max(per_rank["host_dispatch_us"]),
-        host_combine_us=max(per_rank["host_combine_us"]),
+        host_dispatch_us=_max(per_rank["host_dispatch_us"]),
+        host_combine_us=_max(per_rank["host_combine_us"]),
+        host_total_us=max(per_rank["host_total_us"]),
         algbw_dispatch_gbps=_mean([algbw_gbps(b, t.dispatch_ms)
                                    for b, t in zip(rank_bytes, timing)]),
         algbw_combine_gbps=_mean([algbw_gbps(b, t.combine_ms)
@@ -316,6 +293,7 @@ def run_comm_sweep(cfg: CommBenchConfig, *, group: Optional[dist.ProcessGroup],
     rank = dist.get_rank(group) if group is not None else 0
     world = dist.get_world_size(group) if group is not None else 1
     cfg.check_world(world)
+    cfg.check_device(device)
     cuda = device.type == "cuda"
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if cuda else None
     result = CommResult(cfg, world, torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -362,19 +340,30 @@ def _run_point(cfg: CommBenchConfig, result: CommResult, name: str, source: Any,
     reason, engine, rows = None, None, 0
     try:
         engine = source.bind(*inputs)
-        state = engine.dispatch()
-        rows = engine.rows_delivered(state)
-        engine.combine(state)
-        del state
+        reason = engine.graph_blocker() if cfg.cuda_graph else None
+        if reason is None:
+            state = engine.dispatch()
+            rows = engine.rows_delivered(state)
+            engine.combine(state)
+            del state
     except Exception as exc:  # noqa: BLE001 - reported as the point's skip reason
         reason = _one_line(exc)
-    reason = agree(reason, group)
-    if reason is not None:
-        result.skipped.append(Skip(name, tokens, reason))
-        say(f"{name} T={tokens}: skipped: {reason}")
+    if _skipped(result, name, tokens, agree(reason, group), say):
         return
-    timing = time_engine(engine, device=device, group=group, warmup=cfg.warmup,
-                         iters=cfg.iters)
+    if cfg.cuda_graph:
+        graph = None
+        try:
+            graph = capture_layers(engine, layers=cfg.graph_layers, device=device)
+        except Exception as exc:  # noqa: BLE001 - reported as the point's skip reason
+            reason = _one_line(exc)
+        if _skipped(result, name, tokens, agree(reason, group), say):
+            return
+        timing = time_replays(graph, device=device, group=group, warmup=cfg.warmup,
+                              iters=cfg.iters)
+        del graph  # its memory pool goes before the next point's
+    else:
+        timing = time_engine(engine, device=device, group=group, warmup=cfg.warmup,
+                             iters=cfg.iters)
     sms, kernels = (None, None), {}
     if result.sm_count is not None:
         d, c = profile_sms(engine, device, result.sm_count)
@@ -385,4 +374,15 @@ def _run_point(cfg: CommBenchConfig, result: CommResult, name: str, source: Any,
                        itemsize=cfg.dtype.itemsize, hidden=cfg.hidden)
     result.points.append(point)
     say(f"{name} T={tokens}: dispatch {point.dispatch_us:.1f} us, combine "
-        f"{point.combine_us:.1f} us, d+c {point.total_us:.1f} us")
+        f"{point.combine_us:.1f} us, d+c {point.total_us:.1f} us, host per layer "
+        f"{point.host_total_us:.1f} us")
+
+
+def _skipped(result: CommResult, name: str, tokens: int, reason: Optional[str],
+             say: Callable[[str], None]) -> bool:
+    """Record the point as skipped where a rank gave a reason (`agree`)."""
+    if reason is None:
+        return False
+    result.skipped.append(Skip(name, tokens, reason))
+    say(f"{name} T={tokens}: skipped: {reason}")
+    return True

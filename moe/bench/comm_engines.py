@@ -64,6 +64,11 @@ class Engine(Protocol):
     def rows_delivered(self, state: Any) -> int:
         """Rows `dispatch` delivered here, padding included."""
 
+    def graph_blocker(self) -> Optional[str]:
+        """Why a CUDA graph cannot capture the calls (they read device values on the host,
+        or launch other work each call); None where it can (`dbo bench-comm
+        --cuda-graph`)."""
+
 
 class Source(Protocol):
     """Makes the engine of each point for one backend name."""
@@ -99,6 +104,13 @@ class BackendEngine:
 
     def rows_delivered(self, state: Any) -> int:
         return int(state.x_RH.shape[0])
+
+    def graph_blocker(self) -> Optional[str]:
+        if self.backend.graph_safe:  # `PrepareFinalize.graph_safe`
+            return None
+        return (f"backend {self.backend.name!r} reads device values on the host (its "
+                f"counts) in the form timed here: it cannot be captured in a CUDA graph; "
+                f"time it without --cuda-graph")
 
 
 class BackendSource:

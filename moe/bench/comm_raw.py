@@ -66,6 +66,10 @@ class _NormalEngine:
     def rows_delivered(self, state: Any) -> int:
         return int(state[0].shape[0])
 
+    def graph_blocker(self) -> Optional[str]:
+        return ("DeepEP's normal dispatch waits on the host for the received counts: it "
+                "cannot be captured in a CUDA graph; time it without --cuda-graph")
+
 
 class _LowLatencyEngine:
     def __init__(self, buffer: Any, num_experts: int, max_tokens: int, x_TH: Tensor,
@@ -86,6 +90,9 @@ class _LowLatencyEngine:
 
     def rows_delivered(self, state: Any) -> int:
         return int(state[0].shape[0] * state[0].shape[1])
+
+    def graph_blocker(self) -> Optional[str]:
+        return None  # no receive hook, no async finish: one kernel per call, on the stream
 
 
 class DeepEPRawSource:

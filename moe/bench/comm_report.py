@@ -1,8 +1,10 @@
 """Outputs of the comm benchmark (rank 0): the table for people, CSV and JSON files, the
 PNG (latency vs tokens per rank, log-log, one line per backend) and the final JSON line.
 
-Files under `out_dir`: `bench_comm_w<W>_<tag>.{csv,json,png}` (tag: nvlink, cpu, ...).
-A CPU run is a functional check (gloo, host wall times): its outputs say so.
+Files under `out_dir`: `bench_comm_w<W>_<tag>.{csv,json,png}` (tag: nvlink, cpu, ...),
+`bench_comm_w<W>_<tag>_graphs.*` for a `--cuda-graph` run. A CPU run is a functional check
+(gloo, host wall times): its outputs say so. Every output carries the mode (`cuda_graph`)
+and says what its columns mean (`definitions`).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ DEFINITIONS = {
     "latency": "CUDA-event time of the call (perf_counter on CPU); per rank the median of "
                "the timed calls, reported: the slowest rank's median",
     "host": "perf_counter around the call, without waiting for the GPU (the host waits "
-            "only where the engine does); the slowest rank's median",
+            "only where the engine does); host_total_us: per call of dispatch + combine "
+            "(one layer), the median of their sum; the slowest rank's median",
     "algbw": "DeepEP test_intranode's definition: bytes of the rows this rank receives "
              "(one per token and destination rank, H x element size) / the rank's median "
              "time, GB/s = 1e9 B/s; d+c counts the bytes twice; mean over ranks",
@@ -33,8 +36,20 @@ DEFINITIONS = {
            "torch.profiler's kernel events (args.grid); most over ranks",
 }
 
+GRAPH_DEFINITIONS = {
+    "latency": "N (graph_layers) dispatch + combine pairs captured in one CUDA graph: "
+               "total_us = device time of one replay (CUDA events around it, replays back "
+               "to back, so no per-call host launch cost) / N; dispatch_us, combine_us = "
+               "the median over all pairs of replays run one at a time of the time "
+               "between external events recorded inside the graph around each call; per "
+               "rank the median, reported: the slowest rank's median",
+    "host": "host_total_us = perf_counter around one replay call, the GPU idle, / N: host "
+            "time per layer; no host time per dispatch or combine call (None); the "
+            "slowest rank's median",
+}
+
 COLUMNS = ("backend", "tokens", "dispatch_us", "combine_us", "total_us", "host_dispatch_us",
-           "host_combine_us", "algbw_dispatch_gbps", "algbw_combine_gbps",
+           "host_combine_us", "host_total_us", "algbw_dispatch_gbps", "algbw_combine_gbps",
            "algbw_total_gbps", "algbw_ll_total_gbps", "sms_dispatch", "sms_combine")
 
 
@@ -55,7 +70,13 @@ def folded_skips(result: CommResult) -> list[Skip]:
 def file_stem(result: CommResult) -> str:
     regime = result.config.regime.lower()
     tag = "cpu" if result.functional else ("p2p-disabled" if "p2p" in regime else "nvlink")
-    return f"bench_comm_w{result.world_size}_{tag}"
+    mode = "_graphs" if result.config.cuda_graph else ""
+    return f"bench_comm_w{result.world_size}_{tag}{mode}"
+
+
+def definitions(result: CommResult) -> dict[str, str]:
+    """What each figure of this run means (the graphed latency and host differ)."""
+    return {**DEFINITIONS, **(GRAPH_DEFINITIONS if result.config.cuda_graph else {})}
 
 
 def _row(result: CommResult, p: Point) -> dict[str, Any]:
@@ -70,7 +91,8 @@ def header(result: CommResult) -> dict[str, Any]:
             "shapes": {"hidden": cfg.hidden, "top_k": cfg.top_k,
                        "num_experts": cfg.num_experts, "dtype": str(cfg.dtype).split(".")[-1],
                        "routing": cfg.routing, "seed": cfg.seed},
-            "iters": cfg.iters, "warmup": cfg.warmup}
+            "iters": cfg.iters, "warmup": cfg.warmup, "cuda_graph": cfg.cuda_graph,
+            "graph_layers": cfg.graph_layers if cfg.cuda_graph else None}
 
 
 def write_outputs(result: CommResult) -> dict[str, Any]:
@@ -83,7 +105,7 @@ def write_outputs(result: CommResult) -> dict[str, Any]:
         writer = csv.DictWriter(f, fieldnames=["regime", *COLUMNS])
         writer.writeheader()
         writer.writerows(_row(result, p) for p in result.points)
-    doc = {**header(result), "definitions": DEFINITIONS,
+    doc = {**header(result), "definitions": definitions(result),
            "points": [dataclasses.asdict(p) for p in result.points],
            "skipped": [dataclasses.asdict(s) for s in folded_skips(result)]}
     if result.functional:
@@ -136,7 +158,8 @@ def plot(result: CommResult, path: str) -> None:
         ax.legend(fontsize=7)
     cfg = result.config
     note = " - functional check, not performance" if result.functional else ""
-    fig.suptitle(f"dbo bench-comm [{cfg.regime}] {result.device}, {result.world_size} ranks, "
+    mode = f", CUDA graph of {cfg.graph_layers} pairs" if cfg.cuda_graph else ""
+    fig.suptitle(f"dbo bench-comm [{cfg.regime}{mode}] {result.device}, {result.world_size} ranks, "
                  f"H={cfg.hidden} top-{cfg.top_k} {cfg.num_experts} experts{note}",
                  fontsize=11)
     fig.tight_layout()
@@ -148,30 +171,50 @@ def _cell(value: Optional[float], fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _legend(result: CommResult) -> list[str]:
+    cfg = result.config
+    if not cfg.cuda_graph:
+        return [f"  latency: median of {cfg.iters} back-to-back calls after {cfg.warmup} "
+                f"warmup, slowest rank; host: perf_counter per dispatch call, per combine "
+                f"call, and per layer (both); GB/s: DeepEP's received-rows bytes / time, "
+                f"mean over ranks; SMs: comm kernels' grids (dispatch/combine)"]
+    n = cfg.graph_layers
+    return [f"  CUDA graphs: {n} dispatch+combine pairs (layers) captured in one graph, "
+            f"{cfg.warmup} warmup replays; slowest rank's medians:",
+            f"  d+c us = device time of one replay / {n} ({cfg.iters} replays back to back: "
+            f"no per-call host launch cost);",
+            f"  disp us, comb us = each call's time between events recorded inside the graph "
+            f"(median over the pairs of {cfg.iters} replays run one at a time);",
+            f"  host/layer = perf_counter around one replay call / {n} (the GPU idle); no "
+            f"per-call host time (host d, host c: -);",
+            "  GB/s: DeepEP's received-rows bytes / time, mean over ranks; SMs: comm "
+            "kernels' grids of one eager dispatch/combine"]
+
+
 def format_table(result: CommResult) -> str:
     cfg = result.config
     lines = [
         f"dbo bench-comm: regime={cfg.regime} device={result.device} "
-        f"world={result.world_size}" + (f" SMs={result.sm_count}" if result.sm_count else ""),
+        f"world={result.world_size}" + (f" SMs={result.sm_count}" if result.sm_count else "")
+        + (" cuda_graph=true" if cfg.cuda_graph else ""),
         f"  shapes: H={cfg.hidden} top_k={cfg.top_k} experts={cfg.num_experts} "
         f"({cfg.num_experts // result.world_size}/rank) {header(result)['shapes']['dtype']} "
         f"routing={cfg.routing} seed={cfg.seed}",
-        f"  latency: median of {cfg.iters} back-to-back calls after {cfg.warmup} warmup, "
-        f"slowest rank; host: perf_counter per call; GB/s: DeepEP's received-rows bytes / "
-        f"time, mean over ranks; SMs: comm kernels' grids (dispatch/combine)",
+        *_legend(result),
         *([f"  {FUNCTIONAL_NOTE}"] if result.functional else []),
         "",
     ]
     head = (f"{'backend':<14} {'T':>5} {'disp us':>9} {'comb us':>9} {'d+c us':>9} "
-            f"{'host d':>8} {'host c':>8} {'GB/s d':>8} {'GB/s c':>8} {'GB/s d+c':>8} "
-            f"{'SMs d/c':>8}")
+            f"{'host d':>8} {'host c':>8} {'host/layer':>10} {'GB/s d':>8} {'GB/s c':>8} "
+            f"{'GB/s d+c':>8} {'SMs d/c':>8}")
     lines += [head, "-" * len(head)]
     for p in result.points:
         sms = ("-" if p.sms_dispatch is None and p.sms_combine is None else
                f"{_cell(p.sms_dispatch, 'd')}/{_cell(p.sms_combine, 'd')}")
         lines.append(
             f"{p.backend:<14} {p.tokens:>5} {p.dispatch_us:>9.1f} {p.combine_us:>9.1f} "
-            f"{p.total_us:>9.1f} {p.host_dispatch_us:>8.1f} {p.host_combine_us:>8.1f} "
+            f"{p.total_us:>9.1f} {_cell(p.host_dispatch_us, '.1f'):>8} "
+            f"{_cell(p.host_combine_us, '.1f'):>8} {p.host_total_us:>10.1f} "
             f"{_cell(p.algbw_dispatch_gbps, '.2f'):>8} {_cell(p.algbw_combine_gbps, '.2f'):>8} "
             f"{_cell(p.algbw_total_gbps, '.2f'):>8} {sms:>8}")
     for s in folded_skips(result):

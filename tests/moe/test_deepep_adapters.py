@@ -350,6 +350,15 @@ def _fake_worker(rank: int, world_size: int) -> dict[str, Any]:
         out["qp"] = "no error"
     except ValueError as exc:
         out["qp"] = str(exc)
+    # The group's buffer (made above, depth 8) is not grown for a capacity that its depth
+    # refuses: the refusal comes first (a grown buffer can be tens of GB).
+    made = len(_Buffer.made)
+    try:
+        DeepEPLLBackend(_config("deepep_ll", capacity=100), world)
+        out["qp_grow"] = "no error"
+    except ValueError as exc:
+        out["qp_grow"] = str(exc)
+    out["qp_grow_made"] = len(_Buffer.made) - made
     _Buffer.nvshmem_qp_depth = 1024
     try:  # 2**20 tokens: 2**35 bytes by the fake's size hint, beyond DeepEP's int count
         DeepEPLLBackend(_config("deepep_ll", capacity=2**20), world)
@@ -408,6 +417,8 @@ def test_adapters_share_buffers_chain_events_and_run_each_hook_once():
         assert out["destroy_group"] == 1
         assert all(d == 1 for d in out["destroyed"]), out["destroyed"]
         assert "NVSHMEM queue depth of at least 18" in out["qp"]
+        assert "NVSHMEM queue depth of at least 202, and DeepEP was given 8" in out["qp_grow"]
+        assert out["qp_grow_made"] == 0
         assert "needs a 32.0 GiB low-latency buffer, beyond DeepEP's 32 GiB" in out["too_big"]
         assert out["failed_grow"].startswith("Failed: Assertion error")
         assert all(d == 1 for d in out["destroyed_after_failed_grow"]), out

@@ -1,7 +1,9 @@
 """Layers 1-2: `dbo bench-comm` on CPU. Argument errors, routing, the bandwidth and SM
-arithmetic on synthetic numbers with hand-computed answers (layer 1, in-process); the
-command end to end on the two gloo ranks it spawns itself (layer 2). DeepEP's raw calls
-and the SM count from real kernels are GPU only (not run here).
+arithmetic on synthetic numbers with hand-computed answers, the eager and graphed timing
+arithmetic on a fake clock (graphs: a stand-in capture and stand-in CUDA events), which
+engines a graph can capture, the graphed outputs (layer 1, in-process); the command end
+to end on the two gloo ranks it spawns itself (layer 2). DeepEP's raw calls, real CUDA
+graphs and the SM count from real kernels are GPU only (tests/tools/test_bench_comm_gpu.py).
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ REPO = Path(__file__).resolve().parents[2]
     (["--backends", "symm_mem,deepep_raw_ht,deepep_raw_ll,deepep_ht,deepep_ll,a2a_ll"],
      "symm_mem cannot run in one process with deepep_raw_ll, deepep_ll (once symm_mem's"),
     (["--backends", "deepep_raw_ll,symm_mem"], "then --backends deepep_raw_ll"),
+    (["--graph-layers", "4"], "--graph-layers 4 does nothing without --cuda-graph"),
+    (["--cuda-graph", "--graph-layers", "0"], "graph_layers=0: must be an int >= 1"),
 ])
 def test_bad_arguments_exit_with_the_fix(argv: list[str], message: str, tmp_path: Path,
                                          capsys: pytest.CaptureFixture,
@@ -58,6 +62,20 @@ def test_bad_arguments_exit_with_the_fix(argv: list[str], message: str, tmp_path
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("dbo bench-comm: ") and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refused only without a GPU")
+def test_cuda_graph_is_refused_on_cpu_before_any_rank_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    test_bad_arguments_exit_with_the_fix(
+        ["--cuda-graph", "--tokens", "1"], "--cuda-graph needs CUDA GPUs, and none is "
+        "visible here: drop --cuda-graph", tmp_path, capsys, monkeypatch)
+    with pytest.raises(ValueError, match="--cuda-graph needs CUDA GPUs"):
+        CommBenchConfig(cuda_graph=True).check_device(torch.device("cpu"))
+    CommBenchConfig(cuda_graph=False).check_device(torch.device("cpu"))
+    with pytest.raises(TypeError, match="cuda_graph=1: must be True or False"):
+        CommBenchConfig(cuda_graph=1)
 
 
 def test_command_is_registered_with_its_defaults(capsys: pytest.CaptureFixture) -> None:
@@ -87,7 +105,8 @@ def test_point_folds_ranks_with_hand_computed_figures() -> None:
     # H 1024 bf16: 2048 B per row. Rank 0 receives 1000 rows, rank 1 500.
     def timing(d_ms: float, c_ms: float) -> RankTiming:
         return RankTiming(dispatch_ms=d_ms, combine_ms=c_ms, total_ms=d_ms + c_ms,
-                          host_dispatch_us=10.0 * d_ms, host_combine_us=20.0 * c_ms)
+                          host_dispatch_us=10.0 * d_ms, host_combine_us=20.0 * c_ms,
+                          host_total_us=30.0 * d_ms)
 
     ranks = [{"rank_rows": 1000, "expert_slots": 3000, "rows_delivered": 1000,
               "timing": timing(0.1, 0.2), "sms": (24, 20), "kernels": {"nccl_a": 24}},
@@ -97,6 +116,7 @@ def test_point_folds_ranks_with_hand_computed_figures() -> None:
     assert (p.dispatch_us, p.combine_us) == pytest.approx((100.0, 200.0))  # slowest rank
     assert p.total_us == pytest.approx(300.0)
     assert (p.host_dispatch_us, p.host_combine_us) == pytest.approx((1.0, 4.0))
+    assert p.host_total_us == pytest.approx(3.0)
     # dispatch: rank 0 2,048,000 B / 0.1 ms = 20.48 GB/s; rank 1 1,024,000 / 0.08 = 12.8.
     assert p.algbw_dispatch_gbps == pytest.approx((20.48 + 12.8) / 2)
     # combine: 2,048,000 / 0.2 = 10.24; 1,024,000 / 0.1 = 10.24.
@@ -169,7 +189,7 @@ def test_skips_of_every_point_fold_into_one_line() -> None:
 
 # ------------------------------------------------------- layer 2: the command, 2 ranks
 POINT_KEYS = {"backend", "tokens", "dispatch_us", "combine_us", "total_us",
-              "host_dispatch_us", "host_combine_us", "algbw_dispatch_gbps",
+              "host_dispatch_us", "host_combine_us", "host_total_us", "algbw_dispatch_gbps",
               "algbw_combine_gbps", "algbw_total_gbps", "algbw_ll_total_gbps",
               "sms_dispatch", "sms_combine"}
 
@@ -190,6 +210,7 @@ def test_command_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     final = json.loads(lines[-1])
     assert final["bench"] == "comm" and final["world_size"] == 2
     assert final["regime"] == "CPU gloo" and final["functional"] is True
+    assert final["cuda_graph"] is False and final["graph_layers"] is None
     assert final["shapes"] == {"hidden": 64, "top_k": 2, "num_experts": 8,
                                "dtype": "bfloat16", "routing": "random", "seed": 0}
     points = final["points"]
@@ -199,6 +220,7 @@ def test_command_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
         assert set(p) == POINT_KEYS
         assert 0 < p["dispatch_us"] and 0 < p["combine_us"] and 0 < p["total_us"]
         assert p["host_dispatch_us"] > 0 and p["algbw_total_gbps"] > 0
+        assert p["host_total_us"] > 0
         assert p["sms_dispatch"] is None and p["sms_combine"] is None  # GPU only
     if "deep_ep" not in sys.modules:  # not installed here: skipped with its reason
         (skip,) = final["skipped"]
@@ -211,6 +233,7 @@ def test_command_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert proc.stderr.count("[bench-comm] ") == 7  # 6 points, 1 skip
 
     files = final["files"]
+    assert Path(files["csv"]).name == "bench_comm_w2_cpu.csv"
     for kind in ("csv", "json", "png"):
         assert Path(files[kind]).stat().st_size > 0, kind
     with open(files["csv"]) as f:
@@ -227,3 +250,61 @@ def test_command_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert by_point[("a2a", 16)]["rank_rows"] == by_point[("a2a_ll", 16)]["rank_rows"]
     # a2a_ll pads every peer's slot to the capacity (16): 2 x 16 rows delivered per rank.
     assert by_point[("a2a_ll", 16)]["rows_delivered"] == [32, 32]
+
+
+class _RefusingSource:
+    """A source whose engine refuses 16 tokens per rank at bind, as `deepep_ll` refuses a
+    capacity beyond DeepEP's buffer limit (ValueError from the backend's constructor)."""
+
+    name = "fake"
+
+    def bind(self, x_TH: torch.Tensor, topk_weights_TK: torch.Tensor,
+             topk_ids_TK: torch.Tensor) -> object:
+        if x_TH.shape[0] == 16:
+            raise ValueError("backend 'deepep_ll': MoEConfig.max_tokens_per_rank=16 ... "
+                             "needs a 40.0 GiB low-latency buffer, beyond DeepEP's 32 GiB")
+        return _EchoEngine(x_TH)
+
+    def close(self) -> None:
+        pass
+
+
+class _EchoEngine:
+    def __init__(self, x_TH: torch.Tensor) -> None:
+        self.x_TH = x_TH
+
+    def dispatch(self) -> torch.Tensor:
+        return self.x_TH.clone()
+
+    def combine(self, state: torch.Tensor) -> torch.Tensor:
+        return state + 0
+
+    def rows_delivered(self, state: torch.Tensor) -> int:
+        return int(state.shape[0])
+
+    def graph_blocker(self) -> None:
+        return None
+
+
+def _sweep_with_a_refused_point(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    import moe.bench.comm as comm
+
+    comm.make_source = lambda name, shapes, group, tokens: _RefusingSource()  # this rank only
+    cfg = CommBenchConfig(tokens=(1, 16, 4), hidden=8, top_k=2, num_experts=4, iters=2,
+                          warmup=1, backends=("a2a_ll", "naive"))
+    result = comm.run_comm_sweep(cfg, group=dist.group.WORLD, device=torch.device("cpu"))
+    return {"points": [(p.backend, p.tokens) for p in result.points],
+            "skipped": [(s.backend, s.tokens, s.reason) for s in result.skipped]}
+
+
+@pytest.mark.distributed
+def test_a_point_refused_at_bind_is_skipped_and_the_run_goes_on() -> None:
+    from tests.dist_utils import run_distributed
+
+    for out in run_distributed(2, _sweep_with_a_refused_point):
+        assert out["points"] == [("a2a_ll", 1), ("a2a_ll", 4), ("naive", 1), ("naive", 4)]
+        assert [(b, t) for b, t, _ in out["skipped"]] == [("a2a_ll", 16), ("naive", 16)]
+        assert all(r.startswith("rank 0: ValueError: backend 'deepep_ll'") and
+                   "beyond DeepEP's 32 GiB" in r for _, _, r in out["skipped"])
