@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from moe.kernels.align import AlignedRouting, check_align_args, max_padded_rows
-from moe.kernels.launch import FastLauncher
+from moe.kernels.launch import FastLauncher, cdiv, next_power_of_2
 from moe.workspace import Workspace, empty_from
 
 CHUNK = 1024  # rows per count/scatter program: one in-register sort of CHUNK keys
@@ -224,8 +224,8 @@ def align_routing_triton(
         chunk = SMALL_CHUNK if num_routed <= SMALL_CHUNK else CHUNK
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
-    s_pad = triton.next_power_of_2(num_experts + 2)
-    num_chunks = triton.cdiv(num_routed, chunk)
+    s_pad = next_power_of_2(num_experts + 2)
+    num_chunks = cdiv(num_routed, chunk)
     counts_CS = empty_from(workspace, "triton.align.counts", (num_chunks, s_pad), torch.int32,
                            device)
     ids_R = topk_ids_NK.reshape(-1)

@@ -50,7 +50,7 @@ from moe.kernels.fused_moe_persistent import fused_moe_persistent_kernel
 from moe.kernels.fused_moe_tiles import (INTERPRETER_PERSISTENT_TILE, INTERPRETER_PROGRAMS,
                                          INTERPRETER_TILE, persistent_launcher, tuned_launcher)
 from moe.kernels.fused_moe_triton import fused_moe_kernel, gather_rows_kernel
-from moe.kernels.launch import FastLauncher
+from moe.kernels.launch import FastLauncher, cdiv, next_power_of_2
 from moe.kernels.policy import GemmTiles, KernelPolicy
 from moe.kernels.rows_triton import launch_sum_rows
 from moe.workspace import Workspace, empty_from
@@ -211,7 +211,7 @@ def gather_rows(src_NH: torch.Tensor, dst_PH: torch.Tensor, routing: AlignedRout
                 rows_div: int, compiled: bool = True) -> None:
     """dst[p] = src[sorted_ids[p] // rows_div] for the used rows; zeros for padding rows."""
     hidden = src_NH.shape[1]
-    grid = (dst_PH.shape[0] // _GATHER_ROWS, triton.cdiv(hidden, _GATHER_COLS))
+    grid = (dst_PH.shape[0] // _GATHER_ROWS, cdiv(hidden, _GATHER_COLS))
     _GATHER(
         grid,
         src_NH, dst_PH, routing.sorted_ids_P, routing.num_padded_rows, routing.num_routed,
@@ -232,7 +232,7 @@ class KernelLaunch:
     k: int
 
     def grid(self, block_n: int) -> tuple[int]:
-        return (triton.cdiv(self.max_rows, self.flags["BLOCK_M"]) * triton.cdiv(self.n, block_n),)
+        return (cdiv(self.max_rows, self.flags["BLOCK_M"]) * cdiv(self.n, block_n),)
 
     def tune_key(self) -> tuple[Any, ...]:
         """Determines the autotuner's key (`_tuned_kernel`): the flags, the GEMM's sizes,
@@ -275,7 +275,7 @@ def kernel_launch(
     args = (
         a, b, c, role.weights,
         routing.sorted_ids_P, routing.block_expert_ids_B, routing.num_padded_rows,
-        n, k, routing.num_routed, max_rows, triton.next_power_of_2(max(max_rows, 1)),
+        n, k, routing.num_routed, max_rows, next_power_of_2(max(max_rows, 1)),
         b.shape[0], role.weights_top_k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         role.stride_wn,
@@ -353,7 +353,7 @@ def launch_persistent(
         a, b, c, role.weights,
         routing.sorted_ids_P, routing.block_expert_ids_B, routing.tile_rows_B,
         routing.num_tiles,
-        n, k, routing.num_routed, max_rows, triton.next_power_of_2(max(max_rows, 1)),
+        n, k, routing.num_routed, max_rows, next_power_of_2(max(max_rows, 1)),
         b.shape[0], role.weights_top_k,
         a.stride(0), a.stride(1), b.stride(1), c.stride(0), c.stride(1), role.stride_wn,
     )

@@ -18,7 +18,7 @@ import triton
 
 from moe.kernels.fused_moe_persistent import fused_moe_persistent_kernel
 from moe.kernels.fused_moe_triton import fused_moe_kernel
-from moe.kernels.launch import AutotunedLauncher
+from moe.kernels.launch import AutotunedLauncher, next_power_of_2
 
 # Fixed tiles for CPU tensors (the interpreter): autotuning there would take minutes.
 INTERPRETER_TILE = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
@@ -79,7 +79,7 @@ def tile_fits(
     second tile on the same weight loads (`TAIL_M`); its accumulator may take the
     total to 160 registers per thread (a 32-row tail fits without spills, a 64-row one
     spills: `moe/kernels/KERNELS.md`)."""
-    if block_n > max(16, triton.next_power_of_2(n)) or block_k > max(16, triton.next_power_of_2(k)):
+    if block_n > max(16, next_power_of_2(n)) or block_k > max(16, next_power_of_2(k)):
         return False
     num_b = 2 if gated else 1
     smem = num_stages * ((block_m + tail_m) * block_k + num_b * block_n * block_k) * elem_bytes
@@ -166,7 +166,7 @@ def _prune_persistent(configs: list[triton.Config], named_args: dict[str, Any],
                       **kwargs: Any) -> list[triton.Config]:
     """Keep the configs of this GEMM (gated or not) that are no wider than it."""
     regime = set(map(str, persistent_configs(gated=kwargs["GATED"])))
-    width = max(16, triton.next_power_of_2(named_args["N"]))
+    width = max(16, next_power_of_2(named_args["N"]))
     kept = [c for c in configs if str(c) in regime and c.kwargs["BLOCK_N"] <= width]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"])]
 

@@ -31,6 +31,19 @@ from triton.runtime import driver
 Grid = Sequence[int]
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, on the host. `triton.cdiv` is a constexpr function in recent
+    Triton: called outside a kernel it goes through Triton's JIT call machinery, about
+    2-3 us a call against 0.03 us here, on every launch's grid."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (0 for 0), on the host: `triton.next_power_of_2`
+    without its JIT call cost (`cdiv`)."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
 class FastLauncher:
     """Launches one `@triton.jit` kernel; see the module doc.
 

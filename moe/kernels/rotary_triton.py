@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.launch import FastLauncher
+from moe.kernels.launch import FastLauncher, cdiv, next_power_of_2
 
 _BLOCK_ELEMS = 4096  # heads x channel pairs per program, at most
 
@@ -56,9 +56,9 @@ def launch_rotary(x_TND: torch.Tensor, cos_TD2: torch.Tensor, sin_TD2: torch.Ten
     through the compiled handle, `moe.kernels.launch`)."""
     num_tokens, num_heads, dim = x_TND.shape
     half = dim // 2
-    half_p2 = triton.next_power_of_2(half)
-    block_n = min(triton.next_power_of_2(num_heads), max(1, _BLOCK_ELEMS // half_p2))
-    grid = (num_tokens, triton.cdiv(num_heads, block_n))
+    half_p2 = next_power_of_2(half)
+    block_n = min(next_power_of_2(num_heads), max(1, _BLOCK_ELEMS // half_p2))
+    grid = (num_tokens, cdiv(num_heads, block_n))
     _ROTARY(grid, x_TND, cos_TD2, sin_TD2, out_TND, num_heads, x_TND.stride(0),
             x_TND.stride(1), HALF=half, HALF_P2=half_p2, BLOCK_N=block_n,
             enable_fp_fusion=False, compiled=compiled)

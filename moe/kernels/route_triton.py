@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from moe.config import MoEConfig
-from moe.kernels.launch import FastLauncher
+from moe.kernels.launch import FastLauncher, cdiv, next_power_of_2
 
 # One token per one-warp program keeps every reduction inside a warp. H200, DeepSeek-V3
 # routing of 4096 tokens: 9.7 us, against 29 us for 16 tokens on 4 warps (Qwen3's: 5.6
@@ -194,12 +194,12 @@ def launch_route(logits_TE: torch.Tensor, config: MoEConfig,
     num_groups = config.n_group if grouped else 1
     topk_group = config.topk_group if grouped else 1
     group_size = num_experts // num_groups
-    g_pow2 = triton.next_power_of_2(num_groups)
-    x_pow2 = triton.next_power_of_2(group_size)
+    g_pow2 = next_power_of_2(num_groups)
+    x_pow2 = next_power_of_2(group_size)
     block_t = _BLOCK_T if _COMPILED else _INTERPRETED_BLOCK_T
     num_warps = min(8, max(1, g_pow2 * x_pow2 // _EXPERTS_PER_WARP))
     _ROUTE(
-        (triton.cdiv(num_tokens, block_t),),
+        (cdiv(num_tokens, block_t),),
         logits_TE, None if bias_E is None else bias_E.contiguous(), weights_TK, ids_TK,
         num_tokens, logits_TE.stride(0), logits_TE.stride(1),
         float(config.routed_scaling_factor),
@@ -207,6 +207,6 @@ def launch_route(logits_TE: torch.Tensor, config: MoEConfig,
         NUM_GROUPS=num_groups, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
         TOP_K=top_k, RENORMALIZE=config.renormalize, PRECISE=_COMPILED,
         BLOCK_T=block_t, G_POW2=g_pow2, X_POW2=x_pow2,
-        K_POW2=triton.next_power_of_2(top_k), num_warps=num_warps, compiled=compiled,
+        K_POW2=next_power_of_2(top_k), num_warps=num_warps, compiled=compiled,
     )
     return weights_TK, ids_TK

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.launch import FastLauncher
+from moe.kernels.launch import FastLauncher, cdiv, next_power_of_2
 
 _BLOCK_ROWS = 4  # rows per program
 _BLOCK_COLS = 1024  # hidden columns per program
@@ -103,8 +103,8 @@ _SUM = FastLauncher(sum_rows_kernel)
 
 def _grid(num_rows: int, hidden: int) -> tuple[tuple[int, int], int]:
     """((row blocks, column blocks), BLOCK_H) for `num_rows` rows of `hidden` columns."""
-    block_h = min(_BLOCK_COLS, triton.next_power_of_2(hidden))
-    return (triton.cdiv(num_rows, _BLOCK_ROWS), triton.cdiv(hidden, block_h)), block_h
+    block_h = min(_BLOCK_COLS, next_power_of_2(hidden))
+    return (cdiv(num_rows, _BLOCK_ROWS), cdiv(hidden, block_h)), block_h
 
 
 def launch_pack_rows(dst_ids_XK: torch.Tensor, dst_weights_XK: torch.Tensor,
@@ -121,7 +121,7 @@ def launch_pack_rows(dst_ids_XK: torch.Tensor, dst_weights_XK: torch.Tensor,
         src_X.contiguous(), x_TH, topk_ids_TK.contiguous(), topk_weights_TK.contiguous(),
         dst_ids_XK, dst_weights_XK, dst_x_XH, num_rows, hidden, x_TH.stride(0),
         dst_ids_XK.stride(0), dst_weights_XK.stride(0), dst_x_XH.stride(0),
-        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k),
+        TOP_K=top_k, TOP_K_POW2=next_power_of_2(top_k),
         BLOCK_R=_BLOCK_ROWS, BLOCK_H=block_h, compiled=compiled,
     )
 

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.launch import FastLauncher
+from moe.kernels.launch import FastLauncher, cdiv, next_power_of_2
 from moe.kernels.slots import TRITON_MAX_WORLD_SIZE
 from moe.kernels.slots_triton import rank_counts, rank_hits
 
@@ -116,12 +116,12 @@ def launch_send_order(topk_ids_TK: torch.Tensor, *, num_local_experts: int, spli
     assert src_X.shape == (world_size * num_tokens,)
     assert slot_TW.dtype == src_X.dtype == torch.int64
     assert world_size <= TRITON_MAX_WORLD_SIZE
-    num_programs = max(1, triton.cdiv(num_tokens, _BLOCK_T))
+    num_programs = max(1, cdiv(num_tokens, _BLOCK_T))
     _SEND_ORDER(
         (num_programs,),
         topk_ids_TK.contiguous(), splits_W, slot_TW, src_X, num_tokens,
-        triton.cdiv(world_size * num_tokens, num_programs),
+        cdiv(world_size * num_tokens, num_programs),
         NUM_LOCAL_EXPERTS=num_local_experts, TOP_K=top_k, WORLD=world_size,
-        WORLD_POW2=triton.next_power_of_2(world_size), BLOCK_T=_BLOCK_T, BLOCK_X=_BLOCK_X,
+        WORLD_POW2=next_power_of_2(world_size), BLOCK_T=_BLOCK_T, BLOCK_X=_BLOCK_X,
         num_warps=_NUM_WARPS, compiled=compiled,
     )

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.launch import FastLauncher
+from moe.kernels.launch import FastLauncher, cdiv, next_power_of_2
 from moe.kernels.slots import TRITON_MAX_WORLD_SIZE
 
 _BLOCK_T = 256  # tokens per program
@@ -142,12 +142,12 @@ def launch_ll_slots(topk_ids_TK: torch.Tensor, *, num_local_experts: int, world_
     assert num_tokens <= capacity and world_size <= TRITON_MAX_WORLD_SIZE
     if src_X.numel() == 0:  # capacity 0: no slot rows, and no tokens to place
         return
-    num_programs = max(1, triton.cdiv(num_tokens, _BLOCK_T))
+    num_programs = max(1, cdiv(num_tokens, _BLOCK_T))
     _SLOTS(
         (num_programs,),
         topk_ids_TK.contiguous(), slot_TW, src_X, num_tokens, capacity,
-        triton.cdiv(capacity, num_programs),
+        cdiv(capacity, num_programs),
         NUM_LOCAL_EXPERTS=num_local_experts, TOP_K=top_k, WORLD=world_size,
-        WORLD_POW2=triton.next_power_of_2(world_size), BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C,
+        WORLD_POW2=next_power_of_2(world_size), BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C,
         num_warps=_NUM_WARPS, compiled=compiled,
     )

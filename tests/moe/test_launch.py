@@ -146,3 +146,15 @@ def test_bench_host_cli(capsys):
     order = [line.split()[2] for line in captured.err.splitlines() if line.startswith("round")]
     assert order[:4] == ["fast", "triton", "fast", "triton"] and len(order) == 16
     assert any(line.startswith("fused_moe") for line in lines)
+
+
+def test_host_cdiv_and_next_power_of_2_match_tritons() -> None:
+    """The plain-Python grid helpers give Triton's answers (they replace its constexpr
+    functions on the host, which cost a JIT call each)."""
+    import triton
+
+    from moe.kernels.launch import cdiv, next_power_of_2
+    for n in range(0, 1100):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
