@@ -214,6 +214,13 @@ class Calibration:
     """SM clock during overlapped compute, as a fraction of the clock in the measured
     phase times (< 1 where concurrent comm pushes a power-capped GPU lower); 1.0 = not
     measured (BENCHMARKS.md: both GPUs run at their 700 W cap either way)."""
+    persistent_min_rows: float = 512.0
+    """Rows per expert of the unsplit step from which its expert GEMMs run the persistent
+    kernel (`moe.kernels.policy`: PERSISTENT_GEMM1_MIN_ROWS, PERSISTENT_GEMM2_MIN_ROWS),
+    which a step whose comm shares the SMs (DBO, SBO) never runs. The phase times and
+    `gemm_efficiency` come from unsplit steps, so from there on the cost model takes
+    SBO's expert passes at the rate the probe measured for the DBO step's experts (the
+    same kernels at half the rows: `MeasuredPoint.split_compute`) instead of the curve."""
     regimes: dict[str, CommRegime] = field(default_factory=_default_regimes)
     """Link kinds by name (e.g. "nvlink", "scale_out")."""
     points: tuple[MeasuredPoint, ...] = ()
@@ -244,6 +251,9 @@ class Calibration:
                 and 0.0 <= v < 1.0 for k, v in shares.items()):
             raise ValueError(f"Calibration.comm_sm_shares={shares!r}: must map "
                              f"\"<backend>/<regime>\" to a fraction in [0, 1).")
+        if not _finite_positive(self.persistent_min_rows):
+            raise ValueError(f"Calibration.persistent_min_rows={self.persistent_min_rows!r}: "
+                             f"must be a finite number > 0 (rows per expert).")
         if not _finite_positive(self.overlap_clock) or self.overlap_clock > 1.0:
             raise ValueError(f"Calibration.overlap_clock={self.overlap_clock!r}: must be in "
                              f"(0, 1] (1.0 = no clock drop measured).")

@@ -55,6 +55,13 @@ Terms (source of each parameter after the colon):
           rows need, all of them at decode sizes:
           pass(q) = max(q * x * eff(r) / eff(q * r), W_e)   a pass over a share q of the
                                               rows, at the GEMM efficiency of its rows
+          pass(q) = max(2 q * x2m * eff(r / 2) / eff(q * r), W_e)   instead where
+                  r >= persistent_min_rows and the probe measured the split compute on
+                  the GPU (h_dbo measured, below 90% of it): the unsplit step (x, the
+                  curve) ran the persistent GEMM, which the passes, like DBO's
+                  ubatches, never run (the comm shares the SMs); x2m = split_compute /
+                  (2 L) - a2 - s2 is one ubatch's experts as measured, the same kernels
+                  over r / 2 rows (2 ranks: exactly an SBO pass)
           x_n = pass((1 - o) / n), x_o = pass(o)
           c_n = (c - lam) / n + lam           the measured combine is the other ranks'
                                               rows alone (the own rows never cross the
@@ -226,6 +233,26 @@ def _fill_drain(a2: float, d2: float, c2: float, ov: Callable[[float, float], fl
     return a2 + c2 - ov(a2, c2) + first
 
 
+HOST_BOUND_SHARE = 0.9
+"""A step whose measured host time is at least this share of its time was set by the
+host, not the GPU (the bench's rule, `dbo.cli.bench.timing.HOST_BOUND_SHARE`)."""
+
+
+def _split_expert_rate(shape: StepShape, cal: Calibration, *, a2: float,
+                       s2: float) -> Optional[float]:
+    """One DBO ubatch's expert time per layer as the probe measured it (the split compute
+    less the modelled attention and shared halves), where SBO's passes should take it:
+    the unsplit step ran the persistent GEMM (`Calibration.persistent_min_rows`), which
+    the passes, like the ubatches, never run; and the split compute is the GPU's time
+    (the DBO step's host issue time was measured, below it). None: use the curve."""
+    split, h_dbo = shape.split_compute_ms, shape.host_dbo_ms
+    if (shape.rows_per_expert < cal.persistent_min_rows or split <= 0 or h_dbo <= 0
+            or (not shape.cuda_graph and h_dbo >= HOST_BOUND_SHARE * split)):
+        return None
+    x2 = split / (2 * shape.layers) - a2 - s2
+    return x2 if x2 > 0 else None
+
+
 def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
             margin: float = 0.01, sbo_chunks: int = 1) -> Prediction:
     """Predicted step time with no overlap, DBO and SBO (module docstring: the terms),
@@ -272,8 +299,11 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
     t_dbo = step(gpu_dbo, host_dbo)
 
     n, o, r = sbo_chunks, shape.own_row_share, shape.rows_per_expert
+    x2_split = _split_expert_rate(shape, cal, a2=max(a / 2, w_a), s2=max(s / 2, w_s))
 
     def sbo_pass(q: float) -> float:  # experts over a share q of the rows
+        if x2_split is not None:  # the DBO ubatches' measured experts, at q * r rows
+            return max(2 * q * x2_split * cal.efficiency(r / 2) / cal.efficiency(q * r), w_e)
         return max(q * x * cal.efficiency(r) / cal.efficiency(q * r), w_e)
 
     x_n, x_o = sbo_pass((1.0 - o) / n), (sbo_pass(o) if o > 0 else 0.0)

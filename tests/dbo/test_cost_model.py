@@ -3,6 +3,7 @@ with hand-computed answers, the choice and its reasons, and `dbo.calibration` (i
 interpolation, JSON round trip, bad values refused)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -131,6 +132,25 @@ def test_sbo_passes_run_at_the_gemm_efficiency_of_their_rows():
     assert predict(times, shape(), steep, sbo_chunks=2).times_ms["sbo"] == pytest.approx(7.0)
     # One pass over all the rows keeps the unsplit step's efficiency: 1 + 1 + 2 + 2 = 6.
     assert predict(times, shape(), steep).times_ms["sbo"] == pytest.approx(6.0)
+
+
+def test_sbo_passes_take_the_split_probes_expert_rate_above_the_persistent_rows():
+    # The unsplit step's GEMMs ran the persistent kernel (rows >= persistent_min_rows);
+    # SBO's passes, like DBO's ubatches, never do. The probe measured the DBO step's
+    # compute at 6 ms: less the attention halves (2 * 0.5) that leaves 2.5 ms of experts
+    # per ubatch, which each half pass now takes: 1 + ov(0, 1) + 2.5 + ov(2.5, 0.5) = 7.
+    # By the curve (flat): 1 + 1 + 1 + ov(1, 0.5) = 4.
+    times = PhaseTimes(attention=1, experts=2, dispatch=1, combine=0.5)
+    low = dataclasses.replace(FLAT, persistent_min_rows=64.0)
+    measured = dict(own_row_share=0.5, split_compute_ms=6.0, host_dbo_ms=1.0)
+    assert predict(times, shape(**measured), low).times_ms["sbo"] == pytest.approx(7.0)
+    # Fewer rows than the persistent kernel's: the curve.
+    assert predict(times, shape(**measured), FLAT).times_ms["sbo"] == pytest.approx(4.0)
+    # The split compute is the host's, not the GPU's: the DBO step's host time unknown
+    # (a backend that waits on the device while it issues) or at 90% of it or more.
+    for host_dbo_ms in (0.0, 5.4):
+        p = predict(times, shape(**{**measured, "host_dbo_ms": host_dbo_ms}), low)
+        assert p.times_ms["sbo"] == pytest.approx(4.0), host_dbo_ms
 
 
 def test_measured_dbo_and_sbo_host_times_are_their_floors():
@@ -281,6 +301,7 @@ def test_calibration_json_round_trip(tmp_path):
     ({"memory_gbs": 0}, "memory_gbs"),
     ({"comm_sm_share": 1.0}, "comm_sm_share"),
     ({"overlap_clock": 1.2}, "overlap_clock"),
+    ({"persistent_min_rows": 0}, "persistent_min_rows"),
     ({"comm_sm_shares": {"a2a/nvlink": 1.5}}, "comm_sm_shares"),
     ({"regimes": {"ib": {"bandwidth_gbs": -1, "latency_us": 1}}}, "bandwidth_gbs"),
     ({"regimes": {"ib": {"bandwidth": 1}}}, "regimes"),
