@@ -12,7 +12,7 @@ import pytest
 from dbo.cli.bench import hf_decode, hf_decode_report, hf_report, hf_sweep
 from dbo.cli.bench.config import NVLINK_REGIME
 from dbo.cli.bench.gating import GatePolicy
-from dbo.cli.bench.hf_config import HFBenchConfig, HFDecodeOptions
+from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, HFDecodeOptions
 from dbo.cli.bench.timing import HOST_BOUND_SHARE, Timing, host_bound
 
 SHAPES = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_experts": 128,
@@ -41,8 +41,9 @@ def test_host_bound_rule(host_ms: float, step_ms: float, expected: bool) -> None
 
 
 def _prefill_point(cfg: HFBenchConfig, tokens: int, dbo: tuple[float, float]) -> hf_sweep.HFPoint:
-    return hf_sweep._point(cfg, backend="a2a", tokens=tokens, world=2, capacity=None,
-                           hf=_timing(20.0, 9.0), offs=[_timing(16.1, 11.0)],
+    return hf_sweep._point(cfg, backend="a2a", tokens=tokens, world=2,
+                           conversion=Conversion(max_tokens_per_rank=None, points=(tokens,)),
+                           unconverted=None, hf=_timing(20.0, 9.0), offs=[_timing(16.1, 11.0)],
                            ons=[_timing(*dbo)], split=True, reason="", diffs=[0.0, 0.0])
 
 
@@ -70,7 +71,8 @@ def test_decode_table_and_rows_show_host_times_and_the_host_bound_point_only() -
                         regime=NVLINK_REGIME, rounds=1)
     gate = GatePolicy(min_tokens_per_rank=0, min_gain=0.0)
     points = [hf_decode._point(cfg, opts, gate, backend="a2a_ll", requests=r, world=2,
-                               capacity=None, hf=_timing(20.0, 9.0),
+                               conversion=Conversion(max_tokens_per_rank=None, points=(r,)),
+                               hf=_timing(20.0, 9.0),
                                offs=[_timing(16.1, 11.0)], ons=[_timing(*dbo)], trials=[0.7],
                                split=True, reason="", diffs=[0.0, 0.0])
               for r, dbo in ((64, NOT_BOUND), (256, BOUND))]
