@@ -127,7 +127,8 @@ class MeasuredPoint:
     (`MoEConfig.combine_chunks` where the backend chunks its combine, else 1)."""
     own_row_share: float = 0.0
     """Share of the received rows this rank sent itself, computed last in an SBO step
-    (1/W where the backend splits its combine and the layer does; 0 otherwise)."""
+    and in a DBO step's last MoE layer, under the combine (1/W where the backend splits
+    its combine and the layer does; 0 otherwise)."""
 
     def __post_init__(self) -> None:
         for name, low in (("tokens", 1), ("layers", 1), ("num_experts", 0), ("world_size", 0),

