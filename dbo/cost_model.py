@@ -27,9 +27,16 @@ Terms (source of each parameter after the colon):
              slower of the two sets the step), gpu + h under CUDA graphs (`cuda_graph`:
              the host time is the runner's vote and the replay's launch, spent before the
              GPU has any of the step's work)
-  none:   T = step(L * (a + x + d + ov(s, c)), max(host(k), h))
-          (the shared experts are queued between the combine's send and its receive,
-          and the combine runs on the comm stream: they run under it)
+  none:   T = step(L * (a + x + d + c + s), max(host(k), h))   under CUDA graphs
+          T = step(L * (a + x + d + ov(s, c)), max(host(k), h))   eager
+          The DBO-off step has no comm stream (no scheduler: its collectives block the
+          compute stream), so nothing in it overlaps: a graph replay, with no launch gaps,
+          takes the sum of its phases. Eager, the host queues the kernels after each
+          collective while it runs, so the launch gaps the compute-alone probe holds do
+          not recur in the step: measured eager steps ran 3-8% below the sum of their
+          phases on 2 and 4 H200s, and the model keeps taking min(s, c) per layer off
+          for them, an allowance of that size (written as the shared experts under
+          the combine).
   DBO, per ubatch: a2 = max(a / 2, W_a)           weights read twice (each ubatch reads them)
                    s2 = max(s / 2, W_s)
                    x2 = max(g * x / 2, W_e)       half-size GEMM efficiency, weights twice
@@ -295,7 +302,9 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
     def step(gpu: float, host_ms: float) -> float:
         return gpu + host_ms if shape.cuda_graph else max(gpu, host_ms)
 
-    t_none = step(L * (a + x + d + ov(s, c)), max(host(k), h))
+    # Graphed: serial (no comm stream, no launch gaps to hide); eager: module docstring.
+    tail_none = s + c if shape.cuda_graph else ov(s, c)
+    t_none = step(L * (a + x + d + tail_none), max(host(k), h))
 
     a2, s2, x2 = max(a / 2, w_a), max(s / 2, w_s), max(g * x / 2, w_e)
     if shape.split_compute_ms > 0 and a2 + s2 + x2 > 0:  # measured: take it

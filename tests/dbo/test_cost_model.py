@@ -32,6 +32,16 @@ def test_none_is_serial_but_runs_the_shared_experts_under_the_combine():
     assert longer.times_ms["none"] == pytest.approx(1 + 1 + 1 + 4)
 
 
+def test_a_graphed_none_step_is_the_sum_of_its_phases():
+    # The DBO-off step has no comm stream: its collectives block the compute stream, so
+    # the shared experts wait for the combine. Graphed there are no launch gaps for the
+    # host to fill during a collective: per layer 2 + 0.5 + 2 + 1 + 1 = 6.5, plus the
+    # host's 0.1 ms before the replay (eager: 6 per layer, above).
+    times = PhaseTimes(attention=4, shared=1, experts=4, dispatch=2, combine=2)
+    p = predict(times, shape(2, host_ms=0.1, cuda_graph=True), FLAT)
+    assert p.times_ms["none"] == pytest.approx(13.1)
+
+
 def test_comm_fully_hidden_when_compute_exceeds_comm():
     # Per layer a=2, x=2, d=1, c=1; per ubatch 1, 1, 0.5, 0.5: every comm hides under
     # compute, so DBO = all compute (8) + the last combine (0.5, the drain).

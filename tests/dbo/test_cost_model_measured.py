@@ -33,7 +33,14 @@ CHOICE_SLACK = 0.03
 # unsplit step partly hides (none +10.8%), the DBO step's host 21.2 ms of its 23.7.
 # 2 ranks, DBO: the split probe's host waits on replayed counts, the DBO step's on the
 # real exchanges (split 19.1 ms, step 21.4 ms, predicted 19.2).
-KNOWN_MISSES = {("2r scale-out eager", "a2a", 512, "sbo"): -0.24,
+# 2 ranks graphed, 8 experts/rank, SBO at 128 tokens: 3.13 ms predicted, 3.50 measured.
+# The graphed phases are the eager hook times scaled to the graphed compute alone
+# (x0.284 there), and that probe's eager split is off at this point: every eager phase
+# (attention 1.69, shared 1.11, experts 4.50 ms) exceeds the 256-token point's (1.11,
+# 0.27, 3.43), so the shared experts (hidden under the dispatch) keep 0.32 ms and the
+# expert passes lose it; nothing the calibration holds says how to split it otherwise.
+KNOWN_MISSES = {("2r scale-out graphed, 8 experts/rank", "a2a_ll", 128, "sbo"): -0.106,
+                ("2r scale-out eager", "a2a", 512, "sbo"): -0.24,
                 ("2r scale-out eager", "a2a", 512, "dbo"): -0.103,
                 ("4r scale-out eager", "a2a", 512, "none"): 0.108,
                 ("4r scale-out eager", "a2a", 512, "dbo"): -0.135}
