@@ -237,7 +237,8 @@ def _replays_equal_eager(cfg: Any, device: torch.device) -> dict[str, bool]:
 
     import moe.hf
     from dbo import DBOConfig, DBORunner, GraphedRunner
-    from dbo.cli.bench.hf_sweep import _replayed, _step, build_model, largest_ubatch
+    from dbo.cli.bench.hf_graphs import replayed
+    from dbo.cli.bench.hf_sweep import _step, build_model, largest_ubatch
     from dbo.graphs import capture_graph
     model = build_model(cfg, cfg.model_config(2), device=device, dtype=torch.bfloat16)
     tokens = cfg.tokens[-1]
@@ -251,7 +252,7 @@ def _replays_equal_eager(cfg: Any, device: torch.device) -> dict[str, bool]:
                                         min_decode_tokens=2))
     off, on = _step(model, kwargs), _step(runner, kwargs)
     eager_off, eager_on = off().logits, on().logits
-    graph_off = _replayed(capture_graph(off, device=device, warmup=2))().logits
+    graph_off = replayed(capture_graph(off, device=device, warmup=2))().logits
     graph_on = _step(GraphedRunner(runner), kwargs)().logits
     return {"off": torch.equal(graph_off, eager_off), "on": torch.equal(graph_on, eager_on),
             "split": bool(runner.last_decision.split)}

@@ -46,9 +46,9 @@ from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, conversions
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import (Timing, gather_floats, host_bound, median_of_rounds, rate,
                                   time_steps)
-from torch.utils._pytree import tree_map
-
 from dbo.config import DBOConfig
+from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
+                                     replayed)
 from dbo.graphs import GraphedRunner, capture_graph
 from dbo.runner import DBORunner
 
@@ -57,8 +57,6 @@ __all__ = ["HFPoint", "HFSweepResult", "build_model", "describe_model", "max_rel
 
 # DBO on: every point split (B >= 2 sequences); the bench compares, it does not gate.
 _DBO_ON = DBOConfig(split="batch", min_prefill_tokens=2, min_decode_tokens=2)
-#: Eager steps before each capture (compiles, autotunes, allocates the workspaces).
-GRAPH_WARMUP = 2
 
 
 @dataclass
@@ -154,7 +152,7 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
             rounds.append(time_steps(step, **timing))
         t_hf[tokens] = median_of_rounds(rounds)
         if cfg.cuda_graph:
-            unconverted[tokens] = _graphed_unconverted(step, t_hf[tokens], cfg, timing,
+            unconverted[tokens] = graphed_unconverted(step, t_hf[tokens], cfg, timing,
                                                        device=device, group=group)
             t_hf[tokens] = unconverted[tokens].best
 
@@ -177,7 +175,7 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
         for tokens in conversion.points:
             off = _step(model, inputs[tokens])
             if cfg.cuda_graph:
-                off = _replayed(capture_graph(off, device=device, warmup=GRAPH_WARMUP))
+                off = replayed(capture_graph(off, device=device, warmup=GRAPH_WARMUP))
             on = _step(graphed if graphed is not None else runner, inputs[tokens])
             diffs = [max_rel_diff(s().logits, reference[tokens], group) for s in (off, on)]
             offs, ons = [], []
@@ -235,53 +233,6 @@ def largest_ubatch(cfg: HFBenchConfig, tokens: int) -> int:
     return -(-cfg.requests // 2) * (tokens // cfg.requests)
 
 
-@dataclass
-class UnconvertedTimes:
-    """The unconverted model eagerly and as a replayed graph (None: it did not capture,
-    `note` says why); `best` the faster."""
-
-    eager: Timing
-    graph: Optional[Timing]
-    note: str
-
-    @property
-    def best(self) -> Timing:
-        if self.graph is None or self.eager.max_ms <= self.graph.max_ms:
-            return self.eager
-        return self.graph
-
-
-def _graphed_unconverted(step: Callable[[], Any], eager: Timing, cfg: HFBenchConfig,
-                         timing: dict[str, Any], *, device: torch.device,
-                         group: Optional[dist.ProcessGroup]) -> UnconvertedTimes:
-    """Time the unconverted model as a replayed graph, where every rank captures it (it
-    runs no collective: a rank whose capture fails only tells the others, below)."""
-    note, graph = "", None
-    try:
-        replay = _replayed(capture_graph(step, device=device, warmup=GRAPH_WARMUP))
-    except RuntimeError as exc:
-        replay, note = None, f"did not capture: {str(exc).splitlines()[0][:200]}"
-    captured = gather_floats(0.0 if replay is None else 1.0, group)
-    if min(captured) == 1.0:
-        assert replay is not None
-        rounds = [time_steps(replay, **timing) for _ in range(cfg.rounds)]
-        graph = median_of_rounds(rounds)
-    elif not note:
-        note = "did not capture on another rank"
-    replay = None
-    free_memory(device)
-    return UnconvertedTimes(eager, graph, note)
-
-
-def _replayed(captured: Any) -> Callable[[], Any]:
-    """A step that replays `captured` (`dbo.graphs.CapturedGraph`) and clones its output
-    out, as `GraphedRunner` does (the next replay overwrites the graph's own)."""
-    def step() -> Any:
-        return tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v,
-                        captured.replay())
-    return step
-
-
 def _step(call: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[[], Any]:
     def step() -> Any:
         with torch.no_grad():
@@ -296,7 +247,7 @@ def max_rel_diff(logits: Tensor, reference: Tensor, group: Optional[dist.Process
 
 
 def _point(cfg: HFBenchConfig, *, backend: str, tokens: int, world: int,
-           conversion: Conversion, unconverted: Optional["UnconvertedTimes"], hf: Timing,
+           conversion: Conversion, unconverted: Optional[UnconvertedTimes], hf: Timing,
            offs: list[Timing], ons: list[Timing], split: bool, reason: str,
            diffs: list[float]) -> HFPoint:
     graph_fields: dict[str, Any] = {}
