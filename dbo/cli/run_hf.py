@@ -2,6 +2,7 @@
 
     dbo run --hf-config qwen3_moe                 # a tiny random Qwen3-MoE, 2 CPU ranks
     dbo run --hf /models/my-moe --tokens 4096     # a local checkpoint, experts sharded
+    dbo run --hf-config qwen3_moe --cuda-graph    # GPUs: both modes replayed from graphs
 
 Shape legend: B sequences, S tokens per sequence, V vocab.
 
@@ -13,7 +14,9 @@ sequence boundary (`split="batch"`). The model is called with `use_cache=False` 
 job compares the logits [B * S, V] of DBO on and off. The phase order shows the MoE
 layer's phases (router, dispatch, experts, combine, shared experts): transformers'
 attention and norms open no dbo phase, so they appear in the trace only as kernels
-under each ubatch's `ub<n>/run` range.
+under each ubatch's `ub<n>/run` range. With `--cuda-graph` (GPUs; backend "auto" is then
+a2a_ll) both modes run as CUDA graph replays, as for the presets; a2a_ll's DBO ubatches
+get a capacity of their own (`MoEConfig.max_tokens_per_ubatch`: half the sequences).
 """
 from __future__ import annotations
 
@@ -92,21 +95,26 @@ def build_hf(ctx: Any, job: Any, tokens: int, max_tokens: int) -> dict[str, Any]
 
     backend = job.backend
     if backend == "auto" and ctx.world_size > 1:
-        backend = "a2a"
-    capacity = max_tokens if backend_class(backend, ctx.world_size).needs_capacity else None
+        backend = "a2a_ll" if job.cuda_graph else "a2a"
+    num_seqs = job.requests
+    seq_len = max(1, tokens // num_seqs)
+    capacity = ubatch = None
+    if backend_class(backend, ctx.world_size).needs_capacity:
+        capacity = max_tokens
+        if backend == "a2a_ll":  # a DBO ubatch holds at most half the sequences, rounded up
+            ubatch = min(capacity, -(-num_seqs // 2) * max(1, max_tokens // num_seqs))
     dtype: Optional[torch.dtype] = torch.bfloat16 if ctx.device.type == "cuda" else None
     if job.hf is not None:
         model = moe.hf.load(job.hf, group=ctx.group, backend=backend, experts=job.experts,
-                            dtype=dtype, max_tokens_per_rank=capacity)
+                            dtype=dtype, max_tokens_per_rank=capacity,
+                            max_tokens_per_ubatch=ubatch)
     else:
         model = tiny_model(hf_model_config(job, ctx.world_size), seed=job.seed)
         if dtype is not None:
             model = model.to(dtype)
         model = moe.hf.convert(model, group=ctx.group, backend=backend, experts=job.experts,
-                               max_tokens_per_rank=capacity)
+                               max_tokens_per_rank=capacity, max_tokens_per_ubatch=ubatch)
     model = LogitsOnly(model.to(ctx.device))
-    num_seqs = job.requests
-    seq_len = max(1, tokens // num_seqs)
     gen = torch.Generator().manual_seed(job.seed + 1000 + ctx.rank)
     ids = torch.randint(0, model.model.config.vocab_size, (num_seqs, seq_len), generator=gen)
     mask = torch.ones_like(ids)
@@ -139,9 +147,6 @@ def check_hf_options(job: Any) -> None:
             if getattr(job, name) is not None:
                 raise ValueError(f"--{name.replace('_', '-')} with --hf: a checkpoint's sizes "
                                  f"come from its config.json; use it with --hf-config")
-    if job.cuda_graph:
-        raise ValueError(f"--cuda-graph with {option}: a transformers model's forward is not "
-                         f"captured by dbo run; run it eagerly")
     if job.preset != "tiny":
         raise ValueError(f"--preset with {option}: the preset is dbo's reference model, "
                          f"{option} names the model: pass one")

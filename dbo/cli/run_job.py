@@ -111,13 +111,13 @@ def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
     and a DBORunner voting over all ranks."""
     from moe.models.transformer import MoETransformer, make_batch
 
+    if job.cuda_graph and ctx.device.type != "cuda":
+        raise ValueError(f"--cuda-graph needs CUDA GPUs; this rank runs on {ctx.device}")
     if job.hf is not None or job.hf_config is not None:
         return RankSetup(**build_hf(
             ctx, job, tokens_for_rank(job, ctx.rank),
             max(tokens_for_rank(job, r) for r in range(ctx.world_size))))
     config = model_config(job, ctx.world_size)
-    if job.cuda_graph and ctx.device.type != "cuda":
-        raise ValueError(f"--cuda-graph needs CUDA GPUs; this rank runs on {ctx.device}")
     backend = job.backend
     if backend == "auto" and ctx.world_size > 1:
         backend = "a2a_ll" if job.cuda_graph else "a2a"

@@ -55,7 +55,7 @@ def no_launch(monkeypatch):
     (("--hf-config", "qwen3_moe", "--world-size", "3"), "do not split over 3 ranks"),
     (("--hf-config", "mixtral", "--num-experts", "1", "--world-size", "1"),
      "top_k=2 exceeds num_experts=1"),
-    (("--hf-config", "mixtral", "--cuda-graph"), "--cuda-graph with --hf-config"),
+    (("--hf-config", "mixtral", "--cuda-graph"), "--cuda-graph needs CUDA GPUs"),
     (("--hf-config", "mixtral", "--preset", "mixtral-like"), "--preset with --hf-config"),
 ])
 def test_bad_hf_arguments_fail_fast(args, message, tmp_path, capsys, no_launch):
@@ -77,3 +77,21 @@ def test_hf_checkpoint_sizes_are_not_overridden(tmp_path, capsys, no_launch):
     with pytest.raises(SystemExit):  # 4 experts over 3 ranks, read from config.json
         cli.main(["run", "--hf", path, "--world-size", "3"])
     assert f"4 routed experts (hf {path}) do not split over 3 ranks" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_dbo_run_hf_config_cuda_graph_on_two_gpus(tmp_path):
+    """`dbo run --hf-config NAME --cuda-graph`: both modes replayed from CUDA graphs, a2a_ll
+    chosen for "auto", DBO on and off giving the same logits."""
+    import os
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "dbo.cli", "run", "--hf-config", "qwen3_moe",
+                           "--tokens", "64", "--requests", "4", "--steps", "2",
+                           "--cuda-graph", "--world-size", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["backend"] == "a2a_ll" and summary["split"] is True, summary
+    assert summary["outputs_match"] is True, summary
