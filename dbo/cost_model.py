@@ -252,7 +252,7 @@ def _fill_drain(a2: float, y2: float, v2: float, d2: float, c2: float,
 
 HOST_BOUND_SHARE = 0.9
 """A step whose measured host time is at least this share of its time was set by the
-host, not the GPU (the bench's rule, `dbo.cli.bench.timing.HOST_BOUND_SHARE`)."""
+host, not the GPU (the bench applies the same rule: `dbo.cli.bench.timing.host_bound`)."""
 
 
 def _split_expert_rate(shape: StepShape, cal: Calibration, *, a2: float,

@@ -27,6 +27,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dbo.cost_model import HOST_BOUND_SHARE
 from dbo.graphs import capture_graph
 
 
@@ -70,8 +71,8 @@ def median_of_rounds(rounds: Sequence[Timing]) -> Timing:
                         for r in range(num_ranks)), host)
 
 
-HOST_BOUND_SHARE = 0.9
-"""A GPU step whose host time is at least this share of its step time is host-bound."""
+# HOST_BOUND_SHARE (from dbo.cost_model, which applies the same rule): a GPU step whose
+# host time is at least this share of its step time is host-bound.
 # The end event is recorded after the step returns, so a step's time is at least its host
 # time: at 90% or more the host's launches, not the device's work, set the step time (a
 # DBO step of Qwen3-30B-A3B's shapes on 2 GPUs was issued in 24.8 of its 24.8 ms, the
