@@ -278,7 +278,8 @@ def test_graphed_hf_sweep_replays_the_converted_model_on_two_gpus(tmp_path: Path
     """`--cuda-graph`: DBO off and on replayed from graphs give exactly what the same
     converted steps give eagerly; the sweep's points carry the graph fields, a2a_ll's
     ubatches at half the capacity; the unconverted model's graph is timed or its failure
-    said; the ceiling probe measured every point (compute, comm, both, split, ceiling). (At these tiny random bfloat16 shapes the logits of our expert kernels and
+    said; the ceiling probe measured every point (compute, comm, both, split, ceiling).
+    (At these tiny random bfloat16 shapes the logits of our expert kernels and
     transformers' grouped_mm differ by up to ~15% of the largest logit, so the sweep's
     difference to the unconverted model is only bounded loosely here; at real shapes it
     is 1-3%, BENCHMARKS.md section 13.)"""

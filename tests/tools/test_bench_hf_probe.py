@@ -1,13 +1,18 @@
-"""Layer 1 (CPU, one process, no model run): the ceiling probe of `dbo bench --hf`
-prefill points (`dbo.cli.bench.hf_probe`). Points are made from synthetic `Timing`s and
-`Ceiling`s as the sweep makes them (`hf_sweep._point`), on a GPU regime, so the fields,
-ceiling, eta and table columns are checked on chosen numbers; which points the probe
-skips (CPU; a backend outside torch.distributed collectives) and why. The end-to-end run
-on two gloo ranks (test_bench_hf.py) shows the skipped probe; the GPU test there the
-measured one.
+"""Layers 1-2 (CPU): the ceiling probe of `dbo bench --hf` prefill points
+(`dbo.cli.bench.hf_probe`).
+Layer 1 (one process, no model run): points made from synthetic `Timing`s and `Ceiling`s
+as the sweep makes them (`hf_sweep._point`), on a GPU regime, so the fields, ceiling,
+eta and table columns are checked on chosen numbers; which points the probe skips (CPU;
+a backend outside torch.distributed collectives) and why.
+Layer 2 (two gloo ranks): what of the probe runs without streams on a converted model,
+as the GPU sweep runs it (the recording, compute alone on the recorded results, the split
+compute through the runner with the prefill call's keyword arguments).
+The end-to-end run on two gloo ranks (test_bench_hf.py) shows the skipped probe; the GPU
+test there the measured one.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dbo.cli.bench import hf_report, hf_sweep
@@ -123,3 +128,43 @@ def test_a_backend_outside_torch_distributed_collectives_is_not_probed_on_gpu() 
                     f"{PROBE_NO_FIGURES}")
     # The layer bench's note is the same reason and what it reports instead.
     assert ProbeScope(("opaque_a2a",)).note.startswith(note.removesuffix(PROBE_NO_FIGURES))
+
+
+def _probe_parts_on_a_converted_model(rank: int, world: int) -> tuple:
+    import torch.distributed as dist
+
+    import moe.hf
+    from dbo.cli.bench.ceiling import (CommReplay, probe_split_compute, record_collectives,
+                                       replayed_results)
+    from dbo.cli.bench.hf_sweep import _DBO_ON, _batch, build_model, largest_ubatch
+    from dbo.cli.bench.workload import Workload
+    from dbo.runner import DBORunner
+    cfg = HFBenchConfig(arch="deepseek_v3", tokens=(16,), requests=2)
+    cpu, group = torch.device("cpu"), dist.group.WORLD
+    model = moe.hf.convert(build_model(cfg, cfg.model_config(world), device=cpu,
+                                       dtype=torch.float32),
+                           group=group, backend="a2a_ll", max_tokens_per_rank=16,
+                           max_tokens_per_ubatch=largest_ubatch(cfg, 16))
+    inputs = _batch(cfg, 16, model.config.vocab_size, rank=rank, device=cpu)
+    off = Workload(model, (), inputs, 16, None)
+    with record_collectives(model) as recording:
+        logits = off.step().logits
+    CommReplay(recording).run_all()
+    with replayed_results(recording) as drift:
+        alone = off.step().logits
+    runner = DBORunner(model, _DBO_ON, group=group)
+    split = probe_split_compute(Workload(model, (), inputs, 16, runner), device=cpu,
+                                group=group, warmup=0, iters=1)
+    return ([len(s) for s in recording.segments], torch.equal(alone, logits), drift.calls,
+            split.max_ms > 0, bool(runner.last_decision.split))
+
+
+@pytest.mark.distributed
+def test_the_probe_records_and_replays_a_converted_model_on_two_gloo_ranks() -> None:
+    """The converted model's MoE layer (one, in an HFMoEBlock) opens its own segment with
+    a2a_ll's dispatch and combine; compute alone gives the logits the real step gave; the
+    split compute runs the DBO step (split) on the recorded results."""
+    from tests.dist_utils import run_distributed
+    pytest.importorskip("transformers")
+    for out in run_distributed(2, _probe_parts_on_a_converted_model):
+        assert out == ([0, 2], True, 0, True, True), out
