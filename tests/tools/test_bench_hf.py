@@ -3,7 +3,9 @@ the named real-shape architectures (layer 1, in-process; the real shapes are bui
 the meta device only); how each backend is converted (`conversions`: a capacity per
 point, or the largest, or none); the command line end to end on two gloo ranks at tiny
 shapes, float32, with a2a, naive and a2a_ll (converted with the point's capacity): table,
-CSV/JSON files and the final JSON line, host issue times included (layer 2).
+CSV/JSON files and the final JSON line, host issue times included, the ceiling probe's
+columns empty and why (layer 2). Two GPUs (gpu, multigpu): the graphed sweep, probe
+included.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from dbo.cli.bench.config import CPU_REGIME  # noqa: E402
 from dbo.cli.bench.config import NVLINK_REGIME  # noqa: E402
 from dbo.cli.bench.hf_config import (Conversion, HFBenchConfig, HFDecodeOptions,  # noqa: E402
                                      conversions)
+from dbo.cli.bench.hf_probe import PROBE_NA_CPU  # noqa: E402
 from moe.hf.named import REAL_SHAPES, named_architectures, named_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -198,11 +201,21 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
         assert p["dbo_split"] is True and p["rounds"] == 2
         assert p["speedup"] is None and p["dbo_vs_hf"] is None  # functional: no ratios
         assert p["logits_diff_nodbo"] < 1e-5 and p["logits_diff_dbo"] < 1e-5
+        # No ceiling probe on CPU (nothing overlaps on gloo): its fields null, and why.
+        assert [p[k] for k in ("t_compute_ms", "t_comm_ms", "t_both_ms", "t_split_ms",
+                               "ceiling", "eta")] == [None] * 6, p
+        assert p["probe_note"] == PROBE_NA_CPU
     table = "\n".join(lines[:-1])
     assert "dbo bench --hf deepseek_v3: world=2 regime=CPU gloo" in table
     assert "functional run" in table and "unconv ms" in table
     assert "host unconv  host noDBO  host DBO" in table and "host-bound" not in table
     assert "  capacity: a2a_ll: max_tokens_per_rank" in table
+    header = next(line for line in lines if "T/rank" in line)
+    assert "comp ms   comm ms   both ms  split ms  ceiling     eta" in header
+    rows = [line for line in lines if re.match(r"\s+(8|16)\s+(a2a|naive|a2a_ll)\s", line)]
+    assert len(rows) == 6 and all(re.search(r"(\s+-){6}\s", line) for line in rows), rows
+    assert (f"  a2a T=8, a2a T=16, naive T=8, naive T=16, a2a_ll T=8, a2a_ll T=16: "
+            f"{PROBE_NA_CPU}") in lines
     files = final["files"]
     with open(files["csv"]) as f:
         rows = list(csv.DictReader(f))
@@ -210,6 +223,7 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert all(float(r["host_dbo_ms"]) > 0 for r in rows)
     doc = json.loads(Path(files["json"]).read_text())
     assert doc["config"]["arch"] == "deepseek_v3" and "dbo_vs_hf" in doc["definitions"]
+    assert "probe_note" in doc["definitions"] and rows[0]["probe_note"] == PROBE_NA_CPU
     assert all(len(p["rounds_ms"]["t_dbo"]) == 2 for p in doc["points"])
 
 
@@ -264,7 +278,8 @@ def test_graphed_hf_sweep_replays_the_converted_model_on_two_gpus(tmp_path: Path
     """`--cuda-graph`: DBO off and on replayed from graphs give exactly what the same
     converted steps give eagerly; the sweep's points carry the graph fields, a2a_ll's
     ubatches at half the capacity; the unconverted model's graph is timed or its failure
-    said. (At these tiny random bfloat16 shapes the logits of our expert kernels and
+    said; the ceiling probe measured every point (compute, comm, both, split, ceiling).
+    (At these tiny random bfloat16 shapes the logits of our expert kernels and
     transformers' grouped_mm differ by up to ~15% of the largest logit, so the sweep's
     difference to the unconverted model is only bounded loosely here; at real shapes it
     is 1-3%, BENCHMARKS.md section 13.)"""
@@ -279,5 +294,10 @@ def test_graphed_hf_sweep_replays_the_converted_model_on_two_gpus(tmp_path: Path
         assert point["logits_diff_nodbo"] < 0.3 and point["logits_diff_dbo"] < 0.3, point
         assert point["t_hf_eager_ms"] > 0 and point["t_nodbo_ms"] > 0 and point["t_dbo_ms"] > 0
         assert (point["t_hf_graph_ms"] is None) == bool(point["hf_graph_note"]), point
+        # The ceiling probe, graphed as the steps are: a2a_ll is made of collectives.
+        for key in ("t_compute_ms", "t_comm_ms", "t_both_ms", "t_split_ms", "ceiling"):
+            assert point[key] is not None and point[key] > 0, (key, point)
+        assert point["probe_note"] == "", point
+    assert "  ceiling probe: measured: compute alone" in table
     assert "CUDA graphs: the converted model's steps are replayed" in table
     assert out["replays"] == {"off": True, "on": True, "split": True}, out["replays"]

@@ -3,7 +3,8 @@
 Files, under `out_dir`: `bench_hf_<arch>_w<world>_<regime tag>.{csv,json}` (regime tag as
 `dbo.cli.bench.report`). A CPU run is a functional check: its ratios are null and the
 table says so. Below the table, one line per point whose DBO step is host-bound
-(`host_bound_lines`, also used by the decode table).
+(`host_bound_lines`, also used by the decode table), and one per reason the ceiling
+probe did not measure some points (`probe_lines`; on CPU every point's).
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from typing import Any, Callable, Optional
 from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME, GRAPH_BACKENDS
 from dbo.cli.bench.hf_config import capacity_note
 from dbo.cli.bench.hf_sweep import HFSweepResult
+from dbo.cli.bench.point import DEFINITIONS as BENCH_DEFINITIONS
 from dbo.cli.bench.report import FUNCTIONAL_NOTE, _num, _opt
+from dbo.cli.bench.sweep import PROBE_MEASURED
 from dbo.cli.bench.timing import HOST_BOUND_SHARE
 
 HOST_DEFINITIONS = {
@@ -44,8 +47,21 @@ DEFINITIONS = {
                             "backends that need one; null otherwise"),
     "logits_diff": ("max |logits - unconverted logits| / max |unconverted logits| on the "
                     "same batch, the largest over ranks"),
+    "t_compute / t_comm / t_both": (
+        "the ceiling probe, once per point after its rounds (GPU, backends made of "
+        "torch.distributed collectives): the DBO-off step with every collective replaced "
+        "by its recorded result (compute alone), its recorded collectives replayed (comm "
+        "alone), both on two CUDA streams; with cuda_graph each captured and replayed; "
+        "null where not measured (probe_note says why)"),
+    "t_split": BENCH_DEFINITIONS["t_split"],
+    "ceiling": "(T_compute + T_comm) / T_both",
+    "eta": BENCH_DEFINITIONS["eta"] + "; eta_note says why it is null or above 1",
+    "probe_note": ("why the probe did not measure this point (its fields are null), or "
+                   "empty"),
     **HOST_DEFINITIONS,
 }
+PROBE_COLUMNS = [("comp ms", 8), ("comm ms", 8), ("both ms", 8), ("split ms", 8),
+                 ("ceiling", 7), ("eta", 6)]
 HOST_COLUMNS = [("host unconv", 11), ("host noDBO", 10), ("host DBO", 8)]
 HOST_LEGEND = ("  host unconv / host noDBO / host DBO: the host's time to issue one step (not "
                "waiting for the device), slowest rank; on CPU the step time itself")
@@ -92,6 +108,26 @@ def host_bound_lines(points: list[Any], label: Callable[[Any], str]) -> list[str
                      f"{p.t_nodbo_ms:.3g} ms{waits}): each ubatch runs the model's Python, "
                      f"so DBO pays the host's launch cost twice per step; larger batches per "
                      f"rank or CUDA graphs would help")
+    return lines
+
+
+def probe_cells(point: Any) -> dict[str, str]:
+    """The `PROBE_COLUMNS` cells of a prefill point, "-" where not measured."""
+    return {"comp ms": _opt(point.t_compute_ms), "comm ms": _opt(point.t_comm_ms),
+            "both ms": _opt(point.t_both_ms), "split ms": _opt(point.t_split_ms),
+            "ceiling": _opt(point.ceiling), "eta": _opt(point.eta, "{:.2f}")}
+
+
+def probe_lines(points: list[Any]) -> list[str]:
+    """One line per reason the probe did not measure some points, naming them; one per
+    probed point whose eta is null or above 1, saying why (`eta_note`)."""
+    skipped: dict[str, list[str]] = {}
+    for p in points:
+        if p.probe_note:
+            skipped.setdefault(p.probe_note, []).append(f"{p.backend} T={p.tokens_per_rank}")
+    lines = [f"  {', '.join(labels)}: {note}" for note, labels in skipped.items()]
+    lines += [f"  {p.backend} T={p.tokens_per_rank}: " + ("eta n/a: " if p.eta is None else "")
+              + p.eta_note for p in points if p.t_both_ms is not None and p.eta_note]
     return lines
 
 
@@ -198,13 +234,15 @@ def format_table(result: HFSweepResult) -> str:
         "; shown rank0/max over ranks; ratios use the max",
         HOST_LEGEND,
         *([GRAPH_LEGEND] if cfg.cuda_graph else []),
+        *([f"  ceiling probe: {PROBE_MEASURED}"]
+          if any(p.t_both_ms is not None for p in result.points) else []),
         *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
         *([f"  capacity: {note}"] if (note := _capacity_note(result)) else []),
         "",
     ]
     cols = [("T/rank", 7), ("backend", 7), ("unconv ms", 15), ("noDBO ms", 15),
             ("DBO ms", 15), *HOST_COLUMNS, ("speedup", 7), ("DBO/unconv", 10),
-            ("noDBO/unconv", 12), ("tok/s DBO", 9), ("diff", 8)]
+            ("noDBO/unconv", 12), ("tok/s DBO", 9), *PROBE_COLUMNS, ("diff", 8)]
     if cfg.functional:
         cols = [c for c in cols if c[0] not in ("speedup", "DBO/unconv", "noDBO/unconv")]
     if cfg.cuda_graph:
@@ -216,16 +254,18 @@ def format_table(result: HFSweepResult) -> str:
                  "noDBO/unconv": f"{p.nodbo_vs_hf or 0:.3f}",
                  "tok/s DBO": _num(p.tokens_per_s_dbo),
                  "diff": f"{max(p.logits_diff_nodbo, p.logits_diff_dbo):.1e}",
-                 "unconv eager/graph": _eager_graph(p)}
+                 "unconv eager/graph": _eager_graph(p), **probe_cells(p)}
         lines.append("  ".join(f"{cells[name]:>{w}}" for name, w in cols))
     not_split = [p for p in result.points if not p.dbo_split]
     for p in not_split:
         lines.append(f"  {p.backend} T={p.tokens_per_rank}: DBO-on step NOT split: "
                      f"{p.dbo_split_reason}")
     lines += host_bound_lines(result.points, lambda p: f"{p.backend} T={p.tokens_per_rank}")
+    lines += probe_lines(result.points)
     notes = {p.tokens_per_rank: p.hf_graph_note for p in result.points if p.hf_graph_note}
     lines += [f"  unconverted T={t}: no graph: {note}" for t, note in notes.items()]
     lines.append("  speedup = noDBO/DBO; DBO/unconv = unconverted/DBO (above 1: the converted "
                  "model with DBO is faster); diff = largest logit difference to the "
-                 "unconverted model, relative")
+                 "unconverted model, relative; comp/comm/both/split: the ceiling probe, "
+                 "ceiling = (comp + comm) / both, eta = (noDBO - DBO) / (noDBO - both)")
     return "\n".join(lines)

@@ -27,6 +27,9 @@ replay), both with their output cloned out as a caller would keep it. The unconv
 model is timed eagerly and, if transformers' forward captures, as a replayed graph as
 well; its ratios use the faster of the two (`t_hf_ms` is that one, `t_hf_eager_ms` and
 `t_hf_graph_ms` both, or why it did not capture).
+After a point's rounds, its ceiling probe (`dbo.cli.bench.hf_probe`, GPU and a backend
+made of torch.distributed collectives only): compute alone, comm alone, both, and the
+DBO-on step's compute alone (split), once per point; ceiling and eta as the layer bench's.
 Times are per-rank medians (`dbo.cli.bench.timing`), folded over rounds; the derived
 figures use the slowest rank's. Each point also reports how far the converted model's
 logits are from the unconverted model's on the same batch (largest difference over
@@ -43,6 +46,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, conversions
+from dbo.cli.bench.hf_probe import HFProbe, probe_hf_point, skipped
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import (Timing, gather_floats, host_bound, median_of_rounds, rate,
                                   time_steps)
@@ -107,6 +111,19 @@ class HFPoint:
     None where it did not capture: `hf_graph_note`); under `cuda_graph` only. `t_hf_ms`
     is the faster."""
     hf_graph_note: str = ""
+    t_compute_ms: Optional[float] = None
+    t_comm_ms: Optional[float] = None
+    t_both_ms: Optional[float] = None
+    t_split_ms: Optional[float] = None
+    """The ceiling probe (`hf_probe`): the DBO-off step's compute alone, its comm alone,
+    both on two streams, the DBO-on step's compute alone; None where not measured
+    (`probe_note` says why)."""
+    ceiling: Optional[float] = None
+    """(T_compute + T_comm) / T_both."""
+    eta: Optional[float] = None
+    """(T_noDBO - T_DBO) / (T_noDBO - T_both); None without a probe or headroom (`eta_note`)."""
+    eta_note: str = ""
+    probe_note: str = ""
     rounds: int = 1
     per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
     rounds_ms: dict[str, list[float]] = field(default_factory=dict)
@@ -132,7 +149,8 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     config = cfg.model_config(world)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timing = dict(device=device, group=group, warmup=cfg.warmup, iters=cfg.iters)
-    progress = Progress(len(cfg.tokens) * (1 + 2 * len(cfg.backends)) * cfg.rounds,
+    probes = len(cfg.tokens) * len(cfg.backends) if device.type == "cuda" else 0
+    progress = Progress(len(cfg.tokens) * (1 + 2 * len(cfg.backends)) * cfg.rounds + probes,
                         enabled=cfg.progress and rank == 0)
     inputs = {t: _batch(cfg, t, config.vocab_size, rank=rank, device=device)
               for t in cfg.tokens}
@@ -185,14 +203,22 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                 offs.append(time_steps(off, **timing))
                 progress.step(f"{tag}: DBO on")
                 ons.append(time_steps(on, **timing))
-            decision = runner.last_decision
+            decision = runner.last_decision  # of the timed steps: the probe runs more
+            off = on = None  # the DBO-off graph and its memory go here
+            free_memory(device)
+            if not skipped(model, device):
+                progress.step(f"{backend} T={tokens}/rank: ceiling probe")
+            probe = probe_hf_point(model, inputs[tokens], tokens=tokens,
+                                   runner=graphed if graphed is not None else runner,
+                                   device=device, group=group, warmup=cfg.warmup,
+                                   iters=cfg.iters, cuda_graph=cfg.cuda_graph,
+                                   gemm_sm_carveout=_DBO_ON.gemm_sm_carveout)
             points.append(_point(cfg, backend=backend, tokens=tokens, world=world,
                                  conversion=conversion, unconverted=unconverted.get(tokens),
                                  hf=t_hf[tokens], offs=offs, ons=ons,
                                  split=bool(decision is not None and decision.split),
                                  reason="" if decision is None else decision.reason,
-                                 diffs=diffs))
-            off = on = None  # the DBO-off graph and its memory go here
+                                 diffs=diffs, probe=probe))
             free_memory(device)
         if graphed is not None:
             graphed.reset()
@@ -249,21 +275,25 @@ def max_rel_diff(logits: Tensor, reference: Tensor, group: Optional[dist.Process
 def _point(cfg: HFBenchConfig, *, backend: str, tokens: int, world: int,
            conversion: Conversion, unconverted: Optional[UnconvertedTimes], hf: Timing,
            offs: list[Timing], ons: list[Timing], split: bool, reason: str,
-           diffs: list[float]) -> HFPoint:
+           diffs: list[float], probe: HFProbe) -> HFPoint:
     graph_fields: dict[str, Any] = {}
     if unconverted is not None:
         graph_fields = dict(t_hf_eager_ms=unconverted.eager.max_ms,
                             t_hf_graph_ms=(None if unconverted.graph is None
                                            else unconverted.graph.max_ms),
                             hf_graph_note=unconverted.note)
+    times = timing_fields(hf, offs, ons, total_tokens=tokens * world,
+                          perf=not cfg.functional)
+    times["per_rank_ms"].update(probe.per_rank_ms())
+    probed = probe.fields(t_nodbo_ms=times["t_nodbo_ms"], t_dbo_ms=times["t_dbo_ms"],
+                          perf=not cfg.functional)
     return HFPoint(
         regime=cfg.regime, arch=cfg.arch, backend=backend, tokens_per_rank=tokens,
         world_size=world, max_tokens_per_rank=conversion.max_tokens_per_rank,
         max_tokens_per_ubatch=conversion.max_tokens_per_ubatch, cuda_graph=cfg.cuda_graph,
         dbo_split=split, **graph_fields,
         dbo_split_reason=reason, logits_diff_nodbo=diffs[0], logits_diff_dbo=diffs[1],
-        **timing_fields(hf, offs, ons, total_tokens=tokens * world,
-                        perf=not cfg.functional))
+        **times, **probed)
 
 
 def timing_fields(hf: Timing, offs: list[Timing], ons: list[Timing], *, total_tokens: int,

@@ -2,6 +2,7 @@
 
     scope = probe_scope(off.model)
     scope.measurable, scope.note, scope.gate_reason   # note: "" where measurable
+    scope.reason                                      # the note's why, alone
 
 The probe (`dbo.cli.bench.ceiling`) and the per-phase times (`dbo.cli.bench.phases`) see
 a step's communication only as the torch.distributed collectives it issues: they record
@@ -41,11 +42,18 @@ class ProbeScope:
         """"" where measurable, else why not and what the point reports instead (one line)."""
         if self.measurable:
             return ""
+        return (f"{self.reason}; no compute/comm/both/split/ceiling/eta and no prediction; "
+                f"gated on the token threshold and the trials")
+
+    @property
+    def reason(self) -> str:
+        """Why the probe cannot measure these backends ("" where measurable), without
+        what the layer bench reports instead (`dbo bench --hf` has no gate)."""
+        if self.measurable:
+            return ""
         return (f"probe n/a for backend {self._names}: its dispatch/combine runs in its own "
                 f"kernels, not torch.distributed collectives, so the probe can neither "
-                f"replay its traffic alone nor take it out of the step; no compute/comm/"
-                f"both/split/ceiling/eta and no prediction; gated on the token threshold "
-                f"and the trials")
+                f"replay its traffic alone nor take it out of the step")
 
     @property
     def gate_reason(self) -> str:
