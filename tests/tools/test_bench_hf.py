@@ -100,6 +100,7 @@ def test_each_backend_is_converted_with_the_capacity_its_points_need() -> None:
                                        "reads device values on the host"),
     (dict(decode=HFDecodeOptions(requests=(4,))), "--cuda-graph with --hf --mode decode"),
     (dict(cuda_graph=1), "cuda_graph=1 must be True or False"),
+    (dict(experts="reference"), "--cuda-graph cannot capture the reference experts"),
 ])
 def test_cuda_graph_refuses_what_a_graph_cannot_replay(fields: dict, message: str) -> None:
     base = dict(arch="qwen3_moe", backends=("a2a_ll",), device="cuda", regime=NVLINK_REGIME,

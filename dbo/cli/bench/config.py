@@ -45,6 +45,10 @@ DEFAULT_BACKENDS: tuple[str, ...] = tuple(
     b for b in BENCH_BACKENDS if b not in OPT_IN_BACKENDS)
 """What the sweep compares when `--backends` is not given."""
 
+GRAPH_REFUSES_REFERENCE_EXPERTS = ("--cuda-graph cannot capture the reference experts (they "
+                                   "select rows on the host): use --experts triton or auto")
+"""Why `--cuda-graph` refuses `--experts reference` (every bench mode says it alike)."""
+
 DEFAULT_GRAPH_BACKENDS: tuple[str, ...] = tuple(
     b for b in GRAPH_BACKENDS if b not in OPT_IN_BACKENDS)
 """What `--cuda-graph` compares when `--backends` is not given."""
@@ -256,8 +260,7 @@ class BenchConfig:
                              f"device values on the host; use --backends "
                              f"{','.join(GRAPH_BACKENDS)}")
         if self.experts == "reference":
-            raise ValueError("--cuda-graph cannot capture the reference experts (they select "
-                             "rows on the host): use --experts triton or auto")
+            raise ValueError(GRAPH_REFUSES_REFERENCE_EXPERTS)
         if self.trace:
             raise ValueError("--trace labels phases from the host, which a graph replay "
                              "does not run: trace without --cuda-graph")

@@ -18,6 +18,7 @@ from dbo.cli.bench.config import (
     BENCH_BACKENDS,
     CPU_REGIME,
     GRAPH_BACKENDS,
+    GRAPH_REFUSES_REFERENCE_EXPERTS,
     DEVICES,
     EMULATED_REGIME,
     EXPERT_KERNELS,
@@ -177,6 +178,8 @@ class HFBenchConfig:
             raise ValueError(f"--cuda-graph with --backends {eager[0]}: that backend reads "
                              f"device values on the host, which a graph cannot replay; use "
                              f"one of {', '.join(GRAPH_BACKENDS)}")
+        if self.experts == "reference":
+            raise ValueError(GRAPH_REFUSES_REFERENCE_EXPERTS)
 
     @property
     def functional(self) -> bool:
