@@ -101,8 +101,9 @@ def build_hf(ctx: Any, job: Any, tokens: int, max_tokens: int) -> dict[str, Any]
     capacity = ubatch = None
     if backend_class(backend, ctx.world_size).needs_capacity:
         capacity = max_tokens
-        if backend == "a2a_ll":  # a DBO ubatch holds at most half the sequences, rounded up
-            ubatch = min(capacity, -(-num_seqs // 2) * max(1, max_tokens // num_seqs))
+        if backend == "a2a_ll":  # the largest rank's larger ubatch
+            ubatch = min(capacity,
+                         moe.hf.ubatch_capacity(num_seqs, max(1, max_tokens // num_seqs)))
     dtype: Optional[torch.dtype] = torch.bfloat16 if ctx.device.type == "cuda" else None
     if job.hf is not None:
         model = moe.hf.load(job.hf, group=ctx.group, backend=backend, experts=job.experts,

@@ -13,10 +13,10 @@ transformers and safetensors are imported on first use (`pip install -e ".[hf]"`
 """
 from moe.hf.arch import ARCHITECTURES, ArchSpec
 from moe.hf.block import HFMoEBlock, expert_bytes
-from moe.hf.convert import convert
+from moe.hf.convert import convert, ubatch_capacity
 from moe.hf.generate import generate
 from moe.hf.load import load
 from moe.hf.mask import batch_attention_mask
 
 __all__ = ["ARCHITECTURES", "ArchSpec", "HFMoEBlock", "batch_attention_mask", "convert",
-           "expert_bytes", "generate", "load"]
+           "expert_bytes", "generate", "load", "ubatch_capacity"]

@@ -40,7 +40,7 @@ from moe.hf.router_logits import record_router_logits
 from moe.layer import MoELayer
 
 __all__ = ["BlockPlan", "check_capacity_argument", "convert", "convert_blocks",
-           "find_moe_blocks"]
+           "find_moe_blocks", "ubatch_capacity"]
 
 # Experts-module flags of `use_experts_implementation` (transformers 5.x) and the value
 # dbo's expert kernels need, with what a different value means.
@@ -142,6 +142,13 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
         setattr(model.get_submodule(parent_path), name, block)
     record_router_logits(model, [block.moe.router for block in new_blocks])
     return model
+
+
+def ubatch_capacity(batch_size: int, seq_len: int) -> int:
+    """The rows of the larger ubatch when a DBO step splits a [B, S] call between its
+    sequences (`DBOConfig(split="batch")`, balanced: ceil(B / 2) sequences): the
+    `max_tokens_per_ubatch` that every such step fits."""
+    return -(-batch_size // 2) * seq_len
 
 
 def check_capacity_argument(backend: str, max_tokens_per_rank: Any, *, world: int,

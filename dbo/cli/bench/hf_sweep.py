@@ -255,8 +255,9 @@ def _batch(cfg: HFBenchConfig, tokens: int, vocab: int, *, rank: int,
 
 def largest_ubatch(cfg: HFBenchConfig, tokens: int) -> int:
     """Rows of the larger ubatch of a DBO step at `tokens` per rank: the "batch" split
-    gives it ceil(B / 2) of the B sequences."""
-    return -(-cfg.requests // 2) * (tokens // cfg.requests)
+    gives it ceil(B / 2) of the B sequences (`moe.hf.ubatch_capacity`)."""
+    from moe.hf.convert import ubatch_capacity
+    return ubatch_capacity(cfg.requests, tokens // cfg.requests)
 
 
 def _step(call: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[[], Any]:
