@@ -22,7 +22,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import NoReturn, Optional, Sequence
 
 COMMANDS = {
     "run": ("dbo.cli.run_job", "the main job: a preset MoE model with DBO on and off"),
@@ -81,6 +81,26 @@ def check_out_file(option: str, path: str) -> None:
     parent = Path(path).parent
     if not parent.is_dir():
         raise ValueError(f"{option}={path}: folder {parent} does not exist: create it first")
+
+
+# Backends whose steps a CUDA graph can capture once the job fixes their capacity, as
+# `dbo run` and `dbo soak` do (`PrepareFinalize.graph_safe`): not a2a, which reads its
+# token counts on the host, nor deepep_ht, capturable only in its worst-case form, which
+# no command configures. `dbo bench` runs naive without a capacity: it keeps its own list.
+CAPACITY_GRAPH_BACKENDS: tuple[str, ...] = (
+    "local", "naive", "naive_mono", "a2a_ll", "symm_mem", "deepep_ll")
+
+
+def check_graph_backends(backends: Sequence[str], capturable: Sequence[str], *,
+                         option: str, hint: str = "") -> None:
+    """Refuse, for `--cuda-graph`, the first of `backends` not in `capturable` (it reads
+    device values on the host): ValueError naming it as `option` does ("--backend=" or
+    "--backends ") and the capturable ones, then `hint` (e.g. what "auto" picks)."""
+    for backend in backends:
+        if backend not in capturable:
+            raise ValueError(f"--cuda-graph with {option}{backend}: that backend reads device "
+                             f"values on the host, which a CUDA graph cannot; use one of "
+                             f"{', '.join(capturable)}{hint}")
 
 
 def quiet_profiler_logs() -> None:

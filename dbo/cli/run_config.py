@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from dbo.cli import check_out_dir
+from dbo.cli import CAPACITY_GRAPH_BACKENDS, check_graph_backends, check_out_dir
 from dbo.cli.run_hf import check_hf_options, hf_model_config
 from moe.backends import BACKENDS as MOE_BACKENDS
 from moe.experts import EXPERTS as EXPERT_KERNELS
@@ -16,10 +16,8 @@ from moe.registry import UNTESTED_BACKENDS
 # its library).
 BACKENDS = ("auto", *(name for name in MOE_BACKENDS if name not in UNTESTED_BACKENDS))
 EXPERTS = ("auto", *EXPERT_KERNELS)
-# Backends `--cuda-graph` runs: all but a2a, which reads its token counts on the host.
-# naive and naive_mono read nothing there with the capacity that `setup_rank` sets
-# (`PrepareFinalize.graph_safe`).
-GRAPH_BACKENDS = ("auto", "local", "naive", "naive_mono", "a2a_ll", "symm_mem", "deepep_ll")
+# Backends `--cuda-graph` runs: those capturable with the capacity `setup_rank` sets.
+GRAPH_BACKENDS = ("auto", *CAPACITY_GRAPH_BACKENDS)
 # What records the traced steps (`dbo trace --profiler`).
 PROFILERS = ("torch", "nsys")
 
@@ -94,10 +92,9 @@ class RunConfig:
                 raise ValueError(f"--{name.replace('_', '-')}={value}: must be >= 1")
         check_out_dir("--out", self.out)
         check_hf_options(self)
-        if self.cuda_graph and self.backend not in GRAPH_BACKENDS:
-            raise ValueError(f"--cuda-graph with --backend={self.backend}: that backend reads "
-                             f"device values on the host, which a CUDA graph cannot; use one "
-                             f"of {GRAPH_BACKENDS} (auto picks a2a_ll on several ranks)")
+        if self.cuda_graph:
+            check_graph_backends((self.backend,), GRAPH_BACKENDS, option="--backend=",
+                                 hint=" (auto picks a2a_ll on several ranks)")
         if self.cuda_graph and self.experts == "reference":
             raise ValueError("--cuda-graph with --experts=reference: the reference experts "
                              "read their token counts on the host; use triton or auto")

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from moe.bench.comm_engines import Engine
+from moe.bench.timing import barrier
 
 DEFAULT_GRAPH_LAYERS = 10
 """Dispatch + combine pairs per graph (`--graph-layers`)."""
@@ -66,7 +67,7 @@ def time_engine(engine: Engine, *, device: torch.device, group: Optional[dist.Pr
         engine.combine(engine.dispatch())
     if cuda:
         torch.cuda.synchronize(device)
-    _barrier(group, device)
+    barrier(group, device)
     events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
               for _ in range(iters)] if cuda else []
     host: list[tuple[float, float]] = []
@@ -167,7 +168,7 @@ def time_replays(graph: LayersGraph, *, device: torch.device,
     for _ in range(warmup):
         replay()
     torch.cuda.synchronize(device)
-    _barrier(group, device)
+    barrier(group, device)
     spans = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
              for _ in range(iters)]
     for start, end in spans:
@@ -179,7 +180,7 @@ def time_replays(graph: LayersGraph, *, device: torch.device,
     call_us: list[float] = []
     segments_ms: list[list[float]] = []
     for _ in range(iters):
-        _barrier(group, device)
+        barrier(group, device)
         t0 = perf_counter()
         replay()
         t1 = perf_counter()
@@ -187,9 +188,3 @@ def time_replays(graph: LayersGraph, *, device: torch.device,
         call_us.append((t1 - t0) * 1e6)
         segments_ms.append(graph.segments_ms())
     return replay_timing(replay_ms, call_us, segments_ms, layers=graph.layers)
-
-
-def _barrier(group: Optional[dist.ProcessGroup], device: torch.device) -> None:
-    if group is not None:
-        cuda = device.type == "cuda"
-        dist.barrier(group=group, **({"device_ids": [device.index]} if cuda else {}))

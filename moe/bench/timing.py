@@ -1,13 +1,17 @@
-"""Timing helpers of the expert benchmarks: medians of CUDA-event times, sustained
-load, peak memory. On CPU, one wall-clock call (the benchmarks run there as smoke tests).
+"""Timing helpers of the benchmarks: medians of CUDA-event times, sustained load, peak
+memory (the expert benchmarks; on CPU, one wall-clock call: they run there as smoke
+tests), and the barrier that aligns the ranks before a timed call (`barrier`: the comm
+benchmark's `moe.bench.comm_timing` and `dbo bench`'s `dbo.cli.bench.timing`).
 """
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
+
 
 def time_ms(fn: Callable[[], object], device: torch.device, budget_ms: float, *,
             during: Callable[[], object] | None = None) -> float:
@@ -67,3 +71,15 @@ def peak_gb(fn: Callable[[], object], device: torch.device) -> float | None:
     torch.cuda.synchronize(device)
     del result
     return torch.cuda.max_memory_allocated(device) / 1e9
+
+
+def barrier(group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+    """Align the ranks of `group` (no-op without one or without torch.distributed). On
+    CUDA the barrier names `device`, so that NCCL runs it there rather than on the device
+    it guesses from the rank."""
+    if group is None or not dist.is_initialized():
+        return
+    if device.type == "cuda":
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)

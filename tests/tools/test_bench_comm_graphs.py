@@ -151,6 +151,28 @@ def test_eager_host_per_layer_is_the_median_of_each_calls_sum(
     assert got.host_total_us == pytest.approx(6000.0)  # sums 6, 3, 10 ms: not 2 + 1
 
 
+def test_both_benches_align_their_ranks_with_one_barrier(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import dbo.cli.bench.phases
+    import dbo.cli.bench.timing
+    import moe.bench.timing
+    barrier = moe.bench.timing.barrier
+    assert timing.barrier is dbo.cli.bench.timing.barrier is dbo.cli.bench.phases.barrier \
+        is barrier
+    calls: list[dict] = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda **kw: calls.append(kw))
+    group = object()
+    barrier(None, torch.device("cpu"))  # no group: nothing to align
+    barrier(group, torch.device("cpu"))
+    barrier(group, torch.device("cuda", 1))  # on the bench's device, not NCCL's guess
+    assert calls == [{"group": group}, {"group": group, "device_ids": [1]}]
+    calls.clear()
+    time_engine(_Engine(_Clock(), []), device=torch.device("cpu"), group=group, warmup=1,
+                iters=2)
+    assert calls == [{"group": group}]  # once, after the warmup
+
+
 def test_only_engines_that_read_nothing_on_the_host_can_be_captured() -> None:
     x, w, ids = torch.zeros(2, 8), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64)
     for name, safe in (("a2a", False), ("deepep_ht", False), ("a2a_ll", True),

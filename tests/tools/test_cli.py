@@ -180,6 +180,44 @@ def test_bad_arguments_fail_fast(args, message, tmp_path, capsys, no_launch):
         assert err.count("\n") == 1 and err.startswith(f"dbo {args[0]}: "), err
 
 
+def test_cuda_graph_backend_refusals_share_one_check(monkeypatch):
+    # dbo run, dbo soak and dbo bench --hf refuse a backend that --cuda-graph cannot
+    # capture through dbo.cli.check_graph_backends, each with its own list.
+    import dbo.cli.bench.hf_config
+    import dbo.cli.run_config
+    import dbo.cli.soak.config
+    from dbo.cli.bench.config import NVLINK_REGIME
+    from dbo.cli.bench.hf_config import HFBenchConfig
+    from dbo.cli.run_config import RunConfig
+    from dbo.cli.soak import SoakConfig
+
+    checked = []
+
+    def check(backends, capturable, **kwargs):
+        checked.append(tuple(backends))
+        cli.check_graph_backends(backends, capturable, **kwargs)
+
+    for module in (dbo.cli.run_config, dbo.cli.soak.config, dbo.cli.bench.hf_config):
+        monkeypatch.setattr(module, "check_graph_backends", check)
+    reads = "that backend reads device values on the host, which a CUDA graph cannot; use one of"
+    with pytest.raises(ValueError) as run:
+        RunConfig(backend="a2a", cuda_graph=True)
+    assert str(run.value) == (f"--cuda-graph with --backend=a2a: {reads} auto, local, naive, "
+                              f"naive_mono, a2a_ll, symm_mem, deepep_ll (auto picks a2a_ll "
+                              f"on several ranks)")
+    with pytest.raises(ValueError) as soak:
+        SoakConfig(backend="deepep_ht", cuda_graph=True)
+    assert str(soak.value) == (f"--cuda-graph with --backend=deepep_ht: {reads} naive, "
+                               f"naive_mono, a2a_ll, symm_mem, deepep_ll")
+    with pytest.raises(ValueError) as hf:
+        HFBenchConfig(arch="qwen3_moe", backends=("a2a_ll", "a2a", "deepep_ht"),
+                      device="cuda", regime=NVLINK_REGIME, cuda_graph=True)
+    assert str(hf.value) == (f"--cuda-graph with --backends a2a: {reads} a2a_ll, symm_mem, "
+                             f"deepep_ll")
+    assert checked == [("a2a",), ("deepep_ht",), ("a2a_ll", "a2a", "deepep_ht")]
+    assert RunConfig(backend="local", cuda_graph=True).backend == "local"
+
+
 def test_resolve_world_size(monkeypatch):
     from dbo.cli.launch import resolve_world_size
 

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from dbo.cli import check_graph_backends
 from dbo.cli.bench.config import (
     BENCH_BACKENDS,
     CPU_REGIME,
@@ -173,11 +174,7 @@ class HFBenchConfig:
             raise ValueError("--cuda-graph with --hf --mode decode: transformers' KV caches "
                              "grow by a token every step, which a captured graph cannot "
                              "replay; run decode eagerly (drop --cuda-graph)")
-        eager = [b for b in self.backends if b not in GRAPH_BACKENDS]
-        if eager:
-            raise ValueError(f"--cuda-graph with --backends {eager[0]}: that backend reads "
-                             f"device values on the host, which a graph cannot replay; use "
-                             f"one of {', '.join(GRAPH_BACKENDS)}")
+        check_graph_backends(self.backends, GRAPH_BACKENDS, option="--backends ")
         if self.experts == "reference":
             raise ValueError(GRAPH_REFUSES_REFERENCE_EXPERTS)
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from dbo.cost_model import HOST_BOUND_SHARE
 from dbo.graphs import capture_graph
+from moe.bench.timing import barrier
 
 
 @dataclass(frozen=True)
@@ -140,16 +141,6 @@ def _time_one(fn: Callable[[], Any], device: torch.device,
     fn()
     elapsed_ms = (time.perf_counter() - begin) * 1e3
     return elapsed_ms, elapsed_ms
-
-
-def barrier(group: Optional[dist.ProcessGroup], device: torch.device) -> None:
-    """Align the ranks (no-op without torch.distributed)."""
-    if group is None or not dist.is_initialized():
-        return
-    if device.type == "cuda":
-        dist.barrier(group=group, device_ids=[device.index])
-    else:
-        dist.barrier(group=group)
 
 
 def gather_floats(value: float, group: Optional[dist.ProcessGroup]) -> tuple[float, ...]:

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from dbo.cli import CAPACITY_GRAPH_BACKENDS, check_graph_backends
 from dbo.cli.soak.padding import MIN_GRAPH_SIZE, default_graph_sizes
 from moe.backends import BACKENDS as MOE_BACKENDS
 from moe.backends.deepep_support import LL_HIDDEN_SIZES, ll_capacity
@@ -17,10 +18,9 @@ from moe.experts import EXPERTS
 BACKENDS = tuple(name for name in MOE_BACKENDS
                  if name != "local" and name not in UNTESTED_BACKENDS)
 EXPERT_KERNELS = ("auto", *EXPERTS)
-# Backends whose soak steps a CUDA graph can capture (`PrepareFinalize.graph_safe`, with
-# the capacity the soak always sets): not a2a (it reads its counts on the host), nor
-# deepep_ht (only its worst-case form is capturable, which the soak does not configure).
-GRAPH_BACKENDS = ("naive", "naive_mono", "a2a_ll", "symm_mem", "deepep_ll")
+# Backends whose soak steps a CUDA graph can capture, with the capacity the soak always
+# sets.
+GRAPH_BACKENDS = tuple(name for name in CAPACITY_GRAPH_BACKENDS if name in BACKENDS)
 # DeepEP's kernels move bfloat16 rows only (`moe.backends.deepep_support`).
 BF16_ONLY_BACKENDS = ("deepep_ht", "deepep_ll")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -176,10 +176,8 @@ class SoakConfig:
                              f"{len(self.capture_sizes)} or fewer --graph-sizes")
 
     def _check_backend(self) -> None:
-        if self.cuda_graph and self.backend not in GRAPH_BACKENDS:
-            raise ValueError(f"--cuda-graph with --backend={self.backend}: that backend reads "
-                             f"device values on the host, which a CUDA graph cannot; use one "
-                             f"of {', '.join(GRAPH_BACKENDS)}")
+        if self.cuda_graph:
+            check_graph_backends((self.backend,), GRAPH_BACKENDS, option="--backend=")
         if self.cuda_graph and self.experts == "reference":
             raise ValueError("--cuda-graph with --experts=reference: the reference experts "
                              "select each expert's rows on the host; use triton or auto")
