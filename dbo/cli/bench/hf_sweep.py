@@ -277,12 +277,7 @@ def _point(cfg: HFBenchConfig, *, backend: str, tokens: int, world: int,
            conversion: Conversion, unconverted: Optional[UnconvertedTimes], hf: Timing,
            offs: list[Timing], ons: list[Timing], split: bool, reason: str,
            diffs: list[float], probe: HFProbe) -> HFPoint:
-    graph_fields: dict[str, Any] = {}
-    if unconverted is not None:
-        graph_fields = dict(t_hf_eager_ms=unconverted.eager.max_ms,
-                            t_hf_graph_ms=(None if unconverted.graph is None
-                                           else unconverted.graph.max_ms),
-                            hf_graph_note=unconverted.note)
+    graph_fields = {} if unconverted is None else unconverted.fields()
     times = timing_fields(hf, offs, ons, total_tokens=tokens * world,
                           perf=not cfg.functional)
     times["per_rank_ms"].update(probe.per_rank_ms())
