@@ -55,8 +55,8 @@ from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, HFDecodeOptions, conversions
 from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
                                      replayed, use_mask_free_sdpa)
-from dbo.cli.bench.hf_sweep import (build_model, describe_model, flat_row, free_memory,
-                                    max_rel_diff, round_tag, timing_fields)
+from dbo.cli.bench.hf_sweep import (HFPointTimes, build_model, describe_model, flat_row,
+                                    free_memory, max_rel_diff, round_tag, timing_fields)
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import Timing, median_of_rounds, time_steps
 from dbo.config import DBOConfig
@@ -170,69 +170,24 @@ def prefill_cache(model: nn.Module, input_ids: Tensor, *,
     return base
 
 
-@dataclass
-class HFDecodePoint:
-    """One backend and request count (times in ms, max over ranks unless *_rank0)."""
+@dataclass(kw_only=True)
+class HFDecodePoint(HFPointTimes):
+    """One backend and request count (the shared fields: `hf_sweep.HFPointTimes`)."""
 
-    regime: str
-    arch: str
-    backend: str
     requests_per_rank: int
     context: int
-    world_size: int
-    t_hf_ms: float
-    t_hf_ms_rank0: float
-    t_nodbo_ms: float
-    t_nodbo_ms_rank0: float
-    t_dbo_ms: float
-    t_dbo_ms_rank0: float
-    host_hf_ms: Optional[float]
-    host_nodbo_ms: Optional[float]
-    host_dbo_ms: Optional[float]
-    """The host's time to issue one step (`dbo.cli.bench.timing`): unconverted, DBO off,
-    DBO on; slowest rank."""
-    dbo_host_bound: Optional[bool]
-    """Whether the DBO step is host-bound (`timing.host_bound`); None in a functional run
-    (on CPU the host time is the step time)."""
-    max_tokens_per_rank: Optional[int]
-    """The converted layers' capacity (`moe.hf.convert`), None for a backend without one."""
-    max_tokens_per_ubatch: Optional[int]
-    """a2a_ll's capacity of one DBO ubatch (`hf_config.conversions`), else None."""
-    tokens_per_s_hf: float
-    tokens_per_s_nodbo: float
-    tokens_per_s_dbo: float
     gate: str
     """"dbo" where the gate runs the point with DBO, else "off"."""
     gate_reason: str
     t_gated_ms: float
-    speedup: Optional[float]
-    """T_noDBO / T_DBO (None in a functional run)."""
     gated_speedup: Optional[float]
     """T_noDBO / T_gated."""
-    dbo_vs_hf: Optional[float]
-    """T_unconverted / T_DBO."""
-    nodbo_vs_hf: Optional[float]
-    """T_unconverted / T_noDBO."""
-    dbo_split: bool
-    dbo_split_reason: str
-    logits_diff_nodbo: float
-    logits_diff_dbo: float
-    cuda_graph: bool = False
-    """Steps replayed from CUDA graphs (module doc)."""
-    t_hf_eager_ms: Optional[float] = None
-    t_hf_graph_ms: Optional[float] = None
-    """The unconverted model eagerly and as a replayed graph (max over ranks; the graph
-    None where it did not capture: `hf_graph_note`); under `cuda_graph` only. `t_hf_ms`
-    is the faster."""
-    hf_graph_note: str = ""
-    rounds: int = 1
     trial_speedups: list[float] = field(default_factory=list)
-    per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
-    rounds_ms: dict[str, list[float]] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
-        return flat_row(self, ("trial_speedups", "per_rank_ms", "rounds_ms"))
+        return flat_row(self, ("trial_speedups", "per_rank_ms", "rounds_ms"),
+                        first=("requests_per_rank", "context"))
 
 
 @dataclass
