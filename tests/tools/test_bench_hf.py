@@ -4,8 +4,8 @@ the meta device only); how each backend is converted (`conversions`: a capacity 
 point, or the largest, or none); the command line end to end on two gloo ranks at tiny
 shapes, float32, with a2a, naive and a2a_ll (converted with the point's capacity): table,
 CSV/JSON files and the final JSON line, host issue times included, the ceiling probe's
-columns empty and why (layer 2). Two GPUs (gpu, multigpu): the graphed sweep, probe
-included.
+columns empty and why (layer 2). `--cuda-graph` settings, prefill and decode (layer 1).
+Two GPUs (gpu, multigpu): the graphed sweep, probe included.
 """
 from __future__ import annotations
 
@@ -98,7 +98,6 @@ def test_each_backend_is_converted_with_the_capacity_its_points_need() -> None:
     (dict(device="cpu"), "--cuda-graph needs CUDA GPUs"),
     (dict(backends=("a2a_ll", "a2a")), "--cuda-graph with --backends a2a: that backend "
                                        "reads device values on the host"),
-    (dict(decode=HFDecodeOptions(requests=(4,))), "--cuda-graph with --hf --mode decode"),
     (dict(cuda_graph=1), "cuda_graph=1 must be True or False"),
     (dict(experts="reference"), "--cuda-graph cannot capture the reference experts"),
 ])
@@ -107,6 +106,21 @@ def test_cuda_graph_refuses_what_a_graph_cannot_replay(fields: dict, message: st
                 cuda_graph=True)
     with pytest.raises((ValueError, TypeError), match=re.escape(message)):
         HFBenchConfig(**{**base, **fields})
+
+
+def test_cuda_graph_takes_decode_and_its_refusals_still_hold() -> None:
+    """Decode steps leave their KV cache as they found it, so they are graphed too; what
+    no graph can replay is still refused with decode."""
+    base = dict(arch="qwen3_moe", backends=("a2a_ll",), device="cuda", regime=NVLINK_REGIME,
+                cuda_graph=True, decode=HFDecodeOptions(requests=(4,)))
+    cfg = HFBenchConfig(**base)
+    assert cfg.cuda_graph and cfg.decode is not None and cfg.summary()["cuda_graph"] is True
+    for fields, message in [(dict(device="cpu", regime=CPU_REGIME), "--cuda-graph needs CUDA GPUs"),
+                            (dict(backends=("a2a",)), "--cuda-graph with --backends a2a"),
+                            (dict(experts="reference"), "--cuda-graph cannot capture the "
+                                                        "reference experts")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            HFBenchConfig(**{**base, **fields})
 
 
 def test_largest_ubatch_is_the_bigger_half_of_the_sequences() -> None:

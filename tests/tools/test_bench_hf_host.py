@@ -74,7 +74,7 @@ def test_decode_table_and_rows_show_host_times_and_the_host_bound_point_only() -
     gate = GatePolicy(min_tokens_per_rank=0, min_gain=0.0)
     points = [hf_decode._point(cfg, opts, gate, backend="a2a_ll", requests=r, world=2,
                                conversion=Conversion(max_tokens_per_rank=None, points=(r,)),
-                               hf=_timing(20.0, 9.0),
+                               unconverted=None, hf=_timing(20.0, 9.0),
                                offs=[_timing(16.1, 11.0)], ons=[_timing(*dbo)], trials=[0.7],
                                split=True, reason="", diffs=[0.0, 0.0])
               for r, dbo in ((64, NOT_BOUND), (256, BOUND))]

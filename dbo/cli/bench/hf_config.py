@@ -5,6 +5,9 @@ architecture converted by `moe.hf.convert`, DBO off and on, beside the unconvert
     cfg = HFBenchConfig(arch="qwen3_moe", decode=HFDecodeOptions(requests=(2, 4)))  # decode
     cfg = HFBenchConfig(arch="qwen3-30b-a3b", tokens=(4096,), backends=("a2a_ll",),
                         device="cuda", regime=EMULATED_REGIME, cuda_graph=True)  # graphed
+    cfg = HFBenchConfig(arch="qwen3-30b-a3b", decode=HFDecodeOptions(requests=(256,)),
+                        backends=("a2a_ll",), device="cuda", regime=EMULATED_REGIME,
+                        cuda_graph=True)  # graphed decode
 
 Frozen and keyword-only; `__post_init__` rejects bad values saying how to fix them.
 """
@@ -117,9 +120,10 @@ class HFBenchConfig:
     decode: Optional[HFDecodeOptions] = None
     """Decode steps over KV caches instead of prefill (`tokens` and `requests` unused)."""
     cuda_graph: bool = False
-    """Prefill on GPUs: the converted model's steps, DBO off and on, captured in CUDA
-    graphs and replayed (`dbo.graphs`); the unconverted model is timed eagerly and, where
-    transformers' model captures, graphed too."""
+    """GPUs, prefill or decode: the converted model's steps, DBO off and on, captured in
+    CUDA graphs and replayed (`dbo.graphs`); the unconverted model is timed eagerly and,
+    where transformers' model captures, graphed too. A decode step captures as it is: it
+    leaves its KV cache as it found it (`hf_decode.PrefixCache`)."""
 
     def __post_init__(self) -> None:
         from moe.hf.named import named_architectures
@@ -170,10 +174,6 @@ class HFBenchConfig:
     def _check_cuda_graph(self) -> None:
         if self.device != "cuda":
             raise ValueError("--cuda-graph needs CUDA GPUs: drop it on CPU")
-        if self.decode is not None:
-            raise ValueError("--cuda-graph with --hf --mode decode: transformers' KV caches "
-                             "grow by a token every step, which a captured graph cannot "
-                             "replay; run decode eagerly (drop --cuda-graph)")
         check_graph_backends(self.backends, GRAPH_BACKENDS, option="--backends ")
         if self.experts == "reference":
             raise ValueError(GRAPH_REFUSES_REFERENCE_EXPERTS)

@@ -28,6 +28,17 @@ the cache never grows. The restore only rebinds tensors the append never wrote t
 Each point reports how far the converted model's decode logits are from the unconverted
 model's over the same cached prefix (largest difference over the largest logit, max
 over ranks): ~1e-6 in float32.
+
+With `cuda_graph` (GPU) the steps are graphed as the prefill sweep's are
+(`dbo.cli.bench.hf_graphs`): DBO off one captured step replayed, DBO on (the gate's
+trials too) a `dbo.graphs.GraphedRunner` (the vote, then a replay), the unconverted model
+eagerly and, where it captures, as a graph (its ratios use the faster). A step captures
+as it is: it reads the prefix tensors in place (never written) and its append writes a
+new tensor in the graph's memory, so every replay decodes over the same C tokens. A
+`GraphedRunner` keys its graphs on the call's non-tensor arguments by value: a
+`PrefixCache` hashes by identity, as the graph reads that cache's tensors. Every model
+of the run attends through `hf_graphs.use_mask_free_sdpa`, so that a captured step builds
+no attention mask where the eager one builds none. Each point's graphs go before the next.
 """
 from __future__ import annotations
 
@@ -42,11 +53,14 @@ from torch import Tensor, nn
 
 from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, HFDecodeOptions, conversions
-from dbo.cli.bench.hf_sweep import (build_model, describe_model, flat_row, free_memory,
-                                    max_rel_diff, round_tag, timing_fields)
+from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
+                                     replayed, use_mask_free_sdpa)
+from dbo.cli.bench.hf_sweep import (HFPointTimes, build_model, describe_model, flat_row,
+                                    free_memory, max_rel_diff, round_tag, timing_fields)
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import Timing, median_of_rounds, time_steps
 from dbo.config import DBOConfig
+from dbo.graphs import GraphedRunner, capture_graph
 from dbo.runner import DBORunner
 
 __all__ = ["DecodeStep", "HFDecodePoint", "HFDecodeResult", "PrefixCache", "SplitCaches",
@@ -59,7 +73,10 @@ PREFILL_CHUNK_TOKENS = 4096
 @dataclass(eq=False)
 class PrefixCache:
     """A `DynamicCache` of some requests holding C positions per layer, and those
-    positions' tensors, to put back after a step appended one (`restore`)."""
+    positions' tensors, to put back after a step appended one (`restore`).
+
+    Equal and hashed by identity (`eq=False`): a `GraphedRunner` keys its graphs on it,
+    and a graph captured over one cache reads that cache's tensors, no other's."""
 
     cache: Any
     prefix: tuple[tuple[Tensor, Tensor], ...]
@@ -153,61 +170,24 @@ def prefill_cache(model: nn.Module, input_ids: Tensor, *,
     return base
 
 
-@dataclass
-class HFDecodePoint:
-    """One backend and request count (times in ms, max over ranks unless *_rank0)."""
+@dataclass(kw_only=True)
+class HFDecodePoint(HFPointTimes):
+    """One backend and request count (the shared fields: `hf_sweep.HFPointTimes`)."""
 
-    regime: str
-    arch: str
-    backend: str
     requests_per_rank: int
     context: int
-    world_size: int
-    t_hf_ms: float
-    t_hf_ms_rank0: float
-    t_nodbo_ms: float
-    t_nodbo_ms_rank0: float
-    t_dbo_ms: float
-    t_dbo_ms_rank0: float
-    host_hf_ms: Optional[float]
-    host_nodbo_ms: Optional[float]
-    host_dbo_ms: Optional[float]
-    """The host's time to issue one step (`dbo.cli.bench.timing`): unconverted, DBO off,
-    DBO on; slowest rank."""
-    dbo_host_bound: Optional[bool]
-    """Whether the DBO step is host-bound (`timing.host_bound`); None in a functional run
-    (on CPU the host time is the step time)."""
-    max_tokens_per_rank: Optional[int]
-    """The converted layers' capacity (`moe.hf.convert`), None for a backend without one."""
-    max_tokens_per_ubatch: Optional[int]
-    """a2a_ll's capacity of one DBO ubatch (`hf_config.conversions`), else None."""
-    tokens_per_s_hf: float
-    tokens_per_s_nodbo: float
-    tokens_per_s_dbo: float
     gate: str
     """"dbo" where the gate runs the point with DBO, else "off"."""
     gate_reason: str
     t_gated_ms: float
-    speedup: Optional[float]
-    """T_noDBO / T_DBO (None in a functional run)."""
     gated_speedup: Optional[float]
     """T_noDBO / T_gated."""
-    dbo_vs_hf: Optional[float]
-    """T_unconverted / T_DBO."""
-    nodbo_vs_hf: Optional[float]
-    """T_unconverted / T_noDBO."""
-    dbo_split: bool
-    dbo_split_reason: str
-    logits_diff_nodbo: float
-    logits_diff_dbo: float
-    rounds: int = 1
     trial_speedups: list[float] = field(default_factory=list)
-    per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
-    rounds_ms: dict[str, list[float]] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
-        return flat_row(self, ("trial_speedups", "per_rank_ms", "rounds_ms"))
+        return flat_row(self, ("trial_speedups", "per_rank_ms", "rounds_ms"),
+                        first=("requests_per_rank", "context"))
 
 
 @dataclass
@@ -238,7 +218,7 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     next_ids = torch.randint(0, config.vocab_size, (max_requests, 1), generator=gen)
     prompt_ids, next_ids = prompt_ids.to(device), next_ids.to(device)
 
-    model: Optional[nn.Module] = build_model(cfg, config, device=device, dtype=dtype)
+    model: Optional[nn.Module] = _build(cfg, config, device=device, dtype=dtype)
     assert model is not None
     shapes = describe_model(model, config, world=world, dtype=dtype)
     progress.step(f"prefill {max_requests} requests x {opts.context} tokens/rank (untimed)")
@@ -249,6 +229,7 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                  PrefixCache.rows_of(base, slice((r + 1) // 2, r))) for r in opts.requests}
 
     t_hf: dict[int, Timing] = {}
+    hf_times: dict[int, UnconvertedTimes] = {}
     reference: dict[int, Tensor] = {}
     unconverted = DecodeStep(model)
     for r in opts.requests:
@@ -259,7 +240,11 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
             progress.step(f"unconverted R={r}/rank{round_tag(cfg, index)}")
             rounds.append(time_steps(step, **timing))
         t_hf[r] = median_of_rounds(rounds)
-    unconverted = None
+        if cfg.cuda_graph:
+            hf_times[r] = graphed_unconverted(step, t_hf[r], cfg, timing, device=device,
+                                              group=group)
+            t_hf[r] = hf_times[r].best
+    unconverted = step = None
 
     import moe.hf
     points = []
@@ -268,7 +253,7 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                                            ubatch_of=lambda r: (r + 1) // 2)]
     for backend, conversion in plans:
         if model is None:  # the previous conversion's model is gone
-            model = build_model(cfg, config, device=device, dtype=dtype)
+            model = _build(cfg, config, device=device, dtype=dtype)
         free_memory(device)
         model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
                                max_tokens_per_rank=conversion.max_tokens_per_rank,
@@ -277,9 +262,13 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
         shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
         decoder = DecodeStep(model)
         runner = DBORunner(decoder, DBOConfig(split=SplitCaches()), group=group)
+        graphed = GraphedRunner(runner, warmup=GRAPH_WARMUP) if cfg.cuda_graph else None
         for r in conversion.points:
             off = _step(decoder, next_ids[:r], cache=caches[r])
-            on = _step(runner, next_ids[:r], cache=caches[r], parts=parts[r])
+            if cfg.cuda_graph:
+                off = replayed(capture_graph(off, device=device, warmup=GRAPH_WARMUP))
+            on = _step(graphed if graphed is not None else runner, next_ids[:r],
+                       cache=caches[r], parts=parts[r])
             diffs = [max_rel_diff(s(), reference[r], group) for s in (off, on)]
             offs, ons, trials = [], [], []
             for index in range(cfg.rounds):
@@ -291,16 +280,29 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                 trials.append(offs[-1].max_ms / trial.max_ms)
                 ons.append(time_steps(on, **timing))
             decision = runner.last_decision
+            off = on = None  # the DBO-off graph and its memory go here
+            if graphed is not None:
+                graphed.reset()  # this point's DBO graph: no later point replays it
+            free_memory(device)
             points.append(_point(cfg, opts, gate, backend=backend, requests=r, world=world,
-                                 conversion=conversion, hf=t_hf[r], offs=offs, ons=ons,
-                                 trials=trials,
+                                 conversion=conversion, unconverted=hf_times.get(r),
+                                 hf=t_hf[r], offs=offs, ons=ons, trials=trials,
                                  split=bool(decision is not None and decision.split),
                                  reason="" if decision is None else decision.reason,
                                  diffs=diffs))
-        model = decoder = runner = None
+        model = decoder = runner = graphed = None
     progress.close()
     free_memory(device)
     return HFDecodeResult(cfg, world, shapes, points)
+
+
+def _build(cfg: HFBenchConfig, config: Any, *, device: torch.device,
+           dtype: torch.dtype) -> nn.Module:
+    """`hf_sweep.build_model`, attending without a mask where the steps are graphed."""
+    model = build_model(cfg, config, device=device, dtype=dtype)
+    if cfg.cuda_graph:
+        use_mask_free_sdpa(model)
+    return model
 
 
 def _step(call: Callable[..., Tensor], input_ids: Tensor, **kwargs: Any) -> Callable[[], Tensor]:
@@ -311,9 +313,10 @@ def _step(call: Callable[..., Tensor], input_ids: Tensor, **kwargs: Any) -> Call
 
 
 def _point(cfg: HFBenchConfig, opts: HFDecodeOptions, gate: GatePolicy, *, backend: str,
-           requests: int, world: int, conversion: Conversion, hf: Timing,
-           offs: list[Timing], ons: list[Timing], trials: list[float], split: bool,
-           reason: str, diffs: list[float]) -> HFDecodePoint:
+           requests: int, world: int, conversion: Conversion,
+           unconverted: Optional[UnconvertedTimes], hf: Timing, offs: list[Timing],
+           ons: list[Timing], trials: list[float], split: bool, reason: str,
+           diffs: list[float]) -> HFDecodePoint:
     times = timing_fields(hf, offs, ons, total_tokens=requests * world,  # a token each
                           perf=not cfg.functional)
     decision = gate.decide(tokens_per_rank=requests, ceiling=None, trial_speedups=trials,
@@ -321,7 +324,8 @@ def _point(cfg: HFBenchConfig, opts: HFDecodeOptions, gate: GatePolicy, *, backe
     gated_ms = times["t_dbo_ms"] if decision.use_dbo else times["t_nodbo_ms"]
     return HFDecodePoint(
         regime=cfg.regime, arch=cfg.arch, backend=backend, requests_per_rank=requests,
-        context=opts.context, world_size=world,
+        context=opts.context, world_size=world, cuda_graph=cfg.cuda_graph,
+        **({} if unconverted is None else unconverted.fields()),
         max_tokens_per_rank=conversion.max_tokens_per_rank,
         max_tokens_per_ubatch=conversion.max_tokens_per_ubatch,
         gate=decision.choice, gate_reason=decision.reason, t_gated_ms=gated_ms,

@@ -9,12 +9,19 @@ from __future__ import annotations
 from typing import Any
 
 from dbo.cli.bench.hf_decode import HFDecodeResult
-from dbo.cli.bench.hf_report import (HOST_COLUMNS, HOST_DEFINITIONS, HOST_LEGEND,
-                                     _capacity_note, host_bound_lines, step_cells, json_line,
-                                     write_files)
+from dbo.cli.bench.hf_report import (DEFINITIONS as PREFILL_DEFINITIONS, HOST_COLUMNS,
+                                     HOST_DEFINITIONS, HOST_LEGEND, _capacity_note,
+                                     eager_graph_cell, host_bound_lines, step_cells,
+                                     json_line, write_files)
 from dbo.cli.bench.report import FUNCTIONAL_NOTE, MAX_GATED_SLOWDOWN, _num
 
 MODE = "hf_decode"  # the JSON's mode and the files' stem
+
+GRAPH_LEGEND = ("  CUDA graphs: the converted model's steps are replayed (DBO off: one "
+                "captured step; DBO on and the gate's trials: GraphedRunner, the vote then "
+                "a replay), each over a cache it leaves as it found it; the unconverted "
+                "model eagerly and graphed where it captures, unconv ms the faster; "
+                "attention without a mask (hf_graphs.use_mask_free_sdpa)")
 
 DEFINITIONS = {
     "step": ("one new token per request over its KV cache of `context` tokens; the cache "
@@ -22,7 +29,9 @@ DEFINITIONS = {
     "t_hf": ("the unconverted transformers model, every expert on every rank, running "
              "this rank's requests (no expert parallelism)"),
     "t_nodbo / t_dbo": ("the converted model (expert parallelism), DBO off / on (two "
-                        "request groups, each with its own KV cache)"),
+                        "request groups, each with its own KV cache); with cuda_graph "
+                        "replayed from CUDA graphs, the gate's trials too"),
+    "t_hf_eager / t_hf_graph": PREFILL_DEFINITIONS["t_hf_eager / t_hf_graph"],
     "step_time": ("per rank, the median over rounds of the median over iters of its "
                   "steps; the max over ranks unless *_rank0"),
     "tokens_per_s": "requests per rank * world size / step time",
@@ -88,6 +97,7 @@ def format_table(result: HFDecodeResult) -> str:
         f"{cfg.warmup} warmup" + (f", median of {cfg.rounds} rounds" if cfg.rounds > 1 else "")
         + "; shown rank0/max over ranks; ratios use the max",
         HOST_LEGEND,
+        *([GRAPH_LEGEND] if cfg.cuda_graph else []),
         *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
         *([f"  capacity: {note}"] if (note := _capacity_note(result)) else []),
         "",
@@ -97,6 +107,8 @@ def format_table(result: HFDecodeResult) -> str:
             ("DBO/unconv", 10), ("tok/s DBO", 9), ("diff", 8)]
     if cfg.functional:
         cols = [c for c in cols if c[0] not in ("speedup", "gated", "DBO/unconv")]
+    if cfg.cuda_graph:
+        cols.insert(3, ("unconv eager/graph", 18))
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
     for p in result.points:
         cells = {"R/rank": str(p.requests_per_rank), "backend": p.backend, **step_cells(p),
@@ -104,9 +116,12 @@ def format_table(result: HFDecodeResult) -> str:
                  "gated": f"{p.gated_speedup or 0:.3f}",
                  "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
                  "tok/s DBO": _num(p.tokens_per_s_dbo),
-                 "diff": f"{max(p.logits_diff_nodbo, p.logits_diff_dbo):.1e}"}
+                 "diff": f"{max(p.logits_diff_nodbo, p.logits_diff_dbo):.1e}",
+                 "unconv eager/graph": eager_graph_cell(p)}
         lines.append("  ".join(f"{cells[name]:>{w}}" for name, w in cols))
     lines += host_bound_lines(result.points, lambda p: f"{p.backend} R={p.requests_per_rank}")
+    notes = {p.requests_per_rank: p.hf_graph_note for p in result.points if p.hf_graph_note}
+    lines += [f"  unconverted R={r}: no graph: {note}" for r, note in notes.items()]
     lines.append("gate decisions:")
     for p in result.points:
         split = "" if p.dbo_split else f" (DBO-on step NOT split: {p.dbo_split_reason})"

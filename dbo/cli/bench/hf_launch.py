@@ -9,6 +9,8 @@
         --tokens 4096 --backends a2a,a2a_ll                  # a2a_ll: a capacity per point
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf qwen3-30b-a3b \
         --tokens 4096 --backends a2a_ll --cuda-graph         # converted steps as graphs
+    NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf qwen3-30b-a3b \
+        --mode decode --requests 64,256,512 --backends a2a_ll --cuda-graph   # graphed decode
 
 Prefill by default; `--mode decode` times decode steps over KV caches instead
 (`dbo.cli.bench.hf_decode`), sweeping `--requests` (requests per rank) at `--context`
@@ -16,10 +18,11 @@ cached tokens per request, gated as the other modes gate (`--gate-min-tokens`,
 `--gate-trial-iters`).
 
 `--backends a2a_ll` (also symm_mem, deepep_ll) converts with a capacity per rank
-(`hf_config.conversions`): no MoE layer reads counts on the host. Prefill with
-`--cuda-graph` (GPUs; those backends only) replays the converted model's steps, DBO off
-and on, from CUDA graphs: an eager DBO step issues every layer's Python once per ubatch,
-which at small hidden sizes costs more host time than the GPU takes (`hf_sweep`).
+(`hf_config.conversions`): no MoE layer reads counts on the host. `--cuda-graph` (GPUs;
+those backends only; prefill or decode) replays the converted model's steps, DBO off and
+on, from CUDA graphs: an eager DBO step issues every layer's Python once per ubatch,
+which at small hidden sizes or few tokens costs more host time than the GPU takes
+(`hf_sweep`, `hf_decode`).
 
 Ranks as the other modes (`dbo.cli.bench.launch`): under torchrun this process is one
 rank, else it spawns `--world-size` (default 2). Everything is checked before a rank

@@ -73,7 +73,7 @@ GRAPH_LEGEND = ("  CUDA graphs: the converted model's steps are replayed (DBO of
                 "faster")
 
 
-def _eager_graph(point: Any) -> str:
+def eager_graph_cell(point: Any) -> str:
     """The unconverted model's eager/graphed times ("" outside a --cuda-graph run)."""
     if point.t_hf_eager_ms is None:
         return ""
@@ -254,7 +254,7 @@ def format_table(result: HFSweepResult) -> str:
                  "noDBO/unconv": f"{p.nodbo_vs_hf or 0:.3f}",
                  "tok/s DBO": _num(p.tokens_per_s_dbo),
                  "diff": f"{max(p.logits_diff_nodbo, p.logits_diff_dbo):.1e}",
-                 "unconv eager/graph": _eager_graph(p), **probe_cells(p)}
+                 "unconv eager/graph": eager_graph_cell(p), **probe_cells(p)}
         lines.append("  ".join(f"{cells[name]:>{w}}" for name, w in cols))
     not_split = [p for p in result.points if not p.dbo_split]
     for p in not_split:

@@ -56,21 +56,22 @@ from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unc
 from dbo.graphs import GraphedRunner, capture_graph
 from dbo.runner import DBORunner
 
-__all__ = ["HFPoint", "HFSweepResult", "build_model", "describe_model", "max_rel_diff",
+__all__ = ["HFPoint", "HFPointTimes", "HFSweepResult", "build_model", "describe_model", "max_rel_diff",
            "run_hf_sweep", "timing_fields"]
 
 # DBO on: every point split (B >= 2 sequences); the bench compares, it does not gate.
 _DBO_ON = DBOConfig(split="batch", min_prefill_tokens=2, min_decode_tokens=2)
 
 
-@dataclass
-class HFPoint:
-    """One backend and token count (times in ms, max over ranks unless *_rank0)."""
+@dataclass(kw_only=True)
+class HFPointTimes:
+    """What a prefill point (`HFPoint`) and a decode point (`hf_decode.HFDecodePoint`)
+    share: the backend, the three step times (ms, max over ranks unless *_rank0) and
+    what `timing_fields` derives from them, the graph fields, the logit differences."""
 
     regime: str
     arch: str
     backend: str
-    tokens_per_rank: int
     world_size: int
     t_hf_ms: float
     t_hf_ms_rank0: float
@@ -88,11 +89,13 @@ class HFPoint:
     (on CPU the host time is the step time)."""
     max_tokens_per_rank: Optional[int]
     """The converted layers' capacity (`moe.hf.convert`), None for a backend without one."""
+    max_tokens_per_ubatch: Optional[int] = None
+    """a2a_ll's capacity of one DBO ubatch (`hf_config.conversions`), else None."""
     tokens_per_s_hf: float
     tokens_per_s_nodbo: float
     tokens_per_s_dbo: float
     speedup: Optional[float]
-    """T_noDBO / T_DBO."""
+    """T_noDBO / T_DBO (None in a functional run)."""
     dbo_vs_hf: Optional[float]
     """T_unconverted / T_DBO."""
     nodbo_vs_hf: Optional[float]
@@ -101,16 +104,24 @@ class HFPoint:
     dbo_split_reason: str
     logits_diff_nodbo: float
     logits_diff_dbo: float
-    max_tokens_per_ubatch: Optional[int] = None
-    """a2a_ll's capacity of one DBO ubatch (`hf_config.conversions`), else None."""
     cuda_graph: bool = False
-    """Converted steps replayed from CUDA graphs (module doc)."""
+    """Converted steps replayed from CUDA graphs (the modules' docs)."""
     t_hf_eager_ms: Optional[float] = None
     t_hf_graph_ms: Optional[float] = None
     """The unconverted model eagerly and as a replayed graph (max over ranks; the graph
     None where it did not capture: `hf_graph_note`); under `cuda_graph` only. `t_hf_ms`
     is the faster."""
     hf_graph_note: str = ""
+    rounds: int = 1
+    per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
+    rounds_ms: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class HFPoint(HFPointTimes):
+    """One backend and token count of the prefill sweep."""
+
+    tokens_per_rank: int
     t_compute_ms: Optional[float] = None
     t_comm_ms: Optional[float] = None
     t_both_ms: Optional[float] = None
@@ -124,13 +135,10 @@ class HFPoint:
     """(T_noDBO - T_DBO) / (T_noDBO - T_both); None without a probe or headroom (`eta_note`)."""
     eta_note: str = ""
     probe_note: str = ""
-    rounds: int = 1
-    per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
-    rounds_ms: dict[str, list[float]] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
-        return flat_row(self, ("per_rank_ms", "rounds_ms"))
+        return flat_row(self, ("per_rank_ms", "rounds_ms"), first=("tokens_per_rank",))
 
 
 @dataclass
@@ -277,12 +285,7 @@ def _point(cfg: HFBenchConfig, *, backend: str, tokens: int, world: int,
            conversion: Conversion, unconverted: Optional[UnconvertedTimes], hf: Timing,
            offs: list[Timing], ons: list[Timing], split: bool, reason: str,
            diffs: list[float], probe: HFProbe) -> HFPoint:
-    graph_fields: dict[str, Any] = {}
-    if unconverted is not None:
-        graph_fields = dict(t_hf_eager_ms=unconverted.eager.max_ms,
-                            t_hf_graph_ms=(None if unconverted.graph is None
-                                           else unconverted.graph.max_ms),
-                            hf_graph_note=unconverted.note)
+    graph_fields = {} if unconverted is None else unconverted.fields()
     times = timing_fields(hf, offs, ons, total_tokens=tokens * world,
                           perf=not cfg.functional)
     times["per_rank_ms"].update(probe.per_rank_ms())
@@ -349,8 +352,12 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def flat_row(point: Any, nested: tuple[str, ...]) -> dict[str, Any]:
+def flat_row(point: Any, nested: tuple[str, ...], *, first: tuple[str, ...] = ()
+             ) -> dict[str, Any]:
     """A point's flat fields (its CSV columns) without the `nested` ones, floats rounded
-    to 6 significant digits for people."""
+    to 6 significant digits for people; regime, arch, backend and the point's own `first`
+    fields (its size) lead, then the `HFPointTimes` fields, then the rest."""
     out = {k: v for k, v in dataclasses.asdict(point).items() if k not in nested}
+    lead = {k: out[k] for k in ("regime", "arch", "backend", *first)}
+    out = {**lead, **out}
     return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in out.items()}
