@@ -79,17 +79,24 @@ SORTED_X_MIN_BYTES = 128 * 2**20
 PERSISTENT_GEMM1_MIN_K = 4096
 PERSISTENT_GEMM1_MIN_ROWS = 512
 PERSISTENT_GEMM2_MIN_ROWS = 512
+WEIGHT_BOUND_MIN_ROWS = 48
+SHORT_GEMM1_MIN_ROWS = 256
 SHORT_GEMM1_MAX_ROWS = 1024
 GEMM2_TAIL_ROWS = 32
 
 
 def choose_block_m(num_routed: int, num_experts: int) -> int:
-    """BLOCK_M from the mean rows per expert: small blocks waste less padding at decode.
+    """BLOCK_M from the mean rows per expert.
 
-    Blocks are at most about half the mean segment, so padding stays under ~25% of rows.
+    Few rows per expert (decode) take 16- and 32-row blocks, at most about half the mean
+    segment, so padding stays small. From `WEIGHT_BOUND_MIN_ROWS` on, 128-row blocks:
+    with up to a few hundred rows per expert the GEMMs are bound by reading the expert
+    weights, and a block that holds all of an expert's rows reads each weight tile once
+    (shorter blocks read it once per block); its padded rows cost tensor-core time the
+    weight reads hide.
     """
     rows_per_expert = num_routed / max(num_experts, 1)
-    for block_m, limit in ((16, 32), (32, 96), (64, 256)):
+    for block_m, limit in ((16, 32), (32, WEIGHT_BOUND_MIN_ROWS)):
         if rows_per_expert < limit:
             return block_m
     return 128
@@ -134,11 +141,14 @@ class GemmTiles:
 
 def gemm_tiles(block_m: int, *, gated: bool, rows_per_expert: float) -> GemmTiles:
     """The tiles of GEMM1 (`gated`) or GEMM2 on `block_m`-row blocks. On 128-row blocks
-    GEMM1 runs 64-row tiles unless experts have many rows (then each weight tile would
-    be read twice as often); GEMM2 runs whole blocks with half tiles and tails (in GEMM1
-    those cost registers and time)."""
+    GEMM1 runs 64-row tiles from `SHORT_GEMM1_MIN_ROWS` to `SHORT_GEMM1_MAX_ROWS` rows
+    per expert; with fewer (weight-bound: a 64-row tile would read each weight tile twice
+    per block) or more rows (then each weight tile would be read twice as often), whole
+    blocks. GEMM2 runs whole blocks with half tiles and tails (in GEMM1 those cost
+    registers and time)."""
     if block_m != 128:
         return GemmTiles(block_m)
     if gated:
-        return GemmTiles(64 if rows_per_expert <= SHORT_GEMM1_MAX_ROWS else 128)
+        short = SHORT_GEMM1_MIN_ROWS <= rows_per_expert <= SHORT_GEMM1_MAX_ROWS
+        return GemmTiles(64 if short else 128)
     return GemmTiles(128, half_tail=True, tail_rows=GEMM2_TAIL_ROWS)

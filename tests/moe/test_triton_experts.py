@@ -480,12 +480,16 @@ def test_block_sizes_and_determinism() -> None:
     from moe.kernels.fused_moe import fused_moe
     from moe.kernels.policy import choose_block_m
 
-    # Powers of two from 16 to 128, growing with the rows per expert, never longer than
-    # the mean segment beyond the 16-row minimum (decode wastes little padding).
+    # Powers of two from 16 to 128, growing with the rows per expert; below the
+    # weight-bound regime never longer than the mean segment beyond the 16-row minimum
+    # (decode wastes little padding), from it on 128 rows (each weight tile read once).
+    from moe.kernels.policy import WEIGHT_BOUND_MIN_ROWS
     sizes = [choose_block_m(rows, 8) for rows in range(0, 8 * 2048, 8)]
     assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
-    assert set(sizes) == {16, 32, 64, 128}
-    assert all(b <= max(16, r // 8) for b, r in zip(sizes, range(0, 8 * 2048, 8)))
+    assert set(sizes) == {16, 32, 128}
+    for b, rows in zip(sizes, range(0, 8 * 2048, 8)):
+        per_expert = rows / 8
+        assert b == 128 if per_expert >= WEIGHT_BOUND_MIN_ROWS else b <= max(16, per_expert)
     problem = make_problem(30, 24, 8, 2, 2, drop_frac=0.1)
     ref = ReferenceExperts().apply(*problem)
     outs = [fused_moe(*problem, block_m=block_m) for block_m in (16, 32, 16)]
@@ -573,15 +577,18 @@ def test_gemm2_tail_rows_ride_on_the_block_before(tma: bool) -> None:
 
 
 def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On 128-row blocks GEMM1 runs 64-row tiles (padding-only tiles return at once) and
-    GEMM2 128-row tiles with half tails: the padding-only tiles of GEMM1 leave their
-    activation rows unwritten, the used rows are those of one tile height, bit for bit."""
+    """On 128-row blocks GEMM1 runs 64-row tiles in its short-tile range (padding-only
+    tiles return at once) and GEMM2 128-row tiles with half tails: the padding-only tiles
+    of GEMM1 leave their activation rows unwritten, the used rows are those of one tile
+    height, bit for bit."""
     import moe.kernels.align_triton as align_triton
     import moe.kernels.fused_moe as fm
     from moe.kernels import policy
 
     tiles = policy.GemmTiles
-    short_max = policy.SHORT_GEMM1_MAX_ROWS
+    short_min, short_max = policy.SHORT_GEMM1_MIN_ROWS, policy.SHORT_GEMM1_MAX_ROWS
+    assert policy.gemm_tiles(128, gated=True, rows_per_expert=short_min - 1) == tiles(128)
+    assert policy.gemm_tiles(128, gated=True, rows_per_expert=short_min) == tiles(64)
     assert policy.gemm_tiles(128, gated=True, rows_per_expert=short_max) == tiles(64)
     assert policy.gemm_tiles(128, gated=True, rows_per_expert=short_max + 1) == tiles(128)
     gemm2 = policy.gemm_tiles(128, gated=False, rows_per_expert=1)
@@ -592,6 +599,8 @@ def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     # fused_moe aligns these 334 rows in 64-row chunks: the interpreter sorts a chunk of
     # the default 1024 rows in seconds (the align tests cover that chunk).
     monkeypatch.setattr(align_triton, "CHUNK", align_triton.SMALL_CHUNK)
+    # ~83 rows per expert is weight-bound (whole tiles): put it in the short-tile range.
+    monkeypatch.setattr(policy, "SHORT_GEMM1_MIN_ROWS", 1)
     # Expert 0: 160 rows (blocks [0, 256): rows [192, 256) are padding only); expert 1:
     # 100 (one block, every 64-row tile used); expert 2: 64 (rows [448, 512) padding).
     ids = _counted_ids({0: 160, 1: 100, 2: 64, -1: 10}).view(-1, 1)
