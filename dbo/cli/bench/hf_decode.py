@@ -37,8 +37,8 @@ as it is: it reads the prefix tensors in place (never written) and its append wr
 new tensor in the graph's memory, so every replay decodes over the same C tokens. A
 `GraphedRunner` keys its graphs on the call's non-tensor arguments by value: a
 `PrefixCache` hashes by identity, as the graph reads that cache's tensors. Every model
-of the run attends through `hf_graphs.use_mask_free_sdpa`, so that a captured step builds
-no attention mask where the eager one builds none. Each point's graphs go before the next.
+of the run attends through `hf_graphs.use_mask_free_sdpa` (`hf_sweep.build_model`), so
+that a captured step builds no attention mask where the eager one builds none. Each point's graphs go before the next.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, HFDecodeOptions, conversions
 from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
-                                     replayed, use_mask_free_sdpa)
+                                     replayed)
 from dbo.cli.bench.hf_sweep import (HFPointTimes, build_model, describe_model, flat_row,
                                     free_memory, max_rel_diff, round_tag, timing_fields)
 from dbo.cli.bench.sweep import Progress
@@ -218,7 +218,7 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     next_ids = torch.randint(0, config.vocab_size, (max_requests, 1), generator=gen)
     prompt_ids, next_ids = prompt_ids.to(device), next_ids.to(device)
 
-    model: Optional[nn.Module] = _build(cfg, config, device=device, dtype=dtype)
+    model: Optional[nn.Module] = build_model(cfg, config, device=device, dtype=dtype)
     assert model is not None
     shapes = describe_model(model, config, world=world, dtype=dtype)
     progress.step(f"prefill {max_requests} requests x {opts.context} tokens/rank (untimed)")
@@ -253,7 +253,7 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                                            ubatch_of=lambda r: (r + 1) // 2)]
     for backend, conversion in plans:
         if model is None:  # the previous conversion's model is gone
-            model = _build(cfg, config, device=device, dtype=dtype)
+            model = build_model(cfg, config, device=device, dtype=dtype)
         free_memory(device)
         model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
                                max_tokens_per_rank=conversion.max_tokens_per_rank,
@@ -294,15 +294,6 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     progress.close()
     free_memory(device)
     return HFDecodeResult(cfg, world, shapes, points)
-
-
-def _build(cfg: HFBenchConfig, config: Any, *, device: torch.device,
-           dtype: torch.dtype) -> nn.Module:
-    """`hf_sweep.build_model`, attending without a mask where the steps are graphed."""
-    model = build_model(cfg, config, device=device, dtype=dtype)
-    if cfg.cuda_graph:
-        use_mask_free_sdpa(model)
-    return model
 
 
 def _step(call: Callable[..., Tensor], input_ids: Tensor, **kwargs: Any) -> Callable[[], Tensor]:

@@ -1,11 +1,11 @@
 """CUDA graphs in `dbo bench --hf --cuda-graph` (`dbo.cli.bench.hf_sweep`, `hf_decode`): a
 captured forward replayed with its output cloned out, the unconverted transformers model
-timed as a graph where it captures, and decode attention that builds the same (no) mask
-eagerly and in a capture.
+timed as a graph where it captures, and attention that builds the same (no) mask eagerly
+and in a capture.
 
     step = replayed(capture_graph(off_step, device=device, warmup=GRAPH_WARMUP))
     times = graphed_unconverted(step, eager, cfg, timing, device=device, group=group)
-    use_mask_free_sdpa(model)   # decode: the graph runs the eager step's attention
+    use_mask_free_sdpa(model)   # a graph runs the eager step's attention
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def use_mask_free_sdpa(model: nn.Module) -> None:
     (`MASK_FREE_SDPA`, transformers' own sdpa function) has no mask function, and for it
     transformers builds no mask, eagerly or in a capture. Correct only for calls that
     need no mask: no padding, and one query per sequence (decode) or a prefill from an
-    empty cache (sdpa's is_causal) - the decode bench's calls."""
+    empty cache (sdpa's is_causal), as the bench's prefill and decode calls are."""
     from moe.hf.deps import require
     transformers = require("transformers")
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

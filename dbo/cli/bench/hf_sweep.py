@@ -52,7 +52,7 @@ from dbo.cli.bench.timing import (Timing, gather_floats, host_bound, median_of_r
                                   time_steps)
 from dbo.config import DBOConfig
 from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
-                                     replayed)
+                                     replayed, use_mask_free_sdpa)
 from dbo.graphs import GraphedRunner, capture_graph
 from dbo.runner import DBORunner
 
@@ -239,18 +239,26 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
 def build_model(cfg: HFBenchConfig, config: Any, *, device: torch.device,
                 dtype: torch.dtype) -> nn.Module:
     """The transformers model of `config` with seeded random weights, in eval mode, built
-    on `device` in `dtype` (the tiny architectures as `dbo run --hf-config` builds them)."""
+    on `device` in `dtype` (the tiny architectures as `dbo run --hf-config` builds them).
+    Where the steps are graphed (`cfg.cuda_graph`) it attends through
+    `hf_graphs.use_mask_free_sdpa`, so that a captured step builds no attention mask where
+    the eager one builds none (the bench's calls have no padding)."""
     from moe.hf.deps import require
     from moe.hf.named import REAL_SHAPES
     from moe.hf.tiny import tiny_model
     if cfg.arch not in REAL_SHAPES:
-        return tiny_model(config, seed=cfg.seed).to(device=device, dtype=dtype)
-    torch.manual_seed(cfg.seed)  # every rank the same weights (CUDA generators too)
-    with torch.device(device):
-        model = require("transformers").AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model.eval()
+        model = tiny_model(config, seed=cfg.seed).to(device=device, dtype=dtype)
+    else:
+        torch.manual_seed(cfg.seed)  # every rank the same weights (CUDA generators too)
+        with torch.device(device):
+            model = require("transformers").AutoModelForCausalLM.from_config(config,
+                                                                             dtype=dtype)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.eval()
+    if cfg.cuda_graph:
+        use_mask_free_sdpa(model)
+    return model
 
 
 def _batch(cfg: HFBenchConfig, tokens: int, vocab: int, *, rank: int,
