@@ -276,13 +276,14 @@ def _decode_replays_equal_eager(cfg: HFBenchConfig, device: torch.device) -> dic
     eagerly: bit for bit, the caches still at `context` positions."""
     import torch.distributed as dist
 
-    from dbo.cli.bench.hf_decode import SplitCaches, _build, _step
+    from dbo.cli.bench.hf_decode import SplitCaches, _step
+    from dbo.cli.bench.hf_sweep import build_model
     from dbo.cli.bench.hf_graphs import replayed
     from dbo.graphs import GraphedRunner, capture_graph
     assert cfg.decode is not None
     requests, context = cfg.decode.requests[-1], cfg.decode.context
     half = (requests + 1) // 2
-    model = _build(cfg, cfg.model_config(2), device=device, dtype=torch.bfloat16)
+    model = build_model(cfg, cfg.model_config(2), device=device, dtype=torch.bfloat16)
     torch.manual_seed(dist.get_rank())
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (requests, context), device=device)
