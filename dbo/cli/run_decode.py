@@ -61,7 +61,7 @@ def run_decode_steps(model: Any, runner: DBORunner, args: tuple, kwargs: dict, *
             out, routed = {}, {}
             for mode in ("off", "on"):
                 with record_routing(model) as routed[mode]:
-                    out[mode], seconds = _timed(lambda: call[mode](
+                    out[mode], seconds = timed_step(lambda: call[mode](
                         next_B, positions_B, seq_lens=[1] * num_requests,
                         cache=caches[mode]), device)
                 times[mode].append(seconds)
@@ -115,7 +115,7 @@ def print_decode(d: dict[str, Any]) -> None:
               f"{d['tokens_per_s'][mode]:>12.0f} tokens/s")
 
 
-def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+def timed_step(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     """`fn()` and its seconds (CUDA events on GPU, perf_counter on CPU); ranks in step."""
     dist.barrier()
     if device.type == "cuda":

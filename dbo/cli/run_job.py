@@ -33,7 +33,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -43,7 +42,7 @@ import torch.distributed as dist
 
 from dbo.cli import Parser
 from dbo.cli.launch import RankContext, launch, resolve_world_size
-from dbo.cli.run_decode import decode_summary, print_decode, run_decode_steps
+from dbo.cli.run_decode import decode_summary, print_decode, run_decode_steps, timed_step
 from dbo.cli.run_hf import build_hf
 from dbo.cli.run_config import (BACKENDS, EXPERTS, PROFILERS, RunConfig, check_backend_runs,
                                 model_config, tokens_for_rank)
@@ -56,22 +55,8 @@ from moe.routing_log import record_routing, routing_ties
 from traces.capture import capture, phase_order
 
 def _timed(fn: Any, steps: int, device: torch.device) -> list[float]:
-    """Seconds per step (CUDA events on GPU, perf_counter on CPU); ranks in step."""
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return times
+    """Seconds per step of `steps` calls (`run_decode.timed_step`: ranks in step)."""
+    return [timed_step(fn, device)[1] for _ in range(steps)]
 
 
 @dataclass
