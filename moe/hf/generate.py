@@ -21,6 +21,14 @@ issues its MoE collectives once, as DBO off does. (Calling the model once per gr
 instead would double the collectives, and a rank with a single sequence would need an
 empty second call, which transformers' attention refuses.)
 
+With `static_cache=True` the prompt runs as above, then the decode steps run over one
+transformers `StaticCache` of S + max_new_tokens slots for the whole batch, each
+ubatch's cache a view of its rows (`moe.hf.static_kv`), with inputs of the same shapes
+every step (`moe.hf.static_decode`): no step joins, parts or grows a cache. With
+`cuda_graph=True` those steps are replayed from CUDA graphs (`dbo.graphs.GraphedRunner`:
+one graph per split decision, the vote outside it); token choice and the stop check stay
+outside the graph.
+
 Padding is handled as `model.generate` does: left padding with `attention_mask`,
 positions from the mask (cumsum - 1), the mask extended by one column per step;
 finished sequences (an `eos_token_id` of the model's generation config) get

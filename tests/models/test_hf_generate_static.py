@@ -177,6 +177,58 @@ def test_a_static_decode_step_reads_nothing_on_the_host():
     assert any(r.owner == "transformers" for r in reads)
 
 
+class EagerReplays:
+    """A CPU stand-in for `dbo.graphs.GraphedRunner`: per split decision, the step it
+    would capture (`decided_step` over its own copies of the first call's inputs), which
+    every later call with that decision copies its inputs into and runs again -- what a
+    replay does. One process, so no vote."""
+
+    made: list = []
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.steps = {}
+        EagerReplays.made.append(self)
+
+    @property
+    def last_decision(self):
+        return self.runner.last_decision
+
+    def __call__(self, *args, **kwargs):
+        from dbo.graphs import _plan_of, decided_step
+        plan = _plan_of(self.runner, args, kwargs)[0]
+        self.runner.last_decision = plan
+        if plan.split not in self.steps:
+            inputs = tuple(a.clone() for a in args)
+            self.steps[plan.split] = (inputs, decided_step(self.runner, inputs, dict(kwargs),
+                                                           split=plan.split))
+        inputs, step = self.steps[plan.split]
+        for static, new in zip(inputs, args, strict=True):
+            static.copy_(new)
+        return step().clone()
+
+
+@pytest.mark.parametrize("min_decode_tokens", [1, 10**6], ids=["split", "unsplit"])
+def test_replaying_one_step_per_split_decision_gives_the_tokens(min_decode_tokens):
+    """`cuda_graph=True`'s path on CPU with replays imitated (`EagerReplays`): every
+    decode step runs the one step made at the first, on its tensors, with only the
+    inputs copied in -- the tokens of transformers."""
+    from unittest import mock
+    arch = "qwen3_moe"
+    ids, mask = batch(5, 6, seed=12)
+    expected = reference(tiny_model(arch), ids, mask)
+    runner = dbo.DBORunner(moe.hf.convert(tiny_model(arch)),
+                           dbo.DBOConfig(min_decode_tokens=min_decode_tokens))
+    EagerReplays.made.clear()
+    with mock.patch("moe.hf.static_decode.GraphedRunner", EagerReplays), \
+            mock.patch("moe.hf.generate.check_cuda_graph"):
+        out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                              cuda_graph=True)
+    assert torch.equal(out, expected)
+    (replays,) = EagerReplays.made
+    assert list(replays.steps) == [min_decode_tokens == 1]
+
+
 def _static_generate_under_ep(rank, world, rows_per_rank):
     group = torch.distributed.group.WORLD
     ids, mask = batch(rows_per_rank[rank], 5, seed=10 + rank)
