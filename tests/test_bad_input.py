@@ -17,6 +17,7 @@ import sys
 import types
 from unittest import mock
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -265,6 +266,22 @@ def hf_generate_unconverted() -> None:
              max_new_tokens=1)
 
 
+def hf_generate_with(arch: str = "qwen3_moe", *, convert_with: Optional[dict] = None,
+                     attention: Optional[str] = None, sizes: Optional[dict] = None,
+                     **options) -> None:
+    """`moe.hf.generate` on a converted tiny model with `options` (static_cache,
+    cuda_graph), on CPU: refused before any step."""
+    from moe.hf import convert, generate
+    model = tiny_model(arch, **(sizes or {}))
+    if attention is not None:
+        from dbo.cli.bench.hf_graphs import use_mask_free_sdpa
+        assert attention == "mask-free sdpa", attention
+        use_mask_free_sdpa(model)
+    convert(model, **(convert_with or {}))
+    generate(DBORunner(model), torch.zeros(2, 3, dtype=torch.long), max_new_tokens=2,
+             **options)
+
+
 def hf_convert(arch: str, **sizes) -> None:
     from moe.hf import convert
     convert(tiny_model(arch, **sizes))
@@ -312,6 +329,29 @@ HF_REJECTED = {
     "`moe.hf.generate` on a model not converted": (
         lambda tmp: hf_generate_unconverted(), ValueError,
         "has no converted MoE block: convert it first, model = moe.hf.convert(model"),
+    "`moe.hf.generate(cuda_graph=True)` on CPU tensors": (
+        lambda tmp: hf_generate_with(cuda_graph=True), ValueError,
+        "moe.hf.generate(cuda_graph=True) replays CUDA graphs, but input_ids are on cpu"),
+    "`moe.hf.generate(cuda_graph=True)` on a model that reads device values on the host "
+    "(backend `a2a`, experts `reference`)": (
+        lambda tmp: hf_generate_with(convert_with=dict(experts="reference"), cuda_graph=True),
+        ValueError, "moe.hf.generate(cuda_graph=True): this model cannot run in a CUDA "
+                    "graph: model.layers.0.mlp.moe: experts 'reference' select each "
+                    "expert's rows on the host"),
+    "`moe.hf.generate(static_cache=True)` (or `cuda_graph=True`) on a model with sliding-"
+    "window (or chunked, linear) attention layers": (
+        lambda tmp: hf_generate_with("mixtral", sizes=dict(sliding_window=4),
+                                     static_cache=True),
+        ValueError, "static KV cache has StaticSlidingWindowLayer layers, which the static "
+                    "path cannot view by rows"),
+    "`moe.hf.generate(static_cache=True)` (or `cuda_graph=True`) on a model attending "
+    "through other than sdpa or eager": (
+        lambda tmp: hf_generate_with(attention="mask-free sdpa", static_cache=True),
+        ValueError, "whose mask does not cover a static cache's empty slots; call "
+                    "model.set_attn_implementation('sdpa') first"),
+    "`moe.hf.generate`: `static_cache` or `cuda_graph` not a bool": (
+        lambda tmp: hf_generate_with(static_cache="yes"), TypeError,
+        "moe.hf.generate: static_cache='yes' must be True or False"),
     "`moe.hf.batch_attention_mask` for a model whose layers mix full and sliding-window "
     "attention": (
         lambda tmp: hf_batch_mask(layer_types=["full_attention", "sliding_attention"],

@@ -21,6 +21,14 @@ issues its MoE collectives once, as DBO off does. (Calling the model once per gr
 instead would double the collectives, and a rank with a single sequence would need an
 empty second call, which transformers' attention refuses.)
 
+With `static_cache=True` the prompt runs as above, then the decode steps run over one
+transformers `StaticCache` of S + max_new_tokens slots for the whole batch, each
+ubatch's cache a view of its rows (`moe.hf.static_kv`), with inputs of the same shapes
+every step (`moe.hf.static_decode`): no step joins, parts or grows a cache. With
+`cuda_graph=True` those steps are replayed from CUDA graphs (`dbo.graphs.GraphedRunner`:
+one graph per split decision, the vote outside it); token choice and the stop check stay
+outside the graph.
+
 Padding is handled as `model.generate` does: left padding with `attention_mask`,
 positions from the mask (cumsum - 1), the mask extended by one column per step;
 finished sequences (an `eos_token_id` of the model's generation config) get
@@ -45,6 +53,9 @@ from dbo.split import plan_split
 from moe.hf.block import HFMoEBlock
 from moe.hf.deps import require
 from moe.hf.kv import join_caches, part_cache
+from moe.hf.static_decode import (check_cuda_graph, mask_buffer, slot_tensor,
+                                  static_step_runner)
+from moe.hf.static_kv import StaticKV, check_static_cache, static_cache_from_prompt
 
 __all__ = ["generate"]
 
@@ -107,7 +118,8 @@ class GroupedDecoder(nn.Module):
 
 
 def generate(runner: DBORunner, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None,
-             max_new_tokens: int) -> Tensor:
+             max_new_tokens: int, static_cache: bool = False,
+             cuda_graph: bool = False) -> Tensor:
     """Greedy decoding of `runner.model` (a model converted by `moe.hf.convert` or loaded
     by `moe.hf.load`) with the runner's DBO config and group.
 
@@ -118,6 +130,15 @@ def generate(runner: DBORunner, input_ids: Tensor, *, attention_mask: Optional[T
         input_ids: [B, S] int64 prompts, left-padded, B >= 1.
         attention_mask: [B, S], 1 for tokens and 0 for left padding; None: no padding.
         max_new_tokens: tokens to add to every sequence, >= 1.
+        static_cache: decode over one transformers `StaticCache` of S + max_new_tokens
+            slots, each ubatch's cache a view of its rows (`moe.hf.static_kv`), every
+            decode step of the same shapes and tensors (`moe.hf.static_decode`); the
+            prompt runs as without it. Full-attention layers and sdpa / eager attention
+            only.
+        cuda_graph: replay the decode steps from CUDA graphs (`dbo.graphs.GraphedRunner`,
+            one graph per split decision) over the static cache (`static_cache` implied).
+            A CUDA model and inputs, and a model that can be captured (backend `a2a_ll`,
+            or `local` on one rank, experts `triton`).
 
     Returns:
         [B, S + n] int64: the prompts and their new tokens, n <= max_new_tokens (fewer
@@ -126,6 +147,16 @@ def generate(runner: DBORunner, input_ids: Tensor, *, attention_mask: Optional[T
         do_sample=False)` on the unconverted model.
     """
     model = _check(runner, input_ids, attention_mask, max_new_tokens)
+    for name, value in (("static_cache", static_cache), ("cuda_graph", cuda_graph)):
+        if not isinstance(value, bool):
+            raise TypeError(f"moe.hf.generate: {name}={value!r} must be True or False")
+    static = static_cache or cuda_graph
+    prompt_len = input_ids.shape[1]
+    max_cache_len = prompt_len + max_new_tokens
+    if cuda_graph:
+        check_cuda_graph(model, input_ids)
+    if static:
+        check_static_cache(model, max_cache_len)
     transformers = require("transformers")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -145,11 +176,27 @@ def generate(runner: DBORunner, input_ids: Tensor, *, attention_mask: Optional[T
     tokens = [input_ids]
     unfinished_B = torch.ones(num_rows, dtype=torch.bool, device=input_ids.device)
     finished_after: Optional[int] = None  # new tokens when every sequence had finished
+    kv: Optional[StaticKV] = None  # the static cache, from the first decode step on
+    decode_runner: Any = None
     with torch.no_grad():
         for step in range(max_new_tokens):
             present = groups if num_rows > b else groups[:1]
-            logits_BV = step_runner(ids_BS, mask, positions, groups=present)
-            runner.last_decision = step_runner.last_decision
+            if static and step > 0:
+                if kv is None:
+                    kv = static_cache_from_prompt(
+                        model, _joined(present), max_cache_len=max_cache_len,
+                        split_at=b if num_rows > b else None)
+                    groups = present = ()  # free the prompt's caches: no step reads them
+                    mask = mask_buffer(mask, max_cache_len)
+                    decode_runner = static_step_runner(model, runner, cuda_graph=cuda_graph)
+                slot = prompt_len + step - 1  # this step's token: slots [0, S) hold the prompt
+                mask[:, slot] = 1
+                logits_BV = decode_runner(ids_BS, mask, positions,
+                                          slot_tensor(slot, ids_BS.device), kv=kv)
+                runner.last_decision = decode_runner.last_decision
+            else:
+                logits_BV = step_runner(ids_BS, mask, positions, groups=present)
+                runner.last_decision = step_runner.last_decision
             next_B = logits_BV.argmax(dim=-1)
             if eos is not None:
                 next_B = torch.where(unfinished_B, next_B, torch.full_like(next_B, pad))
@@ -160,7 +207,8 @@ def generate(runner: DBORunner, input_ids: Tensor, *, attention_mask: Optional[T
                 if not lockstep:
                     break
             ids_BS = next_B[:, None]
-            mask = torch.cat([mask, mask.new_ones(num_rows, 1)], dim=1)
+            if not static:
+                mask = torch.cat([mask, mask.new_ones(num_rows, 1)], dim=1)
             positions = positions[:, -1:] + 1
     out_BN = torch.cat(tokens, dim=1)
     return out_BN if finished_after is None else out_BN[:, :input_ids.shape[1] + finished_after]
@@ -217,6 +265,12 @@ def _check(runner: Any, input_ids: Any, attention_mask: Any, max_new_tokens: Any
         raise ValueError(f"moe.hf.generate: attention_mask must be a tensor of input_ids' "
                          f"shape {list(input_ids.shape)}, got {_describe(attention_mask)}")
     return model
+
+
+def _joined(groups: tuple[RowGroup, ...]) -> Any:
+    """The whole batch's cache of the row groups (a new cache for two groups)."""
+    return groups[0].cache if len(groups) == 1 else join_caches(groups[0].cache,
+                                                                groups[1].cache)
 
 
 def _describe(x: Any) -> str:
