@@ -11,6 +11,9 @@ Contract (DESIGN.md, "Scheduler contract"):
   per OS thread, shared by the greenlets. The scheduler owns them during a step: on every
   switch it re-applies the resumed ubatch's own values, and `run` restores the caller's
   values when it returns or raises (`dbo.thread_state` lists what is and is not switched).
+- Each ubatch runs in a copy of the caller's `contextvars` context (a greenlet would
+  start in an empty one): context variables the caller set are seen in both ubatches,
+  and one a ubatch sets is seen by neither the other ubatch nor the caller.
 - An exception in one ubatch unwinds the other (GreenletExit at its suspension point,
   yields there are no-ops) and `run` re-raises the original exception, with the ubatch id
   in its notes and as `exc.dbo_ubatch_id`. The scheduler is reusable afterwards.
@@ -21,6 +24,7 @@ or unwinds it.
 """
 from __future__ import annotations
 
+import contextvars
 import threading
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
@@ -136,7 +140,7 @@ class UBatchScheduler:
         switch = self._thread_state = ThreadStateSwitch(self._device_type,
                                                         is_cuda=self._is_cuda)
         hub = greenlet.getcurrent()
-        self._ubatches = ubatches = [UBatch(i, greenlet.greenlet(fn, parent=hub), streams,
+        self._ubatches = ubatches = [UBatch(i, _ubatch_greenlet(fn, hub), streams,
                                             switch.caller) for i, fn in enumerate(fns)]
         if len(ubatches) == 2:
             ubatches[0].yield_to, ubatches[1].yield_to = ubatches[1], ubatches[0]
@@ -322,3 +326,10 @@ def _annotate(exc: BaseException, ubatch_id: int) -> None:
         pass
     if hasattr(exc, "add_note"):
         exc.add_note(note)
+
+
+def _ubatch_greenlet(fn: Callable[[], Any], hub: greenlet.greenlet) -> greenlet.greenlet:
+    """A greenlet for `fn` returning to `hub`, in a copy of the caller's context."""
+    glet = greenlet.greenlet(fn, parent=hub)
+    glet.gr_context = contextvars.copy_context()
+    return glet

@@ -1,6 +1,8 @@
 """Layer 1 (CPU): the ubatch scheduler's order, containment, reuse and thread state."""
 from __future__ import annotations
 
+import contextvars
+
 import greenlet
 import pytest
 import torch
@@ -126,6 +128,32 @@ def test_nested_run_is_rejected():
 def test_bad_input(fns, exc, match):
     with pytest.raises(exc, match=match):
         UBatchScheduler("cpu").run(fns)
+
+
+_CONTEXT_VAR: contextvars.ContextVar = contextvars.ContextVar("test_scheduler", default=None)
+
+
+def test_ubatches_run_in_copies_of_the_callers_context():
+    """A context variable the caller set is seen in both ubatches (a bare greenlet would
+    start in an empty context); one a ubatch sets reaches neither the other nor the
+    caller."""
+    seen: list = []
+
+    def ubatch(value: str):
+        def fn():
+            seen.append((dbo_current_ubatch_id(), _CONTEXT_VAR.get()))
+            _CONTEXT_VAR.set(value)
+            dbo_yield()
+            seen.append((dbo_current_ubatch_id(), _CONTEXT_VAR.get()))
+        return fn
+
+    token = _CONTEXT_VAR.set("caller")
+    try:
+        UBatchScheduler("cpu").run([ubatch("zero"), ubatch("one")])
+        assert _CONTEXT_VAR.get() == "caller"
+    finally:
+        _CONTEXT_VAR.reset(token)
+    assert seen == [(0, "caller"), (1, "caller"), (0, "zero"), (1, "one")]
 
 
 def test_grad_mode_is_per_ubatch():
