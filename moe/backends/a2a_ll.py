@@ -16,6 +16,8 @@ packing and that sum are one kernel each on the GPU (`moe.kernels.slots`,
 More tokens than the capacity is an error naming the capacity: a token is never dropped.
 In a DBO step each ubatch sends slots of `MoEConfig.max_tokens_per_ubatch` rows where it
 is set (each ubatch's exchange then moves half of the step's, not all of it again).
+Within `moe.backends.capacity.exchange_capacity` (calls known to be smaller, such as
+decode steps of a model whose capacity fits its prompt) the slots are that size.
 
 Streams: with nothing to read on the host, each half queues its collective first and
 yields after it (the `a2a` backend must yield first, to read its counts). The transfer
@@ -45,6 +47,7 @@ from dbo.yield_points import (dbo_enabled, dbo_single_batch_overlap, dbo_switch_
                               dbo_switch_to_compute_async, dbo_yield)
 from moe.backends.base import (Dispatched, OwnRows, Pending, PrepareFinalize, RunExperts,
                                check_capacity)
+from moe.backends.capacity import step_capacity
 from moe.backends.combine_chunks import CombineChunks, plan_combine_chunks
 from moe.config import MoEConfig
 from moe.kernels.rows import pack_rows, sum_rows
@@ -80,7 +83,7 @@ class AllToAllLLBackend(PrepareFinalize):
                              "rank sends in one step")
         self.capacity = config.max_tokens_per_rank
         self.ubatch_capacity = config.max_tokens_per_ubatch or self.capacity
-        self._chunk_plans: dict[tuple[int, torch.device], CombineChunks] = {}
+        self._chunk_plans: dict[tuple[int, int, torch.device], CombineChunks] = {}
 
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:
@@ -88,6 +91,8 @@ class AllToAllLLBackend(PrepareFinalize):
         in_two_ubatches = dbo_enabled() and not dbo_single_batch_overlap()
         cap = self.ubatch_capacity if in_two_ubatches else self.capacity
         check_capacity(num_tokens, cap, self.name)
+        cap = step_capacity(cap, ubatch=in_two_ubatches, num_tokens=num_tokens,
+                            backend=self.name)
         device = x_TH.device
         layout = RowLayout(x_TH.shape[1], topk_ids_TK.shape[1], x_TH.dtype)
         slot_TW, src_X = ll_slots(topk_ids_TK, num_local_experts=self.placement.num_local_experts,
@@ -157,10 +162,9 @@ class AllToAllLLBackend(PrepareFinalize):
         compute stream. The receiver waits for the last chunk (the comm stream runs them
         in order) and sums each token's rows through the slot remap."""
         handle: LLHandle = dispatched.handle
-        assert handle.capacity == self.capacity  # one ubatch (SBO): the step's slots
         x_RH, ids_RK, weights_RK = (dispatched.x_RH, dispatched.topk_ids_RK,
                                     dispatched.topk_weights_RK)
-        plan = self._chunk_plan(num_chunks, x_RH.device)
+        plan = self._chunk_plan(num_chunks, handle.capacity, x_RH.device)
         back_XH = workspace.get("a2a_ll.back", tuple(x_RH.shape), x_RH.dtype, x_RH.device)
         wait = None
         for chunk in plan.chunks:
@@ -186,14 +190,15 @@ class AllToAllLLBackend(PrepareFinalize):
 
         return Pending(None, receiver)
 
-    def _chunk_plan(self, num_chunks: int, device: torch.device) -> CombineChunks:
-        """The chunks' index tensors, built once per chunk count and device (eagerly,
-        before a CUDA graph's capture: a graph's warmup steps run first)."""
-        key = (num_chunks, device)
+    def _chunk_plan(self, num_chunks: int, capacity: int, device: torch.device
+                    ) -> CombineChunks:
+        """The chunks' index tensors, built once per chunk count, slot size and device
+        (eagerly, before a CUDA graph's capture: a graph's warmup steps run first)."""
+        key = (num_chunks, capacity, device)
         plan = self._chunk_plans.get(key)
         if plan is None:
             plan = plan_combine_chunks(world_size=self.world_size, rank=self.placement.rank,
-                                       capacity=self.capacity, num_chunks=num_chunks,
+                                       capacity=capacity, num_chunks=num_chunks,
                                        device=device)
             self._chunk_plans[key] = plan
         return plan

@@ -29,6 +29,11 @@ every step (`moe.hf.static_decode`): no step joins, parts or grows a cache. With
 one graph per split decision, the vote outside it); token choice and the stop check stay
 outside the graph.
 
+Decode steps run within `moe.backends.capacity.exchange_capacity` of the largest batch
+over the ranks (agreed once, before the first step): a fixed-capacity backend (`a2a_ll`),
+whose capacity fits the prompt's B * S tokens per rank, sends slots for B tokens per
+step, not the prompt's B * S again.
+
 Padding is handled as `model.generate` does: left padding with `attention_mask`,
 positions from the mask (cumsum - 1), the mask extended by one column per step;
 finished sequences (an `eos_token_id` of the model's generation config) get
@@ -39,6 +44,7 @@ than one rank, decoding stops as soon as every sequence has finished.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Any, Optional
@@ -50,6 +56,8 @@ from torch import Tensor, nn
 from dbo.config import DBOConfig
 from dbo.runner import DBORunner
 from dbo.split import plan_split
+from dbo.vote import vote_min
+from moe.backends.capacity import exchange_capacity
 from moe.hf.block import HFMoEBlock
 from moe.hf.deps import require
 from moe.hf.kv import join_caches, part_cache
@@ -170,6 +178,7 @@ def generate(runner: DBORunner, input_ids: Tensor, *, attention_mask: Optional[T
                                                 unsplit_args=(), split_kwargs=()),
                             group=runner.group)
     lockstep = _group_size(runner.group) > 1  # every rank must make every step's vote
+    decode_capacity = _decode_capacity(num_rows, runner.group if lockstep else None)
 
     ids_BS, mask = input_ids, attention_mask
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
@@ -181,22 +190,25 @@ def generate(runner: DBORunner, input_ids: Tensor, *, attention_mask: Optional[T
     with torch.no_grad():
         for step in range(max_new_tokens):
             present = groups if num_rows > b else groups[:1]
-            if static and step > 0:
-                if kv is None:
-                    kv = static_cache_from_prompt(
-                        model, _joined(present), max_cache_len=max_cache_len,
-                        split_at=b if num_rows > b else None)
-                    groups = present = ()  # free the prompt's caches: no step reads them
-                    mask = mask_buffer(mask, max_cache_len)
-                    decode_runner = static_step_runner(model, runner, cuda_graph=cuda_graph)
-                slot = prompt_len + step - 1  # this step's token: slots [0, S) hold the prompt
-                mask[:, slot] = 1
-                logits_BV = decode_runner(ids_BS, mask, positions,
-                                          slot_tensor(slot, ids_BS.device), kv=kv)
-                runner.last_decision = decode_runner.last_decision
-            else:
-                logits_BV = step_runner(ids_BS, mask, positions, groups=present)
-                runner.last_decision = step_runner.last_decision
+            # Decode steps exchange slots for a token per sequence, not the prompt's.
+            with (exchange_capacity(*decode_capacity) if step > 0
+                  else contextlib.nullcontext()):
+                if static and step > 0:
+                    if kv is None:
+                        kv = static_cache_from_prompt(
+                            model, _joined(present), max_cache_len=max_cache_len,
+                            split_at=b if num_rows > b else None)
+                        groups = present = ()  # the prompt's caches: no step reads them
+                        mask = mask_buffer(mask, max_cache_len)
+                        decode_runner = static_step_runner(model, runner, cuda_graph=cuda_graph)
+                    slot = prompt_len + step - 1  # this token's slot; [0, S): the prompt
+                    mask[:, slot] = 1
+                    logits_BV = decode_runner(ids_BS, mask, positions,
+                                              slot_tensor(slot, ids_BS.device), kv=kv)
+                    runner.last_decision = decode_runner.last_decision
+                else:
+                    logits_BV = step_runner(ids_BS, mask, positions, groups=present)
+                    runner.last_decision = step_runner.last_decision
             next_B = logits_BV.argmax(dim=-1)
             if eos is not None:
                 next_B = torch.where(unfinished_B, next_B, torch.full_like(next_B, pad))
@@ -265,6 +277,13 @@ def _check(runner: Any, input_ids: Any, attention_mask: Any, max_new_tokens: Any
         raise ValueError(f"moe.hf.generate: attention_mask must be a tensor of input_ids' "
                          f"shape {list(input_ids.shape)}, got {_describe(attention_mask)}")
     return model
+
+
+def _decode_capacity(num_rows: int, group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    """(tokens per rank, per DBO ubatch) of a decode step over the ranks of `group` (None:
+    this rank alone): the largest batch, and its larger half (`b = ceil(B / 2)`)."""
+    largest = -vote_min([-num_rows], group)[0] if group is not None else num_rows
+    return largest, (largest + 1) // 2
 
 
 def _joined(groups: tuple[RowGroup, ...]) -> Any:

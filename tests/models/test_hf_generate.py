@@ -4,7 +4,8 @@ gives the tokens of `model.generate(do_sample=False)` on the unconverted model: 
 tokens for left-padded batches of varying lengths, DBO off and on (every step split),
 steps that run unsplit on the ubatches' caches (too few tokens, one sequence, a peer's
 vote), sequences that finish on an eos token, and two expert-parallel ranks with
-different batches.
+different batches; with a2a_ll, decode steps exchange slots for the largest batch over
+the ranks, not the prompt's.
 """
 from __future__ import annotations
 
@@ -171,3 +172,42 @@ def test_two_expert_parallel_ranks(rows_per_rank, split):
     rank 0, its vote keeps every step of both ranks unsplit, on the same caches."""
     results = run_distributed(2, _generate_under_ep, rows_per_rank, "qwen3_moe")
     assert results == [(True, split)] * 2
+
+
+def _generate_a2a_ll(rank, world, static):
+    """a2a_ll sized for the prompt (4 x 5 tokens per rank, ubatches of 10): the prompt's
+    exchanges send its slots, every decode step's those of the largest batch over the
+    ranks (4 sequences: ubatches of 2 tokens), with transformers' tokens."""
+    import moe.backends.a2a_ll as a2a_ll_module
+    group = torch.distributed.group.WORLD
+    ids, mask = batch([3, 4][rank], 5, seed=30 + rank)
+    original = tiny_model("qwen3_moe")
+    expected = reference(original, ids, mask)
+    model = moe.hf.convert(original, group=group, backend="a2a_ll", max_tokens_per_rank=20,
+                           max_tokens_per_ubatch=moe.hf.ubatch_capacity(4, 5))
+    runner = dbo.DBORunner(model, SPLIT_ALWAYS, group=group)
+    rows: list[int] = []
+    original_a2a = a2a_ll_module.dist.all_to_all_single
+
+    def spy(out, inp, *args, **kwargs):
+        rows.append(inp.shape[0])
+        return original_a2a(out, inp, *args, **kwargs)
+
+    a2a_ll_module.dist.all_to_all_single = spy
+    try:
+        out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                              static_cache=static)
+    finally:
+        a2a_ll_module.dist.all_to_all_single = original_a2a
+    return torch.equal(out, expected), runner.last_decision.split, rows
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic_cache", "static_cache"])
+def test_decode_steps_exchange_slots_for_the_largest_batch_not_the_prompt(static):
+    results = run_distributed(2, _generate_a2a_ll, static)
+    layers = 2 * 2  # the tiny model's MoE layers x (dispatch, combine), per ubatch
+    for equal, split, rows in results:
+        assert equal and split, (equal, split)
+        prompt, decode = rows[:2 * layers], rows[2 * layers:]
+        assert prompt == [2 * 10] * (2 * layers), rows
+        assert decode == [2 * 2] * (2 * layers * (NEW_TOKENS - 1)), rows

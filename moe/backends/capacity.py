@@ -1,0 +1,77 @@
+"""`exchange_capacity`: a smaller exchange for calls known to hold fewer tokens than a
+fixed-capacity backend's configured capacity.
+
+    with exchange_capacity(tokens_per_rank=64, tokens_per_ubatch=32):
+        logits = model(decode_ids)       # a2a_ll sends W x 64 slot rows, not W x C
+
+A fixed-capacity backend (`a2a_ll`) pads every exchange to its capacity C
+(`MoEConfig.max_tokens_per_rank`; in a DBO step `max_tokens_per_ubatch`): W * C slot
+rows each way, whatever the call holds. A model whose capacity is set for its prompt
+(B * S tokens per rank) would move the prompt's slots again at every decode step of B
+tokens. Within this context the backend sizes its slots for at most `tokens_per_rank`
+(a DBO ubatch: `tokens_per_ubatch`) instead, never above its configured capacity.
+
+Every rank of the group must enter it with the same values (the exchange's sizes must
+agree on every rank), and every rank's tokens must fit: a call over it raises
+ValueError naming it on the rank that holds them. `moe.hf.generate` uses it for its
+decode steps, with the largest batch over the ranks. Under a CUDA graph the capture
+keeps the sizes it saw: replay a graph only within the values it was captured with.
+The value is a context variable: it follows the code that entered it, greenlets of a
+DBO step included (they run in the context of the call that started them).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+__all__ = ["ExchangeCapacity", "exchange_capacity", "step_capacity"]
+
+
+@dataclass(frozen=True)
+class ExchangeCapacity:
+    """Slot rows per rank of one exchange: of a whole step, and of a DBO ubatch."""
+
+    tokens_per_rank: int
+    tokens_per_ubatch: int
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_rank", "tokens_per_ubatch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"exchange_capacity: {name}={value!r} must be a positive "
+                                 f"int")
+
+
+_CURRENT: ContextVar[Optional[ExchangeCapacity]] = ContextVar("moe_exchange_capacity",
+                                                              default=None)
+
+
+@contextmanager
+def exchange_capacity(tokens_per_rank: int,
+                      tokens_per_ubatch: Optional[int] = None) -> Iterator[ExchangeCapacity]:
+    """Within: fixed-capacity backends send slots of at most `tokens_per_rank` rows per
+    rank (`tokens_per_ubatch` in a DBO ubatch; default `tokens_per_rank`)."""
+    value = ExchangeCapacity(tokens_per_rank, tokens_per_ubatch or tokens_per_rank)
+    token = _CURRENT.set(value)
+    try:
+        yield value
+    finally:
+        _CURRENT.reset(token)
+
+
+def step_capacity(configured: int, *, ubatch: bool, num_tokens: int, backend: str) -> int:
+    """The slot rows of this exchange: `configured` (the backend's capacity for a step or,
+    `ubatch`, a DBO ubatch; `num_tokens` already checked against it), or the smaller
+    `exchange_capacity` in force; ValueError where `num_tokens` exceeds that."""
+    current = _CURRENT.get()
+    if current is None:
+        return configured
+    limit = current.tokens_per_ubatch if ubatch else current.tokens_per_rank
+    if num_tokens > limit:
+        raise ValueError(
+            f"backend {backend!r}: {num_tokens} tokens on this rank exceed the "
+            f"exchange_capacity({'tokens_per_ubatch' if ubatch else 'tokens_per_rank'}="
+            f"{limit}) in force: enter it with the largest token count of any rank")
+    return min(configured, limit)
