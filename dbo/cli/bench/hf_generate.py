@@ -153,8 +153,9 @@ def format_table(result: dict[str, Any]) -> str:
     cfg = result["config"]
     first, second = cfg["new_tokens"]
     lines = [f"moe.hf.generate: {cfg['arch']} layers={cfg['layers']} "
-             f"world={result['world_size']} {result['regime']} {result['dtype']} on {result['device']}; {cfg['requests']} "
-             f"prompts x {cfg['prompt']} tokens per rank, a2a_ll",
+             f"world={result['world_size']} {result['regime']} {result['dtype']} on "
+             f"{result['device']}; {cfg['requests']} prompts x {cfg['prompt']} tokens per "
+             f"rank, a2a_ll",
              f"  ms/token: steady, ({second} - {first} new tokens); ms whole: {second} new "
              f"tokens, prompt (and captures) included; slowest rank, median of "
              f"{cfg['rounds']} rounds",
