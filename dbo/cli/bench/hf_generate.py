@@ -12,7 +12,7 @@ tokens; the model is converted with backend a2a_ll, a capacity of requests x pro
 tokens per rank (and a ubatch's half), so decode steps exchange slots of the requests
 (`moe.backends.capacity.exchange_capacity`). A mode's time per token is the steady
 state: (time for N2 new tokens - time for N1) / (N2 - N1), `--new-tokens N1,N2`, the
-median of `--rounds` rounds, slowest rank; the N2 call's whole time (prompt, and under
+median of `--rounds` rounds after an untimed call, slowest rank; the N2 call's whole time (prompt, and under
 graphs the captures, included) is shown beside it. DBO on splits every step it can
 (thresholds of 2 tokens): the table shows what splitting costs or gains per token, not
 what a gate would choose. Tokens are compared with the eager DBO-off run's (in bfloat16
@@ -104,6 +104,8 @@ def run_rank(ctx: RankContext, cfg: GenerateBenchConfig) -> Optional[dict[str, A
                 continue
             kwargs = {"static_cache": mode == "static", "cuda_graph": mode == "graph"}
             per_token, whole = [], 0.0
+            # Untimed first: compiles, autotunes, initialises the communicators.
+            _timed_generate(runner, ids, cfg.new_tokens[0], kwargs, ctx)
             for _ in range(cfg.rounds):
                 times = {}
                 for count in cfg.new_tokens:
