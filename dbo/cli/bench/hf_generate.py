@@ -12,8 +12,9 @@ tokens; the model is converted with backend a2a_ll, a capacity of requests x pro
 tokens per rank (and a ubatch's half), so decode steps exchange slots of the requests
 (`moe.backends.capacity.exchange_capacity`). A mode's time per token is the steady
 state: (time for N2 new tokens - time for N1) / (N2 - N1), `--new-tokens N1,N2`, the
-median of `--rounds` rounds after an untimed call, slowest rank; the N2 call's whole time (prompt, and under
-graphs the captures, included) is shown beside it. DBO on splits every step it can
+median of `--rounds` rounds after an untimed call, slowest rank; the N2 call's whole
+time (prompt, and under graphs the captures, included) is shown beside it; the JSON has each round's (N1, N2)
+times. DBO on splits every step it can
 (thresholds of 2 tokens): the table shows what splitting costs or gains per token, not
 what a gate would choose. Tokens are compared with the eager DBO-off run's (in bfloat16
 random-weight models a different kernel may flip an argmax: the count of equal rows is
@@ -103,7 +104,7 @@ def run_rank(ctx: RankContext, cfg: GenerateBenchConfig) -> Optional[dict[str, A
                 rows.append({"mode": mode, "dbo": dbo_on, "skipped": "CUDA graphs need GPUs"})
                 continue
             kwargs = {"static_cache": mode == "static", "cuda_graph": mode == "graph"}
-            per_token, whole = [], 0.0
+            per_token, whole, rounds_ms = [], 0.0, []
             # Untimed first: compiles, autotunes, initialises the communicators.
             _timed_generate(runner, ids, cfg.new_tokens[0], kwargs, ctx)
             for _ in range(cfg.rounds):
@@ -111,16 +112,18 @@ def run_rank(ctx: RankContext, cfg: GenerateBenchConfig) -> Optional[dict[str, A
                 for count in cfg.new_tokens:
                     times[count], out = _timed_generate(runner, ids, count, kwargs, ctx)
                 first, second = cfg.new_tokens
-                per_token.append((times[second] - times[first]) / (second - first))
-                whole = times[second]
+                # The slowest rank's times: the step waits for it.
+                slow = {n: max(gather_floats(t, ctx.group)) for n, t in times.items()}
+                per_token.append((slow[second] - slow[first]) / (second - first))
+                whole = slow[second]
+                rounds_ms.append([slow[first], slow[second]])
             if reference is None:
                 reference = out
             same_shape = out.shape == reference.shape
             equal = int((out == reference).all(dim=1).sum()) if same_shape else 0
             rows.append({"mode": mode, "dbo": dbo_on,
-                         "ms_per_token": max(gather_floats(statistics.median(per_token),
-                                                           ctx.group)),
-                         "ms_whole": max(gather_floats(whole, ctx.group)),
+                         "ms_per_token": statistics.median(per_token),
+                         "ms_whole": whole, "rounds_ms": rounds_ms,
                          "rows_equal_eager": int(min(gather_floats(float(equal), ctx.group))),
                          "split": bool(runner.last_decision and runner.last_decision.split)})
     if not ctx.is_main:
