@@ -13,10 +13,9 @@ tokens per rank (and a ubatch's half), so decode steps exchange slots of the req
 (`moe.backends.capacity.exchange_capacity`). A mode's time per token is the steady
 state: (time for N2 new tokens - time for N1) / (N2 - N1), `--new-tokens N1,N2`, the
 median of `--rounds` rounds after an untimed call, slowest rank; the N2 call's whole
-time (prompt, and under graphs the captures, included) is shown beside it; the JSON has each round's (N1, N2)
-times. DBO on splits every step it can
-(thresholds of 2 tokens): the table shows what splitting costs or gains per token, not
-what a gate would choose. Tokens are compared with the eager DBO-off run's (in bfloat16
+time (prompt, and under graphs the captures, included) is shown beside it; the JSON has
+each round's (N1, N2) times. DBO on splits every step it can (thresholds of 2 tokens):
+the table shows what splitting costs or gains per token, not what a gate would choose. Tokens are compared with the eager DBO-off run's (in bfloat16
 random-weight models a different kernel may flip an argmax: the count of equal rows is
 shown). Prints a table and ends with one JSON line; `--out` gets the JSON too.
 """
