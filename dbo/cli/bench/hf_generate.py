@@ -15,9 +15,9 @@ state: (time for N2 new tokens - time for N1) / (N2 - N1), `--new-tokens N1,N2`,
 median of `--rounds` rounds after an untimed call, slowest rank; the N2 call's whole
 time (prompt, and under graphs the captures, included) is shown beside it; the JSON has
 each round's (N1, N2) times. DBO on splits every step it can (thresholds of 2 tokens):
-the table shows what splitting costs or gains per token, not what a gate would choose. Tokens are compared with the eager DBO-off run's (in bfloat16
-random-weight models a different kernel may flip an argmax: the count of equal rows is
-shown). Prints a table and ends with one JSON line; `--out` gets the JSON too.
+the table shows what splitting costs or gains per token, not what a gate would choose.
+Tokens are compared with the eager DBO-off run's (in bfloat16 random-weight models a
+different kernel may flip an argmax: the count of equal rows is shown). Prints a table and ends with one JSON line; `--out` gets the JSON too.
 """
 from __future__ import annotations
 
