@@ -17,7 +17,8 @@ time (prompt, and under graphs the captures, included) is shown beside it; the J
 each round's (N1, N2) times. DBO on splits every step it can (thresholds of 2 tokens):
 the table shows what splitting costs or gains per token, not what a gate would choose.
 Tokens are compared with the eager DBO-off run's (in bfloat16 random-weight models a
-different kernel may flip an argmax: the count of equal rows is shown). Prints a table and ends with one JSON line; `--out` gets the JSON too.
+different kernel may flip an argmax: the count of equal rows is shown). Prints a table
+and ends with one JSON line; `--out` gets the JSON too.
 """
 from __future__ import annotations
 
