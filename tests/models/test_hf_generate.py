@@ -48,14 +48,16 @@ class StepLog:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("config", [dbo.DBOConfig(enabled=False), SPLIT_ALWAYS],
                          ids=["dbo_off", "dbo_on"])
-def test_greedy_tokens_equal_transformers(arch, config):
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic_cache", "static_cache"])
+def test_greedy_tokens_equal_transformers(arch, config, static):
     original = tiny_model(arch)
     ids, mask = batch(5, 6, seed=3)  # rows left-padded by 0, 1, 2, 0, 1 tokens
     expected = reference(original, ids, mask)
     model = moe.hf.convert(original)
     log = StepLog(model)
     runner = dbo.DBORunner(model, config)
-    out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                          static_cache=static)
     assert torch.equal(out, expected)
     # Split: two model calls per step (ubatch 0's rows, then ubatch 1's); off: one.
     assert log.calls == NEW_TOKENS * (2 if config.enabled else 1)
@@ -178,7 +180,7 @@ def _generate_a2a_ll(rank, world, static):
     """a2a_ll sized for the prompt (4 x 5 tokens per rank, ubatches of 10): the prompt's
     exchanges send its slots, every decode step's those of the largest batch over the
     ranks (4 sequences: ubatches of 2 tokens), with transformers' tokens."""
-    import moe.backends.a2a_ll as a2a_ll_module
+    from tests.moe.test_ubatch_capacity import ExchangeRows
     group = torch.distributed.group.WORLD
     ids, mask = batch([3, 4][rank], 5, seed=30 + rank)
     original = tiny_model("qwen3_moe")
@@ -186,20 +188,10 @@ def _generate_a2a_ll(rank, world, static):
     model = moe.hf.convert(original, group=group, backend="a2a_ll", max_tokens_per_rank=20,
                            max_tokens_per_ubatch=moe.hf.ubatch_capacity(4, 5))
     runner = dbo.DBORunner(model, SPLIT_ALWAYS, group=group)
-    rows: list[int] = []
-    original_a2a = a2a_ll_module.dist.all_to_all_single
-
-    def spy(out, inp, *args, **kwargs):
-        rows.append(inp.shape[0])
-        return original_a2a(out, inp, *args, **kwargs)
-
-    a2a_ll_module.dist.all_to_all_single = spy
-    try:
+    with ExchangeRows() as spy:
         out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                               static_cache=static)
-    finally:
-        a2a_ll_module.dist.all_to_all_single = original_a2a
-    return torch.equal(out, expected), runner.last_decision.split, rows
+    return torch.equal(out, expected), runner.last_decision.split, spy.rows
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic_cache", "static_cache"])

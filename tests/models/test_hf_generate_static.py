@@ -1,8 +1,9 @@
 """Layer 1 (CPU), Layer 2 (two gloo processes) and GPU: `moe.hf.generate` over one static
 KV cache (`static_cache=True`, the steps `cuda_graph=True` replays), run eagerly on CPU:
 the tokens of `model.generate(do_sample=False)` for left-padded batches of varying
-lengths, DBO off, on (every step split) and mixed (split prompt, unsplit decode steps and
-the reverse), on one process and on two expert-parallel ranks; the ubatches' caches are
+lengths with split prompts and unsplit decode steps and the reverse (DBO off and every
+step split: `test_hf_generate.py`'s token test, run with the static cache too), on one
+process and on two expert-parallel ranks; the ubatches' caches are
 row views of the one cache, which no decode step reallocates, and a decode step reads
 nothing on the host. GPU (gpu; multigpu for two ranks over a2a_ll): `cuda_graph=True`
 gives the eager path's tokens, with split and unsplit graphs.
@@ -22,43 +23,8 @@ from moe.hf.static_decode import mask_buffer, slot_tensor, static_step_runner  #
 from moe.hf.static_kv import static_cache_from_prompt  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.hf_utils import ARCHS, batch, tiny_model  # noqa: E402
-
-SPLIT_ALWAYS = dbo.DBOConfig(min_prefill_tokens=1, min_decode_tokens=1)
-NEW_TOKENS = 16
-
-
-def reference(model, ids, mask, new_tokens=NEW_TOKENS):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                              do_sample=False)
-
-
-class StepLog:
-    """Counts the calls of the transformers model (two per split step, one unsplit)."""
-
-    def __init__(self, model):
-        self.calls = 0
-        model.register_forward_pre_hook(self._count)
-
-    def _count(self, module, args):
-        self.calls += 1
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("config", [dbo.DBOConfig(enabled=False), SPLIT_ALWAYS],
-                         ids=["dbo_off", "dbo_on"])
-def test_static_cache_tokens_equal_transformers(arch, config):
-    original = tiny_model(arch)
-    ids, mask = batch(5, 6, seed=3)  # rows left-padded by 0, 1, 2, 0, 1 tokens
-    expected = reference(original, ids, mask)
-    model = moe.hf.convert(original)
-    log = StepLog(model)
-    runner = dbo.DBORunner(model, config)
-    out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                          static_cache=True)
-    assert torch.equal(out, expected)
-    assert log.calls == NEW_TOKENS * (2 if config.enabled else 1)
-    assert runner.last_decision.split == config.enabled
+from tests.models.test_hf_generate import (NEW_TOKENS, SPLIT_ALWAYS, StepLog,  # noqa: E402
+                                           reference)
 
 
 @pytest.mark.parametrize("prefill, decode", [(1, 10**6), (10**6, 1)],

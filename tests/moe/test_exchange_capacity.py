@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dbo import DBOConfig, DBORunner
 from moe.backends.capacity import ExchangeCapacity, exchange_capacity, step_capacity
 from tests.dist_utils import run_distributed
-from tests.moe.test_ubatch_capacity import CONFIG, _model, _patched
+from tests.moe.test_ubatch_capacity import CONFIG, ExchangeRows, _model
 
 
 def test_step_capacity_is_the_smaller_and_checks_the_tokens() -> None:
@@ -38,35 +38,23 @@ def test_step_capacity_is_the_smaller_and_checks_the_tokens() -> None:
 
 
 def _exchanges(rank: int, world_size: int) -> dict:
-    import moe.backends.a2a_ll as a2a_ll_module
-
-    rows: list[int] = []
-    original = a2a_ll_module.dist.all_to_all_single
-
-    def spy(out, inp, *args, **kwargs):
-        rows.append(inp.shape[0])
-        return original(out, inp, *args, **kwargs)
-
     model = _model(CONFIG)  # capacity 16, ubatch capacity 8
     runner = DBORunner(model, DBOConfig(split="tokens", min_prefill_tokens=2,
                                         min_decode_tokens=2))
     torch.manual_seed(rank)
     x = torch.randn(5 + rank, 8)  # ubatches of at most 3 tokens
     out: dict = {}
-    with torch.no_grad(), _patched(a2a_ll_module.dist, spy):
+    with torch.no_grad(), ExchangeRows() as spy:
         whole = model(x)
-        full_rows = list(rows)
-        rows.clear()
+        full_rows = spy.take()
         with exchange_capacity(6, 3):
             small = model(x)
-            out["unsplit_rows"] = list(rows)
-            rows.clear()
+            out["unsplit_rows"] = spy.take()
             split = runner(x)
             out["split"] = runner.last_decision.split
-            out["split_rows"] = list(rows)
-        rows.clear()
+            out["split_rows"] = spy.take()
         model(x)
-        out["after_rows"] = list(rows)
+        out["after_rows"] = spy.take()
     out["full_rows"] = full_rows
     out["equal"] = (torch.allclose(small, whole, rtol=1e-5, atol=1e-6)
                     and torch.allclose(split, whole, rtol=1e-5, atol=1e-6))

@@ -36,28 +36,18 @@ def _model(cfg: MoEConfig) -> nn.Module:
 
 
 def exchanges(rank: int, world_size: int) -> dict:
-    import moe.backends.a2a_ll as a2a_ll_module
-
-    rows: list[int] = []
-    original = a2a_ll_module.dist.all_to_all_single
-
-    def spy(out, inp, *args, **kwargs):
-        rows.append(inp.shape[0])
-        return original(out, inp, *args, **kwargs)
-
     model = _model(CONFIG)
     runner = DBORunner(model, DBOConfig(split="tokens", min_prefill_tokens=2,
                                         min_decode_tokens=2))
     torch.manual_seed(rank)
     x = torch.randn(12 + 4 * rank, 8)  # ubatches of 6 and 8 tokens
     out: dict = {}
-    with torch.no_grad(), _patched(a2a_ll_module.dist, spy):
+    with torch.no_grad(), ExchangeRows() as spy:
         whole = model(x)
-        out["unsplit_rows"] = list(rows)
-        rows.clear()
+        out["unsplit_rows"] = spy.take()
         split = runner(x)
         out["split"] = runner.last_decision.split
-        out["split_rows"] = list(rows)
+        out["split_rows"] = spy.take()
     out["equal"] = torch.allclose(split, whole, rtol=1e-5, atol=1e-6)
     # A ubatch capacity of 6: rank 1's 14 tokens split into ubatches of 7.
     small = _model(dataclasses.replace(CONFIG, max_tokens_per_ubatch=6))
@@ -72,18 +62,31 @@ def exchanges(rank: int, world_size: int) -> dict:
     return out
 
 
-class _patched:
-    """Replace `module.all_to_all_single` for the duration of a with-block."""
+class ExchangeRows:
+    """Within: the input rows of every a2a_ll `all_to_all_single`, in order (`rows`)."""
 
-    def __init__(self, module, fn) -> None:
-        self.module, self.fn = module, fn
+    def __init__(self) -> None:
+        self.rows: list[int] = []
 
-    def __enter__(self) -> None:
-        self.saved = self.module.all_to_all_single
-        self.module.all_to_all_single = self.fn
+    def __enter__(self) -> "ExchangeRows":
+        import moe.backends.a2a_ll as a2a_ll_module
+        self.module = a2a_ll_module.dist
+        self.saved = original = self.module.all_to_all_single
+
+        def spy(out, inp, *args, **kwargs):
+            self.rows.append(inp.shape[0])
+            return original(out, inp, *args, **kwargs)
+
+        self.module.all_to_all_single = spy
+        return self
 
     def __exit__(self, *exc) -> None:
         self.module.all_to_all_single = self.saved
+
+    def take(self) -> list[int]:
+        """The rows so far, then start again."""
+        rows, self.rows = self.rows, []
+        return rows
 
 
 def test_a2a_ll_ubatches_exchange_their_own_capacity_and_match_the_unsplit_step():
