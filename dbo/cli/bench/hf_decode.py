@@ -38,7 +38,8 @@ new tensor in the graph's memory, so every replay decodes over the same C tokens
 `GraphedRunner` keys its graphs on the call's non-tensor arguments by value: a
 `PrefixCache` hashes by identity, as the graph reads that cache's tensors. Every model
 of the run attends through `hf_graphs.use_mask_free_sdpa` (`hf_sweep.build_model`), so
-that a captured step builds no attention mask where the eager one builds none. Each point's graphs go before the next.
+that a captured step builds no attention mask where the eager one builds none. Each
+point's graphs go before the next.
 """
 from __future__ import annotations
 

@@ -56,8 +56,8 @@ from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unc
 from dbo.graphs import GraphedRunner, capture_graph
 from dbo.runner import DBORunner
 
-__all__ = ["HFPoint", "HFPointTimes", "HFSweepResult", "build_model", "describe_model", "max_rel_diff",
-           "run_hf_sweep", "timing_fields"]
+__all__ = ["HFPoint", "HFPointTimes", "HFSweepResult", "build_model", "describe_model",
+           "max_rel_diff", "run_hf_sweep", "timing_fields"]
 
 # DBO on: every point split (B >= 2 sequences); the bench compares, it does not gate.
 _DBO_ON = DBOConfig(split="batch", min_prefill_tokens=2, min_decode_tokens=2)
