@@ -178,7 +178,7 @@ def generate(runner: DBORunner, input_ids: Tensor, *, attention_mask: Optional[T
                                                 unsplit_args=(), split_kwargs=()),
                             group=runner.group)
     lockstep = _group_size(runner.group) > 1  # every rank must make every step's vote
-    decode_capacity = _decode_capacity(num_rows, runner.group if lockstep else None)
+    decode_capacity = _decode_capacity(num_rows, runner.group)
 
     ids_BS, mask = input_ids, attention_mask
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
@@ -280,9 +280,10 @@ def _check(runner: Any, input_ids: Any, attention_mask: Any, max_new_tokens: Any
 
 
 def _decode_capacity(num_rows: int, group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    """(tokens per rank, per DBO ubatch) of a decode step over the ranks of `group` (None:
-    this rank alone): the largest batch, and its larger half (`b = ceil(B / 2)`)."""
-    largest = -vote_min([-num_rows], group)[0] if group is not None else num_rows
+    """(tokens per rank, per DBO ubatch) of a decode step over the ranks the runner votes
+    with (`group`; None: the default group, as the vote takes it): the largest batch, and
+    its larger half (`b = ceil(B / 2)`). One collective with more than one rank."""
+    largest = -vote_min([-num_rows], group)[0]
     return largest, (largest + 1) // 2
 
 

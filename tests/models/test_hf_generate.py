@@ -176,10 +176,12 @@ def test_two_expert_parallel_ranks(rows_per_rank, split):
     assert results == [(True, split)] * 2
 
 
-def _generate_a2a_ll(rank, world, static):
+def _generate_a2a_ll(rank, world, static, runner_group=True):
     """a2a_ll sized for the prompt (4 x 5 tokens per rank, ubatches of 10): the prompt's
     exchanges send its slots, every decode step's those of the largest batch over the
-    ranks (4 sequences: ubatches of 2 tokens), with transformers' tokens."""
+    ranks (4 sequences: ubatches of 2 tokens), with transformers' tokens. Without a
+    runner group the runner votes over the default group, the capacity too, and the
+    decode steps run unsplit (4 tokens on each rank, though rank 0 has 3)."""
     from tests.moe.test_ubatch_capacity import ExchangeRows
     group = torch.distributed.group.WORLD
     ids, mask = batch([3, 4][rank], 5, seed=30 + rank)
@@ -187,19 +189,24 @@ def _generate_a2a_ll(rank, world, static):
     expected = reference(original, ids, mask)
     model = moe.hf.convert(original, group=group, backend="a2a_ll", max_tokens_per_rank=20,
                            max_tokens_per_ubatch=moe.hf.ubatch_capacity(4, 5))
-    runner = dbo.DBORunner(model, SPLIT_ALWAYS, group=group)
+    config = SPLIT_ALWAYS if runner_group else dbo.DBOConfig(min_prefill_tokens=1,
+                                                             min_decode_tokens=10**6)
+    runner = dbo.DBORunner(model, config, group=group if runner_group else None)
     with ExchangeRows() as spy:
         out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                               static_cache=static)
     return torch.equal(out, expected), runner.last_decision.split, spy.rows
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic_cache", "static_cache"])
-def test_decode_steps_exchange_slots_for_the_largest_batch_not_the_prompt(static):
-    results = run_distributed(2, _generate_a2a_ll, static)
+@pytest.mark.parametrize("static, runner_group", [(False, True), (True, True), (False, False)],
+                         ids=["dynamic_cache", "static_cache", "runner_without_group"])
+def test_decode_steps_exchange_slots_for_the_largest_batch_not_the_prompt(static,
+                                                                          runner_group):
+    results = run_distributed(2, _generate_a2a_ll, static, runner_group)
     layers = 2 * 2  # the tiny model's MoE layers x (dispatch, combine), per ubatch
+    decode_rows = [2 * 2] * (2 * layers) if runner_group else [2 * 4] * layers  # per step
     for equal, split, rows in results:
-        assert equal and split, (equal, split)
+        assert equal and split == runner_group, (equal, split)
         prompt, decode = rows[:2 * layers], rows[2 * layers:]
         assert prompt == [2 * 10] * (2 * layers), rows
-        assert decode == [2 * 2] * (2 * layers * (NEW_TOKENS - 1)), rows
+        assert decode == decode_rows * (NEW_TOKENS - 1), rows
