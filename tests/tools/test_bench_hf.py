@@ -315,4 +315,5 @@ def test_graphed_hf_sweep_replays_the_converted_model_on_two_gpus(tmp_path: Path
         assert point["probe_note"] == "", point
     assert "  ceiling probe: measured: compute alone" in table
     assert "CUDA graphs: the converted model's steps are replayed" in table
+    assert "attention without a mask (hf_graphs.use_mask_free_sdpa)" in table
     assert out["replays"] == {"off": True, "on": True, "split": True}, out["replays"]

@@ -70,7 +70,7 @@ HOST_LEGEND = ("  host unconv / host noDBO / host DBO: the host's time to issue 
 GRAPH_LEGEND = ("  CUDA graphs: the converted model's steps are replayed (DBO off: one "
                 "captured forward; DBO on: GraphedRunner, the vote then a replay); the "
                 "unconverted model eagerly and graphed where it captures, unconv ms the "
-                "faster")
+                "faster; attention without a mask (hf_graphs.use_mask_free_sdpa)")
 
 
 def eager_graph_cell(point: Any) -> str:
