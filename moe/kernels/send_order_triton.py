@@ -39,7 +39,7 @@ import triton.language as tl
 
 from moe.kernels.launch import FastLauncher, cdiv, next_power_of_2
 from moe.kernels.slots import TRITON_MAX_WORLD_SIZE
-from moe.kernels.slots_triton import rank_counts, rank_hits
+from moe.kernels.slots_triton import rank_counts, store_block_slots
 
 _BLOCK_T = 256  # tokens per program
 _BLOCK_X = 256  # src positions per step of the tail fill
@@ -81,15 +81,9 @@ def send_order_kernel(
 
     # 2. This block's slots.
     offs_t = block_start + tl.arange(0, BLOCK_T)
-    hit = rank_hits(ids_ptr, offs_t, num_tokens, offs_w, NUM_LOCAL_EXPERTS, TOP_K)
-    hit = tl.where(w_mask[None, :], hit, 0)
-    pos = base_W[None, :] + before_W[None, :] + tl.cumsum(hit, axis=0) - hit
-    goes = hit > 0
-    slot = tl.where(goes, pos, -1).to(tl.int64)
-    tl.store(slot_ptr + offs_t.to(tl.int64)[:, None] * WORLD + offs_w[None, :], slot,
-             mask=(offs_t < num_tokens)[:, None] & w_mask[None, :])
-    token = tl.broadcast_to(offs_t.to(tl.int64)[:, None], (BLOCK_T, WORLD_POW2))
-    tl.store(src_ptr + slot, token, mask=goes)
+    store_block_slots(ids_ptr, slot_ptr, src_ptr, offs_t, num_tokens, offs_w, w_mask,
+                      base_W + before_W, WORLD, WORLD_POW2, BLOCK_T, NUM_LOCAL_EXPERTS,
+                      TOP_K)
 
     # 3. This program's share of the tail: the W*T - S positions past the rows sent.
     padding = tl.full((BLOCK_X,), -1, dtype=tl.int64)

@@ -75,6 +75,24 @@ def rank_counts(ids_ptr, num_tokens, block_start, offs_w, NUM_LOCAL_EXPERTS: tl.
 
 
 @triton.jit
+def store_block_slots(ids_ptr, slot_ptr, src_ptr, offs_t, num_tokens, offs_w, w_mask,
+                      first_W, WORLD: tl.constexpr, WORLD_POW2: tl.constexpr,
+                      BLOCK_T: tl.constexpr, NUM_LOCAL_EXPERTS: tl.constexpr,
+                      TOP_K: tl.constexpr):
+    """One block's slots: slot[t, w] = first_W[w] + (earlier tokens of the block bound for
+    w) where token t goes to rank w, else -1, stored into slot_ptr (int64 [T, W]); t
+    scattered into src_ptr at each slot."""
+    hit = rank_hits(ids_ptr, offs_t, num_tokens, offs_w, NUM_LOCAL_EXPERTS, TOP_K)
+    hit = tl.where(w_mask[None, :], hit, 0)
+    goes = hit > 0
+    slot = tl.where(goes, first_W[None, :] + tl.cumsum(hit, axis=0) - hit, -1).to(tl.int64)
+    tl.store(slot_ptr + offs_t.to(tl.int64)[:, None] * WORLD + offs_w[None, :], slot,
+             mask=(offs_t < num_tokens)[:, None] & w_mask[None, :])
+    token = tl.broadcast_to(offs_t.to(tl.int64)[:, None], (BLOCK_T, WORLD_POW2))
+    tl.store(src_ptr + slot, token, mask=goes)
+
+
+@triton.jit
 def ll_slots_kernel(
     # Pointers
     ids_ptr,  # int [T, K], contiguous: global expert ids in [-1, W * E_loc), -1 = none
@@ -104,15 +122,9 @@ def ll_slots_kernel(
 
     # 2. This block's slots.
     offs_t = block_start + tl.arange(0, BLOCK_T)
-    hit = rank_hits(ids_ptr, offs_t, num_tokens, offs_w, NUM_LOCAL_EXPERTS, TOP_K)
-    hit = tl.where(w_mask[None, :], hit, 0)
-    pos = before_W[None, :] + tl.cumsum(hit, axis=0) - hit
-    goes = hit > 0
-    slot = tl.where(goes, base_W[None, :] + pos, -1)
-    tl.store(slot_ptr + offs_t[:, None] * WORLD + offs_w[None, :], slot.to(tl.int64),
-             mask=(offs_t < num_tokens)[:, None] & w_mask[None, :])
-    token = tl.broadcast_to(offs_t.to(tl.int64)[:, None], (BLOCK_T, WORLD_POW2))
-    tl.store(src_ptr + slot, token, mask=goes)
+    store_block_slots(ids_ptr, slot_ptr, src_ptr, offs_t, num_tokens, offs_w, w_mask,
+                      base_W + before_W, WORLD, WORLD_POW2, BLOCK_T, NUM_LOCAL_EXPERTS,
+                      TOP_K)
 
     # 3. This program's share of the padding rows: positions past each rank's total.
     padding = tl.full((WORLD_POW2, BLOCK_C), -1, dtype=tl.int64)
