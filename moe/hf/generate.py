@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from typing import Any, Optional
 
 import torch
@@ -60,7 +59,7 @@ from dbo.vote import vote_min
 from moe.backends.capacity import exchange_capacity
 from moe.hf.block import HFMoEBlock
 from moe.hf.deps import require
-from moe.hf.kv import join_caches, part_cache
+from moe.hf.kv import cache_keyword, join_caches, part_cache
 from moe.hf.static_decode import (check_cuda_graph, mask_buffer, slot_tensor,
                                   static_step_runner)
 from moe.hf.static_kv import StaticKV, check_static_cache, static_cache_from_prompt
@@ -88,10 +87,7 @@ class GroupedDecoder(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old
-        # name warns); 5.17 knows only the old one.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_keyword(model)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, *,
                 groups: tuple[RowGroup, ...]) -> Tensor:

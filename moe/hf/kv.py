@@ -12,16 +12,24 @@ step already, so a join costs about one step's cache traffic more.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
 
-__all__ = ["join_caches", "part_cache"]
+__all__ = ["cache_keyword", "join_caches", "part_cache"]
 
 # The layer classes whose whole state is keys / values [B, N, L, D] plus row-independent
 # fields (a sliding window's length and counter): a shallow copy with new tensors is a
 # valid layer of the joined (or parted) batch.
 _ROW_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword a transformers causal LM's forward takes its KV cache by: "cache" from
+    transformers 5.24 on (where the old name warns), "past_key_values" before (5.17)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def join_caches(cache0: Any, cache1: Any) -> Any:

@@ -23,7 +23,6 @@ after `warmup` eager steps that write the step's own keys at the step's own slot
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Optional, Union
 
 import torch
@@ -33,6 +32,7 @@ from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, graph_blockers
 from dbo.runner import DBORunner
 from dbo.split import plan_split
+from moe.hf.kv import cache_keyword
 from moe.hf.static_kv import StaticKV
 
 __all__ = ["StaticDecoder", "StaticRows", "check_cuda_graph", "mask_buffer", "slot_tensor",
@@ -52,9 +52,7 @@ class StaticDecoder(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        # transformers 5.24 renamed the forward's `past_key_values` to `cache`.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_keyword(model)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
                 cache_position: Tensor, *, kv: StaticKV) -> Tensor:

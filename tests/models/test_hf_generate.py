@@ -210,3 +210,19 @@ def test_decode_steps_exchange_slots_for_the_largest_batch_not_the_prompt(static
         prompt, decode = rows[:2 * layers], rows[2 * layers:]
         assert prompt == [2 * 10] * (2 * layers), rows
         assert decode == decode_rows * (NEW_TOKENS - 1), rows
+
+
+def test_cache_keyword_follows_the_forward_signature():
+    """transformers 5.24 takes the KV cache as `cache`, 5.17 as `past_key_values`."""
+    from moe.hf.kv import cache_keyword
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, past_key_values=None):
+            return input_ids
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    assert cache_keyword(New()) == "cache"
+    assert cache_keyword(Old()) == "past_key_values"

@@ -44,7 +44,6 @@ point's graphs go before the next.
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -63,6 +62,7 @@ from dbo.cli.bench.timing import Timing, median_of_rounds, time_steps
 from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, capture_graph
 from dbo.runner import DBORunner
+from moe.hf.kv import cache_keyword
 
 __all__ = ["DecodeStep", "HFDecodePoint", "HFDecodeResult", "PrefixCache", "SplitCaches",
            "prefill_cache", "run_hf_decode"]
@@ -113,9 +113,7 @@ class DecodeStep(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        # transformers 5.24 renamed the forward's `past_key_values` to `cache`.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_keyword(model)
 
     def forward(self, input_ids: Tensor, *, cache: PrefixCache,
                 parts: Optional[tuple[PrefixCache, PrefixCache]] = None) -> Tensor:
@@ -150,7 +148,7 @@ def prefill_cache(model: nn.Module, input_ids: Tensor, *,
     about `chunk_tokens` tokens (whole requests), untimed; the logits are dropped."""
     from moe.hf.deps import require
     transformers = require("transformers")
-    step = DecodeStep(model)  # only for the cache keyword's name
+    keyword = cache_keyword(model)
     num_requests, context = input_ids.shape
     per_call = max(1, chunk_tokens // context)
     parts = []
@@ -158,7 +156,7 @@ def prefill_cache(model: nn.Module, input_ids: Tensor, *,
         for start in range(0, num_requests, per_call):
             cache = transformers.DynamicCache(config=model.config)
             model(input_ids=input_ids[start:start + per_call], use_cache=True,
-                  logits_to_keep=1, **{step._cache_kwarg: cache})
+                  logits_to_keep=1, **{keyword: cache})
             parts.append(cache)
     base = copy.copy(parts[0])
     base.layers = []
