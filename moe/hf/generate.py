@@ -60,7 +60,7 @@ from moe.backends.capacity import exchange_capacity
 from moe.hf.block import HFMoEBlock
 from moe.hf.deps import require
 from moe.hf.kv import cache_keyword, join_caches, part_cache
-from moe.hf.static_decode import (check_cuda_graph, mask_buffer, slot_tensor,
+from moe.hf.static_decode import (check_cuda_graph, mask_buffer, runner_like, slot_tensor,
                                   static_step_runner)
 from moe.hf.static_kv import StaticKV, check_static_cache, static_cache_from_prompt
 
@@ -169,10 +169,7 @@ def generate(runner: DBORunner, input_ids: Tensor, *, attention_mask: Optional[T
     groups = tuple(RowGroup(rows=rows, cache=transformers.DynamicCache(config=model.config))
                    for rows in (slice(0, b), slice(b, num_rows)))
     eos, pad = _eos_and_pad(model)
-    step_runner = DBORunner(GroupedDecoder(model),
-                            dataclasses.replace(runner.config, split=SplitRows(runner.config), merge=None,
-                                                unsplit_args=(), split_kwargs=()),
-                            group=runner.group)
+    step_runner = runner_like(runner, GroupedDecoder(model), SplitRows(runner.config))
     lockstep = _group_size(runner.group) > 1  # every rank must make every step's vote
     decode_capacity = _decode_capacity(num_rows, runner.group)
 

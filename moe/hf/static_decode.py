@@ -23,7 +23,7 @@ after `warmup` eager steps that write the step's own keys at the step's own slot
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -35,8 +35,8 @@ from dbo.split import plan_split
 from moe.hf.kv import cache_keyword
 from moe.hf.static_kv import StaticKV
 
-__all__ = ["StaticDecoder", "StaticRows", "check_cuda_graph", "mask_buffer", "slot_tensor",
-           "static_step_runner"]
+__all__ = ["StaticDecoder", "StaticRows", "check_cuda_graph", "mask_buffer", "runner_like",
+           "slot_tensor", "static_step_runner"]
 
 
 class StaticDecoder(nn.Module):
@@ -87,13 +87,20 @@ class StaticRows:
                 for part in kv.parts]
 
 
+def runner_like(runner: DBORunner, module: nn.Module, split: Any) -> DBORunner:
+    """A runner over `module` with `runner`'s config (thresholds, `enabled`) and group,
+    splitting each call with the callable `split` (no merge or argument rules of its
+    own: the split gives each ubatch its arguments, the outputs concatenate)."""
+    config = dataclasses.replace(runner.config, split=split, merge=None, unsplit_args=(),
+                                 split_kwargs=())
+    return DBORunner(module, config, group=runner.group)
+
+
 def static_step_runner(model: nn.Module, runner: DBORunner, *, cuda_graph: bool
                        ) -> Union[DBORunner, GraphedRunner]:
-    """The runner of the decode steps: the user's runner's config (thresholds, `enabled`)
-    and group with `StaticRows` as its split, in a `GraphedRunner` with `cuda_graph`."""
-    config = dataclasses.replace(runner.config, split=StaticRows(runner.config), merge=None,
-                                 unsplit_args=(), split_kwargs=())
-    step_runner = DBORunner(StaticDecoder(model), config, group=runner.group)
+    """The runner of the decode steps: the user's runner's config and group with
+    `StaticRows` as its split (`runner_like`), in a `GraphedRunner` with `cuda_graph`."""
+    step_runner = runner_like(runner, StaticDecoder(model), StaticRows(runner.config))
     return GraphedRunner(step_runner) if cuda_graph else step_runner
 
 
