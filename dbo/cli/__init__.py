@@ -22,7 +22,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 COMMANDS = {
     "run": ("dbo.cli.run_job", "the main job: a preset MoE model with DBO on and off"),
@@ -72,6 +72,13 @@ def check_out_dir(option: str, path: str) -> None:
     if Path(path).exists() and not Path(path).is_dir():
         raise ValueError(f"{option}={path}: that is an existing file, and the results go "
                          f"into a folder: name a folder (it is created if missing)")
+
+
+def check_int_option(name: str, value: Any, *, low: int) -> None:
+    """Reject a job setting `name` (the option `--name-with-dashes`) that is not an int >=
+    `low` (ValueError naming the option and the bound)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"--{name.replace('_', '-')}={value!r}: must be an int >= {low}")
 
 
 def check_out_file(option: str, path: str) -> None:

@@ -34,13 +34,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from dbo.cli import check_out_dir
+from dbo.cli import check_int_option, check_out_dir
 from dbo.cli.bench.config import regime_label
 from dbo.cli.bench.hf_config import HFBenchConfig
-from dbo.cli.bench.timing import gather_floats
+from dbo.cli.bench.predicted import device_name
+from dbo.cli.bench.timing import _sync, gather_floats
 from dbo.cli.launch import RankContext, launch
+from moe.bench.timing import barrier
 
 MODES = ("eager", "static", "graph")
 
@@ -64,9 +65,7 @@ class GenerateBenchConfig:
 
     def __post_init__(self) -> None:
         for name in ("layers", "requests", "prompt", "rounds"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={value!r}: must be an int >= 1")
+            check_int_option(name, getattr(self, name), low=1)
         first, second = self.new_tokens
         if not (isinstance(first, int) and isinstance(second, int) and 1 <= first < second):
             raise ValueError(f"--new-tokens={first},{second}: give N1,N2 with 1 <= N1 < N2")
@@ -130,29 +129,21 @@ def run_rank(ctx: RankContext, cfg: GenerateBenchConfig) -> Optional[dict[str, A
     if not ctx.is_main:
         return None
     return {"bench": "hf_generate", "config": dataclasses.asdict(cfg),
-            "world_size": ctx.world_size, "device": _device_name(ctx.device),
+            "world_size": ctx.world_size, "device": device_name(ctx.device),
             "regime": bench.regime, "dtype": str(dtype).removeprefix("torch."), "rows": rows}
 
 
 def _timed_generate(runner: Any, ids: torch.Tensor, count: int, kwargs: dict[str, Any],
                     ctx: RankContext) -> tuple[float, torch.Tensor]:
+    """(ms, tokens) of one `moe.hf.generate` call, from an idle device with the ranks
+    aligned (`moe.bench.timing.barrier`) to its tokens on the host side."""
     import moe.hf
     _sync(ctx.device)
-    if ctx.group is not None:
-        dist.barrier()
+    barrier(ctx.group, ctx.device)
     start = time.perf_counter()
     out = moe.hf.generate(runner, ids, max_new_tokens=count, **kwargs)
     _sync(ctx.device)
     return (time.perf_counter() - start) * 1e3, out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def format_table(result: dict[str, Any]) -> str:

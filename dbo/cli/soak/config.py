@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from dbo.cli import CAPACITY_GRAPH_BACKENDS, check_graph_backends
+from dbo.cli import CAPACITY_GRAPH_BACKENDS, check_graph_backends, check_int_option
 from dbo.cli.soak.padding import MIN_GRAPH_SIZE, default_graph_sizes
 from moe.backends import BACKENDS as MOE_BACKENDS
 from moe.backends.deepep_support import LL_HIDDEN_SIZES, ll_capacity
@@ -96,10 +96,10 @@ class SoakConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "max_tokens", "layers", "report_every", "hidden",
                      "intermediate", "num_experts", "top_k"):
-            _check_int(name, getattr(self, name), low=1)
+            check_int_option(name, getattr(self, name), low=1)
         for name in ("seed", "warmup", "bound_kib"):
-            _check_int(name, getattr(self, name), low=0)
-        _check_int("trace_window", self.trace_window, low=0)
+            check_int_option(name, getattr(self, name), low=0)
+        check_int_option("trace_window", self.trace_window, low=0)
         if self.trace_window > self.report_every:
             raise ValueError(f"--trace-window={self.trace_window} exceeds --report-every="
                              f"{self.report_every}: windows end at the samples and must not "
@@ -203,8 +203,3 @@ def check_deepep_ll_capacity(max_tokens: int, world_size: int, qp_depth: int) ->
                          f"ranks: DeepEP's capacity {capacity} needs an NVSHMEM queue depth "
                          f"of {2 * (capacity + 1)}, above NVSHMEM_QP_DEPTH={qp_depth}; use "
                          f"--max-tokens <= {fits}")
-
-
-def _check_int(name: str, value: Any, *, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"--{name.replace('_', '-')}={value!r}: must be an int >= {low}")
