@@ -28,8 +28,8 @@ def test_naive_mono_matches_reference_two_ranks():
 
 
 def mono_and_modular(rank: int, world_size: int, capacity) -> list[float]:
-    """max |naive_mono - naive| per (tokens on this rank), DBO off and on; rank 0 has
-    no tokens in the first case."""
+    """max |naive_mono - naive| / max |naive| per (tokens on this rank), DBO off and on;
+    rank 0 has no tokens in the first case."""
     cfg = MoEConfig(num_experts=6, top_k=2, hidden_size=16, intermediate_size=8,
                     max_tokens_per_rank=capacity, experts="reference", scoring="sigmoid",
                     use_correction_bias=True)
@@ -52,16 +52,25 @@ def mono_and_modular(rank: int, world_size: int, capacity) -> list[float]:
                 outs[name] = (off, on)
         for a, b in zip(outs["naive"], outs["naive_mono"]):
             assert a.shape == b.shape == (tokens[rank], 16)
-            diffs.append((a - b).abs().max().item() if a.numel() else 0.0)
+            scale = a.abs().max().item() if a.numel() else 0.0
+            diffs.append((a - b).abs().max().item() / scale if scale else 0.0)
     return diffs
 
 
 @pytest.mark.parametrize("capacity", [None, 8])
 def test_naive_mono_equals_the_modular_form(capacity):
-    """Same experts, same weights, same rows: the outputs are equal (both forms reduce
-    the same partial sums in the same order)."""
+    """Same experts, same weights, same rows: the outputs agree to a few float32 ulp.
+
+    Not bit for bit: the modular form routes each rank's T rows, the monolithic form
+    the gathered W*C rows (padding included), so a token's logits sit at another offset
+    of the buffer `route` runs on. ATen's AVX2 sigmoid (not its AVX-512 one) gives 1 ulp
+    different results in a vector's tail than in its body (measured under
+    ATEN_CPU_CAPABILITY=avx2), so a top-k weight may differ by 1 ulp (2**-24 relative),
+    and each output row sums K=2 weighted expert rows: the output moves by at most a
+    few ulp of its scale. 2**-20 (16 ulp) of the output's scale leaves room for that and
+    fails on any wrong row, expert or weight (those move it by O(1))."""
     for diffs in run_distributed(2, mono_and_modular, capacity):
-        assert diffs == [0.0] * 4, diffs
+        assert all(d <= 2 ** -20 for d in diffs), diffs
 
 
 def test_naive_mono_is_graph_safe_only_with_a_capacity():

@@ -149,10 +149,11 @@ def _check_opaque_sweep(out: dict, *, gpu: bool) -> None:
             assert p["gate"] != "dbo" and dbo_reason.startswith("threshold"), p
         elif dbo_reason.startswith("trial: DBO"):
             assert p["gate"] != "dbo", p
-        else:  # passed the trial; the missing probe is named, not a ceiling
+        elif backend == "a2a":  # passed the trial; the missing probe is named, not a ceiling
             assert "trial DBO" in dbo_reason, p
-            if backend == "a2a":
-                assert "no probe (backend 'opaque_a2a'" in dbo_reason, p
+            assert "no probe (backend 'opaque_a2a'" in dbo_reason, p
+        # A probed backend that passed the trial may still stop at its measured ceiling
+        # (on GPUs): which of the two reasons it gives is a timing outcome, not checked.
     assert out["doc_notes"] == [note, note, "", ""]
     assert out["calibrated"] == ["naive"]  # no phase times were measured for the stand-in
     assert f"  {note}" in out["table"].splitlines()

@@ -163,10 +163,13 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"{row['mode']:8s} {'on' if row['dbo'] else 'off':4s} "
                          f"{'-':>9s} {'-':>9s} {'-':>6s} {'-':>16s}  ({row['skipped']})")
             continue
+        # The steady time is a difference of two timings: where noise exceeds the extra
+        # tokens' time it is not positive, and says only that N2 - N1 is too small.
+        noisy = "" if row["ms_per_token"] > 0 else "  (noise: raise N2 - N1 or --rounds)"
         lines.append(f"{row['mode']:8s} {'on' if row['dbo'] else 'off':4s} "
                      f"{row['ms_per_token']:9.2f} {row['ms_whole']:9.1f} "
                      f"{str(row['split']):>6s} {row['rows_equal_eager']:>8d} of "
-                     f"{cfg['requests']:<5d}")
+                     f"{cfg['requests']:<5d}{noisy}")
     return "\n".join(lines)
 
 
