@@ -24,8 +24,14 @@ Per device (all in microseconds, within the device's window):
   paused (the other ubatch held the thread) is left out (``traces.active``); ``run`` is
   the time each ubatch held the thread.
 - ``compute_idle``: the compute stream's idle time, split into waiting for the host,
-  held back by a cross-stream wait, and before/after its kernels, with the largest gaps
-  (`traces.idle`).
+  for a peer (CPU traces: blocked on a collective, `traces.waits`), held back by a
+  cross-stream wait, and before/after its kernels, with the largest gaps (`traces.idle`).
+
+With several devices (one Nsight report holds every rank of a launch), ``capture_windows``
+gives each device's window and whether they agree (`traces.alignment`): the ranks of one
+step share its collectives, so a device whose window starts (or ends) far from the
+others' entered the capture early and waited for them inside it. Its overlap counts that
+wait: the table and `dbo inspect` then warn of a misaligned capture.
 """
 from __future__ import annotations
 
@@ -37,12 +43,14 @@ from collections import defaultdict
 from pathlib import Path
 
 from traces.active import RunKey, run_spans, split_active
+from traces.alignment import capture_windows
 from traces.classify import ClassifyConfig, Classifier, Kind
 from traces.idle import compute_idle, compute_stream
 from traces.intervals import Span, clip, intersect, merge, subtract, total
 from traces.model import KernelInterval, Label, ReadConfig, Trace, parse_label_name
 from traces.report import DEFAULT_STEP_PATTERN, AnalyzeConfig, DeviceReport, Report, StreamReport
 from traces.timeline import draw_timeline
+from traces.waits import peer_waits
 
 
 def _extent(spans: list[Span]) -> Span | None:
@@ -120,7 +128,9 @@ def _device_report(
     classifier: Classifier,
     step_re: re.Pattern[str] | None,
 ) -> DeviceReport:
-    labels = labels_of_device(labels, kernels)
+    # gloo records its collectives on its own threads, which launch no ops: peer waits
+    # read every label (a CPU trace holds one process).
+    all_labels, labels = labels, labels_of_device(labels, kernels)
     window, source, cpu_window = _window(device, kernels, labels, step_re)
     by_kind: dict[Kind, list[Span]] = defaultdict(list)
     by_stream: dict[int, dict[Kind, list[Span]]] = defaultdict(lambda: defaultdict(list))
@@ -147,6 +157,8 @@ def _device_report(
         )
 
     idle_stream = compute_stream({s: st.compute_us for s, st in streams.items()})
+    waits = [] if idle_stream is None else peer_waits(kernels, all_labels, window,
+                                                       classifier=classifier, stream=idle_stream)
     phase_labels = [lb for lb in labels if lb.phase is not None and lb.device == device]
     phase_source, phase_window = "device", (window if source == "gpu step labels" else None)
     if not phase_labels:
@@ -168,8 +180,9 @@ def _device_report(
         phases=_phases(phase_labels, phase_window, run_spans(labels)),
         phase_source=phase_source,
         exposed_comm=subtract(comm, compute),
-        idle=None if idle_stream is None else compute_idle(kernels, labels, window,
-                                                           device=device, stream=idle_stream),
+        peer_waits=waits,
+        idle=None if idle_stream is None else compute_idle(kernels, labels, window, device=device,
+                                                           stream=idle_stream, peer_waits=waits),
     )
 
 
@@ -188,7 +201,9 @@ def analyze(trace: Trace, config: AnalyzeConfig | None = None) -> Report:
     notes = list(trace.notes)
     if not devices:
         notes.append("0 devices: nothing to analyze")
-    return Report(source=trace.source, devices=devices, notes=notes, config=config)
+    windows = capture_windows({f"device {d}": rep.window for d, rep in devices.items()})
+    return Report(source=trace.source, devices=devices, notes=notes, config=config,
+                  windows=windows)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -233,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = analyze(trace, config)
     print(report.format_table())
+    if report.misaligned:
+        print(f"warning: {args.file}: {report.windows.verdict()}", file=sys.stderr)
 
     if args.png is not None:
         draw_timeline(trace, args.png, report=report)

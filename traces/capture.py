@@ -7,6 +7,12 @@ writes `<name>.json` (a Chrome trace: open it in Perfetto), `<name>_analysis.jso
 The trace is rewritten so that the ubatches' phase ranges nest (`traces.perfetto`).
 Phase labels (`ub0/L3/dispatch_send`, ...) are `record_function` ranges opened through
 `traces.ranges`; each step is labelled `step/N` so the analyzer can bound its window.
+
+Ranks that capture together pass `align` (e.g. a device sync and a barrier over the
+group): it runs once the profiler has started, before the first step, and again after
+the last one, outside the step labels. Without it, a rank whose profiler started sooner
+enters the first step early and waits for the others inside its window
+(`traces.alignment`).
 """
 from __future__ import annotations
 
@@ -40,17 +46,23 @@ class Capture:
 
 def capture(step_fn: Callable[[], Any], out_dir: str | Path, *, steps: int = 1,
             name: str = "trace", title: Optional[str] = None,
-            keep: bool = True) -> Optional[Capture]:
+            keep: bool = True, align: Optional[Callable[[], None]] = None) -> Optional[Capture]:
     """Run `step_fn` `steps` times under the profiler; write trace, analysis, timeline.
 
     `keep=False` runs the same steps without profiling and writes nothing (returns None):
-    for ranks whose trace is not wanted but whose collectives must still match.
+    for ranks whose trace is not wanted but whose collectives must still match. `align`
+    (every rank calls it, so it may be a collective) runs before the first step and after
+    the last, inside the profiler.
     """
     if steps < 1:
         raise ValueError(f"steps={steps}: capture at least one step")
     if not keep:
+        if align is not None:
+            align()
         for _ in range(steps):
             step_fn()
+        if align is not None:
+            align()
         return None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -61,11 +73,15 @@ def capture(step_fn: Callable[[], Any], out_dir: str | Path, *, steps: int = 1,
     configure(TraceConfig(nvtx=previous.nvtx, record_function=True, domain=previous.domain))
     try:
         with profile(activities=activities) as prof:
+            if align is not None:
+                align()
             for i in range(steps):
                 with label_range(step_name(i)):
                     step_fn()
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
+            if align is not None:
+                align()
     finally:
         configure(previous)
     trace_path = out / f"{name}.json"

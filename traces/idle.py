@@ -6,6 +6,9 @@ window is split into:
 - ``host_us``: gaps the GPU spent waiting for the host. The kernel after the gap was
   launched (its launch call began) after the kernel before it had ended: the stream had
   nothing queued. Counted from the previous kernel's end to that launch, at most the gap.
+- ``peer_us``: on a CPU trace, the part of the host's gaps in which the thread was
+  blocked on a collective until it completed: waiting for a peer (`traces.waits`). On a
+  GPU trace it is 0: a kernel waiting for a peer is a comm kernel, not a gap.
 - ``wait_us``: the rest of the gaps between its kernels. Work was queued but held back:
   an event wait on another stream (a transfer the next kernel reads), or a launch call
   still in flight.
@@ -22,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from traces.intervals import Span, clip, merge, total
+from traces.intervals import Span, clip, intersect, merge, total
 from traces.model import KernelInterval, Label
 
 NUM_LARGEST = 5
@@ -37,6 +40,8 @@ class Gap:
     length_us: float
     host_us: float
     """The part spent waiting for the host (see the module doc)."""
+    peer_us: float
+    """The part spent waiting for a peer (see the module doc)."""
     before: str
     """The phase label of the kernel after the gap, else that kernel's name."""
 
@@ -48,6 +53,7 @@ class IdleReport:
     stream: int
     idle_us: float
     host_us: float
+    peer_us: float
     wait_us: float
     edges_us: float
     num_gaps: int
@@ -57,19 +63,24 @@ class IdleReport:
         r = lambda x: round(x, 3)  # noqa: E731
         return {
             "stream": self.stream, "idle_us": r(self.idle_us), "host_us": r(self.host_us),
-            "wait_us": r(self.wait_us), "edges_us": r(self.edges_us), "num_gaps": self.num_gaps,
+            "peer_us": r(self.peer_us), "wait_us": r(self.wait_us),
+            "edges_us": r(self.edges_us), "num_gaps": self.num_gaps,
             "largest": [{"offset_us": r(g.offset_us), "length_us": r(g.length_us),
-                         "host_us": r(g.host_us), "before": g.before} for g in self.largest],
+                         "host_us": r(g.host_us), "peer_us": r(g.peer_us), "before": g.before}
+                        for g in self.largest],
         }
 
     def format_lines(self) -> list[str]:
+        peer = f", for a peer {self.peer_us:.1f}" if self.peer_us else ""
         lines = [f"  compute stream {self.stream} idle {self.idle_us:.1f} us: between kernels "
-                 f"{self.host_us + self.wait_us:.1f} ({self.num_gaps} gaps; waiting for the "
-                 f"host {self.host_us:.1f}, held back {self.wait_us:.1f}), before its first "
-                 f"and after its last kernel {self.edges_us:.1f}"]
+                 f"{self.host_us + self.peer_us + self.wait_us:.1f} ({self.num_gaps} gaps; "
+                 f"waiting for the host {self.host_us:.1f}{peer}, held back "
+                 f"{self.wait_us:.1f}), before its first and after its last kernel "
+                 f"{self.edges_us:.1f}"]
         for g in self.largest:
+            peer = f", peer {g.peer_us:.1f}" if g.peer_us else ""
             lines.append(f"    gap {g.length_us:9.1f} us at +{g.offset_us:.1f} (host "
-                         f"{g.host_us:.1f}) before {g.before}")
+                         f"{g.host_us:.1f}{peer}) before {g.before}")
         return lines
 
 
@@ -81,8 +92,10 @@ def compute_stream(compute_us: dict[int, float]) -> int | None:
 
 
 def compute_idle(kernels: list[KernelInterval], labels: list[Label], window: Span, *,
-                 device: int, stream: int) -> IdleReport:
-    """The idle report of `device`'s compute stream `stream` (`compute_stream`) in `window`."""
+                 device: int, stream: int, peer_waits: list[Span] | None = None) -> IdleReport:
+    """The idle report of `device`'s compute stream `stream` (`compute_stream`) in `window`;
+    `peer_waits` (canonical, `traces.waits.peer_waits`) is where it waited for a peer."""
+    waits = peer_waits or []
     on_stream = sorted((k for k in kernels if k.stream == stream
                         and k.end_us > window.start and k.start_us < window.end),
                        key=lambda k: k.start_us)
@@ -96,15 +109,20 @@ def compute_idle(kernels: list[KernelInterval], labels: list[Label], window: Spa
             host = 0.0
             if k.launch_us is not None and k.launch_us > busy_end:
                 host = min(length, k.launch_us - busy_end)
-            gaps.append(Gap(offset_us=busy_end - window.start, length_us=length, host_us=host,
+            # A peer wait lies where nothing ran on the thread, the host's part of a gap.
+            peer = min(host, total(intersect(waits, [Span(busy_end, start)])))
+            gaps.append(Gap(offset_us=busy_end - window.start, length_us=length,
+                            host_us=host - peer, peer_us=peer,
                             before=_label_at(phase_labels, k.start_us) or k.name[:60]))
         busy_end = max(busy_end, min(k.end_us, window.end))
     stream_busy = total(clip(merge([Span(k.start_us, k.end_us) for k in on_stream]), window))
     between = sum(g.length_us for g in gaps)
     host = sum(g.host_us for g in gaps)
+    peer = sum(g.peer_us for g in gaps)
     largest = sorted(gaps, key=lambda g: -g.length_us)[:NUM_LARGEST]
     return IdleReport(stream=stream, idle_us=window.length - stream_busy, host_us=host,
-                      wait_us=between - host, edges_us=window.length - stream_busy - between,
+                      peer_us=peer, wait_us=between - host - peer,
+                      edges_us=window.length - stream_busy - between,
                       num_gaps=len(gaps), largest=largest)
 
 

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from traces.alignment import CaptureWindows
 from traces.classify import ClassifyConfig
 from traces.idle import IdleReport
 from traces.intervals import Span
@@ -65,6 +66,9 @@ class DeviceReport:
     """``device`` (device-side labels), ``cpu`` (CPU-side labels) or ``none``."""
     exposed_comm: list[Span]
     """Where comm ran with no compute beside it (for the timeline)."""
+    peer_waits: list[Span]
+    """Where the step's thread was blocked on a collective until it completed, idle or
+    inside the collective's op: waiting for a peer (CPU traces; `traces.waits`)."""
     idle: IdleReport | None
     """The compute stream's idle time by cause (`traces.idle`); None without compute."""
 
@@ -79,6 +83,7 @@ class DeviceReport:
             "comm_exposed_us": r(self.comm_exposed_us),
             "overlap_fraction": round(self.overlap_fraction, 4),
             "copy_us": r(self.copy_us),
+            "peer_wait_us": r(sum(s.length for s in self.peer_waits)),
             "num_kernels": self.num_kernels,
             "window_source": self.window_source,
             "window_us": [r(self.window.start), r(self.window.end)],
@@ -102,6 +107,13 @@ class Report:
     devices: dict[int, DeviceReport]
     notes: list[str]
     config: AnalyzeConfig
+    windows: CaptureWindows | None = None
+    """The devices' windows and whether they agree (`traces.alignment`); None for one device."""
+
+    @property
+    def misaligned(self) -> bool:
+        """The devices' windows disagree: the overlap figures count a wait for a late rank."""
+        return self.windows is not None and not self.windows.aligned
 
     def to_json(self) -> dict[str, Any]:
         """The machine-readable report (the CLI's final JSON line)."""
@@ -109,6 +121,7 @@ class Report:
             "source": self.source,
             "num_devices": len(self.devices),
             "devices": {str(d): rep.to_json() for d, rep in sorted(self.devices.items())},
+            "capture_windows": None if self.windows is None else self.windows.to_json(),
             "notes": list(self.notes),
         }
 
@@ -128,6 +141,8 @@ class Report:
                 f"{rep.comm_overlapped_us:>12.1f} {rep.comm_exposed_us:>12.1f} "
                 f"{rep.overlap_fraction:>8.1%} {rep.num_kernels:>8}"
             )
+        if self.windows is not None:
+            lines += ["", "capture windows (from the earliest start):", *self.windows.format_lines()]
         for d, rep in sorted(self.devices.items()):
             lines.append(f"\ndevice {d}  (window from {rep.window_source})")
             for s, st in sorted(rep.streams.items()):
@@ -140,6 +155,10 @@ class Report:
                 for ub, ph in sorted(rep.phases.items()):
                     cells = "  ".join(f"{p}={t:.1f}" for p, t in sorted(ph.items()))
                     lines.append(f"    {ub}: {cells}")
+            if rep.peer_waits:
+                lines.append(f"  waited for a peer {sum(s.length for s in rep.peer_waits):.1f} us "
+                             f"({len(rep.peer_waits)} waits: blocked on a collective until it "
+                             f"completed, idle or inside its op)")
             if rep.idle is not None:
                 lines += rep.idle.format_lines()
         return "\n".join(lines)

@@ -1,7 +1,11 @@
 """Draw a trace as a timeline PNG: one row per (device, stream), coloured by ubatch.
 
 Time runs from the start of the step (the analyzer's window: the step labels, else the
-first kernel), in ms or us. Per device (``GPU 0``, or ``CPU pid N`` for a trace of CPU
+first kernel), in ms or us. The picture shows the step's active part of that window
+(``active_view``): idle time before the first kernel and after the last one is cropped,
+and so is a wait for a peer before the ubatches' first phase (a rank that entered the
+step early waits in its first collective, the vote) or after their last one; the title
+says what was cropped. Per device (``GPU 0``, or ``CPU pid N`` for a trace of CPU
 ops), top to bottom: one phase row per ubatch, a red row where comm is exposed (no
 compute running beside it), then one row per stream (a thread, for CPU ops) named by its
 role: what it mostly ran (compute, comm) and for which ubatches. CPU-side labels on a GPU
@@ -15,7 +19,9 @@ solid part when it fits inside the phase's extent without overlapping a name alr
 written on the row.
 
 Kernels are coloured by the ubatch whose label encloses them (grey when unknown); comm
-kernels are hatched and outlined; copies are pale. Spans narrower than about a pixel are
+kernels are hatched and outlined; copies are pale. On a CPU trace, where the step's
+thread sat blocked on a collective until it completed (`traces.waits`), its row shows a
+grey cross-hatched "waiting for a peer" bar: neither compute nor comm. Spans narrower than about a pixel are
 widened to one pixel so they stay visible.
 
 Needs matplotlib (``pip install dbo-runtime[plot]``). Uses the Agg canvas directly, so it
@@ -37,14 +43,18 @@ from pathlib import Path
 from typing import Any
 
 from traces.active import RUN_PHASE, phase_pieces
+from traces.alignment import format_us
 from traces.classify import Classifier, Kind, kernel_ubatches
-from traces.intervals import Span, merge, subtract
+from traces.intervals import Span, clip, merge, subtract, total
 from traces.model import Label, Trace
 from traces.report import Report
 
 UBATCH_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")
 UNKNOWN_COLOR = "#9e9e9e"
 EXPOSED_COLOR = "#d62728"
+PEER_WAIT_COLOR = "#bdbdbd"
+CROP_NOTE_SHARE = 0.01
+"""The title names a crop that removes at least this share of the windows."""
 MAX_PHASE_TEXTS = 300
 ROLE_MIN_SHARE = 0.05
 """A stream is named for a kind of work (compute, comm) that fills this share of its busy time."""
@@ -133,6 +143,83 @@ def phase_bars(labels: list[Label]) -> list[PhaseBar]:
     return bars
 
 
+@dataclass(frozen=True, kw_only=True)
+class ActiveView:
+    """The part of the devices' windows a timeline shows, and what it left out (us)."""
+
+    view: Span
+    windows: Span
+    """From the earliest window start to the latest window end."""
+    peer_wait_us: float
+    """Of the cropped time, the waits for a peer (before the first phase, after the last)."""
+
+    @property
+    def cropped_before_us(self) -> float:
+        return self.view.start - self.windows.start
+
+    @property
+    def cropped_after_us(self) -> float:
+        return self.windows.end - self.view.end
+
+    def note(self) -> str | None:
+        """``idle cropped: 119.2 ms before the view, 0 us after it, 115.0 ms of it waiting
+        for a peer; ...``, or None when the crop is under ``CROP_NOTE_SHARE`` of the
+        windows."""
+        cropped = self.cropped_before_us + self.cropped_after_us
+        if cropped < CROP_NOTE_SHARE * self.windows.length:
+            return None
+        waited = (f", {format_us(self.peer_wait_us)} of it waiting for a peer"
+                  if self.peer_wait_us > 0 else "")
+        return (f"idle cropped: {format_us(self.cropped_before_us)} before the view, "
+                f"{format_us(self.cropped_after_us)} after it{waited}; the step's window is "
+                f"{format_us(self.windows.length)}")
+
+
+def _extent(spans: list[Span]) -> Span:
+    """From the first of canonical ``spans`` to the end of the last."""
+    return Span(spans[0].start, spans[-1].end)
+
+
+def _device_view(trace: Trace, report: Report, device: int) -> tuple[Span, list[Span]]:
+    """(the active part of ``device``'s window, the peer waits before and after it)."""
+    dev = report.devices[device]
+    window = dev.window
+    spans = merge(Span(max(k.start_us, window.start), min(k.end_us, window.end))
+                  for k in trace.kernels if k.device == device
+                  and k.end_us > window.start and k.start_us < window.end)
+    if not spans:
+        return window, []
+    labels, _ = _device_phase_labels(trace, device)
+    phases = [lb for lb in labels if lb.end_us > window.start and lb.start_us < window.end]
+    if not phases:  # nothing says where the ubatches' work begins: crop the edges only
+        return _extent(spans), []
+    first = min(lb.start_us for lb in phases)
+    last = max(lb.end_us for lb in phases)
+    lead = [w for w in dev.peer_waits if w.end <= first]
+    trail = [w for w in dev.peer_waits if w.start >= last]
+    after = max((w.end for w in lead), default=window.start)
+    before = min((w.start for w in trail), default=window.end)
+    # The work between the leading and the trailing waits, from its first kernel to its last.
+    inside = [s for s in spans if s.end > after and s.start < before]
+    if not inside:
+        return window, []
+    view = _extent(inside)
+    return Span(max(view.start, after), min(view.end, before)), lead + trail
+
+
+def active_view(trace: Trace, report: Report) -> ActiveView | None:
+    """The span the timeline shows by default: over the devices, from the earliest start of
+    their active parts to the latest end (see the module doc); None without devices."""
+    if not report.devices:
+        return None
+    parts = {d: _device_view(trace, report, d) for d in report.devices}
+    windows = Span(min(r.window.start for r in report.devices.values()),
+                   max(r.window.end for r in report.devices.values()))
+    view = Span(min(v.start for v, _ in parts.values()), max(v.end for v, _ in parts.values()))
+    waits = merge(w for _, ws in parts.values() for w in ws)
+    return ActiveView(view=view, windows=windows, peer_wait_us=total(subtract(waits, [view])))
+
+
 def _is_cpu_device(trace: Trace, device: int) -> bool:
     return all(k.category == "cpu_op" for k in trace.kernels if k.device == device)
 
@@ -177,9 +264,10 @@ def build_timeline(
     """The timeline of ``trace`` as a matplotlib ``Figure`` (Agg canvas attached).
 
     ``report`` (``traces.analyze.analyze(trace)``) supplies the comm patterns, each
-    device's window and its exposed-comm spans. Time 0 is the earliest
-    device window's start. ``view`` is the x range in trace microseconds (default: the
-    windows); narrow it to zoom into one layer of a long trace.
+    device's window, its exposed-comm spans and its waits for a peer. Time 0 is the
+    earliest device window's start. ``view`` is the x range in trace microseconds
+    (default: ``active_view``, the windows' active part); narrow it to zoom into one
+    layer of a long trace.
     """
     Figure, FigureCanvasAgg, Patch = _import_matplotlib()
     classifier = Classifier(report.config.classify)
@@ -193,7 +281,10 @@ def build_timeline(
         from_what = "the step's start" if any("step" in s for s in sources) else "the first kernel"
     else:
         origin, window_end, from_what = 0.0, 1.0, "0"
-    view_start, view_end = (view.start, view.end) if view is not None else (origin, window_end)
+    active = active_view(trace, report) if view is None else None
+    if view is None:
+        view = active.view if active is not None else Span(origin, window_end)
+    view_start, view_end = view.start, view.end
     if view_end <= view_start:
         view_end = view_start + 1.0
     scale, unit = (1e-3, "ms") if view_end - view_start > 2000.0 else (1.0, "us")
@@ -267,12 +358,25 @@ def build_timeline(
                 extent = merge(bar.active + bar.paused)
                 texts[row].append((x((widest.start + widest.end) / 2), x(extent[0].start),
                                    x(extent[-1].end), bar.text))
-        spans = _coalesce([(x(s.start), max(s.length * scale, min_width))
-                           for s in report.devices[d].exposed_comm], min_width)
-        if spans:
-            ax.broken_barh(spans, (exposed_row[d] - 0.3, 0.6), facecolors=EXPOSED_COLOR, linewidth=0)
         dev = report.devices[d]
-        ax.text(1.0, exposed_row[d], f"  exposed {dev.comm_exposed_us:.0f} us / comm {dev.comm_us:.0f} us",
+        # A comm op blocked on its peer is drawn as the wait, not as exposed comm.
+        exposed = subtract(dev.exposed_comm, dev.peer_waits)
+        spans = _coalesce([(x(s.start), max(s.length * scale, min_width)) for s in exposed],
+                          min_width)
+        if spans:
+            ax.broken_barh(spans, (exposed_row[d] - 0.3, 0.6), facecolors=EXPOSED_COLOR,
+                           linewidth=0, gid=f"exposed-{exposed_row[d]}")
+        wait_row = None if dev.idle is None else row_of_stream.get((d, dev.idle.stream))
+        if dev.peer_waits and wait_row is not None:
+            ax.broken_barh([(x(s.start), s.length * scale) for s in dev.peer_waits],
+                           (wait_row - 0.38, 0.76), facecolors=PEER_WAIT_COLOR, edgecolors="grey",
+                           hatch="xxx", linewidth=0.4, zorder=3, gid=f"peer-wait-{wait_row}")
+            shown = total(clip(dev.peer_waits, Span(view_start, view_end)))
+            ax.text(1.0, wait_row, f"  waited for a peer {shown:.0f} us",
+                    transform=ax.get_yaxis_transform(), va="center", fontsize=8, color="dimgrey")
+        waited = dev.comm_exposed_us - total(exposed)
+        ax.text(1.0, exposed_row[d], f"  exposed {dev.comm_exposed_us:.0f} us / comm {dev.comm_us:.0f} us"
+                + (f"\n  ({waited:.0f} us of it waiting for a peer)" if waited > 0 else ""),
                 transform=ax.get_yaxis_transform(), va="center", fontsize=8, color=EXPOSED_COLOR)
     for (row, color), spans in hatched.items():
         ax.broken_barh(spans, (row - 0.2, 0.4), facecolors="none", edgecolors=color, hatch="....",
@@ -296,11 +400,17 @@ def build_timeline(
               Patch(facecolor="white", edgecolor="black", hatch="////", label="comm kernel"),
               Patch(facecolor="white", edgecolor="grey", hatch="....", label="phase open, ubatch paused"),
               Patch(facecolor=EXPOSED_COLOR, label="exposed comm")]
+    if any(report.devices[d].peer_waits for d in devices):
+        legend.append(Patch(facecolor=PEER_WAIT_COLOR, edgecolor="grey", hatch="xxx",
+                            label="waiting for a peer (blocked on a collective)"))
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(0.0, 1.0 + 0.9 / height),
               ncol=len(legend), fontsize=8, frameon=False)
     heading = title or Path(trace.source).name
     if not devices:
         heading += " (no devices with kernels)"
+    note = active.note() if active is not None else None
+    if note:
+        heading += f"\n{note}"
     fig.suptitle(heading, fontsize=10, x=0.01, ha="left")
     fig.tight_layout()
     _write_phase_names(ax, canvas.get_renderer(), texts)

@@ -3,8 +3,9 @@ nsys` under `nsys profile`, exported to SQLite), committed under traces/data/, r
 
 The analyzer must reproduce the recorded metrics for both GPUs; the main ones are
 re-derived here from the SQLite tables with a separate, plain method (each rank's kernels
-launched inside its own `step/0` NVTX range, unions by sort-and-sweep); and dbo's NVTX
-ranges must be present for both ubatches and both layers of each rank, each one closed.
+launched inside its own `step/0` NVTX range, unions by sort-and-sweep); dbo's NVTX
+ranges must be present for both ubatches and both layers of each rank, each one closed;
+and the two ranks' capture windows must agree (`traces.alignment`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from traces.alignment import ALIGN_TOLERANCE
 from traces.analyze import analyze
 from traces.readers import read_trace
 from tests.traces.test_committed_traces import union_us
@@ -44,7 +46,10 @@ def nvtx_ranges(db: sqlite3.Connection) -> list[tuple[str, int, int | None, int]
             for text, text_id, start, end, tid in rows if (text or text_id)]
 
 
-def raw_metrics(db: sqlite3.Connection) -> dict[str, dict[str, float]]:
+def raw_kernels(db: sqlite3.Connection) -> tuple[dict[int, list[tuple[int, int, str]]],
+                                                 dict[int, list[int]]]:
+    """Per device: (start ns, end ns, name) of its kernels, and the starts and ends of its
+    kernels, copies and memsets, each launched inside its own rank's `step/0` range."""
     strings = dict(db.execute("SELECT id, value FROM StringIds"))
     steps = {pid: (s, e) for name, s, e, pid in nvtx_ranges(db) if name == "step/0"}
     launches = {(PID(tid), corr): start for start, tid, corr in
@@ -60,6 +65,11 @@ def raw_metrics(db: sqlite3.Connection) -> dict[str, dict[str, float]]:
                 extent[device] += [start, end]
                 if name_id is not None:
                     per_device[device].append((start, end, strings[name_id]))
+    return per_device, extent
+
+
+def raw_metrics(db: sqlite3.Connection) -> dict[str, dict[str, float]]:
+    per_device, extent = raw_kernels(db)
     out = {}
     for device, kernels in per_device.items():
         comm = [(s / 1e3, e / 1e3) for s, e, n in kernels if "nccl" in n.lower()]
@@ -113,3 +123,28 @@ def test_each_rank_has_closed_nvtx_ranges_for_both_ubatches_and_layers(
     # Per rank, the analyzer's phases come from that rank's own ranges only.
     report = analyze(read_trace(TRACE)).to_json()["devices"]
     assert report["0"]["phases"] != report["1"]["phases"]
+
+
+def test_both_ranks_capture_windows_agree(db: sqlite3.Connection) -> None:
+    """The two ranks ran one step together, so their windows (each device's kernels
+    launched inside its rank's step range) cover the same time: rank 1 entered 2.3 ms
+    after rank 0 (this capture had no barrier before the step; rank 0's first collective
+    waited for it), they ended 0.5 ms apart, on 30.5- and 32.3-ms windows. The analyzer
+    must find those windows and call them aligned: within ALIGN_TOLERANCE (a quarter) of
+    the shorter window, which its docstring justifies."""
+    _, extent = raw_kernels(db)
+    raw = {f"device {d}": (min(e) / 1e3, max(e) / 1e3) for d, e in extent.items()}
+    report = analyze(read_trace(TRACE))
+    windows = report.windows
+    assert windows is not None and sorted(windows.windows) == sorted(raw) == ["device 0", "device 1"]
+    for name, (start, end) in raw.items():  # the same windows, to the nanosecond of the export
+        assert (windows.windows[name].start, windows.windows[name].end) == \
+            (pytest.approx(start, abs=1e-3), pytest.approx(end, abs=1e-3))
+    starts = [s for s, _ in raw.values()]
+    ends = [e for _, e in raw.values()]
+    shortest = min(e - s for s, e in raw.values())
+    assert windows.start_spread_us == pytest.approx(max(starts) - min(starts), abs=1e-3)
+    assert windows.end_spread_us == pytest.approx(max(ends) - min(ends), abs=1e-3)
+    assert max(windows.start_spread_us, windows.end_spread_us) <= ALIGN_TOLERANCE * shortest
+    assert windows.aligned and not report.misaligned
+    assert "WARNING" not in report.format_table()

@@ -69,3 +69,18 @@ def test_dbo_on_trace_overlaps_comm_and_off_does_not():
     on = EXPECTED["h200x2_a2a_T4096_dbo-on.json.gz"]
     off = EXPECTED["h200x2_a2a_T4096_dbo-off.json.gz"]
     assert off["comm_overlapped_us"] == 0.0 and on["overlap_fraction"] > 0.5
+
+
+@pytest.mark.parametrize("expected", sorted(DATA.glob("*.json")), ids=lambda p: p.name)
+def test_committed_expectations_name_the_test_that_reads_them(expected: Path) -> None:
+    """Each expectation file's "about" names, by its path in the repository, a test file
+    that exists and reads that expectation file."""
+    import re
+
+    about = json.loads(expected.read_text())["about"]
+    named = re.findall(r"tests/[\w/]+\.py", about)
+    assert named, about
+    root = DATA.parents[1]
+    for path in named:
+        assert (root / path).is_file(), path
+        assert expected.name in (root / path).read_text(), (path, expected.name)
