@@ -1,7 +1,7 @@
-"""Layer 1 (CPU): every rejected input of the README's "Bad input" table, with its error
-text, and the inputs that are accepted (zero tokens, non-contiguous tensors, NaN/Inf
+"""Layer 1 (CPU): every rejected input of the error tables in docs/errors.md, with its
+error text, and the inputs that are accepted (zero tokens, non-contiguous tensors, NaN/Inf
 router logits by default, a forward with gradients on, out-of-range custom routing ids).
-A last test checks the README table and this one agree.
+A last test checks those tables and this file agree.
 
 Rejections that need two processes (capacity overflow, experts not divisible by the EP
 size, a peer's rejected inputs, configurations that differ across ranks) are tested in
@@ -27,7 +27,7 @@ from moe import MoEConfig, MoELayer, init_moe_weights
 from moe.models.transformer import MoETransformer, get_preset
 from tests.hf_utils import rewrite_without, save, tiny_model
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ERRORS_DOC = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 
 
 def layer(**overrides) -> MoELayer:
@@ -128,7 +128,8 @@ def requests_runner() -> DBORunner:
     return DBORunner(lambda x, seq_lens: x, DBOConfig(split="requests", min_prefill_tokens=1))
 
 
-# key: (action raising the error, exception type, error text as in the README table)
+# key: (action raising the error, exception type, error text; docs/errors.md quotes
+# part of that text)
 REJECTED = {
     "wrong dtype": (lambda: call_layer(torch.randn(3, 8, dtype=torch.float64)), ValueError,
                     "x is torch.float64 but MoEConfig.dtype is torch.float32"),
@@ -423,17 +424,38 @@ def test_out_of_range_custom_routing_ids_are_dropped():
     assert torch.equal(out, torch.zeros(3, 8))
 
 
-def test_readme_table_lists_exactly_these_errors():
-    text = README.read_text()
-    section = text.split("## Bad input", 1)[1].split("\n## ", 1)[0]
-    rows = [r for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
-    documented = {}
-    for row in rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        documented[cells[0]] = cells
-    rejected_rows = {k: v for k, v in documented.items() if v[1] not in ("accepted", "—")}
-    tested = {**REJECTED, **HF_REJECTED}
-    assert set(rejected_rows) >= set(tested), set(tested) - set(rejected_rows)
-    for key, (_, exc_type, message) in tested.items():
-        assert rejected_rows[key][1] == f"`{exc_type.__name__}`", key
-        assert message in re.sub(r"^`|`$", "", rejected_rows[key][2]), key
+def documented_errors() -> list[tuple[str, str, str]]:
+    """(what you did, exception or "exit 2" or "accepted", quoted excerpt) of every row of
+    docs/errors.md's tables ("what you did | what you get | fix"): "what you get" is
+    `Exception`: `excerpt`, exit 2: `excerpt`, or accepted: ..."""
+    rows = []
+    for line in ERRORS_DOC.read_text().splitlines():
+        if not line.startswith("| ") or line.startswith("| what you did") or "---" in line:
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        assert len(cells) == 3, f"docs/errors.md: not a 3-cell row: {line}"
+        spans = re.findall(r"`([^`]+)`", cells[1])
+        if cells[1].startswith("accepted"):
+            rows.append((cells[0], "accepted", ""))
+        elif cells[1].startswith("exit 2: ") and spans:
+            rows.append((cells[0], "exit 2", spans[0]))
+        else:
+            assert len(spans) >= 2 and cells[1].startswith(f"`{spans[0]}`: "), (
+                f"docs/errors.md: 'what you get' is not `Exception`: `excerpt`: {line}")
+            rows.append((cells[0], spans[0], spans[1]))
+    return rows
+
+
+def test_errors_doc_quotes_every_error_tested_here():
+    """Each case here has a row naming its exception and quoting part of its text (at
+    least 20 characters of it, so the quote identifies the error); every row quotes an
+    excerpt of a real error, of a known exception type."""
+    rows = documented_errors()
+    assert len(rows) >= len(REJECTED) + len(HF_REJECTED)
+    known = {"accepted", "exit 2", "ValueError", "TypeError", "RuntimeError", "ImportError",
+             "PeerInputError", "ConfigMismatchError"}
+    assert {kind for _, kind, _ in rows} <= known, {kind for _, kind, _ in rows} - known
+    for key, (_, exc_type, message) in {**REJECTED, **HF_REJECTED}.items():
+        quoting = [did for did, kind, excerpt in rows
+                   if kind == exc_type.__name__ and len(excerpt) >= 20 and excerpt in message]
+        assert quoting, f"docs/errors.md has no {exc_type.__name__} row quoting: {message}"

@@ -1,8 +1,10 @@
-"""Layer 2 (CPU, subprocesses): every fenced Python block of README.md runs as written.
+"""Layer 2 (CPU, subprocesses): every fenced Python block of README.md and docs/*.md runs
+as written.
 
-Each block is written to its own file and run with a fresh interpreter from the
+Each ```python block is written to its own file and run with a fresh interpreter from the
 repository root, as a reader who copies it would run it; a block that spawns ranks does
-so itself. A block fails the test if it exits non-zero or prints a traceback.
+so itself. A block fails the test if it exits non-zero or prints a traceback. Snippets
+that are not meant to run on their own are fenced without a language.
 """
 from __future__ import annotations
 
@@ -15,28 +17,37 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
-def python_blocks() -> list[str]:
-    return FENCE.findall(README.read_text())
+def python_blocks() -> list[tuple[str, str]]:
+    """(where, code) of every ```python block, in document order."""
+    return [(f"{doc.name}[{i}]", code) for doc in DOCS
+            for i, code in enumerate(FENCE.findall(doc.read_text()))]
 
 
-def test_readme_has_python_examples() -> None:
-    assert len(python_blocks()) >= 2, "the README shows a one-process and a two-rank example"
+def test_readme_has_a_python_example() -> None:
+    assert any(where.startswith("README.md") for where, _ in python_blocks()), \
+        "the README's quick start is a Python example"
+
+
+def test_docs_show_one_process_two_rank_and_hf_examples() -> None:
+    code = "\n".join(c for _, c in python_blocks())
+    assert "mp.spawn" in code and "moe.hf.convert" in code and "DBORunner" in code
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("index", range(len(python_blocks())))
-def test_readme_example_runs(index: int, tmp_path: Path) -> None:
-    code = python_blocks()[index]
-    script = tmp_path / f"readme_example_{index}.py"
+@pytest.mark.parametrize("index", range(len(python_blocks())),
+                         ids=[where for where, _ in python_blocks()])
+def test_doc_example_runs(index: int, tmp_path: Path) -> None:
+    where, code = python_blocks()[index]
+    script = tmp_path / f"doc_example_{index}.py"
     script.write_text(code)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"README example {index} failed:\n{code}\n---\n{output}"
+    assert proc.returncode == 0, f"{where} failed:\n{code}\n---\n{output}"
     assert "Traceback" not in output, output
