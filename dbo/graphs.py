@@ -32,7 +32,7 @@ capture with a RuntimeError saying so.
 
 Measured on 2x H200 (scale-out emulated, layer mode, DeepSeek-V3 shapes, a2a_ll; `dbo
 bench` with and without `--cuda-graph` on one machine, twice at 1024 and 4096 tokens;
-BENCHMARKS.md section 3): at 1024 tokens per rank the DBO step took 14.6-14.9
+BENCHMARKS.md section 6): at 1024 tokens per rank the DBO step took 14.6-14.9
 ms eagerly against 15.3 ms without DBO (1.03-1.05x), and 13.8-13.9 ms as a graph against
 15.1 ms (1.08-1.09x). At 4096 and 8192 tokens the graph made the DBO step 0.1-0.4 ms
 faster.

@@ -14,7 +14,7 @@ k-sum launch, each with the compiled-handle launches of `moe.kernels.launch` on 
 and off ("triton", Triton's own `kernel[grid](...)` and autotuner). Medians over `--reps`
 calls after a warmup that compiles and autotunes. The two modes alternate, step by step,
 in `--rounds` rounds, and each figure is the median of its rounds: host time on the GPU
-machines moved 2x between back-to-back runs (BENCHMARKS.md section 5), so the
+machines moved 2x between back-to-back runs (BENCHMARKS.md section 2), so the
 two modes must see the same host load. Progress on stderr, a table on stdout, then one
 JSON line (`host_us`, and each round's figures in `rounds_us`). Without CUDA it exits 2
 (unless --device cpu).

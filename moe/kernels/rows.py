@@ -16,7 +16,7 @@ Sums accumulate in fp32, w in order, and round once to the rows' dtype. On CUDA 
 call is one Triton kernel that reads each source row once and writes each output row
 once. The torch versions (CPU, and the reference in tests) give the same results with a
 few torch ops. What the kernels replaced on the GPU, per layer at 4096 tokens on 2x H200
-(profiler trace, BENCHMARKS.md section 3): `a2a_ll`'s index_put_ of uint8 rows
+(a profiler trace, 2026-11): `a2a_ll`'s index_put_ of uint8 rows
 and a cumulative sum down a [T, W] column, 0.9 ms per dispatch; the combines' fp32
 index_add_ or gather, convert and sum, 0.6 ms (`a2a`) and 0.4 ms (`a2a_ll`).
 

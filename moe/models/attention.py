@@ -50,7 +50,7 @@ def causal_attention(q_TND: Tensor, k_TND: Tensor, v_TND: Tensor,
     Not torch's varlen attention (`torch.nn.attention.varlen`, FlashAttention-2 in torch
     2.11): on an H200 at DeepSeek-V3 head shapes and 8 requests it was faster at 2048
     tokens (0.29 against 0.43 ms) but slower at 4096 and 8192 (0.63 / 1.97 against 0.57 /
-    1.29 ms) than SDPA's cuDNN kernel (BENCHMARKS.md section 3).
+    1.29 ms) than SDPA's cuDNN kernel (measured 2026-11).
     """
     num_tokens = q_TND.shape[0]
     by_length: dict[int, list[int]] = {}
@@ -98,7 +98,7 @@ def _sdpa(q_BLND: Tensor, k_BLND: Tensor, v_BLND: Tensor) -> Tensor:
     deepseek-v3-like shapes (128 query heads, 8 kv heads of 128) that ran the same cuDNN
     kernel, gave the same bits, and took 0.18 / 0.50 / 0.98 ms against 0.46 / 0.77 /
     1.19 ms with the kv heads repeated first, at 8 x 512 / 2 x 2048 / 1 x 4096 tokens
-    (BENCHMARKS.md section 3)."""
+    (measured 2026-11)."""
     o_BNLD = F.scaled_dot_product_attention(q_BLND.transpose(1, 2), k_BLND.transpose(1, 2),
                                             v_BLND.transpose(1, 2), is_causal=True,
                                             enable_gqa=k_BLND.shape[2] != q_BLND.shape[2])

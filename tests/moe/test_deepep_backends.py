@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                        reason="needs 2 GPUs"),
     pytest.mark.skipif(importlib.util.find_spec("deep_ep") is None,
-                       reason="needs DeepEP (deep_ep); see ../shared/deepep/README.md"),
+                       reason="needs DeepEP (deep_ep); see docs/backends.md"),
 ]
 
 REL_TOL = 4e-2
