@@ -127,8 +127,8 @@ class MoETransformer(nn.Module):
         """The MoE layers in layer order (layers num_dense_layers .. num_layers - 1)."""
         return [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoELayer)]
 
-    def forward(self, input_ids_T: Tensor, positions_T: Tensor, *, seq_lens: SeqLens,
-                cache: Optional[KVCache] = None) -> Tensor:
+    def forward(self, input_ids_T: Tensor, positions_T: Tensor, *,
+                seq_lens: Optional[SeqLens] = None, cache: Optional[KVCache] = None) -> Tensor:
         """Logits [T, V] in config.dtype for T packed tokens.
 
         Args:
@@ -136,7 +136,8 @@ class MoETransformer(nn.Module):
             positions_T: [T] integer positions (0.. within each request, or where the
                 request's slice starts when a request is split over calls).
             seq_lens: tokens per request, in order, summing to T (list, tuple or 1-D
-                tensor; a tensor costs a host copy).
+                tensor; a tensor costs a host copy). Required: its default None only
+                lets a call without it fail with a TypeError that says how to pass it.
             cache: the requests' KV cache (`moe.models.kv_cache.KVCache`, one request per
                 entry of seq_lens): the tokens are appended to it and attend over it;
                 positions_T must then continue each request (`cache.next_positions()`
@@ -164,7 +165,8 @@ class MoETransformer(nn.Module):
         return False
 
     def dbo_check_inputs(self, input_ids_T: Tensor, positions_T: Tensor, *,
-                         seq_lens: SeqLens, cache: Optional[KVCache] = None) -> None:
+                         seq_lens: Optional[SeqLens] = None,
+                         cache: Optional[KVCache] = None) -> None:
         """The checks of `forward` alone, for the DBO runner to run before its vote: a
         rank whose inputs fail them stops every rank there (`dbo.agreement`), instead of
         leaving its peers waiting in the first MoE layer's dispatch."""
@@ -207,8 +209,9 @@ class MoETransformer(nn.Module):
                 param.normal_(0.0, param.shape[-1] ** -0.5,
                               generator=gen.manual_seed(_mix(seed, tag)))
 
-    def _check_inputs(self, input_ids_T: Tensor, positions_T: Tensor, seq_lens: SeqLens,
-                      cache: Optional[KVCache] = None) -> list[int]:
+    def _check_inputs(self, input_ids_T: Tensor, positions_T: Tensor,
+                      seq_lens: Optional[SeqLens], cache: Optional[KVCache] = None
+                      ) -> list[int]:
         """Validate the call's inputs; return seq_lens as a list of ints."""
         for name, t in (("input_ids_T", input_ids_T), ("positions_T", positions_T)):
             if not isinstance(t, Tensor) or t.dim() != 1 or t.is_floating_point():
@@ -222,6 +225,12 @@ class MoETransformer(nn.Module):
             raise ValueError(f"MoETransformer.forward: input_ids_T has {input_ids_T.shape[0]} "
                              f"tokens but positions_T has {positions_T.shape[0]}: pass one "
                              f"position per token.")
+        if seq_lens is None:
+            num_tokens = input_ids_T.shape[0]
+            raise TypeError(f"MoETransformer.forward needs the keyword seq_lens=, the tokens "
+                            f"per request in order, summing to T={num_tokens}: pass e.g. "
+                            f"seq_lens=[{num_tokens}] for one request of all {num_tokens} "
+                            f"tokens (make_batch gives batch.seq_lens).")
         if isinstance(seq_lens, Tensor):
             seq_lens = seq_lens.tolist()
         lens = list(seq_lens)

@@ -390,3 +390,25 @@ def test_bad_input_errors(model: DenseModel) -> None:
         DBORunner(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="config must be a DBOConfig"):
         DBORunner(model, {"split": "tokens"})  # type: ignore[arg-type]
+
+
+def test_a_call_the_model_s_input_check_does_not_take_raises_one_clear_error() -> None:
+    class Checked(nn.Module):
+        def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+            return x * mask
+
+        def dbo_check_inputs(self, x: torch.Tensor, *, mask: torch.Tensor) -> None:
+            if mask.dtype != torch.bool:
+                raise TypeError(f"mask must be bool, got {mask.dtype}")
+
+    runner = DBORunner(Checked(), DBOConfig(**NO_THRESHOLD))
+    with pytest.raises(TypeError) as info:
+        runner(torch.ones(4, 2))
+    assert str(info.value).startswith(
+        "Checked does not take this call's arguments: missing a required argument: 'mask' "
+        "(got 1 positional and the keywords [])")
+    # One process, no group: no note about one, and no chained hook error.
+    assert not getattr(info.value, "__notes__", []) and info.value.__cause__ is None
+    assert info.value.__context__ is None
+    with pytest.raises(TypeError, match="mask must be bool, got torch.float32"):
+        runner(torch.ones(4, 2), mask=torch.ones(4, 1))  # the hook's own TypeError

@@ -244,6 +244,38 @@ def test_bad_inputs_name_the_problem():
             model(*args, **kwargs)
 
 
+# ------------------------------------------------------- a new user's first calls
+def test_a_call_without_seq_lens_says_how_to_pass_them():
+    model = tiny_model()
+    ids, pos = torch.zeros(6, dtype=torch.int64), torch.arange(6)
+    for call in (model, DBORunner(model), DBORunner(model, DBOConfig(split="requests"))):
+        with pytest.raises(TypeError) as info, torch.no_grad():
+            call(ids, pos)
+        assert str(info.value) == (
+            "MoETransformer.forward needs the keyword seq_lens=, the tokens per request in "
+            "order, summing to T=6: pass e.g. seq_lens=[6] for one request of all 6 tokens "
+            "(make_batch gives batch.seq_lens).")
+        # One process: nothing about a process group, which there is none of.
+        assert not getattr(info.value, "__notes__", []), info.value.__notes__
+
+
+@pytest.mark.parametrize("backend", ["a2a", "a2a_ll", "naive"])
+def test_a_communicating_backend_without_a_process_group_says_to_make_one(backend):
+    assert not dist.is_initialized()
+    model = tiny_model(backend=backend, max_tokens_per_rank=64)
+    batch = make_batch(model.config, num_tokens=16, num_requests=2, seed=0, device="cpu")
+    for call in (model, DBORunner(model)):
+        with pytest.raises(ValueError) as info, torch.no_grad():
+            call(batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
+        assert str(info.value) == (
+            f"backend {backend!r} exchanges tokens between ranks through torch.distributed, "
+            f"but no process group is initialized: call torch.distributed."
+            f"init_process_group(...) on every rank and build the model with the EP group "
+            f"(group=...), or use backend 'local' for one process")
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "process group" not in notes, notes  # no "re-create" it, no "intact"
+
+
 # -------------------------------------------------------------- presets, config
 def test_get_preset_errors_list_the_valid_names():
     with pytest.raises(ValueError, match="tiny") as info:
