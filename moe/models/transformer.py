@@ -4,7 +4,7 @@
     model = MoETransformer(cfg, group=ep_group, device="cuda")
     model.init_weights(seed=0)
     batch = make_batch(cfg, num_tokens=4096, num_requests=8, seed=0, device="cuda")
-    logits_TV = DBORunner(model, DBOConfig(split="requests"), group=ep_group)(
+    logits_TV = DBORunner(model, group=ep_group)(   # split="requests": dbo_split_mode
         batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
 
 Shape legend: T tokens of the call (all requests packed back to back), H hidden,
@@ -17,7 +17,8 @@ never crosses requests; rotary positions come from `positions_T`, so a request s
 across calls keeps its positions. Without `cache=` a call attends only over the tokens
 it is given; with a `KVCache` (`moe.models.kv_cache`: a prefill, then decode steps of one
 token per request) each request's new tokens also attend over its cached ones and are
-appended to them. The DBO runner never cuts a request across its ubatches
+appended to them. The DBO runner splits its calls by requests (`dbo_split_mode`, what
+`DBOConfig(split=None)` takes) and never cuts a request across its ubatches
 (`dbo_can_split_inside_request`).
 
 Weights are deterministic in the seed and *independent of the EP size*: every rank draws
@@ -156,6 +157,14 @@ class MoETransformer(nn.Module):
         if cache is not None:
             cache.commit(seq_lens)
         return self.lm_head(self.norm(x_TH))
+
+    def dbo_split_mode(self) -> str:
+        """"requests": the DBO runner's split mode for this model's calls under
+        `DBOConfig(split=None)` (`dbo.split_modes`): a step is cut at request boundaries
+        of its `seq_lens`, each ubatch getting its own. (A call with `cache=` needs
+        `moe.models.kv_cache.with_cache_split`, which gives each ubatch its requests'
+        cache.)"""
+        return "requests"
 
     def dbo_can_split_inside_request(self) -> bool:
         """False: a request's tokens must stay in one call (`dbo.split`). Attention runs

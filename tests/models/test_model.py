@@ -245,6 +245,27 @@ def test_bad_inputs_name_the_problem():
 
 
 # ------------------------------------------------------- a new user's first calls
+def test_a_runner_with_the_default_config_splits_the_model_by_requests():
+    """`DBORunner(model)`: the default split mode is the model's ("requests", from
+    `dbo_split_mode`), so each ubatch gets its own seq_lens. ("tokens", the mode the
+    default once was, halved the rows and handed both ubatches every length: a crash.)"""
+    model = tiny_model()
+    batch = make_batch(model.config, num_tokens=64, num_requests=4, seed=5, device="cpu")
+    runner = DBORunner(model)
+    with torch.no_grad():
+        out = runner(batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
+    torch.testing.assert_close(out, logits(model, batch), atol=ATOL, rtol=RTOL)
+    assert "split=None chose 'requests': MoETransformer.dbo_split_mode says so" in \
+        runner.last_decision.reason
+    # Thresholds lowered, so that the step splits.
+    runner = DBORunner(model, DBOConfig(min_prefill_tokens=2, max_imbalance=1.0))
+    with torch.no_grad():
+        out = runner(batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
+    d = runner.last_decision
+    assert d.split and d.ubatches[0].seq_lens == batch.seq_lens[:d.ubatches[0].num_requests]
+    torch.testing.assert_close(out, logits(model, batch), atol=ATOL, rtol=RTOL)
+
+
 def test_a_call_without_seq_lens_says_how_to_pass_them():
     model = tiny_model()
     ids, pos = torch.zeros(6, dtype=torch.int64), torch.arange(6)
