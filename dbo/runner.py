@@ -12,7 +12,11 @@ the model calls `dbo_yield*()` — and merge the outputs (`dbo.merge`). While th
 run, torch's GEMMs leave `DBOConfig.gemm_sm_carveout` SMs to the comm kernels beside them
 (`streams.gemm_carveout`).
 Nothing here assumes MoE: any model whose rows are independent outside its own
-request/sequence works, yields or not.
+request/sequence works, yields or not; but only a model that yields overlaps anything,
+so the first split step whose ubatches never interleaved (neither handed off to the
+other: `UBatchScheduler.last_run_interleaved`, found once per step at no cost per
+yield) is warned about, once per runner (`NoYieldWarning`), and said in that step's
+reason.
 
 Split modes (`DBOConfig.split`): "tokens", "requests" (balanced on `seq_lens=`; a
 request is cut across the ubatches only where the model allows it), "batch" (padded
@@ -75,6 +79,22 @@ DISABLED_REASON = "DBO disabled (DBOConfig.enabled=False)"
 logger = logging.getLogger(__name__)
 
 
+# The words of `NoYieldWarning` (and, the first part, of the step's reason).
+NO_YIELD_NOTE = ("the model never yielded to the other ubatch, so the two ubatches ran one "
+                 "after the other and overlapped nothing")
+NO_YIELD_HELP = ("DBO gains only where the model hands off between its compute and its "
+                 "communication (dbo.dbo_yield* calls): an MoE layer over a backend that "
+                 "communicates ('a2a', 'a2a_ll', 'naive', DeepEP, 'symm_mem') does; one over "
+                 "backend 'local' (one process: nothing to overlap) does not, nor does a "
+                 "model without MoE layers of this package (a plain nn.Module, a "
+                 "transformers model not converted with moe.hf.convert). Run it without DBO "
+                 "(DBOConfig(enabled=False)), or filter NoYieldWarning.")
+
+
+class NoYieldWarning(UserWarning):
+    """A split step's ubatches ran one after the other: the model never yielded."""
+
+
 class DBORunner:
     """Calls `model(*args, **kwargs)`, split into two interleaved ubatches when allowed.
 
@@ -119,6 +139,7 @@ class DBORunner:
         # (model, config, why no request may be cut); raises now for a refused config.
         self._cut_blocker: tuple[Any, Any, Optional[str]] = (None, None, None)
         self._split_hook: tuple[Any, Optional[str]] = (None, None)  # (model, its split mode)
+        self._warned_no_yield = False  # see `_no_yield`
         # Raise now for a model's bad split mode and a refused cut config.
         if config.split == "requests" or (config.split is None
                                           and self._model_split_mode() == "requests"):
@@ -268,6 +289,8 @@ class DBORunner:
             annotate_ubatch_rows(exc, rows if rows is not None else plan.num_tokens,
                                  contiguous=not callable(self.config.split))
             raise
+        if not scheduler.last_run_interleaved and not self._warned_no_yield:
+            self._no_yield()
         if self.config.merge is not None:
             return self.config.merge(outputs)
         return merge_outputs(outputs, rows=rows)
@@ -371,6 +394,18 @@ class DBORunner:
             mode = model_split_mode(self.model)
             self._split_hook = (self.model, mode)
         return mode
+
+    def _no_yield(self) -> None:
+        """The first split step whose ubatches never interleaved (`UBatchScheduler.
+        last_run_interleaved`): say so, once per runner, in a `NoYieldWarning` and in
+        that step's `last_decision.reason`. Later steps cost one test of a flag."""
+        self._warned_no_yield = True
+        if self.last_decision is not None and self.last_decision.split:
+            self.last_decision = dataclasses.replace(
+                self.last_decision, reason=f"{self.last_decision.reason}; {NO_YIELD_NOTE}")
+        warnings.warn(f"DBORunner over {_model_name(self.model)}: {NO_YIELD_NOTE}. "
+                      f"{NO_YIELD_HELP} Warned once per runner", NoYieldWarning,
+                      stacklevel=5)
 
     def _whole_requests(self) -> Optional[str]:
         """Why no request of the model may be cut (`dbo.split.request_cut_blocker`), or

@@ -6,6 +6,7 @@ exactly the unsplit output (torch.equal) in every split mode and batch size.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Optional
 
 import pytest
@@ -487,3 +488,45 @@ def test_a_call_the_model_s_input_check_does_not_take_raises_one_clear_error() -
     assert info.value.__context__ is None
     with pytest.raises(TypeError, match="mask must be bool, got torch.float32"):
         runner(torch.ones(4, 2), mask=torch.ones(4, 1))  # the hook's own TypeError
+
+
+# ------------------------------------------------------ a model that never yields
+def test_a_model_that_never_yields_is_warned_about_once(model: DenseModel) -> None:
+    from dbo.runner import NoYieldWarning
+
+    linear = nn.Linear(HIDDEN, HIDDEN)
+    runner = DBORunner(linear, DBOConfig(**NO_THRESHOLD))
+    x = torch.randn(8, HIDDEN)
+    with pytest.warns(NoYieldWarning, match=r"DBORunner over Linear: the model never yielded "
+                                            r"to the other ubatch.*backend 'local'.*Warned "
+                                            r"once per runner") as caught:
+        runner(x)
+    assert len(caught) == 1
+    assert runner.last_decision.reason.endswith("; the model never yielded to the other "
+                                                "ubatch, so the two ubatches ran one after "
+                                                "the other and overlapped nothing")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would raise here
+        runner(x)
+        assert "never yielded" not in runner.last_decision.reason
+        runner(x[:1])  # unsplit: nothing to say
+        # A model that yields (DenseModel, after each layer) is never warned about.
+        yielding = DBORunner(model, DBOConfig(**NO_THRESHOLD))
+        yielding(x)
+        assert yielding.last_decision.split and "never yielded" not in \
+            yielding.last_decision.reason
+
+
+def test_the_scheduler_says_whether_the_ubatches_interleaved() -> None:
+    from dbo.scheduler import UBatchScheduler
+
+    scheduler = UBatchScheduler("cpu")
+    assert scheduler.last_run_interleaved is None
+    scheduler.run([lambda: 0, lambda: 1])
+    assert scheduler.last_run_interleaved is False
+    scheduler.run([lambda: dbo_yield(), lambda: 1])   # ubatch 0 hands off once
+    assert scheduler.last_run_interleaved is True
+    scheduler.run([lambda: 0, lambda: dbo_yield()])   # ubatch 1's yield comes too late
+    assert scheduler.last_run_interleaved is False
+    scheduler.run([lambda: dbo_yield()])              # one ubatch: nothing to interleave
+    assert scheduler.last_run_interleaved is None

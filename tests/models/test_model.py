@@ -297,6 +297,18 @@ def test_a_communicating_backend_without_a_process_group_says_to_make_one(backen
         assert "process group" not in notes, notes  # no "re-create" it, no "intact"
 
 
+def test_the_local_backend_is_warned_about_as_never_yielding():
+    from dbo.runner import NoYieldWarning
+
+    model = tiny_model(backend="local")
+    batch = make_batch(model.config, num_tokens=32, num_requests=4, seed=0, device="cpu")
+    runner = DBORunner(model, DBO)
+    with pytest.warns(NoYieldWarning, match="over MoETransformer: the model never yielded"), \
+            torch.no_grad():
+        runner(batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
+    assert runner.last_decision.split and "never yielded" in runner.last_decision.reason
+
+
 # -------------------------------------------------------------- presets, config
 def test_get_preset_errors_list_the_valid_names():
     with pytest.raises(ValueError, match="tiny") as info:
@@ -420,6 +432,28 @@ def ep_matches_single_process(rank: int, world_size: int, backend: str) -> dict[
                 err = (got - want).abs().max().item() if got.numel() else 0.0
                 errors[f"{variant}/{step}/dbo={dbo_on}"] = err
     return errors
+
+
+def split_step_warnings(rank: int, world_size: int) -> list[str]:
+    """The warnings of two split DBO steps over a2a (every layer yields at its dispatch)."""
+    import warnings
+
+    model = MoETransformer(get_preset("tiny", backend="a2a"), group=dist.group.WORLD)
+    model.init_weights(seed=0)
+    batch = make_batch(model.config, num_tokens=24, num_requests=3, seed=rank, device="cpu")
+    runner = DBORunner(model, DBO, group=dist.group.WORLD)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for _ in range(2):
+            runner(batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
+            assert runner.last_decision.split
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+@pytest.mark.distributed
+def test_a_model_that_yields_is_not_warned_about():
+    for rank, caught in enumerate(run_distributed(2, split_step_warnings)):
+        assert not [w for w in caught if w.startswith("NoYieldWarning")], (rank, caught)
 
 
 @pytest.mark.distributed
