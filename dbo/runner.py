@@ -70,7 +70,8 @@ from dbo.predicted_overlap import OverlapPredictor, choose_predicted, group_is_d
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, request_cut_blocker
 from dbo.split_args import SplitArgs, SplitArgumentWarning, UBatchArgs, undeclared_warning
-from dbo.split_modes import _first_tensor, auto_split_mode, model_split_mode, split_call
+from dbo.split_modes import (SEQ_LENS_KWARG, _first_tensor, auto_split_mode, model_split_mode,
+                              split_call)
 from dbo.vote import Ballot, Tally, cast_ballot, plan_after_vote
 from dbo.yield_points import dbo_enabled
 from streams.gemm_carveout import gemm_sm_carveout
@@ -139,6 +140,10 @@ class DBORunner:
         # (model, config, why no request may be cut); raises now for a refused config.
         self._cut_blocker: tuple[Any, Any, Optional[str]] = (None, None, None)
         self._split_hook: tuple[Any, Optional[str]] = (None, None)  # (model, its split mode)
+        # split=None: (model, config) and, per "the call has seq_lens=", the mode chosen
+        # and why (`_split_mode`).
+        self._auto_for: tuple[Any, Any] = (None, None)
+        self._auto_modes: dict[bool, tuple[str, str]] = {}
         self._warned_no_yield = False  # see `_no_yield`
         # Raise now for a model's bad split mode and a refused cut config.
         if config.split == "requests" or (config.split is None
@@ -372,13 +377,25 @@ class DBORunner:
 
     def _split_mode(self, kwargs: dict) -> tuple[Any, Optional[str]]:
         """The split mode of this call and, where `DBOConfig(split=None)` chose it, the
-        words for the plan's reason (`dbo.split_modes.auto_split_mode`)."""
+        words for the plan's reason (`dbo.split_modes.auto_split_mode`). The choice
+        depends only on the model, the config and whether the call has `seq_lens=`: it
+        is kept per the last, and made again only when `model` or `config` is replaced."""
         config = self.config
         if config.split is not None:
             return config.split, None
+        if self._auto_for[0] is not self.model or self._auto_for[1] is not config:
+            self._auto_for, self._auto_modes = (self.model, config), {}
+        has_seq_lens = SEQ_LENS_KWARG in kwargs
+        chosen = self._auto_modes.get(has_seq_lens)
+        if chosen is None:
+            chosen = self._auto_modes[has_seq_lens] = self._choose_split_mode(kwargs)
+        return chosen
+
+    def _choose_split_mode(self, kwargs: dict) -> tuple[str, str]:
+        """`_split_mode`'s choice, made afresh."""
         mode, why = auto_split_mode(kwargs, model_mode=self._model_split_mode(),
                                     model_name=_model_name(self.model))
-        if config.split_inside_requests and mode != "requests":
+        if self.config.split_inside_requests and mode != "requests":
             raise ValueError(
                 f"DBOConfig(split_inside_requests=True) cuts requests, but split=None chose "
                 f"{mode!r} for this call ({why}), which has none to cut: pass the tokens "

@@ -436,6 +436,10 @@ def test_default_split_is_requests_for_a_call_with_seq_lens_else_tokens(
     assert d.reason == ("halved 12 independent tokens into 6 + 6 (split=None chose 'tokens': "
                         "DenseModel declares no dbo_split_mode and the call has no seq_lens=)")
     assert runner.agreement_fields()["DBOConfig.split"] == "auto"
+    # The choice is kept per model and config: a replaced model is asked afresh.
+    runner.model = DeclaresRequests()
+    with pytest.raises(TypeError, match=r"split='requests' needs the tokens per request"):
+        runner(torch.randn(12, HIDDEN))
 
 
 def test_explicit_split_modes_ignore_the_model_s_declaration() -> None:
