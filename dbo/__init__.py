@@ -4,7 +4,7 @@ from dbo.config import SPLIT_MODES, DBOConfig
 from dbo.graphs import GraphedRunner
 from dbo.groups import destroy_group, new_group
 from dbo.merge import merge_outputs
-from dbo.runner import DBORunner
+from dbo.runner import DBORunner, NoYieldWarning
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, UBatchSlice, plan_split
 from dbo.split_args import SplitArgumentWarning
@@ -32,6 +32,7 @@ __all__ = [
     "DBOConfig",
     "DBORunner",
     "GraphedRunner",
+    "NoYieldWarning",
     "PeerInputError",
     "SPLIT_MODES",
     "SplitArgumentWarning",

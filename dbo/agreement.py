@@ -37,6 +37,7 @@ any collective of the model: the rejecting rank its own error, the others a
 from __future__ import annotations
 
 import hashlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -186,10 +187,24 @@ class AgreementCache:
 
 
 def check_inputs(model: Any, args: tuple, kwargs: dict) -> None:
-    """Run the model's `dbo_check_inputs(*args, **kwargs)` hook, if it has one."""
+    """Run the model's `dbo_check_inputs(*args, **kwargs)` hook, if it has one.
+
+    A call whose arguments the hook does not take (a missing or unknown argument) raises
+    a TypeError that names the model and the arguments, not the hook's signature."""
     check: Optional[Callable[..., Any]] = getattr(model, CHECK_INPUTS_HOOK, None)
-    if check is not None:
+    if check is None:
+        return
+    try:
         check(*args, **kwargs)
+        return
+    except TypeError:
+        unfit = _unfit_call(check, args, kwargs)
+        if unfit is None:
+            raise  # the hook's own TypeError about the values
+    # Raised outside the handler: one error, not the hook's binding error chained to it.
+    raise TypeError(f"{type(model).__name__} does not take this call's arguments: {unfit} "
+                    f"(got {len(args)} positional and the keywords {sorted(kwargs)}): call "
+                    f"the runner with the arguments of the model's forward")
 
 
 def stop_step(tally: Tally, *, rejected: Optional[BaseException],
@@ -233,6 +248,18 @@ def stop_step(tally: Tally, *, rejected: Optional[BaseException],
 
 
 # ---------------------------------------------------------------------------- helpers
+def _unfit_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[str]:
+    """Why `fn(*args, **kwargs)` cannot bind (e.g. "missing a required argument:
+    'seq_lens'"), or None where it can or `fn` has no signature to read."""
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as exc:
+        return str(exc)
+    except ValueError:  # no signature (a builtin)
+        return None
+    return None
+
+
 def _gather(mine: dict, group: Optional[dist.ProcessGroup]) -> list[dict]:
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [mine]

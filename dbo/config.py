@@ -1,5 +1,6 @@
 """Configuration of a DBO step: whether to split, how to split, how to merge.
 
+    DBORunner(model)                       # split mode: what the model or the call says
     DBORunner(model, DBOConfig(split="requests", min_prefill_tokens=256))
 
 One frozen, keyword-only dataclass; every field has a one-line doc and `__post_init__`
@@ -13,7 +14,8 @@ from typing import Optional, Any, Callable, Union
 # An argument of the model call: its position (int) or its keyword name (str).
 ArgName = Union[int, str]
 
-# The named split modes (see `DBOConfig.split`).
+# The named split modes (see `DBOConfig.split`; None there picks one per call,
+# `dbo.split_modes.auto_split_mode`).
 SPLIT_MODES: tuple[str, ...] = ("tokens", "requests", "batch")
 
 # The overlap policies (see `DBOConfig.overlap`, `dbo.overlap`).
@@ -33,8 +35,8 @@ class DBOConfig:
 
     enabled: bool = True
     """Run steps as two overlapped ubatches when the policy allows; False: call the model as is."""
-    split: Union[str, SplitFn] = "tokens"
-    """Split mode: "tokens" (dim 0 = independent tokens), "requests" (`seq_lens=` kwarg), "batch" (dim 0 = sequences), or a callable."""
+    split: Union[str, SplitFn, None] = None
+    """Split mode: "tokens" (dim 0 = independent tokens), "requests" (`seq_lens=` kwarg), "batch" (dim 0 = sequences), a callable, or None (auto, per call: the model's `dbo_split_mode()`, else "requests" when the call has a `seq_lens=` keyword, else "tokens"; `SplitPlan.reason` says which)."""
     overlap: str = "dbo"
     """Overlap policy per step (`dbo.overlap`): "dbo" splits above the thresholds, else no overlap; "auto" splits above them, else single-batch overlap (shared experts under the dispatch, one ubatch) where the model offers it; "sbo" never splits, always single-batch overlap where offered; "none" never overlaps."""
     num_ubatches: int = 2
@@ -46,7 +48,7 @@ class DBOConfig:
     max_imbalance: float = 0.1
     """Largest |n0 - n1| / total of a "requests" mode split at a request boundary; beyond it a request is cut inside where `split_inside_requests` allows, else the step runs unsplit (1.0: any boundary, never a cut)."""
     split_inside_requests: Optional[bool] = None
-    """"requests" mode: may a request be cut across the two ubatches? None: only where the model's `dbo_can_split_inside_request()` says True (token-wise models, or a per-ubatch KV cache that holds the head); True: the caller says it may (refused for a model that says False); False: never."""
+    """"requests" mode (also as chosen by split=None): may a request be cut across the two ubatches? None: only where the model's `dbo_can_split_inside_request()` says True (token-wise models, or a per-ubatch KV cache that holds the head); True: the caller says it may (refused for a model that says False); False: never."""
     gemm_sm_carveout: Optional[int] = 4
     """SMs that torch's (cuBLAS) GEMMs leave free for the comm kernels while a split step runs (`streams.gemm_carveout`); None or 0: every SM. NCCL runs the scale-out all-to-all on 4 CTAs."""
     merge: Union[MergeFn, None] = None
@@ -64,12 +66,14 @@ class DBOConfig:
             if self.split not in SPLIT_MODES:
                 raise ValueError(
                     f"DBOConfig.split={self.split!r} is not a split mode: use one of "
-                    f"{', '.join(repr(m) for m in SPLIT_MODES)}, or a callable "
+                    f"{', '.join(repr(m) for m in SPLIT_MODES)}, None (the default: the "
+                    f"model's or the call's mode), or a callable "
                     f"split(args, kwargs) -> [(args0, kwargs0), (args1, kwargs1)] | None")
-        elif not callable(self.split):
+        elif self.split is not None and not callable(self.split):
             raise ValueError(
-                f"DBOConfig.split must be one of {', '.join(repr(m) for m in SPLIT_MODES)} "
-                f"or a callable, got a {type(self.split).__name__}: {self.split!r}")
+                f"DBOConfig.split must be one of {', '.join(repr(m) for m in SPLIT_MODES)}, "
+                f"None (the model's or the call's mode) or a callable, got a "
+                f"{type(self.split).__name__}: {self.split!r}")
         if self.overlap not in OVERLAP_MODES:
             raise ValueError(f"DBOConfig.overlap={self.overlap!r} is not an overlap policy: use "
                              f"one of {', '.join(repr(m) for m in OVERLAP_MODES)}")
@@ -95,7 +99,7 @@ class DBOConfig:
                 self.split_inside_requests, bool):
             raise TypeError(f"DBOConfig.split_inside_requests={self.split_inside_requests!r} "
                             f"must be None (the model decides), True or False")
-        if self.split_inside_requests and self.split != "requests":
+        if self.split_inside_requests and self.split not in ("requests", None):
             raise ValueError(
                 f"DBOConfig.split_inside_requests=True cuts the requests of split='requests', "
                 f"but split={getattr(self.split, '__name__', self.split)!r} has none to cut "
@@ -133,6 +137,11 @@ class DBOConfig:
         if self.split == "requests" and "seq_lens" in declared:
             raise ValueError("DBOConfig(split='requests') gives each ubatch its own seq_lens: "
                              "drop 'seq_lens' from unsplit_args / split_kwargs")
+        if self.split is None and "seq_lens" in declared:
+            raise ValueError("DBOConfig(split=None) splits a call with seq_lens= by its "
+                             "requests, each ubatch getting its own seq_lens: drop 'seq_lens' "
+                             "from unsplit_args / split_kwargs, or set split='tokens' if it "
+                             "is a plain argument of independent rows")
 
 
 def _is_int(value: Any) -> bool:

@@ -10,7 +10,8 @@ not the ones the caller passed). The DBORunner then says
 whether this rank had issued any collective of the step: if not, the process group is
 intact and the next step can run; if it had, the ranks' collective sequences may now
 differ (a peer may be blocked in a collective this rank will never join), and the error
-says to re-create the process group.
+says to re-create the process group. Without a process group (torch.distributed not
+initialized: one process) there is no group to speak of, and none of these is said.
 
 The collective count is per thread (a step's greenlets share their thread) and is reset
 by the runner at the start of each step. Tests can also record the names in order
@@ -85,6 +86,8 @@ def annotate_step_failure(exc: BaseException) -> None:
     try:
         exc.dbo_collectives_issued = issued  # type: ignore[attr-defined]
     except (AttributeError, TypeError):
+        return
+    if this_rank() is None:  # no process group: one process, no group to keep or re-create
         return
     if getattr(exc, "dbo_stopped_together", False):
         add_note(exc, "[dbo] every rank of the group stopped this step at its vote, before "

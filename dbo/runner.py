@@ -12,14 +12,20 @@ the model calls `dbo_yield*()` — and merge the outputs (`dbo.merge`). While th
 run, torch's GEMMs leave `DBOConfig.gemm_sm_carveout` SMs to the comm kernels beside them
 (`streams.gemm_carveout`).
 Nothing here assumes MoE: any model whose rows are independent outside its own
-request/sequence works, yields or not.
+request/sequence works, yields or not; but only a model that yields overlaps anything,
+so the first split step whose ubatches never interleaved (neither handed off to the
+other: `UBatchScheduler.last_run_interleaved`, found once per step at no cost per
+yield) is warned about, once per runner (`NoYieldWarning`), and said in that step's
+reason.
 
 Split modes (`DBOConfig.split`): "tokens", "requests" (balanced on `seq_lens=`; a
 request is cut across the ubatches only where the model allows it), "batch" (padded
-sequences) or a callable; which arguments each cuts, and which tensors it refuses or
-warns about (`SplitArgumentWarning`), is `dbo.split_modes`'s. An error raised inside a
-ubatch gets a note naming the rows of the step that ubatch ran, since the shapes in its
-message are the ubatch's.
+sequences), a callable, or None (the default: per call, the mode the model declares
+with `dbo_split_mode`, else "requests" for a call with `seq_lens=`, else "tokens"; the
+reason ends with which and why); which arguments each cuts, and which tensors it
+refuses or warns about (`SplitArgumentWarning`), is `dbo.split_modes`'s. An error raised
+inside a ubatch gets a note naming the rows of the step that ubatch ran, since the
+shapes in its message are the ubatch's.
 
 Every rank of `group` must call the runner on every step (with 0 tokens too), with the
 same config: the vote is a collective. To replay steps as CUDA graphs, wrap the runner in
@@ -45,6 +51,7 @@ calibration does not cover keep the thresholds.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import warnings
 from typing import Any, Callable, Optional
@@ -63,13 +70,30 @@ from dbo.predicted_overlap import OverlapPredictor, choose_predicted, group_is_d
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, request_cut_blocker
 from dbo.split_args import SplitArgs, SplitArgumentWarning, UBatchArgs, undeclared_warning
-from dbo.split_modes import _first_tensor, split_call
+from dbo.split_modes import (SEQ_LENS_KWARG, _first_tensor, auto_split_mode, model_split_mode,
+                              split_call)
 from dbo.vote import Ballot, Tally, cast_ballot, plan_after_vote
 from dbo.yield_points import dbo_enabled
 from streams.gemm_carveout import gemm_sm_carveout
 
 DISABLED_REASON = "DBO disabled (DBOConfig.enabled=False)"
 logger = logging.getLogger(__name__)
+
+
+# The words of `NoYieldWarning` (and, the first part, of the step's reason).
+NO_YIELD_NOTE = ("the model never yielded to the other ubatch, so the two ubatches ran one "
+                 "after the other and overlapped nothing")
+NO_YIELD_HELP = ("DBO gains only where the model hands off between its compute and its "
+                 "communication (dbo.dbo_yield* calls): an MoE layer over a backend that "
+                 "communicates ('a2a', 'a2a_ll', 'naive', DeepEP, 'symm_mem') does; one over "
+                 "backend 'local' (one process: nothing to overlap) does not, nor does a "
+                 "model without MoE layers of this package (a plain nn.Module, a "
+                 "transformers model not converted with moe.hf.convert). Run it without DBO "
+                 "(DBOConfig(enabled=False)), or filter NoYieldWarning.")
+
+
+class NoYieldWarning(UserWarning):
+    """A split step's ubatches ran one after the other: the model never yielded."""
 
 
 class DBORunner:
@@ -115,7 +139,15 @@ class DBORunner:
         self._sbo_blocker: tuple[Any, Optional[str]] = (None, None)  # (model, its reason)
         # (model, config, why no request may be cut); raises now for a refused config.
         self._cut_blocker: tuple[Any, Any, Optional[str]] = (None, None, None)
-        if config.split == "requests":
+        self._split_hook: tuple[Any, Optional[str]] = (None, None)  # (model, its split mode)
+        # split=None: (model, config) and, per "the call has seq_lens=", the mode chosen
+        # and why (`_split_mode`).
+        self._auto_for: tuple[Any, Any] = (None, None)
+        self._auto_modes: dict[bool, tuple[str, str]] = {}
+        self._warned_no_yield = False  # see `_no_yield`
+        # Raise now for a model's bad split mode and a refused cut config.
+        if config.split == "requests" or (config.split is None
+                                          and self._model_split_mode() == "requests"):
             self._whole_requests()
         # Per cuda_graph: a GraphedRunner's steps carry a field of their own.
         self._agreement_caches = {False: AgreementCache(), True: AgreementCache()}
@@ -236,7 +268,7 @@ class DBORunner:
         model's modules add theirs."""
         split = self.config.split
         return {"DBOConfig.enabled": self.config.enabled,
-                "DBOConfig.split": split if isinstance(split, str)
+                "DBOConfig.split": split if isinstance(split, str) else "auto" if split is None
                 else f"callable {getattr(split, '__qualname__', type(split).__name__)}",
                 "DBOConfig.overlap": self.config.overlap, "cuda_graph": cuda_graph}
 
@@ -262,6 +294,8 @@ class DBORunner:
             annotate_ubatch_rows(exc, rows if rows is not None else plan.num_tokens,
                                  contiguous=not callable(self.config.split))
             raise
+        if not scheduler.last_run_interleaved and not self._warned_no_yield:
+            self._no_yield()
         if self.config.merge is not None:
             return self.config.merge(outputs)
         return merge_outputs(outputs, rows=rows)
@@ -331,11 +365,64 @@ class DBORunner:
                     ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
         """The plan the split mode and thresholds give (`dbo.split_modes`; `_plan`
         applies the policy); `thresholds=False`: as if both thresholds were 0."""
-        cut = split_call(args, kwargs, self.config, thresholds=thresholds,
+        mode, why = self._split_mode(kwargs)
+        cut = split_call(args, kwargs, self.config, thresholds=thresholds, mode=mode,
                          whole_requests=self._whole_requests)
         if cut.split_args is not None:
             self._warn_undeclared(cut.split_args)
-        return cut.plan, cut.ubatch_args, cut.rows
+        plan = cut.plan
+        if why is not None:
+            plan = dataclasses.replace(plan, reason=f"{plan.reason} ({why})")
+        return plan, cut.ubatch_args, cut.rows
+
+    def _split_mode(self, kwargs: dict) -> tuple[Any, Optional[str]]:
+        """The split mode of this call and, where `DBOConfig(split=None)` chose it, the
+        words for the plan's reason (`dbo.split_modes.auto_split_mode`). The choice
+        depends only on the model, the config and whether the call has `seq_lens=`: it
+        is kept per the last, and made again only when `model` or `config` is replaced."""
+        config = self.config
+        if config.split is not None:
+            return config.split, None
+        if self._auto_for[0] is not self.model or self._auto_for[1] is not config:
+            self._auto_for, self._auto_modes = (self.model, config), {}
+        has_seq_lens = SEQ_LENS_KWARG in kwargs
+        chosen = self._auto_modes.get(has_seq_lens)
+        if chosen is None:
+            chosen = self._auto_modes[has_seq_lens] = self._choose_split_mode(kwargs)
+        return chosen
+
+    def _choose_split_mode(self, kwargs: dict) -> tuple[str, str]:
+        """`_split_mode`'s choice, made afresh."""
+        mode, why = auto_split_mode(kwargs, model_mode=self._model_split_mode(),
+                                    model_name=_model_name(self.model))
+        if self.config.split_inside_requests and mode != "requests":
+            raise ValueError(
+                f"DBOConfig(split_inside_requests=True) cuts requests, but split=None chose "
+                f"{mode!r} for this call ({why}), which has none to cut: pass the tokens "
+                f"per request as seq_lens=[...] (split='requests'), or drop "
+                f"split_inside_requests")
+        return mode, f"split=None chose {mode!r}: {why}"
+
+    def _model_split_mode(self) -> Optional[str]:
+        """The model's `dbo_split_mode` (`dbo.split_modes.model_split_mode`); looked up
+        again only when `model` is replaced."""
+        model, mode = self._split_hook
+        if model is not self.model:
+            mode = model_split_mode(self.model)
+            self._split_hook = (self.model, mode)
+        return mode
+
+    def _no_yield(self) -> None:
+        """The first split step whose ubatches never interleaved (`UBatchScheduler.
+        last_run_interleaved`): say so, once per runner, in a `NoYieldWarning` and in
+        that step's `last_decision.reason`. Later steps cost one test of a flag."""
+        self._warned_no_yield = True
+        if self.last_decision is not None and self.last_decision.split:
+            self.last_decision = dataclasses.replace(
+                self.last_decision, reason=f"{self.last_decision.reason}; {NO_YIELD_NOTE}")
+        warnings.warn(f"DBORunner over {_model_name(self.model)}: {NO_YIELD_NOTE}. "
+                      f"{NO_YIELD_HELP} Warned once per runner", NoYieldWarning,
+                      stacklevel=5)
 
     def _whole_requests(self) -> Optional[str]:
         """Why no request of the model may be cut (`dbo.split.request_cut_blocker`), or
@@ -352,7 +439,7 @@ class DBORunner:
         for keyword in which.undeclared:
             if keyword not in self._warned_kwargs:
                 self._warned_kwargs.add(keyword)
-                warnings.warn(undeclared_warning(keyword, which, self.config),
+                warnings.warn(undeclared_warning(keyword, which),
                               SplitArgumentWarning, stacklevel=5)
 
     def _scheduler(self, x: Optional[torch.Tensor]) -> UBatchScheduler:
@@ -365,6 +452,13 @@ class DBORunner:
 
 
 # ---------------------------------------------------------------------------- helpers
+def _model_name(model: Any) -> str:
+    """A function's name, else its class's (an nn.Module's, a callable object's)."""
+    if inspect.isfunction(model) or inspect.ismethod(model):
+        return model.__qualname__
+    return type(model).__name__
+
+
 def _bind(model: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[[], Any]:
     def run_ubatch() -> Any:
         return model(*args, **kwargs)

@@ -115,6 +115,8 @@ class UBatchScheduler:
         self._autocast_types = tls.autocast_device_types(self._device_type)
         self._is_cuda = self.device.type == "cuda"
         self._thread_state: Optional[ThreadStateSwitch] = None
+        # Whether the two ubatches of the last run() interleaved (see the property).
+        self._interleaved: Optional[bool] = None
 
     # ----------------------------------------------------------------- public API
     @property
@@ -123,6 +125,16 @@ class UBatchScheduler:
         if self._streams is None:
             raise RuntimeError("no DBO step has run on this scheduler yet")
         return self._streams
+
+    @property
+    def last_run_interleaved(self) -> Optional[bool]:
+        """Whether the ubatches of the last `run` that returned interleaved: one yielded
+        to the other before it finished. False: the first to finish never yielded, so
+        they ran one after the other (the model has no yield point that hands off, or
+        none on this path: nothing overlapped). None: no run of two ubatches yet, or the
+        last run had one. Found once per run, when the first ubatch finishes (no cost
+        per yield)."""
+        return self._interleaved
 
     @property
     def num_ubatches(self) -> int:
@@ -145,6 +157,7 @@ class UBatchScheduler:
         if len(ubatches) == 2:
             ubatches[0].yield_to, ubatches[1].yield_to = ubatches[1], ubatches[0]
         running_step.scheduler = self
+        self._interleaved = None
         try:
             self._loop()
             return [ub.result for ub in self._ubatches]
@@ -250,6 +263,8 @@ class UBatchScheduler:
             remaining = self.other(finished)
             if remaining is None or remaining.done:
                 return
+            # The first to finish: the other has run only if this one yielded to it.
+            self._interleaved = bool(remaining.glet)
             remaining.yield_to = None  # its yields are no-ops from now on
             self._drain_orphaned_hooks(remaining, finished)
             target = remaining

@@ -1,6 +1,6 @@
 """Which arguments of a step a named split mode cuts (pure functions, no torch.distributed).
 
-    which = find_split_args(args, kwargs, config)           # refuses ambiguous tensors
+    which = find_split_args(args, kwargs, config, "tokens") # refuses ambiguous tensors
     args0, kwargs0 = slice_args(args, kwargs, which, 0, 32) # rows [0, 32) of each
 
 The step's rows are dim 0 of its first tensor argument that is not declared whole
@@ -36,6 +36,8 @@ class SplitArgumentWarning(UserWarning):
 class SplitArgs:
     """The arguments of one step that are cut along dim 0, and the step's rows."""
 
+    mode: str
+    """The named split mode that cuts them ("tokens", "requests" or "batch")."""
     rows: int
     """Dim 0 of the row-major arguments (tokens, or sequences in "batch" mode)."""
     row_shape: tuple[int, ...]
@@ -49,13 +51,13 @@ class SplitArgs:
     that gave the rows (warned about)."""
 
 
-def find_split_args(args: tuple, kwargs: dict, config: DBOConfig) -> SplitArgs:
-    """Sort the step's top-level tensor arguments into split and whole (see module doc).
+def find_split_args(args: tuple, kwargs: dict, config: DBOConfig, mode: str) -> SplitArgs:
+    """Sort the step's top-level tensor arguments into split and whole (see module doc)
+    for the named split `mode` (`config.split`, or the one `split=None` chose).
 
     Raises TypeError when no tensor gives the rows, ValueError for a tensor whose dim 0
     is not the step's rows and that is not declared whole.
     """
-    mode = config.split
     whole = set(config.unsplit_args)
     named = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
     source = next(((key, v) for key, v in named
@@ -90,13 +92,14 @@ def find_split_args(args: tuple, kwargs: dict, config: DBOConfig) -> SplitArgs:
             keywords.add(key)
             if key not in config.split_kwargs and key != source[0]:  # the rows' own source
                 undeclared.append(key)
-    return SplitArgs(rows=rows, row_shape=tuple(x.shape), positions=frozenset(positions),
-                     keywords=frozenset(keywords), undeclared=tuple(undeclared))
+    return SplitArgs(mode=mode, rows=rows, row_shape=tuple(x.shape),
+                     positions=frozenset(positions), keywords=frozenset(keywords),
+                     undeclared=tuple(undeclared))
 
 
-def undeclared_warning(keyword: str, which: SplitArgs, config: DBOConfig) -> str:
+def undeclared_warning(keyword: str, which: SplitArgs) -> str:
     """The text of the one-time warning about a split keyword tensor."""
-    return (f"DBORunner(split={config.split!r}) splits the keyword tensor {keyword}= along "
+    return (f"DBORunner(split={which.mode!r}) splits the keyword tensor {keyword}= along "
             f"dim 0, because its dim 0 equals the step's {which.rows} rows: if it is "
             f"row-major, say so with DBOConfig(split_kwargs=({keyword!r},)); if both ubatches "
             f"need it whole, DBOConfig(unsplit_args=({keyword!r},)). Warned once per runner")

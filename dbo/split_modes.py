@@ -4,6 +4,14 @@ and, when it splits, each ubatch's arguments. `DBORunner` applies the policy aro
 
     cut = split_call(args, kwargs, config, whole_requests=lambda: None)
     cut.plan.split, cut.ubatch_args, cut.rows       # rows per ubatch, for `merge_outputs`
+    mode, why = auto_split_mode(kwargs, model_mode=model_split_mode(model),
+                                model_name=type(model).__name__)   # DBOConfig(split=None)
+
+`DBOConfig(split=None)` (the default) picks a named mode per call (`auto_split_mode`):
+the one the model declares with a `dbo_split_mode()` method (or attribute; looked up on
+the model itself, like `dbo_can_split_inside_request`), else "requests" when the call
+has a `seq_lens=` keyword, else "tokens". The runner says which, and why, in the plan's
+reason.
 
 Only top-level arguments are split; the others are passed to both ubatches unchanged:
 - "tokens": dim 0 of the first tensor argument (not declared whole) is the step's
@@ -37,13 +45,16 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from dbo.config import DBOConfig
+from dbo.config import SPLIT_MODES, DBOConfig
 from dbo.split import SplitPlan, UBatchSlice, plan_split, plan_token_split
 from dbo.split_args import SplitArgs, UBatchArgs, find_split_args, slice_args
 
-__all__ = ["SEQ_LENS_KWARG", "CallSplit", "split_call"]
+__all__ = ["SEQ_LENS_KWARG", "SPLIT_MODE_HOOK", "CallSplit", "auto_split_mode",
+           "model_split_mode", "split_call"]
 
 SEQ_LENS_KWARG = "seq_lens"
+# The model's method (or attribute) naming the split mode that `DBOConfig(split=None)` takes.
+SPLIT_MODE_HOOK = "dbo_split_mode"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,22 +73,56 @@ class CallSplit:
     about (`SplitArgumentWarning`)."""
 
 
-def split_call(args: tuple, kwargs: dict, config: DBOConfig, *,
-               whole_requests: Callable[[], Optional[str]], thresholds: bool = True
-               ) -> CallSplit:
-    """The plan `config.split` and the thresholds give for `model(*args, **kwargs)`.
+def model_split_mode(model: Any) -> Optional[str]:
+    """The named split mode `model` declares (`dbo_split_mode()`, or a `dbo_split_mode`
+    attribute), or None where it declares none. Raises ValueError for anything other
+    than a named mode."""
+    hook = getattr(model, SPLIT_MODE_HOOK, None)
+    if hook is None:
+        return None
+    mode = hook() if callable(hook) else hook
+    if not isinstance(mode, str) or mode not in SPLIT_MODES:
+        raise ValueError(f"{type(model).__name__}.{SPLIT_MODE_HOOK} gives {mode!r}: it must "
+                         f"give one of {', '.join(repr(m) for m in SPLIT_MODES)} (or pass "
+                         f"DBOConfig(split=...) to the runner)")
+    return mode
 
-    `whole_requests()`: why no request may be cut (`dbo.split.request_cut_blocker`) or
-    None, asked only in "requests" mode. `thresholds=False`: as if both thresholds were 0.
+
+def auto_split_mode(kwargs: dict, *, model_mode: Optional[str], model_name: str
+                    ) -> tuple[str, str]:
+    """The named mode `DBOConfig(split=None)` takes for a call with keyword arguments
+    `kwargs`, and why: `model_mode` (the model's `model_split_mode`) where it declares
+    one, else "requests" where the call has `seq_lens=`, else "tokens"."""
+    if model_mode is not None:
+        return model_mode, f"{model_name}.{SPLIT_MODE_HOOK} says so"
+    if SEQ_LENS_KWARG in kwargs:
+        return "requests", f"the call has {SEQ_LENS_KWARG}="
+    return "tokens", (f"{model_name} declares no {SPLIT_MODE_HOOK} and the call has no "
+                      f"{SEQ_LENS_KWARG}=")
+
+
+def split_call(args: tuple, kwargs: dict, config: DBOConfig, *,
+               whole_requests: Callable[[], Optional[str]], thresholds: bool = True,
+               mode: Any = None) -> CallSplit:
+    """The plan the split mode and the thresholds give for `model(*args, **kwargs)`.
+
+    `mode`: the split mode to apply (a named one or a callable); None: `config.split`,
+    where that is None too `auto_split_mode` without a model's say (the runner passes
+    the mode it chose with the model's). `whole_requests()`: why no request may be cut
+    (`dbo.split.request_cut_blocker`) or None, asked only in "requests" mode.
+    `thresholds=False`: as if both thresholds were 0.
     Raises TypeError / ValueError for arguments the mode cannot split (module doc).
     """
     planning = config if thresholds else dataclasses.replace(
         config, min_decode_tokens=0, min_prefill_tokens=0)
-    mode = config.split
+    if mode is None:
+        mode = config.split
+    if mode is None:
+        mode = auto_split_mode(kwargs, model_mode=None, model_name="the model")[0]
     if callable(mode):
         return _split_by_callable(mode, args, kwargs, config)
     if mode == "tokens":
-        which = find_split_args(args, kwargs, config)
+        which = find_split_args(args, kwargs, config, mode)
         plan = plan_token_split(which.rows, planning)
         if not plan.split:
             return CallSplit(plan=plan)
@@ -92,7 +137,7 @@ def split_call(args: tuple, kwargs: dict, config: DBOConfig, *,
                 f"{sorted(kwargs)}. Use split='tokens' for independent tokens")
         seq_lens = kwargs[SEQ_LENS_KWARG]
         rest = {k: v for k, v in kwargs.items() if k != SEQ_LENS_KWARG}
-        which = find_split_args(args, rest, config)
+        which = find_split_args(args, rest, config, mode)
         plan = plan_split(seq_lens, planning, num_tokens=which.rows,
                           whole_requests=whole_requests())
         if not plan.split:
@@ -104,8 +149,8 @@ def split_call(args: tuple, kwargs: dict, config: DBOConfig, *,
             ubatch_args.append((a, {key: k[key] for key in kwargs}))  # keep kwarg order
         return CallSplit(plan=plan, ubatch_args=ubatch_args, rows=plan.num_tokens,
                          split_args=which)
-    assert mode == "batch", mode  # DBOConfig validated it
-    which = find_split_args(args, kwargs, config)
+    assert mode == "batch", mode  # DBOConfig (or model_split_mode) validated it
+    which = find_split_args(args, kwargs, config, mode)
     seq_len = which.row_shape[1] if len(which.row_shape) >= 2 else 1
     plan = plan_split([seq_len] * which.rows, planning, allow_split_inside_request=False)
     if not plan.split:

@@ -37,7 +37,8 @@ from dbo.yield_points import (
     dbo_yield,
     dbo_yield_and_switch_from_compute_to_comm,
 )
-from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize
+from moe.backends.base import (Dispatched, OwnRows, Pending, PrepareFinalize,
+                               check_process_group)
 from moe.backends.counts import CountExchange
 from moe.config import MoEConfig
 from moe.kernels.rows import pack_rows, sum_rows
@@ -97,6 +98,7 @@ class AllToAllBackend(PrepareFinalize):
 
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:
+        check_process_group(self.group, self.name)
         layout = RowLayout(x_TH.shape[1], topk_ids_TK.shape[1], x_TH.dtype)
         mask_TW = destination_mask(topk_ids_TK, self.placement.num_local_experts,
                                    self.world_size)

@@ -46,7 +46,7 @@ from dbo.failures import note_collective
 from dbo.yield_points import (dbo_enabled, dbo_single_batch_overlap, dbo_switch_to_comm_sync,
                               dbo_switch_to_compute_async, dbo_yield)
 from moe.backends.base import (Dispatched, OwnRows, Pending, PrepareFinalize, RunExperts,
-                               check_capacity)
+                               check_capacity, check_process_group)
 from moe.backends.capacity import step_capacity
 from moe.backends.combine_chunks import CombineChunks, plan_combine_chunks
 from moe.config import MoEConfig
@@ -91,6 +91,7 @@ class AllToAllLLBackend(PrepareFinalize):
         in_two_ubatches = dbo_enabled() and not dbo_single_batch_overlap()
         cap = self.ubatch_capacity if in_two_ubatches else self.capacity
         check_capacity(num_tokens, cap, self.name)
+        check_process_group(self.group, self.name)
         cap = step_capacity(cap, ubatch=in_two_ubatches, num_tokens=num_tokens,
                             backend=self.name)
         device = x_TH.device

@@ -233,6 +233,19 @@ class PrepareFinalize(ABC):
         return self.finalize_async(expert_out_RH, dispatched, workspace=workspace).wait()
 
 
+def check_process_group(group: Optional[dist.ProcessGroup], backend: str) -> None:
+    """Raise ValueError where a backend that exchanges tokens through torch.distributed
+    would issue its first collective with no group to issue it on: `group` None and no
+    default process group (`init_process_group` never called). Called before the
+    backend's first collective of a call, after its own checks of the call."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"backend {backend!r} exchanges tokens between ranks through torch.distributed, "
+            f"but no process group is initialized: call torch.distributed."
+            f"init_process_group(...) on every rank and build the model with the EP group "
+            f"(group=...), or use backend 'local' for one process")
+
+
 def check_capacity(num_tokens: int, capacity: int, backend: str) -> None:
     """Raise ValueError when this rank has more tokens than a fixed-capacity backend holds."""
     if num_tokens > capacity:

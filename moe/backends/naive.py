@@ -24,7 +24,8 @@ from dbo.yield_points import (
     dbo_switch_to_compute_async,
     dbo_yield_and_switch_from_compute_to_comm,
 )
-from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
+from moe.backends.base import (Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity,
+                               check_process_group)
 from moe.row_layout import RowLayout
 from moe.workspace import Workspace
 from streams.memory import record_on_current_stream
@@ -74,6 +75,7 @@ class NaiveBackend(PrepareFinalize):
         if capacity is not None:
             check_capacity(num_tokens, capacity, self.name)
             rows_CB = pack(capacity)
+        check_process_group(self.group, self.name)
         dbo_yield_and_switch_from_compute_to_comm()
         if capacity is None:
             count_W = torch.empty(world, dtype=torch.int64, device=device)

@@ -4,7 +4,7 @@
     model = MoETransformer(cfg, group=ep_group, device="cuda")
     model.init_weights(seed=0)
     batch = make_batch(cfg, num_tokens=4096, num_requests=8, seed=0, device="cuda")
-    logits_TV = DBORunner(model, DBOConfig(split="requests"), group=ep_group)(
+    logits_TV = DBORunner(model, group=ep_group)(   # split="requests": dbo_split_mode
         batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
 
 Shape legend: T tokens of the call (all requests packed back to back), H hidden,
@@ -17,7 +17,8 @@ never crosses requests; rotary positions come from `positions_T`, so a request s
 across calls keeps its positions. Without `cache=` a call attends only over the tokens
 it is given; with a `KVCache` (`moe.models.kv_cache`: a prefill, then decode steps of one
 token per request) each request's new tokens also attend over its cached ones and are
-appended to them. The DBO runner never cuts a request across its ubatches
+appended to them. The DBO runner splits its calls by requests (`dbo_split_mode`, what
+`DBOConfig(split=None)` takes) and never cuts a request across its ubatches
 (`dbo_can_split_inside_request`).
 
 Weights are deterministic in the seed and *independent of the EP size*: every rank draws
@@ -127,8 +128,8 @@ class MoETransformer(nn.Module):
         """The MoE layers in layer order (layers num_dense_layers .. num_layers - 1)."""
         return [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoELayer)]
 
-    def forward(self, input_ids_T: Tensor, positions_T: Tensor, *, seq_lens: SeqLens,
-                cache: Optional[KVCache] = None) -> Tensor:
+    def forward(self, input_ids_T: Tensor, positions_T: Tensor, *,
+                seq_lens: Optional[SeqLens] = None, cache: Optional[KVCache] = None) -> Tensor:
         """Logits [T, V] in config.dtype for T packed tokens.
 
         Args:
@@ -136,7 +137,8 @@ class MoETransformer(nn.Module):
             positions_T: [T] integer positions (0.. within each request, or where the
                 request's slice starts when a request is split over calls).
             seq_lens: tokens per request, in order, summing to T (list, tuple or 1-D
-                tensor; a tensor costs a host copy).
+                tensor; a tensor costs a host copy). Required: its default None only
+                lets a call without it fail with a TypeError that says how to pass it.
             cache: the requests' KV cache (`moe.models.kv_cache.KVCache`, one request per
                 entry of seq_lens): the tokens are appended to it and attend over it;
                 positions_T must then continue each request (`cache.next_positions()`
@@ -156,6 +158,14 @@ class MoETransformer(nn.Module):
             cache.commit(seq_lens)
         return self.lm_head(self.norm(x_TH))
 
+    def dbo_split_mode(self) -> str:
+        """"requests": the DBO runner's split mode for this model's calls under
+        `DBOConfig(split=None)` (`dbo.split_modes`): a step is cut at request boundaries
+        of its `seq_lens`, each ubatch getting its own. (A call with `cache=` needs
+        `moe.models.kv_cache.with_cache_split`, which gives each ubatch its requests'
+        cache.)"""
+        return "requests"
+
     def dbo_can_split_inside_request(self) -> bool:
         """False: a request's tokens must stay in one call (`dbo.split`). Attention runs
         over the call's tokens (and, with a cache, the tokens cached by earlier calls), so
@@ -164,7 +174,8 @@ class MoETransformer(nn.Module):
         return False
 
     def dbo_check_inputs(self, input_ids_T: Tensor, positions_T: Tensor, *,
-                         seq_lens: SeqLens, cache: Optional[KVCache] = None) -> None:
+                         seq_lens: Optional[SeqLens] = None,
+                         cache: Optional[KVCache] = None) -> None:
         """The checks of `forward` alone, for the DBO runner to run before its vote: a
         rank whose inputs fail them stops every rank there (`dbo.agreement`), instead of
         leaving its peers waiting in the first MoE layer's dispatch."""
@@ -207,8 +218,9 @@ class MoETransformer(nn.Module):
                 param.normal_(0.0, param.shape[-1] ** -0.5,
                               generator=gen.manual_seed(_mix(seed, tag)))
 
-    def _check_inputs(self, input_ids_T: Tensor, positions_T: Tensor, seq_lens: SeqLens,
-                      cache: Optional[KVCache] = None) -> list[int]:
+    def _check_inputs(self, input_ids_T: Tensor, positions_T: Tensor,
+                      seq_lens: Optional[SeqLens], cache: Optional[KVCache] = None
+                      ) -> list[int]:
         """Validate the call's inputs; return seq_lens as a list of ints."""
         for name, t in (("input_ids_T", input_ids_T), ("positions_T", positions_T)):
             if not isinstance(t, Tensor) or t.dim() != 1 or t.is_floating_point():
@@ -222,6 +234,12 @@ class MoETransformer(nn.Module):
             raise ValueError(f"MoETransformer.forward: input_ids_T has {input_ids_T.shape[0]} "
                              f"tokens but positions_T has {positions_T.shape[0]}: pass one "
                              f"position per token.")
+        if seq_lens is None:
+            num_tokens = input_ids_T.shape[0]
+            raise TypeError(f"MoETransformer.forward needs the keyword seq_lens=, the tokens "
+                            f"per request in order, summing to T={num_tokens}: pass e.g. "
+                            f"seq_lens=[{num_tokens}] for one request of all {num_tokens} "
+                            f"tokens (make_batch gives batch.seq_lens).")
         if isinstance(seq_lens, Tensor):
             seq_lens = seq_lens.tolist()
         lens = list(seq_lens)

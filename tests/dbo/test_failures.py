@@ -97,7 +97,9 @@ def test_failure_in_any_phase_names_it_and_the_next_step_works(phase, ubatch):
     notes = "\n".join(getattr(exc, "__notes__", []))
     assert (exc.dbo_ubatch_id, exc.dbo_layer, exc.dbo_phase) == (ubatch, moe_layer_index, phase)
     assert f"ubatch {ubatch}, layer {moe_layer_index}, phase {phase}" in notes
-    assert "no collective of this step had been issued" in notes
+    # One process: no collective was issued, and there is no process group to speak of
+    # (the notes on a group's state: the two-rank tests below).
+    assert exc.dbo_collectives_issued == 0 and "process group" not in notes, notes
     assert not dbo.dbo_enabled()
     # The failure came before any collective (EP size 1): the next step works.
     fresh = tiny_model()

@@ -6,6 +6,7 @@ exactly the unsplit output (torch.equal) in every split mode and batch size.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Optional
 
 import pytest
@@ -390,3 +391,146 @@ def test_bad_input_errors(model: DenseModel) -> None:
         DBORunner(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="config must be a DBOConfig"):
         DBORunner(model, {"split": "tokens"})  # type: ignore[arg-type]
+
+
+# ------------------------------------------------- the default split mode (split=None)
+class DeclaresRequests(DenseModel):
+    """`DenseModel` that declares its split mode, as `MoETransformer` does."""
+
+    def dbo_split_mode(self) -> str:
+        return "requests"
+
+
+def test_default_split_takes_the_mode_the_model_declares() -> None:
+    torch.manual_seed(0)
+    model = DeclaresRequests()
+    runner = DBORunner(model, DBOConfig(max_imbalance=1.0, **NO_THRESHOLD))
+    x = torch.randn(12, HIDDEN)
+    out = runner(x, seq_lens=[3, 5, 4])
+    d = runner.last_decision
+    # "requests": cut at a request boundary, each ubatch with its own seq_lens ("tokens"
+    # would have halved the rows and handed both ubatches all three lengths).
+    assert d.split and d.num_tokens == (8, 4) and model.seen_seq_lens == [[3, 5], [4]]
+    assert d.reason.endswith("(split=None chose 'requests': DeclaresRequests.dbo_split_mode "
+                             "says so)"), d.reason
+    model.reset()
+    assert torch.equal(out["hidden"], model(x, seq_lens=[3, 5, 4])["hidden"])
+    # An attribute declares it as well as a method.
+    fn = lambda x, seq_lens: x * 2  # noqa: E731
+    fn.dbo_split_mode = "requests"  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match=r"split='requests' needs the tokens per request"):
+        DBORunner(fn, DBOConfig(**NO_THRESHOLD))(torch.ones(4, 2))
+
+
+def test_default_split_is_requests_for_a_call_with_seq_lens_else_tokens(
+        model: DenseModel) -> None:
+    runner = DBORunner(model, DBOConfig(max_imbalance=1.0, **NO_THRESHOLD))
+    runner(torch.randn(12, HIDDEN), seq_lens=[3, 5, 4])
+    d = runner.last_decision
+    assert d.num_tokens == (8, 4) and model.seen_seq_lens == [[3, 5], [4]]
+    assert "(split=None chose 'requests': the call has seq_lens=)" in d.reason
+    model.reset()
+    runner(torch.randn(12, HIDDEN))
+    d = runner.last_decision
+    assert d.num_tokens == (6, 6) and d.is_decode and model.seen_seq_lens == [None, None]
+    assert d.reason == ("halved 12 independent tokens into 6 + 6 (split=None chose 'tokens': "
+                        "DenseModel declares no dbo_split_mode and the call has no seq_lens=)")
+    assert runner.agreement_fields()["DBOConfig.split"] == "auto"
+    # The choice is kept per model and config: a replaced model is asked afresh.
+    runner.model = DeclaresRequests()
+    with pytest.raises(TypeError, match=r"split='requests' needs the tokens per request"):
+        runner(torch.randn(12, HIDDEN))
+
+
+def test_explicit_split_modes_ignore_the_model_s_declaration() -> None:
+    torch.manual_seed(0)
+    model = DeclaresRequests()
+    runner = DBORunner(model, DBOConfig(split="tokens", **NO_THRESHOLD))
+    runner(torch.randn(12, HIDDEN), seq_lens=[3, 5, 4])
+    d = runner.last_decision
+    assert d.num_tokens == (6, 6) and "split=None" not in d.reason
+    assert model.seen_seq_lens == [[3, 5, 4], [3, 5, 4]]  # "tokens" passes it whole
+
+
+def test_default_split_refusals() -> None:
+    class Says(DenseModel):
+        def dbo_split_mode(self) -> str:
+            return "rows"
+
+    with pytest.raises(ValueError, match=r"Says.dbo_split_mode gives 'rows': it must give one "
+                                         r"of 'tokens', 'requests', 'batch'"):
+        DBORunner(Says())
+    # A model that declares "requests" has its cut policy checked at once, as split="requests".
+    with pytest.raises(ValueError, match=r"split_inside_requests=True\), but SaysNo"):
+        DBORunner(type("SaysNoRequests", (SaysNo,), {"dbo_split_mode": lambda self: "requests"})(),
+                  DBOConfig(split_inside_requests=True))
+    runner = DBORunner(lambda x: x, DBOConfig(split_inside_requests=True, **NO_THRESHOLD))
+    with pytest.raises(ValueError, match=r"split_inside_requests=True\) cuts requests, but "
+                                         r"split=None chose 'tokens' for this call"):
+        runner(torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"DBOConfig\(split=None\) splits a call with seq_lens="):
+        DBOConfig(unsplit_args=("seq_lens",))
+
+
+def test_a_call_the_model_s_input_check_does_not_take_raises_one_clear_error() -> None:
+    class Checked(nn.Module):
+        def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+            return x * mask
+
+        def dbo_check_inputs(self, x: torch.Tensor, *, mask: torch.Tensor) -> None:
+            if mask.dtype != torch.bool:
+                raise TypeError(f"mask must be bool, got {mask.dtype}")
+
+    runner = DBORunner(Checked(), DBOConfig(**NO_THRESHOLD))
+    with pytest.raises(TypeError) as info:
+        runner(torch.ones(4, 2))
+    assert str(info.value).startswith(
+        "Checked does not take this call's arguments: missing a required argument: 'mask' "
+        "(got 1 positional and the keywords [])")
+    # One process, no group: no note about one, and no chained hook error.
+    assert not getattr(info.value, "__notes__", []) and info.value.__cause__ is None
+    assert info.value.__context__ is None
+    with pytest.raises(TypeError, match="mask must be bool, got torch.float32"):
+        runner(torch.ones(4, 2), mask=torch.ones(4, 1))  # the hook's own TypeError
+
+
+# ------------------------------------------------------ a model that never yields
+def test_a_model_that_never_yields_is_warned_about_once(model: DenseModel) -> None:
+    from dbo.runner import NoYieldWarning
+
+    linear = nn.Linear(HIDDEN, HIDDEN)
+    runner = DBORunner(linear, DBOConfig(**NO_THRESHOLD))
+    x = torch.randn(8, HIDDEN)
+    with pytest.warns(NoYieldWarning, match=r"DBORunner over Linear: the model never yielded "
+                                            r"to the other ubatch.*backend 'local'.*Warned "
+                                            r"once per runner") as caught:
+        runner(x)
+    assert len(caught) == 1
+    assert runner.last_decision.reason.endswith("; the model never yielded to the other "
+                                                "ubatch, so the two ubatches ran one after "
+                                                "the other and overlapped nothing")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would raise here
+        runner(x)
+        assert "never yielded" not in runner.last_decision.reason
+        runner(x[:1])  # unsplit: nothing to say
+        # A model that yields (DenseModel, after each layer) is never warned about.
+        yielding = DBORunner(model, DBOConfig(**NO_THRESHOLD))
+        yielding(x)
+        assert yielding.last_decision.split and "never yielded" not in \
+            yielding.last_decision.reason
+
+
+def test_the_scheduler_says_whether_the_ubatches_interleaved() -> None:
+    from dbo.scheduler import UBatchScheduler
+
+    scheduler = UBatchScheduler("cpu")
+    assert scheduler.last_run_interleaved is None
+    scheduler.run([lambda: 0, lambda: 1])
+    assert scheduler.last_run_interleaved is False
+    scheduler.run([lambda: dbo_yield(), lambda: 1])   # ubatch 0 hands off once
+    assert scheduler.last_run_interleaved is True
+    scheduler.run([lambda: 0, lambda: dbo_yield()])   # ubatch 1's yield comes too late
+    assert scheduler.last_run_interleaved is False
+    scheduler.run([lambda: dbo_yield()])              # one ubatch: nothing to interleave
+    assert scheduler.last_run_interleaved is None

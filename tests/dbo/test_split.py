@@ -227,7 +227,7 @@ def test_bad_seq_lens() -> None:
 def test_config_checks() -> None:
     with pytest.raises(ValueError, match=r"'tokenz' is not a split mode.*'tokens', 'requests', 'batch'"):
         DBOConfig(split="tokenz")
-    with pytest.raises(ValueError, match="or a callable"):
+    with pytest.raises(ValueError, match="None .the model's or the call's mode. or a callable"):
         DBOConfig(split=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_ubatches=3: only 2"):
         DBOConfig(num_ubatches=3)

@@ -244,6 +244,71 @@ def test_bad_inputs_name_the_problem():
             model(*args, **kwargs)
 
 
+# ------------------------------------------------------- a new user's first calls
+def test_a_runner_with_the_default_config_splits_the_model_by_requests():
+    """`DBORunner(model)`: the default split mode is the model's ("requests", from
+    `dbo_split_mode`), so each ubatch gets its own seq_lens. ("tokens", the mode the
+    default once was, halved the rows and handed both ubatches every length: a crash.)"""
+    model = tiny_model()
+    batch = make_batch(model.config, num_tokens=64, num_requests=4, seed=5, device="cpu")
+    runner = DBORunner(model)
+    with torch.no_grad():
+        out = runner(batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
+    torch.testing.assert_close(out, logits(model, batch), atol=ATOL, rtol=RTOL)
+    assert "split=None chose 'requests': MoETransformer.dbo_split_mode says so" in \
+        runner.last_decision.reason
+    # Thresholds lowered, so that the step splits.
+    runner = DBORunner(model, DBOConfig(min_prefill_tokens=2, max_imbalance=1.0))
+    with torch.no_grad():
+        out = runner(batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
+    d = runner.last_decision
+    assert d.split and d.ubatches[0].seq_lens == batch.seq_lens[:d.ubatches[0].num_requests]
+    torch.testing.assert_close(out, logits(model, batch), atol=ATOL, rtol=RTOL)
+
+
+def test_a_call_without_seq_lens_says_how_to_pass_them():
+    model = tiny_model()
+    ids, pos = torch.zeros(6, dtype=torch.int64), torch.arange(6)
+    for call in (model, DBORunner(model), DBORunner(model, DBOConfig(split="requests"))):
+        with pytest.raises(TypeError) as info, torch.no_grad():
+            call(ids, pos)
+        assert str(info.value) == (
+            "MoETransformer.forward needs the keyword seq_lens=, the tokens per request in "
+            "order, summing to T=6: pass e.g. seq_lens=[6] for one request of all 6 tokens "
+            "(make_batch gives batch.seq_lens).")
+        # One process: nothing about a process group, which there is none of.
+        assert not getattr(info.value, "__notes__", []), info.value.__notes__
+
+
+@pytest.mark.parametrize("backend", ["a2a", "a2a_ll", "naive"])
+def test_a_communicating_backend_without_a_process_group_says_to_make_one(backend):
+    assert not dist.is_initialized()
+    model = tiny_model(backend=backend, max_tokens_per_rank=64)
+    batch = make_batch(model.config, num_tokens=16, num_requests=2, seed=0, device="cpu")
+    for call in (model, DBORunner(model)):
+        with pytest.raises(ValueError) as info, torch.no_grad():
+            call(batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
+        assert str(info.value) == (
+            f"backend {backend!r} exchanges tokens between ranks through torch.distributed, "
+            f"but no process group is initialized: call torch.distributed."
+            f"init_process_group(...) on every rank and build the model with the EP group "
+            f"(group=...), or use backend 'local' for one process")
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "process group" not in notes, notes  # no "re-create" it, no "intact"
+
+
+def test_the_local_backend_is_warned_about_as_never_yielding():
+    from dbo.runner import NoYieldWarning
+
+    model = tiny_model(backend="local")
+    batch = make_batch(model.config, num_tokens=32, num_requests=4, seed=0, device="cpu")
+    runner = DBORunner(model, DBO)
+    with pytest.warns(NoYieldWarning, match="over MoETransformer: the model never yielded"), \
+            torch.no_grad():
+        runner(batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
+    assert runner.last_decision.split and "never yielded" in runner.last_decision.reason
+
+
 # -------------------------------------------------------------- presets, config
 def test_get_preset_errors_list_the_valid_names():
     with pytest.raises(ValueError, match="tiny") as info:
@@ -367,6 +432,28 @@ def ep_matches_single_process(rank: int, world_size: int, backend: str) -> dict[
                 err = (got - want).abs().max().item() if got.numel() else 0.0
                 errors[f"{variant}/{step}/dbo={dbo_on}"] = err
     return errors
+
+
+def split_step_warnings(rank: int, world_size: int) -> list[str]:
+    """The warnings of two split DBO steps over a2a (every layer yields at its dispatch)."""
+    import warnings
+
+    model = MoETransformer(get_preset("tiny", backend="a2a"), group=dist.group.WORLD)
+    model.init_weights(seed=0)
+    batch = make_batch(model.config, num_tokens=24, num_requests=3, seed=rank, device="cpu")
+    runner = DBORunner(model, DBO, group=dist.group.WORLD)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for _ in range(2):
+            runner(batch.input_ids_T, batch.positions_T, seq_lens=batch.seq_lens)
+            assert runner.last_decision.split
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+@pytest.mark.distributed
+def test_a_model_that_yields_is_not_warned_about():
+    for rank, caught in enumerate(run_distributed(2, split_step_warnings)):
+        assert not [w for w in caught if w.startswith("NoYieldWarning")], (rank, caught)
 
 
 @pytest.mark.distributed
