@@ -204,7 +204,8 @@ def test_a_bad_limit_is_refused(tmp_path, capsys, value):
     with pytest.raises(SystemExit) as info:
         main([str(path), "--max-unpacked-mb", value])
     assert info.value.code == 2
-    assert "--max-unpacked-mb" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"argument --max-unpacked-mb: {value!r}: must be an int >= 1" in err, err
 
 
 # ---------------------------------------------------------------------- --json, --png
