@@ -22,9 +22,64 @@ from typing import Any, Union
 __all__ = ["Calibration", "CommRegime", "MeasuredPoint"]
 
 
+_MAX_INT = 2 ** 53
+"""Counts above this are refused: no float holds them exactly, and no step has as many."""
+
+
+def _number(value: object) -> float | None:
+    """`value` as a float where it is a finite int or float (not a bool), else None (an
+    int too large for a float, e.g. 10**400 read from JSON, included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        result = float(value)
+    except OverflowError:
+        return None
+    return result if math.isfinite(result) else None
+
+
 def _finite_positive(value: object) -> bool:
-    return (not isinstance(value, bool) and isinstance(value, (int, float))
-            and 0.0 < float(value) < math.inf)
+    number = _number(value)
+    return number is not None and number > 0.0
+
+
+def _in_range(value: object, low: float, high: float, *, low_open: bool = False,
+              high_open: bool = False) -> bool:
+    """`value` is a finite number in the range from `low` to `high` (open ends as told)."""
+    number = _number(value)
+    if number is None:
+        return False
+    above = number > low if low_open else number >= low
+    below = number < high if high_open else number <= high
+    return above and below
+
+
+def _show(value: object, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters (a file may hold a huge value)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _FieldError(ValueError):
+    """A bad field value: "<owner>.<field>=<value>: <must>". `Calibration.from_json`
+    names the owner by its place in the file instead (e.g. "points[3]")."""
+
+    def __init__(self, owner: str, field_name: str, value: object, must: str) -> None:
+        self.field_name, self.value, self.must = field_name, value, must
+        super().__init__(self.text(owner))
+
+    def text(self, owner: str) -> str:
+        return f"{owner}.{self.field_name}={_show(self.value)}: {self.must}"
+
+
+def _check_int(owner: str, name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _MAX_INT:
+        raise _FieldError(owner, name, value, f"must be an int >= {low} (and <= 2**53).")
+
+
+def _check_str(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise _FieldError(owner, name, value, "must be a string.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,12 +94,11 @@ class CommRegime:
 
     def __post_init__(self) -> None:
         if not _finite_positive(self.bandwidth_gbs):
-            raise ValueError(f"CommRegime.bandwidth_gbs={self.bandwidth_gbs!r}: must be a "
-                             f"finite number > 0 (GB/s per GPU).")
-        if (isinstance(self.latency_us, bool) or not isinstance(self.latency_us, (int, float))
-                or not 0.0 <= float(self.latency_us) < math.inf):
-            raise ValueError(f"CommRegime.latency_us={self.latency_us!r}: must be a finite "
-                             f"number >= 0 (us per collective).")
+            raise _FieldError("CommRegime", "bandwidth_gbs", self.bandwidth_gbs,
+                              "must be a finite number > 0 (GB/s per GPU).")
+        if not _in_range(self.latency_us, 0.0, math.inf):
+            raise _FieldError("CommRegime", "latency_us", self.latency_us,
+                              "must be a finite number >= 0 (us per collective).")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,36 +185,38 @@ class MeasuredPoint:
     its combine and the layer does; 0 otherwise)."""
 
     def __post_init__(self) -> None:
+        owner = "MeasuredPoint"
         for name, low in (("tokens", 1), ("layers", 1), ("num_experts", 0), ("world_size", 0),
                           ("context", 0), ("sbo_chunks", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"MeasuredPoint.{name}={value!r}: must be an int >= {low}.")
+            _check_int(owner, name, getattr(self, name), low)
         for name in ("decode", "cuda_graph"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"MeasuredPoint.{name}={getattr(self, name)!r}: must be True "
-                                 f"or False.")
+                raise _FieldError(owner, name, getattr(self, name), "must be True or False.")
+        for name in ("backend", "label", "preset", "mode", "regime"):
+            _check_str(owner, name, getattr(self, name))
+        if not isinstance(self.measured_ms, dict):
+            raise _FieldError(owner, "measured_ms", self.measured_ms,
+                              'must be an object of step times, ms ({"none": ..., "dbo": ..., '
+                              '"sbo": ...}).')
         values = {name: getattr(self, name) for name in (
             "attention", "experts", "dispatch", "combine", "shared", "comm_latency",
             "expert_weight_bytes", "attention_weight_bytes", "shared_weight_bytes", "host_ms",
             "host_dbo_ms", "host_sbo_ms", "split_compute")}
         values.update({f"measured_ms[{k!r}]": v for k, v in self.measured_ms.items()})
         for name, value in values.items():
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not 0.0 <= float(value) < math.inf):
-                raise ValueError(f"MeasuredPoint.{name}={value!r}: must be a finite number "
-                                 f">= 0 (ms, or bytes).")
+            if not _in_range(value, 0.0, math.inf):
+                raise _FieldError(owner, name, value, "must be a finite number >= 0 (ms, or "
+                                                      "bytes).")
         for name in ("compute_scale", "comm_scale"):
             if not _finite_positive(getattr(self, name)):
-                raise ValueError(f"MeasuredPoint.{name}={getattr(self, name)!r}: must be a "
-                                 f"finite number > 0 (1.0: not rescaled).")
-        if (isinstance(self.own_row_share, bool) or not isinstance(self.own_row_share, (int, float))
-                or not 0.0 <= self.own_row_share < 1.0):
-            raise ValueError(f"MeasuredPoint.own_row_share={self.own_row_share!r}: must be in "
-                             f"[0, 1) (1/W with an own-rows pass, else 0).")
+                raise _FieldError(owner, name, getattr(self, name),
+                                  "must be a finite number > 0 (1.0: not rescaled).")
+        if not _in_range(self.own_row_share, 0.0, 1.0, high_open=True):
+            raise _FieldError(owner, "own_row_share", self.own_row_share,
+                              "must be in [0, 1) (1/W with an own-rows pass, else 0).")
         if not _finite_positive(self.rows_per_expert):
-            raise ValueError(f"MeasuredPoint.rows_per_expert={self.rows_per_expert!r}: must "
-                             f"be > 0.")
+            raise _FieldError(owner, "rows_per_expert", self.rows_per_expert,
+                              "must be a finite number > 0.")
 
 
 def _default_efficiency() -> tuple[tuple[float, float], ...]:
@@ -234,47 +290,51 @@ class Calibration:
     """When the points were measured (ISO 8601, UTC)."""
 
     def __post_init__(self) -> None:
+        owner = "Calibration"
         for name in ("dense_tflops", "memory_gbs"):
             if not _finite_positive(getattr(self, name)):
-                raise ValueError(f"Calibration.{name}={getattr(self, name)!r}: must be a "
-                                 f"finite number > 0.")
-        if isinstance(self.launch_us, bool) or not isinstance(self.launch_us, (int, float)) \
-                or not 0.0 <= self.launch_us < math.inf:
-            raise ValueError(f"Calibration.launch_us={self.launch_us!r}: must be a finite "
-                             f"number >= 0 (us per launch).")
-        if isinstance(self.comm_sm_share, bool) or not isinstance(self.comm_sm_share, (int, float)) \
-                or not 0.0 <= self.comm_sm_share < 1.0:
-            raise ValueError(f"Calibration.comm_sm_share={self.comm_sm_share!r}: must be in "
-                             f"[0, 1) (the fraction of SMs the comm kernels hold).")
+                raise _FieldError(owner, name, getattr(self, name), "must be a finite number > 0.")
+        if not _in_range(self.launch_us, 0.0, math.inf):
+            raise _FieldError(owner, "launch_us", self.launch_us,
+                              "must be a finite number >= 0 (us per launch).")
+        if not _in_range(self.comm_sm_share, 0.0, 1.0, high_open=True):
+            raise _FieldError(owner, "comm_sm_share", self.comm_sm_share,
+                              "must be in [0, 1) (the fraction of SMs the comm kernels hold).")
         shares = self.comm_sm_shares
         if not isinstance(shares, dict) or not all(
-                isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float))
-                and 0.0 <= v < 1.0 for k, v in shares.items()):
-            raise ValueError(f"Calibration.comm_sm_shares={shares!r}: must map "
-                             f"\"<backend>/<regime>\" to a fraction in [0, 1).")
+                isinstance(k, str) and _in_range(v, 0.0, 1.0, high_open=True)
+                for k, v in shares.items()):
+            raise _FieldError(owner, "comm_sm_shares", shares,
+                              'must map "<backend>/<regime>" to a fraction in [0, 1).')
         if not _finite_positive(self.persistent_min_rows):
-            raise ValueError(f"Calibration.persistent_min_rows={self.persistent_min_rows!r}: "
-                             f"must be a finite number > 0 (rows per expert).")
-        if not _finite_positive(self.overlap_clock) or self.overlap_clock > 1.0:
-            raise ValueError(f"Calibration.overlap_clock={self.overlap_clock!r}: must be in "
-                             f"(0, 1] (1.0 = no clock drop measured).")
+            raise _FieldError(owner, "persistent_min_rows", self.persistent_min_rows,
+                              "must be a finite number > 0 (rows per expert).")
+        if not _in_range(self.overlap_clock, 0.0, 1.0, low_open=True):
+            raise _FieldError(owner, "overlap_clock", self.overlap_clock,
+                              "must be a finite number in (0, 1] (1.0 = no clock drop "
+                              "measured).")
         points = self.gemm_efficiency
-        if not points or any(len(p) != 2 for p in points):
-            raise ValueError(f"Calibration.gemm_efficiency={points!r}: must be a non-empty "
-                             f"list of (rows per expert, efficiency) pairs.")
+        if (not isinstance(points, (list, tuple)) or not points
+                or any(not isinstance(p, (list, tuple)) or len(p) != 2 for p in points)):
+            raise _FieldError(owner, "gemm_efficiency", points,
+                              "must be a non-empty list of (rows per expert, efficiency) pairs.")
         rows = [p[0] for p in points]
         if any(not _finite_positive(r) for r in rows) or rows != sorted(set(rows)):
-            raise ValueError(f"Calibration.gemm_efficiency rows {rows}: must be > 0 and "
-                             f"strictly increasing.")
-        if any(not _finite_positive(p[1]) or p[1] > 1.0 for p in points):
-            raise ValueError(f"Calibration.gemm_efficiency={points!r}: every efficiency must "
-                             f"be in (0, 1].")
-        if not self.regimes or not all(isinstance(r, CommRegime) for r in self.regimes.values()):
-            raise ValueError(f"Calibration.regimes={self.regimes!r}: must map names to "
-                             f"CommRegime.")
+            raise _FieldError(owner, "gemm_efficiency", points,
+                              "its rows per expert must be finite, > 0 and strictly increasing.")
+        if any(not _in_range(p[1], 0.0, 1.0, low_open=True) for p in points):
+            raise _FieldError(owner, "gemm_efficiency", points,
+                              "every efficiency must be in (0, 1].")
+        if (not isinstance(self.regimes, dict) or not self.regimes
+                or not all(isinstance(r, CommRegime) for r in self.regimes.values())):
+            raise _FieldError(owner, "regimes", self.regimes, "must map names to CommRegime.")
+        if not isinstance(self.points, (list, tuple)):
+            raise _FieldError(owner, "points", self.points, "must be a list of MeasuredPoint.")
         object.__setattr__(self, "points", tuple(self.points))
         if not all(isinstance(p, MeasuredPoint) for p in self.points):
             raise ValueError("Calibration.points: must hold MeasuredPoint values.")
+        for name in ("device", "torch_version", "date"):
+            _check_str(owner, name, getattr(self, name))
 
     def select(self, **where: Any) -> "Calibration":
         """This calibration with only the points whose fields equal `where`, e.g.
@@ -324,37 +384,32 @@ class Calibration:
 
     @classmethod
     def from_json(cls, data: Any) -> "Calibration":
-        """A calibration from its JSON form; unknown keys and bad values raise ValueError."""
+        """A calibration from its JSON form; unknown keys and bad values raise ValueError
+        naming the field, a point by its index ("points[3].tokens=...: must be ...")."""
         if not isinstance(data, dict):
             raise ValueError(f"calibration JSON must be an object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"calibration JSON: unknown keys {unknown}; known: {sorted(known)}")
         kwargs = dict(data)
+        _check_keys(cls, kwargs, where="calibration JSON")
         if "gemm_efficiency" in kwargs:
-            try:
-                kwargs["gemm_efficiency"] = tuple(tuple(p) for p in kwargs["gemm_efficiency"])
-            except TypeError as exc:
-                raise ValueError(f"calibration JSON gemm_efficiency: {exc}") from None
+            pairs = kwargs["gemm_efficiency"]
+            if not isinstance(pairs, list) or not all(isinstance(p, list) for p in pairs):
+                raise ValueError(f"gemm_efficiency={_show(pairs)}: must be a list of [rows per "
+                                 f"expert, efficiency] pairs")
+            kwargs["gemm_efficiency"] = tuple(tuple(p) for p in pairs)
         if "regimes" in kwargs:
             regimes = kwargs["regimes"]
             if not isinstance(regimes, dict) or not all(isinstance(r, dict)
                                                         for r in regimes.values()):
-                raise ValueError(f"calibration JSON regimes={regimes!r}: must map names to "
+                raise ValueError(f"regimes={_show(regimes)}: must map names to "
                                  f"{{bandwidth_gbs, latency_us}}")
-            try:
-                kwargs["regimes"] = {k: CommRegime(**v) for k, v in regimes.items()}
-            except TypeError as exc:
-                raise ValueError(f"calibration JSON regimes: {exc}") from None
+            kwargs["regimes"] = {k: _build(CommRegime, v, owner=f"regimes[{k!r}]")
+                                 for k, v in regimes.items()}
         if "points" in kwargs:
             points = kwargs["points"]
             if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
-                raise ValueError("calibration JSON points: must be a list of objects")
-            try:
-                kwargs["points"] = tuple(MeasuredPoint(**p) for p in points)
-            except TypeError as exc:
-                raise ValueError(f"calibration JSON points: {exc}") from None
+                raise ValueError(f"points={_show(points)}: must be a list of objects")
+            kwargs["points"] = tuple(_build(MeasuredPoint, p, owner=f"points[{i}]")
+                                     for i, p in enumerate(points))
         return cls(**kwargs)
 
     def save(self, path: Union[str, Path]) -> None:
@@ -362,12 +417,42 @@ class Calibration:
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Calibration":
-        """Read a calibration file (ValueError naming the file on bad JSON or values)."""
+        """Read a calibration file. ValueError, one line naming the file, the field and
+        what it must be, for anything else than what `save` writes."""
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(Path(path).read_bytes().decode("utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"calibration file {path}: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"calibration file {path}: not UTF-8 text ({exc.reason} at byte "
+                             f"{exc.start}): write it with Calibration.save") from None
+        except RecursionError:
+            raise ValueError(f"calibration file {path}: its JSON is nested too deeply to "
+                             f"read: write it with Calibration.save") from None
         try:
             return cls.from_json(data)
         except ValueError as exc:
             raise ValueError(f"calibration file {path}: {exc}") from None
+
+
+def _check_keys(cls: type, data: dict[str, Any], *, where: str) -> None:
+    """ValueError naming the keys of `data` that are no field of dataclass `cls`, or the
+    fields without a default that it lacks."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {_show(unknown)}; known: {sorted(fields)}")
+    missing = sorted(name for name, f in fields.items() if name not in data
+                     and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"{where}: missing keys {missing}")
+
+
+def _build(cls: type, data: dict[str, Any], *, owner: str) -> Any:
+    """`cls(**data)`, its errors naming the fields as `owner.<field>`."""
+    _check_keys(cls, data, where=owner)
+    try:
+        return cls(**data)
+    except _FieldError as exc:
+        raise ValueError(exc.text(owner)) from None

@@ -45,6 +45,7 @@ from pathlib import Path
 from traces.active import RunKey, run_spans, split_active
 from traces.alignment import capture_windows
 from traces.classify import ClassifyConfig, Classifier, Kind
+from traces.file_checks import MAX_UNPACKED_OPTION
 from traces.idle import compute_idle, compute_stream
 from traces.intervals import Span, clip, intersect, merge, subtract, total
 from traces.model import KernelInterval, Label, ReadConfig, Trace, parse_label_name
@@ -225,12 +226,52 @@ def _parser() -> argparse.ArgumentParser:
                    help="Chrome traces: analyze CPU ops, one stream per thread, also in a trace "
                         "with GPU kernels (a trace without GPU kernels gets this by default)")
     p.add_argument("--no-memcpy", action="store_true", help="drop memcpy/memset intervals")
+    p.add_argument(MAX_UNPACKED_OPTION, type=_positive_int, metavar="MB",
+                   default=ReadConfig().max_unpacked_bytes >> 20,
+                   help="the most MiB a gzip-compressed trace may unpack to; a larger one is "
+                        "refused, not read (default %(default)s)")
     return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an int >= 1")
+    return value
+
+
+def _check_outputs(args: argparse.Namespace) -> list[str]:
+    """Refuse (ValueError, one line) an output that is a folder, lies under a file, or is
+    the trace being read (or both outputs one file); returns a note for each existing
+    file that will be replaced."""
+    notes = []
+    outputs = [(option, path) for option, path in (("--json", args.json), ("--png", args.png))
+               if path is not None]
+    if len(outputs) == 2 and outputs[0][1].resolve() == outputs[1][1].resolve():
+        raise ValueError(f"--json and --png name one file, {args.json}: name two")
+    for option, path in outputs:
+        if path.is_dir():
+            raise ValueError(f"{option} {path}: is a folder: name a file")
+        above = next((p for p in path.parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise ValueError(f"{option} {path}: {above} is a file, not a folder: name a file "
+                             f"in a folder")
+        if path.exists():
+            if args.file.exists() and path.samefile(args.file):
+                raise ValueError(f"{option} {path}: is the trace being read: name another "
+                                 f"file for the output")
+            notes.append(f"note: {option} {path}: replaced the existing file")
+    return notes
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: print a table, then one JSON line; optionally write JSON and a PNG. Returns 0,
-    1 when the trace has nothing to analyze, or 2 when the file cannot be read."""
+    1 when the trace has nothing to analyze, or 2 when the file cannot be read or an
+    output cannot be written (one error line). An existing output file is replaced, with
+    a note on stderr; the trace itself never is."""
     from traces.readers import read_trace  # noqa: PLC0415 (readers import sqlite3, gzip)
 
     args = _parser().parse_args(argv)
@@ -241,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         config = AnalyzeConfig(classify=classify,
                                step_pattern=None if args.whole_trace else args.step_pattern)
         read_config = ReadConfig(include_memcpy=not args.no_memcpy, include_memset=not args.no_memcpy,
-                                 cpu_ops_as_kernels=True if args.cpu_ops else None)
+                                 cpu_ops_as_kernels=True if args.cpu_ops else None,
+                                 max_unpacked_bytes=args.max_unpacked_mb << 20)
+        replaced = _check_outputs(args)
         trace = read_trace(args.file, config=read_config)
     except (OSError, ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -251,13 +294,19 @@ def main(argv: list[str] | None = None) -> int:
     if report.misaligned:
         print(f"warning: {args.file}: {report.windows.verdict()}", file=sys.stderr)
 
-    if args.png is not None:
-        draw_timeline(trace, args.png, report=report)
-        print(f"timeline: {args.png}")
     payload = report.to_json()
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    try:
+        if args.png is not None:
+            draw_timeline(trace, args.png, report=report)
+            print(f"timeline: {args.png}")
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    except (OSError, ValueError, ImportError) as exc:  # e.g. a --png suffix matplotlib lacks
+        print(f"error: cannot write the output: {exc}", file=sys.stderr)
+        return 2
+    for note in replaced:
+        print(note, file=sys.stderr)
     print(json.dumps(payload, sort_keys=True))
     if not report.devices:
         print(f"error: {args.file}: nothing to analyze: the trace holds no kernels and no CPU ops",

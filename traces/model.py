@@ -23,6 +23,16 @@ class ReadConfig:
     """Chrome only: treat ``cpu_op`` events as kernels, device = process id and stream =
     thread id, so CPU-only traces can be analyzed. None: only when the trace has no GPU
     kernels; False: never (a CPU trace then has zero devices); True: always."""
+    max_unpacked_bytes: int = 512 << 20
+    """The most bytes a gzip-compressed trace may unpack to (512 MiB): a file that unpacks
+    to more is refused, not read into memory (or, for an SQLite export, onto the disk).
+    Raise it for a trace that is really larger (`dbo inspect --max-unpacked-mb N`)."""
+
+    def __post_init__(self) -> None:
+        limit = self.max_unpacked_bytes
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_unpacked_bytes={limit!r}: must be an int >= 1 (the bytes "
+                             f"a gzip-compressed trace may unpack to)")
 
 
 @dataclass(frozen=True, slots=True)

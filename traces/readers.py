@@ -15,12 +15,13 @@ Times in the normalized form are microseconds on the trace's own clock.
 """
 from __future__ import annotations
 
-import gzip
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from traces.file_checks import Skips, integer, is_gzip, number, read_unpacked, unpacked_head
 from traces.model import KernelInterval, Label, LabelName, ReadConfig, Trace, parse_label_name
 from traces.nsys import read_nsys_sqlite
 from traces.perfetto import ACTIVE_SEGMENT_ARG, THREAD_ARG
@@ -52,25 +53,70 @@ class _IdMap:
             return int(value)
         text = str(value).strip()
         found = re.findall(r"-?\d+", text)
-        if found:
+        if found and len(found[-1]) <= 18:  # a longer one is no id: interned below
             return int(found[-1])
         # A name with no number: give it a stable negative id (never a real device).
         return self._interned.setdefault(text, -1 - len(self._interned))
 
 
-def _load_chrome_events(path: Path) -> list[dict[str, Any]]:
-    with path.open("rb") as raw:
-        magic = raw.read(2)
-    opener = gzip.open if magic == b"\x1f\x8b" else open
+def _load_chrome_events(path: Path, config: ReadConfig) -> list[Any]:
+    data = (read_unpacked(path, limit=config.max_unpacked_bytes) if is_gzip(path)
+            else path.read_bytes())
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+        loaded = json.loads(data)
+    except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not a readable Chrome trace JSON ({exc})") from exc
-    events = data.get("traceEvents") if isinstance(data, dict) else data
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a readable Chrome trace JSON (not UTF-8 text: "
+                         f"{exc.reason})") from exc
+    except RecursionError as exc:
+        raise ValueError(f"{path}: not a readable Chrome trace JSON (nested too deeply to "
+                         f"read: not one a profiler wrote)") from exc
+    del data
+    events = loaded.get("traceEvents") if isinstance(loaded, dict) else loaded
     if not isinstance(events, list):
         raise ValueError(f"{path}: no 'traceEvents' list; is this a torch.profiler Chrome trace?")
     return events
+
+
+@dataclass(frozen=True, slots=True)
+class _Complete:
+    """A complete event ("X") whose times and args were checked."""
+
+    event: dict[str, Any]
+    start: float
+    end: float
+    args: dict[str, Any]
+    correlation: int | None
+
+
+def _complete_events(events: list[Any]) -> tuple[list[_Complete], str | None]:
+    """The complete events with finite times, a non-negative duration, args that are an
+    object and an integer correlation id (if any), and a note counting the others."""
+    skips = Skips("complete events")
+    out: list[_Complete] = []
+    total = 0
+    for ev in events:
+        if not isinstance(ev, dict) or ev.get("ph") != "X":
+            continue
+        total += 1
+        start, dur = number(ev.get("ts")), number(ev.get("dur", 0.0))
+        end = None if start is None or dur is None else number(start + dur)
+        args = ev.get("args")
+        args = {} if args is None else args
+        if start is None or dur is None or end is None:
+            skips.add("with a ts or dur that is not a finite number")
+        elif dur < 0:
+            skips.add("with a negative duration")
+        elif not isinstance(args, dict):
+            skips.add("with args that are not an object")
+        elif "correlation" in args and integer(args["correlation"]) is None:
+            skips.add("with a correlation id that is not an integer")
+        else:
+            corr = args.get("correlation")
+            out.append(_Complete(event=ev, start=start, end=end, args=args,
+                                 correlation=None if corr is None else integer(corr)))
+    return out, skips.note(total)
 
 
 def read_chrome_trace(path: str | Path, *, config: ReadConfig | None = None) -> Trace:
@@ -82,7 +128,7 @@ def read_chrome_trace(path: str | Path, *, config: ReadConfig | None = None) -> 
     """
     config = config or ReadConfig()
     path = Path(path)
-    events = _load_chrome_events(path)
+    events, skipped = _complete_events(_load_chrome_events(path, config))
     to_id = _IdMap()
     kernel_cats = {"kernel": "kernel"}
     if config.include_memcpy:
@@ -91,28 +137,21 @@ def read_chrome_trace(path: str | Path, *, config: ReadConfig | None = None) -> 
         kernel_cats["gpu_memset"] = "memset"
 
     launches: dict[int, tuple[float, int]] = {}
-    for ev in events:
-        if not isinstance(ev, dict) or ev.get("ph") != "X":
-            continue
-        if str(ev.get("cat", "")).lower() in ("cuda_runtime", "cuda_driver"):
-            corr = (ev.get("args") or {}).get("correlation")
-            if corr is not None:
-                launches[int(corr)] = (float(ev.get("ts", 0.0)), to_id(ev.get("tid", 0)))
+    for item in events:
+        if str(item.event.get("cat", "")).lower() in ("cuda_runtime", "cuda_driver"):
+            if item.correlation is not None:
+                launches[item.correlation] = (item.start, to_id(item.event.get("tid", 0)))
 
     kernels: list[KernelInterval] = []
     labels: list[Label] = []
     cpu_ops: list[KernelInterval] = []
     num_gpu = 0
-    for ev in events:
-        if not isinstance(ev, dict) or ev.get("ph") != "X" or "ts" not in ev:
-            continue
+    for item in events:
+        ev, args, start, end = item.event, item.args, item.start, item.end
         cat = str(ev.get("cat", "")).lower()
         name = str(ev.get("name", ""))
-        start = float(ev["ts"])
-        end = start + float(ev.get("dur", 0.0))
-        args = ev.get("args") or {}
         if cat in kernel_cats:
-            launch = launches.get(int(args["correlation"])) if "correlation" in args else None
+            launch = None if item.correlation is None else launches.get(item.correlation)
             kernels.append(
                 KernelInterval(
                     device=to_id(args.get("device", ev.get("pid", 0))),
@@ -150,7 +189,7 @@ def read_chrome_trace(path: str | Path, *, config: ReadConfig | None = None) -> 
             tid = to_id(args.get(THREAD_ARG, ev.get("tid", 0)))
             labels.append(Label.from_name(name, start_us=start, end_us=end, device=None, tid=tid))
 
-    notes: list[str] = []
+    notes: list[str] = [] if skipped is None else [skipped]
     use_cpu_ops = config.cpu_ops_as_kernels or (config.cpu_ops_as_kernels is None and num_gpu == 0)
     if use_cpu_ops:
         kernels += cpu_ops
@@ -180,9 +219,8 @@ def read_trace(path: str | Path, *, config: ReadConfig | None = None) -> Trace:
     with path.open("rb") as f:
         head = f.read(16)
     if head.startswith(b"\x1f\x8b"):  # gzip: a Chrome trace, or an Nsight SQLite file
-        with gzip.open(path, "rb") as f:
-            if f.read(16).startswith(b"SQLite format 3"):
-                return read_nsys_sqlite(path, config=config)
+        if unpacked_head(path).startswith(b"SQLite format 3"):
+            return read_nsys_sqlite(path, config=config)
         return read_chrome_trace(path, config=config)
     if head.startswith(b"SQLite format 3"):
         return read_nsys_sqlite(path, config=config)

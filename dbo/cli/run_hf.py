@@ -20,7 +20,6 @@ get a capacity of their own (`MoEConfig.max_tokens_per_ubatch`: half the sequenc
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -62,13 +61,8 @@ def hf_model_config(job: Any, world_size: int) -> Any:
     from moe.hf.arch import spec_for
     from moe.hf.tiny import tiny_config
     if job.hf is not None:
-        from moe.hf.deps import require
-        try:
-            config = require("transformers").AutoConfig.from_pretrained(
-                job.hf, local_files_only=True)
-        except (OSError, ValueError, json.JSONDecodeError) as exc:
-            raise ValueError(f"--hf={job.hf}: cannot read its config.json ({exc}): name a "
-                             f"checkpoint folder that save_pretrained wrote") from exc
+        from moe.hf.folder import read_config  # never runs the folder's code, never prompts
+        config = read_config(job.hf, where="--hf")
     else:
         config = tiny_config(job.hf_config, num_layers=job.layers, num_experts=job.num_experts)
     spec = spec_for(config)

@@ -3,7 +3,9 @@
 Shape legend: E routed experts, n of them read here, H hidden, I one expert's width.
 
 A directory holds `model.safetensors`, or shards listed in `model.safetensors.index.json`
-(`weight_map`: tensor name -> file). Only headers are read on opening; a tensor is read
+(`weight_map`: tensor name -> file), every file checked on opening (`moe.hf.folder`:
+inside the directory, readable, each tensor in one file). Only headers are read on
+opening; a tensor is read
 when asked for, and an expert slice reads only its experts' rows (`safe_open`'s
 `get_slice`), so a rank never reads another rank's experts.
 
@@ -15,7 +17,6 @@ Routed experts are stored in one of two layouts, both read here:
 """
 from __future__ import annotations
 
-import json
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -24,12 +25,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from moe.hf.deps import require
+from moe.hf.folder import open_shard, tensor_files
 
 __all__ = ["Checkpoint", "ExpertRange"]
-
-INDEX_FILE = "model.safetensors.index.json"
-
 
 @dataclass(frozen=True, kw_only=True)
 class ExpertRange:
@@ -51,11 +49,7 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
-        if not os.path.isdir(self.path):
-            raise ValueError(f"moe.hf.load: {self.path!r} is not a directory: pass a checkpoint "
-                             f"directory (config.json and *.safetensors, as save_pretrained "
-                             f"writes)")
-        self._files = self._file_of_tensor()
+        self._files = tensor_files(self.path)  # every file checked (moe.hf.folder)
         self._stack = ExitStack()
         self._handles: dict[str, Any] = {}
 
@@ -140,24 +134,6 @@ class Checkpoint:
         file = self._files[name]
         handle = self._handles.get(file)
         if handle is None:
-            safetensors = require("safetensors")
-            handle = self._stack.enter_context(
-                safetensors.safe_open(os.path.join(self.path, file), framework="pt"))
+            handle = self._stack.enter_context(open_shard(self.path, file))
             self._handles[file] = handle
         return handle
-
-    def _file_of_tensor(self) -> dict[str, str]:
-        index = os.path.join(self.path, INDEX_FILE)
-        if os.path.exists(index):
-            with open(index) as f:
-                return dict(json.load(f)["weight_map"])
-        files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
-        if not files:
-            raise ValueError(f"moe.hf.load: {self.path!r} holds no *.safetensors file: save the "
-                             f"model with save_pretrained (safetensors is its default)")
-        safetensors = require("safetensors")
-        names: dict[str, str] = {}
-        for file in files:
-            with safetensors.safe_open(os.path.join(self.path, file), framework="pt") as f:
-                names.update((key, file) for key in f.keys())
-        return names

@@ -13,7 +13,9 @@ Shape legend: E routed experts, W ranks in the EP group.
 3. Every parameter and persistent buffer is read from the checkpoint: the routed experts
    of this rank only (1/W of the experts' bytes), the rest whole on every rank.
 
-No download: the directory must hold config.json and safetensors files.
+No download: the directory must hold config.json and safetensors files, every file read
+checked first (`moe.hf.folder`); the directory's own Python (config.json's `auto_map`)
+runs only with `trust_remote_code=True`, and nothing prompts.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from moe.hf.block import HFMoEBlock, hf_param_name
 from moe.hf.checkpoint import Checkpoint, ExpertRange
 from moe.hf.convert import check_capacity_argument, convert_blocks
 from moe.hf.deps import require
+from moe.hf.folder import read_config, read_generation_config
 
 __all__ = ["load"]
 
@@ -40,7 +43,7 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
          backend: str = "auto", experts: str = "auto",
          max_tokens_per_rank: Optional[int] = None,
          max_tokens_per_ubatch: Optional[int] = None,
-         dtype: Optional[torch.dtype] = None) -> nn.Module:
+         dtype: Optional[torch.dtype] = None, trust_remote_code: bool = False) -> nn.Module:
     """Build the model of checkpoint directory `path`, convert it (`moe.hf.convert`) and
     load its weights, this rank's experts only. Returns the model in eval mode on the CPU.
 
@@ -50,41 +53,47 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
         group, backend, experts, max_tokens_per_rank, max_tokens_per_ubatch: as for
             `moe.hf.convert`.
         dtype: parameter dtype; None: the dtype config.json names, else float32.
+        trust_remote_code: run the Python of the directory that config.json's `auto_map`
+            names (it builds the model). False: transformers' own classes of its
+            `model_type` are built, never the directory's code.
 
     Raises:
         ValueError: what `convert` refuses; a tensor the checkpoint lacks, or whose shape
-            differs from what config.json implies (naming the tensor).
+            differs from what config.json implies (naming the tensor); a file of the
+            directory that is malformed or lies outside it (`moe.hf.folder`), a model type
+            dbo does not convert.
     """
     transformers = require("transformers")
     path = os.fspath(path)
     world = 1 if group is None else dist.get_world_size(group)
     check_capacity_argument(backend, max_tokens_per_rank, world=world, where="moe.hf.load")
     with Checkpoint(path) as checkpoint:  # checks the directory before building anything
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        config = read_config(path, trust_remote_code=trust_remote_code)
         spec = spec_for(config)
         if dtype is None:
             dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) \
                 else torch.float32
-        model = _build_skeleton(transformers, config, spec, dtype)
+        model = _build_skeleton(transformers, config, spec, dtype,
+                                trust_remote_code=trust_remote_code)
         convert_blocks(model, group=group, backend=backend, experts=experts,
                        max_tokens_per_rank=max_tokens_per_rank,
                        max_tokens_per_ubatch=max_tokens_per_ubatch, weights_from_blocks=False)
         _load_weights(model, checkpoint, spec)
-    generation_file = os.path.join(path, "generation_config.json")
-    if os.path.exists(generation_file):
-        model.generation_config = transformers.GenerationConfig.from_pretrained(
-            path, local_files_only=True)
+    generation_config = read_generation_config(path)
+    if generation_config is not None:
+        model.generation_config = generation_config
     return model.eval()
 
 
 def _build_skeleton(transformers: object, config: object, spec: ArchSpec,
-                    dtype: torch.dtype) -> nn.Module:
+                    dtype: torch.dtype, *, trust_remote_code: bool) -> nn.Module:
     """The model with `_SKELETON_EXPERTS` experts per block, its config restored after."""
     field = spec.num_experts_field
     num_experts = getattr(config, field)
     setattr(config, field, _SKELETON_EXPERTS)
     try:
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=trust_remote_code)
     finally:
         setattr(config, field, num_experts)
     assert model.config is config, "the modules must see the restored expert count"
