@@ -8,7 +8,8 @@
   without it transformers' own class of that model type is built, and nothing prompts.
 - model.safetensors.index.json (`weight_map`: tensor name -> file), or without one every
   *.safetensors file of the folder: each file named must lie inside the folder, symlinks
-  resolved (no absolute path, no ".."), be a readable safetensors file, and hold the
+  resolved (no absolute path, no ".."; a hub cache snapshot's links into its repository's
+  `blobs` folder are inside), be a readable safetensors file, and hold the
   tensors it is listed for; a tensor is in one file only.
 
 Every refusal is a one-line ValueError naming the file, what is wrong and the fix.
@@ -169,11 +170,23 @@ def _inside(folder: str, name: str, *, where: str, source: str) -> str:
                          f"'..': {only}; move the file into the folder and name it relative "
                          f"to it")
     joined = os.path.join(folder, name)
-    real, root = os.path.realpath(joined), os.path.realpath(folder)
-    if os.path.commonpath([real, root]) != root:
+    real = os.path.realpath(joined)
+    if not any(os.path.commonpath([real, root]) == root for root in _roots(folder)):
         raise ValueError(f"{where}: {source}: {_short(name)} is a symlink leading outside the "
                          f"folder: {only}; copy the file itself into the folder")
     return joined
+
+
+def _roots(folder: str) -> list[str]:
+    """Where `folder`'s files may lie once symlinks are resolved: the folder itself, and
+    for a Hugging Face hub cache snapshot (`<repo>/snapshots/<revision>`, whose files are
+    symlinks to `<repo>/blobs/<hash>`) that repository's `blobs` folder."""
+    root = os.path.realpath(folder)
+    roots = [root]
+    parent = os.path.dirname(root)
+    if os.path.basename(parent) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(parent), "blobs"))
+    return roots
 
 
 def _read_json(file: str, *, where: str, pairs_hook: Any = None) -> Any:

@@ -139,6 +139,31 @@ def test_dbo_run_hf_never_prompts(tmp_path, capsys, no_prompt, monkeypatch):
     assert not marker.exists() and no_prompt == []
 
 
+def test_a_hub_cache_snapshot_reads_its_blobs_and_nothing_else(tmp_path):
+    """The hub cache layout: `<repo>/snapshots/<rev>/<file>` links to `<repo>/blobs/<hash>`.
+    Those links are followed; one into another repository's blobs is refused."""
+    _, saved = _sharded(tmp_path)
+    repo = tmp_path / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, name in enumerate(sorted(os.listdir(saved))):
+        shutil.move(saved / name, blobs / f"hash{i}")
+        os.symlink(os.path.join("..", "..", "blobs", f"hash{i}"), snapshot / name)
+    from moe.hf.folder import tensor_files
+    assert len(set(tensor_files(snapshot).values())) > 1
+    other = tmp_path / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    with open(snapshot / INDEX) as f:
+        _, shard = _first(json.load(f))
+    target = os.path.realpath(snapshot / shard)
+    os.remove(snapshot / shard)
+    shutil.move(target, other / "stray")
+    os.symlink(other / "stray", snapshot / shard)
+    with pytest.raises(ValueError, match="is a symlink leading outside the folder"):
+        tensor_files(snapshot)
+
+
 @pytest.mark.parametrize("text, problem", [
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must hold a JSON object"),
