@@ -31,7 +31,8 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from dbo.cli import Parser, check_out_dir, quiet_profiler_logs
+from dbo.cli import (Parser, check_backend_runs, check_fits_memory, check_out_dir,
+                     quiet_profiler_logs)
 from dbo.cli.launch import RankContext, launch, resolve_world_size
 
 EXAMPLES = """\
@@ -120,6 +121,22 @@ def config_from_args(args: argparse.Namespace) -> "CommBenchConfig":  # noqa: F8
     return cfg
 
 
+def check_named_backends(names: Sequence[str], world_size: int) -> None:
+    """Refuse, in one line, a backend named in --backends that cannot run here (a missing
+    library, no CUDA, a group size it does not take): the MoE backends through
+    `dbo.cli.check_backend_runs`, DeepEP's raw calls through the DeepEP backends' check.
+    Without --backends every one is tried, and one that cannot run is skipped with the
+    reason."""
+    from moe.backends.deepep_support import require_deep_ep
+    from moe.bench.comm_engines import RAW_DEEPEP
+
+    for name in names:
+        if name in RAW_DEEPEP:
+            require_deep_ep(name, "Buffer")
+        else:
+            check_backend_runs(name, world_size)
+
+
 def _rank(ctx: RankContext, cfg: "CommBenchConfig") -> object:  # noqa: F821
     from moe.bench.comm import run_comm_sweep
 
@@ -135,8 +152,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = config_from_args(args)
         check_out_dir("--out", cfg.out_dir)
-        cfg.check_world(resolve_world_size(None))
-    except ValueError as exc:
+        world_size = resolve_world_size(None)
+        cfg.check_world(world_size)
+        check_named_backends(cfg.backends, world_size)
+        # A lower bound: each token's row [H] and the top-k rows it becomes, in bf16.
+        check_fits_memory("--tokens", max(cfg.tokens), unit="token",
+                          per_unit_bytes=(1 + cfg.top_k) * cfg.hidden * cfg.dtype.itemsize,
+                          model=f"the exchange of --hidden {cfg.hidden} --top-k {cfg.top_k}",
+                          shape_fix="use a smaller --hidden or --top-k", world_size=world_size)
+    except (ImportError, ValueError) as exc:
         parser.error(str(exc))  # one line, exit 2, before any rank starts
     quiet_profiler_logs()  # the SM count reads torch.profiler's kernel events
     result = launch(_rank, cfg)

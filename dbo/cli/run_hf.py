@@ -84,18 +84,17 @@ def hf_model_config(job: Any, world_size: int) -> Any:
     return config
 
 
-def build_hf(ctx: Any, job: Any, tokens: int, max_tokens: int) -> dict[str, Any]:
+def build_hf(ctx: Any, job: Any, *, backend: str, tokens: int,
+             max_tokens: int) -> dict[str, Any]:
     """This rank's model (its experts), batch and runner: the fields of the run job's
-    `RankSetup` (`tokens`: this rank's token count; `max_tokens`: the largest rank's, the
-    capacity a fixed-capacity backend gets, the same on every rank)."""
+    `RankSetup` (`backend`: the one the job runs, "auto" resolved; `tokens`: this rank's
+    token count; `max_tokens`: the largest rank's, the capacity a fixed-capacity backend
+    gets, the same on every rank)."""
     import moe.hf
     from moe.backends import backend_class
     from moe.hf.block import HFMoEBlock
     from moe.hf.tiny import tiny_model
 
-    backend = job.backend
-    if backend == "auto" and ctx.world_size > 1:
-        backend = "a2a_ll" if job.cuda_graph else "a2a"
     num_seqs = job.requests
     seq_len = max(1, tokens // num_seqs)
     capacity = ubatch = None

@@ -44,8 +44,8 @@ from dbo.cli import Parser
 from dbo.cli.launch import RankContext, launch, resolve_world_size
 from dbo.cli.run_decode import decode_summary, print_decode, run_decode_steps, timed_step
 from dbo.cli.run_hf import build_hf
-from dbo.cli.run_config import (BACKENDS, EXPERTS, PROFILERS, RunConfig, check_backend_runs,
-                                model_config, tokens_for_rank)
+from dbo.cli.run_config import (BACKENDS, EXPERTS, PROFILERS, RunConfig, check_job_runs,
+                                model_config, run_backend, tokens_for_rank)
 from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, capture_graph
 from dbo.runner import DBORunner
@@ -98,14 +98,12 @@ def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
 
     if job.cuda_graph and ctx.device.type != "cuda":
         raise ValueError(f"--cuda-graph needs CUDA GPUs; this rank runs on {ctx.device}")
+    backend = run_backend(job, ctx.world_size)
     if job.hf is not None or job.hf_config is not None:
         return RankSetup(**build_hf(
-            ctx, job, tokens_for_rank(job, ctx.rank),
-            max(tokens_for_rank(job, r) for r in range(ctx.world_size))))
+            ctx, job, backend=backend, tokens=tokens_for_rank(job, ctx.rank),
+            max_tokens=max(tokens_for_rank(job, r) for r in range(ctx.world_size))))
     config = model_config(job, ctx.world_size)
-    backend = job.backend
-    if backend == "auto" and ctx.world_size > 1:
-        backend = "a2a_ll" if job.cuda_graph else "a2a"
     config = replace(config, moe=replace(
         config.moe, backend=backend, experts=job.experts))
     model = MoETransformer(config, group=ctx.group, device=ctx.device)
@@ -310,7 +308,7 @@ def parse_job(parser: argparse.ArgumentParser,
     try:
         job = RunConfig(**args)
         world_size = resolve_world_size(world_size)
-        model_config(job, world_size)
+        check_job_runs(job, world_size)
         if job.cuda_graph and not torch.cuda.is_available():
             raise ValueError("--cuda-graph needs CUDA GPUs, and none is visible here: "
                              "run without it on CPU")
@@ -319,7 +317,6 @@ def parse_job(parser: argparse.ArgumentParser,
                              "work), and none is visible here: use --profiler=torch on CPU")
         from moe.experts import make_experts
         make_experts(job.experts, "cuda" if torch.cuda.is_available() else "cpu")
-        check_backend_runs(job.backend)
     except (ImportError, ValueError) as exc:
         parser.error(str(exc))
     return job, world_size

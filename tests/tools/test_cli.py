@@ -5,6 +5,7 @@ ranks (layer 2, marked distributed): `dbo run`, `dbo trace`, `dbo inspect` end t
 the tiny preset."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -135,6 +136,16 @@ def no_launch(monkeypatch):
         monkeypatch.setattr(module, "launch", refuse)
     import dbo.cli.bench.launch
     monkeypatch.setattr(dbo.cli.bench.launch, "spawn_ranks", refuse)
+    import dbo.cli.bench_comm
+    import dbo.cli.soak.run
+    for module in (dbo.cli.bench_comm, dbo.cli.soak.run):
+        monkeypatch.setattr(module, "launch", refuse)
+
+
+NO_DEEP_EP = pytest.mark.skipif(importlib.util.find_spec("deep_ep") is not None,
+                                reason="deep_ep is installed")
+NEEDS_DEEP_EP = "needs DeepEP (deep_ep.Buffer), which is not installed: build DeepEP v1"
+HUGE = "99999999999999"  # tokens no machine holds the activations of
 
 
 @pytest.mark.parametrize("args, message", [
@@ -161,6 +172,37 @@ def no_launch(monkeypatch):
     pytest.param(("bench", "--backends", "symm_mem"), "backend 'symm_mem' runs NVSHMEM "
                  "kernels on CUDA GPUs",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
+    (("run", "--backend", "local"), "backend 'local' needs an EP group of size 1, got 2 "
+                                    "ranks: use backend='a2a', 'a2a_ll' or 'naive'"),
+    pytest.param(("run", "--backend", "deepep_ll"), "backend 'deepep_ll' " + NEEDS_DEEP_EP,
+                 marks=NO_DEEP_EP),
+    pytest.param(("run", "--backend", "deepep_ht"), "backend 'deepep_ht' " + NEEDS_DEEP_EP,
+                 marks=NO_DEEP_EP),
+    pytest.param(("bench", "--backends", "a2a,deepep_ht"), "backend 'deepep_ht' " + NEEDS_DEEP_EP,
+                 marks=NO_DEEP_EP),
+    pytest.param(("bench-comm", "--backends", "deepep_raw_ll"),
+                 "backend 'deepep_raw_ll' " + NEEDS_DEEP_EP, marks=NO_DEEP_EP),
+    pytest.param(("bench-comm", "--backends", "deepep_v2"), "backend 'deepep_v2' needs DeepEP "
+                 "(deep_ep.ElasticBuffer), which is not installed", marks=NO_DEEP_EP),
+    pytest.param(("soak", "--backend", "deepep_ht", "--dtype", "bfloat16"),
+                 "backend 'deepep_ht' " + NEEDS_DEEP_EP, marks=NO_DEEP_EP),
+    (("run", "--tokens", HUGE), f"--tokens={HUGE}: preset tiny (3 layers, 8 experts over 2 "
+                                f"ranks) would need about"),
+    (("trace", "--tokens", HUGE), f"--tokens={HUGE}: preset tiny"),
+    (("run", "--hf-config", "qwen3_moe", "--tokens", HUGE),
+     f"--tokens={HUGE}: hf-config qwen3_moe would need about"),
+    (("run", "--decode-steps", HUGE), f"--decode-steps={HUGE}: preset tiny"),
+    (("run", "--layers", "99999999"), "preset tiny (99999999 layers, 8 experts over 2 ranks) "
+                                      "would need about"),
+    (("bench", "--tokens", HUGE), f"--tokens={HUGE}: --mode layer of preset tiny"),
+    (("bench", "--mode", "decode", "--context", HUGE), "--mode decode of preset tiny (4 "
+                                                       "layers, 8 experts over 2 ranks) would "
+                                                       "need about"),
+    (("bench-comm", "--tokens", HUGE), f"--tokens={HUGE}: the exchange of --hidden 7168"),
+    (("soak", "--max-tokens", HUGE), f"--max-tokens={HUGE}: the soak model"),
+    (("run", "--requests", "50", "--tokens", "10"), "--requests=50 exceeds --tokens=10: each "
+                                                   "request holds at least one token; use "
+                                                   "--requests <= 10, or --tokens >= 50"),
     (("trace", "--profiler", "nope"), "invalid choice: 'nope'"),
     pytest.param(("trace", "--profiler", "nsys"), "--profiler=nsys needs CUDA GPUs",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
@@ -296,3 +338,104 @@ def test_profiler_start_and_stop_print_no_usdt_lines():
     if "profiler_start" not in loud.stderr:
         pytest.skip("this torch build's profiler prints no USDT lines")
     assert "USDT" not in quiet.stderr and "profiler_start" not in quiet.stderr, quiet.stderr
+
+
+def fake_deep_ep_on_cuda(monkeypatch, *, classes=("Buffer",)) -> None:
+    """As on a GPU machine with DeepEP installed (a stand-in module holding `classes`)."""
+    import types
+
+    fake = types.ModuleType("deep_ep")
+    fake.__spec__ = types.SimpleNamespace(name="deep_ep")
+    for name in classes:
+        setattr(fake, name, object)
+    monkeypatch.setitem(sys.modules, "deep_ep", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def test_backend_checks_before_ranks_are_the_backends_own(monkeypatch, capsys, no_launch):
+    # dbo.cli.check_backend_runs asks the backend class (PrepareFinalize.check_runs): the
+    # group sizes and shapes its constructor would refuse, refused before any rank.
+    from moe.models.presets import get_preset
+
+    with pytest.raises(ValueError, match="backend 'local' needs an EP group of size 1, got 2"):
+        cli.check_backend_runs("local", 2)
+    cli.check_backend_runs("local", 1)
+    cli.check_backend_runs("auto", 2)  # a2a: runs anywhere torch does
+    fake_deep_ep_on_cuda(monkeypatch)
+    cli.check_backend_runs("deepep_ht", 2)
+    with pytest.raises(ValueError, match=r"an EP group of 3 rank\(s\) is not supported"):
+        cli.check_backend_runs("deepep_ht", 3)
+    with pytest.raises(ValueError, match="needs an EP group of at least 2 ranks"):
+        cli.check_backend_runs("deepep_ll", 1)
+    with pytest.raises(ValueError, match="MoEConfig.hidden_size=64 is not supported"):
+        cli.check_backend_runs("deepep_ll", 2, get_preset("tiny").moe)
+    with pytest.raises(ValueError, match="MoEConfig.dtype=torch.float32 is not supported"):
+        cli.check_backend_runs("deepep_ht", 2, get_preset("tiny").moe)
+    cli.check_backend_runs("deepep_ll", 2, get_preset("deepseek-v3-like").moe)
+    with pytest.raises(ImportError, match="needs deep_ep.ElasticBuffer, which the installed "
+                                          "deep_ep lacks"):
+        cli.check_backend_runs("deepep_v2", 2)
+    # dbo run checks the backend against its preset's shapes before any rank starts.
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["run", "--backend", "deepep_ll", "--preset", "tiny", "--tokens", "256"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dbo run: backend 'deepep_ll': MoEConfig.hidden_size=64 is not "
+                          "supported") and err.count("\n") == 1, err
+
+
+def test_memory_bound_refuses_exactly_what_does_not_fit(monkeypatch):
+    monkeypatch.setattr(cli, "rank_memory", lambda *args: (1000, "a test budget"))
+
+    def check(value: int, *, fixed: int = 100) -> None:
+        cli.check_fits_memory("--tokens", value, unit="token", per_unit_bytes=9,
+                              fixed_bytes=fixed, model="the model", shape_fix="shrink it",
+                              world_size=2)
+
+    check(100)  # 100 + 100 * 9 = 1000 bytes: fits
+    with pytest.raises(ValueError) as exc:
+        check(101)
+    assert str(exc.value) == ("--tokens=101: the model would need about 1009 B per rank (9 B "
+                              "per token + 100 B of weights), more than the 1000 B a rank "
+                              "has here (a test budget): use --tokens <= 100")
+    with pytest.raises(ValueError) as exc:
+        check(1, fixed=995)  # not even one token fits beside the weights
+    assert str(exc.value) == ("the model would need about 1004 B per rank at a single token "
+                              "(9 B per token + 995 B of weights), more than the 1000 B a "
+                              "rank has here (a test budget): shrink it")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA: a GPU's memory per rank")
+def test_rank_memory_on_cpu_is_the_machines_shared_by_its_ranks(monkeypatch):
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 1 << 20}  # 4 GiB
+    monkeypatch.setattr(cli.os, "sysconf", lambda name: pages[name])
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.rank_memory(2) == (2 << 30, "this machine's 4.0 GiB over 2 ranks")
+    assert cli.rank_memory(1) == (4 << 30, "this machine's 4.0 GiB")
+    # Under torchrun only this node's ranks share its memory.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cli.rank_memory(16) == (1 << 30, "this machine's 4.0 GiB over 4 ranks")
+
+
+def test_run_memory_bound_counts_the_weights_over_the_ranks(monkeypatch):
+    from dbo.cli.run_config import RunConfig, check_run_memory, model_config, step_bytes_per_token
+    from moe.models.presets import estimate_param_bytes
+
+    job = RunConfig(preset="deepseek-v3-like", tokens=4096)
+    config = model_config(job, 8)
+    weights = estimate_param_bytes(config, ep_size=8)
+    need = weights + 4096 * step_bytes_per_token(config)
+    monkeypatch.setattr(cli, "rank_memory", lambda *args: (need, "a test budget"))
+    check_run_memory(job, config, 8)  # exactly fits
+    with pytest.raises(ValueError, match=r"--tokens=4097: preset deepseek-v3-like \(4 layers, "
+                                         r"256 experts over 8 ranks\) would need .* use "
+                                         r"--tokens <= 4096$"):
+        check_run_memory(RunConfig(preset="deepseek-v3-like", tokens=4097), config, 8)
+    # One rank holds every expert: 8x the expert weights, over the budget on their own.
+    with pytest.raises(ValueError, match=r"over 1 rank\) would need .* at a single token"):
+        check_run_memory(job, model_config(job, 1), 1)
+
