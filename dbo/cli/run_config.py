@@ -23,6 +23,9 @@ EXPERTS = ("auto", *EXPERT_KERNELS)
 GRAPH_BACKENDS = ("auto", *CAPACITY_GRAPH_BACKENDS)
 # What records the traced steps (`dbo trace --profiler`).
 PROFILERS = ("torch", "nsys")
+# What a plain `dbo run` runs on CUDA GPUs (`run_defaults`).
+CUDA_PRESET = "deepseek-v3-like"
+CUDA_TOKENS = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +108,20 @@ class RunConfig:
         if self.cuda_graph and self.experts == "reference":
             raise ValueError("--cuda-graph with --experts=reference: the reference experts "
                              "read their token counts on the host; use triton or auto")
+
+
+def run_defaults(device_type: str) -> RunConfig:
+    """What a `dbo run` (or `dbo trace`) with no model options runs on ranks computing on
+    `device_type` ("cpu" or "cuda"). On CPU: the tiny fp32 preset, a functional check. On
+    CUDA GPUs: DeepSeek-V3's layer shapes in bf16 (its preset: 4 layers, 3 of them MoE,
+    256 experts of 7168 x 2048) at 4096 tokens per rank, where the dispatch and combine
+    are large enough for DBO's overlap to show; its weights take about 70 GB on one GPU
+    (less split over more), which an H200 holds."""
+    if device_type == "cuda":
+        return RunConfig(preset=CUDA_PRESET, tokens=CUDA_TOKENS)
+    if device_type == "cpu":
+        return RunConfig()
+    raise ValueError(f"device type {device_type!r}: expected 'cpu' or 'cuda'")
 
 
 def run_backend(job: RunConfig, world_size: int) -> str:

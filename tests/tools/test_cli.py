@@ -109,7 +109,8 @@ def test_help_lists_the_choices_from_the_registries(capsys):
     assert "--experts {" + ",".join(["auto", *EXPERTS]) + "}" in out
     runnable = [name for name in BACKENDS if name not in UNTESTED_BACKENDS]
     assert "--backend {" + ",".join(["auto", *runnable]) + "}" in out
-    assert "(default: 256)" in out  # --tokens
+    entry = " ".join(out.split("\n  --tokens TOKENS", 1)[1].split("\n  --", 1)[0].split())
+    assert entry.endswith("(default: 4096 on CUDA GPUs, 256 on CPU)"), entry
     for command in ("bench", "soak"):
         with pytest.raises(SystemExit):
             cli.main([command, "--help"])
@@ -439,3 +440,47 @@ def test_run_memory_bound_counts_the_weights_over_the_ranks(monkeypatch):
     with pytest.raises(ValueError, match=r"over 1 rank\) would need .* at a single token"):
         check_run_memory(job, model_config(job, 1), 1)
 
+
+def test_plain_run_defaults_depend_on_the_device(monkeypatch):
+    # CPU: the tiny fp32 preset, a functional check (unchanged). CUDA: DeepSeek-V3's layer
+    # shapes in bf16 at 4096 tokens per rank, whose weights fit one H200 (141 GB).
+    from dbo.cli.run_config import RunConfig, model_config, run_defaults
+    from moe.models.presets import estimate_param_bytes
+
+    assert run_defaults("cpu") == RunConfig()
+    assert (RunConfig().preset, RunConfig().tokens) == ("tiny", 256)
+    cuda = run_defaults("cuda")
+    assert (cuda.preset, cuda.tokens) == ("deepseek-v3-like", 4096)
+    assert cuda.tokens >= 4096 and cuda.requests <= cuda.tokens
+    config = model_config(cuda, 1)
+    assert config.dtype == torch.bfloat16 and config.num_moe_layers >= 2
+    assert estimate_param_bytes(config, ep_size=1) < 100e9  # with room for activations
+    with pytest.raises(ValueError, match="device type 'mps'"):
+        run_defaults("mps")
+    # parse_job takes them from the device the ranks compute on, unless the model is named.
+    from dbo.cli.run_job import build_parser, parse_job
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    job, _ = parse_job(build_parser(), ["--no-trace"])
+    assert (job.preset, job.tokens) == ("tiny", 256)
+    job, _ = parse_job(build_parser(), ["--hf-config", "qwen3_moe"])
+    assert (job.preset, job.hf_config) == ("tiny", "qwen3_moe")
+    job, _ = parse_job(build_parser(), ["--preset", "qwen3-moe-like", "--tokens", "64"])
+    assert (job.preset, job.tokens) == ("qwen3-moe-like", 64)
+
+
+def test_a_loss_on_nvlink_says_why_and_how_to_see_the_overlap(capsys):
+    from dbo.cli.run_job import print_summary, why_dbo_lost
+
+    nvlink = why_dbo_lost(_summary(regime="NVLink", speedup=0.6, tokens_per_rank=[4096, 3584]))
+    text = " ".join(nvlink)
+    assert "NVLink, fast enough that the dispatch and combine leave little to hide" in text
+    assert "NCCL_P2P_DISABLE=1" in text and "more ranks" in text
+    assert "--tokens 8192" in text  # twice rank 0's tokens
+    emulated = " ".join(why_dbo_lost(_summary(regime="scale-out emulated (NCCL_P2P_DISABLE=1)")))
+    assert "NVLink" not in emulated and "more tokens per rank" in emulated
+    one = " ".join(why_dbo_lost(_summary(world_size=1, tokens_per_rank=[4096])))
+    assert "no communication to hide" in one and "NCCL_P2P_DISABLE" not in one
+    print_summary(_summary(regime="NVLink"))
+    out = capsys.readouterr().out
+    assert "speedup: 0.500x" in out and "leave little to hide" in out
