@@ -58,10 +58,12 @@ def hf_label(job: Any) -> str:
 
 def hf_model_config(job: Any, world_size: int) -> Any:
     """The transformers config the job runs, checked as every rank would (architecture,
-    experts over the ranks); ValueError with the fix. Reads only config.json of --hf."""
+    experts over the ranks, a checkpoint's index or safetensors headers); ValueError with
+    the fix. Reads config.json of --hf and where its tensors are, not the tensors."""
     from moe.hf.arch import spec_for
     from moe.hf.tiny import tiny_config
     if job.hf is not None:
+        from moe.hf.checkpoint import Checkpoint
         from moe.hf.deps import require
         try:
             config = require("transformers").AutoConfig.from_pretrained(
@@ -69,6 +71,11 @@ def hf_model_config(job: Any, world_size: int) -> Any:
         except (OSError, ValueError, json.JSONDecodeError) as exc:
             raise ValueError(f"--hf={job.hf}: cannot read its config.json ({exc}): name a "
                              f"checkpoint folder that save_pretrained wrote") from exc
+        try:  # its index or its files' headers, read here rather than on every rank
+            with Checkpoint(job.hf):
+                pass
+        except ValueError as exc:
+            raise ValueError(f"--hf={job.hf}: {exc}") from None
     else:
         config = tiny_config(job.hf_config, num_layers=job.layers, num_experts=job.num_experts)
     spec = spec_for(config)

@@ -147,10 +147,13 @@ class Checkpoint:
         return handle
 
     def _file_of_tensor(self) -> dict[str, str]:
+        """Tensor name -> file, from the index where there is one, else from the headers
+        of every *.safetensors file. ValueError, naming the file and the fix, for an
+        index that is not JSON, has no `weight_map` of names to files, or names a file
+        the directory lacks, and for a file whose header safetensors cannot read."""
         index = os.path.join(self.path, INDEX_FILE)
         if os.path.exists(index):
-            with open(index) as f:
-                return dict(json.load(f)["weight_map"])
+            return _read_index(index)
         files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
         if not files:
             raise ValueError(f"moe.hf.load: {self.path!r} holds no *.safetensors file: save the "
@@ -158,6 +161,34 @@ class Checkpoint:
         safetensors = require("safetensors")
         names: dict[str, str] = {}
         for file in files:
-            with safetensors.safe_open(os.path.join(self.path, file), framework="pt") as f:
-                names.update((key, file) for key in f.keys())
+            path = os.path.join(self.path, file)
+            try:
+                with safetensors.safe_open(path, framework="pt") as f:
+                    names.update((key, file) for key in f.keys())
+            except (OSError, safetensors.SafetensorError) as exc:
+                raise ValueError(f"moe.hf.load: cannot read {path!r} ({exc}): save the model "
+                                 f"again with save_pretrained") from None
         return names
+
+
+def _read_index(path: str) -> dict[str, str]:
+    """The `weight_map` (tensor name -> file) of index file `path`, each file checked to
+    be beside it; ValueError naming the file and the fix otherwise."""
+    fix = "save the model again with save_pretrained, which writes it"
+    try:
+        with open(path) as f:
+            index = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"moe.hf.load: {path!r} is not a JSON file ({exc}): {fix}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if (not isinstance(weight_map, dict) or not weight_map
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())):
+        raise ValueError(f"moe.hf.load: {path!r} has no weight_map (an object of tensor names "
+                         f"to *.safetensors files): {fix}")
+    folder = os.path.dirname(path)
+    missing = sorted({f for f in weight_map.values()
+                      if not os.path.isfile(os.path.join(folder, f))})
+    if missing:
+        raise ValueError(f"moe.hf.load: {path!r} lists {missing[0]!r}, which is not in "
+                         f"{folder!r}: copy the whole checkpoint folder, or {fix}")
+    return dict(weight_map)
