@@ -2,7 +2,7 @@
 
     dbo run           the main job: a preset MoE model, DBO on and off (dbo.cli.run_job)
     dbo trace         capture DBO steps under torch.profiler and analyze them (dbo.cli.trace_job)
-    dbo inspect FILE  analyze a torch.profiler or Nsight Systems trace (traces.analyze)
+    dbo inspect FILE  analyze a torch.profiler or Nsight Systems trace (dbo.cli.inspect_trace)
     dbo bench         throughput sweep with a measured overlap ceiling (dbo.cli.bench)
     dbo bench-switch  CPU cost of one ubatch hand-off (dbo.cli.bench_switch)
     dbo bench-comm    dispatch + combine of every backend alone (dbo.cli.bench_comm)
@@ -27,7 +27,7 @@ from typing import Any, Mapping, NoReturn, Optional, Sequence
 COMMANDS = {
     "run": ("dbo.cli.run_job", "the main job: a preset MoE model with DBO on and off"),
     "trace": ("dbo.cli.trace_job", "capture DBO steps under torch.profiler; trace, analysis, timeline"),
-    "inspect": ("traces.analyze", "analyze a Chrome (torch.profiler) or Nsight SQLite trace"),
+    "inspect": ("dbo.cli.inspect_trace", "analyze a Chrome (torch.profiler) or Nsight SQLite trace"),
     "bench": ("dbo.cli.bench", "throughput sweep: backends x tokens x DBO on/off, with ceiling"),
     "bench-switch": ("dbo.cli.bench_switch", "CPU cost per ubatch hand-off vs OS threads"),
     "bench-comm": ("dbo.cli.bench_comm", "dispatch + combine latency, bandwidth, host time, SMs per backend"),

@@ -484,3 +484,50 @@ def test_a_loss_on_nvlink_says_why_and_how_to_see_the_overlap(capsys):
     print_summary(_summary(regime="NVLink"))
     out = capsys.readouterr().out
     assert "speedup: 0.500x" in out and "leave little to hide" in out
+
+
+@pytest.fixture(scope="module")
+def cpu_trace(tmp_path_factory) -> Path:
+    from torch.profiler import profile
+
+    path = tmp_path_factory.mktemp("trace") / "trace.json"
+    with profile() as prof:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    prof.export_chrome_trace(str(path))
+    return path
+
+
+def test_inspect_writes_into_a_folder_and_prints_the_file_written(cpu_trace, tmp_path, capsys):
+    # --png / --json naming a folder write timeline.png / trace_analysis.json in it (as
+    # dbo plan --out DIR writes plan.png in DIR), and print the file written.
+    folder = tmp_path / "out"
+    folder.mkdir()
+    assert cli.main(["inspect", str(cpu_trace), "--png", str(folder), "--json",
+                     str(tmp_path / "new") + "/"]) == 0
+    out = capsys.readouterr().out
+    assert f"timeline: {folder / 'timeline.png'}\n" in out
+    assert (folder / "timeline.png").stat().st_size > 0
+    report = json.loads((tmp_path / "new" / "trace_analysis.json").read_text())
+    assert report == json.loads(out.strip().splitlines()[-1])
+    assert cli.main(["inspect", str(cpu_trace), "--png", str(tmp_path / "t.png")]) == 0
+    assert f"timeline: {tmp_path / 't.png'}\n" in capsys.readouterr().out
+    assert (tmp_path / "t.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--png", "x", "--png=X: name a .png file, or a folder to write timeline.png in (end it "
+                   "with / if it does not exist yet)"),
+    ("--png", "x.svg", "--png=X: name a .png file"),
+    ("--json", "r.txt", "--json=X: name a .json file, or a folder to write "
+                        "trace_analysis.json in"),
+])
+def test_inspect_refuses_an_output_it_would_not_write_as_named(option, value, message, cpu_trace,
+                                                              tmp_path, capsys):
+    path = str(tmp_path / value)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["inspect", str(cpu_trace), option, path])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dbo inspect: {message.replace('X', path)}") and \
+        err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())  # nothing written
