@@ -74,11 +74,16 @@ def check_out_dir(option: str, path: str) -> None:
                          f"into a folder: name a folder (it is created if missing)")
 
 
-def check_int_option(name: str, value: Any, *, low: int) -> None:
+def check_int_option(name: str, value: Any, *, low: int, high: Optional[int] = None,
+                     why: str = "") -> None:
     """Reject a job setting `name` (the option `--name-with-dashes`) that is not an int >=
-    `low` (ValueError naming the option and the bound)."""
+    `low`, or is above `high` (ValueError naming the option and the bound, then `why`:
+    what makes the bound)."""
+    option = f"--{name.replace('_', '-')}={value!r}"
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"--{name.replace('_', '-')}={value!r}: must be an int >= {low}")
+        raise ValueError(f"{option}: must be an int >= {low}")
+    if high is not None and value > high:
+        raise ValueError(f"{option}: at most {high}{why}")
 
 
 def check_out_file(option: str, path: str) -> None:
