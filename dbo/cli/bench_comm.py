@@ -62,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = CommBenchConfig()
     p = Parser("dbo bench-comm", epilog=EXAMPLES,
-               description="Dispatch + combine of every backend alone: latency (CUDA "
-                           "events), algorithmic bandwidth (DeepEP's definition), host "
-                           "time per call and the SMs of the comm kernels, over tokens "
-                           "per rank. A table, CSV/JSON/PNG, one JSON line.")
+               description="Times the dispatch + combine of every backend alone, over tokens per\n"
+                           "rank: latency (CUDA events), algorithmic bandwidth (DeepEP's\n"
+                           "definition), host time per call and the SMs of the comm kernels.\n"
+                           "Prints a table, writes CSV/JSON/PNG, ends with one JSON line.")
     p.add_argument("--tokens", type=_int_list, default=None,
                    help="tokens per rank of each point, comma list "
                         f"(default {','.join(map(str, DEFAULT_TOKENS))})")

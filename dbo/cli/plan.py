@@ -59,11 +59,28 @@ def _sweep(text: str) -> tuple[int, ...]:
     return values
 
 
+DESCRIPTION = """\
+PREDICTS the step time and gain of DBO and SBO for a model shape on a cluster (GPUs per
+node, EP size, links) over a sweep of tokens per rank, from dbo's cost model and a
+calibration (illustrative H100/H200 figures unless --calibration FILE, e.g. the one
+`dbo bench` writes). Nothing runs on a GPU: every figure is a prediction. Prints a table
+per phase (prefill: --tokens; decode: --requests), where each mode starts to win, writes
+plan.png with --out, and ends with one JSON line."""
+
+EXAMPLES = """\
+examples:
+  dbo plan --preset deepseek-v3-like --ep 8 --tokens 4096
+  dbo plan --preset deepseek-v3-like --layers 58 --gpus-per-node 8 --ep 96 \\
+      --redundant-experts 32 --inter-gbs 50 --tokens 4096 --requests 256 --out plan/
+  dbo plan --calibration dbo_out/bench/calibration.json --backend a2a_ll --tokens 2048
+"""
+
+
 def build_parser() -> Parser:
     from dbo.cli.bench.config import BENCH_BACKENDS
     from moe.models.presets import PRESETS
 
-    p = Parser("dbo plan", description=__doc__)
+    p = Parser("dbo plan", description=DESCRIPTION, epilog=EXAMPLES)
     p.add_argument("--preset", choices=list(PRESETS), default="deepseek-v3-like",
                    help="model shape")
     p.add_argument("--layers", type=_positive_int, default=None,

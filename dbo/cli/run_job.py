@@ -58,6 +58,25 @@ from moe.models.presets import PRESETS
 from moe.routing_log import record_routing, routing_ties
 from traces.capture import capture, phase_order
 
+DESCRIPTION = """\
+Runs an MoE model (a preset, or a Hugging Face model with --hf / --hf-config) on every
+GPU, or on 2 CPU ranks, once without DBO and once with it, on the same batch: checks that
+the outputs match, times both, traces one DBO step, and prints the split decision and the
+order in which the two micro-batches issued one MoE layer's phases. Writes summary.json,
+trace.json (open it in Perfetto), trace_analysis.json and trace_timeline.png into --out.
+On CPU the times are a functional check, not a performance figure."""
+
+EXAMPLES = """\
+examples:
+  dbo run                          # GPUs: deepseek-v3-like, bf16; CPU: 2 ranks, tiny preset
+  dbo run --preset qwen3-moe-like --tokens 8192 --cuda-graph
+  NCCL_P2P_DISABLE=1 dbo run       # GPUs: the links of a scale-out cluster, emulated
+  torchrun --nproc_per_node=8 -m dbo.cli run --backend a2a_ll
+  dbo run --hf-config qwen3_moe    # a tiny random Hugging Face model
+  dbo run --decode-steps 4         # then 4 decode steps over KV caches, DBO off and on
+"""
+
+
 def _timed(fn: Any, steps: int, device: torch.device) -> list[float]:
     """Seconds per step of `steps` calls (`run_decode.timed_step`: ranks in step)."""
     return [timed_step(fn, device)[1] for _ in range(steps)]
@@ -274,7 +293,7 @@ def why_dbo_lost(s: dict) -> list[str]:
     return lines
 
 
-def build_parser(*, prog: str = "dbo run", description: Optional[str] = __doc__,
+def build_parser(*, prog: str = "dbo run", description: Optional[str] = DESCRIPTION,
                  defaults: Optional[RunConfig] = None,
                  traced: bool = False) -> argparse.ArgumentParser:
     """The options of `dbo run`, their defaults from `defaults` but for --preset and
@@ -283,7 +302,7 @@ def build_parser(*, prog: str = "dbo run", description: Optional[str] = __doc__,
     --no-trace, and --cuda-graph, as a traced step runs eagerly."""
     d = defaults or RunConfig()
     cpu, cuda = run_defaults("cpu"), run_defaults("cuda")
-    p = Parser(prog, description=description)
+    p = Parser(prog, description=description, epilog=None if traced else EXAMPLES)
     # --preset and --tokens default to what the ranks' device runs (`run_defaults`),
     # filled in by `parse_job`.
     p.add_argument("--preset", default=None, choices=PRESETS,

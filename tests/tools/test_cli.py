@@ -92,8 +92,25 @@ def test_help_names_the_command_and_shows_defaults(command, capsys):
     assert out.startswith(f"usage: dbo {command} ")
     if HELP_DEFAULTS[command] is not None:
         option, default = HELP_DEFAULTS[command]
-        entry = " ".join(out.split(f"\n  {option} ", 1)[1].split("\n  -", 1)[0].split())
+        entry = out.split(f"\n  {option} ", 1)[1].split("\n  -", 1)[0].split("\n\n", 1)[0]
+        entry = " ".join(entry.split())
         assert entry.endswith(f"(default: {default})"), entry
+
+
+@pytest.mark.parametrize("command", [c for c in cli.COMMANDS if c != "trace"])
+def test_every_command_describes_itself_to_a_user_in_a_few_lines(command, capsys):
+    # The text between the usage block and the options: what the command does, for
+    # someone running it (not a module's docstring: no dbo.* module names, no source
+    # layout). `dbo trace` passes its own module docstring (dbo/cli/trace_job.py).
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n", 1)[1].split("\npositional arguments:", 1)[0]
+    description = description.split("\noptions:", 1)[0].strip()
+    lines = description.splitlines()
+    assert 1 <= len(lines) <= 7 and max(map(len, lines)) <= 92, description
+    assert "dbo.cli" not in description and "`dbo." not in description, description
+    assert "One rank's" not in description and "Modules:" not in description
 
 
 def test_help_lists_the_choices_from_the_registries(capsys):

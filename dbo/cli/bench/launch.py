@@ -63,9 +63,10 @@ def _name_list(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         "dbo bench", epilog=USAGE_EXAMPLES,
-        description="Throughput of no overlap, single-batch overlap (SBO) and DBO over "
-                    "tokens per rank and backends, with the measured overlap ceiling (GPU) "
-                    "and a gate that chooses among the three. Prints a table, writes CSV/JSON/PNG, ends with one JSON line.")
+        description="Measures the throughput of no overlap, single-batch overlap (SBO) and DBO\n"
+                    "over tokens per rank and backends, with the measured overlap ceiling (GPU)\n"
+                    "and a gate that chooses among the three. Prints a table, writes\n"
+                    "CSV/JSON/PNG (and a calibration for dbo plan), ends with one JSON line.")
     p.add_argument("--mode", default="layer", choices=MODES,
                    help="layer: MoE layers with attention-sized GEMMs between; model: the "
                         "reference MoE transformer; decode: one token per request over its "

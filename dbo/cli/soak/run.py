@@ -170,8 +170,23 @@ def _progress(job: SoakConfig, done: int, split_steps: int, max_diff: float,
 
 
 # ------------------------------------------------------------------------------ CLI
+DESCRIPTION = """\
+Runs many DBO steps, each rank drawing its own random token count (zero included), and
+checks every step against the same step without DBO, while it samples memory and holds
+its growth to bounds. Prints progress, a table per rank, then one JSON line; exits with
+1 on a mismatched step or memory growth past a bound."""
+
+EXAMPLES = """\
+examples:
+  dbo soak                                     # CPU: 2 ranks, 2000 steps
+  dbo soak --steps 500 --backend a2a_ll --layers 1
+  dbo soak --steps 20000 --max-tokens 512      # GPUs: one rank per GPU
+  dbo soak --backend a2a_ll --cuda-graph       # GPUs: steps replayed from CUDA graphs
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser("dbo soak", description=__doc__)
+    p = Parser("dbo soak", description=DESCRIPTION, epilog=EXAMPLES)
     d = SoakConfig()
     p.add_argument("--steps", type=int, default=d.steps, help="steps in all, warmup included")
     p.add_argument("--backend", default=d.backend, choices=BACKENDS,
