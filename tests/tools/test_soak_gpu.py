@@ -69,7 +69,7 @@ def test_graphed_soak_a2a_ll():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deep_ep") is None,
-                    reason="needs DeepEP (deep_ep); see ../shared/deepep/README.md")
+                    reason="needs DeepEP (deep_ep): github.com/deepseek-ai/DeepEP")
 def test_graphed_soak_deepep_ll_bf16():
     job = replace(BASE, backend="deepep_ll", dtype="bfloat16", hidden=2048, intermediate=256)
     (s,) = run_distributed(2, _soaks, [job], backend="nccl")[0]
