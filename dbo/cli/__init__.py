@@ -67,11 +67,21 @@ class Parser(argparse.ArgumentParser):
 
 
 def check_out_dir(option: str, path: str) -> None:
-    """Reject an output folder that is an existing file (ValueError with the fix): found
+    """Reject an output folder that cannot be made or written (ValueError with the fix):
+    an existing file, a path under a file, a folder this process cannot write in. Found
     now, not when the job writes its results."""
     if Path(path).exists() and not Path(path).is_dir():
         raise ValueError(f"{option}={path}: that is an existing file, and the results go "
                          f"into a folder: name a folder (it is created if missing)")
+    existing = Path(path).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{option}={path}: {existing} is a file, so no folder can be made "
+                         f"under it: name a folder elsewhere")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{option}={path}: this process cannot write in {existing}: name a "
+                         f"folder it can write in")
 
 
 def check_int_option(name: str, value: Any, *, low: int, high: Optional[int] = None,
@@ -84,6 +94,17 @@ def check_int_option(name: str, value: Any, *, low: int, high: Optional[int] = N
         raise ValueError(f"{option}: must be an int >= {low}")
     if high is not None and value > high:
         raise ValueError(f"{option}: at most {high}{why}")
+
+
+#: The largest --seed: torch seeds generators with 64-bit ints, and the commands derive
+#: further seeds from it (seed + 1000 + rank, seed * 7 + ...); 32 bits leave room for that.
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(value: Any) -> None:
+    """Reject a --seed that is not an int in [0, MAX_SEED] (ValueError with the bound)."""
+    check_int_option("seed", value, low=0, high=MAX_SEED,
+                     why=" (the seeds derived from it must fit torch's 64-bit generator seeds)")
 
 
 def check_out_file(option: str, path: str) -> None:

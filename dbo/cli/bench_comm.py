@@ -32,7 +32,7 @@ import warnings
 from typing import Optional, Sequence
 
 from dbo.cli import (Parser, check_backend_runs, check_fits_memory, check_out_dir,
-                     quiet_profiler_logs)
+                     check_seed, quiet_profiler_logs)
 from dbo.cli.launch import RankContext, launch, resolve_world_size
 
 EXAMPLES = """\
@@ -107,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> "CommBenchConfig":  # noqa: F8
     regime = regime_label(device, p2p_disabled=p2p_disabled)
     if p2p_disabled and device == "cuda":
         regime += "; DeepEP/NVSHMEM unaffected"
+    check_seed(args.seed)
     if args.graph_layers is not None and not args.cuda_graph:
         raise ValueError(f"--graph-layers {args.graph_layers} does nothing without "
                          f"--cuda-graph: add --cuda-graph, or drop --graph-layers")

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from dbo.cli import (CAPACITY_GRAPH_BACKENDS, check_backend_runs, check_deepep_ll_depth,
-                     check_fits_memory, check_graph_backends, check_out_dir)
+                     check_fits_memory, check_graph_backends, check_out_dir, check_seed)
 from dbo.cli.run_hf import check_hf_options, hf_label, hf_model_config
 from moe.backends import BACKENDS as MOE_BACKENDS
 from moe.experts import EXPERTS as EXPERT_KERNELS
@@ -81,6 +81,7 @@ class RunConfig:
                              f"{self.tokens}, or --tokens >= {self.requests}")
         if self.warmup < 0:
             raise ValueError(f"--warmup={self.warmup}: must be >= 0")
+        check_seed(self.seed)
         if self.decode_steps < 0:
             raise ValueError(f"--decode-steps={self.decode_steps}: must be >= 0")
         if self.decode_steps and (self.hf is not None or self.hf_config is not None):

@@ -221,6 +221,14 @@ HUGE = "99999999999999"  # tokens no machine holds the activations of
     (("run", "--requests", "50", "--tokens", "10"), "--requests=50 exceeds --tokens=10: each "
                                                    "request holds at least one token; use "
                                                    "--requests <= 10, or --tokens >= 50"),
+    (("run", "--out", "FILE/run"), "existing.txt is a file, so no folder can be made under "
+                                   "it: name a folder elsewhere"),
+    (("bench", "--out", "FILE/bench"), "existing.txt is a file, so no folder can be made"),
+    (("run", "--seed", "-1"), "--seed=-1: must be an int >= 0"),
+    (("soak", "--seed", str(2**64)), f"--seed={2**64}: at most 4294967295 (the seeds derived "
+                                     f"from it must fit torch's 64-bit generator seeds)"),
+    (("bench", "--seed", str(2**32)), f"--seed={2**32}: at most 4294967295"),
+    (("bench-comm", "--seed", "-3"), "--seed=-3: must be an int >= 0"),
     (("trace", "--profiler", "nope"), "invalid choice: 'nope'"),
     pytest.param(("trace", "--profiler", "nsys"), "--profiler=nsys needs CUDA GPUs",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
@@ -228,7 +236,7 @@ HUGE = "99999999999999"  # tokens no machine holds the activations of
 def test_bad_arguments_fail_fast(args, message, tmp_path, capsys, no_launch):
     existing = tmp_path / "existing.txt"
     existing.write_text("not a folder")
-    argv = [str(existing) if a == "FILE" else a for a in args]
+    argv = [a.replace("FILE", str(existing)) for a in args]
     try:
         code = cli.main(argv)
     except SystemExit as exc:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from dbo.cli import CAPACITY_GRAPH_BACKENDS, check_graph_backends, check_int_option
+from dbo.cli import CAPACITY_GRAPH_BACKENDS, check_graph_backends, check_int_option, check_seed
 from dbo.cli.soak.padding import MIN_GRAPH_SIZE, default_graph_sizes
 from moe.backends import BACKENDS as MOE_BACKENDS
 from moe.backends.deepep_support import LL_HIDDEN_SIZES
@@ -97,8 +97,9 @@ class SoakConfig:
         for name in ("steps", "max_tokens", "layers", "report_every", "hidden",
                      "intermediate", "num_experts", "top_k"):
             check_int_option(name, getattr(self, name), low=1)
-        for name in ("seed", "warmup", "bound_kib"):
+        for name in ("warmup", "bound_kib"):
             check_int_option(name, getattr(self, name), low=0)
+        check_seed(self.seed)
         check_int_option("trace_window", self.trace_window, low=0)
         if self.trace_window > self.report_every:
             raise ValueError(f"--trace-window={self.trace_window} exceeds --report-every="
