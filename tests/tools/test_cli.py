@@ -221,6 +221,8 @@ HUGE = "99999999999999"  # tokens no machine holds the activations of
     (("run", "--requests", "50", "--tokens", "10"), "--requests=50 exceeds --tokens=10: each "
                                                    "request holds at least one token; use "
                                                    "--requests <= 10, or --tokens >= 50"),
+    (("bench", "--context", "512"), "--context 512 applies to decode steps: add --mode decode, "
+                                    "or drop --context"),
     (("run", "--out", "FILE/run"), "existing.txt is a file, so no folder can be made under "
                                    "it: name a folder elsewhere"),
     (("bench", "--out", "FILE/bench"), "existing.txt is a file, so no folder can be made"),

@@ -91,6 +91,14 @@ def regime_label(device: str, *, p2p_disabled: bool) -> str:
     return EMULATED_REGIME if p2p_disabled else NVLINK_REGIME
 
 
+def check_context_option(mode: str, context: Optional[int]) -> None:
+    """--context sizes the KV caches of decode steps: ValueError (with the fix) where it
+    is given to another mode, which would ignore it."""
+    if context is not None and mode != "decode":
+        raise ValueError(f"--context {context} applies to decode steps: add --mode decode, or "
+                         f"drop --context")
+
+
 def requests_count(groups: Optional[list[list[int]]], *, where: str, default: int) -> int:
     """The one `--requests` count (parsed as lists, `groups`) of a mode that takes one;
     `default` without the option. ValueError for a list: only --mode decode sweeps it."""

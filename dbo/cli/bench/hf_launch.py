@@ -38,7 +38,7 @@ import torch
 
 from dbo.cli import (check_backend_runs, check_deepep_ll_depth, check_fits_memory, check_out_dir,
                      quiet_profiler_logs)
-from dbo.cli.bench.config import regime_label, requests_count
+from dbo.cli.bench.config import check_context_option, regime_label, requests_count
 from dbo.cli.bench.ranks import measure_on_rank, p2p_disabled, resolve_device, world_size_of
 from dbo.cli.bench.hf_config import (
     DEFAULT_HF_CPU_CONTEXT,
@@ -89,10 +89,8 @@ def _decode_options(args: argparse.Namespace, *, gpu: bool) -> Optional[HFDecode
     if args.mode == "model":
         raise ValueError("--mode model does not apply to --hf (the architecture is the "
                          "model): drop it for prefill, or use --mode decode")
+    check_context_option(args.mode, args.context)
     if args.mode != "decode":
-        if args.context is not None:
-            raise ValueError(f"--context {args.context} applies to decode steps: add "
-                             f"--mode decode, or drop --context")
         return None
     if args.tokens:
         raise ValueError("--hf with --mode decode sweeps --requests (one new token per "

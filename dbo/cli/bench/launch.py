@@ -27,6 +27,7 @@ from dbo.cli.bench.config import (
     MODES,
     OVERLAPS,
     BenchConfig,
+    check_context_option,
     known_presets,
     regime_label,
     requests_count,
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchConfig:
     """A validated BenchConfig (ValueError with the fix on bad input)."""
+    check_context_option(args.mode, args.context)
     device = resolve_device(args.device)
     gpu = device == "cuda"
     tokens = ([t for group in args.tokens for t in group] if args.tokens else
