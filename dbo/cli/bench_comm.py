@@ -11,8 +11,9 @@ MoE backend and of DeepEP's raw calls, over tokens per rank (`moe.bench.comm`).
 Without torchrun it starts one rank per visible GPU (NCCL), or 2 gloo ranks on a CPU
 machine. Backends: every registered multi-rank one (a2a, a2a_ll, naive, naive_mono,
 deepep_*, symm_mem when registered) and DeepEP's raw calls `deepep_raw_ht` (normal
-kernels) and `deepep_raw_ll` (low-latency kernels, T <= 256). One that cannot be built
-or run here is skipped with a one-line reason. NCCL_P2P_DISABLE=1 slows NCCL only
+kernels) and `deepep_raw_ll` (low-latency kernels, T <= 256). Without --backends, one
+that cannot be built or run here is skipped with a one-line reason; one named in
+--backends is refused before any rank starts. NCCL_P2P_DISABLE=1 slows NCCL only
 (DeepEP and NVSHMEM do not go through NCCL): the regime label says which was set.
 Progress lines on stderr; a table, then one JSON line on stdout; CSV, JSON and PNG under
 --out.
@@ -123,18 +124,21 @@ def config_from_args(args: argparse.Namespace) -> "CommBenchConfig":  # noqa: F8
 
 
 def check_named_backends(names: Sequence[str], world_size: int) -> None:
-    """Refuse, in one line, a backend named in --backends that cannot run here (a missing
+    """Refuse, in one line, a backend named in --backends that this benchmark does not
+    time (`moe.bench.comm_engines.check_timed`) or that cannot run here (a missing
     library, no CUDA, a group size it does not take): the MoE backends through
     `dbo.cli.check_backend_runs`, DeepEP's raw calls through the DeepEP backends' check.
     Without --backends every one is tried, and one that cannot run is skipped with the
     reason."""
+    from moe.backends import backend_class
     from moe.backends.deepep_support import require_deep_ep
-    from moe.bench.comm_engines import RAW_DEEPEP
+    from moe.bench.comm_engines import RAW_DEEPEP, check_timed
 
     for name in names:
         if name in RAW_DEEPEP:
             require_deep_ep(name, "Buffer")
         else:
+            check_timed(backend_class(name, world_size))
             check_backend_runs(name, world_size)
 
 

@@ -200,6 +200,9 @@ HUGE = "99999999999999"  # tokens no machine holds the activations of
                  marks=NO_DEEP_EP),
     pytest.param(("bench-comm", "--backends", "deepep_raw_ll"),
                  "backend 'deepep_raw_ll' " + NEEDS_DEEP_EP, marks=NO_DEEP_EP),
+    (("bench-comm", "--backends", "a2a,naive_mono"), "backend 'naive_mono' dispatches router "
+                                                     "logits (the monolithic form), not top-k "
+                                                     "ids: not timed here"),
     pytest.param(("bench-comm", "--backends", "deepep_v2"), "backend 'deepep_v2' needs DeepEP "
                  "(deep_ep.ElasticBuffer), which is not installed", marks=NO_DEEP_EP),
     pytest.param(("soak", "--backend", "deepep_ht", "--dtype", "bfloat16"),
