@@ -177,8 +177,28 @@ def rank_memory(world_size: int, device_type: Optional[str] = None) -> tuple[int
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     local = max(local, 1)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # Each rank is a process like this one (Python, torch, the job's imports) before it
+    # makes any tensor.
+    baseline = process_bytes()
+    if total // local <= baseline:
+        raise ValueError(f"{local} ranks on this machine's {format_bytes(total)} would get "
+                         f"{format_bytes(total // local)} each, no more than the "
+                         f"{format_bytes(baseline)} a process of Python and torch takes "
+                         f"here: start at most {total // (baseline + 1)} (--world-size)")
     shared = f" over {local} ranks" if local > 1 else ""
-    return total // local, f"this machine's {format_bytes(total)}{shared}"
+    return (total // local - baseline,
+            f"this machine's {format_bytes(total)}{shared}, less {format_bytes(baseline)} "
+            f"for Python and torch")
+
+
+def process_bytes() -> int:
+    """The resident memory of this process (Linux: /proc/self/statm), what a rank takes
+    before it makes a tensor; 0 where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def check_fits_memory(option: str, value: int, *, unit: str, per_unit_bytes: int,

@@ -226,6 +226,9 @@ HUGE = "99999999999999"  # tokens no machine holds the activations of
                                                    "--requests <= 10, or --tokens >= 50"),
     (("bench", "--context", "512"), "--context 512 applies to decode steps: add --mode decode, "
                                     "or drop --context"),
+    pytest.param(("run", "--world-size", "100000", "--num-experts", "100000"),
+                 "100000 ranks on this machine's", marks=pytest.mark.skipif(
+                     torch.cuda.is_available(), reason="has CUDA: one GPU per rank")),
     (("run", "--out", "FILE/run"), "existing.txt is a file, so no folder can be made under "
                                    "it: name a folder elsewhere"),
     (("bench", "--out", "FILE/bench"), "existing.txt is a file, so no folder can be made"),
@@ -441,15 +444,26 @@ def test_memory_bound_refuses_exactly_what_does_not_fit(monkeypatch):
 def test_rank_memory_on_cpu_is_the_machines_shared_by_its_ranks(monkeypatch):
     pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 1 << 20}  # 4 GiB
     monkeypatch.setattr(cli.os, "sysconf", lambda name: pages[name])
+    monkeypatch.setattr(cli, "process_bytes", lambda: 256 << 20)  # each rank's Python, torch
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    assert cli.rank_memory(2) == (2 << 30, "this machine's 4.0 GiB over 2 ranks")
-    assert cli.rank_memory(1) == (4 << 30, "this machine's 4.0 GiB")
+    less = "less 256.0 MiB for Python and torch"
+    assert cli.rank_memory(2) == ((2 << 30) - (256 << 20),
+                                  f"this machine's 4.0 GiB over 2 ranks, {less}")
+    assert cli.rank_memory(1) == ((4 << 30) - (256 << 20), f"this machine's 4.0 GiB, {less}")
+    # Ranks that would not even hold their Python and torch: too many.
+    with pytest.raises(ValueError, match=r"16 ranks on this machine's 4.0 GiB would get "
+                                         r"256.0 MiB each, no more than the 256.0 MiB a "
+                                         r"process of Python and torch takes here: start at "
+                                         r"most 15 \(--world-size\)"):
+        cli.rank_memory(16)
     # Under torchrun only this node's ranks share its memory.
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert cli.rank_memory(16) == (1 << 30, "this machine's 4.0 GiB over 4 ranks")
+    assert cli.rank_memory(16) == ((1 << 30) - (256 << 20),
+                                   f"this machine's 4.0 GiB over 4 ranks, {less}")
+    assert cli.process_bytes() > 0  # this process, read from /proc on Linux
 
 
 def test_run_memory_bound_counts_the_weights_over_the_ranks(monkeypatch):
