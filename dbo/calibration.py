@@ -5,10 +5,11 @@ load and save.
     cal.save("cal.json"); Calibration.load("cal.json") == cal
 
 The defaults are ILLUSTRATIVE figures for an H100/H200, not a measurement of the machine
-at hand; each field's doc says where its default comes from (a measurement of
-ours, BENCHMARKS.md, or a public spec sheet). `dbo bench` writes a calibration file of the
-machine it ran on (`<out>/calibration.json`): the same figures plus `points`, the per-phase
-times it measured at each shape (`MeasuredPoint`), and the device, torch version and date.
+at hand; each field's doc says where its default comes from (a measurement on 2x H200,
+BENCHMARKS.md, DeepEP's own tests, or a public spec sheet). `dbo bench` writes a
+calibration file of the machine it ran on (`<out>/calibration.json`): the same figures
+plus `points`, the per-phase times it measured at each shape (`MeasuredPoint`), and the
+device, torch version and date.
 """
 from __future__ import annotations
 
@@ -228,10 +229,11 @@ def _default_efficiency() -> tuple[tuple[float, float], ...]:
 
 
 def _default_regimes() -> dict[str, CommRegime]:
-    # nvlink: all_to_all_single at 379-446 GB/s on 2x H200 (measured);
+    # nvlink: all_to_all_single at 379-446 GB/s on 2x H200 (measured, torch 2.11, NCCL 2.28);
     # scale_out: host-staged NCCL at ~46 GB/s, about one 400 Gb/s NIC per GPU
-    # (BENCHMARKS.md, "scale-out emulated"). Latencies are illustrative:
-    # DeepEP's low-latency dispatch send is 21 us on NVLink (measured).
+    # (measured there with NCCL_P2P_DISABLE=1; BENCHMARKS.md "scale-out emulated").
+    # Latencies are illustrative: DeepEP's low-latency dispatch send is 21 us on NVLink
+    # (DeepEP's own tests, measured on 2x H100).
     return {"nvlink": CommRegime(bandwidth_gbs=400.0, latency_us=20.0),
             "scale_out": CommRegime(bandwidth_gbs=46.0, latency_us=30.0)}
 
@@ -262,7 +264,7 @@ class Calibration:
     bench puts one fused-MoE call (several launches) at 492 us of host time."""
     comm_sm_share: float = 0.18
     """Fraction of the SMs the comm kernels hold while they run: DeepEP's normal kernels
-    on 24 of an H100's 132 SMs (measured). Where `comm_sm_shares` names the
+    on 24 of an H100's 132 SMs (DeepEP's own tests). Where `comm_sm_shares` names the
     point's backend and link, that figure is used instead."""
     comm_sm_shares: dict[str, float] = field(default_factory=_default_comm_sm_shares)
     """Fraction of the SMs the comm kernels hold, per "<backend>/<regime>" (e.g.

@@ -11,8 +11,9 @@ MoE backend and of DeepEP's raw calls, over tokens per rank (`moe.bench.comm`).
 Without torchrun it starts one rank per visible GPU (NCCL), or 2 gloo ranks on a CPU
 machine. Backends: every registered multi-rank one (a2a, a2a_ll, naive, naive_mono,
 deepep_*, symm_mem when registered) and DeepEP's raw calls `deepep_raw_ht` (normal
-kernels) and `deepep_raw_ll` (low-latency kernels, T <= 256). One that cannot be built
-or run here is skipped with a one-line reason. NCCL_P2P_DISABLE=1 slows NCCL only
+kernels) and `deepep_raw_ll` (low-latency kernels, T <= 256). Without --backends, one
+that cannot be built or run here is skipped with a one-line reason; one named in
+--backends is refused before any rank starts. NCCL_P2P_DISABLE=1 slows NCCL only
 (DeepEP and NVSHMEM do not go through NCCL): the regime label says which was set.
 Progress lines on stderr; a table, then one JSON line on stdout; CSV, JSON and PNG under
 --out.
@@ -31,7 +32,8 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from dbo.cli import Parser, check_out_dir, quiet_profiler_logs
+from dbo.cli import (Parser, check_backend_runs, check_fits_memory, check_out_dir,
+                     check_seed, quiet_profiler_logs)
 from dbo.cli.launch import RankContext, launch, resolve_world_size
 
 EXAMPLES = """\
@@ -61,10 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = CommBenchConfig()
     p = Parser("dbo bench-comm", epilog=EXAMPLES,
-               description="Dispatch + combine of every backend alone: latency (CUDA "
-                           "events), algorithmic bandwidth (DeepEP's definition), host "
-                           "time per call and the SMs of the comm kernels, over tokens "
-                           "per rank. A table, CSV/JSON/PNG, one JSON line.")
+               description="Times the dispatch + combine of every backend alone, over tokens per\n"
+                           "rank: latency (CUDA events), algorithmic bandwidth (DeepEP's\n"
+                           "definition), host time per call and the SMs of the comm kernels.\n"
+                           "Prints a table, writes CSV/JSON/PNG, ends with one JSON line.")
     p.add_argument("--tokens", type=_int_list, default=None,
                    help="tokens per rank of each point, comma list "
                         f"(default {','.join(map(str, DEFAULT_TOKENS))})")
@@ -106,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> "CommBenchConfig":  # noqa: F8
     regime = regime_label(device, p2p_disabled=p2p_disabled)
     if p2p_disabled and device == "cuda":
         regime += "; DeepEP/NVSHMEM unaffected"
+    check_seed(args.seed)
     if args.graph_layers is not None and not args.cuda_graph:
         raise ValueError(f"--graph-layers {args.graph_layers} does nothing without "
                          f"--cuda-graph: add --cuda-graph, or drop --graph-layers")
@@ -118,6 +121,25 @@ def config_from_args(args: argparse.Namespace) -> "CommBenchConfig":  # noqa: F8
         plot=not args.no_plot, cuda_graph=args.cuda_graph, **graph_layers)
     cfg.check_device(torch.device(device))
     return cfg
+
+
+def check_named_backends(names: Sequence[str], world_size: int) -> None:
+    """Refuse, in one line, a backend named in --backends that this benchmark does not
+    time (`moe.bench.comm_engines.check_timed`) or that cannot run here (a missing
+    library, no CUDA, a group size it does not take): the MoE backends through
+    `dbo.cli.check_backend_runs`, DeepEP's raw calls through the DeepEP backends' check.
+    Without --backends every one is tried, and one that cannot run is skipped with the
+    reason."""
+    from moe.backends import backend_class
+    from moe.backends.deepep_support import require_deep_ep
+    from moe.bench.comm_engines import RAW_DEEPEP, check_timed
+
+    for name in names:
+        if name in RAW_DEEPEP:
+            require_deep_ep(name, "Buffer")
+        else:
+            check_timed(backend_class(name, world_size))
+            check_backend_runs(name, world_size)
 
 
 def _rank(ctx: RankContext, cfg: "CommBenchConfig") -> object:  # noqa: F821
@@ -135,8 +157,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = config_from_args(args)
         check_out_dir("--out", cfg.out_dir)
-        cfg.check_world(resolve_world_size(None))
-    except ValueError as exc:
+        world_size = resolve_world_size(None)
+        cfg.check_world(world_size)
+        check_named_backends(cfg.backends, world_size)
+        # A lower bound: each token's row [H] and the top-k rows it becomes, in bf16.
+        check_fits_memory("--tokens", max(cfg.tokens), unit="token",
+                          per_unit_bytes=(1 + cfg.top_k) * cfg.hidden * cfg.dtype.itemsize,
+                          model=f"the exchange of --hidden {cfg.hidden} --top-k {cfg.top_k}",
+                          shape_fix="use a smaller --hidden or --top-k", world_size=world_size)
+    except (ImportError, ValueError) as exc:
         parser.error(str(exc))  # one line, exit 2, before any rank starts
     quiet_profiler_logs()  # the SM count reads torch.profiler's kernel events
     result = launch(_rank, cfg)

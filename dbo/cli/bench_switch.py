@@ -21,7 +21,9 @@ the best repeat).
 """
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import statistics
 import sys
 import threading
@@ -29,7 +31,7 @@ import time
 
 import greenlet
 
-from dbo.cli import Parser
+from dbo.cli import Parser, check_int_option
 from dbo.scheduler import UBatchScheduler
 from dbo.yield_points import (
     dbo_yield,
@@ -97,16 +99,75 @@ def time_threads(num_yields: int) -> float:
     return (time.perf_counter() - start) / (2 * num_yields)
 
 
+DESCRIPTION = """\
+Measures the CPU cost of one hand-off between DBO's two micro-batches: dbo's greenlet
+scheduler with its stream and event bookkeeping, without it, and two bare greenlets (the
+floor), against two OS threads handing off through events. Prints a table, then one JSON
+line."""
+
+EXAMPLES = """\
+examples:
+  dbo bench-switch
+  dbo bench-switch --yields 1e6 --repeats 3
+"""
+
+
+def _count(text: str) -> int:
+    """An int, also written as 1e6 (a float that is a whole number)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, e.g. 100000 or 1e5")
+    return int(value)
+
+
+# Upper bounds: a greenlet hand-off costs about 1 us of CPU and a thread hand-off about
+# 10 us, so at the bound one measurement takes ~10 s and the whole run (three greenlet
+# measurements and one thread measurement per repeat) minutes, not days.
+MAX_YIELDS = 10_000_000
+MAX_THREAD_YIELDS = 1_000_000
+MAX_REPEATS = 100
+GREENLET_US, THREAD_US = 1.0, 10.0
+
+
+def check_bounds(yields: int, thread_yields: int, repeats: int) -> None:
+    """ValueError (one line, with the bound and why) for counts below what a measurement
+    needs or above what finishes in minutes; the message says how long it would take."""
+    def takes(seconds: float) -> str:
+        for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+            if seconds >= 2 * size:
+                return f"about {seconds / size:.0f} {unit}"
+        return f"about {seconds:.0f} s"
+
+    per_repeat = 3 * 2 * yields * GREENLET_US * 1e-6 + 2 * thread_yields * THREAD_US * 1e-6
+    run = f" (this run would take {takes(repeats * per_repeat)})"
+    check_int_option("yields", yields, low=2, high=MAX_YIELDS,
+                     why=f": three greenlet measurements per repeat of 2 x N hand-offs at "
+                         f"~{GREENLET_US:.0f} us each{run}")
+    check_int_option("thread_yields", thread_yields, low=1, high=MAX_THREAD_YIELDS,
+                     why=f": 2 x N thread hand-offs per repeat at ~{THREAD_US:.0f} us each{run}")
+    check_int_option("repeats", repeats, low=1, high=MAX_REPEATS,
+                     why=f": the medians settle within a few repeats{run}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser("dbo bench-switch", description=__doc__)
-    parser.add_argument("--yields", type=int, default=100_000,
+    parser = Parser("dbo bench-switch", description=DESCRIPTION, epilog=EXAMPLES)
+    parser.add_argument("--yields", type=_count, default=100_000,
                         help="hand-offs per ubatch in one greenlet measurement")
-    parser.add_argument("--thread-yields", type=int, default=20_000,
+    parser.add_argument("--thread-yields", type=_count, default=20_000,
                         help="hand-offs per thread in one thread measurement")
-    parser.add_argument("--repeats", type=int, default=5, help="measurements per method")
+    parser.add_argument("--repeats", type=_count, default=5, help="measurements per method")
     args = parser.parse_args(argv)
-    if args.yields < 2 or args.thread_yields < 1 or args.repeats < 1:
-        parser.error("--yields must be >= 2, --thread-yields and --repeats >= 1")
+    try:
+        check_bounds(args.yields, args.thread_yields, args.repeats)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     results = {"greenlet": [], "greenlet_bare": [], "greenlet_floor": [], "thread": []}
     for i in range(args.repeats):

@@ -4,7 +4,7 @@ model shape on a cluster, over a sweep of tokens per rank, from the cost model
 unless `--calibration FILE`). Nothing runs on a GPU: every figure is a prediction.
 
     dbo plan --preset deepseek-v3-like --layers 58 --gpus-per-node 8 --ep 96 \\
-        --inter-gbs 50 --tokens 4096 --requests 256 --out plan/
+        --redundant-experts 32 --inter-gbs 50 --tokens 4096 --requests 256 --out plan/
 
 Prints per phase (prefill: --tokens, decode: --requests, one token each) a table of the
 predicted step time and gain of each mode over the sweep, the smallest token count where
@@ -18,45 +18,81 @@ says which phases were rescaled from which points and which stayed roofline.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from dbo.calibration import Calibration
 from dbo.cli import Parser, check_out_dir
 from dbo.cost_model import MODES, Prediction, predict
 from dbo.cli.plan_measured import measured_scale
-from dbo.cli.plan_model import Cluster, comm_time, step_inputs
+from dbo.cli.plan_model import Cluster, check_expert_split, comm_time, step_inputs
 
 DEFAULT_SWEEP = tuple(2 ** i for i in range(4, 15))  # 16 .. 16384 tokens per rank
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be an int >= {low}")
+        return value
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def _sweep(text: str) -> tuple[int, ...]:
-    values = tuple(sorted({_positive_int(v) for v in text.split(",") if v.strip()}))
-    if not values:
-        raise ValueError(text)
+    try:
+        values = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    except ValueError:
+        values = ()
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give tokens per rank >= 1, comma-"
+                                         f"separated, e.g. 16,256,4096")
     return values
 
 
+DESCRIPTION = """\
+PREDICTS the step time and gain of DBO and SBO for a model shape on a cluster (GPUs per
+node, EP size, links) over a sweep of tokens per rank, from dbo's cost model and a
+calibration (illustrative H100/H200 figures unless --calibration FILE, e.g. the one
+`dbo bench` writes). Nothing runs on a GPU: every figure is a prediction. Prints a table
+per phase (prefill: --tokens; decode: --requests), where each mode starts to win, writes
+plan.png with --out, and ends with one JSON line."""
+
+EXAMPLES = """\
+examples:
+  dbo plan --preset deepseek-v3-like --ep 8 --tokens 4096
+  dbo plan --preset deepseek-v3-like --layers 58 --gpus-per-node 8 --ep 96 \\
+      --redundant-experts 32 --inter-gbs 50 --tokens 4096 --requests 256 --out plan/
+  dbo plan --calibration dbo_out/bench/calibration.json --backend a2a_ll --tokens 2048
+"""
+
+
 def build_parser() -> Parser:
+    from dbo.cli.bench.config import BENCH_BACKENDS
     from moe.models.presets import PRESETS
 
-    p = Parser("dbo plan", description=__doc__)
+    p = Parser("dbo plan", description=DESCRIPTION, epilog=EXAMPLES)
     p.add_argument("--preset", choices=list(PRESETS), default="deepseek-v3-like",
                    help="model shape")
     p.add_argument("--layers", type=_positive_int, default=None,
                    help="MoE layers in the step (default: the preset's; 58 for the full "
                         "DeepSeek-V3)")
     p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="GPUs per node")
-    p.add_argument("--ep", type=_positive_int, default=8, help="EP size (ranks)")
+    p.add_argument("--ep", type=_positive_int, default=8,
+                   help="EP size (ranks); it must divide the experts (with --redundant-experts)")
+    p.add_argument("--redundant-experts", type=_int_at_least(0), default=0, metavar="R",
+                   help="extra expert replicas held over the EP group, so that an EP size "
+                        "that does not divide the experts splits them evenly (DeepSeek-V3's "
+                        "deployment: 32, 288 = 3 x 96)")
     for kind, regime in (("intra", "nvlink"), ("inter", "scale_out")):
         p.add_argument(f"--{kind}-gbs", type=float, default=None,
                        help=f"{kind}-node bandwidth per GPU, GB/s (default: the "
@@ -85,10 +121,11 @@ def build_parser() -> Parser:
                    help="an overlap mode must win by at least this (0.01 = 1%%)")
     p.add_argument("--calibration", default=None,
                    help="calibration JSON file (default: illustrative H100/H200 figures)")
-    p.add_argument("--backend", default=None,
+    p.add_argument("--backend", default=None, choices=BENCH_BACKENDS,
                    help="use the --calibration's measured points of this MoE backend "
                         "(needed where it holds several)")
-    p.add_argument("--out", default=None, help="folder for plan.png (created if missing)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder to write plan.png in (created if missing)")
     return p
 
 
@@ -113,6 +150,13 @@ def _point(pred: Prediction, tokens: int) -> dict[str, Any]:
             "dbo_costs_ms": {k: round(v, 4) for k, v in pred.dbo_costs_ms.items()}}
 
 
+def _wins_from(mode: str, tokens: Optional[int]) -> str:
+    """"DBO wins from 2048 tokens", or that it wins at no point of the sweep."""
+    if tokens is None:
+        return f"{mode.upper()} wins at no point of the sweep"
+    return f"{mode.upper()} wins from {tokens} tokens"
+
+
 def _ranges(values: list[int]) -> str:
     return ", ".join(str(v) for v in values) if values else "none in the sweep"
 
@@ -130,14 +174,16 @@ def plan_phase(args: Any, model: Any, cluster: Cluster, cal: Calibration, *, dec
     def run(tokens: int) -> Prediction:
         times, shape = step_inputs(model, cluster, cal, tokens=tokens, decode=decode,
                                    context_len=args.context_len, layers=layers,
-                                   fp8_dispatch=args.fp8_dispatch, kernels_per_layer=kernels)
+                                   fp8_dispatch=args.fp8_dispatch, kernels_per_layer=kernels,
+                                   redundant_experts=args.redundant_experts)
         if scale is not None:
             times = scale.apply(times, tokens=tokens, comm_regime=regime)
         return predict(times, shape, cal, margin=args.margin, sbo_chunks=args.sbo_chunks)
 
     name = "decode" if decode else "prefill"
+    of = "this preset and phase" + (f" of backend {args.backend}" if args.backend else "")
     rescale = (scale.describe(regime) if scale is not None else
-               "roofline only (no measured points of this preset and phase in the calibration)")
+               f"roofline only (no measured points of {of} in the calibration)")
     sweep = sorted(set(args.sweep) | {point})
     rows = [_point(run(t), t) for t in sweep]
     print(f"\nprediction, {name} ({'requests' if decode else 'tokens'} per rank), "
@@ -154,8 +200,8 @@ def plan_phase(args: Any, model: Any, cluster: Cluster, cal: Calibration, *, dec
                   for m in ("dbo", "sbo")}
     loses = [r["tokens"] for r in rows if r["chosen"] == "none"]
     at = next(r for r in rows if r["tokens"] == point)
-    print(f"prediction: DBO wins from {thresholds['dbo']} tokens, SBO from "
-          f"{thresholds['sbo']} (first sweep point with gain >= {args.margin:.0%}); overlap "
+    wins = "; ".join(_wins_from(mode, thresholds[mode]) for mode in ("dbo", "sbo"))
+    print(f"prediction: {wins} (first sweep point with gain >= {args.margin:.0%}); overlap "
           f"loses at: {_ranges(loses)}")
     print(f"prediction at {point}: {at['reason']}")
     return {"phase": name, "point": at, "sweep": rows, "thresholds": thresholds,
@@ -194,6 +240,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError(f"--launches-per-layer {args.launches_per_layer}: must be >= 0")
         if args.out is not None:
             check_out_dir("--out", args.out)
+        if args.backend is not None and args.calibration is None:
+            raise ValueError(f"--backend {args.backend} picks the --calibration file's measured "
+                             f"points of that backend, and there is no --calibration: add "
+                             f"--calibration FILE, or drop --backend")
+        from moe.models.presets import get_preset  # noqa: PLC0415
+
+        model = get_preset(args.preset)
+        check_expert_split(model.moe.num_experts, args.ep, redundant=args.redundant_experts)
         cal = (Calibration.load(args.calibration) if args.calibration
                else Calibration.illustrative_h100())
         source = calibration_source(args.calibration, cal)
@@ -204,9 +258,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                           intra_latency_us=pick(args.intra_latency_us, intra.latency_us),
                           inter_gbs=pick(args.inter_gbs, inter.bandwidth_gbs),
                           inter_latency_us=pick(args.inter_latency_us, inter.latency_us))
-        from moe.models.presets import get_preset  # noqa: PLC0415
-
-        model = get_preset(args.preset)
         points = [(False, args.tokens), (True, args.requests)]
         if args.tokens is None and args.requests is None:
             points = [(False, 4096)]
@@ -221,6 +272,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         _plot(phases, Path(plot))
         print(f"prediction plot: {plot}")
     print(json.dumps({"plan": "prediction", "preset": args.preset, "ep": args.ep,
+                      "redundant_experts": args.redundant_experts,
                       "gpus_per_node": args.gpus_per_node, "cluster": vars(cluster),
                       "calibration": source,
                       "modes": list(MODES), "phases": phases, "plot": plot}))

@@ -1,7 +1,9 @@
 """Phase times of one step of a model shape on a cluster, from first principles, for
 `dbo plan` (a prediction: rooflines from a `Calibration`, not measured kernel times).
 
-Per MoE layer and rank, T tokens on the rank, bw = bytes per weight (the model's dtype):
+Per MoE layer and rank, T tokens on the rank, bw = bytes per weight (the model's dtype),
+E_loc = (E + redundant) / EP experts held per rank (redundant: extra replicas of experts
+so that EP divides them, as DeepSeek's deployment holds 288 = 256 + 32 over 96 or 144 GPUs):
   experts:   rows R = T * K; max(2 * R * 3 * H * I / (dense_tflops * eff(R / E_loc)),
              E_loc * P(hit) * 3 * H * I * bw / memory_gbs), P(hit) = 1 - (1 - K / E)^(T * EP)
   shared:    max(2 * T * 3 * H * I_sh / (dense_tflops * eff(T)), 3 * H * I_sh * bw / memory)
@@ -26,7 +28,7 @@ from dbo.calibration import Calibration
 from dbo.cost_model import PhaseTimes, StepShape
 from moe.models.presets import ModelConfig
 
-__all__ = ["Cluster", "comm_time", "step_inputs"]
+__all__ = ["Cluster", "check_expert_split", "comm_time", "step_inputs"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,21 +86,42 @@ def comm_time(model: ModelConfig, cluster: Cluster, *, tokens: int, bytes_per_ro
     return max(inter, intra) + lam, lam, "scale_out" if inter >= intra else "nvlink"
 
 
+def check_expert_split(num_experts: int, ep_size: int, *, redundant: int = 0) -> None:
+    """ValueError (with the fix) where `num_experts` routed experts plus `redundant`
+    replicas do not split evenly over `ep_size` ranks: each rank holds E_loc of them."""
+    held = num_experts + redundant
+    if ep_size > held:
+        raise ValueError(f"--ep {ep_size}: more ranks than the model's {held} experts; "
+                         f"use at most {held}")
+    if held % ep_size == 0:
+        return
+    divisors = [d for d in range(2, num_experts + 1) if num_experts % d == 0]
+    below = max((d for d in divisors if d < ep_size), default=1)
+    above = min((d for d in divisors if d > ep_size), default=num_experts)
+    pad = -num_experts % ep_size
+    held_text = f"{num_experts} experts" + (f" + {redundant} redundant" if redundant else "")
+    raise ValueError(f"--ep {ep_size}: {held_text} do not split over {ep_size} ranks (each "
+                     f"rank holds the same number): use an EP size that divides "
+                     f"{num_experts} (e.g. {below} or {above}), or hold redundant experts "
+                     f"as DeepSeek's deployment does: --redundant-experts {pad} "
+                     f"({num_experts + pad} = {(num_experts + pad) // ep_size} x {ep_size})")
+
+
 def step_inputs(model: ModelConfig, cluster: Cluster, calibration: Calibration, *,
                 tokens: int, decode: bool, context_len: int, layers: int,
-                fp8_dispatch: bool, kernels_per_layer: int) -> tuple[PhaseTimes, StepShape]:
+                fp8_dispatch: bool, kernels_per_layer: int,
+                redundant_experts: int = 0) -> tuple[PhaseTimes, StepShape]:
     """The `PhaseTimes` and `StepShape` of one step (module docstring: the formulas)."""
     cal, moe = calibration, model.moe
     H, E, K, I = moe.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size
-    if cluster.ep_size > E:
-        raise ValueError(f"--ep {cluster.ep_size}: more ranks than the model's {E} experts; "
-                         f"use at most {E}")
+    check_expert_split(E, cluster.ep_size, redundant=redundant_experts)
     bw = model.dtype.itemsize
     T, ep = tokens, cluster.ep_size
     flops_ms = 1e-9 / cal.dense_tflops  # flops -> ms at dense_tflops
     bytes_ms = 1e-6 / cal.memory_gbs  # bytes -> ms at memory_gbs
 
-    e_loc = E / ep
+    # A replica is taken to be hit as often as an expert (its weight read: an upper bound).
+    e_loc = (E + redundant_experts) / ep
     rows = T * K
     rows_per_expert = rows / e_loc
     p_hit = 1.0 - (1.0 - K / E) ** (T * ep)

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from dbo.cli import CAPACITY_GRAPH_BACKENDS, check_graph_backends, check_out_dir
-from dbo.cli.run_hf import check_hf_options, hf_model_config
+import torch
+
+from dbo.cli import (CAPACITY_GRAPH_BACKENDS, check_backend_runs, check_deepep_ll_depth,
+                     check_fits_memory, check_graph_backends, check_out_dir, check_seed)
+from dbo.cli.run_hf import check_hf_options, hf_label, hf_model_config
 from moe.backends import BACKENDS as MOE_BACKENDS
 from moe.experts import EXPERTS as EXPERT_KERNELS
 from moe.models.presets import PRESETS
@@ -20,6 +23,9 @@ EXPERTS = ("auto", *EXPERT_KERNELS)
 GRAPH_BACKENDS = ("auto", *CAPACITY_GRAPH_BACKENDS)
 # What records the traced steps (`dbo trace --profiler`).
 PROFILERS = ("torch", "nsys")
+# What a plain `dbo run` runs on CUDA GPUs (`run_defaults`).
+CUDA_PRESET = "deepseek-v3-like"
+CUDA_TOKENS = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,8 +75,13 @@ class RunConfig:
         for name in ("tokens", "requests", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
+        if self.requests > self.tokens:
+            raise ValueError(f"--requests={self.requests} exceeds --tokens={self.tokens}: "
+                             f"each request holds at least one token; use --requests <= "
+                             f"{self.tokens}, or --tokens >= {self.requests}")
         if self.warmup < 0:
             raise ValueError(f"--warmup={self.warmup}: must be >= 0")
+        check_seed(self.seed)
         if self.decode_steps < 0:
             raise ValueError(f"--decode-steps={self.decode_steps}: must be >= 0")
         if self.decode_steps and (self.hf is not None or self.hf_config is not None):
@@ -100,13 +111,95 @@ class RunConfig:
                              "read their token counts on the host; use triton or auto")
 
 
-def check_backend_runs(backend: str) -> None:
-    """Raise ImportError or ValueError, in one line, where `backend` cannot run in this
-    process's environment, before any rank starts: `symm_mem` needs torch's NVSHMEM op,
-    CUDA and NVSHMEM (`moe.backends.symm_mem_support.require_symm_mem`)."""
-    if backend == "symm_mem":
-        from moe.backends.symm_mem_support import require_symm_mem
-        require_symm_mem()
+def run_defaults(device_type: str) -> RunConfig:
+    """What a `dbo run` (or `dbo trace`) with no model options runs on ranks computing on
+    `device_type` ("cpu" or "cuda"). On CPU: the tiny fp32 preset, a functional check. On
+    CUDA GPUs: DeepSeek-V3's layer shapes in bf16 (its preset: 4 layers, 3 of them MoE,
+    256 experts of 7168 x 2048) at 4096 tokens per rank, where the dispatch and combine
+    are large enough for DBO's overlap to show; its weights take about 70 GB on one GPU
+    (less split over more), which an H200 holds."""
+    if device_type == "cuda":
+        return RunConfig(preset=CUDA_PRESET, tokens=CUDA_TOKENS)
+    if device_type == "cpu":
+        return RunConfig()
+    raise ValueError(f"device type {device_type!r}: expected 'cpu' or 'cuda'")
+
+
+def run_backend(job: RunConfig, world_size: int) -> str:
+    """The backend the job's ranks build: `job.backend`, where "auto" is local on one
+    rank, a2a on several, a2a_ll on several with --cuda-graph (capturable)."""
+    if job.backend != "auto":
+        return job.backend
+    if world_size == 1:
+        return "local"
+    return "a2a_ll" if job.cuda_graph else "a2a"
+
+
+def check_job_runs(job: RunConfig, world_size: int) -> None:
+    """Everything about `job` on `world_size` ranks that a rank would refuse, checked
+    here before any starts (ImportError or ValueError, one line with the fix): the model
+    (experts over the ranks, `model_config`), the backend in this process's environment
+    and on the model's shapes (`dbo.cli.check_backend_runs`), deepep_ll's capacity
+    against NVSHMEM's queue depth, and the memory one rank would need."""
+    config = model_config(job, world_size)
+    backend = run_backend(job, world_size)
+    if backend == "deepep_ll":
+        check_deepep_ll_depth("--tokens", job.tokens, world_size,
+                              backend_option="--backend=deepep_ll")
+    check_backend_runs(backend, world_size, getattr(config, "moe", None))
+    check_run_memory(job, config, world_size)
+
+
+def step_bytes_per_token(config: Any, *, lm_head: bool = True) -> int:
+    """A lower bound of the bytes one token adds to a forward step of preset `config` (a
+    `ModelConfig`) on its rank: its logits row [V] (with `lm_head`), four hidden rows [H]
+    (input, residual, norm, attention output) and its top-k expert rows, each [H] in and
+    [2 I] between the expert GEMMs."""
+    moe = config.moe
+    elements = 4 * config.hidden_size + moe.top_k * (moe.hidden_size + 2 * moe.intermediate_size)
+    if lm_head:
+        elements += config.vocab_size
+    return elements * config.dtype.itemsize
+
+
+def kv_bytes_per_token(config: Any) -> int:
+    """Bytes of one token's keys and values over every layer of preset `config`."""
+    return (config.num_layers * 2 * config.num_kv_heads * config.head_dim
+            * config.dtype.itemsize)
+
+
+def check_run_memory(job: RunConfig, config: Any, world_size: int) -> None:
+    """Refuse (`dbo.cli.check_fits_memory`) a job whose rank 0, the one with the most
+    tokens, would need more memory than a rank has: the preset's weights on one of
+    `world_size` ranks (`estimate_param_bytes`) plus `step_bytes_per_token` per token;
+    with --decode-steps, the two KV caches (DBO off and on) of the prefill's tokens and
+    of every decode step's. A --hf / --hf-config model: its logits [T, V] and four hidden
+    rows per token (bf16 on GPUs, fp32 on CPU)."""
+    from moe.models.presets import estimate_param_bytes
+
+    if job.hf is not None or job.hf_config is not None:
+        size = 2 if torch.cuda.is_available() else 4
+        check_fits_memory("--tokens", job.tokens, unit="token", model=hf_label(job),
+                          per_unit_bytes=(config.vocab_size + 4 * config.hidden_size) * size,
+                          shape_fix="use a smaller model", world_size=world_size)
+        return
+    weights = estimate_param_bytes(config, ep_size=world_size)
+    kv = 2 * kv_bytes_per_token(config) if job.decode_steps else 0
+    per_token = step_bytes_per_token(config) + kv
+    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    model = (f"preset {job.preset} ({config.num_layers} layers, {config.moe.num_experts} "
+             f"experts over {ranks})")
+    check_fits_memory("--tokens", job.tokens, unit="token", per_unit_bytes=per_token,
+                      model=model, fixed_bytes=weights,
+                      shape_fix="use more ranks (--world-size, GPUs), fewer --layers, or a "
+                                "smaller --preset", world_size=world_size)
+    if job.decode_steps:
+        check_fits_memory("--decode-steps", job.decode_steps, unit="decode step",
+                          per_unit_bytes=job.requests * kv, model=model,
+                          fixed_bytes=weights + job.tokens * per_token,
+                          fixed_what="weights and prefill",
+                          shape_fix="use fewer --requests or --tokens",
+                          world_size=world_size)
 
 
 def tokens_for_rank(job: RunConfig, rank: int) -> int:

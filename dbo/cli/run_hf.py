@@ -57,12 +57,14 @@ def hf_label(job: Any) -> str:
 
 def hf_model_config(job: Any, world_size: int) -> Any:
     """The transformers config the job runs, checked as every rank would (architecture,
-    experts over the ranks); ValueError with the fix. Reads only config.json of --hf."""
+    experts over the ranks, a checkpoint's index or safetensors headers); ValueError with
+    the fix. Reads config.json of --hf and where its tensors are, not the tensors."""
     from moe.hf.arch import spec_for
     from moe.hf.tiny import tiny_config
     if job.hf is not None:
-        from moe.hf.folder import read_config  # never runs the folder's code, never prompts
-        config = read_config(job.hf, where="--hf")
+        from moe.hf.folder import read_config, tensor_files
+        config = read_config(job.hf, where="--hf")  # never runs the folder's code
+        tensor_files(job.hf, where="--hf")  # its index and files' headers, here, not on every rank
     else:
         config = tiny_config(job.hf_config, num_layers=job.layers, num_experts=job.num_experts)
     spec = spec_for(config)
@@ -78,18 +80,17 @@ def hf_model_config(job: Any, world_size: int) -> Any:
     return config
 
 
-def build_hf(ctx: Any, job: Any, tokens: int, max_tokens: int) -> dict[str, Any]:
+def build_hf(ctx: Any, job: Any, *, backend: str, tokens: int,
+             max_tokens: int) -> dict[str, Any]:
     """This rank's model (its experts), batch and runner: the fields of the run job's
-    `RankSetup` (`tokens`: this rank's token count; `max_tokens`: the largest rank's, the
-    capacity a fixed-capacity backend gets, the same on every rank)."""
+    `RankSetup` (`backend`: the one the job runs, "auto" resolved; `tokens`: this rank's
+    token count; `max_tokens`: the largest rank's, the capacity a fixed-capacity backend
+    gets, the same on every rank)."""
     import moe.hf
     from moe.backends import backend_class
     from moe.hf.block import HFMoEBlock
     from moe.hf.tiny import tiny_model
 
-    backend = job.backend
-    if backend == "auto" and ctx.world_size > 1:
-        backend = "a2a_ll" if job.cuda_graph else "a2a"
     num_seqs = job.requests
     seq_len = max(1, tokens // num_seqs)
     capacity = ubatch = None

@@ -1,6 +1,7 @@
 """`dbo run`: the main job. A preset MoE transformer, DBO on and off, on the same batch.
 
     dbo run                                   # CPU: 2 gloo ranks, tiny preset
+    dbo run                                   # GPUs: deepseek-v3-like, bf16, 4096 tokens
     dbo run --preset tiny --tokens 512 --backend a2a_ll --steps 5 --out dbo_out/run
     torchrun --nproc_per_node=2 -m dbo.cli run --preset qwen3-moe-like --tokens 4096
     dbo run --preset deepseek-v3-like --tokens 1024 --cuda-graph   # GPUs: graph replays
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -41,11 +43,13 @@ import torch
 import torch.distributed as dist
 
 from dbo.cli import Parser
+from dbo.cli.bench.config import NVLINK_REGIME, regime_label
+from dbo.cli.bench.ranks import p2p_disabled
 from dbo.cli.launch import RankContext, launch, resolve_world_size
 from dbo.cli.run_decode import decode_summary, print_decode, run_decode_steps, timed_step
 from dbo.cli.run_hf import build_hf
-from dbo.cli.run_config import (BACKENDS, EXPERTS, PROFILERS, RunConfig, check_backend_runs,
-                                model_config, tokens_for_rank)
+from dbo.cli.run_config import (BACKENDS, EXPERTS, PROFILERS, RunConfig, check_job_runs,
+                                model_config, run_backend, run_defaults, tokens_for_rank)
 from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, capture_graph
 from dbo.runner import DBORunner
@@ -53,6 +57,25 @@ from moe.hf.tiny import TINY_SIZES
 from moe.models.presets import PRESETS
 from moe.routing_log import record_routing, routing_ties
 from traces.capture import capture, phase_order
+
+DESCRIPTION = """\
+Runs an MoE model (a preset, or a Hugging Face model with --hf / --hf-config) on every
+GPU, or on 2 CPU ranks, once without DBO and once with it, on the same batch: checks that
+the outputs match, times both, traces one DBO step, and prints the split decision and the
+order in which the two micro-batches issued one MoE layer's phases. Writes summary.json,
+trace.json (open it in Perfetto), trace_analysis.json and trace_timeline.png into --out.
+On CPU the times are a functional check, not a performance figure."""
+
+EXAMPLES = """\
+examples:
+  dbo run                          # GPUs: deepseek-v3-like, bf16; CPU: 2 ranks, tiny preset
+  dbo run --preset qwen3-moe-like --tokens 8192 --cuda-graph
+  NCCL_P2P_DISABLE=1 dbo run       # GPUs: the links of a scale-out cluster, emulated
+  torchrun --nproc_per_node=8 -m dbo.cli run --backend a2a_ll
+  dbo run --hf-config qwen3_moe    # a tiny random Hugging Face model
+  dbo run --decode-steps 4         # then 4 decode steps over KV caches, DBO off and on
+"""
+
 
 def _timed(fn: Any, steps: int, device: torch.device) -> list[float]:
     """Seconds per step of `steps` calls (`run_decode.timed_step`: ranks in step)."""
@@ -98,14 +121,12 @@ def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
 
     if job.cuda_graph and ctx.device.type != "cuda":
         raise ValueError(f"--cuda-graph needs CUDA GPUs; this rank runs on {ctx.device}")
+    backend = run_backend(job, ctx.world_size)
     if job.hf is not None or job.hf_config is not None:
         return RankSetup(**build_hf(
-            ctx, job, tokens_for_rank(job, ctx.rank),
-            max(tokens_for_rank(job, r) for r in range(ctx.world_size))))
+            ctx, job, backend=backend, tokens=tokens_for_rank(job, ctx.rank),
+            max_tokens=max(tokens_for_rank(job, r) for r in range(ctx.world_size))))
     config = model_config(job, ctx.world_size)
-    backend = job.backend
-    if backend == "auto" and ctx.world_size > 1:
-        backend = "a2a_ll" if job.cuda_graph else "a2a"
     config = replace(config, moe=replace(
         config.moe, backend=backend, experts=job.experts))
     model = MoETransformer(config, group=ctx.group, device=ctx.device)
@@ -196,6 +217,7 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
         "max_abs_diff": [r[0] for r in per_rank], "tolerance": [r[1] for r in per_rank],
         "routing_ties": [int(r[2]) for r in per_rank],
         "tokens_per_rank": [int(r[5]) for r in per_rank],
+        "regime": regime_label(ctx.device.type, p2p_disabled=p2p_disabled(os.environ)),
         "timings": "performance" if performance else "functional",
         "step_ms": {"dbo_off": step_off * 1e3, "dbo_on": step_on * 1e3},
         "tokens_per_s": {"dbo_off": total_tokens / step_off, "dbo_on": total_tokens / step_on},
@@ -235,10 +257,8 @@ def print_summary(s: dict) -> None:
     if s["speedup"] is not None:
         print(f"speedup: {s['speedup']:.3f}x")
     if s["speedup"] is not None and s["speedup"] < 1.0:
-        print("  DBO lost here: at this size its split compute and extra launches cost more "
-              "than the overlap hides" + ("" if s["cuda_graph"] else " (--cuda-graph cuts "
-              "the launches)") + "; `dbo bench` measures where it wins, and gates it off "
-              "elsewhere")
+        for line in why_dbo_lost(s):
+            print(f"  {line}")
     if s["phase_order"]:
         print(f"\norder in which the ubatches issued the phases of layer {s['phase_order_layer']}:")
         for i, item in enumerate(s["phase_order"], 1):
@@ -251,22 +271,52 @@ def print_summary(s: dict) -> None:
               + f", {Path(cfg['out']) / 'summary.json'}")
 
 
-def build_parser(*, prog: str = "dbo run", description: Optional[str] = __doc__,
+def why_dbo_lost(s: dict) -> list[str]:
+    """Lines saying why DBO on was slower than off in the summary `s` of a GPU run (its
+    split compute and extra launches cost more than the overlap hid), what made the
+    communication small here (one rank; NVLink), and how to see the overlap."""
+    lines = ["DBO lost here: its two half-size ubatches and extra launches cost more than "
+             "the overlap hid" + ("" if s["cuda_graph"] else " (--cuda-graph cuts the "
+                                  "launches)") + "."]
+    tokens = max(s["tokens_per_rank"])
+    if s["world_size"] == 1:
+        lines.append("One rank sends nothing to other ranks: there is no communication to "
+                     "hide. Run on 2 or more GPUs.")
+    else:
+        if s.get("regime") == NVLINK_REGIME:
+            lines.append("The ranks talk over NVLink, fast enough that the dispatch and "
+                         "combine leave little to hide.")
+        lines.append("To see the overlap: emulate a scale-out link with NCCL_P2P_DISABLE=1 "
+                     "(NCCL then stages its traffic through host memory), run more ranks "
+                     f"(more GPUs), or more tokens per rank (--tokens {2 * tokens}).")
+    lines.append("`dbo bench` measures where DBO wins, and gates it off elsewhere.")
+    return lines
+
+
+def build_parser(*, prog: str = "dbo run", description: Optional[str] = DESCRIPTION,
                  defaults: Optional[RunConfig] = None,
                  traced: bool = False) -> argparse.ArgumentParser:
-    """The options of `dbo run`; `traced=True` (`dbo trace`, whose job is the trace)
-    leaves out --no-trace, and --cuda-graph, as a traced step runs eagerly."""
+    """The options of `dbo run`, their defaults from `defaults` but for --preset and
+    --tokens, which depend on the device the ranks compute on (`run_defaults`, applied
+    by `parse_job`); `traced=True` (`dbo trace`, whose job is the trace) leaves out
+    --no-trace, and --cuda-graph, as a traced step runs eagerly."""
     d = defaults or RunConfig()
-    p = Parser(prog, description=description)
-    p.add_argument("--preset", default=d.preset, choices=PRESETS, help="model shapes")
+    cpu, cuda = run_defaults("cpu"), run_defaults("cuda")
+    p = Parser(prog, description=description, epilog=None if traced else EXAMPLES)
+    # --preset and --tokens default to what the ranks' device runs (`run_defaults`),
+    # filled in by `parse_job`.
+    p.add_argument("--preset", default=None, choices=PRESETS,
+                   help=f"model shapes (default: {cuda.preset} on CUDA GPUs, {cpu.preset} "
+                        f"on CPU)")
     p.add_argument("--hf", default=d.hf, metavar="PATH",
                    help="run a local Hugging Face MoE checkpoint folder instead of the preset "
                         "(experts sharded over the ranks; nothing is downloaded)")
     p.add_argument("--hf-config", default=d.hf_config, choices=TINY_SIZES, metavar="NAME",
                    help=f"run a tiny random Hugging Face model of this architecture instead "
                         f"of the preset: {', '.join(TINY_SIZES)}")
-    p.add_argument("--tokens", type=int, default=d.tokens,
-                   help="tokens per rank (rank r gets tokens - r * (tokens // 8))")
+    p.add_argument("--tokens", type=int, default=None,
+                   help=f"tokens per rank (rank r gets tokens - r * (tokens // 8)) (default: "
+                        f"{cuda.tokens} on CUDA GPUs, {cpu.tokens} on CPU)")
     p.add_argument("--requests", type=int, default=d.requests, help="requests per rank")
     p.add_argument("--backend", default=d.backend, choices=BACKENDS,
                    help="dispatch/combine backend (auto: a2a on several ranks, a2a_ll "
@@ -307,10 +357,16 @@ def parse_job(parser: argparse.ArgumentParser,
     here through `parser.error` (one line, exit 2), before any rank starts."""
     args = vars(parser.parse_args(argv))
     world_size = args.pop("world_size")
+    defaults = run_defaults("cuda" if torch.cuda.is_available() else "cpu")
+    if args["preset"] is None:  # --hf and --hf-config name the model instead
+        hf = args["hf"] is not None or args["hf_config"] is not None
+        args["preset"] = RunConfig.preset if hf else defaults.preset
+    if args["tokens"] is None:
+        args["tokens"] = defaults.tokens
     try:
         job = RunConfig(**args)
         world_size = resolve_world_size(world_size)
-        model_config(job, world_size)
+        check_job_runs(job, world_size)
         if job.cuda_graph and not torch.cuda.is_available():
             raise ValueError("--cuda-graph needs CUDA GPUs, and none is visible here: "
                              "run without it on CPU")
@@ -319,7 +375,6 @@ def parse_job(parser: argparse.ArgumentParser,
                              "work), and none is visible here: use --profiler=torch on CPU")
         from moe.experts import make_experts
         make_experts(job.experts, "cuda" if torch.cuda.is_available() else "cpu")
-        check_backend_runs(job.backend)
     except (ImportError, ValueError) as exc:
         parser.error(str(exc))
     return job, world_size

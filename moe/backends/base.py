@@ -143,6 +143,15 @@ class PrepareFinalize(ABC):
     #: slots are sized by it) and refuses a config without one. False unless declared.
     needs_capacity: ClassVar[bool] = False
 
+    @classmethod
+    def check_runs(cls, world_size: int, config: Optional[MoEConfig] = None) -> None:
+        """Raise, in one line with the fix, where this backend cannot run on an EP group
+        of `world_size` ranks in this process: ImportError for a library it needs and
+        cannot import, ValueError for no CUDA device or a group size it does not take;
+        with `config`, also for shapes or a dtype its kernels do not take. What is known
+        before any layer is built (the `dbo` commands call it before starting ranks);
+        the constructor refuses the same. Nothing by default."""
+
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         self.config = config
         self.group = group

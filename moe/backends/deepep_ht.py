@@ -66,6 +66,13 @@ class DeepEPHTBackend(PrepareFinalize):
     name = "deepep_ht"
     comm_recordable = False  # DeepEP's own NVLink/RDMA kernels
 
+    @classmethod
+    def check_runs(cls, world_size: int, config: Optional[MoEConfig] = None) -> None:
+        require_deep_ep(cls.name, "Buffer")
+        check_ht_world(cls.name, world_size)
+        if config is not None:
+            ht_padded_hidden(cls.name, config.hidden_size, config.dtype)
+
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(config, group)
         deep_ep = require_deep_ep(self.name, "Buffer")

@@ -42,6 +42,7 @@ from moe.backends.deepep_support import (
     LLRowConstants,
     SharedBuffer,
     check_ll_shape,
+    check_ll_world,
     dequantize_fp8,
     ll_capacity,
     ll_expert_ids,
@@ -70,6 +71,13 @@ class DeepEPLLBackend(PrepareFinalize):
     needs_capacity = True
     comm_recordable = False  # DeepEP's own low-latency kernels
     graph_safe = True
+
+    @classmethod
+    def check_runs(cls, world_size: int, config: Optional[MoEConfig] = None) -> None:
+        require_deep_ep(cls.name, "Buffer")
+        check_ll_world(cls.name, world_size)
+        if config is not None:
+            check_ll_shape(cls.name, config.hidden_size, config.dtype, world_size)
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(config, group)

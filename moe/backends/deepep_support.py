@@ -108,6 +108,11 @@ def check_ll_shape(backend: str, hidden_size: int, dtype: torch.dtype, world_siz
         raise ValueError(f"backend {backend!r}: MoEConfig.dtype={dtype} is not supported: "
                          f"DeepEP's low-latency kernels move bfloat16 rows; set "
                          f"MoEConfig.dtype=torch.bfloat16")
+    check_ll_world(backend, world_size)
+
+
+def check_ll_world(backend: str, world_size: int) -> None:
+    """DeepEP's low-latency kernels exchange between 2 or more ranks."""
     if world_size < 2:
         raise ValueError(f"backend {backend!r} needs an EP group of at least 2 ranks (got "
                          f"{world_size}); use backend 'local' on one rank")

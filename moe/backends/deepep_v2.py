@@ -62,6 +62,9 @@ MIN_NCCL = (2, 30, 4)
 _HOW_TO_GET = ("build DeepEP v2 (the main branch of github.com/deepseek-ai/DeepEP, see its "
                "README; it needs NCCL >= 2.30.4) and pip install it")
 _OR = "or use backend 'a2a' or 'a2a_ll'"
+_NEEDS_GROUP = ("backend 'deepep_v2' needs an expert-parallel process group (an "
+                "ElasticBuffer is built on one): pass group=..., or use backend 'local' on "
+                "one process")
 
 
 def _find_deep_ep() -> Optional[ModuleType]:
@@ -94,6 +97,34 @@ def elastic_buffer_class(config: MoEConfig, group: Optional[dist.ProcessGroup], 
     older than 2.30.4. ValueError: no CUDA, no process group, a dtype other than
     bfloat16, rows that are not a multiple of 16 bytes.
     """
+    deep_ep = require_elastic_buffer(find_deep_ep=find_deep_ep, nccl_version=nccl_version,
+                                     cuda_available=cuda_available)
+    if group is None:
+        raise ValueError(_NEEDS_GROUP)
+    check_v2_rows(config)
+    return deep_ep.ElasticBuffer
+
+
+def check_v2_rows(config: MoEConfig) -> None:
+    """ValueError where DeepEP v2 cannot move `config`'s rows: bfloat16 only, a multiple
+    of 16 bytes each."""
+    if config.dtype != torch.bfloat16:
+        raise ValueError(f"backend 'deepep_v2' moves torch.bfloat16 tokens only (DeepEP v2's "
+                         f"combine takes bf16) but MoEConfig.dtype is {config.dtype}: set "
+                         f"MoEConfig.dtype=torch.bfloat16; {_OR}")
+    if config.hidden_size * 2 % 16:
+        raise ValueError(f"backend 'deepep_v2' moves rows of a multiple of 16 bytes, but "
+                         f"hidden_size={config.hidden_size} bf16 values are "
+                         f"{config.hidden_size * 2} bytes: use a multiple of 8; {_OR}")
+
+
+def require_elastic_buffer(
+        *, find_deep_ep: Callable[[], Optional[ModuleType]] = _find_deep_ep,
+        nccl_version: Callable[[], Optional[tuple[int, ...]]] = _torch_nccl_version,
+        cuda_available: Callable[[], bool] = torch.cuda.is_available) -> ModuleType:
+    """The `deep_ep` module, where this process has what DeepEP v2 needs (whatever the
+    config): raise as `elastic_buffer_class` does for no `deep_ep`, no `ElasticBuffer`,
+    no CUDA, or an NCCL older than 2.30.4."""
     deep_ep = find_deep_ep()
     if deep_ep is None:
         raise ImportError(f"backend 'deepep_v2' needs DeepEP (deep_ep.ElasticBuffer), which "
@@ -111,19 +142,7 @@ def elastic_buffer_class(config: MoEConfig, group: Optional[dist.ProcessGroup], 
         raise ImportError(f"backend 'deepep_v2' needs NCCL >= 2.30.4 (DeepEP v2 uses NCCL's "
                           f"device API) but torch has {found}: use a torch whose NCCL "
                           f"(torch.cuda.nccl.version()) is >= 2.30.4; {_OR}")
-    if group is None:
-        raise ValueError("backend 'deepep_v2' needs an expert-parallel process group (an "
-                         "ElasticBuffer is built on one): pass group=..., or use backend "
-                         "'local' on one process")
-    if config.dtype != torch.bfloat16:
-        raise ValueError(f"backend 'deepep_v2' moves torch.bfloat16 tokens only (DeepEP v2's "
-                         f"combine takes bf16) but MoEConfig.dtype is {config.dtype}: set "
-                         f"MoEConfig.dtype=torch.bfloat16; {_OR}")
-    if config.hidden_size * 2 % 16:
-        raise ValueError(f"backend 'deepep_v2' moves rows of a multiple of 16 bytes, but "
-                         f"hidden_size={config.hidden_size} bf16 values are "
-                         f"{config.hidden_size * 2} bytes: use a multiple of 8; {_OR}")
-    return deep_ep.ElasticBuffer
+    return deep_ep
 
 
 def _group_live(group: Optional[dist.ProcessGroup]) -> bool:
@@ -184,6 +203,14 @@ class DeepEPV2Backend(PrepareFinalize):
     name = "deepep_v2"
     needs_capacity = True
     comm_recordable = False  # DeepEP v2's own kernels
+
+    @classmethod
+    def check_runs(cls, world_size: int, config: Optional[MoEConfig] = None) -> None:
+        require_elastic_buffer()
+        if world_size < 2:
+            raise ValueError(_NEEDS_GROUP)
+        if config is not None:
+            check_v2_rows(config)
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup], *,
                  elastic_buffer_cls: Optional[Callable[..., Any]] = None) -> None:

@@ -18,11 +18,15 @@ class LocalBackend(PrepareFinalize):
     comm_recordable = True  # nothing to record: EP size 1
     graph_safe = True
 
+    @classmethod
+    def check_runs(cls, world_size: int, config: Optional[MoEConfig] = None) -> None:
+        if world_size != 1:
+            raise ValueError(f"backend 'local' needs an EP group of size 1, got "
+                             f"{world_size} ranks: use backend='a2a', 'a2a_ll' or 'naive'")
+
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(config, group)
-        if self.world_size != 1:
-            raise ValueError(f"backend 'local' needs an EP group of size 1, got "
-                             f"{self.world_size} ranks: use backend='a2a', 'a2a_ll' or 'naive'")
+        self.check_runs(self.world_size)
 
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:

@@ -116,6 +116,10 @@ def packed_send_order(topk_ids_TK: Tensor, num_local_experts: int, *, splits_W: 
     return src_X, slot_TW
 
 
+_NEEDS_GROUP = ("backend 'symm_mem' needs an expert-parallel process group of 2 or "
+                "more ranks (group=...): use backend 'local' on one rank")
+
+
 @dataclass(frozen=True)
 class SymmViews:
     """One ubatch's shared buffers for one row layout, with the views of them that every
@@ -154,6 +158,12 @@ class SymmMemBackend(PrepareFinalize):
     comm_recordable = False  # all_to_all_vdev over NVSHMEM, not a c10d collective
     graph_safe = True
 
+    @classmethod
+    def check_runs(cls, world_size: int, config: Optional[MoEConfig] = None) -> None:
+        require_symm_mem()
+        if world_size < 2:
+            raise ValueError(_NEEDS_GROUP)
+
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         if config.max_tokens_per_rank is None:
             raise ValueError("backend 'symm_mem' needs MoEConfig.max_tokens_per_rank (its "
@@ -161,8 +171,7 @@ class SymmMemBackend(PrepareFinalize):
                              "set it to the largest token count a rank sends in one step")
         self._op: Any = require_symm_mem()
         if group is None:
-            raise ValueError("backend 'symm_mem' needs an expert-parallel process group of "
-                             "2 or more ranks (group=...): use backend 'local' on one rank")
+            raise ValueError(_NEEDS_GROUP)
         super().__init__(config, group)
         import torch.distributed._symmetric_memory as symm
 

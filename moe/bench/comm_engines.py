@@ -82,6 +82,16 @@ class Source(Protocol):
         """Release what the source holds (buffers)."""
 
 
+def check_timed(backend_cls: type) -> None:
+    """ValueError where this benchmark does not time backend class `backend_cls`: one
+    that dispatches router logits (`PrepareFinalize.routes_gathered_logits`), as its
+    inputs are top-k ids and weights."""
+    if getattr(backend_cls, "routes_gathered_logits", False):
+        raise ValueError(f"backend {backend_cls.name!r} dispatches router logits (the "
+                         f"monolithic form), not top-k ids: not timed here (dbo bench "
+                         f"--backends {backend_cls.name} times it in a model step)")
+
+
 class BackendEngine:
     """A `PrepareFinalize` backend: prepare, then finalize of the received rows."""
 
@@ -89,9 +99,7 @@ class BackendEngine:
                  topk_ids_TK: Tensor) -> None:
         from moe.workspace import Workspace
 
-        if getattr(backend, "routes_gathered_logits", False):
-            raise ValueError(f"backend {backend.name!r} dispatches router logits (the "
-                             f"monolithic form), not top-k ids: not timed here")
+        check_timed(type(backend))
         self.backend = backend
         self.inputs = (x_TH, topk_weights_TK, topk_ids_TK)
         self.workspace = Workspace()

@@ -28,19 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe.backends.deepep_support import require_deep_ep
+
 LL_MAX_TOKENS = 256
 """Most tokens per rank of `deepep_raw_ll`. Its `Buffer.low_latency_*` assert
 NVSHMEM_QP_DEPTH (1024 by default) >= 2 (N + 1), i.e. N <= 511; DeepEP's test runs 128
 and notes 512 as buggy; the buffer grows ~15 MB per token at E = 256, H = 7168."""
-
-
-def import_deep_ep() -> Any:
-    try:
-        import deep_ep
-    except ImportError as exc:
-        raise ImportError(f"DeepEP is not installed ({exc}): install its wheel "
-                          f"(shared/deepep/README.md) to time its raw calls") from exc
-    return deep_ep
 
 
 class _NormalEngine:
@@ -107,7 +100,7 @@ class DeepEPRawSource:
         self.name, self.shapes, self.group = name, shapes, group
         self.low_latency = name == "deepep_raw_ll"
         self.max_tokens = max((t for t in tokens if t <= LL_MAX_TOKENS), default=0)
-        self.deep_ep = import_deep_ep()
+        self.deep_ep = require_deep_ep(name, "Buffer")
         self.buffer: Any = None
 
     def _check(self, x_TH: Tensor) -> None:

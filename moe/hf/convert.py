@@ -36,6 +36,7 @@ from torch import nn
 from moe.config import SUPPORTED_DTYPES, MoEConfig
 from moe.hf.arch import ARCHITECTURES, SILU_NAMES, ArchSpec
 from moe.hf.block import HFMoEBlock, HFRouter, HFSharedExperts
+from moe.hf.deps import require
 from moe.hf.router_logits import record_router_logits
 from moe.layer import MoELayer
 
@@ -104,6 +105,7 @@ def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
             size, not of max_tokens_per_rank). None: max_tokens_per_rank.
 
     Raises:
+        ImportError: transformers older than 5.17 (`moe.hf.deps.MIN_TRANSFORMERS`).
         ValueError: an unsupported architecture or block (naming the block and what is
             unsupported), a routing setting dbo cannot express, an expert count the EP
             size does not divide, a block already converted, a backend that needs
@@ -125,6 +127,7 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
     if not isinstance(model, nn.Module):
         raise TypeError(f"moe.hf.convert takes a transformers model (an nn.Module), got "
                         f"{type(model).__name__}")
+    require("transformers")  # one line naming the version where it is too old
     world = 1 if group is None else dist.get_world_size(group)
     check_capacity_argument(backend, max_tokens_per_rank, world=world, where="moe.hf.convert")
     plans = plan_blocks(model, world=world, check_weights=weights_from_blocks)
@@ -224,7 +227,7 @@ def _check_block(path: str, block: nn.Module, spec: Optional[ArchSpec], config: 
     down = getattr(experts, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
         raise refuse("unsupported experts: expected tensors experts.gate_up_proj [E, 2I, H] "
-                     "and experts.down_proj [E, H, I] (transformers >= 5)")
+                     "and experts.down_proj [E, H, I] (as transformers >= 5.17 holds them)")
     if spec is None:
         raise refuse(f"unsupported architecture {config.model_type!r}: dbo converts "
                      f"{', '.join(sorted(ARCHITECTURES))} (add an ArchSpec to "

@@ -8,6 +8,7 @@ graphs and the SM count from real kernels are GPU only (tests/tools/test_bench_c
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ import torch
 from moe.bench.comm import CommBenchConfig, CommResult, RankTiming, Skip, make_point
 from moe.bench.comm_metrics import (algbw_gbps, comm_kernel_sms, expert_slots, make_routing,
                                     rows_to_ranks)
+from moe.bench.comm_engines import bench_names
 from moe.bench.comm_report import folded_skips
 
 REPO = Path(__file__).resolve().parents[2]
@@ -199,9 +201,10 @@ def test_command_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE")}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    # No --backends: every engine is tried, and those that cannot run here are skipped
+    # with their reason (a named one is refused before any rank starts).
     cmd = [sys.executable, "-m", "dbo.cli.bench_comm", "--hidden", "64", "--num-experts",
-           "8", "--top-k", "2", "--tokens", "1,16", "--backends",
-           "a2a,naive,a2a_ll,deepep_raw_ht", "--iters", "2", "--warmup", "1",
+           "8", "--top-k", "2", "--tokens", "1,16", "--iters", "2", "--warmup", "1",
            "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
@@ -214,23 +217,32 @@ def test_command_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert final["shapes"] == {"hidden": 64, "top_k": 2, "num_experts": 8,
                                "dtype": "bfloat16", "routing": "random", "seed": 0}
     points = final["points"]
-    assert [(p["backend"], p["tokens"]) for p in points] == [
-        (b, t) for b in ("a2a", "naive", "a2a_ll") for t in (1, 16)]
+    ran = ("naive", "a2a", "a2a_ll")  # the engines of torch.distributed
+    assert [(p["backend"], p["tokens"]) for p in points] == [(b, t) for b in ran
+                                                             for t in (1, 16)]
     for p in points:
         assert set(p) == POINT_KEYS
         assert 0 < p["dispatch_us"] and 0 < p["combine_us"] and 0 < p["total_us"]
         assert p["host_dispatch_us"] > 0 and p["algbw_total_gbps"] > 0
         assert p["host_total_us"] > 0
         assert p["sms_dispatch"] is None and p["sms_combine"] is None  # GPU only
-    if "deep_ep" not in sys.modules:  # not installed here: skipped with its reason
-        (skip,) = final["skipped"]
-        assert skip["backend"] == "deepep_raw_ht" and skip["tokens"] is None
-        assert "DeepEP is not installed" in skip["reason"]
+    skipped = {skip["backend"]: skip for skip in final["skipped"]}
+    assert sorted(skipped) == sorted(set(bench_names()) - set(ran))
+    assert all(skip["tokens"] is None for skip in skipped.values())  # the whole engine
+    assert "runs NVSHMEM kernels on CUDA GPUs" in skipped["symm_mem"]["reason"]
+    assert "dispatches router logits" in skipped["naive_mono"]["reason"]
+    if importlib.util.find_spec("deep_ep") is None:  # not installed here
+        assert ("backend 'deepep_raw_ht' needs DeepEP (deep_ep.Buffer), which is not "
+                "installed") in skipped["deepep_raw_ht"]["reason"]
     table = "\n".join(lines[:-1])
     assert "regime=CPU gloo" in table and "functional check" in table
-    assert "skipped deepep_raw_ht: rank 0: ImportError" in table
-    assert sum(line.startswith(("a2a ", "naive ", "a2a_ll ")) for line in lines) == 6
-    assert proc.stderr.count("[bench-comm] ") == 7  # 6 points, 1 skip
+    assert "skipped deepep_raw_ht: rank 0: " in table
+    assert sum(line.startswith(tuple(f"{b} " for b in ran)) for line in lines) == 6
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("[bench-comm] ")]
+    assert sum(": dispatch " in line for line in progress) == 6  # one line per point run
+    for name in skipped:  # and its skip, per point or for the whole engine
+        assert any(line.startswith(f"[bench-comm] {name}") and "skipped: " in line
+                   for line in progress), name
 
     files = final["files"]
     assert Path(files["csv"]).name == "bench_comm_w2_cpu.csv"

@@ -150,9 +150,9 @@ def test_deepep_ll_shape_and_queue_depth_are_checked_before_any_rank(
     with pytest.raises(ValueError, match="MoEConfig.hidden_size=64 is not supported"):
         check("qwen3_moe", 16, {})
     check("qwen3-30b-a3b", 256, {})
-    with pytest.raises(ValueError, match=r"deepep_ll at 4096 tokens per rank on 2 ranks: "
-                                         r".* needs an NVSHMEM queue depth of 8194, above "
-                                         r"NVSHMEM_QP_DEPTH=1024"):
+    with pytest.raises(ValueError, match=r"--tokens=4096 with --backends deepep_ll on 2 "
+                                         r"ranks: .* needs an NVSHMEM queue depth of 8194, "
+                                         r"above NVSHMEM_QP_DEPTH=1024; use --tokens <= 510"):
         check("qwen3-30b-a3b", 4096, {})
     check("qwen3-30b-a3b", 4096, {"NVSHMEM_QP_DEPTH": "8194"})
 

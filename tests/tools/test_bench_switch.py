@@ -27,3 +27,27 @@ def test_bad_arguments_exit_with_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--yields", "1"])
     assert info.value.code == 2
+
+
+def test_counts_are_bounded_with_how_long_they_would_take(capsys, monkeypatch):
+    # Refused before any measurement: one that ran would fail the test.
+    import pytest
+
+    import dbo.cli.bench_switch as bench_switch
+    from dbo.cli.bench_switch import MAX_REPEATS, MAX_THREAD_YIELDS, MAX_YIELDS, check_bounds
+
+    monkeypatch.setattr(bench_switch, "time_greenlet", lambda *a, **k: pytest.fail("ran"))
+    for argv, message in (
+            (["--yields", "1e11"], "--yields=100000000000: at most 10000000: three greenlet "
+                                   "measurements per repeat of 2 x N hand-offs at ~1 us each "
+                                   "(this run would take about 35 days)"),
+            (["--thread-yields", str(MAX_THREAD_YIELDS + 1)], "--thread-yields=1000001: at "
+                                                              "most 1000000"),
+            (["--repeats", "1000"], "--repeats=1000: at most 100: the medians settle"),
+            (["--yields", "1.5"], "argument --yields: '1.5': give a whole number")):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"dbo bench-switch: {message}") and err.count("\n") == 1, err
+    check_bounds(MAX_YIELDS, MAX_THREAD_YIELDS, MAX_REPEATS)  # the bounds themselves pass

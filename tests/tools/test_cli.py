@@ -5,6 +5,7 @@ ranks (layer 2, marked distributed): `dbo run`, `dbo trace`, `dbo inspect` end t
 the tiny preset."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -91,8 +92,25 @@ def test_help_names_the_command_and_shows_defaults(command, capsys):
     assert out.startswith(f"usage: dbo {command} ")
     if HELP_DEFAULTS[command] is not None:
         option, default = HELP_DEFAULTS[command]
-        entry = " ".join(out.split(f"\n  {option} ", 1)[1].split("\n  -", 1)[0].split())
+        entry = out.split(f"\n  {option} ", 1)[1].split("\n  -", 1)[0].split("\n\n", 1)[0]
+        entry = " ".join(entry.split())
         assert entry.endswith(f"(default: {default})"), entry
+
+
+@pytest.mark.parametrize("command", [c for c in cli.COMMANDS if c != "trace"])
+def test_every_command_describes_itself_to_a_user_in_a_few_lines(command, capsys):
+    # The text between the usage block and the options: what the command does, for
+    # someone running it (not a module's docstring: no dbo.* module names, no source
+    # layout). `dbo trace` passes its own module docstring (dbo/cli/trace_job.py).
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n", 1)[1].split("\npositional arguments:", 1)[0]
+    description = description.split("\noptions:", 1)[0].strip()
+    lines = description.splitlines()
+    assert 1 <= len(lines) <= 7 and max(map(len, lines)) <= 92, description
+    assert "dbo.cli" not in description and "`dbo." not in description, description
+    assert "One rank's" not in description and "Modules:" not in description
 
 
 def test_help_lists_the_choices_from_the_registries(capsys):
@@ -108,7 +126,8 @@ def test_help_lists_the_choices_from_the_registries(capsys):
     assert "--experts {" + ",".join(["auto", *EXPERTS]) + "}" in out
     runnable = [name for name in BACKENDS if name not in UNTESTED_BACKENDS]
     assert "--backend {" + ",".join(["auto", *runnable]) + "}" in out
-    assert "(default: 256)" in out  # --tokens
+    entry = " ".join(out.split("\n  --tokens TOKENS", 1)[1].split("\n  --", 1)[0].split())
+    assert entry.endswith("(default: 4096 on CUDA GPUs, 256 on CPU)"), entry
     for command in ("bench", "soak"):
         with pytest.raises(SystemExit):
             cli.main([command, "--help"])
@@ -135,6 +154,16 @@ def no_launch(monkeypatch):
         monkeypatch.setattr(module, "launch", refuse)
     import dbo.cli.bench.launch
     monkeypatch.setattr(dbo.cli.bench.launch, "spawn_ranks", refuse)
+    import dbo.cli.bench_comm
+    import dbo.cli.soak.run
+    for module in (dbo.cli.bench_comm, dbo.cli.soak.run):
+        monkeypatch.setattr(module, "launch", refuse)
+
+
+NO_DEEP_EP = pytest.mark.skipif(importlib.util.find_spec("deep_ep") is not None,
+                                reason="deep_ep is installed")
+NEEDS_DEEP_EP = "needs DeepEP (deep_ep.Buffer), which is not installed: build DeepEP v1"
+HUGE = "99999999999999"  # tokens no machine holds the activations of
 
 
 @pytest.mark.parametrize("args, message", [
@@ -161,6 +190,53 @@ def no_launch(monkeypatch):
     pytest.param(("bench", "--backends", "symm_mem"), "backend 'symm_mem' runs NVSHMEM "
                  "kernels on CUDA GPUs",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
+    (("run", "--backend", "local"), "backend 'local' needs an EP group of size 1, got 2 "
+                                    "ranks: use backend='a2a', 'a2a_ll' or 'naive'"),
+    pytest.param(("run", "--backend", "deepep_ll"), "backend 'deepep_ll' " + NEEDS_DEEP_EP,
+                 marks=NO_DEEP_EP),
+    pytest.param(("run", "--backend", "deepep_ht"), "backend 'deepep_ht' " + NEEDS_DEEP_EP,
+                 marks=NO_DEEP_EP),
+    pytest.param(("bench", "--backends", "a2a,deepep_ht"), "backend 'deepep_ht' " + NEEDS_DEEP_EP,
+                 marks=NO_DEEP_EP),
+    pytest.param(("bench-comm", "--backends", "deepep_raw_ll"),
+                 "backend 'deepep_raw_ll' " + NEEDS_DEEP_EP, marks=NO_DEEP_EP),
+    (("bench-comm", "--backends", "a2a,naive_mono"), "backend 'naive_mono' dispatches router "
+                                                     "logits (the monolithic form), not top-k "
+                                                     "ids: not timed here"),
+    pytest.param(("bench-comm", "--backends", "deepep_v2"), "backend 'deepep_v2' needs DeepEP "
+                 "(deep_ep.ElasticBuffer), which is not installed", marks=NO_DEEP_EP),
+    pytest.param(("soak", "--backend", "deepep_ht", "--dtype", "bfloat16"),
+                 "backend 'deepep_ht' " + NEEDS_DEEP_EP, marks=NO_DEEP_EP),
+    (("run", "--tokens", HUGE), f"--tokens={HUGE}: preset tiny (3 layers, 8 experts over 2 "
+                                f"ranks) would need about"),
+    (("trace", "--tokens", HUGE), f"--tokens={HUGE}: preset tiny"),
+    (("run", "--hf-config", "qwen3_moe", "--tokens", HUGE),
+     f"--tokens={HUGE}: hf-config qwen3_moe would need about"),
+    (("run", "--decode-steps", HUGE), f"--decode-steps={HUGE}: preset tiny"),
+    (("run", "--layers", "99999999"), "preset tiny (99999999 layers, 8 experts over 2 ranks) "
+                                      "would need about"),
+    (("bench", "--tokens", HUGE), f"--tokens={HUGE}: --mode layer of preset tiny"),
+    (("bench", "--mode", "decode", "--context", HUGE), "--mode decode of preset tiny (4 "
+                                                       "layers, 8 experts over 2 ranks) would "
+                                                       "need about"),
+    (("bench-comm", "--tokens", HUGE), f"--tokens={HUGE}: the exchange of --hidden 7168"),
+    (("soak", "--max-tokens", HUGE), f"--max-tokens={HUGE}: the soak model"),
+    (("run", "--requests", "50", "--tokens", "10"), "--requests=50 exceeds --tokens=10: each "
+                                                   "request holds at least one token; use "
+                                                   "--requests <= 10, or --tokens >= 50"),
+    (("bench", "--context", "512"), "--context 512 applies to decode steps: add --mode decode, "
+                                    "or drop --context"),
+    pytest.param(("run", "--world-size", "100000", "--num-experts", "100000"),
+                 "100000 ranks on this machine's", marks=pytest.mark.skipif(
+                     torch.cuda.is_available(), reason="has CUDA: one GPU per rank")),
+    (("run", "--out", "FILE/run"), "existing.txt is a file, so no folder can be made under "
+                                   "it: name a folder elsewhere"),
+    (("bench", "--out", "FILE/bench"), "existing.txt is a file, so no folder can be made"),
+    (("run", "--seed", "-1"), "--seed=-1: must be an int >= 0"),
+    (("soak", "--seed", str(2**64)), f"--seed={2**64}: at most 4294967295 (the seeds derived "
+                                     f"from it must fit torch's 64-bit generator seeds)"),
+    (("bench", "--seed", str(2**32)), f"--seed={2**32}: at most 4294967295"),
+    (("bench-comm", "--seed", "-3"), "--seed=-3: must be an int >= 0"),
     (("trace", "--profiler", "nope"), "invalid choice: 'nope'"),
     pytest.param(("trace", "--profiler", "nsys"), "--profiler=nsys needs CUDA GPUs",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
@@ -168,7 +244,7 @@ def no_launch(monkeypatch):
 def test_bad_arguments_fail_fast(args, message, tmp_path, capsys, no_launch):
     existing = tmp_path / "existing.txt"
     existing.write_text("not a folder")
-    argv = [str(existing) if a == "FILE" else a for a in args]
+    argv = [a.replace("FILE", str(existing)) for a in args]
     try:
         code = cli.main(argv)
     except SystemExit as exc:
@@ -296,3 +372,206 @@ def test_profiler_start_and_stop_print_no_usdt_lines():
     if "profiler_start" not in loud.stderr:
         pytest.skip("this torch build's profiler prints no USDT lines")
     assert "USDT" not in quiet.stderr and "profiler_start" not in quiet.stderr, quiet.stderr
+
+
+def fake_deep_ep_on_cuda(monkeypatch, *, classes=("Buffer",)) -> None:
+    """As on a GPU machine with DeepEP installed (a stand-in module holding `classes`)."""
+    import types
+
+    fake = types.ModuleType("deep_ep")
+    fake.__spec__ = types.SimpleNamespace(name="deep_ep")
+    for name in classes:
+        setattr(fake, name, object)
+    monkeypatch.setitem(sys.modules, "deep_ep", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def test_backend_checks_before_ranks_are_the_backends_own(monkeypatch, capsys, no_launch):
+    # dbo.cli.check_backend_runs asks the backend class (PrepareFinalize.check_runs): the
+    # group sizes and shapes its constructor would refuse, refused before any rank.
+    from moe.models.presets import get_preset
+
+    with pytest.raises(ValueError, match="backend 'local' needs an EP group of size 1, got 2"):
+        cli.check_backend_runs("local", 2)
+    cli.check_backend_runs("local", 1)
+    cli.check_backend_runs("auto", 2)  # a2a: runs anywhere torch does
+    fake_deep_ep_on_cuda(monkeypatch)
+    cli.check_backend_runs("deepep_ht", 2)
+    with pytest.raises(ValueError, match=r"an EP group of 3 rank\(s\) is not supported"):
+        cli.check_backend_runs("deepep_ht", 3)
+    with pytest.raises(ValueError, match="needs an EP group of at least 2 ranks"):
+        cli.check_backend_runs("deepep_ll", 1)
+    with pytest.raises(ValueError, match="MoEConfig.hidden_size=64 is not supported"):
+        cli.check_backend_runs("deepep_ll", 2, get_preset("tiny").moe)
+    with pytest.raises(ValueError, match="MoEConfig.dtype=torch.float32 is not supported"):
+        cli.check_backend_runs("deepep_ht", 2, get_preset("tiny").moe)
+    cli.check_backend_runs("deepep_ll", 2, get_preset("deepseek-v3-like").moe)
+    with pytest.raises(ImportError, match="needs deep_ep.ElasticBuffer, which the installed "
+                                          "deep_ep lacks"):
+        cli.check_backend_runs("deepep_v2", 2)
+    # dbo run checks the backend against its preset's shapes before any rank starts.
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["run", "--backend", "deepep_ll", "--preset", "tiny", "--tokens", "256"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dbo run: backend 'deepep_ll': MoEConfig.hidden_size=64 is not "
+                          "supported") and err.count("\n") == 1, err
+
+
+def test_memory_bound_refuses_exactly_what_does_not_fit(monkeypatch):
+    monkeypatch.setattr(cli, "rank_memory", lambda *args: (1000, "a test budget"))
+
+    def check(value: int, *, fixed: int = 100) -> None:
+        cli.check_fits_memory("--tokens", value, unit="token", per_unit_bytes=9,
+                              fixed_bytes=fixed, model="the model", shape_fix="shrink it",
+                              world_size=2)
+
+    check(100)  # 100 + 100 * 9 = 1000 bytes: fits
+    with pytest.raises(ValueError) as exc:
+        check(101)
+    assert str(exc.value) == ("--tokens=101: the model would need about 1009 B per rank (9 B "
+                              "per token + 100 B of weights), more than the 1000 B a rank "
+                              "has here (a test budget): use --tokens <= 100")
+    with pytest.raises(ValueError) as exc:
+        check(1, fixed=995)  # not even one token fits beside the weights
+    assert str(exc.value) == ("the model would need about 1004 B per rank at a single token "
+                              "(9 B per token + 995 B of weights), more than the 1000 B a "
+                              "rank has here (a test budget): shrink it")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA: a GPU's memory per rank")
+def test_rank_memory_on_cpu_is_the_machines_shared_by_its_ranks(monkeypatch):
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 1 << 20}  # 4 GiB
+    monkeypatch.setattr(cli.os, "sysconf", lambda name: pages[name])
+    monkeypatch.setattr(cli, "process_bytes", lambda: 256 << 20)  # each rank's Python, torch
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    less = "less 256.0 MiB for Python and torch"
+    assert cli.rank_memory(2) == ((2 << 30) - (256 << 20),
+                                  f"this machine's 4.0 GiB over 2 ranks, {less}")
+    assert cli.rank_memory(1) == ((4 << 30) - (256 << 20), f"this machine's 4.0 GiB, {less}")
+    # Ranks that would not even hold their Python and torch: too many.
+    with pytest.raises(ValueError, match=r"16 ranks on this machine's 4.0 GiB would get "
+                                         r"256.0 MiB each, no more than the 256.0 MiB a "
+                                         r"process of Python and torch takes here: start at "
+                                         r"most 15 \(--world-size\)"):
+        cli.rank_memory(16)
+    # Under torchrun only this node's ranks share its memory.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cli.rank_memory(16) == ((1 << 30) - (256 << 20),
+                                   f"this machine's 4.0 GiB over 4 ranks, {less}")
+    assert cli.process_bytes() > 0  # this process, read from /proc on Linux
+
+
+def test_run_memory_bound_counts_the_weights_over_the_ranks(monkeypatch):
+    from dbo.cli.run_config import RunConfig, check_run_memory, model_config, step_bytes_per_token
+    from moe.models.presets import estimate_param_bytes
+
+    job = RunConfig(preset="deepseek-v3-like", tokens=4096)
+    config = model_config(job, 8)
+    weights = estimate_param_bytes(config, ep_size=8)
+    need = weights + 4096 * step_bytes_per_token(config)
+    monkeypatch.setattr(cli, "rank_memory", lambda *args: (need, "a test budget"))
+    check_run_memory(job, config, 8)  # exactly fits
+    with pytest.raises(ValueError, match=r"--tokens=4097: preset deepseek-v3-like \(4 layers, "
+                                         r"256 experts over 8 ranks\) would need .* use "
+                                         r"--tokens <= 4096$"):
+        check_run_memory(RunConfig(preset="deepseek-v3-like", tokens=4097), config, 8)
+    # One rank holds every expert: 8x the expert weights, over the budget on their own.
+    with pytest.raises(ValueError, match=r"over 1 rank\) would need .* at a single token"):
+        check_run_memory(job, model_config(job, 1), 1)
+
+
+def test_plain_run_defaults_depend_on_the_device(monkeypatch):
+    # CPU: the tiny fp32 preset, a functional check (unchanged). CUDA: DeepSeek-V3's layer
+    # shapes in bf16 at 4096 tokens per rank, whose weights fit one H200 (141 GB).
+    from dbo.cli.run_config import RunConfig, model_config, run_defaults
+    from moe.models.presets import estimate_param_bytes
+
+    assert run_defaults("cpu") == RunConfig()
+    assert (RunConfig().preset, RunConfig().tokens) == ("tiny", 256)
+    cuda = run_defaults("cuda")
+    assert (cuda.preset, cuda.tokens) == ("deepseek-v3-like", 4096)
+    assert cuda.tokens >= 4096 and cuda.requests <= cuda.tokens
+    config = model_config(cuda, 1)
+    assert config.dtype == torch.bfloat16 and config.num_moe_layers >= 2
+    assert estimate_param_bytes(config, ep_size=1) < 100e9  # with room for activations
+    with pytest.raises(ValueError, match="device type 'mps'"):
+        run_defaults("mps")
+    # parse_job takes them from the device the ranks compute on, unless the model is named.
+    from dbo.cli.run_job import build_parser, parse_job
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    job, _ = parse_job(build_parser(), ["--no-trace"])
+    assert (job.preset, job.tokens) == ("tiny", 256)
+    job, _ = parse_job(build_parser(), ["--hf-config", "qwen3_moe"])
+    assert (job.preset, job.hf_config) == ("tiny", "qwen3_moe")
+    job, _ = parse_job(build_parser(), ["--preset", "qwen3-moe-like", "--tokens", "64"])
+    assert (job.preset, job.tokens) == ("qwen3-moe-like", 64)
+
+
+def test_a_loss_on_nvlink_says_why_and_how_to_see_the_overlap(capsys):
+    from dbo.cli.run_job import print_summary, why_dbo_lost
+
+    nvlink = why_dbo_lost(_summary(regime="NVLink", speedup=0.6, tokens_per_rank=[4096, 3584]))
+    text = " ".join(nvlink)
+    assert "NVLink, fast enough that the dispatch and combine leave little to hide" in text
+    assert "NCCL_P2P_DISABLE=1" in text and "more ranks" in text
+    assert "--tokens 8192" in text  # twice rank 0's tokens
+    emulated = " ".join(why_dbo_lost(_summary(regime="scale-out emulated (NCCL_P2P_DISABLE=1)")))
+    assert "NVLink" not in emulated and "more tokens per rank" in emulated
+    one = " ".join(why_dbo_lost(_summary(world_size=1, tokens_per_rank=[4096])))
+    assert "no communication to hide" in one and "NCCL_P2P_DISABLE" not in one
+    print_summary(_summary(regime="NVLink"))
+    out = capsys.readouterr().out
+    assert "speedup: 0.500x" in out and "leave little to hide" in out
+
+
+@pytest.fixture(scope="module")
+def cpu_trace(tmp_path_factory) -> Path:
+    from torch.profiler import profile
+
+    path = tmp_path_factory.mktemp("trace") / "trace.json"
+    with profile() as prof:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    prof.export_chrome_trace(str(path))
+    return path
+
+
+def test_inspect_writes_into_a_folder_and_prints_the_file_written(cpu_trace, tmp_path, capsys):
+    # --png / --json naming a folder write timeline.png / trace_analysis.json in it (as
+    # dbo plan --out DIR writes plan.png in DIR), and print the file written.
+    folder = tmp_path / "out"
+    folder.mkdir()
+    assert cli.main(["inspect", str(cpu_trace), "--png", str(folder), "--json",
+                     str(tmp_path / "new") + "/"]) == 0
+    out = capsys.readouterr().out
+    assert f"timeline: {folder / 'timeline.png'}\n" in out
+    assert (folder / "timeline.png").stat().st_size > 0
+    report = json.loads((tmp_path / "new" / "trace_analysis.json").read_text())
+    assert report == json.loads(out.strip().splitlines()[-1])
+    assert cli.main(["inspect", str(cpu_trace), "--png", str(tmp_path / "t.png")]) == 0
+    assert f"timeline: {tmp_path / 't.png'}\n" in capsys.readouterr().out
+    assert (tmp_path / "t.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--png", "x", "--png=X: name a .png file, or a folder to write timeline.png in (end it "
+                   "with / if it does not exist yet)"),
+    ("--png", "x.svg", "--png=X: name a .png file"),
+    ("--json", "r.txt", "--json=X: name a .json file, or a folder to write "
+                        "trace_analysis.json in"),
+])
+def test_inspect_refuses_an_output_it_would_not_write_as_named(option, value, message, cpu_trace,
+                                                              tmp_path, capsys):
+    path = str(tmp_path / value)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["inspect", str(cpu_trace), option, path])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dbo inspect: {message.replace('X', path)}") and \
+        err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())  # nothing written

@@ -14,7 +14,8 @@ from dbo.cli.plan_model import Cluster, step_inputs
 from moe.models.presets import get_preset
 
 HEADLINE = ["plan", "--preset", "deepseek-v3-like", "--layers", "58", "--gpus-per-node", "8",
-            "--ep", "96", "--inter-gbs", "50", "--fp8-dispatch", "--cuda-graph",
+            "--ep", "96", "--redundant-experts", "32", "--inter-gbs", "50", "--fp8-dispatch",
+            "--cuda-graph",
             "--sweep", "16,256,1024"]
 
 
@@ -65,7 +66,8 @@ def test_step_inputs_comm_grows_with_nodes_and_shrinks_with_bandwidth():
         cluster = Cluster(gpus_per_node=8, ep_size=ep, intra_gbs=400, intra_latency_us=0,
                           inter_gbs=inter, inter_latency_us=0)
         times, _ = step_inputs(model, cluster, cal, tokens=1024, decode=False, context_len=4096,
-                               layers=1, fp8_dispatch=False, kernels_per_layer=0)
+                               layers=1, fp8_dispatch=False, kernels_per_layer=0,
+                               redundant_experts=-256 % ep)  # 96: 32 (288 = 3 x 96)
         return times.dispatch
 
     one_node, many = dispatch(8, 50), dispatch(96, 50)
@@ -86,9 +88,21 @@ def test_help_shows_defaults(capsys):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--ep", "0"], "--ep"),
+    (["--ep", "0"], "argument --ep: '0': must be an int >= 1"),
     (["--ep", "512"], "more ranks than the model's 256 experts"),
-    (["--sweep", "a,b"], "--sweep"),
+    (["--ep", "3"], "--ep 3: 256 experts do not split over 3 ranks (each rank holds the same "
+                    "number): use an EP size that divides 256 (e.g. 2 or 4), or hold "
+                    "redundant experts as DeepSeek's deployment does: --redundant-experts 2 "
+                    "(258 = 86 x 3)"),
+    (["--ep", "96", "--redundant-experts", "16"], "--ep 96: 256 experts + 16 redundant do not "
+                                                  "split over 96 ranks"),
+    (["--redundant-experts", "-1"], "argument --redundant-experts: '-1': must be an int >= 0"),
+    (["--backend", "bogus"], "argument --backend: invalid choice: 'bogus' (choose from 'a2a', "
+                             "'a2a_ll', "),
+    (["--backend", "a2a"], "--backend a2a picks the --calibration file's measured points of "
+                           "that backend, and there is no --calibration"),
+    (["--sweep", "a,b"], "argument --sweep: 'a,b': give tokens per rank >= 1"),
+    (["--sweep", "0,16"], "argument --sweep: '0,16': give tokens per rank >= 1"),
     (["--margin", "2"], "--margin 2.0"),
     (["--inter-gbs", "0"], "--inter-gbs"),
     (["--calibration", "/nonexistent/cal.json"], "calibration file"),
@@ -100,6 +114,34 @@ def test_argument_errors_are_one_line_exit_2(args, words, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("dbo plan: ") and words in err and err.count("\n") == 1, err
+
+
+def test_thresholds_read_as_words_where_a_mode_never_wins(capsys):
+    # EP 2 of the tiny preset on one node: overlap never pays at these sizes.
+    out, result = run_plan(["plan", "--preset", "tiny", "--ep", "2", "--sweep", "16,64"], capsys)
+    assert result["phases"][0]["thresholds"] == {"dbo": None, "sbo": None}
+    assert "prediction: DBO wins at no point of the sweep; SBO wins at no point of the sweep" \
+        in out
+    assert "None" not in out.rsplit("\n", 2)[0]  # the table and lines, not the JSON
+    out, result = run_plan(HEADLINE, capsys)
+    assert f"DBO wins from {result['phases'][0]['thresholds']['dbo']} tokens" in out
+
+
+def test_redundant_experts_split_the_experts_evenly():
+    from dbo.cli.plan_model import check_expert_split
+
+    check_expert_split(256, 8)
+    check_expert_split(256, 96, redundant=32)  # 288 = 3 x 96
+    with pytest.raises(ValueError, match="--redundant-experts 32 \\(288 = 3 x 96\\)"):
+        check_expert_split(256, 96)
+    # Each rank holds 3 experts instead of 256 / 96: more weight to read per rank.
+    model, cal = get_preset("deepseek-v3-like"), Calibration()
+    cluster = Cluster(gpus_per_node=8, ep_size=96, intra_gbs=400, intra_latency_us=0,
+                      inter_gbs=50, inter_latency_us=0)
+    _, even = step_inputs(model, cluster, cal, tokens=16, decode=True, context_len=4096,
+                          layers=1, fp8_dispatch=False, kernels_per_layer=0,
+                          redundant_experts=32)
+    assert even.rows_per_expert == pytest.approx(16 * 8 / 3)
 
 
 def test_out_that_is_a_file_refused(tmp_path, capsys):

@@ -79,6 +79,69 @@ def test_hf_checkpoint_sizes_are_not_overridden(tmp_path, capsys, no_launch):
     assert f"4 routed experts (hf {path}) do not split over 3 ranks" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("index, message", [
+    ("{not json", "model.safetensors.index.json' is not a JSON file (Expecting property name"),
+    ('{"metadata": {}}', "model.safetensors.index.json' has no weight_map (an object of "
+                         "tensor names to *.safetensors files)"),
+    ('{"weight_map": {"lm_head.weight": "model-00009-of-00009.safetensors"}}',
+     "lists 'model-00009-of-00009.safetensors', which is not in"),
+])
+def test_a_broken_checkpoint_index_is_refused_before_any_rank(index, message, tmp_path, capsys,
+                                                              no_launch):
+    from tests.hf_utils import tiny_model
+    path = tmp_path / "ckpt"
+    tiny_model("qwen3_moe").save_pretrained(path, max_shard_size="40KB")
+    index_file = path / "model.safetensors.index.json"
+    assert index_file.exists()  # sharded: the index says where each tensor is
+    index_file.write_text(index)
+    capsys.readouterr()  # save_pretrained's progress bar
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "--hf", str(path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dbo run: --hf={path}: moe.hf.load: ") and err.count("\n") == 1, err
+    assert message in err, err
+    assert "save the model again with save_pretrained" in err or "copy the whole" in err
+
+
+def test_a_corrupt_safetensors_file_is_refused_before_any_rank(tmp_path, capsys, no_launch):
+    from tests.hf_utils import save, tiny_model
+    path = save(tiny_model("qwen3_moe"), tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    capsys.readouterr()  # save_pretrained's progress bar
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--hf", path])
+    err = capsys.readouterr().err
+    assert "model.safetensors' (Error while deserializing header" in err and \
+        err.count("\n") == 1, err
+
+
+def test_transformers_older_than_5_17_is_named_in_one_line(monkeypatch, capsys, no_launch):
+    # Transformers 4.x holds a block's experts as a ModuleList, which moe.hf cannot take:
+    # moe.hf.convert and dbo run --hf-config say the installed and the needed version.
+    import transformers
+
+    from moe.hf import convert
+    from moe.hf.deps import check_transformers_version
+    from tests.hf_utils import tiny_model
+
+    model = tiny_model("qwen3_moe")
+    check_transformers_version("5.17.0")
+    check_transformers_version("5.24.0.dev0")
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    expected = ("moe.hf needs transformers >= 5.17 (MoE experts held as fused gate_up_proj / "
+                "down_proj tensors), but transformers 4.57.1 is installed: pip install -e "
+                "\".[hf]\" (transformers>=5.17, safetensors)")
+    with pytest.raises(ImportError) as exc:
+        convert(model)
+    assert str(exc.value) == expected
+    assert not any(type(m).__name__ == "HFMoEBlock" for m in model.modules())  # untouched
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "--hf-config", "qwen3_moe"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"dbo run: {expected}\n"
+
+
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_dbo_run_hf_config_cuda_graph_on_two_gpus(tmp_path):

@@ -5,6 +5,7 @@ starts. The graphed soak itself needs GPUs: tests/tools/test_soak_gpu.py.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
 from typing import Any
 
@@ -151,8 +152,16 @@ def test_bf16_padded_soak_a2a_two_ranks():
                                                      "float32: DeepEP's kernels move bfloat16"),
     (["--backend", "deepep_ll", "--dtype", "bfloat16"], "--backend=deepep_ll with "
                                                         "--hidden=32: DeepEP's low-latency"),
-    (["--backend", "deepep_ll", "--dtype", "bfloat16", "--hidden", "2048"],
-     "--backend=deepep_ll runs DeepEP's kernels on CUDA GPUs, and none is visible here"),
+    pytest.param(["--backend", "deepep_ll", "--dtype", "bfloat16", "--hidden", "2048"],
+                 "backend 'deepep_ll' needs DeepEP (deep_ep.Buffer), which is not installed",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("deep_ep") is not None,
+                                          reason="deep_ep is installed")),
+    (["--backend", "symm_mem"], "backend 'symm_mem' runs NVSHMEM kernels on CUDA GPUs and "
+                                "this process has no CUDA device"),
+    (["--max-tokens", "99999999999999"], "--max-tokens=99999999999999: the soak model (2 "
+                                         "layers of 8 experts over 2 ranks"),
+    (["--layers", "99999999"], "the soak model (99999999 layers of 8 experts over 2 ranks, "
+                               "--hidden=32, --intermediate=16) would need about"),
     (["--dtype", "bfloat16", "--atol", "0.1"], "--atol bounds float32 steps only"),
     (["--graph-sizes", "2,64"], "--graph-sizes without --cuda-graph"),
     (["--cuda-graph", "--backend", "a2a_ll", "--graph-sizes", "2,8"],
@@ -184,6 +193,7 @@ def test_deepep_ll_capacity_refused_before_ranks(capsys, monkeypatch):
     assert ("--max-tokens=511 with --backend=deepep_ll on 2 ranks: DeepEP's capacity 512 "
             "needs an NVSHMEM queue depth of 1026, above NVSHMEM_QP_DEPTH=1024; use "
             "--max-tokens <= 510") in capsys.readouterr().err
-    from dbo.cli.soak.config import check_deepep_ll_capacity
-    check_deepep_ll_capacity(510, 2, 1024)  # fits: no error
-    check_deepep_ll_capacity(511, 4, 1024)
+    from dbo.cli import check_deepep_ll_depth
+    env = {"NVSHMEM_QP_DEPTH": "1024"}
+    check_deepep_ll_depth("--max-tokens", 510, 2, backend_option="", env=env)  # fits
+    check_deepep_ll_depth("--max-tokens", 511, 4, backend_option="", env=env)

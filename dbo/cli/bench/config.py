@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from dbo.cli import check_seed
 from dbo.config import DBOConfig
 from moe.backends import BACKENDS
 from moe.backends.nvshmem_owner import check_one_process
@@ -88,6 +89,14 @@ def regime_label(device: str, *, p2p_disabled: bool) -> str:
     if device == "cpu":
         return CPU_REGIME
     return EMULATED_REGIME if p2p_disabled else NVLINK_REGIME
+
+
+def check_context_option(mode: str, context: Optional[int]) -> None:
+    """--context sizes the KV caches of decode steps: ValueError (with the fix) where it
+    is given to another mode, which would ignore it."""
+    if context is not None and mode != "decode":
+        raise ValueError(f"--context {context} applies to decode steps: add --mode decode, or "
+                         f"drop --context")
 
 
 def requests_count(groups: Optional[list[list[int]]], *, where: str, default: int) -> int:
@@ -215,10 +224,11 @@ class BenchConfig:
                              f"{self.experts_per_rank} are both set: give only one")
         for name, low in (("attn_context", 0), ("requests", 1), ("iters", 1), ("warmup", 0),
                           ("rounds", 1), ("gate_min_tokens", 0), ("gate_trial_iters", 1),
-                          ("seed", 0), ("gemm_sm_carveout", 0)):
+                          ("gemm_sm_carveout", 0)):
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
+        check_seed(self.seed)
         if not _is_int(self.combine_chunks) or not 1 <= self.combine_chunks <= min(self.tokens):
             raise ValueError(f"combine_chunks={self.combine_chunks!r} must be an int from 1 to "
                              f"the smallest point's {min(self.tokens)} tokens per rank (each "

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from dbo.cli import check_graph_backends
+from dbo.cli import check_graph_backends, check_seed
 from dbo.cli.bench.config import (
     BENCH_BACKENDS,
     CPU_REGIME,
@@ -134,10 +134,11 @@ class HFBenchConfig:
             raise ValueError(f"unknown architecture {self.arch!r} for --hf: use one of "
                              f"{', '.join(names)}")
         for name, low in (("layers", 1), ("requests", 2), ("iters", 1), ("warmup", 0),
-                          ("rounds", 1), ("seed", 0)):
+                          ("rounds", 1)):
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
+        check_seed(self.seed)
         if self.num_experts is not None and (not _is_int(self.num_experts)
                                              or self.num_experts < 1):
             raise ValueError(f"num_experts={self.num_experts!r} must be a positive int "

@@ -36,9 +36,9 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from dbo.cli import check_out_dir, quiet_profiler_logs
-from dbo.cli.bench.config import regime_label, requests_count
-from dbo.cli.run_config import check_backend_runs
+from dbo.cli import (check_backend_runs, check_deepep_ll_depth, check_fits_memory, check_out_dir,
+                     quiet_profiler_logs)
+from dbo.cli.bench.config import check_context_option, regime_label, requests_count
 from dbo.cli.bench.ranks import measure_on_rank, p2p_disabled, resolve_device, world_size_of
 from dbo.cli.bench.hf_config import (
     DEFAULT_HF_CPU_CONTEXT,
@@ -89,10 +89,8 @@ def _decode_options(args: argparse.Namespace, *, gpu: bool) -> Optional[HFDecode
     if args.mode == "model":
         raise ValueError("--mode model does not apply to --hf (the architecture is the "
                          "model): drop it for prefill, or use --mode decode")
+    check_context_option(args.mode, args.context)
     if args.mode != "decode":
-        if args.context is not None:
-            raise ValueError(f"--context {args.context} applies to decode steps: add "
-                             f"--mode decode, or drop --context")
         return None
     if args.tokens:
         raise ValueError("--hf with --mode decode sweeps --requests (one new token per "
@@ -115,7 +113,17 @@ def main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace,
         cfg = hf_config_from_args(args, env)
         check_out_dir("--out", cfg.out_dir)
         world = world_size_of(args.world_size, cfg.device, env)
-        check_backends_run(cfg, cfg.model_config(world), world_size=world, env=env)
+        config = cfg.model_config(world)
+        check_backends_run(cfg, config, world_size=world, env=env)
+        # A lower bound: the logits row [V] and four hidden rows [H] of each token (decode:
+        # of each request's new token), bf16 on GPUs, fp32 on CPU.
+        unit = "token" if cfg.decode is None else "request"
+        check_fits_memory(f"--{unit}s", max(cfg.tokens if cfg.decode is None
+                                            else cfg.decode.requests), unit=unit,
+                          per_unit_bytes=(config.vocab_size + 4 * config.hidden_size)
+                          * (2 if cfg.device == "cuda" else 4),
+                          model=f"--hf {args.hf}", shape_fix="use a smaller model",
+                          world_size=world, device_type=cfg.device)
     except (ImportError, ValueError) as exc:
         parser.error(str(exc))  # one line, exit 2
     quiet_profiler_logs()
@@ -132,24 +140,15 @@ def check_backends_run(cfg: HFBenchConfig, config: Any, *, world_size: int,
     model of transformers config `config` here: symm_mem without its op, CUDA or NVSHMEM;
     the DeepEP backends without deep_ep or CUDA; deepep_ll at a hidden size its kernels
     lack, or at more tokens per rank than NVSHMEM's queue depth takes."""
-    from moe.backends.deepep_support import (DEFAULT_NVSHMEM_QP_DEPTH, check_ll_shape,
-                                             ll_capacity, require_deep_ep)
+    from moe.backends.deepep_support import check_ll_shape
     points = cfg.tokens if cfg.decode is None else cfg.decode.requests
     for backend in cfg.backends:
-        check_backend_runs(backend)
-        if backend in ("deepep_ht", "deepep_ll"):
-            require_deep_ep(backend, "Buffer")
+        check_backend_runs(backend, world_size)
         if backend == "deepep_ll":
             check_ll_shape(backend, config.hidden_size, torch.bfloat16, world_size)
-            depth = int(env.get("NVSHMEM_QP_DEPTH", DEFAULT_NVSHMEM_QP_DEPTH))
-            capacity = ll_capacity(max(points), world_size)
-            if 2 * (capacity + 1) > depth:
-                what = "--tokens" if cfg.decode is None else "--requests"
-                raise ValueError(f"--backends deepep_ll at {max(points)} {what[2:]} per rank "
-                                 f"on {world_size} ranks: DeepEP's capacity {capacity} needs "
-                                 f"an NVSHMEM queue depth of {2 * (capacity + 1)}, above "
-                                 f"NVSHMEM_QP_DEPTH={depth}; use smaller {what}, or raise "
-                                 f"NVSHMEM_QP_DEPTH")
+            check_deepep_ll_depth("--tokens" if cfg.decode is None else "--requests",
+                                  max(points), world_size, env=env,
+                                  backend_option="--backends deepep_ll")
 
 
 def run_hf_rank(cfg: HFBenchConfig, *, rank: int, world_size: int, local_rank: int,

@@ -27,12 +27,13 @@ from dbo.cli.bench.config import (
     MODES,
     OVERLAPS,
     BenchConfig,
+    check_context_option,
     known_presets,
     regime_label,
     requests_count,
 )
-from dbo.cli import Parser, check_out_dir, quiet_profiler_logs
-from dbo.cli.run_config import check_backend_runs
+from dbo.cli import (Parser, check_backend_runs, check_deepep_ll_depth, check_fits_memory,
+                     check_out_dir, quiet_profiler_logs)
 from dbo.cli.bench.ranks import (measure_on_rank, p2p_disabled, resolve_device, spawn_ranks,
                                   world_size_of)
 
@@ -63,9 +64,10 @@ def _name_list(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         "dbo bench", epilog=USAGE_EXAMPLES,
-        description="Throughput of no overlap, single-batch overlap (SBO) and DBO over "
-                    "tokens per rank and backends, with the measured overlap ceiling (GPU) "
-                    "and a gate that chooses among the three. Prints a table, writes CSV/JSON/PNG, ends with one JSON line.")
+        description="Measures the throughput of no overlap, single-batch overlap (SBO) and DBO\n"
+                    "over tokens per rank and backends, with the measured overlap ceiling (GPU)\n"
+                    "and a gate that chooses among the three. Prints a table, writes\n"
+                    "CSV/JSON/PNG (and a calibration for dbo plan), ends with one JSON line.")
     p.add_argument("--mode", default="layer", choices=MODES,
                    help="layer: MoE layers with attention-sized GEMMs between; model: the "
                         "reference MoE transformer; decode: one token per request over its "
@@ -157,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchConfig:
     """A validated BenchConfig (ValueError with the fix on bad input)."""
+    check_context_option(args.mode, args.context)
     device = resolve_device(args.device)
     gpu = device == "cuda"
     tokens = ([t for group in args.tokens for t in group] if args.tokens else
@@ -207,9 +210,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_out_dir("--out", cfg.out_dir)
         world = world_size_of(args.world_size, cfg.device, env)
         from moe.models.presets import PRESETS
-        cfg.resolve_num_experts(world, PRESETS[cfg.preset].moe.num_experts)
+        num_experts = cfg.resolve_num_experts(world, PRESETS[cfg.preset].moe.num_experts)
+        check_bench_memory(cfg, world_size=world, num_experts=num_experts)
         for backend in cfg.backends:
-            check_backend_runs(backend)
+            if backend == "deepep_ll":
+                check_deepep_ll_depth("--tokens" if cfg.mode != "decode" else "--requests",
+                                      max(cfg.tokens), world, env=env,
+                                      backend_option="--backends deepep_ll")
+            check_backend_runs(backend, world)
         from dbo.cli.bench.predicted import bench_calibration
         bench_calibration(cfg.calibration)  # a bad file fails here, before any rank starts
     except (ImportError, ValueError) as exc:
@@ -219,6 +227,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_rank(cfg, rank=int(env["RANK"]), world_size=world,
                         local_rank=int(env.get("LOCAL_RANK", env["RANK"])), init_method="env://")
     return spawn_ranks(cfg, world, run_rank)
+
+
+def check_bench_memory(cfg: BenchConfig, *, world_size: int, num_experts: int) -> None:
+    """Refuse (`dbo.cli.check_fits_memory`) a sweep whose largest point would need more
+    memory than a rank has: the routed experts' weights of its layers (model mode: every
+    weight, `estimate_param_bytes`; layer mode: also the attention stand-in's keys and
+    values [C, H]) plus, per token (decode mode: per request), `step_bytes_per_token`
+    of the preset (model mode: with its logits; layer mode: with its scores [C]; decode
+    mode: with its request's keys and values [Nk, context, D])."""
+    from dbo.cli.bench.workload import DEFAULT_LAYERS
+    from dbo.cli.run_config import step_bytes_per_token
+    from moe.models.presets import estimate_param_bytes, get_preset
+
+    preset = get_preset(cfg.preset, num_experts=num_experts)
+    size, moe = preset.dtype.itemsize, preset.moe
+    layers = cfg.layers if cfg.layers is not None else (
+        preset.num_layers if cfg.mode == "model" else DEFAULT_LAYERS)
+    per_unit = step_bytes_per_token(preset, lm_head=cfg.mode == "model")
+    if cfg.mode == "model":
+        weights = estimate_param_bytes(get_preset(cfg.preset, num_experts=num_experts,
+                                                  num_layers=layers), ep_size=world_size)
+    else:
+        experts = num_experts // world_size * 3 * moe.hidden_size * moe.intermediate_size
+        weights = layers * experts * size
+    if cfg.mode == "layer":
+        weights += layers * 2 * cfg.attn_context * preset.hidden_size * size
+        per_unit += cfg.attn_context * size
+    if cfg.mode == "decode":
+        per_unit += 2 * preset.num_kv_heads * (cfg.context + 1) * preset.head_dim * size
+    unit = "request" if cfg.mode == "decode" else "token"
+    shape = {"layer": ", a smaller --attn-context", "decode": ", a smaller --context"}.get(
+        cfg.mode, "")
+    check_fits_memory(f"--{unit}s", max(cfg.tokens), unit=unit, per_unit_bytes=per_unit,
+                      model=(f"--mode {cfg.mode} of preset {cfg.preset} ({layers} layers, "
+                             f"{num_experts} experts over {world_size} ranks)"),
+                      fixed_bytes=weights, shape_fix=f"use fewer --layers, fewer experts "
+                      f"(--experts-per-rank){shape}, or more ranks", world_size=world_size,
+                      device_type=cfg.device)
 
 
 def run_rank(cfg: BenchConfig, *, rank: int, world_size: int, local_rank: int,

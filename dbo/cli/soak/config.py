@@ -7,10 +7,10 @@ from typing import Optional
 
 import torch
 
-from dbo.cli import CAPACITY_GRAPH_BACKENDS, check_graph_backends, check_int_option
+from dbo.cli import CAPACITY_GRAPH_BACKENDS, check_graph_backends, check_int_option, check_seed
 from dbo.cli.soak.padding import MIN_GRAPH_SIZE, default_graph_sizes
 from moe.backends import BACKENDS as MOE_BACKENDS
-from moe.backends.deepep_support import LL_HIDDEN_SIZES, ll_capacity
+from moe.backends.deepep_support import LL_HIDDEN_SIZES
 from moe.registry import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
 
@@ -97,8 +97,9 @@ class SoakConfig:
         for name in ("steps", "max_tokens", "layers", "report_every", "hidden",
                      "intermediate", "num_experts", "top_k"):
             check_int_option(name, getattr(self, name), low=1)
-        for name in ("seed", "warmup", "bound_kib"):
+        for name in ("warmup", "bound_kib"):
             check_int_option(name, getattr(self, name), low=0)
+        check_seed(self.seed)
         check_int_option("trace_window", self.trace_window, low=0)
         if self.trace_window > self.report_every:
             raise ValueError(f"--trace-window={self.trace_window} exceeds --report-every="
@@ -190,16 +191,15 @@ class SoakConfig:
                              f"{', '.join(map(str, LL_HIDDEN_SIZES))}; use one of them")
 
 
-def check_deepep_ll_capacity(max_tokens: int, world_size: int, qp_depth: int) -> None:
-    """Raise ValueError where deepep_ll cannot take --max-tokens on `world_size` ranks:
-    DeepEP asserts an NVSHMEM queue depth `qp_depth` (NVSHMEM_QP_DEPTH, 1024 by default)
-    of at least 2 (C + 1), C the capacity `moe.backends.deepep_support.ll_capacity` gives
-    it (--max-tokens rounded up so that world_size * C is a multiple of 4)."""
-    capacity = ll_capacity(max_tokens, world_size)
-    if 2 * (capacity + 1) > qp_depth:
-        fits = max((n for n in range(1, max_tokens)
-                    if 2 * (ll_capacity(n, world_size) + 1) <= qp_depth), default=0)
-        raise ValueError(f"--max-tokens={max_tokens} with --backend=deepep_ll on {world_size} "
-                         f"ranks: DeepEP's capacity {capacity} needs an NVSHMEM queue depth "
-                         f"of {2 * (capacity + 1)}, above NVSHMEM_QP_DEPTH={qp_depth}; use "
-                         f"--max-tokens <= {fits}")
+
+def memory_need(job: SoakConfig, world_size: int) -> tuple[int, int]:
+    """Lower bounds of what one rank of the soak holds, in bytes: (its weights, what one
+    token of a step adds). Weights per layer: its share of the routed experts, the shared
+    expert ([3 I, H] each), the router [E, H] and the dense Linear [H, H]. Per token: the
+    outputs kept per layer (its input [H] and router logits [E]), a few hidden rows and
+    its top-k expert rows ([H] in, [2 I] between the expert GEMMs)."""
+    H, I, E, K, L = job.hidden, job.intermediate, job.num_experts, job.top_k, job.layers
+    size = job.torch_dtype.itemsize
+    weights = L * ((E // world_size + 1) * 3 * H * I + E * H + H * H)
+    per_token = L * (H + E) + 4 * H + K * (H + 2 * I)
+    return weights * size, per_token * size

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from typing import Any, Optional
@@ -12,20 +11,19 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from dbo.cli import Parser, check_out_file
+from dbo.cli import (Parser, check_backend_runs, check_deepep_ll_depth, check_fits_memory,
+                     check_out_file)
 from dbo.cli.launch import RankContext, launch, resolve_world_size
 from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner
 from dbo.runner import DBORunner
-from dbo.cli.soak.config import (BACKENDS, DTYPES, EXPERT_KERNELS, KIB, SoakConfig,
-                                 check_deepep_ll_capacity)
+from dbo.cli.soak.config import BACKENDS, DTYPES, EXPERT_KERNELS, KIB, SoakConfig, memory_need
 from dbo.cli.soak.memory import MemoryTracker
 from dbo.cli.soak.padding import pad_rows, padded_size, real_rows
 from dbo.cli.soak.reference import DenseReference
 from dbo.cli.soak.summary import (GRAPH_SPLITS, RankResult, kib, print_summary, summarize,
                                   tolerance_of)
 from dbo.cli.soak.workload import SoakModel, draw_step_input
-from moe.backends.deepep_support import DEFAULT_NVSHMEM_QP_DEPTH
 
 
 # ------------------------------------------------------------------------------ one rank
@@ -172,8 +170,23 @@ def _progress(job: SoakConfig, done: int, split_steps: int, max_diff: float,
 
 
 # ------------------------------------------------------------------------------ CLI
+DESCRIPTION = """\
+Runs many DBO steps, each rank drawing its own random token count (zero included), and
+checks every step against the same step without DBO, while it samples memory and holds
+its growth to bounds. Prints progress, a table per rank, then one JSON line; exits with
+1 on a mismatched step or memory growth past a bound."""
+
+EXAMPLES = """\
+examples:
+  dbo soak                                     # CPU: 2 ranks, 2000 steps
+  dbo soak --steps 500 --backend a2a_ll --layers 1
+  dbo soak --steps 20000 --max-tokens 512      # GPUs: one rank per GPU
+  dbo soak --backend a2a_ll --cuda-graph       # GPUs: steps replayed from CUDA graphs
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser("dbo soak", description=__doc__)
+    p = Parser("dbo soak", description=DESCRIPTION, epilog=EXAMPLES)
     d = SoakConfig()
     p.add_argument("--steps", type=int, default=d.steps, help="steps in all, warmup included")
     p.add_argument("--backend", default=d.backend, choices=BACKENDS,
@@ -224,17 +237,23 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def check_devices(job: SoakConfig, world_size: int) -> None:
-    """ValueError, before any rank starts, for what this machine cannot run."""
+    """ValueError or ImportError, before any rank starts, for what this machine cannot
+    run: graphs without CUDA, a backend it cannot run (`dbo.cli.check_backend_runs`),
+    deepep_ll's capacity above NVSHMEM's queue depth, more memory than a rank has."""
     if job.cuda_graph and not torch.cuda.is_available():
         raise ValueError("--cuda-graph needs CUDA GPUs, and none is visible here: drop "
                          "--cuda-graph to run eager steps")
-    if job.backend.startswith("deepep") and not torch.cuda.is_available():
-        raise ValueError(f"--backend={job.backend} runs DeepEP's kernels on CUDA GPUs, and "
-                         f"none is visible here: use --backend a2a or a2a_ll")
     if job.backend == "deepep_ll":
-        # The CLI is the one place that reads the environment.
-        depth = int(os.environ.get("NVSHMEM_QP_DEPTH", DEFAULT_NVSHMEM_QP_DEPTH))
-        check_deepep_ll_capacity(job.max_tokens, world_size, depth)
+        check_deepep_ll_depth("--max-tokens", job.max_tokens, world_size,
+                              backend_option="--backend=deepep_ll")
+    check_backend_runs(job.backend, world_size)
+    fixed, per_token = memory_need(job, world_size)
+    check_fits_memory("--max-tokens", job.max_tokens, unit="token", per_unit_bytes=per_token,
+                      model=(f"the soak model ({job.layers} layers of {job.num_experts} "
+                             f"experts over {world_size} ranks, --hidden={job.hidden}, "
+                             f"--intermediate={job.intermediate})"), fixed_bytes=fixed,
+                      shape_fix="use fewer --layers, a smaller --hidden or --intermediate, "
+                                "or more ranks", world_size=world_size)
 
 
 def run_soak(job: SoakConfig, *, world_size: Optional[int] = None) -> Optional[dict]:
@@ -259,7 +278,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             check_out_file("--json-out", args.json_out)
         from moe.experts import make_experts
         make_experts(job.experts, "cuda" if torch.cuda.is_available() else "cpu")
-    except ValueError as exc:
+    except (ImportError, ValueError) as exc:
         parser.error(str(exc))  # one line, exit 2
     summary = run_soak(job, world_size=world_size)
     if summary is None:
