@@ -58,6 +58,7 @@ from dbo.split import plan_split
 from dbo.vote import vote_min
 from moe.backends.capacity import exchange_capacity
 from moe.hf.block import HFMoEBlock
+from moe.hf.generic import HFExperts
 from moe.hf.deps import require
 from moe.hf.kv import cache_keyword, join_caches, part_cache
 from moe.hf.static_decode import (check_cuda_graph, mask_buffer, runner_like, slot_tensor,
@@ -252,7 +253,7 @@ def _check(runner: Any, input_ids: Any, attention_mask: Any, max_new_tokens: Any
                         f"group=ep_group)")
     model = runner.model
     if not isinstance(model, nn.Module) or not any(
-            isinstance(m, HFMoEBlock) for m in model.modules()):
+            isinstance(m, (HFMoEBlock, HFExperts)) for m in model.modules()):
         raise ValueError(f"moe.hf.generate: the runner's model ({type(model).__name__}) has no "
                          f"converted MoE block: convert it first, model = "
                          f"moe.hf.convert(model, group=ep_group) (or load it with "
