@@ -232,10 +232,8 @@ def plan_blocks(model: nn.Module, *, world: int, check_weights: bool, backend: s
             if not check_weights:  # moe.hf.load fills fused blocks only
                 raise
             note = "" if spec is None else str(fused_error).split("): ", 1)[-1]
-            plans.append(plan_experts(path, block, model_config=config, world=world,
-                                      backend=backend, experts=experts,
-                                      check_weights=check_weights, layer_id=layer_id,
-                                      note=note))
+            plans.append(_experts_plan(path, block, config, world=world, backend=backend,
+                                       experts=experts, layer_id=layer_id, note=note))
             continue
         assert spec is not None
         if moe_config.num_experts % world != 0:
@@ -247,10 +245,23 @@ def plan_blocks(model: nn.Module, *, world: int, check_weights: bool, backend: s
     return plans
 
 
+def _experts_plan(path: str, block: nn.Module, config: Any, *, world: int, backend: str,
+                  experts: str, layer_id: int, note: str) -> ExpertsPlan:
+    """The block's experts-path plan; its refusal says why the fused path was not taken
+    too, where the architecture has one (`note`)."""
+    try:
+        return plan_experts(path, block, model_config=config, world=world, backend=backend,
+                            experts=experts, check_weights=True, layer_id=layer_id, note=note)
+    except ValueError as exc:
+        if note:
+            raise ValueError(f"{exc} (not fused either: {note})") from None
+        raise
+
+
 def _record(plan: BlockPlan | ExpertsPlan) -> BlockConversion:
     if isinstance(plan, BlockPlan):
         return BlockConversion(path=plan.path, route="fused", detail=plan.spec.model_type)
-    detail = f"{plan.source}: {plan.form.describe()}"
+    detail = plan.describe()
     return BlockConversion(path=plan.path, route="experts",
                            detail=detail + (f"; not fused: {plan.note}" if plan.note else ""))
 

@@ -24,6 +24,9 @@ the experts module          becomes (`moe.experts.form.ExpertForm`)
                             is copied (the copy is made anyway)
 ``has_bias=True``           ``bias=True``: ``*_proj_bias`` [E, J] / [E, H]
 ``has_post_expert_norm``    ``post_norm=True``: the module's ``post_expert_norm`` (5.24)
+``identity_expert``         ids past the E experts of ``down_proj`` (``gate_up_proj`` holds
+                            E + Z) are zero-compute experts: weight * x, added on the token's
+                            own rank, never dispatched (LongCat-Flash)
 ``_apply_gate``/``act_fn``  a named activation when it computes one on a probe (silu, gelu,
                             relu2, GPT-OSS's clamped ``swiglu_oai`` with the module's
                             alpha/limit, ...), else the module's own callable ("custom")
@@ -85,8 +88,15 @@ class ExpertsPlan:
     transposed: bool
     """The module stores [E, H, J] / [E, I, H] (`is_transposed`)."""
     layer_id: int
+    identity_experts: int = 0
+    """Z zero-compute experts, ids [E, E + Z): weight * x on the token's own rank."""
     note: str = ""
     """Why the fused path was not taken, where the architecture has one ("" otherwise)."""
+
+    def describe(self) -> str:
+        """e.g. "OlmoeExperts: silu(gate) * up" (with the zero-compute experts, if any)."""
+        zero = f", {self.identity_experts} zero-compute experts" if self.identity_experts else ""
+        return f"{self.source}: {self.form.describe()}{zero}"
 
 
 def interface_options() -> dict[str, Any]:
@@ -122,16 +132,20 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
     up_name = "gate_up_proj" if gated else "up_proj"
     up, down = getattr(module, up_name, None), getattr(module, "down_proj", None)
     if not isinstance(up, Tensor) or not isinstance(down, Tensor):
-        raise refuse(f"no expert tensors experts.{up_name} and experts.down_proj (dbo runs "
-                     f"experts stored as 3-D tensors over all experts)")
+        raise refuse(f"no expert tensors experts.{up_name} and experts.down_proj: dbo runs "
+                     f"experts stored as transformers' experts interface stores them, 3-D "
+                     f"tensors over all experts ([E, 2I, H] and [E, H, I])")
     transposed = options["is_transposed"]
+    identity = _identity_experts(module, up, down, transposed=transposed)
+    if identity:  # the rows past down_proj's experts are never read (zero-compute experts)
+        up = up[:down.shape[0]]
     e, j, h, i = _sizes(up, down, transposed=transposed, refuse=refuse, up_name=up_name)
     if gated and j != 2 * i:
         raise refuse(f"experts.{up_name} has {j} rows per expert, down_proj {i}: a gated "
                      f"expert needs 2 * {i} (gate and up)")
     if not gated and j != i:
         raise refuse(f"experts.up_proj has {j} rows per expert, down_proj {i}: they must match")
-    _check_declared_sizes(module, e=e, h=h, i=i, refuse=refuse)
+    _check_declared_sizes(module, e=e + identity, h=h, i=i, refuse=refuse)
     if options["has_bias"]:
         for name, shape in ((f"{up_name}_bias", (e, j)), ("down_proj_bias", (e, h))):
             bias = getattr(module, name, None)
@@ -171,7 +185,7 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
         if unsupported is not None:
             raise refuse(unsupported)
     return ExpertsPlan(path=path, source=cls, config=config, form=form, transposed=transposed,
-                       layer_id=layer_id, note=note)
+                       layer_id=layer_id, note=note, identity_experts=identity)
 
 
 def build_experts(plan: ExpertsPlan, module: nn.Module, *, group: Optional[dist.ProcessGroup],
@@ -188,7 +202,8 @@ def build_experts(plan: ExpertsPlan, module: nn.Module, *, group: Optional[dist.
     post_norm = getattr(module, "post_expert_norm", None) if form.post_norm else None
     new = HFExperts(config, form, group=group, layer_id=plan.layer_id, last_layer=last_layer,
                     device=up.device, path=plan.path + ".experts", source=plan.source,
-                    gate_owner=owner, post_norm=post_norm)
+                    gate_owner=owner, post_norm=post_norm,
+                    identity_experts=plan.identity_experts)
     local = slice(new.first_expert, new.first_expert + new.num_local_experts)
     with torch.no_grad():
         for name, target, layout in ((up_name, new.w13, plan.transposed),
@@ -219,6 +234,8 @@ class HFExperts(nn.Module):
         layer_id, last_layer: as for `MoELayer` (trace names; the split last combine).
         device: where the parameters are created (uninitialised).
         path: this module's path in the model; source: the replaced module's class name.
+        identity_experts: Z zero-compute experts after the E routed ones (ids [E, E + Z)):
+            each adds weight * x on the token's own rank, outside the dispatch.
     """
 
     #: Which conversion path produced this module ("fused" for `HFMoEBlock`).
@@ -228,8 +245,9 @@ class HFExperts(nn.Module):
                  group: Optional[dist.ProcessGroup], layer_id: int, last_layer: bool,
                  device: torch.device | str | None, path: str, source: str,
                  gate_owner: Optional[nn.Module] = None,
-                 post_norm: Optional[nn.Module] = None) -> None:
+                 post_norm: Optional[nn.Module] = None, identity_experts: int = 0) -> None:
         super().__init__()
+        self.identity_experts = identity_experts
         self.config, self.form = config, form
         self.layer_id, self.last_layer = layer_id, last_layer
         self.path, self.source = path, source
@@ -278,7 +296,7 @@ class HFExperts(nn.Module):
         dtype: sum_k weight * expert(x). Inference-only, as `MoELayer.forward`."""
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, shape[-1])
-        ids_TK = top_k_index.reshape(x_TH.shape[0], -1)
+        ids_TK = top_k_index.reshape(x_TH.shape[0], top_k_index.shape[-1])  # T may be 0
         self._check(x_TH, ids_TK, top_k_weights)
         weights_TK = top_k_weights.reshape(ids_TK.shape).float()
         ids_TK = ids_TK.long()
@@ -296,9 +314,16 @@ class HFExperts(nn.Module):
 
     # ------------------------------------------------------------------ internals
     def _run(self, x_TH: Tensor, ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
-        return self._kernel(x_TH.device).forward(
+        identity_TH = None
+        if self.identity_experts:
+            # Zero-compute experts: weight * x here, their slots dropped (-1) from the dispatch.
+            zero_TK = ids_TK >= self.config.num_experts
+            identity_TH = x_TH.float() * torch.where(zero_TK, weights_TK, 0.0).sum(-1, keepdim=True)
+            ids_TK = torch.where(zero_TK, -1, ids_TK)
+        out_TH = self._kernel(x_TH.device).forward(
             x_TH, weights_TK, ids_TK, w13_EIH=self.w13, w2_EHI=self.w2, layer=self.layer_id,
             split_combine=self.last_layer and self.config.split_last_combine)
+        return out_TH if identity_TH is None else (out_TH.float() + identity_TH).to(out_TH.dtype)
 
     def _kernel(self, device: torch.device) -> ModularKernel:
         kernel = self._kernels.get(device)
@@ -342,14 +367,15 @@ def _module_options(module: Any, refuse: Callable[[str], ValueError]) -> dict[st
         raise refuse("no `experts` module")
     interface = hasattr(module, "has_gate") and hasattr(module, "is_concatenated")
     if not interface:
-        # Not decorated: the standard tensors and the interface's call only.
+        # Not decorated: taken when it is called as the interface is (the routing in) and
+        # holds its standard tensors (checked by the caller).
         params = [p for p in inspect.signature(module.forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if len(params) != 3 or not isinstance(getattr(module, "gate_up_proj", None), Tensor):
-            raise refuse(f"its experts module is not of transformers' experts interface (no "
-                         f"use_experts_implementation; forward({', '.join(p.name for p in params)})"
-                         f"): dbo needs forward(hidden_states, top_k_index, top_k_weights) over "
-                         f"experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I]")
+        if len(params) != 3:
+            raise refuse(f"its experts take forward({', '.join(p.name for p in params)}), not "
+                         f"the routing: dbo runs experts called as transformers' experts "
+                         f"interface calls them, forward(hidden_states, top_k_index, "
+                         f"top_k_weights)")
         return dict(KNOWN_OPTIONS)
     if getattr(module, "_is_expert_parallel", False):
         raise refuse("transformers' own expert parallelism is on (_is_expert_parallel): load "
@@ -381,6 +407,15 @@ def _sizes(up: Tensor, down: Tensor, *, transposed: bool, refuse: Callable[[str]
                      f"disagree on the expert count or hidden size"
                      f"{' (is_transposed=True)' if transposed else ''}")
     return e, j, h, i
+
+
+def _identity_experts(module: nn.Module, up: Tensor, down: Tensor, *, transposed: bool) -> int:
+    """Z: the experts `gate_up_proj` holds past `down_proj`'s, where the module computes
+    them as identity (an `identity_expert` nn.Identity: zero-compute experts); else 0."""
+    extra = up.shape[0] - down.shape[0]
+    if extra > 0 and isinstance(getattr(module, "identity_expert", None), nn.Identity):
+        return extra
+    return 0
 
 
 def _check_declared_sizes(module: nn.Module, *, e: int, h: int, i: int,

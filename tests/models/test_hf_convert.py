@@ -75,8 +75,8 @@ def test_unsupported_block_is_refused_naming_it_and_what():
                         num_local_experts=4, num_experts_per_tok=1, num_key_value_heads=2,
                         head_dim=8)
     with pytest.raises(ValueError, match=r"block 'model.layers.0.feed_forward' \(Llama4TextMoe, "
-                                         r"experts Llama4TextExperts\): its experts module is "
-                                         r"not of transformers' experts interface"):
+                                         r"experts Llama4TextExperts\): its experts take "
+                                         r"forward\(hidden_states\), not the routing"):
         moe.hf.convert(llama4)
     olmoe = moe.hf.convert(tiny_model("olmoe", intermediate_size=16, num_experts=4,
                                       num_experts_per_tok=2))
