@@ -73,13 +73,25 @@ def part_cache(cache: Any, b: int) -> tuple[Any, Any]:
 
 
 def _check_cache(cache: Any) -> None:
+    """ValueError for a cache with per-row state beyond its layers: a class of the model's
+    own, or tensors a model binds to the cache (transformers 5.17's Qwen4-Exp keeps its
+    positions there)."""
     name = type(cache).__name__
-    if name not in _ROW_CACHES:
-        raise ValueError(f"moe.hf.generate: the model's KV cache is a {name}, whose state "
+    own = [key for key, value in vars(cache).items()
+           if key not in _base_attributes(cache) and isinstance(value, Tensor)]
+    if name not in _ROW_CACHES or own:
+        what = f"a {name}" if not own else f"a {name} holding {', '.join(own)}"
+        raise ValueError(f"moe.hf.generate: the model's KV cache is {what}, whose state "
                          f"beyond its layers dbo cannot join and part by rows (it handles "
-                         f"{', '.join(_ROW_CACHES)}): generate where every step splits "
+                         f"{', '.join(_ROW_CACHES)} layers): generate where every step splits "
                          f"(DBOConfig(min_prefill_tokens=1, min_decode_tokens=1)), so each "
                          f"ubatch keeps its own cache")
+
+
+def _base_attributes(cache: Any) -> set[str]:
+    """The attributes every DynamicCache has (a fresh one's)."""
+    from transformers import DynamicCache
+    return set(vars(DynamicCache()))
 
 
 def _is(layer: Any, names: tuple[str, ...]) -> bool:
