@@ -10,7 +10,8 @@ of `moe.hf.generate` equal the unconverted model's `generate` -- once with every
 split (each ubatch its own cache), once with the decode steps unsplit (the two caches
 joined and parted again: `moe.hf.kv`). On two gloo ranks, spawned once for all
 families, the experts sharded (backend "a2a"): each rank's logits on its own batch with
-DBO off and on, and one MoE block called with tokens on rank 0 and none on rank 1.
+DBO off and on (the split step handing over between the ubatches inside the MoE blocks'
+dispatch and combine), and one MoE block called with tokens on rank 0 and none on rank 1.
 
 A family is "ok" when every check passes, "refused" when `moe.hf.convert` refuses it
 (naming the block and what dbo lacks), "not built" when no tiny model of it builds here,
@@ -25,9 +26,10 @@ the CPU, the experts' GEMMs over other row groupings and sums in another order.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import pytest
 import torch
@@ -38,6 +40,7 @@ pytest.importorskip("transformers")
 
 import dbo  # noqa: E402
 import moe.hf  # noqa: E402
+from dbo.scheduler import UBatchScheduler  # noqa: E402
 from moe.hf import coverage  # noqa: E402
 from moe.hf.coverage import Result  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
@@ -171,16 +174,49 @@ def _ep_ranks(rank: int, world: int, model_types: list[str]) -> dict[str, Option
         moe.hf.convert(model, group=group)
         # Every collective first, on every rank alike; the comparisons after them, so that
         # a difference on one rank leaves the ranks' collectives in step.
-        outputs = [_outputs(model, ids, mask), _outputs(model, ids, mask, SPLIT, group)]
+        outputs = [_outputs(model, ids, mask)]
+        with _count_handoffs(model) as (handoffs, calls):
+            outputs.append(_outputs(model, ids, mask, SPLIT, group))
         probe_out = probe.run(model, group)
         try:
             for out in outputs:
                 assert_logits_close(out, expected)
+            # The split step hands over between the ubatches in each half (dispatch,
+            # combine) of every converted block each ubatch calls, and nowhere else.
+            assert calls[0] > 0 and handoffs[0] == 2 * calls[0], (handoffs[0], calls[0])
             probe.check(probe_out)
             found[model_type] = None
         except Exception as exc:  # noqa: BLE001 - recorded; the peer rank records its own
             found[model_type] = f"rank {rank}: {_line(exc)}"
     return found
+
+
+@contextlib.contextmanager
+def _count_handoffs(model: nn.Module) -> Iterator[tuple[list[int], list[int]]]:
+    """([hand-offs], [calls]) within: the hand-offs between ubatches
+    (`UBatchScheduler.yield_` with the other ubatch still running) and the calls of the
+    model's converted blocks (a block a model calls only for some inputs, e.g.
+    Ernie-4.5-VL's vision experts, is not called for text)."""
+    handoffs, calls = [0], [0]
+    original = UBatchScheduler.yield_
+
+    def counting(self: UBatchScheduler) -> None:
+        if self.running.yield_to is not None:
+            handoffs[0] += 1
+        original(self)
+
+    def called(module: nn.Module, args: tuple) -> None:
+        calls[0] += 1
+
+    hooks = [m.register_forward_pre_hook(called) for m in model.modules()
+             if isinstance(m, (moe.hf.HFExperts, moe.hf.HFMoEBlock))]
+    UBatchScheduler.yield_ = counting
+    try:
+        yield handoffs, calls
+    finally:
+        UBatchScheduler.yield_ = original
+        for hook in hooks:
+            hook.remove()
 
 
 class ZeroTokenProbe:
