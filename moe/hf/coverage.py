@@ -36,7 +36,7 @@ from moe.hf.deps import require
 __all__ = ["MoEFamily", "OVERRIDES", "Result", "SIZES", "discover", "load", "markdown", "save",
            "tiny_config", "tiny_model"]
 
-#: The committed record and page (relative to the repository root).
+#: The committed record and page (relative to the repository root, which holds `moe/`).
 JSON_PATH = os.path.join("docs", "hf_models.json")
 MARKDOWN_PATH = os.path.join("docs", "hf_models.md")
 
@@ -388,8 +388,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{family.family}\t{family.model_type}\t"
                   f"{'experts interface' if family.interface else 'own experts'}")
     if args.markdown:
-        version, results = load()
-        with open(MARKDOWN_PATH, "w", encoding="utf-8") as f:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        version, results = load(os.path.join(root, JSON_PATH))
+        with open(os.path.join(root, MARKDOWN_PATH), "w", encoding="utf-8") as f:
             f.write(markdown(version, results))
         print(f"wrote {MARKDOWN_PATH} ({len(results)} families)")
     if not (args.list or args.markdown):

@@ -195,3 +195,24 @@ def test_load_refuses_a_checkpoint_of_another_architecture(tmp_path):
                                          r"the checkpoints of deepseek_v3, mixtral, qwen2_moe, "
                                          r"qwen3_moe only: load it with transformers"):
         moe.hf.load(olmoe)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type, kernel", [("olmoe", "triton"), ("gpt_oss", "grouped")])
+def test_the_experts_path_on_cuda_takes_the_kernel_that_computes_the_form(model_type, kernel):
+    """experts="auto" on CUDA: the Triton experts for dbo's SwiGLU (OLMoE), the grouped
+    experts for a form Triton refuses (GPT-OSS); logits as the unconverted model's, DBO
+    off and on."""
+    model = coverage.tiny_model(model_type).cuda()
+    ids, mask = batch(3, 6, seed=1, vocab=64)
+    ids, mask = ids.cuda(), mask.cuda()
+    expected = logits(model, ids, mask)
+    moe.hf.convert(model)
+    assert {e._kernel(ids.device).experts.name for e in _experts(model)} == {kernel}
+    # float32 on the GPU: TF32 is off by default for matmuls, the sums in another order.
+    assert_logits_close(logits(model, ids, mask), expected)
+    runner = dbo.DBORunner(model, DBO_ON)
+    with torch.no_grad():
+        out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert runner.last_decision.split, runner.last_decision.reason
+    assert_logits_close(out, expected)
