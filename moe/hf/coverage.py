@@ -89,10 +89,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4": dict(enable_moe_block=True, global_head_dim=16),  # dense by default
     "glm4v_moe": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                            partial_rotary_factor=0.5, mrope_section=[2, 1, 1])),
-    "glm5_next": dict(num_key_value_heads=4),  # checked: equal to the query heads
-    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),  # all Mamba
+    # all Mamba by default: no attention layer, whose cache transformers' generate needs
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
     "hunyuan_v1_moe": dict(head_dim=16),  # None by default, read as a number
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=0),  # attention from layer 4 on
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=0),  # its first attention: layer 4
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # None by default
     "nllb-moe": dict(encoder_sparse_step=1, decoder_sparse_step=1),  # every 4th layer
     "switch_transformers": dict(num_sparse_encoder_layers=1, num_sparse_decoder_layers=1),
@@ -100,7 +100,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen4_exp": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,  # None
                       indexer_budget=16, indexer_compress_ratio=4),  # by default
     "step3p7": dict(sliding_window=32),  # None by default, its sliding layers need one
-    "zaya": dict(num_experts_per_tok=1),  # checked: top-1 only
 }
 
 #: Statuses of a result, best first.
