@@ -302,16 +302,8 @@ def hf_batch_mask(*, mask_len: int = 4, **overrides) -> None:
 
 # The same for moe.hf (transformers models); each action takes a tmp directory.
 HF_REJECTED = {
-    "`moe.hf.convert` of a block whose experts dbo cannot compute (biases, clamped "
-    "activation: GPT-OSS)": (
-        lambda tmp: hf_convert("gpt_oss", intermediate_size=16, num_local_experts=4,
-                               num_experts_per_tok=2, num_key_value_heads=2, head_dim=8),
-        ValueError,
-        "block 'model.layers.0.mlp' (GptOssMLP): unsupported experts: biased experts"),
-    "`moe.hf.convert` of an architecture dbo does not know": (
-        lambda tmp: hf_convert("olmoe", intermediate_size=16, num_experts=4,
-                               num_experts_per_tok=2),
-        ValueError, "unsupported architecture 'olmoe'"),
+    # GPT-OSS and OLMoE blocks convert since the experts path (moe.hf.generic); what it
+    # refuses is tested in tests/models/test_hf_experts_path.py.
     "`moe.hf.convert` of a converted model": (
         lambda tmp: hf_convert_twice(), ValueError, "'model.layers.0.mlp' is already converted"),
     "`moe.hf.convert` / `moe.hf.load` with a backend that needs a capacity (`a2a_ll`, "

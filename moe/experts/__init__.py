@@ -9,6 +9,11 @@ name            class                                                runs on
 ``triton``      `moe.experts.triton.TritonExperts`                   CUDA with triton
 ``auto``        triton on CUDA if available, else grouped, else reference
 ==============  ===================================================  =====================
+
+Experts of another form than dbo's SwiGLU (`moe.experts.form`: activations, no gate,
+biases, a post-expert norm) run on the torch kernels; `make_experts(..., form=)` picks or
+refuses a kernel by `Experts.supports`, and `moe.experts.bound.BoundExperts` binds a
+layer's `ExpertExtras` to a kernel for callers that pass the weights only.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import importlib
 import torch
 
 from moe.experts.base import Experts, check_expert_inputs, weighted_topk_sum
+from moe.experts.form import DEFAULT_FORM, ExpertForm
 from moe.kernels.policy import KernelPolicy
 from moe.registry import EXPERTS
 
@@ -62,12 +68,14 @@ def _availability(name: str, device: torch.device) -> tuple[type[Experts] | None
 
 
 def make_experts(name: str, device: torch.device | str, *,
-                 policy: KernelPolicy = KernelPolicy()) -> Experts:
-    """Instantiate the expert kernel ``name`` ("auto" picks the best available) for ``device``;
-    the Triton experts take ``policy``.
+                 policy: KernelPolicy = KernelPolicy(),
+                 form: ExpertForm = DEFAULT_FORM) -> Experts:
+    """Instantiate the expert kernel ``name`` ("auto" picks the best available that computes
+    ``form``) for ``device``; the Triton experts take ``policy``.
 
     Raises:
-        ValueError: unknown name, or the kernel cannot run on ``device`` (with the reason).
+        ValueError: unknown name, the kernel cannot run on ``device``, or it does not
+            compute experts of ``form`` (with the reason).
     """
     device = torch.device(device)
     if name == "auto":
@@ -77,7 +85,9 @@ def make_experts(name: str, device: torch.device | str, *,
                 continue
             cls, reason = _availability(candidate, device)
             if cls is not None:
-                return _instantiate(cls, policy)
+                reason = cls.supports(form) or ""
+                if not reason:
+                    return _instantiate(cls, policy)
             reasons.append(f"{candidate}: {reason}")
         raise ValueError(f"no experts kernel runs on {device}: " + "; ".join(reasons))
     if name not in EXPERTS:
@@ -85,6 +95,9 @@ def make_experts(name: str, device: torch.device | str, *,
     cls, reason = _availability(name, device)
     if cls is None:
         raise ValueError(f"experts kernel {name!r} is not available on {device}: {reason}.")
+    unsupported = cls.supports(form)
+    if unsupported is not None:
+        raise ValueError(f"experts kernel {name!r}: {unsupported}")
     return _instantiate(cls, policy)
 
 

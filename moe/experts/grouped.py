@@ -15,6 +15,9 @@ GEMM paths, chosen per call:
   rows (one host sync to read the block ends). Chosen over a padded ``bmm`` because its
   memory is S rows whatever the load imbalance (padding needs E * max_rows_per_expert).
   The reason is logged once per distinct reason.
+
+Every form of `moe.experts.form` runs on both paths: the biases are added per sorted slot
+after each GEMM, the activation and the post-expert norm run on the sorted rows.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe.experts.base import Experts, check_expert_inputs, weighted_topk_sum
+from moe.experts.form import ExpertExtras, activate
 from moe.workspace import Workspace, empty_from
 
 __all__ = ["GroupedExperts", "grouped_mm_unsupported_reason"]
@@ -101,6 +105,33 @@ def _silu_and_mul(h_M2I: Tensor, *, out_MI: Tensor) -> None:
     torch.mul(F.silu(h_M2I[:, :inter].float()), h_M2I[:, inter:], out=out_MI)
 
 
+def _activate(h_MJ: Tensor, expert_M: Tensor, extras: ExpertExtras | None, *,
+              out_MI: Tensor) -> None:
+    """The form's activation of the first GEMM's rows (after its bias, `expert_M` the
+    local expert of each row) in float32, stored in ``out``'s dtype; the default form
+    takes the fused ``silu(gate) * up``."""
+    if extras is None:
+        _silu_and_mul(h_MJ, out_MI=out_MI)
+        return
+    h32_MJ = h_MJ.float()
+    if extras.bias13_EJ is not None:
+        h32_MJ = h32_MJ + extras.bias13_EJ.float().index_select(0, expert_M)
+    out_MI.copy_(activate(h32_MJ, extras))
+
+
+def _finish_rows(y_MH: Tensor, expert_M: Tensor, extras: ExpertExtras | None) -> Tensor:
+    """The second GEMM's rows with the form's bias and post-expert norm (float32), or the
+    rows as they are for the default form."""
+    if extras is None or (extras.bias2_EH is None and extras.post_norm is None):
+        return y_MH
+    y32_MH = y_MH.float()
+    if extras.bias2_EH is not None:
+        y32_MH = y32_MH + extras.bias2_EH.float().index_select(0, expert_M)
+    if extras.post_norm is not None:
+        y32_MH = extras.post_norm(y32_MH).float()
+    return y32_MH
+
+
 class GroupedExperts(Experts):
     """Sorted slots + grouped GEMM (``grouped_mm``), or a per-expert ``mm`` loop fallback.
 
@@ -132,9 +163,10 @@ class GroupedExperts(Experts):
         topk_weights_NK: Tensor,
         *,
         workspace: Workspace | None = None,
+        extras: ExpertExtras | None = None,
     ) -> Tensor:
         """See `Experts.apply`. Uses ``workspace`` for the sorted input and activation."""
-        check_expert_inputs(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK)
+        check_expert_inputs(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, extras)
         num_rows, hidden = x_NH.shape
         top_k = topk_ids_NK.shape[1]
         num_experts = w13_EIH.shape[0]
@@ -158,10 +190,14 @@ class GroupedExperts(Experts):
             reason = grouped_mm_unsupported_reason(x_NH, w13_EIH, w2_EHI)
             if reason is not None and self.use_grouped_mm:
                 raise RuntimeError(f"GroupedExperts(use_grouped_mm=True): {reason}.")
+        # The local expert of each sorted slot (dropped slots, sorted last, read expert 0's
+        # biases: their rows are masked in the sum).
+        expert_S = torch.where(sorted_key_S < num_experts, sorted_key_S, 0)
         y_SH = None
         if reason is None:
             try:
-                y_SH = self._grouped_mm(x_SH, w13_EIH, w2_EHI, ends_E.to(torch.int32), workspace)
+                y_SH = self._grouped_mm(x_SH, w13_EIH, w2_EHI, ends_E.to(torch.int32), workspace,
+                                        expert_S, extras)
                 self.last_path = "grouped_mm"
             except torch.OutOfMemoryError:
                 raise
@@ -175,7 +211,7 @@ class GroupedExperts(Experts):
             if self.use_grouped_mm is None:
                 _log_once(reason)
             self.last_path = "loop"
-            y_SH = self._loop(x_SH, w13_EIH, w2_EHI, ends_E, workspace)
+            y_SH = self._loop(x_SH, w13_EIH, w2_EHI, ends_E, workspace, expert_S, extras)
         return weighted_topk_sum(
             y_SH,
             topk_ids_NK,
@@ -186,40 +222,50 @@ class GroupedExperts(Experts):
 
     @staticmethod
     def _grouped_mm(
-        x_SH: Tensor, w13_EIH: Tensor, w2_EHI: Tensor, ends_E: Tensor, workspace: Workspace | None
+        x_SH: Tensor, w13_EIH: Tensor, w2_EHI: Tensor, ends_E: Tensor, workspace: Workspace | None,
+        expert_S: Tensor, extras: ExpertExtras | None,
     ) -> Tensor:
-        """[S, H] expert outputs in sorted order; rows past ``ends_E[-1]`` are garbage."""
+        """[S, H] expert outputs in sorted order (`expert_S` the local expert of each sorted
+        slot); rows past ``ends_E[-1]`` are garbage."""
         fn = _grouped_mm_fn()
         assert fn is not None
         num_slots, inter = x_SH.shape[0], w2_EHI.shape[2]
-        h_S2I = fn(x_SH, w13_EIH.transpose(-2, -1), offs=ends_E)
+        h_SJ = fn(x_SH, w13_EIH.transpose(-2, -1), offs=ends_E)
         act_SI = empty_from(workspace, "grouped.act", (num_slots, inter), x_SH.dtype, x_SH.device)
-        _silu_and_mul(h_S2I, out_MI=act_SI)
-        return fn(act_SI, w2_EHI.transpose(-2, -1), offs=ends_E)
+        _activate(h_SJ, expert_S, extras, out_MI=act_SI)
+        y_SH = fn(act_SI, w2_EHI.transpose(-2, -1), offs=ends_E)
+        return _finish_rows(y_SH, expert_S, extras)
 
     @staticmethod
     def _loop(
-        x_SH: Tensor, w13_EIH: Tensor, w2_EHI: Tensor, ends_E: Tensor, workspace: Workspace | None
+        x_SH: Tensor, w13_EIH: Tensor, w2_EHI: Tensor, ends_E: Tensor, workspace: Workspace | None,
+        expert_S: Tensor, extras: ExpertExtras | None,
     ) -> Tensor:
         """Same contract as `_grouped_mm`, one ``mm`` per expert block (one host sync)."""
         num_slots, hidden = x_SH.shape
-        inter = w2_EHI.shape[2]
+        inter, rows = w2_EHI.shape[2], w13_EIH.shape[1]
         dtype, device = x_SH.dtype, x_SH.device
         ends = ends_E.tolist()
-        h_S2I = empty_from(workspace, "grouped.h", (num_slots, 2 * inter), dtype, device)
+        h_SJ = empty_from(workspace, "grouped.h", (num_slots, rows), dtype, device)
         act_SI = empty_from(workspace, "grouped.act", (num_slots, inter), dtype, device)
         # Workspace is safe here: apply() reduces y into a fresh tensor before it returns.
         y_SH = empty_from(workspace, "grouped.y", (num_slots, hidden), dtype, device)
         start = 0
         for e, end in enumerate(ends):
             if end > start:
-                torch.mm(x_SH[start:end], w13_EIH[e].t(), out=h_S2I[start:end])
+                torch.mm(x_SH[start:end], w13_EIH[e].t(), out=h_SJ[start:end])
             start = end
         num_routed = ends[-1]
-        _silu_and_mul(h_S2I[:num_routed], out_MI=act_SI[:num_routed])
+        _activate(h_SJ[:num_routed], expert_S[:num_routed], extras, out_MI=act_SI[:num_routed])
         start = 0
         for e, end in enumerate(ends):
             if end > start:
                 torch.mm(act_SI[start:end], w2_EHI[e].t(), out=y_SH[start:end])
             start = end
-        return y_SH
+        if extras is None:
+            return y_SH
+        # Garbage rows past num_routed stay out of the form's bias and norm (a norm of
+        # garbage may raise or warn); their slots are masked in the sum.
+        out_SH = y_SH.float()
+        out_SH[:num_routed] = _finish_rows(y_SH[:num_routed], expert_S[:num_routed], extras)
+        return out_SH

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from dbo.yield_points import dbo_enabled
 from moe.experts.base import Experts
+from moe.experts.form import ExpertExtras, ExpertForm
 from moe.kernels.policy import KernelPolicy
 from moe.workspace import Workspace
 
@@ -91,6 +92,16 @@ class TritonExperts(Experts):
             )
         return False, f"device type {device.type!r} is not supported: use CUDA ({_INSTALL_HINT})"
 
+    @classmethod
+    def supports(cls, form: ExpertForm) -> str | None:
+        """The fused kernel computes dbo's SwiGLU expert only: its epilogue is silu(gate) *
+        up, with no bias and no post-expert norm."""
+        if form.is_default:
+            return None
+        return (f"the triton experts compute silu(gate) * up only, not "
+                f"{form.describe()!r} ({', '.join(form.differences())}): use experts "
+                f"'grouped' or 'reference'")
+
     def apply(
         self,
         x_NH: Tensor,
@@ -100,11 +111,17 @@ class TritonExperts(Experts):
         topk_weights_NK: Tensor,
         *,
         workspace: Workspace | None = None,
+        extras: ExpertExtras | None = None,
     ) -> Tensor:
         """See `Experts.apply`. Routing, the expert-sorted [P, I] activation and the
         [N*K, H] weighted rows (sharing memory with the sorted x where that path is taken)
         come from ``workspace`` when given; ids are not range-checked (no host sync).
-        No persistent GEMMs where SMs are shared (module doc)."""
+        No persistent GEMMs where SMs are shared (module doc). ValueError for an `extras`
+        form other than the default (`supports`)."""
+        if extras is not None:
+            reason = self.supports(extras.form)
+            if reason is not None:
+                raise ValueError(reason)
         from moe.kernels.fused_moe import fused_moe  # lazy: imports triton
 
         policy = self.policy

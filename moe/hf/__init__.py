@@ -6,17 +6,22 @@
                              max_new_tokens=16)            # greedy, one KV cache per ubatch
     mask = moe.hf.batch_attention_mask(model, ids, mask)   # [B, 1, S, S], built once per step
 
-Every MoE block becomes an `HFMoEBlock` running a dbo `MoELayer` (dbo routing with the
-model's settings, dispatch/combine over the EP group, this rank's experts, shared experts
-overlapped with the combine). The architectures dbo knows are in `moe.hf.arch`.
+Every MoE block of an architecture in `moe.hf.arch` becomes an `HFMoEBlock` running a dbo
+`MoELayer` (dbo routing with the model's settings, dispatch/combine over the EP group,
+this rank's experts, shared experts overlapped with the combine). Every other MoE block
+whose experts go through transformers' experts interface keeps its own router and has
+its experts module replaced by an `HFExperts` (`moe.hf.generic`): dispatch/combine over
+the EP group and this rank's experts on the block's routing. `model.dbo_conversion_summary`
+says which block took which path; docs/hf_models.md lists the model types checked.
 transformers and safetensors are imported on first use (`pip install -e ".[hf]"`).
 """
 from moe.hf.arch import ARCHITECTURES, ArchSpec
 from moe.hf.block import HFMoEBlock, expert_bytes
 from moe.hf.convert import convert, ubatch_capacity
+from moe.hf.generic import HFExperts
 from moe.hf.generate import generate
 from moe.hf.load import load
 from moe.hf.mask import batch_attention_mask
 
-__all__ = ["ARCHITECTURES", "ArchSpec", "HFMoEBlock", "batch_attention_mask", "convert",
-           "expert_bytes", "generate", "load", "ubatch_capacity"]
+__all__ = ["ARCHITECTURES", "ArchSpec", "HFExperts", "HFMoEBlock", "batch_attention_mask",
+           "convert", "expert_bytes", "generate", "load", "ubatch_capacity"]

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.hf.generic import HFExperts
 from moe.layer import MoELayer
 
 __all__ = ["HFMoEBlock", "HFRouter", "HFSharedExperts", "expert_bytes", "hf_param_name"]
@@ -123,7 +124,13 @@ def hf_param_name(name: str) -> Optional[str]:
 
 
 def expert_bytes(model: nn.Module) -> int:
-    """Bytes of the routed experts' weights (`moe.w13`, `moe.w2`) of every converted block
-    of `model`: this rank's share under expert parallelism."""
-    return sum(t.numel() * t.element_size() for m in model.modules()
-               if isinstance(m, HFMoEBlock) for t in (m.moe.w13, m.moe.w2))
+    """Bytes of the routed experts' weights (`moe.w13`, `moe.w2` of an `HFMoEBlock`; `w13`,
+    `w2` and the biases of an `HFExperts`) of every converted block of `model`: this
+    rank's share under expert parallelism."""
+    tensors = []
+    for m in model.modules():
+        if isinstance(m, HFMoEBlock):
+            tensors += [m.moe.w13, m.moe.w2]
+        elif isinstance(m, HFExperts):
+            tensors += [t for t in (m.w13, m.w2, m.bias13, m.bias2) if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -11,20 +11,24 @@
 Shape legend: E routed experts, E_loc = E / W experts on this rank, W ranks in the EP
 group, H hidden, I one expert's width, B sequences and S positions of one call.
 
-Why the block and not transformers' experts hook (`integrations/moe.py`,
-`config._experts_implementation`): an experts implementation is handed tokens already
-routed by the model's own router, runs after it, with every expert's weights in the
-module, and the shared experts run outside it -- so dbo's routing kernel, the expert
-slicing of expert parallelism, and the overlap of shared experts with the combine would
-all be out of reach, and choosing the implementation goes through a process-wide
-registry. The block's contract ([B, S, H] in, a tensor out) is the same in transformers
-5.17 and 5.24 for every architecture of `moe.hf.arch`.
+Two paths, recorded per block in `model.dbo_conversion` and summed up in one line,
+`model.dbo_conversion_summary` (also logged):
+
+- fused (the architectures of `moe.hf.arch`): the whole block becomes an `HFMoEBlock`,
+  dbo's routing kernel, and its shared experts overlapped with the combine. The block's
+  contract ([B, S, H] in, a tensor out) is the same in transformers 5.17 and 5.24.
+- experts (every other block whose experts module goes through transformers' experts
+  interface, and a block of those architectures the fused path does not fit, or every
+  block with `conversion="experts"`): the block keeps its own router, gating, shared
+  experts and scaling; its `experts` child becomes an `HFExperts` (`moe.hf.generic`),
+  dispatch -> this rank's experts -> combine on the routing the block hands it.
 
 Everything is checked before anything changes: on any error the model is as it was.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -37,8 +41,13 @@ from moe.config import SUPPORTED_DTYPES, MoEConfig
 from moe.hf.arch import ARCHITECTURES, SILU_NAMES, ArchSpec
 from moe.hf.block import HFMoEBlock, HFRouter, HFSharedExperts
 from moe.hf.deps import require
+from moe.hf.generic import (BlockConversion, ExpertsPlan, HFExperts, build_experts, plan_experts,
+                            record_conversion)
 from moe.hf.router_logits import record_router_logits
 from moe.layer import MoELayer
+
+_logger = logging.getLogger(__name__)
+_CONVERSIONS = ("auto", "experts")
 
 __all__ = ["BlockPlan", "check_capacity_argument", "convert", "convert_blocks",
            "find_moe_blocks", "ubatch_capacity"]
@@ -82,13 +91,16 @@ def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
             backend: str = "auto", experts: str = "auto",
             max_tokens_per_rank: Optional[int] = None,
-            max_tokens_per_ubatch: Optional[int] = None) -> nn.Module:
-    """Replace every MoE block of `model` (a loaded transformers model) by an `HFMoEBlock`
-    holding this rank's experts; return `model` (changed in place).
+            max_tokens_per_ubatch: Optional[int] = None,
+            conversion: str = "auto") -> nn.Module:
+    """Convert every MoE block of `model` (a loaded transformers model) to hold this rank's
+    experts and run them over dbo's backends; return `model` (changed in place), with the
+    path each block took in `model.dbo_conversion` / `model.dbo_conversion_summary`.
 
     Args:
-        model: a transformers model of an architecture in `moe.hf.arch.ARCHITECTURES`,
-            with its weights loaded (not on the meta device).
+        model: a transformers MoE model with its weights loaded (not on the meta device):
+            an architecture of `moe.hf.arch.ARCHITECTURES` (fused blocks), or any whose
+            experts go through transformers' experts interface (the experts path).
         group: the expert-parallel group; rank r of W keeps experts [r E/W, (r+1) E/W).
             None: EP size 1, every expert here.
         backend: dispatch/combine backend (`moe.backends`); "auto": local for EP size 1,
@@ -103,6 +115,9 @@ def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
         max_tokens_per_ubatch: backend a2a_ll: the capacity of one ubatch of a DBO step
             (`MoEConfig.max_tokens_per_ubatch`; each ubatch then sends slots of this
             size, not of max_tokens_per_rank). None: max_tokens_per_rank.
+        conversion: "auto": the fused block where `moe.hf.arch` knows the architecture and
+            the block fits it, else the experts path; "experts": the experts path for
+            every block.
 
     Raises:
         ImportError: transformers older than 5.17 (`moe.hf.deps.MIN_TRANSFORMERS`).
@@ -114,13 +129,15 @@ def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
     """
     return convert_blocks(model, group=group, backend=backend, experts=experts,
                           max_tokens_per_rank=max_tokens_per_rank,
-                          max_tokens_per_ubatch=max_tokens_per_ubatch, weights_from_blocks=True)
+                          max_tokens_per_ubatch=max_tokens_per_ubatch, weights_from_blocks=True,
+                          conversion=conversion)
 
 
 def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], backend: str,
                    experts: str, max_tokens_per_rank: Optional[int],
                    weights_from_blocks: bool,
-                   max_tokens_per_ubatch: Optional[int] = None) -> nn.Module:
+                   max_tokens_per_ubatch: Optional[int] = None,
+                   conversion: str = "auto") -> nn.Module:
     """`convert`; with `weights_from_blocks=False` the new blocks' parameters are left
     uninitialised and the old blocks' expert tensors are not read (`moe.hf.load` builds
     the model with placeholder experts and fills every parameter from the checkpoint)."""
@@ -128,22 +145,35 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
         raise TypeError(f"moe.hf.convert takes a transformers model (an nn.Module), got "
                         f"{type(model).__name__}")
     require("transformers")  # one line naming the version where it is too old
+    if conversion not in _CONVERSIONS:
+        raise ValueError(f"moe.hf.convert: conversion={conversion!r}: use one of {_CONVERSIONS}")
     world = 1 if group is None else dist.get_world_size(group)
     check_capacity_argument(backend, max_tokens_per_rank, world=world, where="moe.hf.convert")
-    plans = plan_blocks(model, world=world, check_weights=weights_from_blocks)
-    new_blocks = []
+    plans = plan_blocks(model, world=world, check_weights=weights_from_blocks,
+                        backend=backend, experts=experts, conversion=conversion)
+    new_blocks: list[nn.Module] = []
     last = len(plans) - 1
     for i, plan in enumerate(plans):
         old = model.get_submodule(plan.path)
+        if isinstance(plan, ExpertsPlan):
+            new_blocks.append(build_experts(plan, old.experts, group=group,
+                                            capacity=max_tokens_per_rank,
+                                            ubatch_capacity=max_tokens_per_ubatch,
+                                            last_layer=i == last))
+            continue
         new_blocks.append(_build_block(plan, old, group=group, backend=backend,
                                        experts=experts, capacity=max_tokens_per_rank,
                                        ubatch_capacity=max_tokens_per_ubatch,
                                        last_layer=i == last,
                                        copy_weights=weights_from_blocks))
     for plan, block in zip(plans, new_blocks):  # nothing above changed the model
-        parent_path, _, name = plan.path.rpartition(".")
+        path = plan.path + ".experts" if isinstance(plan, ExpertsPlan) else plan.path
+        parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path), name, block)
-    record_router_logits(model, [block.moe.router for block in new_blocks])
+    record_router_logits(model, [block.moe.router for block in new_blocks
+                                 if isinstance(block, HFMoEBlock)])
+    _logger.info(record_conversion(model, getattr(model.config, "model_type", None),
+                                   [_record(plan) for plan in plans]))
     return model
 
 
@@ -176,8 +206,13 @@ def check_capacity_argument(backend: str, max_tokens_per_rank: Any, *, world: in
                          f"counts on the host)")
 
 
-def plan_blocks(model: nn.Module, *, world: int, check_weights: bool) -> list[BlockPlan]:
-    """Check every MoE block of `model`; ValueError on the first one dbo cannot convert."""
+def plan_blocks(model: nn.Module, *, world: int, check_weights: bool, backend: str = "auto",
+                experts: str = "auto", conversion: str = "auto"
+                ) -> list[BlockPlan | ExpertsPlan]:
+    """Check every MoE block of `model`; ValueError on the first one dbo cannot convert.
+    A block the fused path refuses takes the experts path (`moe.hf.generic`) when its
+    weights come from the block (`check_weights`, i.e. not `moe.hf.load`); its error
+    then names what the experts path lacks."""
     config = getattr(model, "config", None)
     blocks = find_moe_blocks(model)
     if config is None or not blocks:
@@ -185,22 +220,53 @@ def plan_blocks(model: nn.Module, *, world: int, check_weights: bool) -> list[Bl
                          f"with an `experts` child) to convert: pass a transformers MoE "
                          f"model")
     model_type = getattr(config, "model_type", None)
-    plans = []
+    plans: list[BlockPlan | ExpertsPlan] = []
     for index, (path, block) in enumerate(blocks):
-        if isinstance(block, HFMoEBlock):
+        if isinstance(block, HFMoEBlock) or isinstance(block.experts, HFExperts):
             raise ValueError(f"moe.hf.convert: block {path!r} is already converted: convert "
                              f"a model once")
         spec = ARCHITECTURES.get(model_type)
-        moe_config = _check_block(path, block, spec, config, check_weights=check_weights)
+        layer_id = _layer_index(path, default=index)
+        try:
+            if conversion == "experts":
+                raise ValueError("conversion='experts'")
+            moe_config = _check_block(path, block, spec, config, check_weights=check_weights)
+        except ValueError as fused_error:
+            if not check_weights:  # moe.hf.load fills fused blocks only
+                raise
+            note = "" if spec is None else str(fused_error).split("): ", 1)[-1]
+            plans.append(_experts_plan(path, block, config, world=world, backend=backend,
+                                       experts=experts, layer_id=layer_id, note=note))
+            continue
         assert spec is not None
         if moe_config.num_experts % world != 0:
             raise ValueError(
                 f"moe.hf.convert: block {path!r} has num_experts={moe_config.num_experts}, "
                 f"which is not divisible by the EP size {world}: use an expert-parallel group "
                 f"whose size divides {moe_config.num_experts}")
-        plans.append(BlockPlan(path=path, spec=spec, config=moe_config,
-                               layer_id=_layer_index(path, default=index)))
+        plans.append(BlockPlan(path=path, spec=spec, config=moe_config, layer_id=layer_id))
     return plans
+
+
+def _experts_plan(path: str, block: nn.Module, config: Any, *, world: int, backend: str,
+                  experts: str, layer_id: int, note: str) -> ExpertsPlan:
+    """The block's experts-path plan; its refusal says why the fused path was not taken
+    too, where the architecture has one (`note`)."""
+    try:
+        return plan_experts(path, block, model_config=config, world=world, backend=backend,
+                            experts=experts, check_weights=True, layer_id=layer_id, note=note)
+    except ValueError as exc:
+        if note:
+            raise ValueError(f"{exc} (not fused either: {note})") from None
+        raise
+
+
+def _record(plan: BlockPlan | ExpertsPlan) -> BlockConversion:
+    if isinstance(plan, BlockPlan):
+        return BlockConversion(path=plan.path, route="fused", detail=plan.spec.model_type)
+    detail = plan.describe()
+    return BlockConversion(path=plan.path, route="experts",
+                           detail=detail + (f"; not fused: {plan.note}" if plan.note else ""))
 
 
 def _check_block(path: str, block: nn.Module, spec: Optional[ArchSpec], config: Any, *,

@@ -58,6 +58,7 @@ from dbo.split import plan_split
 from dbo.vote import vote_min
 from moe.backends.capacity import exchange_capacity
 from moe.hf.block import HFMoEBlock
+from moe.hf.generic import HFExperts
 from moe.hf.deps import require
 from moe.hf.kv import cache_keyword, join_caches, part_cache
 from moe.hf.static_decode import (check_cuda_graph, mask_buffer, runner_like, slot_tensor,
@@ -92,19 +93,24 @@ class GroupedDecoder(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, *,
                 groups: tuple[RowGroup, ...]) -> Tensor:
         if len(groups) == 1:
-            return self._logits(input_ids, attention_mask, position_ids, groups[0].cache)
+            logits_RV, groups[0].cache = self._logits(input_ids, attention_mask, position_ids,
+                                                      groups[0].cache)
+            return logits_RV
         g0, g1 = groups
-        joined = join_caches(g0.cache, g1.cache)
-        logits_RV = self._logits(input_ids, attention_mask, position_ids, joined)
+        joined = None if g0.cache is None else join_caches(g0.cache, g1.cache)
+        logits_RV, joined = self._logits(input_ids, attention_mask, position_ids, joined)
         g0.cache, g1.cache = part_cache(joined, g0.rows.stop)
         return logits_RV
 
     def _logits(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                cache: Any) -> Tensor:
+                cache: Any) -> tuple[Tensor, Any]:
+        """The last position's logits [R, V] float32, and the cache after the step (the
+        model's own where it was given None: a model with a cache class of its own)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, use_cache=True, logits_to_keep=1,
                          **{self._cache_kwarg: cache})
-        return out.logits[:, -1, :].float()
+        returned = getattr(out, self._cache_kwarg, None)
+        return out.logits[:, -1, :].float(), cache if returned is None else returned
 
     def dbo_check_inputs(self, input_ids: Tensor, attention_mask: Tensor,
                          position_ids: Tensor, *, groups: tuple[RowGroup, ...]) -> None:
@@ -166,7 +172,7 @@ def generate(runner: DBORunner, input_ids: Tensor, *, attention_mask: Optional[T
         attention_mask = torch.ones_like(input_ids)
     num_rows = input_ids.shape[0]
     b = (num_rows + 1) // 2
-    groups = tuple(RowGroup(rows=rows, cache=transformers.DynamicCache(config=model.config))
+    groups = tuple(RowGroup(rows=rows, cache=_new_cache(transformers, model))
                    for rows in (slice(0, b), slice(b, num_rows)))
     eos, pad = _eos_and_pad(model)
     step_runner = runner_like(runner, GroupedDecoder(model), SplitRows(runner.config))
@@ -252,7 +258,7 @@ def _check(runner: Any, input_ids: Any, attention_mask: Any, max_new_tokens: Any
                         f"group=ep_group)")
     model = runner.model
     if not isinstance(model, nn.Module) or not any(
-            isinstance(m, HFMoEBlock) for m in model.modules()):
+            isinstance(m, (HFMoEBlock, HFExperts)) for m in model.modules()):
         raise ValueError(f"moe.hf.generate: the runner's model ({type(model).__name__}) has no "
                          f"converted MoE block: convert it first, model = "
                          f"moe.hf.convert(model, group=ep_group) (or load it with "
@@ -278,6 +284,16 @@ def _decode_capacity(num_rows: int, group: Optional[dist.ProcessGroup]) -> tuple
     its larger half (`b = ceil(B / 2)`). One collective with more than one rank."""
     largest = -vote_min([-num_rows], group)[0]
     return largest, (largest + 1) // 2
+
+
+def _new_cache(transformers: Any, model: nn.Module) -> Any:
+    """An empty DynamicCache for one row group, or None for a model with a cache class of
+    its own (`_supports_default_dynamic_cache` False, e.g. MiniMax's): its first step makes
+    it, as `model.generate` lets it."""
+    supports = getattr(type(model), "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        return None
+    return transformers.DynamicCache(config=model.config)
 
 
 def _joined(groups: tuple[RowGroup, ...]) -> Any:

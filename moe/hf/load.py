@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.hf.arch import ArchSpec, spec_for
+from moe.hf.arch import ARCHITECTURES, ArchSpec
 from moe.hf.block import HFMoEBlock, hf_param_name
 from moe.hf.checkpoint import Checkpoint, ExpertRange
 from moe.hf.convert import check_capacity_argument, convert_blocks
@@ -58,10 +58,11 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
             `model_type` are built, never the directory's code.
 
     Raises:
-        ValueError: what `convert` refuses; a tensor the checkpoint lacks, or whose shape
-            differs from what config.json implies (naming the tensor); a file of the
-            directory that is malformed or lies outside it (`moe.hf.folder`), a model type
-            dbo does not convert.
+        ValueError: what `convert` refuses; an architecture without a fused path
+            (`moe.hf.arch`: load it with transformers and convert it); a tensor the
+            checkpoint lacks, or whose shape differs from what config.json implies
+            (naming the tensor); a file of the directory that is malformed or lies
+            outside it (`moe.hf.folder`).
     """
     transformers = require("transformers")
     path = os.fspath(path)
@@ -69,7 +70,7 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
     check_capacity_argument(backend, max_tokens_per_rank, world=world, where="moe.hf.load")
     with Checkpoint(path) as checkpoint:  # checks the directory before building anything
         config = read_config(path, trust_remote_code=trust_remote_code)
-        spec = spec_for(config)
+        spec = _fused_spec(config)
         if dtype is None:
             dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) \
                 else torch.float32
@@ -83,6 +84,20 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
     if generation_config is not None:
         model.generation_config = generation_config
     return model.eval()
+
+
+def _fused_spec(config: object) -> ArchSpec:
+    """The architecture's `ArchSpec`; ValueError for one without a fused path, whose
+    checkpoint names this loader does not know."""
+    model_type = getattr(config, "model_type", None)
+    spec = ARCHITECTURES.get(model_type)
+    if spec is None:
+        raise ValueError(
+            f"moe.hf.load: the checkpoint is a {model_type!r} model; moe.hf.load reads the "
+            f"checkpoints of {', '.join(sorted(ARCHITECTURES))} only: load it with "
+            f"transformers (AutoModelForCausalLM.from_pretrained(path)) and convert it, "
+            f"moe.hf.convert(model, group=ep_group), which runs it on the experts path")
+    return spec
 
 
 def _build_skeleton(transformers: object, config: object, spec: ArchSpec,

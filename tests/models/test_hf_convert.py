@@ -68,14 +68,22 @@ def test_routing_follows_the_config():
 
 
 def test_unsupported_block_is_refused_naming_it_and_what():
-    gpt_oss = tiny_model("gpt_oss", intermediate_size=16, num_local_experts=4,
-                         num_experts_per_tok=2, num_key_value_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match=r"block 'model.layers.0.mlp' \(GptOssMLP\): "
-                                         r"unsupported experts: biased experts"):
-        moe.hf.convert(gpt_oss)
-    olmoe = tiny_model("olmoe", intermediate_size=16, num_experts=4, num_experts_per_tok=2)
-    with pytest.raises(ValueError, match="unsupported architecture 'olmoe'"):
-        moe.hf.convert(olmoe)
+    # Llama-4's experts take rows already scaled and ordered by expert, not the routing:
+    # neither path runs them. (GPT-OSS and OLMoE, refused before the experts path, convert
+    # now: tests/models/test_hf_coverage.py checks them.)
+    llama4 = tiny_model("llama4_text", intermediate_size=16, intermediate_size_mlp=32,
+                        num_local_experts=4, num_experts_per_tok=1, num_key_value_heads=2,
+                        head_dim=8)
+    with pytest.raises(ValueError, match=r"block 'model.layers.0.feed_forward' \(Llama4TextMoe, "
+                                         r"experts Llama4TextExperts\): its experts take "
+                                         r"forward\(hidden_states\), not the routing"):
+        moe.hf.convert(llama4)
+    olmoe = moe.hf.convert(tiny_model("olmoe", intermediate_size=16, num_experts=4,
+                                      num_experts_per_tok=2))
+    assert [r.route for r in olmoe.dbo_conversion] == ["experts", "experts"]
+    assert olmoe.dbo_conversion_summary == (
+        "moe.hf.convert: olmoe: 2 MoE blocks, 2 on the experts path (OlmoeExperts: "
+        "silu(gate) * up)")
 
 
 def test_nothing_is_converted_when_a_later_block_is_refused():

@@ -1,0 +1,580 @@
+"""The experts path of `moe.hf.convert`: any transformers MoE block whose experts go through
+transformers' experts interface (`transformers.integrations.moe.use_experts_implementation`)
+or hold its standard tensors.
+
+Shape legend: T tokens, K top-k, E routed experts, E_loc = E / W of them on this rank, W
+ranks in the EP group, H hidden, I one expert's width, J the rows of the up projection
+(2I with a gate, I without).
+
+An experts module of the interface is called by its block as
+``experts(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``:
+the block has routed already, with its own router, and adds its shared experts and any
+scaling itself. So this path keeps the block as it is and replaces only its `experts`
+child by an `HFExperts`: dispatch over the EP group, this rank's experts, combine (with
+the DBO yields inside the dispatch and the combine, `moe.modular_kernel`), on the routing
+the block hands it. No per-architecture code: what an expert computes is read from the
+module itself --
+
+==========================  ==============================================================
+the experts module          becomes (`moe.experts.form.ExpertForm`)
+==========================  ==============================================================
+``has_gate=False``          ``gated=False``: ``up_proj`` [E, I, H] and ``act_fn``
+``is_concatenated=False``   ``interleaved=True``
+``is_transposed=True``      weights stored as [E, J, H] / [E, H, I] when this rank's slice
+                            is copied (the copy is made anyway)
+``has_bias=True``           ``bias=True``: ``*_proj_bias`` [E, J] / [E, H]
+``has_post_expert_norm``    ``post_norm=True``: the module's ``post_expert_norm`` (5.24)
+``identity_expert``         ids past the E experts of ``down_proj`` (``gate_up_proj`` holds
+                            E + Z) are zero-compute experts: weight * x, added on the token's
+                            own rank, never dispatched (LongCat-Flash)
+``_apply_gate``/``act_fn``  a named activation when it computes one on a probe (silu, gelu,
+                            relu2, GPT-OSS's clamped ``swiglu_oai`` with the module's
+                            alpha/limit, ...), else the module's own callable ("custom")
+==========================  ==============================================================
+
+What dbo cannot run is refused before anything changes, naming the block and what it
+lacks (`plan_experts`). The four architectures of `moe.hf.arch` keep their fused path
+(`moe.hf.block`) by default; `convert(..., conversion="experts")` takes this path for
+them too.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import math
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moe.backends import backend_class, make_backend, resolve_backend_name
+from moe.config import SUPPORTED_DTYPES, MoEConfig
+from moe.experts import experts_class, make_experts
+from moe.experts.base import Experts
+from moe.experts.bound import BoundExperts
+from moe.experts.form import ACTIVATIONS, ExpertExtras, ExpertForm, form_activation
+from moe.inference_only import detach_with_error, needs_graph
+from moe.layer import MoELayer
+from moe.modular_kernel import ModularKernel
+
+__all__ = ["BlockConversion", "ExpertsPlan", "HFExperts", "build_experts", "interface_options",
+           "plan_experts", "record_conversion"]
+
+#: The experts-interface options dbo serves, with transformers' defaults.
+KNOWN_OPTIONS: dict[str, bool] = {"is_concatenated": True, "is_transposed": False,
+                                  "has_bias": False, "has_gate": True,
+                                  "has_post_expert_norm": False}
+#: The expert tensors (dropped from the module kept for a custom gate: dbo holds them).
+_WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
+                 "down_proj_bias")
+#: Where blocks and routers keep K, then the model-config fields that hold it.
+_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "topk", "num_selected_experts")
+_TOP_K_FIELDS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts",
+                 "num_experts_per_token", "moe_top_k", "n_activated_experts", "top_k")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertsPlan:
+    """One MoE block to convert on the experts path, checked."""
+
+    path: str
+    """Module path of the block, e.g. "model.layers.3.mlp"; its experts are path.experts."""
+    source: str
+    """The replaced experts module's class name."""
+    config: MoEConfig
+    form: ExpertForm
+    transposed: bool
+    """The module stores [E, H, J] / [E, I, H] (`is_transposed`)."""
+    layer_id: int
+    identity_experts: int = 0
+    """Z zero-compute experts, ids [E, E + Z): weight * x on the token's own rank."""
+    note: str = ""
+    """Why the fused path was not taken, where the architecture has one ("" otherwise)."""
+
+    def describe(self) -> str:
+        """e.g. "OlmoeExperts: silu(gate) * up" (with the zero-compute experts, if any)."""
+        zero = f", {self.identity_experts} zero-compute experts" if self.identity_experts else ""
+        return f"{self.source}: {self.form.describe()}{zero}"
+
+
+def interface_options() -> dict[str, Any]:
+    """The options of this transformers' `use_experts_implementation` with their defaults
+    (e.g. 5.17 lacks `has_post_expert_norm`); {} where transformers has no interface."""
+    try:
+        from transformers.integrations.moe import use_experts_implementation
+    except ImportError:
+        return {}
+    params = inspect.signature(use_experts_implementation).parameters
+    return {name: p.default for name, p in params.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "experts_interface"}
+
+
+def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
+                 backend: str, experts: str, check_weights: bool, layer_id: int,
+                 note: str = "") -> ExpertsPlan:
+    """Check `block`'s experts module; ValueError naming the block and what dbo cannot do.
+
+    `backend` / `experts` are `convert`'s: the backend must take the model's routing (not
+    route gathered logits itself) and an explicitly named expert kernel must compute the
+    experts' form.
+    """
+    module = getattr(block, "experts", None)
+    cls = type(module).__name__
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"moe.hf.convert: block {path!r} ({type(block).__name__}, experts "
+                          f"{cls}): {what}")
+
+    options = _module_options(module, refuse)
+    gated = options["has_gate"]
+    up_name = "gate_up_proj" if gated else "up_proj"
+    up, down = getattr(module, up_name, None), getattr(module, "down_proj", None)
+    if not isinstance(up, Tensor) or not isinstance(down, Tensor):
+        raise refuse(f"no expert tensors experts.{up_name} and experts.down_proj: dbo runs "
+                     f"experts stored as transformers' experts interface stores them, 3-D "
+                     f"tensors over all experts ([E, 2I, H] and [E, H, I])")
+    transposed = options["is_transposed"]
+    identity = _identity_experts(module, up, down, transposed=transposed)
+    if identity:  # the rows past down_proj's experts are never read (zero-compute experts)
+        up = up[:down.shape[0]]
+    e, j, h, i = _sizes(up, down, transposed=transposed, refuse=refuse, up_name=up_name)
+    if gated and j != 2 * i:
+        raise refuse(f"experts.{up_name} has {j} rows per expert, down_proj {i}: a gated "
+                     f"expert needs 2 * {i} (gate and up)")
+    if not gated and j != i:
+        raise refuse(f"experts.up_proj has {j} rows per expert, down_proj {i}: they must match")
+    _check_declared_sizes(module, e=e + identity, h=h, i=i, refuse=refuse)
+    if options["has_bias"]:
+        for name, shape in ((f"{up_name}_bias", (e, j)), ("down_proj_bias", (e, h))):
+            bias = getattr(module, name, None)
+            if not isinstance(bias, Tensor):
+                raise refuse(f"biased experts (has_bias=True) without the tensor experts.{name}")
+            if tuple(bias.shape) != shape:
+                raise refuse(f"experts.{name} has shape {list(bias.shape)}, expected "
+                             f"{list(shape)}: the weights do not match the experts module")
+    if options["has_post_expert_norm"] and not isinstance(
+            getattr(module, "post_expert_norm", None), nn.Module):
+        raise refuse("has_post_expert_norm=True but no module experts.post_expert_norm")
+    if up.dtype not in SUPPORTED_DTYPES:
+        raise refuse(f"expert weights are {up.dtype}: dbo's experts take {SUPPORTED_DTYPES} "
+                     f"(load the model in one of them)")
+    if check_weights and up.is_meta:
+        raise refuse("expert weights are on the meta device: load the weights first")
+    form, _ = identify_form(module, options, refuse=refuse)
+    top_k = _find_top_k(block, module, model_config)
+    if top_k is None:
+        raise refuse("cannot find its top-k (no `top_k` / `num_experts_per_tok` on the block, "
+                     "its router or the model config)")
+    if e % world != 0:
+        raise refuse(f"num_experts={e} is not divisible by the EP size {world}: use an "
+                     f"expert-parallel group whose size divides {e}")
+    try:
+        config = MoEConfig(num_experts=e, top_k=top_k, hidden_size=h, intermediate_size=i,
+                           dtype=up.dtype, backend=backend, experts=experts)
+    except ValueError as exc:
+        raise refuse(f"no MoE layer of these sizes: {exc}") from exc
+    name = resolve_backend_name(backend, world)
+    if backend_class(name, world).routes_gathered_logits:
+        raise refuse(f"backend {name!r} routes gathered router logits itself, but the experts "
+                     f"path runs on the block's own routing: use backend 'a2a', 'a2a_ll' or "
+                     f"'naive'")
+    if experts != "auto":
+        unsupported = experts_class(experts).supports(form)
+        if unsupported is not None:
+            raise refuse(unsupported)
+    return ExpertsPlan(path=path, source=cls, config=config, form=form, transposed=transposed,
+                       layer_id=layer_id, note=note, identity_experts=identity)
+
+
+def build_experts(plan: ExpertsPlan, module: nn.Module, *, group: Optional[dist.ProcessGroup],
+                  capacity: Optional[int], ubatch_capacity: Optional[int],
+                  last_layer: bool) -> "HFExperts":
+    """The `HFExperts` for the experts `module` of `plan`: this rank's experts copied into
+    dbo's layout, the custom gate and the post-expert norm taken over."""
+    config = dataclasses.replace(plan.config, max_tokens_per_rank=capacity,
+                                 max_tokens_per_ubatch=ubatch_capacity)
+    form = plan.form
+    up_name = "gate_up_proj" if form.gated else "up_proj"
+    up: Tensor = getattr(module, up_name)
+    owner = _gate_owner(module) if form.activation == "custom" else None
+    post_norm = getattr(module, "post_expert_norm", None) if form.post_norm else None
+    new = HFExperts(config, form, group=group, layer_id=plan.layer_id, last_layer=last_layer,
+                    device=up.device, path=plan.path + ".experts", source=plan.source,
+                    gate_owner=owner, post_norm=post_norm,
+                    identity_experts=plan.identity_experts)
+    local = slice(new.first_expert, new.first_expert + new.num_local_experts)
+    with torch.no_grad():
+        for name, target, layout in ((up_name, new.w13, plan.transposed),
+                                     ("down_proj", new.w2, plan.transposed),
+                                     (f"{up_name}_bias", new.bias13, False),
+                                     ("down_proj_bias", new.bias2, False)):
+            if target is None:
+                continue
+            source = getattr(module, name)[local]
+            target.copy_(source.transpose(1, 2) if layout else source)
+    return new
+
+
+class HFExperts(nn.Module):
+    """A converted experts module: the block's routing in, dbo's dispatch -> this rank's
+    experts -> combine, [T, H] out.
+
+    Parameters: `w13` [E_loc, J, H] (gate rows then up rows, or interleaved, or the up
+    rows only, as `form` says), `w2` [E_loc, H, I], `bias13` [E_loc, J] and `bias2`
+    [E_loc, H] (biased forms; else None), `post_expert_norm` (the module's, with
+    `form.post_norm`), `gate_owner` (the replaced module without its expert tensors, whose
+    `_apply_gate` / `act_fn` a "custom" form calls).
+
+    Args:
+        config: sizes (E, K, H, I), dtype, backend, expert kernel, capacity.
+        form: what each expert computes.
+        group: the EP group; None: EP size 1.
+        layer_id, last_layer: as for `MoELayer` (trace names; the split last combine).
+        device: where the parameters are created (uninitialised).
+        path: this module's path in the model; source: the replaced module's class name.
+        identity_experts: Z zero-compute experts after the E routed ones (ids [E, E + Z)):
+            each adds weight * x on the token's own rank, outside the dispatch.
+    """
+
+    #: Which conversion path produced this module ("fused" for `HFMoEBlock`).
+    dbo_path = "experts"
+
+    def __init__(self, config: MoEConfig, form: ExpertForm, *,
+                 group: Optional[dist.ProcessGroup], layer_id: int, last_layer: bool,
+                 device: torch.device | str | None, path: str, source: str,
+                 gate_owner: Optional[nn.Module] = None,
+                 post_norm: Optional[nn.Module] = None, identity_experts: int = 0) -> None:
+        super().__init__()
+        self.identity_experts = identity_experts
+        self.config, self.form = config, form
+        self.layer_id, self.last_layer = layer_id, last_layer
+        self.path, self.source = path, source
+        self.backend = make_backend(config, group)
+        self.num_local_experts = config.num_experts // self.backend.world_size
+        hidden, inter = config.hidden_size, config.intermediate_size
+        rows = form.rows_per_width() * inter
+        dtype = config.dtype
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, rows, hidden, dtype=dtype,
+                                            device=device))
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden, inter, dtype=dtype,
+                                           device=device))
+        self.bias13: Optional[nn.Parameter] = None
+        self.bias2: Optional[nn.Parameter] = None
+        if form.bias:
+            self.bias13 = nn.Parameter(torch.empty(self.num_local_experts, rows, dtype=dtype,
+                                                   device=device))
+            self.bias2 = nn.Parameter(torch.empty(self.num_local_experts, hidden, dtype=dtype,
+                                                  device=device))
+        self.post_expert_norm = post_norm
+        self.gate_owner = gate_owner
+        if (form.activation == "custom") != (gate_owner is not None):
+            raise ValueError("HFExperts: a 'custom' form needs gate_owner, and only it")
+        self._kernels: dict[torch.device, ModularKernel] = {}
+
+    # The runner's duck-typed hooks read `config`, `backend`, `last_layer` exactly as
+    # MoELayer's do (`dbo.agreement`, `dbo.graphs`, `dbo.overlap`): the same functions.
+    cuda_graph_blocker = MoELayer.cuda_graph_blocker
+    dbo_sbo_blocker = MoELayer.dbo_sbo_blocker
+    dbo_max_tokens_per_rank = MoELayer.dbo_max_tokens_per_rank
+    dbo_max_tokens_per_ubatch = MoELayer.dbo_max_tokens_per_ubatch
+
+    def dbo_agreement(self) -> dict[str, object]:
+        """`MoELayer.dbo_agreement` plus the experts' form."""
+        agreement = MoELayer.dbo_agreement(self)  # type: ignore[arg-type]
+        return {**agreement, "expert_form": self.form.describe()}
+
+    @property
+    def first_expert(self) -> int:
+        return self.backend.placement.first_expert
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor,
+                top_k_weights: Tensor) -> Tensor:
+        """hidden_states [..., H], top_k_index / top_k_weights [T, K] (global expert ids
+        and their weights, as the block's router gave them) -> [..., H] in hidden_states'
+        dtype: sum_k weight * expert(x). Inference-only, as `MoELayer.forward`."""
+        shape = hidden_states.shape
+        x_TH = hidden_states.reshape(-1, shape[-1])
+        ids_TK = top_k_index.reshape(x_TH.shape[0], top_k_index.shape[-1])  # T may be 0
+        self._check(x_TH, ids_TK, top_k_weights)
+        weights_TK = top_k_weights.reshape(ids_TK.shape).float()
+        ids_TK = ids_TK.long()
+        if needs_graph(x_TH, self):
+            with torch.no_grad():
+                out_TH = self._run(x_TH, ids_TK, weights_TK)
+            return detach_with_error(out_TH, [x_TH, *self.parameters()], what=(
+                f"HFExperts {self.path!r} (backend {self.backend.name!r})")).view(shape)
+        return self._run(x_TH, ids_TK, weights_TK).view(shape)
+
+    def extra_repr(self) -> str:
+        return (f"path={self.path!r}, {self.source}: {self.form.describe()}, experts "
+                f"{self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
+                f"{self.config.num_experts}")
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, x_TH: Tensor, ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        identity_TH = None
+        if self.identity_experts:
+            # Zero-compute experts: weight * x here, their slots dropped (-1) from the dispatch.
+            zero_TK = ids_TK >= self.config.num_experts
+            identity_TH = x_TH.float() * torch.where(zero_TK, weights_TK, 0.0).sum(-1, keepdim=True)
+            ids_TK = torch.where(zero_TK, -1, ids_TK)
+        out_TH = self._kernel(x_TH.device).forward(
+            x_TH, weights_TK, ids_TK, w13_EIH=self.w13, w2_EHI=self.w2, layer=self.layer_id,
+            split_combine=self.last_layer and self.config.split_last_combine)
+        return out_TH if identity_TH is None else (out_TH.float() + identity_TH).to(out_TH.dtype)
+
+    def _kernel(self, device: torch.device) -> ModularKernel:
+        kernel = self._kernels.get(device)
+        if kernel is None:
+            experts: Experts = make_experts(self.config.experts, device,
+                                            policy=self.config.kernels, form=self.form)
+            if not self.form.is_default:
+                experts = BoundExperts(experts, self._extras)
+            kernel = ModularKernel(self.config, self.backend, experts)
+            self._kernels[device] = kernel
+        return kernel
+
+    def _extras(self) -> ExpertExtras:
+        gate_fn = None
+        if self.gate_owner is not None:
+            gate_fn = _owner_gate(self.gate_owner, gated=self.form.gated)
+        return ExpertExtras(form=self.form, bias13_EJ=self.bias13, bias2_EH=self.bias2,
+                            gate_fn=gate_fn, post_norm=self.post_expert_norm)
+
+    def _check(self, x_TH: Tensor, ids_TK: Tensor, weights: Tensor) -> None:
+        cfg = self.config
+        if x_TH.shape[-1] != cfg.hidden_size or x_TH.dtype != cfg.dtype:
+            raise ValueError(f"HFExperts {self.path!r}: hidden_states are {x_TH.dtype} "
+                             f"[..., {x_TH.shape[-1]}], the experts take {cfg.dtype} "
+                             f"[..., {cfg.hidden_size}]")
+        if ids_TK.shape[1] != cfg.top_k or weights.numel() != ids_TK.numel():
+            raise ValueError(f"HFExperts {self.path!r}: top_k_index has {ids_TK.shape[1]} "
+                             f"experts per token and top_k_weights {weights.numel()} values "
+                             f"for {x_TH.shape[0]} tokens; the block was converted for "
+                             f"top_k={cfg.top_k}")
+        if x_TH.device != self.w13.device:
+            raise ValueError(f"HFExperts {self.path!r}: hidden_states are on {x_TH.device}, "
+                             f"the experts on {self.w13.device}: move one to the other")
+
+
+# ---------------------------------------------------------------------- reading a module
+def _module_options(module: Any, refuse: Callable[[str], ValueError]) -> dict[str, bool]:
+    """The experts module's interface options (dbo's `KNOWN_OPTIONS` names); ValueError
+    for a module that is not an experts module, or sets an option dbo cannot serve."""
+    if not isinstance(module, nn.Module):
+        raise refuse("no `experts` module")
+    interface = hasattr(module, "has_gate") and hasattr(module, "is_concatenated")
+    if not interface:
+        # Not decorated: taken when it is called as the interface is (the routing in) and
+        # holds its standard tensors (checked by the caller).
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(params) != 3:
+            raise refuse(f"its experts take forward({', '.join(p.name for p in params)}), not "
+                         f"the routing: dbo runs experts called as transformers' experts "
+                         f"interface calls them, forward(hidden_states, top_k_index, "
+                         f"top_k_weights)")
+        return dict(KNOWN_OPTIONS)
+    if getattr(module, "_is_expert_parallel", False):
+        raise refuse("transformers' own expert parallelism is on (_is_expert_parallel): load "
+                     "the model without a tp_plan / distributed_config, dbo shards the experts")
+    for name, default in interface_options().items():
+        value = getattr(module, name, default)
+        if name not in KNOWN_OPTIONS and value != default:
+            raise refuse(f"experts-interface option {name}={value!r}, which dbo cannot serve "
+                         f"(it serves {', '.join(KNOWN_OPTIONS)})")
+    options = {name: getattr(module, name, default) for name, default in KNOWN_OPTIONS.items()}
+    for name, value in options.items():
+        if not isinstance(value, bool):
+            raise refuse(f"experts-interface option {name}={value!r} is not a bool")
+    return options
+
+
+def _sizes(up: Tensor, down: Tensor, *, transposed: bool, refuse: Callable[[str], ValueError],
+           up_name: str) -> tuple[int, int, int, int]:
+    """(E, J, H, I) from the module's tensors (ValueError when they disagree)."""
+    if up.dim() != 3 or down.dim() != 3:
+        raise refuse(f"experts.{up_name} {list(up.shape)} / down_proj {list(down.shape)} are "
+                     f"not 3-D [E, ., .] tensors")
+    if transposed:
+        (e, h, j), (e2, i, h2) = up.shape, down.shape
+    else:
+        (e, j, h), (e2, h2, i) = up.shape, down.shape
+    if e != e2 or h != h2:
+        raise refuse(f"experts.{up_name} {list(up.shape)} and down_proj {list(down.shape)} "
+                     f"disagree on the expert count or hidden size"
+                     f"{' (is_transposed=True)' if transposed else ''}")
+    return e, j, h, i
+
+
+def _identity_experts(module: nn.Module, up: Tensor, down: Tensor, *, transposed: bool) -> int:
+    """Z: the experts `gate_up_proj` holds past `down_proj`'s, where the module computes
+    them as identity (an `identity_expert` nn.Identity: zero-compute experts); else 0."""
+    extra = up.shape[0] - down.shape[0]
+    if extra > 0 and isinstance(getattr(module, "identity_expert", None), nn.Identity):
+        return extra
+    return 0
+
+
+def _check_declared_sizes(module: nn.Module, *, e: int, h: int, i: int,
+                          refuse: Callable[[str], ValueError]) -> None:
+    """The sizes the module was built for (its num_experts / hidden_dim /
+    intermediate_dim, where it keeps them) against its tensors: weights of another model
+    loaded into it differ."""
+    for names, value, what in ((("num_experts",), e, "experts"),
+                               (("hidden_dim", "hidden_size"), h, "hidden size"),
+                               (("intermediate_dim", "intermediate_size"), i, "expert width")):
+        for name in names:
+            declared = getattr(module, name, None)
+            if isinstance(declared, int) and not isinstance(declared, bool) and declared != value:
+                raise refuse(f"its tensors hold {value} for the {what} but the module was built "
+                             f"for {name}={declared}: the weights do not match the model config "
+                             f"(a checkpoint of another model?)")
+
+
+def _find_top_k(block: nn.Module, module: nn.Module, model_config: Any) -> Optional[int]:
+    """K: the block's (or one of its non-expert children's) `top_k`, else the model
+    config's field; None when neither says."""
+    owners = [block, *(child for child in block.children() if child is not module)]
+    for owner in owners:
+        for name in _TOP_K_ATTRS:
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    for name in _TOP_K_FIELDS:
+        value = getattr(model_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def identify_form(module: nn.Module, options: dict[str, bool], *,
+                  refuse: Callable[[str], ValueError]
+                  ) -> tuple[ExpertForm, Optional[Callable[[Tensor], Tensor]]]:
+    """The module's form, and for a "custom" one the callable it runs (the module's
+    `_apply_gate` gated, its `act_fn` without a gate). A named activation is taken when
+    it computes what the module computes on a probe (values well past any clamp limit);
+    ValueError when the module's own gate cannot run on the probe either."""
+    gated = options["has_gate"]
+    base = dict(gated=gated, bias=options["has_bias"], post_norm=options["has_post_expert_norm"])
+    rows = getattr(module, "gate_up_proj" if gated else "up_proj")
+    j = rows.shape[1 if not options["is_transposed"] else 2]
+    limit = _scalar(module, ("limit", "swiglu_limit"))
+    alpha = _scalar(module, ("alpha", "swiglu_alpha"))
+    owner_fn = _owner_gate(module, gated=gated)
+    if owner_fn is None:
+        raise refuse("no activation: the experts module has neither `_apply_gate` nor `act_fn`")
+    probe_MJ = _probe(j, limit, device=rows.device if not rows.is_meta else torch.device("cpu"))
+    try:
+        with torch.no_grad():
+            want = owner_fn(probe_MJ).float()
+    except Exception as exc:  # noqa: BLE001 - any failure of the model's code is the reason
+        raise refuse(f"its activation ({type(module).__name__}."
+                     f"{'_apply_gate' if gated else 'act_fn'}) fails on a probe: "
+                     f"{type(exc).__name__}: {exc}") from exc
+    for form in _candidates(base, gated=gated, concatenated=options["is_concatenated"],
+                            limit=limit, alpha=alpha):
+        got = form_activation(probe_MJ, form)
+        if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            return form, None
+    return ExpertForm(**base, activation="custom"), owner_fn
+
+
+def _candidates(base: dict[str, bool], *, gated: bool, concatenated: bool,
+                limit: Optional[float], alpha: Optional[float]) -> list[ExpertForm]:
+    """The named forms to try, most likely first."""
+    if not gated:
+        return [ExpertForm(**base, activation=name) for name in ACTIVATIONS]
+    limits = [None] if limit is None else [limit, None]
+    forms = []
+    for interleaved in (not concatenated, concatenated):
+        if alpha is not None:
+            forms += [ExpertForm(**base, activation="swiglu_oai", swiglu_alpha=alpha,
+                                 swiglu_limit=lim, interleaved=interleaved) for lim in limits]
+        forms += [ExpertForm(**base, activation=name, swiglu_limit=lim, interleaved=interleaved)
+                  for name in ACTIVATIONS for lim in limits]
+    return forms
+
+
+def _scalar(module: nn.Module, names: tuple[str, ...]) -> Optional[float]:
+    """The first of `names` on the module that is a finite positive number."""
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, Tensor) and value.numel() == 1:
+            value = float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and math.isfinite(value) and value > 0:
+            return float(value)
+    return None
+
+
+def _probe(width: int, limit: Optional[float], *, device: torch.device) -> Tensor:
+    """[64, width] float32, spread over +-(2 * limit + 8), the same values every call."""
+    gen = torch.Generator().manual_seed(0)
+    span = 8.0 + 2.0 * (limit or 0.0)
+    return ((torch.rand(64, width, generator=gen) * 2 - 1) * span).to(device)
+
+
+def _owner_gate(module: nn.Module, *, gated: bool) -> Optional[Callable[[Tensor], Tensor]]:
+    """The module's gate ([M, J] -> [M, I]) gated, its activation without a gate."""
+    if gated:
+        fn = getattr(module, "_apply_gate", None)
+        if fn is None and callable(getattr(module, "act_fn", None)):
+            act = module.act_fn
+
+            def fn(h_MJ: Tensor) -> Tensor:
+                gate, up = h_MJ.chunk(2, dim=-1)
+                return act(gate) * up
+        return fn
+    act = getattr(module, "act_fn", None)
+    return act if callable(act) else None
+
+
+def _gate_owner(module: nn.Module) -> nn.Module:
+    """A shallow copy of the experts module without its expert tensors or its post-expert
+    norm: what its `_apply_gate` / `act_fn` read (limits, activations), and no more."""
+    owner = copy.copy(module)
+    owner._parameters = {k: v for k, v in module._parameters.items() if k not in _WEIGHT_NAMES}
+    owner._buffers = dict(module._buffers)
+    owner._modules = {k: v for k, v in module._modules.items() if k != "post_expert_norm"}
+    return owner
+
+
+# ---------------------------------------------------------------------- the record
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockConversion:
+    """Which path one MoE block took (`model.dbo_conversion`)."""
+
+    path: str
+    """The block's module path."""
+    route: str
+    """"fused" (`HFMoEBlock`: dbo's router, shared experts overlapped with the combine) or
+    "experts" (`HFExperts`: the block's own router, its experts module replaced)."""
+    detail: str
+    """The architecture (fused), or the experts class and form (experts path), and why a
+    block of an architecture with a fused path took the experts path."""
+
+
+def record_conversion(model: nn.Module, model_type: Any,
+                      records: list[BlockConversion]) -> str:
+    """Set `model.dbo_conversion` (the records) and `model.dbo_conversion_summary` (one
+    line, e.g. "moe.hf.convert: olmoe: 2 MoE blocks, 2 on the experts path (OlmoeExperts:
+    silu(gate) * up)"); return the line."""
+    groups: dict[tuple[str, str], int] = {}
+    for record in records:
+        key = (record.route, record.detail)
+        groups[key] = groups.get(key, 0) + 1
+    parts = []
+    for route in ("fused", "experts"):
+        details = [(d, n) for (r, d), n in groups.items() if r == route]
+        if details:
+            count = sum(n for _, n in details)
+            where = "fused" if route == "fused" else "on the experts path"
+            parts.append(f"{count} {where} ({'; '.join(d for d, _ in details)})")
+    line = (f"moe.hf.convert: {model_type}: {len(records)} MoE block"
+            f"{'s' if len(records) != 1 else ''}, {', '.join(parts)}")
+    model.dbo_conversion = tuple(records)
+    model.dbo_conversion_summary = line
+    return line

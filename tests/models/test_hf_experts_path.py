@@ -1,0 +1,218 @@
+"""Layer 1 (CPU): the experts path of `moe.hf.convert` (`moe.hf.generic`) -- on the four
+architectures that have a fused path too (`conversion="experts"`), the expert form it
+reads from each experts module (GPT-OSS's clamped interleaved biased SwiGLU, Nemotron-H's
+ungated relu2, MuseSpark's post-expert norm, Inkling2's own gate, LongCat-Flash's
+zero-compute experts), the hooks the DBO runner reads, the record of which path each
+block took -- and the bad input it refuses in one line, naming the block and what is
+missing, with nothing converted: a block lacking what its flags promise, an
+experts-interface option dbo cannot serve, a kernel or backend that cannot run the form,
+a gate that does not run, weights of another model; and `moe.hf.load` of a checkpoint of
+another architecture than its config.json names.
+
+Every model family of transformers is checked end to end (one process, two ranks,
+generate) in tests/models/test_hf_coverage.py; these are the path's own properties.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import dbo  # noqa: E402
+import moe.hf  # noqa: E402
+from moe.hf import HFExperts, coverage, expert_bytes  # noqa: E402
+from moe.hf import generic  # noqa: E402
+from tests.hf_utils import ARCHS, assert_logits_close, batch, logits, save, tiny_model  # noqa: E402
+
+DBO_ON = dbo.DBOConfig(split="batch", split_kwargs=("attention_mask",),
+                       min_prefill_tokens=1, min_decode_tokens=1)
+
+
+def _experts(model: torch.nn.Module) -> list[HFExperts]:
+    return [m for m in model.modules() if isinstance(m, HFExperts)]
+
+
+def _snapshot(model: torch.nn.Module) -> tuple[dict, list]:
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            [(name, type(m)) for name, m in model.named_modules()])
+
+
+def _assert_unchanged(model: torch.nn.Module, snapshot: tuple[dict, list]) -> None:
+    state, modules = snapshot
+    assert [(name, type(m)) for name, m in model.named_modules()] == modules
+    after = model.state_dict()
+    assert after.keys() == state.keys()
+    assert all(torch.equal(after[k], v) for k, v in state.items())
+    assert not hasattr(model, "dbo_conversion")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_experts_path_on_the_fused_architectures(arch):
+    model = tiny_model(arch)
+    ids, mask = batch(3, 6, seed=1)
+    expected = logits(model, ids, mask)
+    moe.hf.convert(model, conversion="experts")
+    assert {r.route for r in model.dbo_conversion} == {"experts"}
+    assert "not fused: conversion='experts'" in model.dbo_conversion_summary
+    assert_logits_close(logits(model, ids, mask), expected)
+    runner = dbo.DBORunner(model, DBO_ON)
+    with torch.no_grad():
+        out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert runner.last_decision.split, runner.last_decision.reason
+    assert_logits_close(out, expected)
+
+
+@pytest.mark.parametrize("model_type, form, identity", [
+    ("gpt_oss", dict(activation="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=7.0,
+                     interleaved=True, bias=True), 0),
+    ("nemotron_h", dict(gated=False, activation="relu2"), 0),
+    ("muse_spark", dict(post_norm=True), 0),
+    ("inkling2", dict(activation="custom"), 0),  # act_fn(gate, up): no name for it
+    ("longcat_flash", dict(), 2),
+])
+def test_the_form_is_read_from_the_experts_module(model_type, form, identity):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"this transformers has no {model_type!r} (5.24 has)")
+    model = coverage.tiny_model(model_type)
+    moe.hf.convert(model)
+    for experts in _experts(model):
+        assert experts.form == generic.ExpertForm(**form)
+        assert experts.identity_experts == identity
+
+
+def test_the_runner_reads_the_layer_hooks_of_the_experts_path():
+    model = coverage.tiny_model("gpt_oss")
+    moe.hf.convert(model, experts="reference")
+    experts = _experts(model)
+    assert [e.last_layer for e in experts] == [False, True]
+    agreement = experts[0].dbo_agreement()
+    assert agreement["expert_form"] == experts[0].form.describe()
+    assert agreement["num_experts"] == 4 and agreement["top_k"] == 2
+    assert "experts 'reference'" in experts[0].cuda_graph_blocker
+    assert experts[0].dbo_sbo_blocker() is not None  # one rank: nothing to overlap
+    tensors = [t for e in experts for t in (e.w13, e.w2, e.bias13, e.bias2)]
+    assert expert_bytes(model) == sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_a_later_refused_block_leaves_the_model_as_it_was():
+    model = coverage.tiny_model("olmoe")
+    model.model.layers[1].mlp.experts.has_bias = True  # promises biases it does not have
+    snapshot = _snapshot(model)
+    with pytest.raises(ValueError, match=r"^moe.hf.convert: block 'model.layers.1.mlp' "
+                                         r"\(OlmoeSparseMoeBlock, experts OlmoeExperts\): "
+                                         r"biased experts \(has_bias=True\) without the tensor "
+                                         r"experts.gate_up_proj_bias$"):
+        moe.hf.convert(model)
+    _assert_unchanged(model, snapshot)
+
+
+def test_an_interface_option_dbo_cannot_serve_is_refused(monkeypatch):
+    model = coverage.tiny_model("olmoe")
+    snapshot = _snapshot(model)
+    # transformers' own expert parallelism (5.24 marks its experts so)
+    model.model.layers[0].mlp.experts._is_expert_parallel = True
+    with pytest.raises(ValueError, match=r"block 'model.layers.0.mlp' .*: transformers' own "
+                                         r"expert parallelism is on"):
+        moe.hf.convert(model)
+    del model.model.layers[0].mlp.experts._is_expert_parallel
+    # an option a later transformers adds, set on this module
+    options = {**generic.interface_options(), "has_router_scale": False}
+    monkeypatch.setattr(generic, "interface_options", lambda: options)
+    model.model.layers[1].mlp.experts.has_router_scale = True
+    with pytest.raises(ValueError, match=r"block 'model.layers.1.mlp' .*: experts-interface "
+                                         r"option has_router_scale=True, which dbo cannot serve"):
+        moe.hf.convert(model)
+    del model.model.layers[1].mlp.experts.has_router_scale
+    _assert_unchanged(model, snapshot)
+
+
+def test_a_kernel_or_backend_that_cannot_run_the_form_is_refused():
+    model = coverage.tiny_model("gpt_oss")
+    snapshot = _snapshot(model)
+    with pytest.raises(ValueError, match=r"block 'model.layers.0.mlp' .*: the triton experts "
+                                         r"compute silu\(gate\) \* up only, not .*bias=True"):
+        moe.hf.convert(model, experts="triton")
+    with pytest.raises(ValueError, match=r"backend 'naive_mono' routes gathered router logits "
+                                         r"itself"):
+        moe.hf.convert(model, backend="naive_mono")
+    with pytest.raises(ValueError, match=r"conversion='fused': use one of"):
+        moe.hf.convert(model, conversion="fused")
+    _assert_unchanged(model, snapshot)
+
+
+def test_a_gate_that_does_not_run_is_refused_naming_it():
+    model = coverage.tiny_model("gpt_oss")
+    experts = model.model.layers[0].mlp.experts
+
+    def broken(gate_up: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("needs a tensor the module does not have")
+
+    experts._apply_gate = broken
+    snapshot = _snapshot(model)
+    with pytest.raises(ValueError, match=r"its activation \(GptOssExperts._apply_gate\) fails "
+                                         r"on a probe: RuntimeError: needs a tensor"):
+        moe.hf.convert(model)
+    _assert_unchanged(model, snapshot)
+
+
+def test_weights_of_another_model_are_refused():
+    model = coverage.tiny_model("olmoe")  # built for 4 experts
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():  # as a checkpoint of an 8-expert model loaded into it
+        experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.repeat(2, 1, 1))
+        experts.down_proj = torch.nn.Parameter(experts.down_proj.repeat(2, 1, 1))
+    snapshot = _snapshot(model)
+    with pytest.raises(ValueError, match=r"block 'model.layers.0.mlp' .*: its tensors hold 8 "
+                                         r"for the experts but the module was built for "
+                                         r"num_experts=4: the weights do not match the model "
+                                         r"config"):
+        moe.hf.convert(model)
+    _assert_unchanged(model, snapshot)
+
+
+def test_load_refuses_a_checkpoint_of_another_architecture(tmp_path):
+    path = save(tiny_model("mixtral"), tmp_path / "mixtral")
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    # Mixtral's weights under a Qwen3-MoE config.json (same sizes).
+    config.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                  num_experts=4, moe_intermediate_size=16, head_dim=8)
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"has no tensor "
+                                         r"'model.layers.0.mlp.experts.0.gate_proj.weight' "
+                                         r"\(expert 0 of block 'model.layers.0.mlp'\)"):
+        moe.hf.load(path)
+    olmoe = save(tiny_model("olmoe", intermediate_size=16, num_experts=4,
+                            num_experts_per_tok=2), tmp_path / "olmoe")
+    with pytest.raises(ValueError, match=r"the checkpoint is a 'olmoe' model; moe.hf.load reads "
+                                         r"the checkpoints of deepseek_v3, mixtral, qwen2_moe, "
+                                         r"qwen3_moe only: load it with transformers"):
+        moe.hf.load(olmoe)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type, kernel", [("olmoe", "triton"), ("gpt_oss", "grouped")])
+def test_the_experts_path_on_cuda_takes_the_kernel_that_computes_the_form(model_type, kernel):
+    """experts="auto" on CUDA: the Triton experts for dbo's SwiGLU (OLMoE), the grouped
+    experts for a form Triton refuses (GPT-OSS); logits as the unconverted model's, DBO
+    off and on."""
+    model = coverage.tiny_model(model_type).cuda()
+    ids, mask = batch(3, 6, seed=1, vocab=64)
+    ids, mask = ids.cuda(), mask.cuda()
+    expected = logits(model, ids, mask)
+    moe.hf.convert(model)
+    assert {e._kernel(ids.device).experts.name for e in _experts(model)} == {kernel}
+    # float32 on the GPU: TF32 is off by default for matmuls, the sums in another order.
+    assert_logits_close(logits(model, ids, mask), expected)
+    runner = dbo.DBORunner(model, DBO_ON)
+    with torch.no_grad():
+        out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert runner.last_decision.split, runner.last_decision.reason
+    assert_logits_close(out, expected)
