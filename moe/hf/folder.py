@@ -59,9 +59,12 @@ def read_config(path: str | os.PathLike, *, trust_remote_code: bool = False,
     if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         ran = (f"; its auto_map names the folder's own code ({code}), which was not run"
                if code else "")
-        raise ValueError(f"{where}: {file}: model_type {_short(model_type)} is not one dbo "
-                         f"converts ({', '.join(sorted(ARCHITECTURES))}){ran}: add an ArchSpec to "
-                         f"moe.hf.arch.ARCHITECTURES for a model built like one of them")
+        raise ValueError(f"{where}: {file}: the checkpoint is a {_short(model_type)} model; "
+                         f"moe.hf.load reads the checkpoints of "
+                         f"{', '.join(sorted(ARCHITECTURES))} only{ran}: load it with "
+                         f"transformers (AutoModelForCausalLM.from_pretrained(path)) and "
+                         f"convert it, moe.hf.convert(model, group=ep_group), which runs it on "
+                         f"the experts path")
     if code and not trust_remote_code:
         warnings.warn(f"{where}: {file}: its auto_map names the folder's own code ({code}); "
                       f"it was not run, transformers' own {model_type} is built instead "
