@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dbo.groups import destroy_group
+from moe.bench.timing import barrier
 
 DEFAULT_CPU_RANKS = 2
 
@@ -176,3 +177,14 @@ def _spawn(world_size: int, worker: Worker, job: Any, timeout_s: float) -> Any:
     if error is not None:
         raise RuntimeError(error)
     return done[0]
+
+
+def align_ranks(ctx: RankContext) -> None:
+    """Wait for this rank's queued device work, then for every rank of the group (a
+    barrier), then for the barrier's own kernel: on return, every rank is idle and at the
+    same point."""
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    barrier(ctx.group, ctx.device)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)

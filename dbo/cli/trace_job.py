@@ -40,10 +40,9 @@ import torch.distributed as dist
 from traces.alignment import capture_windows
 from traces.capture import Capture, capture
 from traces.intervals import Span
-from dbo.cli.launch import RankContext, launch
+from dbo.cli.launch import RankContext, align_ranks, launch
 from dbo.cli.run_config import RunConfig
 from dbo.cli.run_job import build_parser, parse_job, setup_rank
-from moe.bench.timing import barrier
 from traces.ranges import TraceConfig, configure, current_config, label_range, step_name
 
 # Three warm-up steps: the first compiles and autotunes the kernels of each ubatch's
@@ -54,17 +53,6 @@ DEFAULTS = RunConfig(out="dbo_out/trace", steps=2, warmup=3)
 NSYS_COMMAND = ("nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi "
                 "--capture-range-end=stop -o REPORT torchrun --nproc_per_node=N -m dbo.cli "
                 "trace --profiler nsys ...")
-
-
-def align_ranks(ctx: RankContext) -> None:
-    """Wait for this rank's queued device work, then for every rank of the group (a
-    barrier), then for the barrier's own kernel: on return, every rank is idle and at the
-    same point."""
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
-    barrier(ctx.group, ctx.device)
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
 
 
 def trace_rank(ctx: RankContext, job: RunConfig) -> Optional[str]:

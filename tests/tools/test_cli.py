@@ -336,6 +336,27 @@ def test_run_summary_reports_ties_and_explains_a_loss_on_gpu(capsys):
     print_summary(_summary(speedup=1.2, routing_ties=[0, 0]))
     out = capsys.readouterr().out
     assert "DBO lost here" not in out and "near-tie" not in out
+    assert "DBO gained little" not in out
+    # Barely faster (NVLink on 4 GPUs measured 1.001x): the same advice, and the share of
+    # the traced step's comm that ran beside compute.
+    print_summary(_summary(speedup=1.01, regime="nvlink",
+                           traced_comm={"comm_ms": 27.4, "hidden_ms": 16.7,
+                                        "hidden_fraction": 0.61}))
+    out = capsys.readouterr().out
+    assert "DBO gained little here" in out and "NCCL_P2P_DISABLE=1" in out
+    assert "traced DBO step, rank 0: 27.4 ms of communication, 61% of it hidden" in out
+
+
+def test_traced_comm_reads_the_captured_report():
+    from types import SimpleNamespace
+
+    from dbo.cli.run_job import traced_comm
+
+    device = SimpleNamespace(comm_us=2000.0, comm_overlapped_us=500.0)
+    captured = SimpleNamespace(report=SimpleNamespace(devices={0: device}))
+    assert traced_comm(captured) == {"comm_ms": 2.0, "hidden_ms": 0.5, "hidden_fraction": 0.25}
+    assert traced_comm(None) is None
+    assert traced_comm(SimpleNamespace(report=SimpleNamespace(devices={}))) is None
 
 
 def test_cpu_timings_are_labelled_a_functional_check(capsys):
