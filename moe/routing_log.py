@@ -23,6 +23,8 @@ no host code and appends nothing: record an eager run.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import contextlib
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -111,3 +113,18 @@ def routing_ties(a: RoutingLog, b: RoutingLog, *, num_tokens: int,
         ties_T |= differs_T & close_T
         decided_T |= differs_T
     return ties_T
+
+
+def spread_in_requests(ties_T: Tensor, seq_lens: Sequence[int]) -> Tensor:
+    """Bool [T]: `ties_T` and every later token of the same request (packed in order,
+    `seq_lens` tokens each). Under causal attention a token whose routing flipped reaches
+    the later tokens of its request in the next layers, so their outputs differ by more
+    than rounding too; the earlier tokens and other requests are untouched."""
+    out_T = ties_T.clone()
+    start = 0
+    for length in seq_lens:
+        first = torch.nonzero(ties_T[start:start + length])
+        if first.numel():
+            out_T[start + int(first[0]):start + length] = True
+        start += length
+    return out_T

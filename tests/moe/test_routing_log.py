@@ -88,3 +88,13 @@ def test_logs_that_cannot_be_lined_up_are_refused() -> None:
         one.of_layer(5)
     assert RoutingLog().logit_scale() == 0.0
     assert _log({0: [(torch.tensor([[1.0, -3.0]]), ids[:1])]}).logit_scale() == 3.0
+
+
+def test_a_tie_spreads_to_the_later_tokens_of_its_request_only():
+    """Causal attention carries a flipped token to the later tokens of its request."""
+    from moe.routing_log import spread_in_requests
+
+    ties = torch.tensor([False, True, False, False, False, False, True])
+    got = spread_in_requests(ties, [3, 2, 2])
+    assert got.tolist() == [False, True, True, False, False, False, True]
+    assert spread_in_requests(torch.zeros(4, dtype=torch.bool), [4]).tolist() == [False] * 4
