@@ -66,6 +66,8 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     monkeypatch.setattr(symm, "rendezvous", lambda tensor, group_name: None)
     monkeypatch.setattr(symm, "get_backend", lambda device: "NVSHMEM")
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    # The stand-ins play a GPU process: DeepEP's own check for a CUDA device passes.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     fake = types.ModuleType("deep_ep")
     fake.__spec__ = types.SimpleNamespace(name="deep_ep")  # type: ignore[assignment]
     fake.Buffer = FakeBuffer  # type: ignore[attr-defined]
