@@ -174,6 +174,9 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
                                  if isinstance(block, HFMoEBlock)])
     _logger.info(record_conversion(model, getattr(model.config, "model_type", None),
                                    [_record(plan) for plan in plans]))
+    # A transformers model takes padded [B, S] batches: DBORunner's default split
+    # (DBOConfig(split=None)) cuts them between sequences.
+    model.dbo_split_mode = "batch"
     return model
 
 

@@ -165,3 +165,21 @@ def test_expert_parallel_two_ranks_convert_and_load(tmp_path):
                 in result["not divisible"])
     assert results[0]["half"] == "loaded"
     assert "has no tensor 'model.layers.1.mlp.experts.4.gate_proj.weight'" in results[1]["half"]
+
+
+def test_a_converted_model_is_split_by_sequences_by_default():
+    """DBORunner(model) with the default config cuts a converted model's [B, S] batch
+    between sequences (its `dbo_split_mode`), and gives the unsplit logits."""
+    import dbo
+    from tests.hf_utils import tiny_model
+
+    model = moe.hf.convert(tiny_model("qwen3_moe"))
+    assert model.dbo_split_mode == "batch"
+    ids = torch.randint(0, model.config.vocab_size, (4, 8))
+    runner = dbo.DBORunner(model, dbo.DBOConfig(min_prefill_tokens=0))
+    with torch.inference_mode():
+        out = runner(input_ids=ids, use_cache=False).logits
+        expected = model(input_ids=ids, use_cache=False).logits
+    assert runner.last_decision.split
+    assert "split=None chose 'batch'" in runner.last_decision.reason
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # fp32 row blocking
