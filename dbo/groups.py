@@ -49,6 +49,9 @@ class _Twin:
     twin: dist.ProcessGroup
 
 
+# The longest timeout `new_group` takes: a timedelta holds no more (inf overflows it).
+# (Its whole days: `timedelta.max.total_seconds()` rounds up to a value that overflows.)
+MAX_TIMEOUT_S = float(timedelta.max.days * 24 * 3600)
 # Every twin made here, in the order made (process groups are process-wide objects).
 _TWINS: list[_Twin] = []
 # Groups whose side traffic shares the group's own communicator (logged once each).
@@ -59,15 +62,17 @@ _ON_DESTROY: list[Callable[[dist.ProcessGroup], None]] = []
 
 def new_group(ranks: Optional[Sequence[int]] = None, *, timeout_s: Optional[float] = None,
               backend: Optional[str] = None) -> dist.ProcessGroup:
-    """`torch.distributed.new_group` with the timeout in seconds (checked here).
+    """`torch.distributed.new_group` with the timeout in seconds (checked here: finite,
+    > 0 and at most `MAX_TIMEOUT_S`, about 2.7 million years; None: torch's default).
 
     Collective like every new_group: every rank of the world calls it, in the same order.
     """
     kwargs = {}
     if timeout_s is not None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-                or not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r}: a number of seconds > 0, or None "
+                or not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout_s={timeout_s!r}: a finite number of seconds > 0 and "
+                             f"at most {MAX_TIMEOUT_S:.0f} (the longest timedelta), or None "
                              f"for torch's default")
         kwargs["timeout"] = timedelta(seconds=float(timeout_s))
     return dist.new_group(ranks=None if ranks is None else list(ranks), backend=backend,

@@ -104,6 +104,14 @@ def peer_fails_after_the_vote(rank: int, world_size: int) -> dict[str, dict]:
     return results
 
 
+def test_new_group_refuses_a_timeout_torch_cannot_hold_naming_the_bound() -> None:
+    # No process group is made: the timeout is checked before torch is called.
+    for timeout_s in (float("inf"), 1e20, float("nan")):
+        with pytest.raises(ValueError, match=r"timeout_s=.*: a finite number of seconds > 0 "
+                                             r"and at most 86399999913600 \(the longest"):
+            dbo.new_group(timeout_s=timeout_s)
+
+
 @pytest.mark.distributed
 def test_a_timeout_given_to_torch_bounds_the_count_exchange() -> None:
     waiting, failed = run_distributed(2, peer_fails_after_the_vote, init_timeout_s=TIMEOUT_S)
