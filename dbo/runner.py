@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import threading
 import warnings
 from typing import Any, Callable, Optional
 
@@ -77,6 +78,10 @@ from dbo.yield_points import dbo_enabled
 from streams.gemm_carveout import gemm_sm_carveout
 
 DISABLED_REASON = "DBO disabled (DBOConfig.enabled=False)"
+# Raised by a step called while another thread runs one on the same runner: the two
+# would share its schedulers, streams and agreement (and issue interleaved collectives).
+SHARED_RUNNER = ("a DBORunner runs one step at a time on one thread; give each thread its "
+                 "own runner (DBORunner(model, config, group=...) per thread)")
 logger = logging.getLogger(__name__)
 
 
@@ -151,6 +156,8 @@ class DBORunner:
             self._whole_requests()
         # Per cuda_graph: a GraphedRunner's steps carry a field of their own.
         self._agreement_caches = {False: AgreementCache(), True: AgreementCache()}
+        # Held while a step runs (`__call__`): a second thread's step is refused at once.
+        self._in_step = threading.Lock()
 
     def __repr__(self) -> str:
         return f"DBORunner(model={type(self.model).__name__}, config={self.config!r})"
@@ -168,12 +175,16 @@ class DBORunner:
                                            reason="called inside a running DBO step")
             return self.model(*args, **kwargs)
 
-        reset_collectives()
+        if not self._in_step.acquire(blocking=False):
+            raise RuntimeError(SHARED_RUNNER)
         try:
+            reset_collectives()
             return self._step(args, kwargs)
         except BaseException as exc:
             annotate_step_failure(exc)
             raise
+        finally:
+            self._in_step.release()
 
     def _step(self, args: tuple, kwargs: dict) -> Any:
         plan: Optional[SplitPlan] = None

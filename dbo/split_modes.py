@@ -26,6 +26,9 @@ Only top-level arguments are split; the others are passed to both ubatches uncha
 - "batch": dim 0 is sequences (padded [B, S, ...] inputs): tensors are split at a
   sequence boundary; S == 1 (or 1-D inputs) counts as decode.
 - a callable `split(args, kwargs) -> [(args0, kwargs0), (args1, kwargs1)] | None`.
+  Where the step has a tensor argument, the ubatches' rows (dim 0 of each one's first
+  tensor) must add up to the step's (dim 0 of its first tensor), or it is refused with a
+  ValueError naming the callable.
 
 In the named modes a tensor argument (not 0-dim) must have the step's rows in dim 0 or
 be declared whole in `DBOConfig.unsplit_args` (by position or keyword name): any other
@@ -176,6 +179,12 @@ def _split_by_callable(split_fn: Callable[..., Any], args: tuple, kwargs: dict,
             f"kwargs: dict) pairs, one per ubatch")
     ubatch_args = [(tuple(a), dict(k)) for a, k in result]
     rows = [_num_rows(a, k) for a, k in ubatch_args]
+    step_rows = _num_rows(args, kwargs)
+    if step_rows and sum(rows) != step_rows:  # rows known: the first tensor's dim 0
+        raise ValueError(
+            f"the split callable {name} returned ubatches of {' + '.join(map(str, rows))} = "
+            f"{sum(rows)} rows but the step has {step_rows} rows (dim 0 of its first tensor "
+            f"argument): each row must go to exactly one ubatch")
     plan = SplitPlan(split=True, num_tokens=tuple(rows), ubatches=(),
                      reason=f"split by the callable {name}")
     return CallSplit(plan=plan, ubatch_args=ubatch_args)

@@ -534,3 +534,55 @@ def test_the_scheduler_says_whether_the_ubatches_interleaved() -> None:
     assert scheduler.last_run_interleaved is False
     scheduler.run([lambda: dbo_yield()])              # one ubatch: nothing to interleave
     assert scheduler.last_run_interleaved is None
+
+
+def test_a_split_callable_that_drops_rows_is_refused_naming_it(model: DenseModel) -> None:
+    def drops_rows(args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+        x = args[0]
+        return [((x[:2],), {}), ((x[2:4],), {})]  # 4 of the step's rows
+
+    runner = DBORunner(model, DBOConfig(split=drops_rows, **NO_THRESHOLD))
+    with pytest.raises(ValueError, match=r"split callable drops_rows returned ubatches of "
+                                         r"2 \+ 2 = 4 rows but the step has 10 rows"):
+        runner(torch.randn(10, HIDDEN))
+    assert model.calls == []  # refused before the model ran
+
+
+def test_a_runner_shared_by_two_threads_refuses_the_second_before_it_runs() -> None:
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def blocking(x: torch.Tensor) -> torch.Tensor:
+        calls.append(threading.current_thread().name)
+        if threading.current_thread().name == "first":
+            entered.set()
+            assert release.wait(30)
+        dbo_yield()
+        return x
+
+    runner = DBORunner(blocking, DBOConfig(**NO_THRESHOLD))
+    results: dict[str, Any] = {}
+
+    def call(name: str) -> None:
+        try:
+            results[name] = runner(torch.ones(4, 2))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            results[name] = exc
+
+    first = threading.Thread(target=call, args=("first",), name="first")
+    first.start()
+    assert entered.wait(30)
+    second = threading.Thread(target=call, args=("second",), name="second")
+    second.start()
+    second.join(30)
+    release.set()
+    first.join(30)
+    error = results["second"]
+    assert isinstance(error, RuntimeError) and str(error).startswith(
+        "a DBORunner runs one step at a time on one thread; give each thread its own "
+        "runner"), repr(error)
+    assert "second" not in calls  # nothing of the model ran on the second thread
+    assert torch.equal(results["first"], torch.ones(4, 2))  # the first step is unharmed
+    assert torch.equal(runner(torch.ones(4, 2)), torch.ones(4, 2))  # and the next runs
