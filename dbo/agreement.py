@@ -33,6 +33,11 @@ a rank rejected its inputs or the fingerprints differ do the ranks exchange thei
 texts and fields (`stop_step`, one `all_gather_object`), then every rank raises, before
 any collective of the model: the rejecting rank its own error, the others a
 `PeerInputError`; on a mismatch every rank a `ConfigMismatchError` naming the fields.
+
+A constructor that makes collectives of its own (an MoE backend's process group or
+buffers) agrees first, with `agree_before_building(fields, group, what=...)`: one
+all-gather of the fingerprint, and the same `ConfigMismatchError` on every rank where
+the ranks were given different configurations.
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dbo.failures import mark_stopped_together
-from dbo.vote import Tally, group_rank
+from dbo.vote import Tally, group_rank, vote_device
 
 AGREEMENT_HOOK = "dbo_agreement"
 CHECK_INPUTS_HOOK = "dbo_check_inputs"
@@ -247,6 +252,34 @@ def stop_step(tally: Tally, *, rejected: Optional[BaseException],
         rejected = exc = None
 
 
+def agree_before_building(fields: Mapping[str, Any], group: Optional[dist.ProcessGroup], *,
+                          what: str) -> None:
+    """Raise `ConfigMismatchError` on every rank of `group` whose ranks pass different
+    `fields` (values as for `dbo_agreement`), before a constructor issues any collective
+    of its own (a new process group, a shared buffer): ranks that built different things
+    would wait in different collectives until the group's timeout.
+
+    Collective over `group`: one all-gather of one int64 fingerprint per rank (on the
+    device for NCCL groups, `dbo.vote.vote_device`); only when they differ, one
+    `all_gather_object` of the fields to name the ones that differ. Nothing without a
+    group of more than one rank. `what`: the configuration's name, for the message
+    (e.g. "MoEConfig")."""
+    if group is None or not dist.is_available() or not dist.is_initialized() \
+            or dist.get_world_size(group) == 1:
+        return
+    agreement = Agreement.of(fields)
+    device = vote_device(group)
+    mine = torch.tensor([agreement.fingerprint], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if len({int(fp) for fp in every}) == 1:
+        return
+    raise _mismatch(_gather(agreement.fields, group), {}, lead=(
+        f"the ranks of the group were given different configurations ({what}): built "
+        f"apart they would wait in different collectives until the group's timeout, or "
+        f"compute a silently mixed model"), fix=f"Build every rank's {what} alike")
+
+
 # ---------------------------------------------------------------------------- helpers
 def _unfit_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[str]:
     """Why `fn(*args, **kwargs)` cannot bind (e.g. "missing a required argument:
@@ -268,7 +301,11 @@ def _gather(mine: dict, group: Optional[dist.ProcessGroup]) -> list[dict]:
     return reports
 
 
-def _mismatch(per_rank: list[Optional[Fields]], errors: dict[int, str]) -> ConfigMismatchError:
+def _mismatch(per_rank: list[Optional[Fields]], errors: dict[int, str], *,
+              lead: str = ("the ranks of the group disagree on their configuration, so "
+                           "their steps would issue different collectives"),
+              fix: str = "Build every rank's model and DBOConfig alike"
+              ) -> ConfigMismatchError:
     known = [fields for fields in per_rank if fields is not None]
     names = sorted(set().union(*known)) if known else []
     values = {}
@@ -284,9 +321,7 @@ def _mismatch(per_rank: list[Optional[Fields]], errors: dict[int, str]) -> Confi
     unreported = [rank for rank, fields in enumerate(per_rank) if fields is None]
     if unreported:
         listed.append("no fields from rank(s) " + ", ".join(map(str, unreported)))
-    message = ("the ranks of the group disagree on their configuration, so their steps "
-               "would issue different collectives: " + "; ".join(listed)
-               + ". Build every rank's model and DBOConfig alike")
+    message = f"{lead}: " + "; ".join(listed) + f". {fix}"
     if errors:
         message += " (rejected inputs too: " + "; ".join(
             f"rank {rank}: {text}" for rank, text in errors.items()) + ")"

@@ -291,6 +291,35 @@ class MoEConfig:
                 f"would ignore: do the grouping/bias inside the function and unset them."
             )
 
+    def agreement_fields(self) -> dict[str, object]:
+        """The fields every rank of an EP group must share (`dbo.agreement`): those that
+        shape the dispatch and combine collectives, and those that change the layer's
+        math (ranks that differ there run a silently mixed model). Not here: what only
+        picks this rank's kernels or chunking (`kernels`, `expert_chunk_size`) or checks
+        its own values (`check_finite_logits`). The custom routing function is named by
+        its module and qualified name. `backend` is as given ("auto" unresolved)."""
+        fn = self.custom_routing_function
+        routing = None if fn is None else (f"{getattr(fn, '__module__', '?')}."
+                                           f"{getattr(fn, '__qualname__', type(fn).__name__)}")
+        return {"num_experts": self.num_experts, "top_k": self.top_k,
+                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "num_shared_experts": self.num_shared_experts, "scoring": self.scoring,
+                "renormalize": self.renormalize, "n_group": self.n_group,
+                "topk_group": self.topk_group, "use_correction_bias": self.use_correction_bias,
+                "routed_scaling_factor": float(self.routed_scaling_factor),
+                "apply_router_weight_on_input": self.apply_router_weight_on_input,
+                "custom_routing_function": routing,
+                "dtype": self.dtype, "backend": self.backend, "experts": self.experts,
+                "max_tokens_per_rank": self.max_tokens_per_rank,
+                "max_tokens_per_ubatch": self.max_tokens_per_ubatch,
+                "split_last_combine": self.split_last_combine,
+                # Each changes the collectives: the SBO combine's count, DeepEP's receive
+                # sizes and element type, the v2 mode's host sync.
+                "combine_chunks": self.combine_chunks,
+                "deepep_worst_case_dispatch": self.deepep.worst_case_dispatch,
+                "deepep_fp8_dispatch": self.deepep.fp8_dispatch,
+                "deepep_v2_mode": self.deepep_v2_mode}
+
     @property
     def experts_per_group(self) -> int:
         """Experts in one routing group (num_experts when grouped top-k is off)."""

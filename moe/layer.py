@@ -55,7 +55,10 @@ class MoELayer(nn.Module):
     Args:
         config: sizes, routing, dtype, capacity, and the backend and expert kernel
             (`MoEConfig.backend`, `MoEConfig.experts`).
-        group: the EP process group; None means EP size 1 (all experts here).
+        group: the EP process group; None means EP size 1 (all experts here). Building
+            the layer is collective over it: every rank first checks, with one small
+            all-gather, that all were given the same config, and raises
+            `dbo.ConfigMismatchError` naming the fields that differ where not.
         layer_id: the layer's index, used in trace range names.
         last_layer: this is the model's last MoE layer: in a DBO step its last ubatch
             splits the combine (`ModularKernel`, `MoEConfig.split_last_combine`).
@@ -70,12 +73,11 @@ class MoELayer(nn.Module):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"MoELayer takes a moe.MoEConfig, got {type(config).__name__}")
         world = 1 if group is None else dist.get_world_size(group)
-        if config.num_experts % world != 0:
-            raise ValueError(f"MoEConfig.num_experts={config.num_experts} is not divisible by "
-                             f"the EP size {world}: use a multiple of {world} experts")
         self.config = config
         self.layer_id = layer_id
         self.last_layer = last_layer
+        # Collective: the ranks agree on `config` first (ConfigMismatchError on every rank
+        # where they differ), then num_experts must divide the EP size.
         self.backend = make_backend(config, group)
         self.num_local_experts = config.num_experts // world
         hidden, inter = config.hidden_size, config.intermediate_size
@@ -137,20 +139,8 @@ class MoELayer(nn.Module):
     def dbo_agreement(self) -> dict[str, object]:
         """What every rank's copy of this layer must share, or the ranks' dispatch and
         combine collectives differ (checked by the DBO runner's vote, `dbo.agreement`)."""
-        cfg = self.config
-        return {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
-                "hidden_size": cfg.hidden_size, "dtype": cfg.dtype,
-                "backend": self.backend.name, "experts": cfg.experts,
-                "max_tokens_per_rank": cfg.max_tokens_per_rank,
-                "max_tokens_per_ubatch": cfg.max_tokens_per_ubatch,
-                "apply_router_weight_on_input": cfg.apply_router_weight_on_input,
-                "split_combine": self.last_layer and cfg.split_last_combine,
-                # Each changes the collectives: the SBO combine's count, DeepEP's receive
-                # sizes and element type, the v2 mode's host sync.
-                "combine_chunks": cfg.combine_chunks,
-                "deepep_worst_case_dispatch": cfg.deepep.worst_case_dispatch,
-                "deepep_fp8_dispatch": cfg.deepep.fp8_dispatch,
-                "deepep_v2_mode": cfg.deepep_v2_mode}
+        return {**self.config.agreement_fields(), "backend": self.backend.name,
+                "split_combine": self.last_layer and self.config.split_last_combine}
 
     def load_weights(self, weights: dict[str, Tensor], *, global_experts: bool = True) -> None:
         """Copy `router_weight`, `w13`, `w2` (and `e_score_correction_bias`) in.

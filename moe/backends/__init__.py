@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from dbo.agreement import agree_before_building
 from moe.backends.base import Dispatched, Pending, PrepareFinalize
 from moe.config import MoEConfig
 from moe.registry import BACKENDS
@@ -48,9 +49,21 @@ def backend_class(name: str, world_size: int) -> type[PrepareFinalize]:
 
 
 def make_backend(config: MoEConfig, group: Optional[dist.ProcessGroup]) -> PrepareFinalize:
-    """Instantiate backend `config.backend` ("auto" allowed) on `group` (None: EP = 1)."""
+    """Instantiate backend `config.backend` ("auto" allowed) on `group` (None: EP = 1).
+
+    Collective over `group`: first every rank checks that the others were given the same
+    config (`MoEConfig.agreement_fields`, backend resolved; one all-gather of a
+    fingerprint, `dbo.agreement.agree_before_building`) and raises ConfigMismatchError
+    naming the fields that differ, on every rank, before a backend makes a process group
+    or a buffer; then that `num_experts` divides the EP size."""
     world_size = 1 if group is None else dist.get_world_size(group)
-    return backend_class(config.backend, world_size)(config, group)
+    name = resolve_backend_name(config.backend, world_size)
+    agree_before_building({**config.agreement_fields(), "backend": name}, group,
+                          what="MoEConfig")
+    if config.num_experts % world_size != 0:
+        raise ValueError(f"MoEConfig.num_experts={config.num_experts} is not divisible by "
+                         f"the EP size {world_size}: use a multiple of {world_size} experts")
+    return backend_class(name, world_size)(config, group)
 
 
 __all__ = ["BACKENDS", "Dispatched", "Pending", "PrepareFinalize", "backend_class",

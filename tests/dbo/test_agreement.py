@@ -6,7 +6,8 @@ Layer 2 (two gloo processes): a rank that rejects its inputs (bad seq_lens, a wr
 input dtype) or a capacity overflow stops every rank at the vote, quickly and before any
 collective of the model, and the next step runs; configurations that differ (top_k,
 backend, DBOConfig.enabled, CUDA graphs on one rank) raise `ConfigMismatchError` naming
-the field on every rank.
+the field on every rank; MoE layers built from MoEConfigs that differ raise it in their
+constructor, before their backend makes any process group.
 """
 from __future__ import annotations
 
@@ -60,6 +61,32 @@ def test_moe_layers_report_their_fields_under_their_module_names() -> None:
     assert fields["layers.1.ffn.backend"] == "local"
     assert fields["layers.2.ffn.dtype"] == torch.float32
     assert not any(name.startswith("layers.0.") for name in fields)  # the dense layer
+
+
+def _top1(logits_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    weights_TK, ids_TK = logits_TE.topk(top_k, dim=-1)
+    return weights_TK.softmax(-1), ids_TK
+
+
+@pytest.mark.parametrize("field, value", [
+    ("intermediate_size", 12), ("scoring", "sigmoid"), ("routed_scaling_factor", 2.5),
+    ("num_shared_experts", 1), ("renormalize", False), ("use_correction_bias", True),
+    ("custom_routing_function", _top1), ("split_last_combine", False)])
+def test_an_moe_field_that_changes_the_math_changes_the_layer_s_fingerprint(
+        field: str, value: Any) -> None:
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8)
+    fields = collect_agreement(MoELayer(cfg))
+    other = collect_agreement(MoELayer(replace(cfg, **{field: value})))
+    assert Agreement.of(fields).fingerprint != Agreement.of(other).fingerprint, field
+    assert field in fields and fields[field] != other[field], (field, fields)
+
+
+def test_grouped_top_k_changes_the_layer_s_fingerprint() -> None:
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8)
+    grouped = collect_agreement(MoELayer(replace(cfg, n_group=2, topk_group=1)))
+    assert Agreement.of(collect_agreement(MoELayer(cfg))).fingerprint != \
+        Agreement.of(grouped).fingerprint
+    assert (grouped["n_group"], grouped["topk_group"]) == (2, 1)
 
 
 def test_the_cache_collects_again_only_when_the_model_or_config_is_replaced() -> None:
@@ -204,10 +231,17 @@ def test_capacity_overflow_on_one_rank_says_and_lets_the_next_step_run(rejected)
         assert result["next_step"], rank
 
 
-def ep_layer(group: Any, *, top_k: int = 2, backend: str = "naive",
-             combine_chunks: int = 1) -> MoELayer:
-    cfg = MoEConfig(num_experts=4, top_k=top_k, hidden_size=16, intermediate_size=8,
-                    max_tokens_per_rank=16, combine_chunks=combine_chunks)
+EP_LAYER = dict(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8,
+                max_tokens_per_rank=16)
+
+
+def ep_layer_default(field: str) -> Any:
+    """The value `ep_layer` gives `field` unless told otherwise."""
+    return {"backend": "naive", **EP_LAYER}.get(field, getattr(MoEConfig, field, None))
+
+
+def ep_layer(group: Any, *, backend: str = "naive", **moe: Any) -> MoELayer:
+    cfg = MoEConfig(**{**EP_LAYER, **moe})
     layer = MoELayer(replace(cfg, backend=backend, experts="reference"), group=group)
     layer.load_weights(init_moe_weights(cfg, seed=2))
     return layer
@@ -220,23 +254,45 @@ class PlainModel:
         return x + 1
 
 
+def altered(layer: MoELayer, **changes: Any) -> MoELayer:
+    """`layer` with its config replaced after construction: only the step's vote sees it."""
+    layer.config = replace(layer.config, **changes)
+    return layer
+
+
+# Layers built from MoEConfigs that differ: (case, the field named, rank 0's and rank 1's
+# ep_layer arguments). Every rank raises in the constructor, before any collective the
+# backend makes (a2a builds a second process group over the ranks).
+BUILT_UNLIKE = (
+    ("a2a on one rank", "backend", dict(backend="naive"), dict(backend="a2a")),
+    ("a2a_ll on one rank", "backend", dict(backend="a2a"), dict(backend="a2a_ll")),
+    ("top_k", "top_k", dict(top_k=2), dict(top_k=1)),
+    # A chunked SBO combine issues more collectives than one combine.
+    ("combine_chunks", "combine_chunks", dict(backend="a2a_ll"),
+     dict(backend="a2a_ll", combine_chunks=2)),
+    # The ones below change only the math: the ranks would run a silently mixed model.
+    ("intermediate_size", "intermediate_size", {}, dict(intermediate_size=12)),
+    ("scoring", "scoring", {}, dict(scoring="sigmoid")),
+    ("routed_scaling_factor", "routed_scaling_factor", {}, dict(routed_scaling_factor=2.5)),
+)
+
+
 def mismatched_configs(rank: int, world_size: int) -> dict[str, Any]:
     group = dbo.new_group(timeout_s=GROUP_TIMEOUT_S)
     on = DBOConfig(split="tokens", min_decode_tokens=2)
     x = torch.randn(8 + rank, 16)
     one = rank == 1
+    out: dict[str, Any] = {}
+    for case, _, rank0, rank1 in BUILT_UNLIKE:
+        out[f"built: {case}"] = outcome(lambda: ep_layer(group, **(rank1 if one else rank0)))
     cases = {
-        "top_k": DBORunner(ep_layer(group, top_k=1 if one else 2), on, group=group),
-        "backend": DBORunner(ep_layer(group, backend="a2a_ll" if one else "naive"), on,
-                             group=group),
+        "top_k": DBORunner(altered(ep_layer(group), top_k=1) if one else ep_layer(group), on,
+                           group=group),
         "enabled": DBORunner(ep_layer(group), DBOConfig(enabled=not one), group=group),
-        # A chunked SBO combine issues more collectives than one combine.
-        "combine_chunks": DBORunner(ep_layer(group, backend="a2a_ll",
-                                             combine_chunks=2 if one else 1), on, group=group),
         "cuda_graph": (DBORunner(PlainModel(), on, group=group) if one
                        else GraphedRunner(DBORunner(PlainModel(), on, group=group))),
     }
-    out: dict[str, Any] = {name: outcome(lambda: runner(x)) for name, runner in cases.items()}
+    out.update({name: outcome(lambda: runner(x)) for name, runner in cases.items()})
     # Alike again, the group is intact; disabled alike, the runners vote once, then not.
     same = DBORunner(ep_layer(group), DBOConfig(enabled=False), group=group)
     logs = []
@@ -252,16 +308,23 @@ def mismatched_configs(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.distributed
 def test_configurations_that_differ_raise_the_same_named_error_on_every_rank() -> None:
     for rank, out in enumerate(run_distributed(2, mismatched_configs)):
-        for case, field in (("top_k", "top_k"), ("backend", "backend"),
-                            ("enabled", "DBOConfig.enabled"), ("cuda_graph", "cuda_graph"),
-                            ("combine_chunks", "combine_chunks")):
+        for case, field, rank0, rank1 in BUILT_UNLIKE:
+            result = out[f"built: {case}"]
+            assert result["type"] == "ConfigMismatchError", (rank, case, result)
+            assert result["fields"] == (field,), (rank, case, result)
+            value0 = rank0.get(field, ep_layer_default(field))
+            value1 = rank1.get(field, ep_layer_default(field))
+            assert f"{field}: rank 0: {value0}, rank 1: {value1}" in result["text"], result
+            assert "Build every rank's MoEConfig alike" in result["text"], result
+            assert result["elapsed"] < QUICK_S, result
+        for case, field in (("top_k", "top_k"), ("enabled", "DBOConfig.enabled"),
+                            ("cuda_graph", "cuda_graph")):
             result = out[case]
             assert result["type"] == "ConfigMismatchError", (rank, case, result)
             assert field in result["fields"] and f"{field}: rank 0:" in result["text"], result
             assert result["elapsed"] < QUICK_S and NEXT_STEP_RUNS in result["notes"], result
         assert out["top_k"]["fields"] == ("top_k",)
         assert "top_k: rank 0: 2, rank 1: 1" in out["top_k"]["text"]
-        assert "backend: rank 0: naive, rank 1: a2a_ll" in out["backend"]["text"]
         if rank == 0:  # its own rejection (CPU input to GraphedRunner) is told too
             assert "the first tensor argument must be on a CUDA device" in \
                 out["cuda_graph"]["text"]
