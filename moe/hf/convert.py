@@ -41,8 +41,7 @@ from moe.config import SUPPORTED_DTYPES, MoEConfig
 from moe.hf.arch import ARCHITECTURES, SILU_NAMES, ArchSpec
 from moe.hf.block import HFMoEBlock, HFRouter, HFSharedExperts
 from moe.hf.deps import require
-from moe.hf.generic import (BlockConversion, ExpertsPlan, HFExperts, build_experts, plan_experts,
-                            record_conversion)
+from moe.hf.generic import ExpertsPlan, HFExperts, build_experts, plan_experts
 from moe.hf.router_logits import record_router_logits
 from moe.layer import MoELayer
 
@@ -371,3 +370,40 @@ def _layer_index(path: str, *, default: int) -> int:
     """The first integer component of a module path ("model.layers.3.mlp" -> 3)."""
     match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", path)
     return int(match.group(1)) if match else default
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockConversion:
+    """Which path one MoE block took (`model.dbo_conversion`)."""
+
+    path: str
+    """The block's module path."""
+    route: str
+    """"fused" (`HFMoEBlock`: dbo's router, shared experts overlapped with the combine) or
+    "experts" (`HFExperts`: the block's own router, its experts module replaced)."""
+    detail: str
+    """The architecture (fused), or the experts class and form (experts path), and why a
+    block of an architecture with a fused path took the experts path."""
+
+
+def record_conversion(model: nn.Module, model_type: Any,
+                      records: list[BlockConversion]) -> str:
+    """Set `model.dbo_conversion` (the records) and `model.dbo_conversion_summary` (one
+    line, e.g. "moe.hf.convert: olmoe: 2 MoE blocks, 2 on the experts path (OlmoeExperts:
+    silu(gate) * up)"); return the line."""
+    groups: dict[tuple[str, str], int] = {}
+    for record in records:
+        key = (record.route, record.detail)
+        groups[key] = groups.get(key, 0) + 1
+    parts = []
+    for route in ("fused", "experts"):
+        details = [(d, n) for (r, d), n in groups.items() if r == route]
+        if details:
+            count = sum(n for _, n in details)
+            where = "fused" if route == "fused" else "on the experts path"
+            parts.append(f"{count} {where} ({'; '.join(d for d, _ in details)})")
+    line = (f"moe.hf.convert: {model_type}: {len(records)} MoE block"
+            f"{'s' if len(records) != 1 else ''}, {', '.join(parts)}")
+    model.dbo_conversion = tuple(records)
+    model.dbo_conversion_summary = line
+    return line

@@ -39,10 +39,8 @@ them too.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
-import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -54,21 +52,18 @@ from moe.config import SUPPORTED_DTYPES, MoEConfig
 from moe.experts import experts_class, make_experts
 from moe.experts.base import Experts
 from moe.experts.bound import BoundExperts
-from moe.experts.form import ACTIVATIONS, ExpertExtras, ExpertForm, form_activation
+from moe.experts.form import ExpertExtras, ExpertForm
+from moe.hf.experts_form import gate_owner, identify_form, owner_gate
 from moe.inference_only import detach_with_error, needs_graph
 from moe.layer import MoELayer
 from moe.modular_kernel import ModularKernel
 
-__all__ = ["BlockConversion", "ExpertsPlan", "HFExperts", "build_experts", "interface_options",
-           "plan_experts", "record_conversion"]
+__all__ = ["ExpertsPlan", "HFExperts", "build_experts", "interface_options", "plan_experts"]
 
 #: The experts-interface options dbo serves, with transformers' defaults.
 KNOWN_OPTIONS: dict[str, bool] = {"is_concatenated": True, "is_transposed": False,
                                   "has_bias": False, "has_gate": True,
                                   "has_post_expert_norm": False}
-#: The expert tensors (dropped from the module kept for a custom gate: dbo holds them).
-_WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
-                 "down_proj_bias")
 #: Where blocks and routers keep K, then the model-config fields that hold it.
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "topk", "num_selected_experts")
 _TOP_K_FIELDS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts",
@@ -198,7 +193,7 @@ def build_experts(plan: ExpertsPlan, module: nn.Module, *, group: Optional[dist.
     form = plan.form
     up_name = "gate_up_proj" if form.gated else "up_proj"
     up: Tensor = getattr(module, up_name)
-    owner = _gate_owner(module) if form.activation == "custom" else None
+    owner = gate_owner(module) if form.activation == "custom" else None
     post_norm = getattr(module, "post_expert_norm", None) if form.post_norm else None
     new = HFExperts(config, form, group=group, layer_id=plan.layer_id, last_layer=last_layer,
                     device=up.device, path=plan.path + ".experts", source=plan.source,
@@ -339,7 +334,7 @@ class HFExperts(nn.Module):
     def _extras(self) -> ExpertExtras:
         gate_fn = None
         if self.gate_owner is not None:
-            gate_fn = _owner_gate(self.gate_owner, gated=self.form.gated)
+            gate_fn = owner_gate(self.gate_owner, gated=self.form.gated)
         return ExpertExtras(form=self.form, bias13_EJ=self.bias13, bias2_EH=self.bias2,
                             gate_fn=gate_fn, post_norm=self.post_expert_norm)
 
@@ -448,133 +443,3 @@ def _find_top_k(block: nn.Module, module: nn.Module, model_config: Any) -> Optio
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
-
-
-def identify_form(module: nn.Module, options: dict[str, bool], *,
-                  refuse: Callable[[str], ValueError]
-                  ) -> tuple[ExpertForm, Optional[Callable[[Tensor], Tensor]]]:
-    """The module's form, and for a "custom" one the callable it runs (the module's
-    `_apply_gate` gated, its `act_fn` without a gate). A named activation is taken when
-    it computes what the module computes on a probe (values well past any clamp limit);
-    ValueError when the module's own gate cannot run on the probe either."""
-    gated = options["has_gate"]
-    base = dict(gated=gated, bias=options["has_bias"], post_norm=options["has_post_expert_norm"])
-    rows = getattr(module, "gate_up_proj" if gated else "up_proj")
-    j = rows.shape[1 if not options["is_transposed"] else 2]
-    limit = _scalar(module, ("limit", "swiglu_limit"))
-    alpha = _scalar(module, ("alpha", "swiglu_alpha"))
-    owner_fn = _owner_gate(module, gated=gated)
-    if owner_fn is None:
-        raise refuse("no activation: the experts module has neither `_apply_gate` nor `act_fn`")
-    probe_MJ = _probe(j, limit, device=rows.device if not rows.is_meta else torch.device("cpu"))
-    try:
-        with torch.no_grad():
-            want = owner_fn(probe_MJ).float()
-    except Exception as exc:  # noqa: BLE001 - any failure of the model's code is the reason
-        raise refuse(f"its activation ({type(module).__name__}."
-                     f"{'_apply_gate' if gated else 'act_fn'}) fails on a probe: "
-                     f"{type(exc).__name__}: {exc}") from exc
-    for form in _candidates(base, gated=gated, concatenated=options["is_concatenated"],
-                            limit=limit, alpha=alpha):
-        got = form_activation(probe_MJ, form)
-        if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6):
-            return form, None
-    return ExpertForm(**base, activation="custom"), owner_fn
-
-
-def _candidates(base: dict[str, bool], *, gated: bool, concatenated: bool,
-                limit: Optional[float], alpha: Optional[float]) -> list[ExpertForm]:
-    """The named forms to try, most likely first."""
-    if not gated:
-        return [ExpertForm(**base, activation=name) for name in ACTIVATIONS]
-    limits = [None] if limit is None else [limit, None]
-    forms = []
-    for interleaved in (not concatenated, concatenated):
-        if alpha is not None:
-            forms += [ExpertForm(**base, activation="swiglu_oai", swiglu_alpha=alpha,
-                                 swiglu_limit=lim, interleaved=interleaved) for lim in limits]
-        forms += [ExpertForm(**base, activation=name, swiglu_limit=lim, interleaved=interleaved)
-                  for name in ACTIVATIONS for lim in limits]
-    return forms
-
-
-def _scalar(module: nn.Module, names: tuple[str, ...]) -> Optional[float]:
-    """The first of `names` on the module that is a finite positive number."""
-    for name in names:
-        value = getattr(module, name, None)
-        if isinstance(value, Tensor) and value.numel() == 1:
-            value = float(value)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and math.isfinite(value) and value > 0:
-            return float(value)
-    return None
-
-
-def _probe(width: int, limit: Optional[float], *, device: torch.device) -> Tensor:
-    """[64, width] float32, spread over +-(2 * limit + 8), the same values every call."""
-    gen = torch.Generator().manual_seed(0)
-    span = 8.0 + 2.0 * (limit or 0.0)
-    return ((torch.rand(64, width, generator=gen) * 2 - 1) * span).to(device)
-
-
-def _owner_gate(module: nn.Module, *, gated: bool) -> Optional[Callable[[Tensor], Tensor]]:
-    """The module's gate ([M, J] -> [M, I]) gated, its activation without a gate."""
-    if gated:
-        fn = getattr(module, "_apply_gate", None)
-        if fn is None and callable(getattr(module, "act_fn", None)):
-            act = module.act_fn
-
-            def fn(h_MJ: Tensor) -> Tensor:
-                gate, up = h_MJ.chunk(2, dim=-1)
-                return act(gate) * up
-        return fn
-    act = getattr(module, "act_fn", None)
-    return act if callable(act) else None
-
-
-def _gate_owner(module: nn.Module) -> nn.Module:
-    """A shallow copy of the experts module without its expert tensors or its post-expert
-    norm: what its `_apply_gate` / `act_fn` read (limits, activations), and no more."""
-    owner = copy.copy(module)
-    owner._parameters = {k: v for k, v in module._parameters.items() if k not in _WEIGHT_NAMES}
-    owner._buffers = dict(module._buffers)
-    owner._modules = {k: v for k, v in module._modules.items() if k != "post_expert_norm"}
-    return owner
-
-
-# ---------------------------------------------------------------------- the record
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BlockConversion:
-    """Which path one MoE block took (`model.dbo_conversion`)."""
-
-    path: str
-    """The block's module path."""
-    route: str
-    """"fused" (`HFMoEBlock`: dbo's router, shared experts overlapped with the combine) or
-    "experts" (`HFExperts`: the block's own router, its experts module replaced)."""
-    detail: str
-    """The architecture (fused), or the experts class and form (experts path), and why a
-    block of an architecture with a fused path took the experts path."""
-
-
-def record_conversion(model: nn.Module, model_type: Any,
-                      records: list[BlockConversion]) -> str:
-    """Set `model.dbo_conversion` (the records) and `model.dbo_conversion_summary` (one
-    line, e.g. "moe.hf.convert: olmoe: 2 MoE blocks, 2 on the experts path (OlmoeExperts:
-    silu(gate) * up)"); return the line."""
-    groups: dict[tuple[str, str], int] = {}
-    for record in records:
-        key = (record.route, record.detail)
-        groups[key] = groups.get(key, 0) + 1
-    parts = []
-    for route in ("fused", "experts"):
-        details = [(d, n) for (r, d), n in groups.items() if r == route]
-        if details:
-            count = sum(n for _, n in details)
-            where = "fused" if route == "fused" else "on the experts path"
-            parts.append(f"{count} {where} ({'; '.join(d for d, _ in details)})")
-    line = (f"moe.hf.convert: {model_type}: {len(records)} MoE block"
-            f"{'s' if len(records) != 1 else ''}, {', '.join(parts)}")
-    model.dbo_conversion = tuple(records)
-    model.dbo_conversion_summary = line
-    return line
