@@ -20,67 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from dbo.calibration_fields import (FieldError, build_checked, check_int, check_keys, check_str,
+                                    finite_positive, in_range, show)
+
 __all__ = ["Calibration", "CommRegime", "MeasuredPoint"]
-
-
-_MAX_INT = 2 ** 53
-"""Counts above this are refused: no float holds them exactly, and no step has as many."""
-
-
-def _number(value: object) -> float | None:
-    """`value` as a float where it is a finite int or float (not a bool), else None (an
-    int too large for a float, e.g. 10**400 read from JSON, included)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        result = float(value)
-    except OverflowError:
-        return None
-    return result if math.isfinite(result) else None
-
-
-def _finite_positive(value: object) -> bool:
-    number = _number(value)
-    return number is not None and number > 0.0
-
-
-def _in_range(value: object, low: float, high: float, *, low_open: bool = False,
-              high_open: bool = False) -> bool:
-    """`value` is a finite number in the range from `low` to `high` (open ends as told)."""
-    number = _number(value)
-    if number is None:
-        return False
-    above = number > low if low_open else number >= low
-    below = number < high if high_open else number <= high
-    return above and below
-
-
-def _show(value: object, limit: int = 60) -> str:
-    """repr(value), cut to `limit` characters (a file may hold a huge value)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class _FieldError(ValueError):
-    """A bad field value: "<owner>.<field>=<value>: <must>". `Calibration.from_json`
-    names the owner by its place in the file instead (e.g. "points[3]")."""
-
-    def __init__(self, owner: str, field_name: str, value: object, must: str) -> None:
-        self.field_name, self.value, self.must = field_name, value, must
-        super().__init__(self.text(owner))
-
-    def text(self, owner: str) -> str:
-        return f"{owner}.{self.field_name}={_show(self.value)}: {self.must}"
-
-
-def _check_int(owner: str, name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _MAX_INT:
-        raise _FieldError(owner, name, value, f"must be an int >= {low} (and <= 2**53).")
-
-
-def _check_str(owner: str, name: str, value: object) -> None:
-    if not isinstance(value, str):
-        raise _FieldError(owner, name, value, "must be a string.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,11 +37,11 @@ class CommRegime:
     the batch)."""
 
     def __post_init__(self) -> None:
-        if not _finite_positive(self.bandwidth_gbs):
-            raise _FieldError("CommRegime", "bandwidth_gbs", self.bandwidth_gbs,
+        if not finite_positive(self.bandwidth_gbs):
+            raise FieldError("CommRegime", "bandwidth_gbs", self.bandwidth_gbs,
                               "must be a finite number > 0 (GB/s per GPU).")
-        if not _in_range(self.latency_us, 0.0, math.inf):
-            raise _FieldError("CommRegime", "latency_us", self.latency_us,
+        if not in_range(self.latency_us, 0.0, math.inf):
+            raise FieldError("CommRegime", "latency_us", self.latency_us,
                               "must be a finite number >= 0 (us per collective).")
 
 
@@ -189,14 +132,14 @@ class MeasuredPoint:
         owner = "MeasuredPoint"
         for name, low in (("tokens", 1), ("layers", 1), ("num_experts", 0), ("world_size", 0),
                           ("context", 0), ("sbo_chunks", 1)):
-            _check_int(owner, name, getattr(self, name), low)
+            check_int(owner, name, getattr(self, name), low)
         for name in ("decode", "cuda_graph"):
             if not isinstance(getattr(self, name), bool):
-                raise _FieldError(owner, name, getattr(self, name), "must be True or False.")
+                raise FieldError(owner, name, getattr(self, name), "must be True or False.")
         for name in ("backend", "label", "preset", "mode", "regime"):
-            _check_str(owner, name, getattr(self, name))
+            check_str(owner, name, getattr(self, name))
         if not isinstance(self.measured_ms, dict):
-            raise _FieldError(owner, "measured_ms", self.measured_ms,
+            raise FieldError(owner, "measured_ms", self.measured_ms,
                               'must be an object of step times, ms ({"none": ..., "dbo": ..., '
                               '"sbo": ...}).')
         values = {name: getattr(self, name) for name in (
@@ -205,18 +148,18 @@ class MeasuredPoint:
             "host_dbo_ms", "host_sbo_ms", "split_compute")}
         values.update({f"measured_ms[{k!r}]": v for k, v in self.measured_ms.items()})
         for name, value in values.items():
-            if not _in_range(value, 0.0, math.inf):
-                raise _FieldError(owner, name, value, "must be a finite number >= 0 (ms, or "
+            if not in_range(value, 0.0, math.inf):
+                raise FieldError(owner, name, value, "must be a finite number >= 0 (ms, or "
                                                       "bytes).")
         for name in ("compute_scale", "comm_scale"):
-            if not _finite_positive(getattr(self, name)):
-                raise _FieldError(owner, name, getattr(self, name),
+            if not finite_positive(getattr(self, name)):
+                raise FieldError(owner, name, getattr(self, name),
                                   "must be a finite number > 0 (1.0: not rescaled).")
-        if not _in_range(self.own_row_share, 0.0, 1.0, high_open=True):
-            raise _FieldError(owner, "own_row_share", self.own_row_share,
+        if not in_range(self.own_row_share, 0.0, 1.0, high_open=True):
+            raise FieldError(owner, "own_row_share", self.own_row_share,
                               "must be in [0, 1) (1/W with an own-rows pass, else 0).")
-        if not _finite_positive(self.rows_per_expert):
-            raise _FieldError(owner, "rows_per_expert", self.rows_per_expert,
+        if not finite_positive(self.rows_per_expert):
+            raise FieldError(owner, "rows_per_expert", self.rows_per_expert,
                               "must be a finite number > 0.")
 
 
@@ -294,49 +237,49 @@ class Calibration:
     def __post_init__(self) -> None:
         owner = "Calibration"
         for name in ("dense_tflops", "memory_gbs"):
-            if not _finite_positive(getattr(self, name)):
-                raise _FieldError(owner, name, getattr(self, name), "must be a finite number > 0.")
-        if not _in_range(self.launch_us, 0.0, math.inf):
-            raise _FieldError(owner, "launch_us", self.launch_us,
+            if not finite_positive(getattr(self, name)):
+                raise FieldError(owner, name, getattr(self, name), "must be a finite number > 0.")
+        if not in_range(self.launch_us, 0.0, math.inf):
+            raise FieldError(owner, "launch_us", self.launch_us,
                               "must be a finite number >= 0 (us per launch).")
-        if not _in_range(self.comm_sm_share, 0.0, 1.0, high_open=True):
-            raise _FieldError(owner, "comm_sm_share", self.comm_sm_share,
+        if not in_range(self.comm_sm_share, 0.0, 1.0, high_open=True):
+            raise FieldError(owner, "comm_sm_share", self.comm_sm_share,
                               "must be in [0, 1) (the fraction of SMs the comm kernels hold).")
         shares = self.comm_sm_shares
         if not isinstance(shares, dict) or not all(
-                isinstance(k, str) and _in_range(v, 0.0, 1.0, high_open=True)
+                isinstance(k, str) and in_range(v, 0.0, 1.0, high_open=True)
                 for k, v in shares.items()):
-            raise _FieldError(owner, "comm_sm_shares", shares,
+            raise FieldError(owner, "comm_sm_shares", shares,
                               'must map "<backend>/<regime>" to a fraction in [0, 1).')
-        if not _finite_positive(self.persistent_min_rows):
-            raise _FieldError(owner, "persistent_min_rows", self.persistent_min_rows,
+        if not finite_positive(self.persistent_min_rows):
+            raise FieldError(owner, "persistent_min_rows", self.persistent_min_rows,
                               "must be a finite number > 0 (rows per expert).")
-        if not _in_range(self.overlap_clock, 0.0, 1.0, low_open=True):
-            raise _FieldError(owner, "overlap_clock", self.overlap_clock,
+        if not in_range(self.overlap_clock, 0.0, 1.0, low_open=True):
+            raise FieldError(owner, "overlap_clock", self.overlap_clock,
                               "must be a finite number in (0, 1] (1.0 = no clock drop "
                               "measured).")
         points = self.gemm_efficiency
         if (not isinstance(points, (list, tuple)) or not points
                 or any(not isinstance(p, (list, tuple)) or len(p) != 2 for p in points)):
-            raise _FieldError(owner, "gemm_efficiency", points,
+            raise FieldError(owner, "gemm_efficiency", points,
                               "must be a non-empty list of (rows per expert, efficiency) pairs.")
         rows = [p[0] for p in points]
-        if any(not _finite_positive(r) for r in rows) or rows != sorted(set(rows)):
-            raise _FieldError(owner, "gemm_efficiency", points,
+        if any(not finite_positive(r) for r in rows) or rows != sorted(set(rows)):
+            raise FieldError(owner, "gemm_efficiency", points,
                               "its rows per expert must be finite, > 0 and strictly increasing.")
-        if any(not _in_range(p[1], 0.0, 1.0, low_open=True) for p in points):
-            raise _FieldError(owner, "gemm_efficiency", points,
+        if any(not in_range(p[1], 0.0, 1.0, low_open=True) for p in points):
+            raise FieldError(owner, "gemm_efficiency", points,
                               "every efficiency must be in (0, 1].")
         if (not isinstance(self.regimes, dict) or not self.regimes
                 or not all(isinstance(r, CommRegime) for r in self.regimes.values())):
-            raise _FieldError(owner, "regimes", self.regimes, "must map names to CommRegime.")
+            raise FieldError(owner, "regimes", self.regimes, "must map names to CommRegime.")
         if not isinstance(self.points, (list, tuple)):
-            raise _FieldError(owner, "points", self.points, "must be a list of MeasuredPoint.")
+            raise FieldError(owner, "points", self.points, "must be a list of MeasuredPoint.")
         object.__setattr__(self, "points", tuple(self.points))
         if not all(isinstance(p, MeasuredPoint) for p in self.points):
             raise ValueError("Calibration.points: must hold MeasuredPoint values.")
         for name in ("device", "torch_version", "date"):
-            _check_str(owner, name, getattr(self, name))
+            check_str(owner, name, getattr(self, name))
 
     def select(self, **where: Any) -> "Calibration":
         """This calibration with only the points whose fields equal `where`, e.g.
@@ -391,26 +334,26 @@ class Calibration:
         if not isinstance(data, dict):
             raise ValueError(f"calibration JSON must be an object, got {type(data).__name__}")
         kwargs = dict(data)
-        _check_keys(cls, kwargs, where="calibration JSON")
+        check_keys(cls, kwargs, where="calibration JSON")
         if "gemm_efficiency" in kwargs:
             pairs = kwargs["gemm_efficiency"]
             if not isinstance(pairs, list) or not all(isinstance(p, list) for p in pairs):
-                raise ValueError(f"gemm_efficiency={_show(pairs)}: must be a list of [rows per "
+                raise ValueError(f"gemm_efficiency={show(pairs)}: must be a list of [rows per "
                                  f"expert, efficiency] pairs")
             kwargs["gemm_efficiency"] = tuple(tuple(p) for p in pairs)
         if "regimes" in kwargs:
             regimes = kwargs["regimes"]
             if not isinstance(regimes, dict) or not all(isinstance(r, dict)
                                                         for r in regimes.values()):
-                raise ValueError(f"regimes={_show(regimes)}: must map names to "
+                raise ValueError(f"regimes={show(regimes)}: must map names to "
                                  f"{{bandwidth_gbs, latency_us}}")
-            kwargs["regimes"] = {k: _build(CommRegime, v, owner=f"regimes[{k!r}]")
+            kwargs["regimes"] = {k: build_checked(CommRegime, v, owner=f"regimes[{k!r}]")
                                  for k, v in regimes.items()}
         if "points" in kwargs:
             points = kwargs["points"]
             if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
-                raise ValueError(f"points={_show(points)}: must be a list of objects")
-            kwargs["points"] = tuple(_build(MeasuredPoint, p, owner=f"points[{i}]")
+                raise ValueError(f"points={show(points)}: must be a list of objects")
+            kwargs["points"] = tuple(build_checked(MeasuredPoint, p, owner=f"points[{i}]")
                                      for i, p in enumerate(points))
         return cls(**kwargs)
 
@@ -435,26 +378,3 @@ class Calibration:
             return cls.from_json(data)
         except ValueError as exc:
             raise ValueError(f"calibration file {path}: {exc}") from None
-
-
-def _check_keys(cls: type, data: dict[str, Any], *, where: str) -> None:
-    """ValueError naming the keys of `data` that are no field of dataclass `cls`, or the
-    fields without a default that it lacks."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {_show(unknown)}; known: {sorted(fields)}")
-    missing = sorted(name for name, f in fields.items() if name not in data
-                     and f.default is dataclasses.MISSING
-                     and f.default_factory is dataclasses.MISSING)
-    if missing:
-        raise ValueError(f"{where}: missing keys {missing}")
-
-
-def _build(cls: type, data: dict[str, Any], *, owner: str) -> Any:
-    """`cls(**data)`, its errors naming the fields as `owner.<field>`."""
-    _check_keys(cls, data, where=owner)
-    try:
-        return cls(**data)
-    except _FieldError as exc:
-        raise ValueError(exc.text(owner)) from None
