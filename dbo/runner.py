@@ -51,7 +51,6 @@ calibration does not cover keep the thresholds.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import threading
 import warnings
@@ -71,8 +70,7 @@ from dbo.predicted_overlap import OverlapPredictor, choose_predicted, group_is_d
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, request_cut_blocker
 from dbo.split_args import SplitArgs, SplitArgumentWarning, UBatchArgs, undeclared_warning
-from dbo.split_modes import (SEQ_LENS_KWARG, _first_tensor, auto_split_mode, model_split_mode,
-                              split_call)
+from dbo.split_modes import SplitModeChooser, _first_tensor, model_name, split_call
 from dbo.vote import Ballot, Tally, cast_ballot, plan_after_vote
 from dbo.yield_points import dbo_enabled
 from streams.gemm_carveout import gemm_sm_carveout
@@ -144,15 +142,11 @@ class DBORunner:
         self._sbo_blocker: tuple[Any, Optional[str]] = (None, None)  # (model, its reason)
         # (model, config, why no request may be cut); raises now for a refused config.
         self._cut_blocker: tuple[Any, Any, Optional[str]] = (None, None, None)
-        self._split_hook: tuple[Any, Optional[str]] = (None, None)  # (model, its split mode)
-        # split=None: (model, config) and, per "the call has seq_lens=", the mode chosen
-        # and why (`_split_mode`).
-        self._auto_for: tuple[Any, Any] = (None, None)
-        self._auto_modes: dict[bool, tuple[str, str]] = {}
+        self._split_modes = SplitModeChooser()  # what DBOConfig(split=None) takes per call
         self._warned_no_yield = False  # see `_no_yield`
         # Raise now for a model's bad split mode and a refused cut config.
         if config.split == "requests" or (config.split is None
-                                          and self._model_split_mode() == "requests"):
+                                          and self._split_modes.model_mode(self.model) == "requests"):
             self._whole_requests()
         # Per cuda_graph: a GraphedRunner's steps carry a field of their own.
         self._agreement_caches = {False: AgreementCache(), True: AgreementCache()}
@@ -376,7 +370,7 @@ class DBORunner:
                     ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
         """The plan the split mode and thresholds give (`dbo.split_modes`; `_plan`
         applies the policy); `thresholds=False`: as if both thresholds were 0."""
-        mode, why = self._split_mode(kwargs)
+        mode, why = self._split_modes.choose(self.model, self.config, kwargs)
         cut = split_call(args, kwargs, self.config, thresholds=thresholds, mode=mode,
                          whole_requests=self._whole_requests)
         if cut.split_args is not None:
@@ -386,43 +380,6 @@ class DBORunner:
             plan = dataclasses.replace(plan, reason=f"{plan.reason} ({why})")
         return plan, cut.ubatch_args, cut.rows
 
-    def _split_mode(self, kwargs: dict) -> tuple[Any, Optional[str]]:
-        """The split mode of this call and, where `DBOConfig(split=None)` chose it, the
-        words for the plan's reason (`dbo.split_modes.auto_split_mode`). The choice
-        depends only on the model, the config and whether the call has `seq_lens=`: it
-        is kept per the last, and made again only when `model` or `config` is replaced."""
-        config = self.config
-        if config.split is not None:
-            return config.split, None
-        if self._auto_for[0] is not self.model or self._auto_for[1] is not config:
-            self._auto_for, self._auto_modes = (self.model, config), {}
-        has_seq_lens = SEQ_LENS_KWARG in kwargs
-        chosen = self._auto_modes.get(has_seq_lens)
-        if chosen is None:
-            chosen = self._auto_modes[has_seq_lens] = self._choose_split_mode(kwargs)
-        return chosen
-
-    def _choose_split_mode(self, kwargs: dict) -> tuple[str, str]:
-        """`_split_mode`'s choice, made afresh."""
-        mode, why = auto_split_mode(kwargs, model_mode=self._model_split_mode(),
-                                    model_name=_model_name(self.model))
-        if self.config.split_inside_requests and mode != "requests":
-            raise ValueError(
-                f"DBOConfig(split_inside_requests=True) cuts requests, but split=None chose "
-                f"{mode!r} for this call ({why}), which has none to cut: pass the tokens "
-                f"per request as seq_lens=[...] (split='requests'), or drop "
-                f"split_inside_requests")
-        return mode, f"split=None chose {mode!r}: {why}"
-
-    def _model_split_mode(self) -> Optional[str]:
-        """The model's `dbo_split_mode` (`dbo.split_modes.model_split_mode`); looked up
-        again only when `model` is replaced."""
-        model, mode = self._split_hook
-        if model is not self.model:
-            mode = model_split_mode(self.model)
-            self._split_hook = (self.model, mode)
-        return mode
-
     def _no_yield(self) -> None:
         """The first split step whose ubatches never interleaved (`UBatchScheduler.
         last_run_interleaved`): say so, once per runner, in a `NoYieldWarning` and in
@@ -431,7 +388,7 @@ class DBORunner:
         if self.last_decision is not None and self.last_decision.split:
             self.last_decision = dataclasses.replace(
                 self.last_decision, reason=f"{self.last_decision.reason}; {NO_YIELD_NOTE}")
-        warnings.warn(f"DBORunner over {_model_name(self.model)}: {NO_YIELD_NOTE}. "
+        warnings.warn(f"DBORunner over {model_name(self.model)}: {NO_YIELD_NOTE}. "
                       f"{NO_YIELD_HELP} Warned once per runner", NoYieldWarning,
                       stacklevel=5)
 
@@ -463,13 +420,6 @@ class DBORunner:
 
 
 # ---------------------------------------------------------------------------- helpers
-def _model_name(model: Any) -> str:
-    """A function's name, else its class's (an nn.Module's, a callable object's)."""
-    if inspect.isfunction(model) or inspect.ismethod(model):
-        return model.__qualname__
-    return type(model).__name__
-
-
 def _bind(model: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[[], Any]:
     def run_ubatch() -> Any:
         return model(*args, **kwargs)

@@ -42,6 +42,7 @@ chance (`dbo.split_args`). The warning is the runner's to give (`CallSplit.split
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -102,6 +103,57 @@ def auto_split_mode(kwargs: dict, *, model_mode: Optional[str], model_name: str
         return "requests", f"the call has {SEQ_LENS_KWARG}="
     return "tokens", (f"{model_name} declares no {SPLIT_MODE_HOOK} and the call has no "
                       f"{SEQ_LENS_KWARG}=")
+
+def model_name(model: Any) -> str:
+    """A function's name, else its class's (an nn.Module's, a callable object's)."""
+    if inspect.isfunction(model) or inspect.ismethod(model):
+        return model.__qualname__
+    return type(model).__name__
+
+
+class SplitModeChooser:
+    """The split mode of each call of one runner and, where `DBOConfig(split=None)` chose
+    it, the words for the plan's reason (`auto_split_mode`). The choice depends only on
+    the model, the config and whether the call has `seq_lens=`: it is kept per the last,
+    and made again only when the model or the config is replaced; the model's
+    `dbo_split_mode` is read again only when the model is."""
+
+    def __init__(self) -> None:
+        self._hook: tuple[Any, Optional[str]] = (None, None)  # (model, its split mode)
+        self._for: tuple[Any, Any] = (None, None)  # (model, config) of `_modes`
+        self._modes: dict[bool, tuple[str, str]] = {}  # has seq_lens= -> (mode, why)
+
+    def choose(self, model: Any, config: DBOConfig, kwargs: dict) -> tuple[Any, Optional[str]]:
+        """(mode, why): `config.split` and None where it names one; else the chosen mode."""
+        if config.split is not None:
+            return config.split, None
+        if self._for[0] is not model or self._for[1] is not config:
+            self._for, self._modes = (model, config), {}
+        has_seq_lens = SEQ_LENS_KWARG in kwargs
+        chosen = self._modes.get(has_seq_lens)
+        if chosen is None:
+            chosen = self._modes[has_seq_lens] = self._choose(model, config, kwargs)
+        return chosen
+
+    def model_mode(self, model: Any) -> Optional[str]:
+        """The model's `dbo_split_mode` (`model_split_mode`), kept per model."""
+        known, mode = self._hook
+        if known is not model:
+            mode = model_split_mode(model)
+            self._hook = (model, mode)
+        return mode
+
+    def _choose(self, model: Any, config: DBOConfig, kwargs: dict) -> tuple[str, str]:
+        mode, why = auto_split_mode(kwargs, model_mode=self.model_mode(model),
+                                    model_name=model_name(model))
+        if config.split_inside_requests and mode != "requests":
+            raise ValueError(
+                f"DBOConfig(split_inside_requests=True) cuts requests, but split=None chose "
+                f"{mode!r} for this call ({why}), which has none to cut: pass the tokens "
+                f"per request as seq_lens=[...] (split='requests'), or drop "
+                f"split_inside_requests")
+        return mode, f"split=None chose {mode!r}: {why}"
+
 
 
 def split_call(args: tuple, kwargs: dict, config: DBOConfig, *,
