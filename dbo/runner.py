@@ -145,8 +145,8 @@ class DBORunner:
         self._split_modes = SplitModeChooser()  # what DBOConfig(split=None) takes per call
         self._warned_no_yield = False  # see `_no_yield`
         # Raise now for a model's bad split mode and a refused cut config.
-        if config.split == "requests" or (config.split is None
-                                          and self._split_modes.model_mode(self.model) == "requests"):
+        declared = self._split_modes.model_mode(self.model) if config.split is None else None
+        if config.split == "requests" or declared == "requests":
             self._whole_requests()
         # Per cuda_graph: a GraphedRunner's steps carry a field of their own.
         self._agreement_caches = {False: AgreementCache(), True: AgreementCache()}
