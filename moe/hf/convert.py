@@ -42,6 +42,7 @@ from moe.hf.arch import ARCHITECTURES, SILU_NAMES, ArchSpec
 from moe.hf.block import HFMoEBlock, HFRouter, HFSharedExperts
 from moe.hf.deps import require
 from moe.hf.generic import ExpertsPlan, HFExperts, build_experts, plan_experts
+from moe.hf.input_scaled import InputScaledBlock
 from moe.hf.router_logits import record_router_logits
 from moe.layer import MoELayer
 
@@ -155,10 +156,12 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
     for i, plan in enumerate(plans):
         old = model.get_submodule(plan.path)
         if isinstance(plan, ExpertsPlan):
-            new_blocks.append(build_experts(plan, old.experts, group=group,
-                                            capacity=max_tokens_per_rank,
-                                            ubatch_capacity=max_tokens_per_ubatch,
-                                            last_layer=i == last))
+            new_experts = build_experts(plan, old.experts, group=group,
+                                        capacity=max_tokens_per_rank,
+                                        ubatch_capacity=max_tokens_per_ubatch,
+                                        last_layer=i == last)
+            new_blocks.append(InputScaledBlock(old, new_experts) if plan.input_scaled
+                              else new_experts)
             continue
         new_blocks.append(_build_block(plan, old, group=group, backend=backend,
                                        experts=experts, capacity=max_tokens_per_rank,
@@ -166,7 +169,8 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
                                        last_layer=i == last,
                                        copy_weights=weights_from_blocks))
     for plan, block in zip(plans, new_blocks):  # nothing above changed the model
-        path = plan.path + ".experts" if isinstance(plan, ExpertsPlan) else plan.path
+        path = (plan.path + ".experts" if isinstance(plan, ExpertsPlan) and not plan.input_scaled
+                else plan.path)
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path), name, block)
     record_router_logits(model, [block.moe.router for block in new_blocks

@@ -94,6 +94,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "hunyuan_v1_moe": dict(head_dim=16),  # None by default, read as a number
     "jamba": dict(attn_layer_period=2, attn_layer_offset=0),  # its first attention: layer 4
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # None by default
+    # input-scaled experts, top-1 in every checkpoint (`moe.hf.input_scaled`)
+    "llama4": dict(num_experts_per_tok=1),
     "nllb-moe": dict(encoder_sparse_step=1, decoder_sparse_step=1),  # every 4th layer
     "switch_transformers": dict(num_sparse_encoder_layers=1, num_sparse_decoder_layers=1),
     "vitpose_backbone": dict(part_features=16, out_indices=[2]),  # of 768 hidden, 12 layers

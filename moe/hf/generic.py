@@ -54,6 +54,9 @@ from moe.experts.base import Experts
 from moe.experts.bound import BoundExperts
 from moe.experts.form import ExpertExtras, ExpertForm
 from moe.hf.experts_form import gate_owner, identify_form, owner_gate
+from moe.hf.experts_sizes import (check_declared_sizes, count_identity_experts, expert_sizes,
+                                  find_top_k)
+from moe.hf.input_scaled import INPUT_SCALED_BLOCKS, input_scaled_options
 from moe.inference_only import detach_with_error, needs_graph
 from moe.layer import MoELayer
 from moe.modular_kernel import ModularKernel
@@ -64,10 +67,7 @@ __all__ = ["ExpertsPlan", "HFExperts", "build_experts", "interface_options", "pl
 KNOWN_OPTIONS: dict[str, bool] = {"is_concatenated": True, "is_transposed": False,
                                   "has_bias": False, "has_gate": True,
                                   "has_post_expert_norm": False}
-#: Where blocks and routers keep K, then the model-config fields that hold it.
-_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "topk", "num_selected_experts")
-_TOP_K_FIELDS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts",
-                 "num_experts_per_token", "moe_top_k", "n_activated_experts", "top_k")
+
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,11 +87,15 @@ class ExpertsPlan:
     """Z zero-compute experts, ids [E, E + Z): weight * x on the token's own rank."""
     note: str = ""
     """Why the fused path was not taken, where the architecture has one ("" otherwise)."""
+    input_scaled: bool = False
+    """The block scales its experts' input by the routing weight (`moe.hf.input_scaled`):
+    the whole block is replaced by an `InputScaledBlock`."""
 
     def describe(self) -> str:
         """e.g. "OlmoeExperts: silu(gate) * up" (with the zero-compute experts, if any)."""
         zero = f", {self.identity_experts} zero-compute experts" if self.identity_experts else ""
-        return f"{self.source}: {self.form.describe()}{zero}"
+        scaled = ", routing weight on the input" if self.input_scaled else ""
+        return f"{self.source}: {self.form.describe()}{zero}{scaled}"
 
 
 def interface_options() -> dict[str, Any]:
@@ -122,7 +126,11 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
         return ValueError(f"moe.hf.convert: block {path!r} ({type(block).__name__}, experts "
                           f"{cls}): {what}")
 
-    options = _module_options(module, refuse)
+    input_scaled = type(block).__name__ in INPUT_SCALED_BLOCKS
+    if input_scaled:
+        options = input_scaled_options(block, find_top_k(block, module, model_config), refuse)
+    else:
+        options = _module_options(module, refuse)
     gated = options["has_gate"]
     up_name = "gate_up_proj" if gated else "up_proj"
     up, down = getattr(module, up_name, None), getattr(module, "down_proj", None)
@@ -131,16 +139,16 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
                      f"experts stored as transformers' experts interface stores them, 3-D "
                      f"tensors over all experts ([E, 2I, H] and [E, H, I])")
     transposed = options["is_transposed"]
-    identity = _identity_experts(module, up, down, transposed=transposed)
+    identity = count_identity_experts(module, up, down, transposed=transposed)
     if identity:  # the rows past down_proj's experts are never read (zero-compute experts)
         up = up[:down.shape[0]]
-    e, j, h, i = _sizes(up, down, transposed=transposed, refuse=refuse, up_name=up_name)
+    e, j, h, i = expert_sizes(up, down, transposed=transposed, refuse=refuse, up_name=up_name)
     if gated and j != 2 * i:
         raise refuse(f"experts.{up_name} has {j} rows per expert, down_proj {i}: a gated "
                      f"expert needs 2 * {i} (gate and up)")
     if not gated and j != i:
         raise refuse(f"experts.up_proj has {j} rows per expert, down_proj {i}: they must match")
-    _check_declared_sizes(module, e=e + identity, h=h, i=i, refuse=refuse)
+    check_declared_sizes(module, e=e + identity, h=h, i=i, refuse=refuse)
     if options["has_bias"]:
         for name, shape in ((f"{up_name}_bias", (e, j)), ("down_proj_bias", (e, h))):
             bias = getattr(module, name, None)
@@ -158,7 +166,7 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
     if check_weights and up.is_meta:
         raise refuse("expert weights are on the meta device: load the weights first")
     form, _ = identify_form(module, options, refuse=refuse)
-    top_k = _find_top_k(block, module, model_config)
+    top_k = find_top_k(block, module, model_config)
     if top_k is None:
         raise refuse("cannot find its top-k (no `top_k` / `num_experts_per_tok` on the block, "
                      "its router or the model config)")
@@ -180,7 +188,8 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
         if unsupported is not None:
             raise refuse(unsupported)
     return ExpertsPlan(path=path, source=cls, config=config, form=form, transposed=transposed,
-                       layer_id=layer_id, note=note, identity_experts=identity)
+                       layer_id=layer_id, note=note, identity_experts=identity,
+                       input_scaled=input_scaled)
 
 
 def build_experts(plan: ExpertsPlan, module: nn.Module, *, group: Optional[dist.ProcessGroup],
@@ -385,61 +394,3 @@ def _module_options(module: Any, refuse: Callable[[str], ValueError]) -> dict[st
         if not isinstance(value, bool):
             raise refuse(f"experts-interface option {name}={value!r} is not a bool")
     return options
-
-
-def _sizes(up: Tensor, down: Tensor, *, transposed: bool, refuse: Callable[[str], ValueError],
-           up_name: str) -> tuple[int, int, int, int]:
-    """(E, J, H, I) from the module's tensors (ValueError when they disagree)."""
-    if up.dim() != 3 or down.dim() != 3:
-        raise refuse(f"experts.{up_name} {list(up.shape)} / down_proj {list(down.shape)} are "
-                     f"not 3-D [E, ., .] tensors")
-    if transposed:
-        (e, h, j), (e2, i, h2) = up.shape, down.shape
-    else:
-        (e, j, h), (e2, h2, i) = up.shape, down.shape
-    if e != e2 or h != h2:
-        raise refuse(f"experts.{up_name} {list(up.shape)} and down_proj {list(down.shape)} "
-                     f"disagree on the expert count or hidden size"
-                     f"{' (is_transposed=True)' if transposed else ''}")
-    return e, j, h, i
-
-
-def _identity_experts(module: nn.Module, up: Tensor, down: Tensor, *, transposed: bool) -> int:
-    """Z: the experts `gate_up_proj` holds past `down_proj`'s, where the module computes
-    them as identity (an `identity_expert` nn.Identity: zero-compute experts); else 0."""
-    extra = up.shape[0] - down.shape[0]
-    if extra > 0 and isinstance(getattr(module, "identity_expert", None), nn.Identity):
-        return extra
-    return 0
-
-
-def _check_declared_sizes(module: nn.Module, *, e: int, h: int, i: int,
-                          refuse: Callable[[str], ValueError]) -> None:
-    """The sizes the module was built for (its num_experts / hidden_dim /
-    intermediate_dim, where it keeps them) against its tensors: weights of another model
-    loaded into it differ."""
-    for names, value, what in ((("num_experts",), e, "experts"),
-                               (("hidden_dim", "hidden_size"), h, "hidden size"),
-                               (("intermediate_dim", "intermediate_size"), i, "expert width")):
-        for name in names:
-            declared = getattr(module, name, None)
-            if isinstance(declared, int) and not isinstance(declared, bool) and declared != value:
-                raise refuse(f"its tensors hold {value} for the {what} but the module was built "
-                             f"for {name}={declared}: the weights do not match the model config "
-                             f"(a checkpoint of another model?)")
-
-
-def _find_top_k(block: nn.Module, module: nn.Module, model_config: Any) -> Optional[int]:
-    """K: the block's (or one of its non-expert children's) `top_k`, else the model
-    config's field; None when neither says."""
-    owners = [block, *(child for child in block.children() if child is not module)]
-    for owner in owners:
-        for name in _TOP_K_ATTRS:
-            value = getattr(owner, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    for name in _TOP_K_FIELDS:
-        value = getattr(model_config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 
 import dbo  # noqa: E402
 import moe.hf  # noqa: E402
+from moe.hf import coverage  # noqa: E402
 from moe.hf import HFMoEBlock, expert_bytes  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.hf_utils import (ARCHS, assert_logits_close, batch, logits, rewrite_without,  # noqa: E402
@@ -68,16 +69,14 @@ def test_routing_follows_the_config():
 
 
 def test_unsupported_block_is_refused_naming_it_and_what():
-    # Llama-4's experts take rows already scaled and ordered by expert, not the routing:
-    # neither path runs them. (GPT-OSS and OLMoE, refused before the experts path, convert
-    # now: tests/models/test_hf_coverage.py checks them.)
-    llama4 = tiny_model("llama4_text", intermediate_size=16, intermediate_size_mlp=32,
-                        num_local_experts=4, num_experts_per_tok=1, num_key_value_heads=2,
-                        head_dim=8)
-    with pytest.raises(ValueError, match=r"block 'model.layers.0.feed_forward' \(Llama4TextMoe, "
-                                         r"experts Llama4TextExperts\): its experts take "
-                                         r"forward\(hidden_states\), not the routing"):
-        moe.hf.convert(llama4)
+    # JetMoE's mixture of attention heads takes its layer input, not the routing: neither
+    # path runs it. (GPT-OSS, OLMoE and Llama-4, refused before, convert now:
+    # tests/models/test_hf_coverage.py checks them.)
+    jetmoe = coverage.tiny_model("jetmoe")
+    with pytest.raises(ValueError, match=r"block 'model.layers.0.self_attention' \(JetMoeAttention, "
+                                         r"experts JetMoeMoA\): its experts take "
+                                         r"forward\(layer_input\), not the routing"):
+        moe.hf.convert(jetmoe)
     olmoe = moe.hf.convert(tiny_model("olmoe", intermediate_size=16, num_experts=4,
                                       num_experts_per_tok=2))
     assert [r.route for r in olmoe.dbo_conversion] == ["experts", "experts"]

@@ -51,6 +51,9 @@ VALID = ", ".join(named_architectures())
     (["--hf", "qwen3_moe", "--requests", "1"], "requests=1 must be an int >= 2"),
     (["--hf", "qwen3_moe", "--preset", "tiny"], "--preset does not apply to --hf"),
     (["--hf", "qwen3_moe", "--cuda-graph"], "--cuda-graph needs CUDA GPUs: drop it on CPU"),
+    (["--hf", "olmoe", "--num-experts", "5"], "5 routed experts of olmoe do not split"),
+    (["--hf", "olmoe", "--conversion", "fused"], "argument --conversion: invalid choice"),
+    (["--conversion", "experts"], "--conversion applies to --hf"),
 ])
 def test_bad_arguments_exit_with_the_fix_before_any_rank(
         argv: list[str], message: str, capsys: pytest.CaptureFixture,
@@ -157,7 +160,7 @@ def test_deepep_ll_shape_and_queue_depth_are_checked_before_any_rank(
     check("qwen3-30b-a3b", 4096, {"NVSHMEM_QP_DEPTH": "8194"})
 
 
-@pytest.mark.parametrize("name", sorted(REAL_SHAPES))
+@pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-30b-a3b"])
 def test_real_shapes_convert_with_every_layer_moe(name: str) -> None:
     """The real-shape models (meta device: no memory) are what their checkpoints say, and
     every layer's block converts over 2 ranks (routing dbo can express)."""
@@ -179,6 +182,32 @@ def test_real_shapes_convert_with_every_layer_moe(name: str) -> None:
     else:
         assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
             32, 4, 128)
+
+
+@pytest.mark.parametrize("name, sizes", [
+    ("llama-4-scout", (16, 1, 5120, 8192, "feed_forward")),
+    ("minimax-m2", (256, 8, 3072, 1536, "mlp"))])
+def test_real_shapes_of_the_experts_path_families(name: str, sizes: tuple) -> None:
+    """Llama-4-Scout and MiniMax-M2 (meta device): their checkpoints' sizes, every layer
+    an MoE block the experts path plans over 2 ranks."""
+    from transformers import AutoModelForCausalLM
+
+    from moe.hf.convert import find_moe_blocks
+    from moe.hf.generic import plan_experts
+    from moe.hf.named import expert_sizes
+    config = named_config(name, num_layers=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    blocks = find_moe_blocks(model)
+    assert [p for p, _ in blocks] == [f"model.layers.{i}.{sizes[4]}" for i in range(2)]
+    for i, (path, block) in enumerate(blocks):
+        plan = plan_experts(path, block, model_config=config, world=2, backend="auto",
+                            experts="auto", check_weights=False, layer_id=i)
+        moe = plan.config
+        assert (moe.num_experts, moe.top_k, moe.hidden_size,
+                moe.intermediate_size) == sizes[:4]
+    assert expert_sizes(config) == (sizes[0], sizes[1], sizes[3])
+    assert (config.num_key_value_heads, config.head_dim) == (8, 128)
 
 
 @pytest.mark.distributed

@@ -39,6 +39,9 @@ PADDED_BACKENDS: tuple[str, ...] = ("a2a_ll", "deepep_ll")
 sends every slot of it; deepep_ll's experts see E_loc * W * C rows): a capacity above a
 point's tokens would time padding the point does not need."""
 
+CONVERSIONS: tuple[str, ...] = ("auto", "experts")
+"""`--conversion`: what `moe.hf.convert(conversion=)` takes."""
+
 DEFAULT_HF_GPU_TOKENS: tuple[int, ...] = (4096,)
 DEFAULT_HF_CPU_TOKENS: tuple[int, ...] = (16,)
 DEFAULT_HF_LAYERS = 2
@@ -101,6 +104,9 @@ class HFBenchConfig:
     """Dispatch/combine backends of the converted model (any of HF_BACKENDS)."""
     experts: str = "auto"
     """Expert kernel of the converted model (`moe.experts`)."""
+    conversion: str = "auto"
+    """`moe.hf.convert(conversion=)`: "auto" (the fused path where the architecture has
+    one, else the experts path) or "experts" (the experts path for every block)."""
     iters: int = 20
     """Timed steps per measurement; the median is reported."""
     warmup: int = 5
@@ -126,13 +132,14 @@ class HFBenchConfig:
     leaves its KV cache as it found it (`hf_decode.PrefixCache`)."""
 
     def __post_init__(self) -> None:
-        from moe.hf.named import named_architectures
+        from moe.hf.named import is_named, unknown_name
         if self.decode is not None and not isinstance(self.decode, HFDecodeOptions):
             raise TypeError(f"decode={self.decode!r} must be an HFDecodeOptions or None")
-        names = named_architectures()
-        if self.arch not in names:
-            raise ValueError(f"unknown architecture {self.arch!r} for --hf: use one of "
-                             f"{', '.join(names)}")
+        if not is_named(self.arch):
+            raise ValueError(unknown_name(self.arch))
+        if self.conversion not in CONVERSIONS:
+            raise ValueError(f"--conversion {self.conversion!r}: use one of "
+                             f"{', '.join(CONVERSIONS)}")
         for name, low in (("layers", 1), ("requests", 2), ("iters", 1), ("warmup", 0),
                           ("rounds", 1)):
             value = getattr(self, name)
@@ -187,17 +194,16 @@ class HFBenchConfig:
     def model_config(self, world_size: int) -> Any:
         """The transformers config this run builds, checked for `world_size` ranks
         (ValueError with the fix: experts not divisible by the ranks, top-k too large)."""
-        from moe.hf.arch import spec_for
-        from moe.hf.named import named_config
+        from moe.hf.named import expert_sizes, named_config
         config = named_config(self.arch, num_layers=self.layers, num_experts=self.num_experts)
-        num_experts = getattr(config, spec_for(config).num_experts_field)
+        num_experts, top_k, _ = expert_sizes(config)
         if num_experts % world_size:
             raise ValueError(f"{num_experts} routed experts of {self.arch} do not split over "
                              f"{world_size} ranks: use a world size that divides "
                              f"{num_experts}, or --num-experts N with N a multiple of "
                              f"{world_size}")
-        if config.num_experts_per_tok > num_experts:
-            raise ValueError(f"top_k={config.num_experts_per_tok} exceeds num_experts="
+        if top_k > num_experts:
+            raise ValueError(f"top_k={top_k} exceeds num_experts="
                              f"{num_experts}: pass a larger --num-experts")
         return config
 
@@ -205,7 +211,8 @@ class HFBenchConfig:
         """The settings that shape the numbers (for the JSON outputs)."""
         return {"arch": self.arch, "layers": self.layers, "num_experts": self.num_experts,
                 "tokens": list(self.tokens), "requests": self.requests,
-                "backends": list(self.backends), "experts": self.experts, "iters": self.iters,
+                "backends": list(self.backends), "experts": self.experts,
+                "conversion": self.conversion, "iters": self.iters,
                 "warmup": self.warmup, "rounds": self.rounds, "device": self.device,
                 "seed": self.seed, "cuda_graph": self.cuda_graph,
                 "decode": None if self.decode is None else dataclasses.asdict(self.decode)}

@@ -255,10 +255,12 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
             model = build_model(cfg, config, device=device, dtype=dtype)
         free_memory(device)
         model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
+                               conversion=cfg.conversion,
                                max_tokens_per_rank=conversion.max_tokens_per_rank,
                                max_tokens_per_ubatch=conversion.max_tokens_per_ubatch)
         free_memory(device)
         shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
+        shapes.setdefault("conversion", model.dbo_conversion_summary)
         decoder = DecodeStep(model)
         runner = DBORunner(decoder, DBOConfig(split=SplitCaches()), group=group)
         graphed = GraphedRunner(runner, warmup=GRAPH_WARMUP) if cfg.cuda_graph else None

@@ -75,7 +75,7 @@ def hf_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> HFB
         requests=(HFBenchConfig.requests if decode is not None else
                   requests_count(args.requests, where="--hf without --mode decode",
                                  default=HFBenchConfig.requests)),
-        backends=tuple(backends), experts=args.experts,
+        backends=tuple(backends), experts=args.experts, conversion=args.conversion,
         iters=args.iters if args.iters is not None else (20 if gpu else 5),
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
         rounds=args.rounds if args.rounds is not None else (3 if gpu else 1),

@@ -192,10 +192,12 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
             model = build_model(cfg, config, device=device, dtype=dtype)
         free_memory(device)
         model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
+                               conversion=cfg.conversion,
                                max_tokens_per_rank=conversion.max_tokens_per_rank,
                                max_tokens_per_ubatch=conversion.max_tokens_per_ubatch)
         free_memory(device)
         shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
+        shapes.setdefault("conversion", model.dbo_conversion_summary)
         runner = DBORunner(model, _DBO_ON, group=group)
         graphed = GraphedRunner(runner, warmup=GRAPH_WARMUP) if cfg.cuda_graph else None
         for tokens in conversion.points:
@@ -335,13 +337,11 @@ def timing_fields(hf: Timing, offs: list[Timing], ons: list[Timing], *, total_to
 
 def describe_model(model: nn.Module, config: Any, *, world: int,
                    dtype: torch.dtype) -> dict[str, Any]:
-    from moe.hf.arch import spec_for
-    spec = spec_for(config)
-    num_experts = getattr(config, spec.num_experts_field)
+    from moe.hf.named import expert_sizes
+    num_experts, top_k, width = expert_sizes(config)
     return {"model_type": config.model_type, "hidden_size": config.hidden_size,
             "num_experts": num_experts, "experts_per_rank": num_experts // world,
-            "top_k": config.num_experts_per_tok,
-            "intermediate_size": getattr(config, spec.expert_width_field),
+            "top_k": top_k, "intermediate_size": width,
             "layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
             "dtype": str(dtype).replace("torch.", ""),
             "hf_experts_implementation": getattr(model.config, "_experts_implementation", None),

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"with --hf: GPU 1024, CPU 8)")
     p.add_argument("--experts", default=d.experts, choices=EXPERT_KERNELS,
                    help="expert kernel (auto: the fastest that runs here)")
+    p.add_argument("--conversion", default="auto", choices=("auto", "experts"),
+                   help="--hf: auto (the fused path where the architecture has one) or "
+                        "experts (the experts path for every block)")
     p.add_argument("--iters", type=int, default=None, help="timed steps (default: GPU 20, CPU 5)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: GPU 5, CPU 2)")
     p.add_argument("--rounds", type=int, default=None,
@@ -201,6 +204,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     env = os.environ
+    if args.conversion != "auto" and args.hf is None:
+        parser.error("--conversion applies to --hf (a Hugging Face model's MoE blocks): "
+                     "drop it, or add --hf NAME")
     if args.hf is not None:
         from dbo.cli.bench.hf_launch import main_hf
         return main_hf(parser, args, env, spawn_ranks)

@@ -1,0 +1,89 @@
+"""Layer 1 (CPU): Llama-4's MoE block on the experts path (`moe.hf.input_scaled`): its
+experts scale their input by the routing weight and take pre-routed dense rows, so the
+whole block is replaced -- its router and shared expert kept, dbo's experts on the
+scaled rows; the converted logits match transformers', DBO off and on; top-k > 1 is
+refused in one line with the model left as it was.
+
+Tolerance: 1e-5 of the logits' scale (`tests.hf_utils.assert_logits_close`): float32,
+the experts' GEMMs over other row groupings (transformers runs every expert on every
+token, dbo only the routed rows).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import dbo  # noqa: E402
+import moe.hf  # noqa: E402
+from moe.hf import coverage  # noqa: E402
+from moe.hf.generic import HFExperts  # noqa: E402
+from moe.hf.input_scaled import InputScaledBlock  # noqa: E402
+from tests.hf_utils import assert_logits_close, batch, logits  # noqa: E402
+
+DBO_ON = dbo.DBOConfig(split="batch", split_kwargs=("attention_mask",),
+                       min_prefill_tokens=1, min_decode_tokens=1)
+
+
+def _llama4(top_k: int = 1) -> torch.nn.Module:
+    config = coverage.tiny_config("llama4")
+    config.num_experts_per_tok = top_k
+    torch.manual_seed(0)
+    return coverage.model_class(config)._from_config(config).eval()
+
+
+def test_the_block_is_replaced_keeping_its_router_and_shared_expert():
+    model = _llama4()
+    old = model.model.layers[0].feed_forward
+    router, shared = old.router, old.shared_expert
+    ids, mask = batch(3, 6, seed=1)
+    expected = logits(model, ids, mask)
+    moe.hf.convert(model)
+    block = model.model.layers[0].feed_forward
+    assert isinstance(block, InputScaledBlock) and isinstance(block.experts, HFExperts)
+    assert block.router is router and block.shared_expert is shared
+    assert "routing weight on the input" in model.dbo_conversion_summary
+    # The routed experts' tensors are dbo's now; the block's other names are unchanged.
+    names = {k for k in model.state_dict() if ".feed_forward." in k}
+    assert "model.layers.0.feed_forward.router.weight" in names
+    assert "model.layers.0.feed_forward.experts.w13" in names
+    assert_logits_close(logits(model, ids, mask), expected)
+    runner = dbo.DBORunner(model, DBO_ON)
+    with torch.inference_mode(), pytest.warns(dbo.NoYieldWarning):
+        out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert runner.last_decision.split
+    assert_logits_close(out, expected)
+
+
+def test_the_scaling_goes_on_the_input_not_the_output():
+    # With the weight applied after the experts instead, the logits differ: the test
+    # above could not pass by accident of the weights.
+    model = _llama4()
+    ids, mask = batch(2, 5, seed=2)
+    expected = logits(model, ids, mask)
+    moe.hf.convert(model)
+    for module in model.modules():
+        if isinstance(module, InputScaledBlock):
+            module.forward = _output_scaled_forward(module)
+    got = logits(model, ids, mask)
+    assert (got - expected).abs().max() > 1e-3 * expected.abs().max()
+
+
+def _output_scaled_forward(block: InputScaledBlock):
+    def forward(hidden_states):
+        x = hidden_states.reshape(-1, block.hidden_dim)
+        scores, router_logits = block.router(x)
+        ids = torch.topk(router_logits, block.top_k, dim=1).indices
+        routed = block.experts(x, ids, scores.gather(1, ids).float())
+        return block.shared_expert(x) + routed, router_logits
+    return forward
+
+
+def test_top_k_above_one_is_refused_with_nothing_converted():
+    model = _llama4(top_k=2)
+    before = [(name, type(m)) for name, m in model.named_modules()]
+    with pytest.raises(ValueError, match=r"feed_forward.*top_k=2.*top-1"):
+        moe.hf.convert(model)
+    assert [(name, type(m)) for name, m in model.named_modules()] == before
+    assert not hasattr(model, "dbo_conversion")
