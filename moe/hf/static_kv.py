@@ -22,6 +22,13 @@ steps, so each step sets the slot of the cache it uses from the step's `cache_po
 instead (`StaticKV.set_slot`): the layers' `cumulative_length` are views of one [L]
 tensor per cache, set by one copy.
 
+A sliding-window layer (`StaticSlidingWindowLayer`: sliding-window or chunked attention)
+whose window holds all M slots never rolls and writes as a `StaticLayer` does, in place
+at `cumulative_length + arange(q)`; its mask spans M slots from offset 0, and a chunked
+mask over positions below the chunk size is the causal one. Such a layer is taken; one
+whose window is smaller than M (it would roll its tensors, reading a host counter that a
+replayed graph never advances) is refused.
+
 The layers allocate their tensors lazily on the first `update`, from its keys' shape,
 dtype and device. The prompt runs on the ubatches' `DynamicCache`s (`moe.hf.kv`; its
 split or not as the runner decides), and the static cache is made from the joined
@@ -42,7 +49,9 @@ from moe.hf.deps import require
 __all__ = ["StaticKV", "check_static_cache", "static_cache_from_prompt"]
 
 STATIC_LAYER = "StaticLayer"
-"""The only layer class the static path takes: full attention over every slot."""
+"""The layer class of full attention over every slot."""
+SLIDING_LAYER = "StaticSlidingWindowLayer"
+"""Taken where its window holds every slot (module doc)."""
 MASKED_ATTENTION = ("sdpa", "eager")
 """Attention implementations whose mask covers the cache's empty slots (the mask
 builder sizes it to M from the 2D mask); others build none or another kind."""
@@ -75,13 +84,22 @@ def check_static_cache(model: Any, max_cache_len: int) -> None:
     implementation whose mask does not cover the empty slots."""
     transformers = require("transformers")
     cache = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
-    kinds = sorted({type(layer).__name__ for layer in cache.layers} - {STATIC_LAYER})
+    kinds = sorted({type(layer).__name__ for layer in cache.layers}
+                   - {STATIC_LAYER, SLIDING_LAYER})
     if kinds:
         raise ValueError(
             f"moe.hf.generate(static_cache=True / cuda_graph=True): the model's static KV "
             f"cache has {', '.join(kinds)} layers, which the static path cannot view by rows "
-            f"(it takes {STATIC_LAYER} only: full attention); generate with "
-            f"static_cache=False and cuda_graph=False")
+            f"(it takes {STATIC_LAYER}, and {SLIDING_LAYER} whose window holds every slot); "
+            f"generate with static_cache=False and cuda_graph=False")
+    windows = [layer.max_cache_len for layer in cache.layers if _rolls(layer, max_cache_len)]
+    if windows:
+        raise ValueError(
+            f"moe.hf.generate(static_cache=True / cuda_graph=True): the model attends over "
+            f"a window of {min(windows)} tokens (sliding or chunked attention), fewer than "
+            f"the {max_cache_len} the prompt and the new tokens take, and a static window "
+            f"that rolls cannot be replayed; keep the prompt plus the new tokens within "
+            f"{min(windows)}, or generate with static_cache=False and cuda_graph=False")
     attention = getattr(model.config, "_attn_implementation", None)
     if attention not in MASKED_ATTENTION:
         raise ValueError(
@@ -107,18 +125,28 @@ def static_cache_from_prompt(model: Any, prompt_cache: Any, *, max_cache_len: in
     assert len(cache.layers) == len(prompt_cache.layers), "the prompt ran other layers"
     num_rows = 0
     for static, layer in zip(cache.layers, prompt_cache.layers, strict=True):
-        assert type(static).__name__ == STATIC_LAYER, type(static)  # check_static_cache
+        assert not _rolls(static, max_cache_len), type(static)  # check_static_cache
         keys, values = layer.keys, layer.values
         num_rows, prompt_len = keys.shape[0], keys.shape[2]
         assert prompt_len <= max_cache_len, (prompt_len, max_cache_len)
         static.lazy_initialization(keys, values)
         static.keys[:, :, :prompt_len].copy_(keys)
         static.values[:, :, :prompt_len].copy_(values)
+        if type(static).__name__ == SLIDING_LAYER:
+            static.cumulative_length_int = prompt_len  # its host count of what it holds
     whole = StaticKV(cache, _bind_lengths(cache), slice(0, num_rows))
     if split_at is not None:
         whole.parts = (_rows_of(whole, slice(0, split_at)),
                        _rows_of(whole, slice(split_at, num_rows)))
     return whole
+
+
+def _rolls(layer: Any, max_cache_len: int) -> bool:
+    """Whether `layer` is not a full-attention layer of `max_cache_len` slots: another
+    class, or a sliding-window one whose window is smaller (module doc)."""
+    kind = type(layer).__name__
+    return kind != STATIC_LAYER and not (kind == SLIDING_LAYER
+                                         and layer.max_cache_len >= max_cache_len)
 
 
 def _rows_of(whole: StaticKV, rows: slice) -> StaticKV:

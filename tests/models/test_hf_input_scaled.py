@@ -87,3 +87,22 @@ def test_top_k_above_one_is_refused_with_nothing_converted():
         moe.hf.convert(model)
     assert [(name, type(m)) for name, m in model.named_modules()] == before
     assert not hasattr(model, "dbo_conversion")
+
+
+def test_generate_on_the_static_cache_with_chunked_attention():
+    # Llama-4's chunked-attention layers cache in StaticSlidingWindowLayers: taken while
+    # the chunk holds every slot (then it never rolls), refused in one line otherwise.
+    from tests.models.test_hf_generate import NEW_TOKENS, SPLIT_ALWAYS, reference
+    ids, mask = batch(4, 7, seed=4)
+    expected = reference(_llama4(), ids, mask)
+    runner = dbo.DBORunner(moe.hf.convert(_llama4()), SPLIT_ALWAYS)
+    with pytest.warns(dbo.NoYieldWarning):
+        out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                              static_cache=True)
+    assert torch.equal(out, expected)
+    small = _llama4()
+    small.config.attention_chunk_size = 8
+    runner = dbo.DBORunner(moe.hf.convert(small), SPLIT_ALWAYS)
+    with pytest.raises(ValueError, match=r"a window of 8 tokens .* fewer than the \d+ the prompt and"):
+        moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                        static_cache=True)
