@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import torch
@@ -129,11 +130,11 @@ def static_cache_from_prompt(model: Any, prompt_cache: Any, *, max_cache_len: in
         keys, values = layer.keys, layer.values
         num_rows, prompt_len = keys.shape[0], keys.shape[2]
         assert prompt_len <= max_cache_len, (prompt_len, max_cache_len)
+        if type(static).__name__ == SLIDING_LAYER:
+            static.__class__ = _full_window(type(static))
         static.lazy_initialization(keys, values)
         static.keys[:, :, :prompt_len].copy_(keys)
         static.values[:, :, :prompt_len].copy_(values)
-        if type(static).__name__ == SLIDING_LAYER:
-            static.cumulative_length_int = prompt_len  # its host count of what it holds
     whole = StaticKV(cache, _bind_lengths(cache), slice(0, num_rows))
     if split_at is not None:
         whole.parts = (_rows_of(whole, slice(0, split_at)),
@@ -141,10 +142,23 @@ def static_cache_from_prompt(model: Any, prompt_cache: Any, *, max_cache_len: in
     return whole
 
 
+@functools.lru_cache(maxsize=None)
+def _full_window(sliding: type) -> type:
+    """A subclass of transformers' `StaticSlidingWindowLayer` that writes, counts and
+    sizes its mask as its base `StaticLayer` does (module doc): for a window of every slot."""
+    full = next(c for c in sliding.__mro__ if c.__name__ == STATIC_LAYER)
+    return type(f"FullWindow{sliding.__name__}", (sliding,), {
+        "update": full.update, "get_seq_length": full.get_seq_length,
+        "get_mask_sizes": full.get_mask_sizes,
+        "__doc__": "A sliding-window layer whose window holds every slot (moe.hf.static_kv)."})
+
+
 def _rolls(layer: Any, max_cache_len: int) -> bool:
     """Whether `layer` is not a full-attention layer of `max_cache_len` slots: another
     class, or a sliding-window one whose window is smaller (module doc)."""
     kind = type(layer).__name__
+    if kind.startswith("FullWindow"):
+        return False
     return kind != STATIC_LAYER and not (kind == SLIDING_LAYER
                                          and layer.max_cache_len >= max_cache_len)
 

@@ -106,3 +106,33 @@ def test_generate_on_the_static_cache_with_chunked_attention():
     with pytest.raises(ValueError, match=r"a window of 8 tokens .* fewer than the \d+ the prompt and"):
         moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                         static_cache=True)
+
+
+def test_a_repeated_static_step_gives_the_same_logits_with_chunked_attention():
+    # A CUDA graph's warm-up and capture repeat a decode step at its slot (five times
+    # here, past the cache's free slots): the chunked layers' host counts must not
+    # reach the cache size, or they roll the cache and shift the mask.
+    import transformers
+
+    from moe.hf.generate import GroupedDecoder, RowGroup
+    from moe.hf.static_decode import StaticDecoder, mask_buffer, slot_tensor
+    from moe.hf.static_kv import static_cache_from_prompt
+    model = moe.hf.convert(_llama4())
+    ids, mask = batch(3, 5, seed=6)
+    prompt = transformers.DynamicCache(config=model.config)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        GroupedDecoder(model)(ids, mask, positions,
+                              groups=(RowGroup(rows=slice(0, 3), cache=prompt),))
+    slots = 7
+    kv = static_cache_from_prompt(model, prompt, max_cache_len=slots, split_at=None)
+    step_mask = mask_buffer(mask, slots)
+    step_mask[:, 5] = 1
+    step = StaticDecoder(model)
+    with torch.no_grad():
+        outs = [step(ids[:, -1:], step_mask, positions[:, -1:] + 1, slot_tensor(5, ids.device),
+                     kv=kv) for _ in range(5)]
+        full = model(input_ids=torch.cat([ids, ids[:, -1:]], 1),
+                     attention_mask=step_mask[:, :6], use_cache=False).logits[:, -1].float()
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    torch.testing.assert_close(outs[0], full, rtol=1e-5, atol=1e-5 * full.abs().max().item())

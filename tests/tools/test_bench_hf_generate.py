@@ -20,10 +20,10 @@ from dbo.cli.bench import hf_generate  # noqa: E402
 def test_cpu_run_times_the_eager_and_static_modes_and_skips_graphs(capsys, tmp_path):
     assert hf_generate.main(["--hf", "qwen3_moe", "--layers", "1", "--new-tokens", "2,4",
                              "--rounds", "1", "--world-size", "2",
-                             "--out", str(tmp_path)]) == 0
+                             "--out", str(tmp_path / "new" / "folder")]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     result = json.loads(printed[-1])
-    assert json.loads((tmp_path / "hf_generate.json").read_text()) == result
+    assert json.loads((tmp_path / "new" / "folder" / "hf_generate.json").read_text()) == result
     assert result["world_size"] == 2 and result["dtype"] == "float32"
     rows = {(row["mode"], row["dbo"]): row for row in result["rows"]}
     assert set(rows) == {(mode, on) for mode in hf_generate.MODES for on in (False, True)}
