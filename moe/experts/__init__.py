@@ -11,8 +11,9 @@ name            class                                                runs on
 ==============  ===================================================  =====================
 
 Experts of another form than dbo's SwiGLU (`moe.experts.form`: activations, no gate,
-biases, a post-expert norm) run on the torch kernels; `make_experts(..., form=)` picks or
-refuses a kernel by `Experts.supports`, and `moe.experts.bound.BoundExperts` binds a
+biases, a post-expert norm) run on every kernel, the Triton one refusing only a "custom"
+activation (the model's own callable); `make_experts(..., form=)` picks or refuses a
+kernel by `Experts.supports`, and `moe.experts.bound.BoundExperts` binds a
 layer's `ExpertExtras` to a kernel for callers that pass the weights only.
 """
 from __future__ import annotations

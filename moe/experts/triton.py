@@ -27,6 +27,7 @@ from torch import Tensor
 from dbo.yield_points import dbo_enabled
 from moe.experts.base import Experts
 from moe.experts.form import ExpertExtras, ExpertForm
+from moe.kernels.fused_moe_form import unsupported_reason
 from moe.kernels.policy import KernelPolicy
 from moe.workspace import Workspace
 
@@ -53,8 +54,9 @@ _INSTALL_HINT = "pip install triton"
 
 
 class TritonExperts(Experts):
-    """Align rows by expert, then two grouped Triton GEMMs (SiLU-gate and routing weight
-    fused into their epilogues) and a deterministic fp32 sum over k.
+    """Align rows by expert, then two grouped Triton GEMMs (the expert's biases and
+    activation, SiLU-gate by default, and the routing weight fused into their epilogues)
+    and a deterministic fp32 sum over k.
 
     Args:
         policy: the kernel paths (`moe.kernels.policy.KernelPolicy`); where SMs are shared
@@ -94,13 +96,10 @@ class TritonExperts(Experts):
 
     @classmethod
     def supports(cls, form: ExpertForm) -> str | None:
-        """The fused kernel computes dbo's SwiGLU expert only: its epilogue is silu(gate) *
-        up, with no bias and no post-expert norm."""
-        if form.is_default:
-            return None
-        return (f"the triton experts compute silu(gate) * up only, not "
-                f"{form.describe()!r} ({', '.join(form.differences())}): use experts "
-                f"'grouped' or 'reference'")
+        """Every form but a "custom" activation (the model's own callable): interleaved
+        gate/up, biases and the named activations (GPT-OSS's clamped SwiGLU too) run in the
+        GEMMs' epilogues, a post-expert norm on GEMM2's rows (`moe.kernels.fused_moe_form`)."""
+        return unsupported_reason(form)
 
     def apply(
         self,
@@ -116,8 +115,8 @@ class TritonExperts(Experts):
         """See `Experts.apply`. Routing, the expert-sorted [P, I] activation and the
         [N*K, H] weighted rows (sharing memory with the sorted x where that path is taken)
         come from ``workspace`` when given; ids are not range-checked (no host sync).
-        No persistent GEMMs where SMs are shared (module doc). ValueError for an `extras`
-        form other than the default (`supports`)."""
+        No persistent GEMMs where SMs are shared (module doc). ValueError, before anything
+        runs, for an `extras` form the kernels do not compute (`supports`)."""
         if extras is not None:
             reason = self.supports(extras.form)
             if reason is not None:
@@ -128,7 +127,7 @@ class TritonExperts(Experts):
         if _sms_shared():
             policy = dataclasses.replace(policy, persistent=False)
         return fused_moe(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK,
-                         workspace=workspace, policy=policy)
+                         workspace=workspace, policy=policy, extras=extras)
 
 
 def _is_interpreted(kernel: object) -> bool:

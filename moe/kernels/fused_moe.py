@@ -5,7 +5,9 @@
     then   out[n] = sum over k with id[n, k] >= 0 of y[n*K + k]
                     (`sum_routed_rows`, fp32 accumulation, k in order)
 
-where r = n*K + k is a flat routed row and e = topk_ids[n, k]. `fused_moe` aligns the
+where r = n*K + k is a flat routed row and e = topk_ids[n, k] (dbo's default expert; an
+expert form changes the epilogues and, with a post-expert norm, the sum:
+`moe.kernels.fused_moe_form`). `fused_moe` aligns the
 routing into expert-sorted, padded row blocks (`moe.kernels.align_triton`) and queues the
 two GEMMs (`moe.kernels.fused_moe_triton.fused_moe_kernel`, or the persistent schedule of
 `moe.kernels.fused_moe_persistent`; tiles and autotuners in `moe.kernels.fused_moe_tiles`)
@@ -42,10 +44,12 @@ from typing import Any
 import torch
 import triton
 
-from moe.experts.base import check_expert_inputs
+from moe.experts.base import check_expert_inputs, weighted_topk_sum
+from moe.experts.form import ExpertExtras
 from moe.kernels import policy as rules
 from moe.kernels.align import AlignedRouting
 from moe.kernels.align_triton import align_routing_triton
+from moe.kernels.fused_moe_form import GemmEpilogue, epilogues, gemm_role
 from moe.kernels.fused_moe_persistent import fused_moe_persistent_kernel
 from moe.kernels.fused_moe_tiles import (INTERPRETER_PERSISTENT_TILE, INTERPRETER_PROGRAMS,
                                          INTERPRETER_TILE, persistent_launcher, tuned_launcher)
@@ -93,8 +97,10 @@ def fused_moe(
     workspace: Workspace | None = None,
     block_m: int | None = None,
     policy: KernelPolicy = KernelPolicy(),
+    extras: ExpertExtras | None = None,
 ) -> torch.Tensor:
-    """Routed expert MLPs: out[n] = sum_k w[n,k] * W2_e(silu(gate_e x[n]) * up_e x[n]).
+    """Routed expert MLPs: out[n] = sum_k w[n,k] * W2_e(silu(gate_e x[n]) * up_e x[n]),
+    or the expert of `extras`' form (`moe.kernels.fused_moe_form`).
 
     Args:
         x_NH: [N, H] activations, bf16/fp16/fp32, last dim contiguous.
@@ -112,6 +118,10 @@ def fused_moe(
             rules, per GEMM) and compiled-handle launches; see `KernelPolicy`. A True
             `tma` or `persistent` raises ValueError where TMA cannot load the operands
             (on CPU the interpreter emulates it, for tests); `sorted_x` needs GEMM1 on TMA.
+        extras: the experts' form and its tensors; None: dbo's SwiGLU expert. The biases
+            and activation run in the GEMMs' epilogues; with a post-expert norm GEMM2
+            writes unweighted fp32 rows, the norm runs on them in torch, then the
+            weighted k-sum (`weighted_topk_sum`). ValueError for a "custom" activation.
 
     Returns:
         [N, H] in x's dtype on x's device, valid on the current stream. GEMMs accumulate in
@@ -119,10 +129,13 @@ def fused_moe(
         fp32. fp32 inputs use TF32 tensor cores on the GPU only when
         `torch.backends.cuda.matmul.allow_tf32` is set, like torch's own matmul.
     """
-    _check(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK)
+    epi1, epi2 = epilogues(extras.form) if extras is not None else (None, None)
+    _check(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, extras)
     num_tokens, hidden = x_NH.shape
-    num_experts, two_inter, _ = w13_EIH.shape
-    inter = two_inter // 2
+    num_experts, inter = w13_EIH.shape[0], w2_EHI.shape[2]
+    bias1 = bias2 = post_norm = None
+    if extras is not None:
+        bias1, bias2, post_norm = extras.bias13_EJ, extras.bias2_EH, extras.post_norm
     top_k = topk_ids_NK.shape[1]
     num_routed = num_tokens * top_k
     device, dtype = x_NH.device, x_NH.dtype
@@ -165,30 +178,40 @@ def fused_moe(
 
     a_x = x_NH
     if sorted_x:
-        # The sorted x is dead once GEMM1 has run (same stream), so GEMM2's rows reuse it.
         a_x = empty_from(workspace, "triton.rows", (max_rows, hidden), dtype, device)
         gather_rows(x_NH, a_x, routing, rows_div=top_k, compiled=compiled)
+    weights2 = topk_weights_NK
+    if post_norm is not None:  # unweighted fp32 rows; dropped ones stay 0 for the norm
+        y_RH, weights2 = torch.zeros(num_routed, hidden, device=device), None
+    elif sorted_x:
+        # The sorted x is dead once GEMM1 has run (same stream), so GEMM2's rows reuse it.
         y_RH = a_x[:num_routed]
     else:
         y_RH = empty_from(workspace, "triton.rows", (num_routed, hidden), dtype, device)
+    form1 = dict(epilogue=epi1, bias=bias1)
+    form2 = dict(epilogue=epi2, bias=bias2)
     tiles1 = rules.gemm_tiles(block_m, gated=True, rows_per_expert=rows_per_expert)
     tiles2 = rules.gemm_tiles(block_m, gated=False, rows_per_expert=rows_per_expert)
     half_tail = block_m >= 32  # half tiles of at least 16 rows (tl.dot's minimum)
     if persist1:
         launch_persistent(a_x, w13_EIH, act_PI, None, routing, n=inter, k=hidden,
                           a_rows_div=top_k, a_sorted=sorted_x, half_tail=half_tail,
-                          compiled=compiled)
+                          compiled=compiled, **form1)
     else:
         _launch(kernel_launch(a_x, w13_EIH, act_PI, None, routing, n=inter, k=hidden,
                               a_rows_div=top_k, a_sorted=sorted_x, tma=tma1,
-                              tiles=tiles1), compiled=compiled)
+                              tiles=tiles1, **form1), compiled=compiled)
     if persist2:
-        launch_persistent(act_PI, w2_EHI, y_RH, topk_weights_NK, routing, n=hidden, k=inter,
-                          a_rows_div=1, a_sorted=True, half_tail=half_tail, compiled=compiled)
+        launch_persistent(act_PI, w2_EHI, y_RH, weights2, routing, n=hidden, k=inter,
+                          a_rows_div=1, a_sorted=True, half_tail=half_tail, compiled=compiled,
+                          **form2)
     else:
-        _launch(kernel_launch(act_PI, w2_EHI, y_RH, topk_weights_NK, routing, n=hidden,
-                              k=inter, a_rows_div=1, a_sorted=True, tma=tma2, tiles=tiles2),
-                compiled=compiled)
+        _launch(kernel_launch(act_PI, w2_EHI, y_RH, weights2, routing, n=hidden,
+                              k=inter, a_rows_div=1, a_sorted=True, tma=tma2, tiles=tiles2,
+                              **form2), compiled=compiled)
+    if post_norm is not None:
+        return weighted_topk_sum(post_norm(y_RH).float(), topk_ids_NK, topk_weights_NK,
+                                 out_dtype=dtype)
 
     out_NH = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
     sum_routed_rows(y_RH, topk_ids_NK, out_NH, compiled=compiled)
@@ -255,25 +278,29 @@ def kernel_launch(
     a_sorted: bool,
     tma: bool,
     tiles: GemmTiles = GemmTiles(),
+    epilogue: GemmEpilogue | None = None,
+    bias: torch.Tensor | None = None,
 ) -> KernelLaunch:
-    """The launch of one GEMM of the pair: GEMM1 (gated, `weights_NK` None, writes the
-    sorted [P, N] activation) or GEMM2 (weighted by `weights_NK`, float32 [N, K] with a
-    unit last stride, maybe a view into packed rows; writes rows by routed id, none for
-    dropped ids). `a_sorted`: A is [P, K] in
-    the sorted row order. `tiles`: see `GemmTiles`."""
+    """The launch of one GEMM of the pair: GEMM1 (`epilogue.first`, writes the sorted
+    [P, N] activation) or GEMM2 (writes rows by routed id, none for dropped ids), weighted
+    by `weights_NK` when given (float32 [N, K] with a unit last stride, maybe a view into
+    packed rows). `epilogue` None: dbo's default GEMM1 (gated) when `weights_NK` is None,
+    else its GEMM2 (`moe.kernels.fused_moe_form.gemm_role`); `bias`: the form's [E, rows]
+    biases. `a_sorted`: A is [P, K] in the sorted row order. `tiles`: see `GemmTiles`."""
     tile_m = tiles.rows or routing.block_m
     half_tail, tail_m = tiles.half_tail, tiles.tail_rows
     if routing.block_m % tile_m or (half_tail and tile_m < 32):
         raise ValueError(f"{tiles}: tiles must divide the routing's {routing.block_m}-row "
                          "blocks, and half tiles need >= 32 rows")
-    if tail_m and (weights_NK is None or tile_m != routing.block_m or tail_m < 16
+    role = gemm_role(a, c, weights_NK, a_rows_div=a_rows_div, a_sorted=a_sorted,
+                     epilogue=epilogue, bias=bias)
+    if tail_m and (role.flags["C_SORTED"] or tile_m != routing.block_m or tail_m < 16
                    or tail_m > tile_m // 2 or tail_m & (tail_m - 1)):
         raise ValueError(f"{tiles} on {routing.block_m}-row blocks: tails are for GEMM2 on "
                          "whole-block tiles, a power of two from 16 to half the block")
     max_rows = routing.sorted_ids_P.numel()
-    role = gemm_role(a, c, weights_NK, a_rows_div=a_rows_div, a_sorted=a_sorted)
     args = (
-        a, b, c, role.weights,
+        a, b, c, role.weights, role.bias,
         routing.sorted_ids_P, routing.block_expert_ids_B, routing.num_padded_rows,
         n, k, routing.num_routed, max_rows, next_power_of_2(max(max_rows, 1)),
         b.shape[0], role.weights_top_k,
@@ -310,10 +337,16 @@ def _check(
     w2_EHI: torch.Tensor,
     topk_ids_NK: torch.Tensor,
     topk_weights_NK: torch.Tensor,
+    extras: ExpertExtras | None,
 ) -> None:
     """The `Experts.apply` contract, plus unit-stride last dims: other strides would be
     correct but silently slow (the tiles are loaded along the last dim)."""
-    check_expert_inputs(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK)
+    check_expert_inputs(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, extras)
+    for name in ("bias13_EJ", "bias2_EH"):
+        bias = getattr(extras, name, None)
+        if bias is not None and bias.device != x_NH.device:
+            raise ValueError(f"fused_moe: {name} is on {bias.device}, x on {x_NH.device}: "
+                             f"keep the expert biases with the weights")
     for name, t in (("x", x_NH), ("w13", w13_EIH), ("w2", w2_EHI)):
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(
@@ -340,17 +373,20 @@ def launch_persistent(
     a_sorted: bool,
     half_tail: bool = True,
     compiled: bool = True,
+    epilogue: GemmEpilogue | None = None,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """Queue one GEMM of the pair on the current stream as the persistent kernel, as
-    `kernel_launch` describes it (GEMM1 when `weights_NK` is None: gated, writes the sorted [P, n]
-    activation; GEMM2: weighted, writes rows by routed id), over `routing`'s tile table.
+    `kernel_launch` describes it (GEMM1: writes the sorted [P, n] activation; GEMM2:
+    writes rows by routed id; `epilogue`, `bias` as there), over `routing`'s tile table.
     `b` must be contiguous [E, rows, k] and the operands TMA-loadable."""
     if not b.is_contiguous():
         raise ValueError("launch_persistent: expert weights must be contiguous")
     max_rows = routing.sorted_ids_P.numel()
-    role = gemm_role(a, c, weights_NK, a_rows_div=a_rows_div, a_sorted=a_sorted)
+    role = gemm_role(a, c, weights_NK, a_rows_div=a_rows_div, a_sorted=a_sorted,
+                     epilogue=epilogue, bias=bias)
     args = (
-        a, b, c, role.weights,
+        a, b, c, role.weights, role.bias,
         routing.sorted_ids_P, routing.block_expert_ids_B, routing.tile_rows_B,
         routing.num_tiles,
         n, k, routing.num_routed, max_rows, next_power_of_2(max(max_rows, 1)),
@@ -370,36 +406,6 @@ def launch_persistent(
     tune_key = (tuple(flags.values()), n, k, max_rows, a.dtype, b.dtype, c.dtype)
     persistent_launcher()(tune_key, lambda meta: (programs,), *args, compiled=compiled,
                           **flags)
-
-
-@dataclass(frozen=True)
-class GemmRole:
-    """What makes a launch GEMM1 or GEMM2 of the pair, in both kernels' terms."""
-
-    weights: torch.Tensor
-    """The routing weights' pointer argument (C when unused, for GEMM1)."""
-    weights_top_k: int
-    stride_wn: int
-    flags: dict[str, Any]
-    """A_ROWS_DIV, A_SORTED, C_SORTED, GATED, MUL_ROUTED_WEIGHT, INPUT_PRECISION."""
-
-
-def gemm_role(a: torch.Tensor, c: torch.Tensor, weights_NK: torch.Tensor | None, *,
-              a_rows_div: int, a_sorted: bool) -> GemmRole:
-    """GEMM1 when `weights_NK` is None (gated, writes the sorted activation), else GEMM2
-    (weighted by float32 [N, K] routing weights, made unit-stride in their last dim if
-    needed; writes rows by routed id). `a_sorted`: A is in the sorted row order."""
-    final = weights_NK is not None
-    if final and weights_NK.stride(1) != 1:
-        weights_NK = weights_NK.contiguous()
-    # Follow torch's matmul: exact fp32 unless the user allowed TF32 (16-bit: unused).
-    ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    flags = {"A_ROWS_DIV": a_rows_div, "A_SORTED": a_sorted, "C_SORTED": not final,
-             "GATED": not final, "MUL_ROUTED_WEIGHT": final,
-             "INPUT_PRECISION": "ieee" if ieee else "tf32"}
-    if not final:
-        return GemmRole(c, 1, 1, flags)
-    return GemmRole(weights_NK, weights_NK.shape[1], weights_NK.stride(0), flags)
 
 
 def tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moe.kernels.fused_moe_triton import (gate_up_descriptor, gate_up_dot, split_gate_up,
-                                          store_tile)
+from moe.kernels.fused_moe_epilogue import (gate_up_descriptor, gate_up_dot, split_gate_up,
+                                            store_tile)
 
 
 @triton.jit
@@ -37,6 +37,7 @@ def fused_moe_persistent_kernel(
     b_ptr,  # expert weights [E, rows, K] (contiguous): w13 [E, 2N, K] (GATED) or w2 [E, N, K]
     c_ptr,  # output: [R, N] by flat routed id, or [P, N] in sorted row order (C_SORTED)
     topk_weights_ptr,  # float32 [N_tok, K] (row stride stride_wn); MUL_ROUTED_WEIGHT only
+    bias_ptr,  # HAS_BIAS: the expert biases [E, rows], contiguous
     # Routing from moe.kernels.align
     sorted_ids_ptr,  # int32 [P]: flat routed id per row, `num_routed` = padding
     block_expert_ids_ptr,  # int32 [P // ROUTE_BLOCK_M]: expert per row block
@@ -61,8 +62,14 @@ def fused_moe_persistent_kernel(
     A_ROWS_DIV: tl.constexpr,  # gathered A row = routed id // A_ROWS_DIV (top-k for x)
     A_SORTED: tl.constexpr,  # A row = sorted row, loaded by TMA
     C_SORTED: tl.constexpr,  # C row = sorted row (the [P, I] activation)
-    GATED: tl.constexpr,  # B holds gate rows [0, N) then up rows [N, 2N): silu(g) * u
+    GATED: tl.constexpr,  # B holds gate rows [0, N) then up rows [N, 2N): act(g) * u
     MUL_ROUTED_WEIGHT: tl.constexpr,  # scale each row by its routing weight
+    # The expert form's epilogue (`moe.kernels.fused_moe_epilogue.store_tile`)
+    INTERLEAVED: tl.constexpr,  # GATED: B's rows alternate gate, up
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    LIMIT: tl.constexpr,
+    ALPHA: tl.constexpr,
     HALF_TAIL: tl.constexpr,  # half-used tiles run BLOCK_M // 2 rows (else full height)
     # Tiles
     BLOCK_M: tl.constexpr,  # the routing's block: one tile per table entry
@@ -86,28 +93,30 @@ def fused_moe_persistent_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(axis=0)
     _tile_loop(
-        a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ids_ptr,
+        a_ptr, b_ptr, c_ptr, topk_weights_ptr, bias_ptr, sorted_ids_ptr, block_expert_ids_ptr,
         tile_rows_ptr, 0, num_full, pid,
         N, K, num_routed, max_padded_rows, num_experts, weights_top_k,
         stride_am, stride_ak, stride_bn, stride_cm, stride_cn, stride_wn,
         A_ROWS_DIV, A_SORTED, C_SORTED, GATED, MUL_ROUTED_WEIGHT,
+        INTERLEAVED, ACTIVATION, HAS_BIAS, LIMIT, ALPHA,
         BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, FLATTEN, INPUT_PRECISION)
     if HALF_TAIL:
         # Continue the round-robin where the full tiles stopped.
         shift = (num_full * num_pid_n) % NUM_PROGRAMS
         _tile_loop(
-            a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ids_ptr,
+            a_ptr, b_ptr, c_ptr, topk_weights_ptr, bias_ptr, sorted_ids_ptr, block_expert_ids_ptr,
             tile_rows_ptr, num_full, num_half, (pid + NUM_PROGRAMS - shift) % NUM_PROGRAMS,
             N, K, num_routed, max_padded_rows, num_experts, weights_top_k,
             stride_am, stride_ak, stride_bn, stride_cm, stride_cn, stride_wn,
             A_ROWS_DIV, A_SORTED, C_SORTED, GATED, MUL_ROUTED_WEIGHT,
+            INTERLEAVED, ACTIVATION, HAS_BIAS, LIMIT, ALPHA,
             BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, FLATTEN,
             INPUT_PRECISION)
 
 
 @triton.jit
 def _tile_loop(
-    a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ids_ptr,
+    a_ptr, b_ptr, c_ptr, topk_weights_ptr, bias_ptr, sorted_ids_ptr, block_expert_ids_ptr,
     tile_rows_ptr,
     first_entry,  # table index of this loop's first tile row
     num_pid_m,  # table entries this loop covers
@@ -119,6 +128,11 @@ def _tile_loop(
     C_SORTED: tl.constexpr,
     GATED: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    LIMIT: tl.constexpr,
+    ALPHA: tl.constexpr,
     BM: tl.constexpr,  # rows computed per tile: BLOCK_M, or BLOCK_M // 2 for half tiles
     ROUTE_BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -133,11 +147,14 @@ def _tile_loop(
     GATED: the gate and up rows of a column block load as one [2, BLOCK_N, BLOCK_K] TMA
     box of w13 viewed [E * 2, N, K] and multiply as one [BM, 2 * BLOCK_N] dot; the
     accumulator is split into the two halves for the epilogue. Past an expert's last
-    row the box reads zeros. Else B is viewed [E * N, K]: past an expert's last weight
-    row the descriptor reads the next expert's rows (or zeros past the tensor), and the
-    store mask drops those columns."""
+    row the box reads zeros (INTERLEAVED: one [BLOCK_N, 2, BLOCK_K] box of w13 viewed
+    [E * N, 2, K], which reads the next expert's rows there; `gate_up_descriptor`). Else
+    B is viewed [E * N, K]: past an expert's last weight row the descriptor reads the
+    next expert's rows (or zeros past the tensor), and the store mask drops those
+    columns."""
     if GATED:
-        b_desc = gate_up_descriptor(b_ptr, num_experts, N, K, stride_bn, BLOCK_N, BLOCK_K)
+        b_desc = gate_up_descriptor(b_ptr, num_experts, N, K, stride_bn, BLOCK_N, BLOCK_K,
+                                    INTERLEAVED)
     else:
         b_desc = tl.make_tensor_descriptor(
             b_ptr, shape=[num_experts * N, K], strides=[stride_bn, 1],
@@ -179,14 +196,15 @@ def _tile_loop(
                             other=0.0)
             if GATED:
                 acc_pair = gate_up_dot(b_desc, a, acc_pair, expert, pid_n * BLOCK_N, k0,
-                                       BLOCK_N, BLOCK_K, INPUT_PRECISION)
+                                       BLOCK_N, BLOCK_K, INPUT_PRECISION, N, INTERLEAVED)
             else:
                 b = b_desc.load([expert * N + pid_n * BLOCK_N, k0]).T
                 acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         if GATED:
-            acc, acc_up = split_gate_up(acc_pair, BM, BLOCK_N)
+            acc, acc_up = split_gate_up(acc_pair, BM, BLOCK_N, INTERLEAVED)
         else:
             acc_up = acc  # unused by the epilogue
-        store_tile(acc, acc_up, c_ptr, topk_weights_ptr, offs_m, row_ids, pid_n,
-                   N, num_routed, weights_top_k, stride_cm, stride_cn, stride_wn,
-                   C_SORTED, GATED, MUL_ROUTED_WEIGHT, BLOCK_N)
+        store_tile(acc, acc_up, c_ptr, topk_weights_ptr, bias_ptr, expert, offs_m, row_ids,
+                   pid_n, N, num_routed, weights_top_k, stride_cm, stride_cn, stride_wn,
+                   C_SORTED, GATED, MUL_ROUTED_WEIGHT, BLOCK_N,
+                   INTERLEAVED, ACTIVATION, HAS_BIAS, LIMIT, ALPHA)

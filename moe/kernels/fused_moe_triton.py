@@ -5,15 +5,19 @@ One kernel serves both GEMMs of an expert MLP; constexpr flags pick the epilogue
     GEMM1 (GATED):             act[r]  = silu(x[r // K] @ gate_e^T) * (x[r // K] @ up_e^T)
     GEMM2 (MUL_ROUTED_WEIGHT): y[r]    = topk_weight[r] * (act[r] @ w2_e^T)
 
-where r = n*K + k is a flat routed row and e = topk_ids[n, k]. Rows are visited in the
-expert-sorted, BLOCK_M-padded order p from `moe.kernels.align_triton`, so each program
-multiplies BLOCK_M rows of one expert by a BLOCK_N slice of that expert's weights. Every
-output row is written by exactly one program (no atomics).
+where r = n*K + k is a flat routed row and e = topk_ids[n, k]. That is dbo's default
+expert; the flags of an expert form (`moe.kernels.fused_moe_form`: interleaved gate/up
+rows, biases, no gate, other activations, GPT-OSS's clamped SwiGLU) change the loads of
+w13's rows and the epilogue (`moe.kernels.fused_moe_epilogue`), as constexpr branches.
+Rows are visited in the expert-sorted, BLOCK_M-padded order p from
+`moe.kernels.align_triton`, so each program multiplies BLOCK_M rows of one expert by a
+BLOCK_N slice of that expert's weights. Every output row is written by exactly one
+program (no atomics).
 
 The host side (load paths, tile heights, launches) is `moe.kernels.fused_moe`; the tile
 candidates and the autotuners are `moe.kernels.fused_moe_tiles`; the persistent schedule
-of the same math is `moe.kernels.fused_moe_persistent`, which shares the pieces at the
-end of this file (GEMM1's gate-and-up dot on TMA loads, the tile epilogue).
+of the same math is `moe.kernels.fused_moe_persistent`; both take GEMM1's gate-and-up
+dot on TMA loads and the tile epilogue from `moe.kernels.fused_moe_epilogue`.
 
 Import only after TRITON_INTERPRET is settled: Triton reads this module when the kernels
 are defined. Nothing is compiled or launched at import.
@@ -23,6 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moe.kernels.fused_moe_epilogue import (gate_up_descriptor, gate_up_dot, split_gate_up,
+                                            store_tile)
 
 
 @triton.jit
@@ -32,6 +38,7 @@ def fused_moe_kernel(
     b_ptr,  # expert weights [E, rows, K]: w13 [E, 2N, K] (GATED) or w2 [E, N, K]
     c_ptr,  # output: [R, N] by flat routed id, or [P, N] in sorted row order (C_SORTED)
     topk_weights_ptr,  # float32 [N_tok, K] (row stride stride_wn); MUL_ROUTED_WEIGHT only
+    bias_ptr,  # HAS_BIAS: the expert biases [E, rows], contiguous
     # Routing from moe.kernels.align
     sorted_ids_ptr,  # int32 [P]: flat routed id per row, `num_routed` = padding
     block_expert_ids_ptr,  # int32 [P // BLOCK_M]: expert per row block, -1 = dropped/idle
@@ -58,8 +65,14 @@ def fused_moe_kernel(
     A_SORTED: tl.constexpr,  # A row = sorted row (act, or x gathered by `gather_rows_kernel`)
     C_SORTED: tl.constexpr,  # C row = sorted row (the [P, I] activation)
     USE_TMA: tl.constexpr,  # load B, and A when A_SORTED, through tensor descriptors
-    GATED: tl.constexpr,  # B holds gate rows [0, N) then up rows [N, 2N): silu(g) * u
+    GATED: tl.constexpr,  # B holds gate rows [0, N) then up rows [N, 2N): act(g) * u
     MUL_ROUTED_WEIGHT: tl.constexpr,  # scale each row by its routing weight
+    # The expert form's epilogue (`moe.kernels.fused_moe_epilogue.store_tile`)
+    INTERLEAVED: tl.constexpr,  # GATED: B's rows alternate gate, up
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    LIMIT: tl.constexpr,
+    ALPHA: tl.constexpr,
     HALF_TAIL: tl.constexpr,  # a block whose lower half is padding does half the math
     TAIL_M: tl.constexpr,  # > 0 (not GATED): an expert's last block of <= TAIL_M used
     # rows is computed by the block before it (BLOCK_M == ROUTE_BLOCK_M)
@@ -72,7 +85,8 @@ def fused_moe_kernel(
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 inputs: "ieee" or "tf32"
 ):
     """One [BLOCK_M, BLOCK_N] tile: C[r, n] = epilogue(sum_k A[r, k] * B[e, n, k]) for the
-    BLOCK_M rows r of one expert-e block (GATED: B rows n and N + n).
+    BLOCK_M rows r of one expert-e block (GATED: B rows n and N + n; INTERLEAVED: 2n and
+    2n + 1).
 
     Shapes: B [E, N or 2N, K], topk weights [N_tok, top-k] fp32 (row stride stride_wn);
     A and C as the flags say. The 1-D
@@ -145,33 +159,36 @@ def fused_moe_kernel(
         half_used = tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) >= num_routed
     if with_tail:
         _expert_tile(
-            a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, row0, pid_n, expert,
+            a_ptr, b_ptr, c_ptr, topk_weights_ptr, bias_ptr, sorted_ids_ptr, row0, pid_n, expert,
             N, K, num_routed, max_padded_rows, num_experts, weights_top_k,
             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
             stride_wn,
             A_ROWS_DIV, A_SORTED, C_SORTED, USE_TMA, GATED, MUL_ROUTED_WEIGHT,
+            INTERLEAVED, ACTIVATION, HAS_BIAS, LIMIT, ALPHA,
             BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, TAIL_M)
     elif half_used:
         _expert_tile(
-            a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, row0, pid_n, expert,
+            a_ptr, b_ptr, c_ptr, topk_weights_ptr, bias_ptr, sorted_ids_ptr, row0, pid_n, expert,
             N, K, num_routed, max_padded_rows, num_experts, weights_top_k,
             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
             stride_wn,
             A_ROWS_DIV, A_SORTED, C_SORTED, USE_TMA, GATED, MUL_ROUTED_WEIGHT,
+            INTERLEAVED, ACTIVATION, HAS_BIAS, LIMIT, ALPHA,
             BLOCK_M // 2, BLOCK_N, BLOCK_K, INPUT_PRECISION, 0)
     else:
         _expert_tile(
-            a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, row0, pid_n, expert,
+            a_ptr, b_ptr, c_ptr, topk_weights_ptr, bias_ptr, sorted_ids_ptr, row0, pid_n, expert,
             N, K, num_routed, max_padded_rows, num_experts, weights_top_k,
             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
             stride_wn,
             A_ROWS_DIV, A_SORTED, C_SORTED, USE_TMA, GATED, MUL_ROUTED_WEIGHT,
+            INTERLEAVED, ACTIVATION, HAS_BIAS, LIMIT, ALPHA,
             BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, 0)
 
 
 @triton.jit
 def _expert_tile(
-    a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr,
+    a_ptr, b_ptr, c_ptr, topk_weights_ptr, bias_ptr, sorted_ids_ptr,
     row0,  # first sorted row of the tile
     pid_n,  # column block of the output
     expert,  # int64, >= 0
@@ -183,6 +200,11 @@ def _expert_tile(
     USE_TMA: tl.constexpr,
     GATED: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    LIMIT: tl.constexpr,
+    ALPHA: tl.constexpr,
     BM: tl.constexpr,  # rows of this tile: BLOCK_M, or BLOCK_M // 2 for a half-used block
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -206,11 +228,18 @@ def _expert_tile(
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     # Weight columns wrap around N so loads stay in bounds; the store mask drops them.
     offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    b_ptrs = b_ptr + expert * stride_be + offs_bn[None, :] * stride_bn + offs_k[:, None] * stride_bk
-    up_ptrs = b_ptrs + N * stride_bn
+    if INTERLEAVED:  # gate row 2n, up row 2n + 1
+        b_ptrs = (b_ptr + expert * stride_be + (2 * offs_bn)[None, :] * stride_bn
+                  + offs_k[:, None] * stride_bk)
+        up_ptrs = b_ptrs + stride_bn
+    else:
+        b_ptrs = (b_ptr + expert * stride_be + offs_bn[None, :] * stride_bn
+                  + offs_k[:, None] * stride_bk)
+        up_ptrs = b_ptrs + N * stride_bn
     if USE_TMA:
         if GATED:
-            b_desc = gate_up_descriptor(b_ptr, num_experts, N, K, stride_bn, BLOCK_N, BLOCK_K)
+            b_desc = gate_up_descriptor(b_ptr, num_experts, N, K, stride_bn, BLOCK_N, BLOCK_K,
+                                        INTERLEAVED)
             expert32 = expert.to(tl.int32)
         else:
             b_desc = tl.make_tensor_descriptor(
@@ -255,7 +284,8 @@ def _expert_tile(
                 a_ptrs_t += BLOCK_K * stride_ak
         if USE_TMA and GATED:
             acc_pair = gate_up_dot(b_desc, a, acc_pair, expert32, pid_n * BLOCK_N,
-                                   k * BLOCK_K, BLOCK_N, BLOCK_K, INPUT_PRECISION)
+                                   k * BLOCK_K, BLOCK_N, BLOCK_K, INPUT_PRECISION, N,
+                                   INTERLEAVED)
         else:
             if USE_TMA:
                 b = b_desc.load([b_row, k * BLOCK_K]).T
@@ -271,15 +301,17 @@ def _expert_tile(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if USE_TMA and GATED:
-        acc, acc_up = split_gate_up(acc_pair, BM, BLOCK_N)
+        acc, acc_up = split_gate_up(acc_pair, BM, BLOCK_N, INTERLEAVED)
 
-    store_tile(acc, acc_up, c_ptr, topk_weights_ptr, offs_m, row_ids, pid_n,
+    store_tile(acc, acc_up, c_ptr, topk_weights_ptr, bias_ptr, expert, offs_m, row_ids, pid_n,
                N, num_routed, weights_top_k, stride_cm, stride_cn, stride_wn,
-               C_SORTED, GATED, MUL_ROUTED_WEIGHT, BLOCK_N)
+               C_SORTED, GATED, MUL_ROUTED_WEIGHT, BLOCK_N,
+               INTERLEAVED, ACTIVATION, HAS_BIAS, LIMIT, ALPHA)
     if TAIL > 0:
-        store_tile(acc_t.T, acc_t.T, c_ptr, topk_weights_ptr, offs_t, row_ids_t, pid_n,
-                   N, num_routed, weights_top_k, stride_cm, stride_cn, stride_wn,
-                   C_SORTED, GATED, MUL_ROUTED_WEIGHT, BLOCK_N)
+        store_tile(acc_t.T, acc_t.T, c_ptr, topk_weights_ptr, bias_ptr, expert, offs_t,
+                   row_ids_t, pid_n, N, num_routed, weights_top_k, stride_cm, stride_cn,
+                   stride_wn, C_SORTED, GATED, MUL_ROUTED_WEIGHT, BLOCK_N,
+                   INTERLEAVED, ACTIVATION, HAS_BIAS, LIMIT, ALPHA)
 
 
 @triton.jit
@@ -309,70 +341,3 @@ def gather_rows_kernel(
     rows = tl.load(src, mask=valid[:, None] & h_mask, other=0.0)
     dst = dst_ptr + offs_r.to(tl.int64)[:, None] * stride_dst + offs_h[None, :]
     tl.store(dst, rows, mask=h_mask)
-
-
-@triton.jit
-def gate_up_descriptor(b_ptr, num_experts, N, K, stride_bn,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """w13 [E, 2N, K] viewed [E * 2, N, K] for `gate_up_dot`'s boxes: box (2e, n0, k0) holds
-    expert e's gate rows [n0, n0 + BLOCK_N) over it and its up rows under it (zeros past
-    row N of either half)."""
-    return tl.make_tensor_descriptor(
-        b_ptr, shape=[num_experts * 2, N, K], strides=[N * stride_bn, stride_bn, 1],
-        block_shape=[2, BLOCK_N, BLOCK_K])
-
-
-@triton.jit
-def gate_up_dot(b_desc, a, acc_pair, expert, n0, k0,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """acc_pair [BM, 2 * BLOCK_N] += a [BM, BLOCK_K] @ (gate | up columns [n0, n0 + BLOCK_N)
-    of expert `expert` (int32), depth [k0, k0 + BLOCK_K)): one box, one dot twice as wide."""
-    b = b_desc.load([2 * expert, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
-    return tl.dot(a, b, acc_pair, input_precision=INPUT_PRECISION)
-
-
-@triton.jit
-def split_gate_up(acc_pair, BM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(gate, up) [BM, BLOCK_N] each from `gate_up_dot`'s accumulator: columns [0, BLOCK_N)
-    are the gate's, [BLOCK_N, 2 * BLOCK_N) the up's."""
-    return tl.split(tl.permute(tl.reshape(acc_pair, (BM, 2, BLOCK_N)), (0, 2, 1)))
-
-
-@triton.jit
-def store_tile(
-    acc,  # fp32 [BM, BLOCK_N]: the GEMM (GATED: the gate half)
-    acc_up,  # fp32 [BM, BLOCK_N]: the up half (GATED only)
-    c_ptr,
-    topk_weights_ptr,
-    offs_m,  # int [BM]: the tile's sorted rows
-    row_ids,  # int32 [BM]: their flat routed ids, num_routed for padding
-    pid_n,
-    N,
-    num_routed,
-    weights_top_k,
-    stride_cm,
-    stride_cn,
-    stride_wn,
-    C_SORTED: tl.constexpr,
-    GATED: tl.constexpr,
-    MUL_ROUTED_WEIGHT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Epilogue of one tile: silu(gate) * up (GATED), times the routing weight
-    (MUL_ROUTED_WEIGHT), rounded to C's dtype and stored at the sorted row (C_SORTED,
-    padding rows too) or at the routed id (used rows only)."""
-    row_mask = row_ids < num_routed
-    if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up
-    if MUL_ROUTED_WEIGHT:
-        weight_offs = (row_ids // weights_top_k).to(tl.int64) * stride_wn + row_ids % weights_top_k
-        weight = tl.load(topk_weights_ptr + weight_offs, mask=row_mask, other=0.0)
-        acc = acc * weight[:, None]
-    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if C_SORTED:
-        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-        c_mask = (offs_m[:, None] >= 0) & (offs_cn[None, :] < N)
-    else:
-        c_ptrs = c_ptr + row_ids.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-        c_mask = row_mask[:, None] & (offs_cn[None, :] < N)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)

@@ -3,7 +3,7 @@ architectures that have a fused path too (`conversion="experts"`), the expert fo
 reads from each experts module (GPT-OSS's clamped interleaved biased SwiGLU, Nemotron-H's
 ungated relu2, MuseSpark's post-expert norm, Inkling2's own gate, LongCat-Flash's
 zero-compute experts), the hooks the DBO runner reads, the record of which path each
-block took -- and the bad input it refuses in one line, naming the block and what is
+block took, GPT-OSS's form on the Triton experts (interpreted on CPU) -- and the bad input it refuses in one line, naming the block and what is
 missing, with nothing converted: a block lacking what its flags promise, an
 experts-interface option dbo cannot serve, a kernel or backend that cannot run the form,
 a gate that does not run, weights of another model; and `moe.hf.load` of a checkpoint of
@@ -131,12 +131,43 @@ def test_an_interface_option_dbo_cannot_serve_is_refused(monkeypatch):
     _assert_unchanged(model, snapshot)
 
 
-def test_a_kernel_or_backend_that_cannot_run_the_form_is_refused():
-    model = coverage.tiny_model("gpt_oss")
+def _has_model_type(model_type: str) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    return model_type in CONFIG_MAPPING_NAMES
+
+
+@pytest.mark.skipif(not _has_model_type("inkling2"), reason="this transformers has no "
+                    "'inkling2' (5.24 has)")
+def test_a_kernel_that_cannot_run_the_form_is_refused():
+    model = coverage.tiny_model("inkling2")
     snapshot = _snapshot(model)
     with pytest.raises(ValueError, match=r"block 'model.layers.0.mlp' .*: the triton experts "
-                                         r"compute silu\(gate\) \* up only, not .*bias=True"):
+                                         r"compute the named activations .*, not the model's "
+                                         r"own activation callable \(activation='custom'\): "
+                                         r"use experts 'grouped' or 'reference'$"):
         moe.hf.convert(model, experts="triton")
+    _assert_unchanged(model, snapshot)
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs the Triton experts on CPU tensors, which needs the "
+                           "interpreter (conftest sets TRITON_INTERPRET=1 without CUDA)")
+def test_gpt_oss_experts_run_on_the_triton_kernels():
+    """GPT-OSS's interleaved, biased, clamped SwiGLU in the Triton GEMM epilogues, chosen
+    by experts="triton" (on CUDA, "auto" picks it too): the model's logits."""
+    model = coverage.tiny_model("gpt_oss")
+    ids, mask = batch(2, 5, seed=1)
+    expected = logits(model, ids, mask)
+    moe.hf.convert(model, experts="triton")
+    kernels = [e._kernel(torch.device("cpu")).experts for e in _experts(model)]
+    assert [k.name for k in kernels] == ["triton", "triton"]
+    assert_logits_close(logits(model, ids, mask), expected)
+
+
+def test_a_backend_or_conversion_that_cannot_run_the_block_is_refused():
+    model = coverage.tiny_model("gpt_oss")
+    snapshot = _snapshot(model)
     with pytest.raises(ValueError, match=r"backend 'naive_mono' routes gathered router logits "
                                          r"itself"):
         moe.hf.convert(model, backend="naive_mono")
