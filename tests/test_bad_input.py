@@ -103,6 +103,12 @@ def float_ids_step() -> None:
     runner(torch.zeros(4), torch.arange(4), seq_lens=[4])
 
 
+def out_of_vocabulary_step() -> None:
+    model = MoETransformer(get_preset("tiny", backend="local", experts="reference"))
+    runner = DBORunner(model, DBOConfig(enabled=False))
+    runner(torch.tensor([0, 1, model.config.vocab_size, 2]), torch.arange(4), seq_lens=[4])
+
+
 class BadAgreement:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -231,6 +237,9 @@ REJECTED = {
         "DBOConfig.unsplit_args='mask' must be a tuple"),
     "non-integer `input_ids_T` (`MoETransformer`, checked before the vote)": (
         float_ids_step, ValueError, "input_ids_T must be a 1-D integer tensor"),
+    "a token id outside the vocabulary (`MoETransformer`, CPU ids, checked before the vote)": (
+        out_of_vocabulary_step, ValueError,
+        "input_ids_T[2]=256 is outside the vocabulary [0, vocab_size=256)"),
     "a KV cache that does not fit the call (`MoETransformer`: other request count, over capacity; checked before the vote)": (
         overfull_cache_step, ValueError,
         "request 0 would hold 9 tokens, more than the KV cache's capacity 8"),
