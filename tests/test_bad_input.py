@@ -5,9 +5,9 @@ A last test checks those tables and this file agree.
 
 Rejections that need two processes (capacity overflow, experts not divisible by the EP
 size, a peer's rejected inputs, configurations that differ across ranks) are tested in
-tests/dbo/test_failures.py, tests/moe/test_moe_layer.py, tests/dbo/test_agreement.py and
-tests/models/test_hf_convert.py; their rows here point there. The `moe.hf` rows need
-transformers and skip without it.
+tests/dbo/test_failures.py, tests/moe/test_moe_layer.py, tests/dbo/test_agreement.py,
+tests/dbo/test_step_vote.py and tests/models/test_hf_convert.py; their rows here point
+there. The `moe.hf` rows need transformers and skip without it.
 """
 from __future__ import annotations
 
