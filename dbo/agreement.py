@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dbo.failures import mark_stopped_together
+from dbo.failures import add_note, mark_stopped_together
 from dbo.vote import Tally, group_rank, vote_device
 
 AGREEMENT_HOOK = "dbo_agreement"
@@ -151,14 +151,12 @@ def collect_agreement(model: Any) -> Fields:
 
 class AgreementCache:
     """A runner's `Agreement`, recollected only when its model or config object is
-    replaced, and whether the group has voted it agreed (a disabled runner then stops
-    voting). Compared by identity: a step costs two `is` tests."""
+    replaced. Compared by identity: a step costs two `is` tests."""
 
     def __init__(self) -> None:
         self._model: Any = None
         self._config: Any = None
         self._agreement: Optional[Agreement] = None
-        self._agreed = False
 
     def get(self, model: Any, config: Any, own: Callable[[], Fields]) -> Agreement:
         """The agreement of `model` and the runner's `own()` fields (made from `config`)."""
@@ -169,12 +167,8 @@ class AgreementCache:
             self._agreement = Agreement.of(
                 {**own(), **collect_agreement(model), "capacity": capacity,
                  "ubatch_capacity": ubatch}, capacity, ubatch)
-            self._model, self._config, self._agreed = model, config, False
+            self._model, self._config = model, config
         return self._agreement
-
-    def agreed(self, model: Any, config: Any) -> bool:
-        """The group voted this model and config agreed (and neither was replaced)."""
-        return self._agreed and model is self._model and config is self._config
 
     @property
     def capacity(self) -> Optional[int]:
@@ -186,9 +180,6 @@ class AgreementCache:
         """The collected agreement's capacity per ubatch (None: before the first `get`,
         or the step's `capacity` applies)."""
         return None if self._agreement is None else self._agreement.ubatch_capacity
-
-    def mark_agreed(self) -> None:
-        self._agreed = self._agreement is not None
 
 
 def check_inputs(model: Any, args: tuple, kwargs: dict) -> None:
@@ -221,7 +212,7 @@ def stop_step(tally: Tally, *, rejected: Optional[BaseException],
         assert tally.stops
         mine = {"error": None if rejected is None else _error_text(rejected),
                 "fields": None if tally.configs_agree or agreement is None else agreement.fields}
-        reports = _gather(mine, group)
+        reports = gather_objects(mine, group)
         me = group_rank(group)
         errors = {rank: r["error"] for rank, r in enumerate(reports) if r["error"] is not None}
         if not tally.configs_agree:
@@ -230,8 +221,11 @@ def stop_step(tally: Tally, *, rejected: Optional[BaseException],
             raise exc from rejected
         if rejected is not None:
             others = {rank: text for rank, text in errors.items() if rank != me}
-            if others and hasattr(rejected, "add_note"):
-                rejected.add_note("[dbo] the group's other rejecting ranks: " + "; ".join(
+            if len(reports) > 1:
+                add_note(rejected, f"[dbo] rank {me} of the group rejected its inputs to "
+                                   f"this step (this error); its peers raised PeerInputError")
+            if others:
+                add_note(rejected, "[dbo] the group's other rejecting ranks: " + "; ".join(
                     f"rank {rank}: {text}" for rank, text in others.items()))
             mark_stopped_together(rejected)
             raise rejected
@@ -274,7 +268,7 @@ def agree_before_building(fields: Mapping[str, Any], group: Optional[dist.Proces
     dist.all_gather(every, mine, group=group)
     if len({int(fp) for fp in every}) == 1:
         return
-    raise _mismatch(_gather(agreement.fields, group), {}, lead=(
+    raise _mismatch(gather_objects(agreement.fields, group), {}, lead=(
         f"the ranks of the group were given different configurations ({what}): built "
         f"apart they would wait in different collectives until the group's timeout, or "
         f"compute a silently mixed model"), fix=f"Build every rank's {what} alike")
@@ -293,7 +287,9 @@ def _unfit_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[s
     return None
 
 
-def _gather(mine: dict, group: Optional[dist.ProcessGroup]) -> list[dict]:
+def gather_objects(mine: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """Every rank's `mine`, in rank order (one `all_gather_object`; `[mine]` without a
+    group of more than one rank). Collective: every rank of `group` must call it."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [mine]
     reports: list[Any] = [None] * dist.get_world_size(group)

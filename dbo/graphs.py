@@ -48,9 +48,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dbo.graph_host import collect_graph_host_buffers
-from dbo.runner import DISABLED_REASON, DBORunner
+from dbo.runner import DBORunner
 from dbo.split_args import UBatchArgs
-from dbo.split_modes import _first_tensor, _num_rows
+from dbo.split_modes import _first_tensor
 from dbo.split import SplitPlan
 from dbo.agreement import check_inputs
 from dbo.failures import annotate_step_failure, reset_collectives
@@ -290,10 +290,8 @@ def decided_step(runner: DBORunner, args: tuple, kwargs: dict, *, split: bool,
 # ---------------------------------------------------------------------------- helpers
 def _plan_of(runner: DBORunner, args: tuple, kwargs: dict
              ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
-    """The runner's plan (before any vote), also when its config disables DBO."""
-    if not runner.config.enabled:
-        return SplitPlan(split=False, num_tokens=(_num_rows(args, kwargs),),
-                         reason=DISABLED_REASON), [], None
+    """The runner's plan (before any vote), also when its config disables DBO (then
+    unsplit, its tokens counted and its arguments checked as the split mode would)."""
     return runner._plan(args, kwargs)
 
 

@@ -17,7 +17,8 @@
 The model offers SBO unless one of its modules' `dbo_sbo_blocker()` hooks gives a reason
 (or none has the hook: then nothing would overlap). Every rank takes the same mode with
 no collective of its own: it follows from the voted split and from the configuration,
-whose fields (the policy, each layer's backend) the vote's fingerprint already covers.
+whose fields (the policy, each layer's backend, the model's SBO blocker) the vote's
+fingerprint already covers (`dbo.step_vote`).
 """
 from __future__ import annotations
 

@@ -11,7 +11,9 @@ A shape (tokens per rank, decode or not) is covered where the calibration has a 
 that phase at those tokens, or one on each side: then every phase time, the rows per
 expert and the weight bytes are interpolated linearly in the tokens between the two
 nearest (the measured times grow about linearly with the tokens between sweep points;
-outside the measured range nothing is extrapolated). No MoE: the runtime core's.
+outside the measured range nothing is extrapolated). No MoE: the runtime core's. A
+runner votes a digest of its calibration (`dbo.step_vote.calibration_digest`): ranks
+predicting from different ones would run different modes, and so different collectives.
 """
 from __future__ import annotations
 

@@ -35,10 +35,14 @@ The vote also stops bad steps on every rank at once, before any collective of th
 (`dbo.agreement`): a rank whose inputs are rejected (while planning the split, or by the
 model's `dbo_check_inputs` hook) votes "not ok" and re-raises its error, while its peers
 raise `PeerInputError`; ranks whose configurations differ (`DBOConfig.enabled`, split
-mode, capacity, and what the model's `dbo_agreement` hooks report) all raise
-`ConfigMismatchError`. Either way the next step can run. A runner with
-`DBOConfig(enabled=False)` votes too, on its first step and whenever its config or model
-is replaced: once the group has agreed that every rank is disabled, none votes again.
+mode, capacity, calibration, SBO blocker, the token limit in force, and what the model's
+`dbo_agreement` hooks report) all raise `ConfigMismatchError`. Either way the next step
+can run. A runner with `DBOConfig(enabled=False)` checks and votes the same way on every
+step (it plans the step as the split mode would, never splits, and checks the
+capacity): DBO on or off, no rank's bad input leaves its peers waiting. Its cost is the
+vote's one small all-reduce per step (0.3-0.5 ms between 2 gloo ranks on a shared
+2-core CPU; over NCCL a host sync on a side stream, `dbo.vote`; docs/models.md). What is
+voted, and why no decision of a step is left to one rank's data, is `dbo.step_vote`'s.
 
 With a calibration (`DBORunner(..., calibration=cal)`, `DBOConfig(overlap="auto")`), a
 step whose shape the calibration covers (`dbo.predicted_overlap`) runs the mode the cost
@@ -46,12 +50,15 @@ model predicts fastest instead of the one the thresholds give: it wants to split
 DBO is predicted to win (thresholds aside), and otherwise takes single-batch overlap or
 none as predicted at the group's largest token count (the same on every rank). No
 trial steps: the reason says "predicted ...", and is logged once per shape. Shapes the
-calibration does not cover keep the thresholds.
+calibration does not cover keep the thresholds. A digest of the calibration is voted:
+ranks given different calibrations (or one none) all raise `ConfigMismatchError` naming
+the field "calibration".
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 import warnings
 from typing import Any, Callable, Optional
@@ -59,19 +66,19 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from dbo.agreement import Agreement, AgreementCache, check_inputs, stop_step
+from dbo.agreement import check_inputs
 from dbo.calibration import Calibration
 from dbo.config import DBOConfig
-from dbo.failures import (annotate_step_failure, annotate_ubatch_rows, mark_stopped_together,
-                          reset_collectives)
+from dbo.failures import annotate_step_failure, annotate_ubatch_rows, reset_collectives
 from dbo.merge import merge_outputs
-from dbo.overlap import choose_overlap, collect_sbo_blocker, restrict_split
+from dbo.overlap import choose_overlap, restrict_split
 from dbo.predicted_overlap import OverlapPredictor, choose_predicted, group_is_decode
 from dbo.scheduler import UBatchScheduler
 from dbo.split import SplitPlan, request_cut_blocker
 from dbo.split_args import SplitArgs, SplitArgumentWarning, UBatchArgs, undeclared_warning
-from dbo.split_modes import SplitModeChooser, _first_tensor, model_name, split_call
-from dbo.vote import Ballot, Tally, cast_ballot, plan_after_vote
+from dbo.split_modes import SplitModeChooser, _first_tensor, _num_rows, model_name, split_call
+from dbo.step_vote import StepVotes, calibration_digest
+from dbo.vote import Tally, plan_after_vote
 from dbo.yield_points import dbo_enabled
 from streams.gemm_carveout import gemm_sm_carveout
 
@@ -134,35 +141,38 @@ class DBORunner:
         self.model = model
         self.config = config
         self.group = group
-        self.predictor = OverlapPredictor(calibration) if calibration is not None else None
+        self._predictor = OverlapPredictor(calibration) if calibration is not None else None
+        # The calibration's digest is voted (`dbo.step_vote`): ranks predicting from
+        # different calibrations would run different overlap modes.
+        self._votes = StepVotes(calibration=None if self._predictor is None else
+                                calibration_digest(calibration, margin=self._predictor.margin,
+                                                   sbo_chunks=self._predictor.sbo_chunks))
         self._explained: set[tuple[int, bool]] = set()  # shapes whose choice was logged
         self.last_decision: Optional[SplitPlan] = None
         self._schedulers: dict[torch.device, UBatchScheduler] = {}
         self._warned_kwargs: set[str] = set()  # see `_warn_undeclared`
-        self._sbo_blocker: tuple[Any, Optional[str]] = (None, None)  # (model, its reason)
         # (model, config, why no request may be cut); raises now for a refused config.
         self._cut_blocker: tuple[Any, Any, Optional[str]] = (None, None, None)
         self._split_modes = SplitModeChooser()  # what DBOConfig(split=None) takes per call
         self._warned_no_yield = False  # see `_no_yield`
+        self._never_split: tuple[Any, Optional[DBOConfig]] = (None, None)  # `_plan_disabled`
         # Raise now for a model's bad split mode and a refused cut config.
         declared = self._split_modes.model_mode(self.model) if config.split is None else None
         if config.split == "requests" or declared == "requests":
             self._whole_requests()
-        # Per cuda_graph: a GraphedRunner's steps carry a field of their own.
-        self._agreement_caches = {False: AgreementCache(), True: AgreementCache()}
         # Held while a step runs (`__call__`): a second thread's step is refused at once.
         self._in_step = threading.Lock()
 
     def __repr__(self) -> str:
         return f"DBORunner(model={type(self.model).__name__}, config={self.config!r})"
 
+    @property
+    def predictor(self) -> Optional[OverlapPredictor]:
+        """The calibration's predictor (None without one); set once, as its digest is
+        what the vote carries."""
+        return self._predictor
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        agreed = self._agreement_caches[False].agreed
-        if not self.config.enabled and (dbo_enabled() or agreed(self.model, self.config)):
-            # The group voted once that every rank is disabled alike: no vote since.
-            self.last_decision = SplitPlan(split=False, num_tokens=(),
-                                           reason=DISABLED_REASON)
-            return self.model(*args, **kwargs)
         if dbo_enabled():
             # Already inside a ubatch of an outer step (the outer runner voted).
             self.last_decision = SplitPlan(split=False, num_tokens=(),
@@ -187,10 +197,7 @@ class DBORunner:
         rejected: Optional[Exception] = None
         try:
             check_inputs(self.model, args, kwargs)
-            if self.config.enabled:
-                plan, ubatch_args, rows = self._plan(args, kwargs)
-            else:
-                plan = SplitPlan(split=False, num_tokens=(), reason=DISABLED_REASON)
+            plan, ubatch_args, rows = self._plan(args, kwargs)
         except Exception as exc:
             # Bad input on this rank: vote "not ok" so that every rank stops (`vote`).
             rejected = exc
@@ -202,55 +209,35 @@ class DBORunner:
         plan = self.choose_overlap(plan_after_vote(plan, tally.split, tally.max_tokens,
                                                    tally.all_decode))
         self.last_decision = plan
-        if not self.config.enabled:
-            return self.model(*args, **kwargs)
         self.check_capacity(plan, tally)
         return self._execute(plan, ubatch_args, rows, args, kwargs)
 
     def vote(self, plan: Optional[SplitPlan], rejected: Optional[BaseException], *,
              have_graphs: tuple[bool, bool] = (True, True), cuda_graph: bool = False) -> Tally:
-        """The step's one collective (`dbo.vote.cast_ballot`): this rank's split wish and
-        tokens (`plan`, None when `rejected`), whether it accepted its inputs, and the
-        fingerprint of its configuration (`dbo.agreement`). When any rank rejected its
-        inputs, or the fingerprints differ, every rank raises here (`stop_step`); this
-        rank re-raises `rejected`."""
-        agreement: Optional[Agreement] = None
-        cache = self._agreement_caches[cuda_graph]
+        """The step's one collective (`dbo.step_vote.StepVotes.vote`): this rank's split
+        wish and tokens (`plan`, None when `rejected`), whether it accepted its inputs,
+        and the fingerprint of what every rank must share. When any rank rejected its
+        inputs, or the fingerprints differ, every rank raises here; this rank re-raises
+        `rejected`."""
         try:
-            agreement = cache.get(self.model, self.config,
-                                  lambda: self.agreement_fields(cuda_graph))
-        except Exception as exc:  # a hook's bad field: stop every rank, as for bad input
-            rejected = rejected if rejected is not None else exc
-        ok = rejected is None and plan is not None
-        tally = cast_ballot(Ballot(
-            inputs_ok=ok, want_split=ok and plan.split,
-            num_tokens=plan.total_tokens if ok else 0,
-            max_ubatch_tokens=max(plan.num_tokens, default=0) if ok and plan.split else 0,
-            fingerprint=agreement.fingerprint if agreement is not None else 0,
-            have_graphs=have_graphs, decode=ok and plan.is_decode), self.group)
-        if tally.configs_agree:
-            cache.mark_agreed()
-        if tally.stops:
-            try:
-                stop_step(tally, rejected=rejected, agreement=agreement, group=self.group)
-            finally:
-                rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
-        return tally
+            return self._votes.vote(self.model, self.config, self.group, plan, rejected,
+                                    have_graphs=have_graphs, cuda_graph=cuda_graph)
+        finally:
+            rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
 
     def choose_overlap(self, plan: SplitPlan) -> SplitPlan:
         """The voted `plan` with the step's overlap mode and its reason (`dbo.overlap`):
         the same on every rank, from the voted split and the agreed configuration."""
         if not self.config.enabled:
             return plan
-        if self._sbo_blocker[0] is not self.model:
-            self._sbo_blocker = (self.model, collect_sbo_blocker(self.model))
-        predicted = self._predicted_overlap(plan, self._sbo_blocker[1])
+        sbo_blocker = self._votes.sbo_blocker(self.model)  # voted with the fields
+        predicted = self._predicted_overlap(plan, sbo_blocker)
         if predicted is not None:
             return predicted
-        return choose_overlap(plan, self.config, self._sbo_blocker[1])
+        return choose_overlap(plan, self.config, sbo_blocker)
 
     def _predicts(self) -> bool:
-        return (self.predictor is not None and self.config.overlap == "auto"
+        return (self._predictor is not None and self.config.overlap == "auto"
                 and not callable(self.config.split))
 
     def _predicted_overlap(self, plan: SplitPlan, sbo_blocker: Optional[str]
@@ -259,8 +246,8 @@ class DBORunner:
         shape; None where not predicted."""
         if not self._predicts():
             return None
-        assert self.predictor is not None
-        chosen = choose_predicted(plan, self.predictor, sbo_blocker)
+        assert self._predictor is not None
+        chosen = choose_predicted(plan, self._predictor, sbo_blocker)
         shape = (plan.group_max_tokens or plan.total_tokens, group_is_decode(plan))
         if chosen is not None and shape not in self._explained:
             self._explained.add(shape)
@@ -269,13 +256,9 @@ class DBORunner:
         return chosen
 
     def agreement_fields(self, cuda_graph: bool = False) -> dict[str, Any]:
-        """The runner's own fields that every rank must share (`dbo.agreement`); the
+        """The runner's own fields that every rank must share (`dbo.step_vote`); the
         model's modules add theirs."""
-        split = self.config.split
-        return {"DBOConfig.enabled": self.config.enabled,
-                "DBOConfig.split": split if isinstance(split, str) else "auto" if split is None
-                else f"callable {getattr(split, '__qualname__', type(split).__name__)}",
-                "DBOConfig.overlap": self.config.overlap, "cuda_graph": cuda_graph}
+        return self._votes.fields(self.model, self.config, cuda_graph)
 
     def _execute(self, plan: SplitPlan, ubatch_args: list[UBatchArgs],
                  rows: Optional[tuple[int, ...]], args: tuple, kwargs: dict) -> Any:
@@ -307,33 +290,18 @@ class DBORunner:
 
     def check_capacity(self, plan: SplitPlan, tally: Tally, *, cuda_graph: bool = False
                        ) -> None:
-        """Raise when one model call of a rank of the group would carry more tokens this
-        step (its step unsplit, its largest ubatch split; `plan` and `tally` after the
-        vote) than the model's capacity (`dbo_max_tokens_per_rank`, and per ubatch of a
-        split step `dbo_max_tokens_per_ubatch`, `dbo.agreement`).
-        Every rank sees the group's largest count and the same capacity (its
-        fingerprint was voted on), so every rank raises here together, before any
-        collective of the model. `cuda_graph`: the check of a `GraphedRunner` step."""
-        cache = self._agreement_caches[cuda_graph]
-        capacity, name = cache.capacity, "max_tokens_per_rank"
-        if plan.split and cache.ubatch_capacity is not None:
-            capacity, name = cache.ubatch_capacity, "max_tokens_per_ubatch"
-        most = tally.max_ubatch_tokens if plan.split else tally.max_tokens
-        if capacity is not None and most > capacity:
-            mine = max(plan.num_tokens) if plan.split else plan.total_tokens
-            exc = ValueError(
-                f"a rank of the group has {most} tokens in one model call this step "
-                f"({'its largest ubatch' if plan.split else 'unsplit'}; this rank: {mine}), "
-                f"more than the model's capacity {name}={capacity} (the smallest its "
-                f"modules report, e.g. MoEConfig.{name}): every rank stops here so none "
-                f"waits in a collective; split the batch or raise the capacity")
-            mark_stopped_together(exc)
-            raise exc
+        """Raise on every rank, before any collective of the model, when one model call of
+        a rank of the group would carry more tokens this step than the model's capacity
+        or the token limit in force (`dbo.step_vote.StepVotes.check_capacity`; `plan`
+        and `tally` after the vote). `cuda_graph`: the check of a `GraphedRunner` step."""
+        self._votes.check_capacity(plan, tally, group=self.group, cuda_graph=cuda_graph)
 
     # ------------------------------------------------------------------- planning
     def _plan(self, args: tuple, kwargs: dict
               ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
         """This rank's plan, the ubatches' inputs (when split) and their rows for merge."""
+        if not self.config.enabled:
+            return self._plan_disabled(args, kwargs), [], None
         plan, ubatch_args, rows = self._plan_split(args, kwargs)
         if self._predicts():
             predicted = self._predicted_split(plan, args, kwargs)
@@ -344,13 +312,32 @@ class DBORunner:
             return restricted, [], None
         return plan, ubatch_args, rows
 
+    def _plan_disabled(self, args: tuple, kwargs: dict) -> SplitPlan:
+        """The unsplit plan of a step with DBO off: its tokens and shape as the split mode
+        counts them, and the split mode's checks of the arguments (`seq_lens`, rows), so
+        that DBO on or off a step's inputs are checked alike before the vote. A callable
+        split is not called: the step's rows are dim 0 of its first tensor."""
+        if callable(self.config.split):
+            plan = SplitPlan(split=False, num_tokens=(_num_rows(args, kwargs),),
+                             reason=DISABLED_REASON)
+        else:
+            if self._never_split[0] is not self.config:
+                never = dataclasses.replace(self.config, min_decode_tokens=sys.maxsize,
+                                            min_prefill_tokens=sys.maxsize)
+                self._never_split = (self.config, never)
+            mode, _ = self._split_modes.choose(self.model, self.config, kwargs)
+            plan = split_call(args, kwargs, self._never_split[1], mode=mode,
+                              whole_requests=self._whole_requests).plan
+        assert not plan.split
+        return dataclasses.replace(plan, reason=DISABLED_REASON)
+
     def _predicted_split(self, plan: SplitPlan, args: tuple, kwargs: dict
                          ) -> Optional[tuple[SplitPlan, list[UBatchArgs],
                                              Optional[tuple[int, ...]]]]:
         """This rank's wish where the calibration covers its shape: split (thresholds
         aside) where DBO is predicted fastest, else unsplit; None where not covered."""
-        assert self.predictor is not None
-        prediction = self.predictor.predict(tokens=plan.total_tokens, decode=plan.is_decode)
+        assert self._predictor is not None
+        prediction = self._predictor.predict(tokens=plan.total_tokens, decode=plan.is_decode)
         if prediction is None:
             return None
         if prediction.chosen != "dbo":

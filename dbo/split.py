@@ -89,7 +89,8 @@ class SplitPlan:
     reason: str
     """Why (or why not), for logs and tests."""
     num_tokens: tuple[int, ...]
-    """Tokens per ubatch when split, else (total,); () when no plan was made (DBO off)."""
+    """Tokens per ubatch when split, else (total,); () when no plan was made (a runner
+    called inside a running DBO step)."""
     is_decode: bool = False
     """Every request had one token (or "tokens" mode): the decode threshold applied."""
     ubatches: tuple[UBatchSlice, ...] = ()

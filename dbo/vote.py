@@ -6,14 +6,15 @@
 
 Under expert or data parallelism every rank's MoE layers issue collectives together, so
 either every rank runs the step as two ubatches or none does. Each rank must call the
-vote on every step where DBO is enabled — also with 0 tokens, also when it does not
-want to split — or the group's collective sequence diverges and the ranks hang.
+vote on every step — also with 0 tokens, also when it does not want to split, also
+with DBO disabled (a disabled runner votes too) — or the group's collective sequence
+diverges and the ranks hang.
 
-A runner's step votes once, with a `Ballot`: one all-reduce (MIN) of 8 int64s that
+A runner's step votes once, with a `Ballot`: one all-reduce (MIN) of 9 int64s that
 carries, besides the split wish and the token counts, whether this rank accepted its
 inputs, a fingerprint of the configuration that must agree across ranks
-(`dbo.agreement`), and whether it holds a CUDA graph for each split of the step
-(`dbo.graphs`). Every rank reads the same `Tally`, so every rank stops together (before
+(`dbo.agreement`, `dbo.step_vote`), and whether it holds a CUDA graph for each split of
+the step (`dbo.graphs`). Every rank reads the same `Tally`, so every rank stops together (before
 any collective of the model) when one rejected its inputs or the fingerprints differ.
 """
 from __future__ import annotations

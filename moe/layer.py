@@ -155,13 +155,30 @@ class MoELayer(nn.Module):
             self.w13.copy_(weights["w13"][sl] if global_experts else weights["w13"])
             self.w2.copy_(weights["w2"][sl] if global_experts else weights["w2"])
 
+    def dbo_check_inputs(self, x_TH: Tensor) -> None:
+        """The input checks of `forward` alone (shape, dtype, device; no device reads):
+        a `DBORunner` over this layer runs them before its vote, so a rank whose input
+        fails them stops every rank there (`dbo.agreement`)."""
+        self._check_input(x_TH)
+
     def forward(self, x_TH: Tensor) -> Tensor:
         """[T, H] -> [T, H], both in config.dtype on the parameters' device.
 
         Inference-only (`moe.inference_only`): no autograd graph is recorded inside, and a
         backward that reaches the output raises RuntimeError instead of a wrong gradient.
+
+        The input is checked here, before any collective, on this rank only: no vote
+        runs per layer call (over NCCL one would be a host sync per layer), so where the
+        group has other ranks they are not told and wait in this layer's dispatch until
+        the group's timeout. A `DBORunner` (with `DBOConfig(enabled=False)` for no
+        overlap) runs the model's `dbo_check_inputs` before its step's vote, on every
+        rank (docs/models.md).
         """
-        self._check_input(x_TH)
+        try:
+            self._check_input(x_TH)
+        except (TypeError, ValueError) as exc:
+            self._note_peers_not_told(exc)
+            raise
         if needs_graph(x_TH, self):
             with torch.no_grad():
                 out_TH = self.forward(x_TH)
@@ -206,6 +223,18 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer layer {self.layer_id}: router logits of {num_bad} of "
                              f"{logits_TE.shape[0]} tokens are NaN/Inf (first: {first}): check "
                              f"the inputs (MoEConfig.check_finite_logits=True raised this)")
+
+    def _note_peers_not_told(self, exc: BaseException) -> None:
+        """Say, on an input error raised in `forward`, that the group's other ranks wait."""
+        if self.backend.world_size > 1 and hasattr(exc, "add_note"):
+            exc.add_note(
+                f"[dbo] rank {self.backend.placement.rank}: MoELayer layer {self.layer_id} "
+                f"rejected its input before its first collective, and the other ranks of "
+                f"its group were not told: they wait in its dispatch until the group's "
+                f"timeout. Call the model through a DBORunner (DBOConfig(enabled=False) "
+                f"runs it without overlap) with a dbo_check_inputs hook on the model "
+                f"(MoELayer and MoETransformer have one): every rank then stops at the "
+                f"step's vote")
 
     def _check_input(self, x_TH: Tensor) -> None:
         if not isinstance(x_TH, Tensor):

@@ -5,9 +5,9 @@ A last test checks those tables and this file agree.
 
 Rejections that need two processes (capacity overflow, experts not divisible by the EP
 size, a peer's rejected inputs, configurations that differ across ranks) are tested in
-tests/dbo/test_failures.py, tests/moe/test_moe_layer.py, tests/dbo/test_agreement.py and
-tests/models/test_hf_convert.py; their rows here point there. The `moe.hf` rows need
-transformers and skip without it.
+tests/dbo/test_failures.py, tests/moe/test_moe_layer.py, tests/dbo/test_agreement.py,
+tests/dbo/test_step_vote.py and tests/models/test_hf_convert.py; their rows here point
+there. The `moe.hf` rows need transformers and skip without it.
 """
 from __future__ import annotations
 
@@ -101,6 +101,12 @@ def float_ids_step() -> None:
     model = MoETransformer(get_preset("tiny", backend="local", experts="reference"))
     runner = DBORunner(model, DBOConfig(split="requests", min_prefill_tokens=1))
     runner(torch.zeros(4), torch.arange(4), seq_lens=[4])
+
+
+def out_of_vocabulary_step() -> None:
+    model = MoETransformer(get_preset("tiny", backend="local", experts="reference"))
+    runner = DBORunner(model, DBOConfig(enabled=False))
+    runner(torch.tensor([0, 1, model.config.vocab_size, 2]), torch.arange(4), seq_lens=[4])
 
 
 class BadAgreement:
@@ -231,6 +237,9 @@ REJECTED = {
         "DBOConfig.unsplit_args='mask' must be a tuple"),
     "non-integer `input_ids_T` (`MoETransformer`, checked before the vote)": (
         float_ids_step, ValueError, "input_ids_T must be a 1-D integer tensor"),
+    "a token id outside the vocabulary (`MoETransformer`, CPU ids, checked before the vote)": (
+        out_of_vocabulary_step, ValueError,
+        "input_ids_T[2]=256 is outside the vocabulary [0, vocab_size=256)"),
     "a KV cache that does not fit the call (`MoETransformer`: other request count, over capacity; checked before the vote)": (
         overfull_cache_step, ValueError,
         "request 0 would hold 9 tokens, more than the KV cache's capacity 8"),

@@ -178,7 +178,8 @@ class MoETransformer(nn.Module):
                          cache: Optional[KVCache] = None) -> None:
         """The checks of `forward` alone, for the DBO runner to run before its vote: a
         rank whose inputs fail them stops every rank there (`dbo.agreement`), instead of
-        leaving its peers waiting in the first MoE layer's dispatch."""
+        leaving its peers waiting in the first MoE layer's dispatch. Token ids outside
+        the vocabulary are among them on CPU only (`_check_vocab`)."""
         self._check_inputs(input_ids_T, positions_T, seq_lens, cache)
 
     @torch.no_grad()
@@ -218,6 +219,25 @@ class MoETransformer(nn.Module):
                 param.normal_(0.0, param.shape[-1] ** -0.5,
                               generator=gen.manual_seed(_mix(seed, tag)))
 
+    def _check_vocab(self, input_ids_T: Tensor) -> None:
+        """ValueError for a token id outside [0, vocab_size), where the ids are on the CPU.
+
+        On a GPU the ids are not checked: the check would read a device value on the
+        host, a sync of the compute stream before every step's vote, which waits for
+        nothing queued (`dbo.vote`). An id outside the vocabulary then fails in the
+        embedding's device-side assert, which leaves the process's CUDA context unusable
+        (restart the process; its peers fail at the group's timeout)."""
+        if input_ids_T.device.type != "cpu" or input_ids_T.numel() == 0:
+            return
+        vocab = self.config.vocab_size
+        bad_T = (input_ids_T < 0) | (input_ids_T >= vocab)
+        if bool(bad_T.any()):
+            first = int(bad_T.nonzero()[0, 0])
+            raise ValueError(f"MoETransformer.forward: input_ids_T[{first}]="
+                             f"{int(input_ids_T[first])} is outside the vocabulary "
+                             f"[0, vocab_size={vocab}) ({int(bad_T.sum())} such ids): pass "
+                             f"token ids of this model's tokenizer.")
+
     def _check_inputs(self, input_ids_T: Tensor, positions_T: Tensor,
                       seq_lens: Optional[SeqLens], cache: Optional[KVCache] = None
                       ) -> list[int]:
@@ -230,6 +250,7 @@ class MoETransformer(nn.Module):
             if t.device != self.embed.weight.device:
                 raise ValueError(f"MoETransformer.forward: {name} is on {t.device}, the model on "
                                  f"{self.embed.weight.device}: move the inputs to the model.")
+        self._check_vocab(input_ids_T)
         if input_ids_T.shape != positions_T.shape:
             raise ValueError(f"MoETransformer.forward: input_ids_T has {input_ids_T.shape[0]} "
                              f"tokens but positions_T has {positions_T.shape[0]}: pass one "

@@ -6,8 +6,9 @@ Layer 2 (two gloo processes): a rank that rejects its inputs (bad seq_lens, a wr
 input dtype) or a capacity overflow stops every rank at the vote, quickly and before any
 collective of the model, and the next step runs; configurations that differ (top_k,
 backend, DBOConfig.enabled, CUDA graphs on one rank) raise `ConfigMismatchError` naming
-the field on every rank; MoE layers built from MoEConfigs that differ raise it in their
-constructor, before their backend makes any process group.
+the field on every rank; a disabled runner votes on every step; MoE layers built from
+MoEConfigs that differ raise it in their constructor, before their backend makes any
+process group. (The step vote's other fields and DBO off: tests/dbo/test_step_vote.py.)
 """
 from __future__ import annotations
 
@@ -110,10 +111,7 @@ def test_the_cache_collects_again_only_when_the_model_or_config_is_replaced() ->
                             "ubatch_capacity": None}
     assert first.capacity == cache.capacity == 12 and cache.ubatch_capacity is None
     assert cache.get(model, on, lambda: {"enabled": True}) is first and len(calls) == 1
-    cache.mark_agreed()
-    assert cache.agreed(model, on) and not cache.agreed(model, off)
     assert cache.get(model, off, lambda: {"enabled": False}) is not first and len(calls) == 2
-    assert not cache.agreed(model, off)  # not voted since it changed
     cache.get(Counting(), off, lambda: {"enabled": False})
     assert len(calls) == 3
 
@@ -293,7 +291,7 @@ def mismatched_configs(rank: int, world_size: int) -> dict[str, Any]:
                        else GraphedRunner(DBORunner(PlainModel(), on, group=group))),
     }
     out.update({name: outcome(lambda: runner(x)) for name, runner in cases.items()})
-    # Alike again, the group is intact; disabled alike, the runners vote once, then not.
+    # Alike again, the group is intact; disabled alike, the runners vote on every step.
     same = DBORunner(ep_layer(group), DBOConfig(enabled=False), group=group)
     logs = []
     with torch.no_grad():
@@ -329,8 +327,8 @@ def test_configurations_that_differ_raise_the_same_named_error_on_every_rank() -
             assert "the first tensor argument must be on a CUDA device" in \
                 out["cuda_graph"]["text"]
         first, second = out["disabled_alike"]
-        assert first[0] == "all_reduce" and "all_reduce" not in second, (first, second)
-        assert second == first[1:]  # the model's collectives, as before
+        assert first == second and first[0] == "all_reduce", (first, second)  # the vote
+        assert "all_reduce" not in first[1:], first  # then the model's collectives
 
 
 def test_errors_are_runtime_errors() -> None:

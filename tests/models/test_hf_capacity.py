@@ -155,7 +155,7 @@ def test_a2a_ll_with_a_capacity_over_two_ranks_equals_the_unconverted_model():
     results = run_distributed(2, _ep_a2a_ll)
     for result in results:
         assert all(result[arch] is True for arch in ARCHS), result
-        assert ("a rank of the group has 26 tokens in one model call this step"
+        assert ("of the group has 26 tokens in one model call this step"
                 in result["over"]), result["over"]
         assert "max_tokens_per_rank=18" in result["over"]
         assert result["ubatch_capacity"] == [10] and result["ubatch_split"], result

@@ -99,7 +99,7 @@ def _overflow_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_capacity_overflow_raises_the_same_error_on_every_rank():
     for out in run_distributed(2, _overflow_worker, backend="nccl"):
-        assert out["error"].startswith("a rank of the group has 10 tokens"), out
+        assert out["error"].startswith("rank 1 of the group has 10 tokens"), out
         assert "max_tokens_per_rank=8" in out["error"], out
         assert out["after"] == (8, 128), out  # no collective was issued: the next step runs
 
