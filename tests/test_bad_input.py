@@ -4,11 +4,10 @@ router logits by default, a forward with gradients on, out-of-range custom routi
 A last test checks those tables and this file agree.
 
 Rejections that need two processes (capacity overflow, experts not divisible by the EP
-size, a peer's rejected inputs, configurations that differ across ranks, a group reused
-after a failed step, a vote a peer never joins) are tested in tests/dbo/test_failures.py,
-tests/dbo/test_group_reuse.py, tests/moe/test_moe_layer.py, tests/dbo/test_agreement.py
-and tests/models/test_hf_convert.py; their rows here point there. The `moe.hf` rows need
-transformers and skip without it.
+size, peers' rejected inputs or configurations, a group reused after a failed step) are
+tested in tests/dbo/test_failures.py, test_group_reuse.py, tests/moe/test_moe_layer.py,
+tests/dbo/test_agreement.py and tests/models/test_hf_convert.py; their rows here point
+there. The `moe.hf` rows need transformers and skip without it.
 """
 from __future__ import annotations
 
