@@ -1,6 +1,7 @@
 """dbo: dual-batch overlap for Mixture-of-Experts models in PyTorch."""
 from dbo.agreement import ConfigMismatchError, PeerInputError
 from dbo.config import SPLIT_MODES, DBOConfig
+from dbo.failures import GroupUnusableError
 from dbo.graphs import GraphedRunner
 from dbo.groups import destroy_group, new_group
 from dbo.merge import merge_outputs
@@ -32,6 +33,7 @@ __all__ = [
     "DBOConfig",
     "DBORunner",
     "GraphedRunner",
+    "GroupUnusableError",
     "NoYieldWarning",
     "PeerInputError",
     "SPLIT_MODES",

@@ -108,6 +108,17 @@ def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
     None for None, or where torch does not expose it (warned: torch's default applies)."""
     if group is None:
         return None
+    timeout = _read_timeout(group)
+    if timeout is not None:
+        return timeout
+    logger.warning("cannot read the collective timeout of process group %r from its "
+                   "backend's options: dbo's side group for it gets torch's default "
+                   "timeout", group)
+    return None
+
+
+def _read_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
+    """`group`'s collective timeout from its backend's options; None where not exposed."""
     for device_type in getattr(group, "_device_types", ()):
         try:
             options = group._get_backend(torch.device(device_type)).options
@@ -116,10 +127,28 @@ def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
         timeout = getattr(options, "_timeout", None)
         if isinstance(timeout, timedelta):
             return timeout
-    logger.warning("cannot read the collective timeout of process group %r from its "
-                   "backend's options: dbo's side group for it gets torch's default "
-                   "timeout", group)
     return None
+
+
+def describe_group(group: Optional[dist.ProcessGroup]) -> str:
+    """`group` in words for an error message: its name, ranks, backend and timeout, e.g.
+    "'1' (ranks [0, 1], gloo, timeout 3 s)"; None: the default group. Never raises."""
+    if group is None:
+        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if group is None:
+            return "None (torch.distributed not initialized)"
+    parts = []
+    for read in (lambda g: f"ranks {dist.get_process_group_ranks(g)}",
+                 lambda g: str(dist.get_backend(g))):
+        try:
+            parts.append(read(group))
+        except (RuntimeError, ValueError, AttributeError, TypeError):
+            pass
+    timeout = _read_timeout(group)
+    parts.append("torch's default timeout" if timeout is None
+                 else f"timeout {timeout.total_seconds():g} s")
+    name = getattr(group, "group_name", None)
+    return f"{name!r} ({', '.join(parts)})"
 
 
 def twin_group(group: dist.ProcessGroup, *, backend: Optional[str] = None

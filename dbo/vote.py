@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from dbo.failures import note_collective
+from dbo.failures import note_collective, vote_failure
 from dbo.groups import side_group
 from dbo.split import SplitPlan
 from streams.stream_set import new_comm_stream
@@ -73,13 +73,15 @@ def _device_vote(values: list[int], group: Optional[dist.ProcessGroup]) -> list[
     host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
     with torch.cuda.stream(stream):
         on_device = host.to(device, non_blocking=True)
-        note_collective("all_reduce")
+        note_collective("all_reduce", group)
         side = side_group(group if group is not None else dist.group.WORLD)
-        dist.all_reduce(on_device, op=dist.ReduceOp.MIN, group=side)
+        with vote_failure(group):
+            dist.all_reduce(on_device, op=dist.ReduceOp.MIN, group=side)
         host.copy_(on_device, non_blocking=True)  # after the upload, in stream order
         done = torch.cuda.Event()
         done.record(stream)
-    done.synchronize()
+    with vote_failure(group):
+        done.synchronize()
     return host.tolist()
 
 
@@ -135,8 +137,9 @@ def vote_min(values: Sequence[int], group: Optional[dist.ProcessGroup] = None, *
         return _device_vote(values, group)
     tensor = torch.tensor(values, dtype=torch.int64,
                           device=device if device is not None else vote_device(group))
-    note_collective("all_reduce")
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    note_collective("all_reduce", group)
+    with vote_failure(group):  # one line naming the vote, the group and the likely cause
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
     return [int(v) for v in tensor.tolist()]
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dbo.failures import collectives_issued, fail_call_after_collectives
 from dbo.phases import phase_scope
 from moe.backends import make_backend
 from moe.config import MoEConfig
@@ -186,6 +187,17 @@ class MoELayer(nn.Module):
             return detach_with_error(out_TH, [x_TH, *self.parameters()], what=(
                 f"MoELayer layer {self.layer_id} (backend {self.backend.name!r}, experts "
                 f"{experts!r})"))
+        issued = collectives_issued()
+        try:
+            return self._route_and_exchange(x_TH)
+        except BaseException as exc:
+            # Raised after this call issued collectives: the ranks' sequences may differ,
+            # so later collectives on the group refuse (`dbo.failures`).
+            fail_call_after_collectives(exc, self.backend.group, issued_before=issued)
+            raise
+
+    def _route_and_exchange(self, x_TH: Tensor) -> Tensor:
+        """`forward` past its checks: route, then the modular kernel."""
         with phase_scope("router", layer=self.layer_id):
             logits_TE = self.router(x_TH)
             if self.config.check_finite_logits:

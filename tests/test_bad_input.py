@@ -4,10 +4,10 @@ router logits by default, a forward with gradients on, out-of-range custom routi
 A last test checks those tables and this file agree.
 
 Rejections that need two processes (capacity overflow, experts not divisible by the EP
-size, a peer's rejected inputs, configurations that differ across ranks) are tested in
-tests/dbo/test_failures.py, tests/moe/test_moe_layer.py, tests/dbo/test_agreement.py,
-tests/dbo/test_step_vote.py and tests/models/test_hf_convert.py; their rows here point
-there. The `moe.hf` rows need transformers and skip without it.
+size, peers' rejected inputs or configurations, a group reused after a failed step) are
+tested in tests/dbo/test_failures.py, test_group_reuse.py, test_agreement.py,
+test_step_vote.py, tests/moe/test_moe_layer.py and tests/models/test_hf_convert.py; their
+rows here point there. The `moe.hf` rows need transformers and skip without it.
 """
 from __future__ import annotations
 
@@ -454,7 +454,7 @@ def test_errors_doc_quotes_every_error_tested_here():
     rows = documented_errors()
     assert len(rows) >= len(REJECTED) + len(HF_REJECTED)
     known = {"accepted", "exit 2", "ValueError", "TypeError", "RuntimeError", "ImportError",
-             "PeerInputError", "ConfigMismatchError", "NoYieldWarning"}
+             "PeerInputError", "ConfigMismatchError", "NoYieldWarning", "GroupUnusableError"}
     assert {kind for _, kind, _ in rows} <= known, {kind for _, kind, _ in rows} - known
     for key, (_, exc_type, message) in {**REJECTED, **HF_REJECTED}.items():
         quoting = [did for did, kind, excerpt in rows

@@ -64,6 +64,9 @@ class RunConfig:
     hf_config: Optional[str] = None
     """A tiny random Hugging Face model of this architecture to run instead of the preset
     (`moe.hf.tiny`)."""
+    trust_remote_code: bool = False
+    """Run the Python of the `hf` folder that its config.json's `auto_map` names (passed to
+    `moe.hf.load`); without it such a folder is refused."""
     decode_steps: int = 0
     """Decode steps of one token per request over KV caches after the prefill, DBO off
     and on, compared and timed (`dbo.cli.run_decode`); 0: none."""

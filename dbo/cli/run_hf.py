@@ -31,6 +31,11 @@ from dbo.runner import DBORunner
 
 __all__ = ["LogitsOnly", "build_hf", "hf_model_config", "hf_label"]
 
+# The fix `dbo run --hf` gives for a folder whose config.json names its own code.
+REMOTE_CODE_FIX = ("pass --trust-remote-code to run it (on every rank) if you trust it, or "
+                   "remove auto_map from config.json to run transformers' own class of its "
+                   "model_type")
+
 
 class LogitsOnly(nn.Module):
     """A transformers causal LM whose call returns its logits as [B * S, V] (the rows the
@@ -63,7 +68,10 @@ def hf_model_config(job: Any, world_size: int) -> Any:
     from moe.hf.tiny import tiny_config
     if job.hf is not None:
         from moe.hf.folder import read_config, tensor_files
-        config = read_config(job.hf, where="--hf")  # never runs the folder's code
+        # The folder's own code runs only with --trust-remote-code; without it a folder
+        # that names some is refused, rather than silently run as transformers' class.
+        config = read_config(job.hf, where="--hf", trust_remote_code=job.trust_remote_code,
+                             code_fix=REMOTE_CODE_FIX)
         tensor_files(job.hf, where="--hf")  # its index and files' headers, here, not on every rank
     else:
         config = tiny_config(job.hf_config, num_layers=job.layers, num_experts=job.num_experts)
@@ -103,7 +111,8 @@ def build_hf(ctx: Any, job: Any, *, backend: str, tokens: int,
     if job.hf is not None:
         model = moe.hf.load(job.hf, group=ctx.group, backend=backend, experts=job.experts,
                             dtype=dtype, max_tokens_per_rank=capacity,
-                            max_tokens_per_ubatch=ubatch)
+                            max_tokens_per_ubatch=ubatch,
+                            trust_remote_code=job.trust_remote_code)
     else:
         model = tiny_model(hf_model_config(job, ctx.world_size), seed=job.seed)
         if dtype is not None:
@@ -135,6 +144,9 @@ def check_hf_options(job: Any) -> None:
     if job.hf is None and job.hf_config is None:
         return
     option = "--hf" if job.hf is not None else "--hf-config"
+    if job.trust_remote_code and job.hf is None:
+        raise ValueError("--trust-remote-code with --hf-config: a tiny random model has no "
+                         "folder code to run; drop it (it goes with --hf PATH)")
     if job.hf is not None and not (Path(job.hf) / "config.json").is_file():
         raise ValueError(f"--hf={job.hf}: no config.json there: name a local checkpoint "
                          f"folder (save_pretrained's), nothing is downloaded")

@@ -340,6 +340,9 @@ def build_parser(*, prog: str = "dbo run", description: Optional[str] = DESCRIPT
     p.add_argument("--hf", default=d.hf, metavar="PATH",
                    help="run a local Hugging Face MoE checkpoint folder instead of the preset "
                         "(experts sharded over the ranks; nothing is downloaded)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="with --hf: run the folder's own Python that config.json's auto_map "
+                        "names (refused without it)")
     p.add_argument("--hf-config", default=d.hf_config, choices=TINY_SIZES, metavar="NAME",
                    help=f"run a tiny random Hugging Face model of this architecture instead "
                         f"of the preset: {', '.join(TINY_SIZES)}")

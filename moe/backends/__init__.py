@@ -24,6 +24,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from dbo.agreement import agree_before_building
+from dbo.failures import check_group_usable
 from moe.backends.base import Dispatched, Pending, PrepareFinalize
 from moe.config import MoEConfig
 from moe.registry import BACKENDS
@@ -55,7 +56,10 @@ def make_backend(config: MoEConfig, group: Optional[dist.ProcessGroup]) -> Prepa
     config (`MoEConfig.agreement_fields`, backend resolved; one all-gather of a
     fingerprint, `dbo.agreement.agree_before_building`) and raises ConfigMismatchError
     naming the fields that differ, on every rank, before a backend makes a process group
-    or a buffer; then that `num_experts` divides the EP size."""
+    or a buffer; then that `num_experts` divides the EP size. A group that a failed step
+    left unusable is refused before that, issuing nothing (`dbo.failures`)."""
+    if group is not None:
+        check_group_usable(group)
     world_size = 1 if group is None else dist.get_world_size(group)
     name = resolve_backend_name(config.backend, world_size)
     agree_before_building({**config.agreement_fields(), "backend": name}, group,

@@ -126,7 +126,7 @@ class AllToAllBackend(PrepareFinalize):
         num_send = sum(send_counts)
         recv_RB = torch.empty(sum(recv_counts), layout.row_bytes, dtype=torch.uint8,
                               device=x_TH.device)
-        note_collective("all_to_all_single")
+        note_collective("all_to_all_single", self.group)
         dist.all_to_all_single(recv_RB, rows_XB[:num_send], list(recv_counts),
                                list(send_counts), group=self.group)
         record_on_current_stream(rows_XB)
@@ -153,7 +153,7 @@ class AllToAllBackend(PrepareFinalize):
         back_SH = torch.empty(sum(handle.send_counts), hidden, dtype=expert_out_RH.dtype,
                               device=expert_out_RH.device)
         send_RH = expert_out_RH.contiguous()
-        note_collective("all_to_all_single")
+        note_collective("all_to_all_single", self.group)
         dist.all_to_all_single(back_SH, send_RH, list(handle.send_counts),
                                list(handle.recv_counts), group=self.group)
         record_on_current_stream(send_RH)

@@ -107,7 +107,7 @@ class AllToAllLLBackend(PrepareFinalize):
                                 torch.uint8, device)
 
         dbo_switch_to_comm_sync()
-        note_collective("all_to_all_single")
+        note_collective("all_to_all_single", self.group)
         dist.all_to_all_single(recv_RB, send_XB, group=self.group)
         wait = dbo_switch_to_compute_async()
         dbo_yield()  # after the send: see the module doc
@@ -134,7 +134,7 @@ class AllToAllLLBackend(PrepareFinalize):
         send_RH = expert_out_RH.contiguous()
 
         dbo_switch_to_comm_sync()
-        note_collective("all_to_all_single")
+        note_collective("all_to_all_single", self.group)
         dist.all_to_all_single(back_XH, send_RH, group=self.group)
         record_on_current_stream(send_RH)
         wait = dbo_switch_to_compute_async()
@@ -173,7 +173,7 @@ class AllToAllLLBackend(PrepareFinalize):
             send_NH = run_experts(x_RH.index_select(0, rows_N), ids_RK.index_select(0, rows_N),
                                   weights_RK.index_select(0, rows_N)).contiguous()
             dbo_switch_to_comm_sync()
-            note_collective("all_to_all_single")
+            note_collective("all_to_all_single", self.group)
             dist.all_to_all_single(back_XH[chunk.out_rows], send_NH,
                                    output_split_sizes=chunk.splits,
                                    input_split_sizes=chunk.splits, group=self.group)

@@ -48,6 +48,7 @@ class CountExchange:
     """All-to-all of per-rank counts on a side stream and communicator."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.ep_group = group  # the group a failed step is recorded against (dbo.failures)
         self.group = side_group(group)
         self._streams: dict[int, torch.cuda.Stream] = {}
 
@@ -55,7 +56,7 @@ class CountExchange:
         """Start exchanging `send_counts_W` (int64 [W], on the current stream's device)."""
         recv_counts_W = torch.empty_like(send_counts_W)
         if not send_counts_W.is_cuda:
-            note_collective("all_to_all_single (counts)")
+            note_collective("all_to_all_single (counts)", self.ep_group)
             dist.all_to_all_single(recv_counts_W, send_counts_W, group=self.group)
             return PendingCounts(torch.cat([send_counts_W, recv_counts_W]), None)
         device = send_counts_W.device
@@ -65,7 +66,7 @@ class CountExchange:
         stream.wait_stream(torch.cuda.current_stream(device))  # the counts are computed there
         host_2W = torch.empty(2 * send_counts_W.shape[0], dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(stream):  # no yield inside: the stream is restored on exit
-            note_collective("all_to_all_single (counts)")
+            note_collective("all_to_all_single (counts)", self.ep_group)
             dist.all_to_all_single(recv_counts_W, send_counts_W, group=self.group)
             world = send_counts_W.shape[0]
             host_2W[:world].copy_(send_counts_W, non_blocking=True)

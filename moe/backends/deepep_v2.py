@@ -241,7 +241,7 @@ class DeepEPV2Backend(PrepareFinalize):
         previous = self.buffer.capture()  # before the yield: this ubatch's work only
         if yield_first:
             dbo_yield()
-        note_collective("deepep_v2.dispatch")
+        note_collective("deepep_v2.dispatch", self.group)
         recv_x, recv_ids, recv_weights, ep_handle, event = self.buffer.dispatch(
             x_TH.contiguous(), topk_idx=topk_ids_TK.to(torch.int64).contiguous(),
             topk_weights=topk_weights_TK.to(torch.float32).contiguous(),
@@ -293,7 +293,7 @@ class DeepEPV2Backend(PrepareFinalize):
         previous = self.buffer.capture()
         if yield_first:
             dbo_yield()
-        note_collective("deepep_v2.combine")
+        note_collective("deepep_v2.combine", self.group)
         out_TH, _, event = self.buffer.combine(
             expert_out_RH.contiguous(), handle.ep_handle, topk_weights=None,
             previous_event=previous, allocate_on_comm_stream=True,

@@ -79,7 +79,7 @@ class NaiveBackend(PrepareFinalize):
         dbo_yield_and_switch_from_compute_to_comm()
         if capacity is None:
             count_W = torch.empty(world, dtype=torch.int64, device=device)
-            note_collective("all_gather_into_tensor")
+            note_collective("all_gather_into_tensor", self.group)
             dist.all_gather_into_tensor(
                 count_W, torch.tensor([num_tokens], dtype=torch.int64, device=device),
                 group=self.group)
@@ -87,7 +87,7 @@ class NaiveBackend(PrepareFinalize):
             rows_CB = pack(capacity)
         gathered_RB = torch.empty(world * capacity, rows_CB.shape[1], dtype=torch.uint8,
                                   device=device)
-        note_collective("all_gather_into_tensor")
+        note_collective("all_gather_into_tensor", self.group)
         dist.all_gather_into_tensor(gathered_RB, rows_CB, group=self.group)
         record_on_current_stream(rows_CB)
         wait = dbo_switch_to_compute_async()
@@ -101,7 +101,7 @@ class NaiveBackend(PrepareFinalize):
         send_RH = expert_out_RH.contiguous()
         mine_CH = torch.empty(handle.rows_per_rank, send_RH.shape[1], dtype=send_RH.dtype,
                               device=send_RH.device)
-        note_collective("reduce_scatter_tensor")
+        note_collective("reduce_scatter_tensor", self.group)
         dist.reduce_scatter_tensor(mine_CH, send_RH, group=self.group)
         record_on_current_stream(send_RH)
         wait = dbo_switch_to_compute_async()

@@ -227,7 +227,7 @@ class SymmMemBackend(PrepareFinalize):
                         topk_ids_TK, topk_weights_TK, src_X, policy=self.config.kernels)
 
         dbo_switch_to_comm_sync()
-        note_collective("symm_mem.all_to_all_vdev")
+        note_collective("symm_mem.all_to_all_vdev", self.group)
         self._op(bufs.send_XB, bufs.recv_NB, bufs.splits_D, bufs.got_D, self.group_name)
         wait = dbo_switch_to_compute_async()
         dbo_yield()  # after the send: nothing to read first (see a2a_ll's module doc)
@@ -256,7 +256,7 @@ class SymmMemBackend(PrepareFinalize):
         bufs.splits_C.copy_(views.got_rows_W)
 
         dbo_switch_to_comm_sync()
-        note_collective("symm_mem.all_to_all_vdev")
+        note_collective("symm_mem.all_to_all_vdev", self.group)
         self._op(bufs.back_send_YH, bufs.back_recv_NH, bufs.splits_C, bufs.got_C,
                  self.group_name)
         wait = dbo_switch_to_compute_async()

@@ -36,13 +36,14 @@ MB): a bigger one is refused rather than parsed into memory."""
 
 
 def read_config(path: str | os.PathLike, *, trust_remote_code: bool = False,
-                where: str = "moe.hf.load") -> Any:
+                where: str = "moe.hf.load", code_fix: Optional[str] = None) -> Any:
     """The transformers config of checkpoint folder `path`, read from its config.json.
 
     The folder's own Python (config.json's `auto_map`) runs only if `trust_remote_code`;
     otherwise a model type dbo converts is built from transformers' own classes (with a
-    warning that the folder's code was not run) and any other is refused before
-    transformers sees it, so that nothing prompts on stdin. `where` starts each error.
+    warning that the folder's code was not run; refused instead, ending with `code_fix`,
+    where one is given) and any other is refused before transformers sees it, so that
+    nothing prompts on stdin. `where` starts each error.
     """
     folder = _folder(path, where)
     file = _inside(folder, CONFIG_FILE, where=where, source=repr(folder))
@@ -65,6 +66,9 @@ def read_config(path: str | os.PathLike, *, trust_remote_code: bool = False,
                          f"transformers (AutoModelForCausalLM.from_pretrained(path)) and "
                          f"convert it, moe.hf.convert(model, group=ep_group), which runs it on "
                          f"the experts path")
+    if code and not trust_remote_code and code_fix is not None:
+        raise ValueError(f"{where}: {file}: its auto_map names the folder's own code "
+                         f"({code}), which was not run: {code_fix}")
     if code and not trust_remote_code:
         warnings.warn(f"{where}: {file}: its auto_map names the folder's own code ({code}); "
                       f"it was not run, transformers' own {model_type} is built instead "

@@ -145,7 +145,7 @@ def step_log(rank: int, world_size: int, chunks: int, mode: str) -> list[tuple]:
 
     layer = make_layer(dict(num_shared_experts=1, combine_chunks=chunks))
     log: list[tuple] = []
-    a2a_ll_module.note_collective = lambda name: log.append((name,))
+    a2a_ll_module.note_collective = lambda name, group=None: log.append((name,))
     layer.shared_experts.register_forward_hook(lambda *_: log.append(("shared",)))
     kernel = layer._kernel(torch.device("cpu"))
     apply = kernel.experts.apply

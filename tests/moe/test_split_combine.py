@@ -56,7 +56,7 @@ def call_order(rank: int, world_size: int, backend: str, split: bool, dbo: bool)
         kernel = layer._kernel(torch.device("cpu"))
         kernel.experts = SpyExperts(kernel.experts, log)
 
-    def note(name: str) -> None:
+    def note(name: str, group: object = None) -> None:
         log.append((name, dbo_current_ubatch_id()))
 
     a2a_module.note_collective = a2a_ll_module.note_collective = note

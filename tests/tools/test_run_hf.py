@@ -57,6 +57,8 @@ def no_launch(monkeypatch):
      "top_k=2 exceeds num_experts=1"),
     (("--hf-config", "mixtral", "--cuda-graph"), "--cuda-graph needs CUDA GPUs"),
     (("--hf-config", "mixtral", "--preset", "mixtral-like"), "--preset with --hf-config"),
+    (("--hf-config", "qwen3_moe", "--trust-remote-code"),
+     "--trust-remote-code with --hf-config: a tiny random model has no folder code to run"),
 ])
 def test_bad_hf_arguments_fail_fast(args, message, tmp_path, capsys, no_launch):
     argv = ["run", *(str(tmp_path) if a == "DIR" else a for a in args)]
@@ -112,6 +114,53 @@ def test_a_corrupt_safetensors_file_is_refused_before_any_rank(tmp_path, capsys,
     err = capsys.readouterr().err
     assert "'model.safetensors' is not a readable safetensors file" in err and \
         err.count("\n") == 1, err
+
+
+def custom_code_checkpoint(tmp_path) -> tuple[str, object]:
+    """A tiny Qwen3-MoE checkpoint whose config.json's auto_map names the folder's own
+    (harmless) classes, which write a marker file when imported: (folder, marker)."""
+    from tests.hf_utils import save, tiny_model
+    from tests.models.test_hf_files import _with_custom_code
+    marker = tmp_path / "marker"
+    return _with_custom_code(save(tiny_model("qwen3_moe"), tmp_path / "ckpt"), marker), marker
+
+
+def test_dbo_run_hf_refuses_a_folder_with_custom_code_in_one_line(tmp_path, capsys, no_launch):
+    path, marker = custom_code_checkpoint(tmp_path)
+    capsys.readouterr()  # save_pretrained's progress bar
+    for command in ("run", "trace"):  # the commands that take --hf PATH
+        with pytest.raises(SystemExit) as info:
+            cli.main([command, "--hf", path])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"dbo {command}: --hf: ") and err.count("\n") == 1, err
+        assert ("its auto_map names the folder's own code (custom.CustomConfig, "
+                "custom.CustomModel), which was not run: pass --trust-remote-code") in err, err
+    assert not marker.exists()
+
+
+def test_dbo_run_hf_trust_remote_code_reaches_transformers_loader(tmp_path, monkeypatch):
+    import moe.hf
+    path, marker = custom_code_checkpoint(tmp_path)
+    loaded: list[tuple[object, str]] = []
+    real_load = moe.hf.load
+
+    def spy(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        loaded.append((kwargs.get("trust_remote_code"), type(model).__name__))
+        return model
+
+    monkeypatch.setattr(moe.hf, "load", spy)
+    # One rank runs in this process: the spy sees the rank's load.
+    code = cli.main(["run", "--hf", path, "--trust-remote-code", "--world-size", "1",
+                     "--steps", "1", "--warmup", "0", "--tokens", "16", "--requests", "2",
+                     "--no-trace", "--out", str(tmp_path / "out")])
+    assert code == 0
+    # transformers built the folder's own class, from the folder's code.
+    assert loaded == [(True, "CustomModel")], loaded
+    assert marker.read_text() == "ran"
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["outputs_match"] is True and summary["model"] == f"hf {path}"
 
 
 def test_transformers_older_than_5_17_is_named_in_one_line(monkeypatch, capsys, no_launch):

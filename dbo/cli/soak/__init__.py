@@ -2,6 +2,7 @@
 
     python -m dbo.cli.soak                                        # CPU: 2 gloo ranks, 2000 steps
     python -m dbo.cli.soak --steps 500 --backend a2a_ll --layers 1 --world-size 2
+    python -m dbo.cli.soak --steps 2000 --bad-every 50   # CPU: a rank's bad input every 50
     python -m dbo.cli.soak --steps 20000 --max-tokens 512        # GPUs: one rank per GPU, NCCL
     torchrun --nproc_per_node=2 -m dbo.cli.soak --steps 20000
     python -m dbo.cli.soak --backend deepep_ll --cuda-graph --dtype bfloat16 --hidden 7168 \
@@ -45,12 +46,22 @@ Memory: the baseline is taken after --warmup steps, a sample every --report-ever
   the run (from the middle sample, where at least five were taken: lazily filled caches
   rise once after warmup and stop, a leak keeps adding one object per step), tensors
   reachable from Python <= MAX_TENSOR_GROWTH from the baseline.
+- The process RSS (/proc/self/statm), on CPU where at least five samples were taken:
+  <= --bound-kib over the later half of the run, as the object count (malloc keeps the
+  pages it takes while the run's sizes first spread, so the growth from the baseline is
+  reported, not asserted). On GPUs reported only.
 Growth is taken at the smaller of the last two samples (a sample can catch the tensors of
 the last collective before the communication thread lets go of them; a leak raises both).
-The process RSS (/proc/self/statm) is reported, not asserted: malloc keeps freed pages.
+
+--bad-every N: every N-th step one rank in turn gets rows one value too wide, which the
+model's `dbo_check_inputs` rejects before the vote. Every rank must stop that step at the
+vote (that rank raising its own ValueError, the others `PeerInputError`, each marked as
+stopped together) and the next step reuses the group; the stopped steps are counted and
+must be those scheduled, on every rank.
 
 Prints a progress line every --report-every steps (rank 0, stderr), a table per rank,
-then one JSON line. Exit code 1 when a step mismatched or memory grew past a bound.
+then one JSON line. Exit code 1 when a step mismatched, a scheduled stop did not happen
+as it must, or memory grew past a bound.
 """
 
 from dbo.cli.soak.config import MAX_OBJECT_GROWTH, MAX_TENSOR_GROWTH, SoakConfig

@@ -89,9 +89,14 @@ class SoakConfig:
     """Pad every step as `cuda_graph` does, but run it eagerly: the padding path on any
     device (implied by `cuda_graph`; tests use it on CPU)."""
     bound_kib: int = DEFAULT_BOUND_KIB
-    """Largest allowed growth (KiB) of tracemalloc and of tensor storage after warmup."""
+    """Largest allowed growth (KiB) of tracemalloc and of tensor storage after warmup, and
+    on CPU of the RSS over the run's later half."""
     trace_window: int = 0
     """tracemalloc only in the last N steps before each memory sample; 0: every step."""
+    bad_every: int = 0
+    """Every N-th step one rank (in turn) gets rows one value too wide, which the model's
+    `dbo_check_inputs` rejects: every rank stops at the vote, and the next step reuses the
+    group (`dbo.cli.soak.workload.bad_input_rank`). 0: never."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "max_tokens", "layers", "report_every", "hidden",
@@ -101,6 +106,10 @@ class SoakConfig:
             check_int_option(name, getattr(self, name), low=0)
         check_seed(self.seed)
         check_int_option("trace_window", self.trace_window, low=0)
+        check_int_option("bad_every", self.bad_every, low=0)
+        if self.bad_every == 1:
+            raise ValueError("--bad-every=1 would reject every step's input, leaving none "
+                             "to check: use --bad-every >= 2, or 0 for none")
         if self.trace_window > self.report_every:
             raise ValueError(f"--trace-window={self.trace_window} exceeds --report-every="
                              f"{self.report_every}: windows end at the samples and must not "

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dbo.agreement import PeerInputError
 from dbo.cli import (Parser, check_backend_runs, check_deepep_ll_depth, check_fits_memory,
                      check_out_file)
 from dbo.cli.launch import RankContext, launch, resolve_world_size
@@ -23,7 +24,7 @@ from dbo.cli.soak.padding import pad_rows, padded_size, real_rows
 from dbo.cli.soak.reference import DenseReference
 from dbo.cli.soak.summary import (GRAPH_SPLITS, RankResult, kib, print_summary, summarize,
                                   tolerance_of)
-from dbo.cli.soak.workload import SoakModel, draw_step_input
+from dbo.cli.soak.workload import SoakModel, bad_input_rank, draw_step_input, widen
 
 
 # ------------------------------------------------------------------------------ one rank
@@ -62,7 +63,8 @@ def run_rank(ctx: RankContext, job: SoakConfig) -> Optional[dict]:
     window_starts = {max(done - job.trace_window, prev)
                      for prev, done in zip([job.warmup, *sample_steps], sample_steps)}
     gen = torch.Generator()
-    is_zero = bytearray(job.steps)  # allocated up front: no growth while memory is measured
+    # Allocated up front: no growth while memory is measured.
+    is_zero, is_stopped = bytearray(job.steps), bytearray(job.steps)
     mismatched: list[int] = []
     tokens = split_steps = 0
     max_diff = 0.0
@@ -76,10 +78,15 @@ def run_rank(ctx: RankContext, job: SoakConfig) -> Optional[dict]:
                 captures_at_warmup = _captures(runner)
             if step in window_starts:
                 memory.begin_window()
-            num_tokens, split, diff = _step(job, step, ctx, model, runner, reference, gen)
+            bad_rank = bad_input_rank(job, step, ctx.world_size)
+            if bad_rank is not None:
+                num_tokens, split = 0, False
+                diff, is_stopped[step] = _stopped_step(job, step, ctx, runner, gen, bad_rank)
+            else:
+                num_tokens, split, diff = _step(job, step, ctx, model, runner, reference, gen)
             tokens += num_tokens
             split_steps += split
-            is_zero[step] = num_tokens == 0
+            is_zero[step] = num_tokens == 0 and bad_rank is None
             if not diff <= tolerance:  # NaN is a mismatch too
                 mismatched.append(step)
             max_diff = max(max_diff, diff) if not math.isnan(diff) else math.inf
@@ -87,15 +94,16 @@ def run_rank(ctx: RankContext, job: SoakConfig) -> Optional[dict]:
             if done in sample_steps:
                 memory.record(done)
                 if ctx.is_main:
-                    _progress(job, done, split_steps, max_diff, mismatched, memory,
-                              time.perf_counter() - t_start)
+                    _progress(job, done, split_steps, sum(is_stopped), max_diff, mismatched,
+                              memory, time.perf_counter() - t_start)
     finally:
         memory.stop()
     t_end = time.perf_counter()
     zero_steps = [step for step, zero in enumerate(is_zero) if zero]
     captured = _captures(runner)
-    result = RankResult(rank=ctx.rank, zero_token_steps=zero_steps, tokens=tokens,
-                        split_steps=split_steps, max_abs_diff=max_diff,
+    stopped = [step for step, stop in enumerate(is_stopped) if stop]
+    result = RankResult(rank=ctx.rank, zero_token_steps=zero_steps, stopped_steps=stopped,
+                        tokens=tokens, split_steps=split_steps, max_abs_diff=max_diff,
                         mismatched_steps=mismatched, samples=memory.samples,
                         memory=memory.verdict(job.bound_kib * KIB), wall_s=t_end - t_start,
                         graphs_captured=captured,
@@ -153,8 +161,31 @@ def _step(job: SoakConfig, step: int, ctx: RankContext, model: SoakModel,
     return num_tokens, bool(runner.last_decision.split), diff
 
 
-def _progress(job: SoakConfig, done: int, split_steps: int, max_diff: float,
-              mismatched: list[int], memory: MemoryTracker, elapsed: float) -> None:
+def _stopped_step(job: SoakConfig, step: int, ctx: RankContext,
+                  runner: DBORunner | GraphedRunner, gen: torch.Generator,
+                  bad_rank: int) -> tuple[float, bool]:
+    """A step whose input rank `bad_rank` rejects (`bad_input_rank`): (0.0, True) where the
+    vote stopped it as it must, on every rank together (that rank raising its own
+    ValueError, the others `PeerInputError`), leaving the group usable; (inf, False) where
+    it ran or stopped otherwise. Any other error ends the soak."""
+    x_TH = draw_step_input(job, step, ctx.rank, gen).to(ctx.device, job.torch_dtype)
+    if ctx.rank == bad_rank:
+        x_TH = widen(x_TH)
+    x_in = pad_rows(x_TH, padded_size(x_TH.shape[0], job.capture_sizes)) if job.padded else x_TH
+    expected = ValueError if ctx.rank == bad_rank else PeerInputError
+    try:
+        with torch.no_grad():
+            runner(x_in)
+    except (ValueError, PeerInputError) as exc:
+        if type(exc) is expected and getattr(exc, "dbo_stopped_together", False):
+            return 0.0, True
+        return math.inf, False
+    return math.inf, False
+
+
+def _progress(job: SoakConfig, done: int, split_steps: int, stopped_steps: int,
+              max_diff: float, mismatched: list[int], memory: MemoryTracker,
+              elapsed: float) -> None:
     first, last = memory.samples[0], memory.samples[-1]
     if last.cuda_allocated is not None:
         mem = f"cuda {kib(last.cuda_allocated - first.cuda_allocated)}"
@@ -163,8 +194,10 @@ def _progress(job: SoakConfig, done: int, split_steps: int, max_diff: float,
     else:
         mem = f"tracemalloc {kib(last.traced_bytes)} in the last {job.trace_window} steps"
     rss = None if last.rss_bytes is None else last.rss_bytes - first.rss_bytes
-    print(f"soak: step {done}/{job.steps}  split {split_steps}  max|diff| {max_diff:.1e}  "
-          f"mismatched {len(mismatched)}  {mem}  objects {last.objects - first.objects:+d}  "
+    stopped = f"stopped {stopped_steps}  " if job.bad_every else ""
+    print(f"soak: step {done}/{job.steps}  split {split_steps}  {stopped}max|diff| "
+          f"{max_diff:.1e}  mismatched {len(mismatched)}  {mem}  "
+          f"objects {last.objects - first.objects:+d}  "
           f"tensors {last.tensors - first.tensors:+d}  rss {kib(rss)}  "
           f"{elapsed / done * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
 
@@ -224,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-window", type=int, default=d.trace_window,
                    help="tracemalloc only in the last N steps before each sample (CPU; "
                         "0: every step after warmup)")
+    p.add_argument("--bad-every", type=int, default=d.bad_every, metavar="N",
+                   help="every N-th step one rank (in turn) gets rows its input check "
+                        "rejects: every rank stops at the vote, the group is reused (0: never)")
     p.add_argument("--json-out", default=None, help="also write the full summary here")
     return p
 

@@ -9,6 +9,7 @@ from dbo.cli.launch import RankContext
 from dbo.cli.soak.config import KIB, SoakConfig
 from dbo.cli.soak.memory import MemorySample, MemoryVerdict
 from dbo.cli.soak.reference import BF16_REL_TOL
+from dbo.cli.soak.workload import bad_input_rank
 
 # Splits a graph can be keyed on: DBO split or not (`dbo.graphs`).
 GRAPH_SPLITS = 2
@@ -20,6 +21,9 @@ class RankResult:
 
     rank: int
     zero_token_steps: list[int]
+    stopped_steps: list[int]
+    """Steps the vote stopped, as it must have, after a rank's rejected input
+    (`SoakConfig.bad_every`)."""
     tokens: int
     split_steps: int
     max_abs_diff: float
@@ -82,6 +86,10 @@ def summarize(job: SoakConfig, ctx: RankContext, experts: str,
                                                      for r in results],
                   "bound": limit, "ok": all(n is not None and n <= limit for n in captured)}
     graphs_ok = graphs is None or graphs["ok"]
+    bad = [step for step in range(job.steps)
+           if bad_input_rank(job, step, ctx.world_size) is not None]
+    stopped = {"expected": len(bad), "per_rank": [len(r.stopped_steps) for r in results],
+               "ok": all(r.stopped_steps == bad for r in results)}
     return {
         "job": "dbo soak", "backend": job.backend, "experts": experts,
         "device": ctx.device.type, "world_size": ctx.world_size, "layers": job.layers,
@@ -90,6 +98,7 @@ def summarize(job: SoakConfig, ctx: RankContext, experts: str,
         "split_steps": results[0].split_steps,
         "zero_token_steps": [len(r.zero_token_steps) for r in results],
         "all_ranks_zero_steps": len(all_zero),
+        "stopped_steps": stopped,
         "tokens": [r.tokens for r in results],
         err: max_diff if math.isfinite(max_diff) else None,
         f"{err}_per_rank": [r.max_abs_diff if math.isfinite(r.max_abs_diff) else None
@@ -101,7 +110,8 @@ def summarize(job: SoakConfig, ctx: RankContext, experts: str,
         "memory": memory,
         "wall_s": round(max(r.wall_s for r in results), 3),
         "ms_per_step": round(max(r.wall_s for r in results) / job.steps * 1e3, 3),
-        "ok": not mismatched and all(r.memory.ok for r in results) and graphs_ok,
+        "ok": (not mismatched and all(r.memory.ok for r in results) and graphs_ok
+               and stopped["ok"]),
         "config": asdict(job),
     }
 
@@ -120,6 +130,11 @@ def print_summary(s: dict) -> None:
           f"{s['all_ranks_zero_steps']}; {check}; mismatched steps "
           f"{s['mismatched_steps']['count']} {s['mismatched_steps']['first']}; "
           f"{s['ms_per_step']:.1f} ms/step")
+    if s["stopped_steps"]["expected"]:
+        st = s["stopped_steps"]
+        print(f"steps stopped at the vote by a rank's rejected input, the group reused after "
+              f"each: {st['per_rank']} per rank (expected {st['expected']}: "
+              f"{'ok' if st['ok'] else 'WRONG'})")
     if s["graphs"] is not None:
         g = s["graphs"]
         print(f"graphs: sizes {g['sizes']}; captured per rank {g['captured_per_rank']} "
@@ -136,7 +151,8 @@ def print_summary(s: dict) -> None:
         print(f"{r:>4} {s['zero_token_steps'][r]:>7} {s['tokens'][r]:>7} "
               f"{'inf/nan' if diff is None else f'{diff:.1e}':>9} "
               f"{'flat' if m['ok'] else 'GREW':>6}  {checked}"
-              f"  (rss {kib(None if rss is None else rss['growth'])}, not asserted)")
+              f"  (rss {kib(None if rss is None else rss['growth'])} from the baseline, "
+              f"not asserted)")
     print(f"\nverdict: {'PASS' if s['ok'] else 'FAIL'}")
 
 

@@ -71,6 +71,14 @@ class SoakModel(nn.Module):
             x_TH = F.gelu(dense(x_TH + moe(x_TH)))
         return x_TH, torch.stack(hidden, dim=1), torch.stack(logits, dim=1)
 
+    def dbo_check_inputs(self, x_TH: Tensor) -> None:
+        """The runner's check before the vote (`dbo.agreement`): rows of --hidden values.
+        A rank whose rows are not votes "not ok", so every rank stops the step there."""
+        hidden = self.moe_config.hidden_size
+        if x_TH.dim() != 2 or x_TH.shape[1] != hidden:
+            raise ValueError(f"SoakModel: x has shape {tuple(x_TH.shape)}, expected "
+                             f"[T, hidden={hidden}]")
+
     def dbo_can_split_inside_request(self) -> bool:
         """True: every row is computed on its own (`dbo.split`), so any cut is exact."""
         return True
@@ -111,3 +119,17 @@ def draw_step_input(job: SoakConfig, step: int, rank: int, gen: torch.Generator)
     else:
         num_tokens = int(torch.randint(0, job.max_tokens + 1, (1,), generator=gen).item())
     return torch.randn(num_tokens, job.hidden, generator=gen)
+
+
+def bad_input_rank(job: SoakConfig, step: int, world_size: int) -> Optional[int]:
+    """The rank whose input is rejected at `step` (`SoakConfig.bad_every`), or None: every
+    --bad-every-th step (never step 0), ranks 0, 1, ... in turn; the same on every rank."""
+    every = job.bad_every
+    if not every or step % every != every - 1:
+        return None
+    return (step // every) % world_size
+
+
+def widen(x_TH: Tensor) -> Tensor:
+    """`x_TH` with a column of zeros more: rows the model's input check rejects."""
+    return torch.cat([x_TH, x_TH.new_zeros(x_TH.shape[0], 1)], dim=1)
