@@ -19,13 +19,10 @@ expert, which one dispatched row cannot carry: refused.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-
-if TYPE_CHECKING:
-    from moe.hf.generic import HFExperts
 
 __all__ = ["INPUT_SCALED_BLOCKS", "InputScaledBlock", "input_scaled_options"]
 
@@ -59,13 +56,13 @@ class InputScaledBlock(nn.Module):
 
     Args:
         old: the replaced block (its router and shared expert are taken over).
-        experts: the `HFExperts` of its experts (top-1).
+        experts: the `moe.hf.generic.HFExperts` of its experts (top-1).
     """
 
     #: Which conversion path produced this block (`HFExperts.dbo_path` inside).
     dbo_path = "experts"
 
-    def __init__(self, old: nn.Module, experts: "HFExperts") -> None:
+    def __init__(self, old: nn.Module, experts: nn.Module) -> None:
         super().__init__()
         router_name, shared_name = INPUT_SCALED_BLOCKS[type(old).__name__]
         self.router_name, self.shared_name = router_name, shared_name
