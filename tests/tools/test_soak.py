@@ -163,7 +163,10 @@ def test_memory_tracker_sees_leaks():
     for step in (1, 2):
         native.record(step)
     assert "rss_later_half" not in native.verdict(1 << 20).checked  # fewer than five
-    leaks.append(torch.ones(1 << 20))  # 4 MiB after the middle sample, every page touched
+    # 64 MiB after the middle sample, every page touched: above glibc's largest mmap
+    # threshold (32 MiB), so fresh pages, never heap memory an earlier test freed (a
+    # 4 MiB tensor reused such memory in a full run and RSS did not move).
+    leaks.append(torch.ones(16 << 20))
     for step in (3, 4):
         native.record(step)
     growth, bound = native.verdict(1 << 20).checked["rss_later_half"]
