@@ -44,6 +44,7 @@ from moe.hf.deps import require
 from moe.hf.generic import ExpertsPlan, HFExperts, build_experts, plan_experts
 from moe.hf.router_logits import record_router_logits
 from moe.hf.rows import copy_rows, expert_tensor_names, local_rows
+from moe.hf.save import record_layout, save_in_transformers_names
 from moe.layer import MoELayer
 
 _logger = logging.getLogger(__name__)
@@ -163,10 +164,12 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
             new = build_experts(plan, old.experts, device=device, group=group,
                                 capacity=max_tokens_per_rank,
                                 ubatch_capacity=max_tokens_per_ubatch, last_layer=i == last)
+            record_layout(new, old.experts, transposed=plan.transposed)
         else:
             new = _build_block(plan, old, device=device, group=group, backend=backend,
                                experts=experts, capacity=max_tokens_per_rank,
                                ubatch_capacity=max_tokens_per_ubatch, last_layer=i == last)
+            record_layout(new, old, transposed=False)
         if from_blocks:
             first, stop = local_rows(plan, rank=rank, world=world)
             copy_rows(plan, new, {name: getattr(old.experts, name)[first:stop]
@@ -183,6 +186,7 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
     # A transformers model takes padded [B, S] batches: DBORunner's default split
     # (DBOConfig(split=None)) cuts them between sequences.
     model.dbo_split_mode = "batch"
+    save_in_transformers_names(model)
     return model
 
 
