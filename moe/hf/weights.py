@@ -7,7 +7,7 @@ transformers renames checkpoint names when it loads a checkpoint (`WeightRenamin
 Mixtral's `block_sparse_moe` to `mlp`) and converts tensors (`WeightConverter`: e.g. the
 per-expert `experts.{e}.gate_proj.weight` [I, H] and `experts.{e}.up_proj.weight` [I, H]
 stacked and joined into `experts.gate_up_proj` [E, 2I, H]), and undoes both when it saves
-(`conversion_mapping`). `read_weights` maps every checkpoint name to its model name with
+(`conversion_mapping`). `WeightReader` maps every checkpoint name to its model name with
 transformers' own rules (`rename_source_key`), so a checkpoint loads as from_pretrained
 would load it, whatever names its family's checkpoints use. For an expert tensor only
 experts [first, stop) are read:
@@ -19,8 +19,10 @@ experts [first, stop) are read:
 
 The rest of such a conversion must act on each expert alone (`Concatenate`, `Chunk`,
 `Interleave`, `Split` past the expert dimension, `Transpose` of two others); any other
-operation is refused naming the family and the tensor. Checkpoint names the model has no tensor for are
-not read, as transformers ignores them. Every refusal is one line naming the tensor.
+operation is refused naming the family and the tensor. Checkpoint names the model has no
+tensor for are not read, as transformers ignores them. Every refusal is one line naming
+the tensor; where a checkpoint lacks one, it is named as transformers' save_pretrained
+names it (its conversions reverted on a meta copy of the model's state dict).
 """
 from __future__ import annotations
 
@@ -132,6 +134,7 @@ class WeightReader:
                 raise self.missing(key, want, None, want.first)
             _stacked(self._found.targets[key], self.model.config.model_type)
         tensors = self.model.state_dict(keep_vars=True)
+        self._refuse_absent(tensors, self._predicted())  # before reading anything
         loaded: set[str] = set()
         for key, target in self._found.targets.items():
             if key in self.experts:
@@ -144,8 +147,23 @@ class WeightReader:
                 self._check_result(name, value, tuple(tensors[name].shape), target)
                 _assign(self.model, name, value)
                 loaded.add(name)
-        tensors = self.model.state_dict(keep_vars=True)
-        filled = {id(tensors[k]) for k in loaded}
+        self._refuse_absent(self.model.state_dict(keep_vars=True), loaded)
+
+    def _predicted(self) -> set[str]:
+        """The model tensors the checkpoint's tensors will make (a converter's other
+        targets named as transformers names them)."""
+        keys = set()
+        for key, target in self._found.targets.items():
+            keys.add(key)
+            patterns = getattr(target.transform, "target_patterns", [])
+            if getattr(target.transform, "operations", None) and patterns[0] in key:
+                keys.update(key.replace(patterns[0], p) for p in patterns[1:])
+        return keys
+
+    def _refuse_absent(self, tensors: dict[str, Tensor], made: set[str]) -> None:
+        """ValueError naming the first tensor of the model (but the experts) that none of
+        `made` fills, through any of its names (tied tensors)."""
+        filled = {id(tensors[k]) for k in made if k in tensors}
         absent = [k for k, t in tensors.items()
                   if k not in self.experts and id(t) not in filled]
         if absent:
