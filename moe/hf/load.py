@@ -109,10 +109,23 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
         fill_experts(model, plans, {plan.path: {name: read[f"{plan.path}.experts.{name}"]
                                                 for name in expert_tensor_names(plan)}
                                     for plan in plans})
+    _refuse_meta(model)
     generation_config = read_generation_config(path)
     if generation_config is not None:
         model.generation_config = generation_config
     return model.eval()
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    """ValueError naming a tensor left on the meta device: one that an experts module
+    computes when it is built (a non-persistent buffer) rather than reads."""
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if tensor.is_meta:
+            raise ValueError(f"moe.hf.load: {model.config.model_type}: tensor {name!r} is not "
+                             f"in the checkpoint and its module was built on the meta device: "
+                             f"load the model with transformers "
+                             f"(AutoModelForCausalLM.from_pretrained(path)) and convert it, "
+                             f"moe.hf.convert(model, group=ep_group)")
 
 
 def _refuse_quantized(path: str, config: Any) -> None:

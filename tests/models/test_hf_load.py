@@ -8,8 +8,9 @@ shards; under EP each rank holds and reads only its own experts (tested with two
 in tests/models/test_hf_convert.py and tests/models/test_hf_save.py); bad input is
 refused in one line naming the tensor, before the model is returned: a missing tensor,
 a config that does not match the weights, a checkpoint of another architecture than
-its config.json names, a quantized checkpoint, a family without a causal LM, and a
-conversion not known to keep the experts apart.
+its config.json names, a quantized checkpoint, a family without a causal LM, a
+conversion not known to keep the experts apart, and a tensor an experts module computes
+when built (experts modules are built on the meta device).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 import os
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -166,6 +168,26 @@ def test_a_refused_load_leaves_the_experts_classes_as_they_were(tmp_path):
         moe.hf.load(path)
     experts = tiny_model("qwen3_moe").model.layers[0].mlp.experts
     assert not experts.gate_up_proj.is_meta and experts.gate_up_proj.abs().sum() > 0
+
+
+def test_a_tensor_an_experts_module_computes_when_built_is_refused(tmp_path, monkeypatch):
+    """Experts modules are built on the meta device: a non-persistent buffer one computes
+    in its constructor is not in the checkpoint, and a converted block that keeps it
+    (Inkling2's own gate keeps its module's buffers) would compute with nothing."""
+    model = coverage.tiny_model("inkling2")
+    path = save(model, tmp_path)
+    cls = type(model.model.layers[0].mlp.experts)
+    init = cls.__init__
+
+    def with_table(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+    monkeypatch.setattr(cls, "__init__", with_table)
+    with pytest.raises(ValueError) as exc:
+        moe.hf.load(path)
+    assert ("tensor 'model.layers.0.mlp.experts.gate_owner.table' is not in the checkpoint "
+            "and its module was built on the meta device") in _one_line(exc)
 
 
 def test_load_refuses_a_checkpoint_of_another_architecture(tmp_path):
