@@ -58,8 +58,8 @@ def _assert_same_files(path, reference) -> None:
 @pytest.mark.parametrize("name, conversion", CASES)
 def test_save_pretrained_writes_the_unconverted_checkpoint(name, conversion, tmp_path):
     from transformers import AutoModelForCausalLM
-    model = _model(name)
-    reference = save(model, tmp_path / "reference")
+    reference = save(_model(name), tmp_path / "reference")
+    model = AutoModelForCausalLM.from_pretrained(reference).eval()  # as people load it
     ids, mask = batch(3, 6, seed=1)
     expected = logits(model, ids, mask)
     moe.hf.convert(model, conversion=conversion)
