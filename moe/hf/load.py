@@ -66,10 +66,11 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
 
     Raises:
         ValueError: what `convert` refuses; a model type transformers has no causal LM
-            for; a tensor the checkpoint lacks, or whose shape differs from what
-            config.json implies, or that transformers converts mixing experts (naming
-            the tensor); a file of the directory that is malformed or lies outside it
-            (`moe.hf.folder`).
+            for; a quantized checkpoint; a tensor the checkpoint lacks, or whose shape
+            differs from what config.json implies, or that transformers converts with an
+            operation not known to keep the experts apart, or that an experts module
+            computes when built (naming the tensor); a file of the directory that is
+            malformed or lies outside it (`moe.hf.folder`).
     """
     transformers = require("transformers")
     path = os.fspath(path)
