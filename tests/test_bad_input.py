@@ -270,6 +270,26 @@ def hf_load_without(tmp_path: Path, name: str, **config_edits) -> None:
     load(path)
 
 
+def hf_load_edited(tmp_path: Path, family: str, **config_edits) -> None:
+    """`moe.hf.load` of the saved tiny model of `family` (`moe.hf.coverage`), config.json
+    edited."""
+    from moe.hf import coverage, load
+    path = save(coverage.tiny_model(family), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **config_edits}))
+    load(path)
+
+
+def hf_save_converted(tmp_path: Path, *, extra_tensor: bool = False, **options) -> None:
+    """`save_pretrained` of a converted tiny OLMoE (its second block's experts module
+    given a tensor the experts path does not keep, with `extra_tensor`)."""
+    from moe.hf import convert, coverage
+    model = coverage.tiny_model("olmoe")
+    if extra_tensor:
+        model.model.layers[1].mlp.experts.scale = torch.nn.Parameter(torch.ones(4))
+    convert(model).save_pretrained(tmp_path, **options)
+
+
 def hf_generate_unconverted() -> None:
     from moe.hf import generate
     generate(DBORunner(tiny_model("qwen3_moe")), torch.zeros(1, 2, dtype=torch.long),
@@ -328,6 +348,26 @@ HF_REJECTED = {
     "`moe.hf.load`: config.json and checkpoint shapes differ": (
         lambda tmp: hf_load_without(tmp, "", intermediate_size=24), ValueError,
         "config.json and the weights disagree"),
+    "`moe.hf.load` of a quantized checkpoint": (
+        lambda tmp: hf_load_edited(tmp, "olmoe", quantization_config={"quant_method": "fp8"}),
+        ValueError, "holds quantized weights (config.json's quantization_config, quant_method "
+                    "'fp8')"),
+    "`moe.hf.load` of a model type transformers has no causal LM for": (
+        lambda tmp: hf_load_edited(tmp, "mistral4"), ValueError,
+        "transformers has no causal LM for a 'mistral4' config"),
+    "`moe.hf.load` of a family whose experts transformers converts with an operation not "
+    "known to keep experts apart": (
+        lambda tmp: hf_load_edited(tmp, "inkling2_loop"), ValueError,
+        "with Inkling2LoopDequantizeExperts, which dbo cannot apply to one rank's experts "
+        "alone"),
+    "`save_pretrained(state_dict=...)` of a converted model": (
+        lambda tmp: hf_save_converted(tmp, state_dict={}), ValueError,
+        "save_pretrained(state_dict=) of a converted model is not supported"),
+    "`save_pretrained` of a converted block that did not keep a tensor of the module it "
+    "replaced": (
+        lambda tmp: hf_save_converted(tmp, extra_tensor=True), ValueError,
+        "of the unconverted model: the converted block lacks it; save the model before "
+        "converting it"),
     "`moe.hf.generate` on a model not converted": (
         lambda tmp: hf_generate_unconverted(), ValueError,
         "has no converted MoE block: convert it first, model = moe.hf.convert(model"),

@@ -2,6 +2,7 @@
 
     model = moe.hf.convert(model, group=ep_group)          # a loaded transformers model
     model = moe.hf.load(path, group=ep_group)              # a checkpoint dir, experts sharded
+    model.save_pretrained(path)                            # every EP rank: rank 0 writes
     tokens = moe.hf.generate(DBORunner(model, group=ep_group), ids, attention_mask=mask,
                              max_new_tokens=16)            # greedy, one KV cache per ubatch
     mask = moe.hf.batch_attention_mask(model, ids, mask)   # [B, 1, S, S], built once per step

@@ -1,6 +1,6 @@
-"""What dbo knows about each Hugging Face MoE architecture: where its routing settings
-live in the model config, which shared experts its block has, how its checkpoints name
-the expert tensors.
+"""What dbo knows about each Hugging Face MoE architecture of the fused path: where its
+routing settings live in the model config, which shared experts its block has.
+(Checkpoints are read with transformers' own name mapping, `moe.hf.weights`.)
 
 Shape legend: E routed experts, K top-k, H hidden size, I one expert's width.
 
@@ -61,11 +61,6 @@ class ArchSpec:
     sigmoid(gate(x))."""
     router_fp32: bool = False
     """The router computes its logits in float32 whatever the model dtype."""
-    checkpoint_block_names: tuple[str, ...] = ("mlp",)
-    """The block's attribute name in checkpoints (model name first): Mixtral checkpoints
-    call it `block_sparse_moe`, transformers renames it to `mlp` on load."""
-    per_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    """Per-expert checkpoint tensors `experts.{e}.{name}.weight` (gate, up, down)."""
 
     def moe_config(self, config: Any, *, dtype: torch.dtype) -> MoEConfig:
         """The block's `MoEConfig` from the model config (raises ValueError as
@@ -87,9 +82,7 @@ class ArchSpec:
 ARCHITECTURES: dict[str, ArchSpec] = {spec.model_type: spec for spec in (
     ArchSpec(model_type="mixtral", block_class="MixtralSparseMoeBlock",
              num_experts_field="num_local_experts", expert_width_field="intermediate_size",
-             scoring="softmax", renormalize_field=None,
-             checkpoint_block_names=("mlp", "block_sparse_moe"),
-             per_expert_names=("w1", "w3", "w2")),
+             scoring="softmax", renormalize_field=None),
     ArchSpec(model_type="qwen2_moe", block_class="Qwen2MoeSparseMoeBlock",
              num_experts_field="num_experts", expert_width_field="moe_intermediate_size",
              scoring="softmax", renormalize_field="norm_topk_prob",

@@ -112,8 +112,8 @@ class HFMoEBlock(nn.Module):
 
 def hf_param_name(name: str) -> Optional[str]:
     """The Hugging Face block's name for the parameter `name` of an `HFMoEBlock` (relative
-    to the block); None for the routed experts (`moe.w13`, `moe.w2`), which checkpoints
-    store per expert or fused over all experts (`moe.hf.checkpoint`)."""
+    to the block); None for the routed experts (`moe.w13`, `moe.w2`: this rank's rows of
+    `experts.gate_up_proj` / `experts.down_proj`, `moe.hf.save`)."""
     if name in ("moe.w13", "moe.w2"):
         return None
     if name.startswith("moe.router."):

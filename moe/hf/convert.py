@@ -44,6 +44,8 @@ from moe.hf.deps import require
 from moe.hf.generic import ExpertsPlan, HFExperts, build_experts, plan_experts
 from moe.hf.input_scaled import InputScaledBlock
 from moe.hf.router_logits import record_router_logits
+from moe.hf.rows import copy_rows, expert_tensor_names, local_rows
+from moe.hf.save import record_layout, save_in_transformers_names
 from moe.layer import MoELayer
 
 _logger = logging.getLogger(__name__)
@@ -129,18 +131,17 @@ def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
     """
     return convert_blocks(model, group=group, backend=backend, experts=experts,
                           max_tokens_per_rank=max_tokens_per_rank,
-                          max_tokens_per_ubatch=max_tokens_per_ubatch, weights_from_blocks=True,
-                          conversion=conversion)
+                          max_tokens_per_ubatch=max_tokens_per_ubatch, conversion=conversion)
 
 
 def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], backend: str,
                    experts: str, max_tokens_per_rank: Optional[int],
-                   weights_from_blocks: bool,
-                   max_tokens_per_ubatch: Optional[int] = None,
-                   conversion: str = "auto") -> nn.Module:
-    """`convert`; with `weights_from_blocks=False` the new blocks' parameters are left
-    uninitialised and the old blocks' expert tensors are not read (`moe.hf.load` builds
-    the model with placeholder experts and fills every parameter from the checkpoint)."""
+                   max_tokens_per_ubatch: Optional[int] = None, conversion: str = "auto",
+                   plans: Optional[list[BlockPlan | ExpertsPlan]] = None) -> nn.Module:
+    """`convert`; with `plans` (`plan_blocks(model, check_weights=False)`) the blocks' own
+    expert tensors are not read (`moe.hf.load` builds the model with them on the meta
+    device): the new blocks are built on the CPU, their experts left uninitialised
+    (`moe.hf.rows.fill_experts` fills them)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"moe.hf.convert takes a transformers model (an nn.Module), got "
                         f"{type(model).__name__}")
@@ -148,26 +149,34 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
     if conversion not in _CONVERSIONS:
         raise ValueError(f"moe.hf.convert: conversion={conversion!r}: use one of {_CONVERSIONS}")
     world = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
     check_capacity_argument(backend, max_tokens_per_rank, world=world, where="moe.hf.convert")
-    plans = plan_blocks(model, world=world, check_weights=weights_from_blocks,
-                        backend=backend, experts=experts, conversion=conversion)
+    from_blocks = plans is None
+    if plans is None:
+        plans = plan_blocks(model, world=world, check_weights=True, backend=backend,
+                            experts=experts, conversion=conversion)
     new_blocks: list[nn.Module] = []
     last = len(plans) - 1
     for i, plan in enumerate(plans):
         old = model.get_submodule(plan.path)
+        names = expert_tensor_names(plan)
+        device = getattr(old.experts, names[0]).device if from_blocks else torch.device("cpu")
         if isinstance(plan, ExpertsPlan):
-            new_experts = build_experts(plan, old.experts, group=group,
-                                        capacity=max_tokens_per_rank,
-                                        ubatch_capacity=max_tokens_per_ubatch,
-                                        last_layer=i == last)
-            new_blocks.append(InputScaledBlock(old, new_experts) if plan.input_scaled
-                              else new_experts)
-            continue
-        new_blocks.append(_build_block(plan, old, group=group, backend=backend,
-                                       experts=experts, capacity=max_tokens_per_rank,
-                                       ubatch_capacity=max_tokens_per_ubatch,
-                                       last_layer=i == last,
-                                       copy_weights=weights_from_blocks))
+            new = build_experts(plan, old.experts, device=device, group=group,
+                                capacity=max_tokens_per_rank,
+                                ubatch_capacity=max_tokens_per_ubatch, last_layer=i == last)
+            record_layout(new, old.experts, transposed=plan.transposed)
+        else:
+            new = _build_block(plan, old, device=device, group=group, backend=backend,
+                               experts=experts, capacity=max_tokens_per_rank,
+                               ubatch_capacity=max_tokens_per_ubatch, last_layer=i == last)
+            record_layout(new, old, transposed=False)
+        if from_blocks:
+            first, stop = local_rows(plan, rank=rank, world=world)
+            copy_rows(plan, new, {name: getattr(old.experts, name)[first:stop]
+                                   for name in names})
+        new_blocks.append(InputScaledBlock(old, new) if isinstance(plan, ExpertsPlan)
+                          and plan.input_scaled else new)
     for plan, block in zip(plans, new_blocks):  # nothing above changed the model
         path = (plan.path + ".experts" if isinstance(plan, ExpertsPlan) and not plan.input_scaled
                 else plan.path)
@@ -180,6 +189,7 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
     # A transformers model takes padded [B, S] batches: DBORunner's default split
     # (DBOConfig(split=None)) cuts them between sequences.
     model.dbo_split_mode = "batch"
+    save_in_transformers_names(model)
     return model
 
 
@@ -216,9 +226,9 @@ def plan_blocks(model: nn.Module, *, world: int, check_weights: bool, backend: s
                 experts: str = "auto", conversion: str = "auto"
                 ) -> list[BlockPlan | ExpertsPlan]:
     """Check every MoE block of `model`; ValueError on the first one dbo cannot convert.
-    A block the fused path refuses takes the experts path (`moe.hf.generic`) when its
-    weights come from the block (`check_weights`, i.e. not `moe.hf.load`); its error
-    then names what the experts path lacks."""
+    A block the fused path refuses takes the experts path (`moe.hf.generic`); its error
+    then names what the experts path lacks. `check_weights=False`: the expert tensors may
+    be on the meta device (`moe.hf.load` reads them from the checkpoint)."""
     config = getattr(model, "config", None)
     blocks = find_moe_blocks(model)
     if config is None or not blocks:
@@ -238,11 +248,10 @@ def plan_blocks(model: nn.Module, *, world: int, check_weights: bool, backend: s
                 raise ValueError("conversion='experts'")
             moe_config = _check_block(path, block, spec, config, check_weights=check_weights)
         except ValueError as fused_error:
-            if not check_weights:  # moe.hf.load fills fused blocks only
-                raise
             note = "" if spec is None else str(fused_error).split("): ", 1)[-1]
             plans.append(_experts_plan(path, block, config, world=world, backend=backend,
-                                       experts=experts, layer_id=layer_id, note=note))
+                                       experts=experts, layer_id=layer_id, note=note,
+                                       check_weights=check_weights))
             continue
         assert spec is not None
         if moe_config.num_experts % world != 0:
@@ -255,12 +264,13 @@ def plan_blocks(model: nn.Module, *, world: int, check_weights: bool, backend: s
 
 
 def _experts_plan(path: str, block: nn.Module, config: Any, *, world: int, backend: str,
-                  experts: str, layer_id: int, note: str) -> ExpertsPlan:
+                  experts: str, layer_id: int, note: str, check_weights: bool) -> ExpertsPlan:
     """The block's experts-path plan; its refusal says why the fused path was not taken
     too, where the architecture has one (`note`)."""
     try:
         return plan_experts(path, block, model_config=config, world=world, backend=backend,
-                            experts=experts, check_weights=True, layer_id=layer_id, note=note)
+                            experts=experts, check_weights=check_weights, layer_id=layer_id,
+                            note=note)
     except ValueError as exc:
         if note:
             raise ValueError(f"{exc} (not fused either: {note})") from None
@@ -333,34 +343,22 @@ def _check_block(path: str, block: nn.Module, spec: Optional[ArchSpec], config: 
     return moe_config
 
 
-def _build_block(plan: BlockPlan, old: nn.Module, *, group: Optional[dist.ProcessGroup],
-                 backend: str, experts: str, capacity: Optional[int],
-                 ubatch_capacity: Optional[int], last_layer: bool,
-                 copy_weights: bool) -> HFMoEBlock:
-    """The new block for `old`: this rank's experts copied (or left uninitialised), the
+def _build_block(plan: BlockPlan, old: nn.Module, *, device: torch.device,
+                 group: Optional[dist.ProcessGroup], backend: str, experts: str,
+                 capacity: Optional[int], ubatch_capacity: Optional[int],
+                 last_layer: bool) -> HFMoEBlock:
+    """The new block for `old` on `device`, its experts uninitialised (`copy_rows`), the
     router's and shared experts' tensors taken over as they are."""
     spec = plan.spec
     config = dataclasses.replace(plan.config, backend=backend, experts=experts,
                                  max_tokens_per_rank=capacity,
                                  max_tokens_per_ubatch=ubatch_capacity)
-    device = old.experts.gate_up_proj.device
     layer = MoELayer(config, group=group, layer_id=plan.layer_id, last_layer=last_layer,
                      device=device)
     gate = old.gate
-    if copy_weights:
-        bias = gate.e_score_correction_bias.detach() if spec.grouped else None
-        layer.router = HFRouter(gate.weight.detach(), correction_bias_E=bias,
-                                fp32_logits=spec.router_fp32)
-        local = slice(layer.first_expert, layer.first_expert + layer.num_local_experts)
-        with torch.no_grad():
-            layer.w13.copy_(old.experts.gate_up_proj[local])
-            layer.w2.copy_(old.experts.down_proj[local])
-    else:
-        weight = torch.empty(config.num_experts, config.hidden_size, dtype=gate.weight.dtype,
-                             device=device)
-        bias = (torch.zeros(config.num_experts, dtype=torch.float32, device=device)
-                if spec.grouped else None)
-        layer.router = HFRouter(weight, correction_bias_E=bias, fp32_logits=spec.router_fp32)
+    bias = gate.e_score_correction_bias.detach() if spec.grouped else None
+    layer.router = HFRouter(gate.weight.detach(), correction_bias_E=bias,
+                            fp32_logits=spec.router_fp32)
     if spec.shared:
         mlp_name, *gate_name = spec.shared
         layer.shared_experts = HFSharedExperts(

@@ -134,6 +134,10 @@ class Result:
     """Why not "ok"; for "ok", what was not checked, if anything."""
     conversion: str = ""
     """`model.dbo_conversion_summary` of the converted model."""
+    load: Optional[str] = None
+    """`moe.hf.load` of the checkpoint the converted model's `save_pretrained` wrote: "ok"
+    (its outputs are the unconverted model's), else its one-line refusal; None where not
+    checked (a family that is not "ok")."""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -345,6 +349,7 @@ def load(path: str = JSON_PATH) -> tuple[str, list[Result]]:
 def markdown(version: str, results: list[Result]) -> str:
     """The supported-models page of a record."""
     ok = [r for r in results if r.status == "ok"]
+    loads = [r for r in ok if r.load == "ok"]
     lines = [
         "# Hugging Face MoE models under dbo",
         "",
@@ -353,22 +358,33 @@ def markdown(version: str, results: list[Result]) -> str:
         "installed transformers, builds a tiny random model of each (2 layers, hidden 64, 4",
         "experts), converts it with `moe.hf.convert` and checks, in float32 on the CPU, the",
         "logits against the unconverted model with DBO off and on, in one process and on two",
-        "expert-parallel gloo ranks (one of them sending no token through an MoE block), and 8",
-        "greedy tokens of `moe.hf.generate` against the unconverted model's `generate`.",
+        "expert-parallel gloo ranks (one of them sending no token through an MoE block), 8",
+        "greedy tokens of `moe.hf.generate` against the unconverted model's `generate`, and",
+        "the converted model's `save_pretrained` read back by transformers' `from_pretrained`",
+        "and (column load) by `moe.hf.load`.",
         "",
         f"transformers {version}: **{len(ok)} of {len(results)}** MoE model families convert "
-        f"and pass ({100 * len(ok) / max(1, len(results)):.1f}%).",
+        f"and pass ({100 * len(ok) / max(1, len(results)):.1f}%); **{len(loads)}** of them "
+        f"load with `moe.hf.load`.",
         "",
-        "| family | model type | status | path taken / reason |",
-        "|---|---|---|---|",
+        "| family | model type | status | load | path taken / reason |",
+        "|---|---|---|---|---|",
     ]
     for r in sorted(results, key=lambda r: (STATUSES.index(r.status), r.family)):
         text = r.conversion.removeprefix("moe.hf.convert: ") if r.status == "ok" else r.reason
         if r.status == "ok" and r.reason:
             text += f" ({r.reason})"
         lines.append(f"| {r.family} | {r.model_type or '-'} | {r.status} | "
-                     f"{_cell(text)} |")
+                     f"{_cell(_load_cell(r.load))} | {_cell(text)} |")
     return "\n".join(lines) + "\n"
+
+
+def _load_cell(load: Optional[str]) -> str:
+    """"ok", "-" (not checked), or what `moe.hf.load` refuses, without its fix."""
+    if load is None or load == "ok":
+        return "-" if load is None else "ok"
+    what = load.removeprefix("moe.hf.load: ")
+    return "refused: " + what.rpartition(": ")[0] if ": " in what else "refused: " + what
 
 
 def _cell(text: str) -> str:

@@ -3,7 +3,7 @@
     config = read_config(path)        # transformers' config; the folder's Python never runs
     files = tensor_files(path)        # tensor name -> shard file, every file inside the folder
 
-- config.json: a JSON object whose `model_type` is one dbo converts (`moe.hf.arch`). Its
+- config.json: a JSON object whose `model_type` is one transformers has classes of. Its
   `auto_map` (the folder's own modelling code) runs only with `trust_remote_code=True`;
   without it transformers' own class of that model type is built, and nothing prompts.
 - model.safetensors.index.json (`weight_map`: tensor name -> file), or without one every
@@ -21,7 +21,6 @@ import os
 import warnings
 from typing import Any, Optional
 
-from moe.hf.arch import ARCHITECTURES
 from moe.hf.deps import require
 
 __all__ = ["INDEX_FILE", "MAX_JSON_BYTES", "open_shard", "read_config",
@@ -40,10 +39,10 @@ def read_config(path: str | os.PathLike, *, trust_remote_code: bool = False,
     """The transformers config of checkpoint folder `path`, read from its config.json.
 
     The folder's own Python (config.json's `auto_map`) runs only if `trust_remote_code`;
-    otherwise a model type dbo converts is built from transformers' own classes (with a
+    otherwise a model type transformers has classes of is built from them (with a
     warning that the folder's code was not run; refused instead, ending with `code_fix`,
-    where one is given) and any other is refused before transformers sees it, so that
-    nothing prompts on stdin. `where` starts each error.
+    where one is given). Any other model type is refused before transformers sees it, so
+    that nothing prompts on stdin. `where` starts each error.
     """
     folder = _folder(path, where)
     file = _inside(folder, CONFIG_FILE, where=where, source=repr(folder))
@@ -57,15 +56,16 @@ def read_config(path: str | os.PathLike, *, trust_remote_code: bool = False,
     model_type = raw.get("model_type")
     auto_map = raw.get("auto_map")
     code = _custom_code(auto_map)
-    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+    transformers = require("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
         ran = (f"; its auto_map names the folder's own code ({code}), which was not run"
                if code else "")
-        raise ValueError(f"{where}: {file}: the checkpoint is a {_short(model_type)} model; "
-                         f"moe.hf.load reads the checkpoints of "
-                         f"{', '.join(sorted(ARCHITECTURES))} only{ran}: load it with "
-                         f"transformers (AutoModelForCausalLM.from_pretrained(path)) and "
-                         f"convert it, moe.hf.convert(model, group=ep_group), which runs it on "
-                         f"the experts path")
+        raise ValueError(f"{where}: {file}: the checkpoint is a {_short(model_type)} model, "
+                         f"which transformers {transformers.__version__} has no classes of"
+                         f"{ran}: moe.hf.load builds transformers' own models only; load it "
+                         f"with the code that defines it and convert it, "
+                         f"moe.hf.convert(model, group=ep_group)")
     if code and not trust_remote_code and code_fix is not None:
         raise ValueError(f"{where}: {file}: its auto_map names the folder's own code "
                          f"({code}), which was not run: {code_fix}")
@@ -73,7 +73,6 @@ def read_config(path: str | os.PathLike, *, trust_remote_code: bool = False,
         warnings.warn(f"{where}: {file}: its auto_map names the folder's own code ({code}); "
                       f"it was not run, transformers' own {model_type} is built instead "
                       f"(pass trust_remote_code=True to run the folder's code)", stacklevel=3)
-    transformers = require("transformers")
     try:
         return transformers.AutoConfig.from_pretrained(
             folder, local_files_only=True, trust_remote_code=trust_remote_code)

@@ -192,33 +192,21 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
                        input_scaled=input_scaled)
 
 
-def build_experts(plan: ExpertsPlan, module: nn.Module, *, group: Optional[dist.ProcessGroup],
-                  capacity: Optional[int], ubatch_capacity: Optional[int],
-                  last_layer: bool) -> "HFExperts":
-    """The `HFExperts` for the experts `module` of `plan`: this rank's experts copied into
-    dbo's layout, the custom gate and the post-expert norm taken over."""
+def build_experts(plan: ExpertsPlan, module: nn.Module, *, device: torch.device,
+                  group: Optional[dist.ProcessGroup], capacity: Optional[int],
+                  ubatch_capacity: Optional[int], last_layer: bool) -> "HFExperts":
+    """The `HFExperts` for the experts `module` of `plan` on `device`, its experts
+    uninitialised (the caller copies this rank's in), the custom gate and the
+    post-expert norm taken over."""
     config = dataclasses.replace(plan.config, max_tokens_per_rank=capacity,
                                  max_tokens_per_ubatch=ubatch_capacity)
     form = plan.form
-    up_name = "gate_up_proj" if form.gated else "up_proj"
-    up: Tensor = getattr(module, up_name)
     owner = gate_owner(module) if form.activation == "custom" else None
     post_norm = getattr(module, "post_expert_norm", None) if form.post_norm else None
-    new = HFExperts(config, form, group=group, layer_id=plan.layer_id, last_layer=last_layer,
-                    device=up.device, path=plan.path + ".experts", source=plan.source,
-                    gate_owner=owner, post_norm=post_norm,
-                    identity_experts=plan.identity_experts)
-    local = slice(new.first_expert, new.first_expert + new.num_local_experts)
-    with torch.no_grad():
-        for name, target, layout in ((up_name, new.w13, plan.transposed),
-                                     ("down_proj", new.w2, plan.transposed),
-                                     (f"{up_name}_bias", new.bias13, False),
-                                     ("down_proj_bias", new.bias2, False)):
-            if target is None:
-                continue
-            source = getattr(module, name)[local]
-            target.copy_(source.transpose(1, 2) if layout else source)
-    return new
+    return HFExperts(config, form, group=group, layer_id=plan.layer_id, last_layer=last_layer,
+                     device=device, path=plan.path + ".experts", source=plan.source,
+                     gate_owner=owner, post_norm=post_norm,
+                     identity_experts=plan.identity_experts)
 
 
 class HFExperts(nn.Module):

@@ -1,17 +1,23 @@
 """`load`: a transformers MoE checkpoint directory, converted, each rank reading only its
-own experts.
+own experts: `AutoModelForCausalLM.from_pretrained(path)` then `moe.hf.convert`, in one
+call, without any rank holding every expert.
 
     model = moe.hf.load("ckpt/", group=ep_group, dtype=torch.bfloat16)
 
 Shape legend: E routed experts, W ranks in the EP group.
 
-1. The model is built from config.json with one routed expert per block instead of E
-   (the config's expert count is set to 1 while transformers builds it, then restored):
-   no rank ever holds all experts, while every other module, non-persistent buffers
-   (rotary tables) included, is built by transformers itself.
-2. `moe.hf.convert` replaces the blocks, leaving the new ones' parameters uninitialised.
-3. Every parameter and persistent buffer is read from the checkpoint: the routed experts
-   of this rank only (1/W of the experts' bytes), the rest whole on every rank.
+1. The model is built from config.json on the meta device (no memory), and its MoE
+   blocks are checked (`moe.hf.convert.plan_blocks`): what dbo cannot convert is refused
+   before anything is read or allocated.
+2. It is built again on the CPU by transformers itself, non-persistent buffers (rotary
+   tables) included, but for the blocks' experts modules, built on the meta device.
+3. Every parameter and persistent buffer but the routed experts is read from the
+   checkpoint, whole on every rank, with transformers' own name mapping and conversions
+   (`moe.hf.weights`).
+4. `moe.hf.convert` replaces the blocks (or their experts modules), as it does for a
+   loaded model, and then the routed experts of this rank only are read into them (1/W
+   of the experts' bytes): a rank whose own experts the checkpoint lacks fails alone,
+   after every collective of the conversion.
 
 No download: the directory must hold config.json and safetensors files, every file read
 checked first (`moe.hf.folder`); the directory's own Python (config.json's `auto_map`)
@@ -19,157 +25,159 @@ runs only with `trust_remote_code=True`, and nothing prompts.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.hf.arch import ARCHITECTURES, ArchSpec
-from moe.hf.block import HFMoEBlock, hf_param_name
-from moe.hf.checkpoint import Checkpoint, ExpertRange
-from moe.hf.convert import check_capacity_argument, convert_blocks
+from moe.hf.checkpoint import Checkpoint
+from moe.hf.convert import check_capacity_argument, convert_blocks, plan_blocks
 from moe.hf.deps import require
 from moe.hf.folder import read_config, read_generation_config
+from moe.hf.rows import expert_tensor_names, fill_experts, local_rows
+from moe.hf.weights import ExpertRows, WeightReader
 
 __all__ = ["load"]
-
-# The expert count transformers builds each block with (step 1 of the module doc).
-_SKELETON_EXPERTS = 1
 
 
 def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
          backend: str = "auto", experts: str = "auto",
          max_tokens_per_rank: Optional[int] = None,
          max_tokens_per_ubatch: Optional[int] = None,
-         dtype: Optional[torch.dtype] = None, trust_remote_code: bool = False) -> nn.Module:
-    """Build the model of checkpoint directory `path`, convert it (`moe.hf.convert`) and
-    load its weights, this rank's experts only. Returns the model in eval mode on the CPU.
+         dtype: Optional[torch.dtype] = None, conversion: str = "auto",
+         trust_remote_code: bool = False) -> nn.Module:
+    """Build the model of checkpoint directory `path`, load its weights, this rank's
+    experts only, and convert it (`moe.hf.convert`). Returns the model in eval mode on
+    the CPU.
 
     Args:
         path: a directory with config.json and model.safetensors (or shards and
             model.safetensors.index.json), as `save_pretrained` writes it.
-        group, backend, experts, max_tokens_per_rank, max_tokens_per_ubatch: as for
-            `moe.hf.convert`.
+        group, backend, experts, max_tokens_per_rank, max_tokens_per_ubatch, conversion:
+            as for `moe.hf.convert`.
         dtype: parameter dtype; None: the dtype config.json names, else float32.
         trust_remote_code: run the Python of the directory that config.json's `auto_map`
             names (it builds the model). False: transformers' own classes of its
             `model_type` are built, never the directory's code.
 
     Raises:
-        ValueError: what `convert` refuses; an architecture without a fused path
-            (`moe.hf.arch`: load it with transformers and convert it); a tensor the
-            checkpoint lacks, or whose shape differs from what config.json implies
-            (naming the tensor); a file of the directory that is malformed or lies
-            outside it (`moe.hf.folder`).
+        ValueError: what `convert` refuses; a model type transformers has no causal LM
+            for; a quantized checkpoint; a tensor the checkpoint lacks, or whose shape
+            differs from what config.json implies, or that transformers converts with an
+            operation not known to keep the experts apart, or that an experts module
+            computes when built (naming the tensor); a file of the directory that is
+            malformed or lies outside it (`moe.hf.folder`).
     """
     transformers = require("transformers")
     path = os.fspath(path)
     world = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
     check_capacity_argument(backend, max_tokens_per_rank, world=world, where="moe.hf.load")
     with Checkpoint(path) as checkpoint:  # checks the directory before building anything
         config = read_config(path, trust_remote_code=trust_remote_code)
-        spec = _fused_spec(config)
+        _refuse_quantized(path, config)
         if dtype is None:
             dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) \
                 else torch.float32
-        model = _build_skeleton(transformers, config, spec, dtype,
-                                trust_remote_code=trust_remote_code)
+        build = functools.partial(_build, transformers, config, dtype,
+                                  trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            meta = build()
+        plans = plan_blocks(meta, world=world, check_weights=False, backend=backend,
+                            experts=experts, conversion=conversion)
+        classes = {type(meta.get_submodule(plan.path).experts) for plan in plans}
+        del meta
+        with _built_on_meta(classes):
+            model = build()
+        wanted = {}
+        for plan in plans:
+            first, stop = local_rows(plan, rank=rank, world=world)
+            for name in expert_tensor_names(plan):
+                wanted[f"{plan.path}.experts.{name}"] = ExpertRows(block=plan.path,
+                                                                   first=first, stop=stop)
+        reader = WeightReader(model, checkpoint, wanted)
+        reader.read_model()  # the same on every rank: fails on all alike
         convert_blocks(model, group=group, backend=backend, experts=experts,
                        max_tokens_per_rank=max_tokens_per_rank,
-                       max_tokens_per_ubatch=max_tokens_per_ubatch, weights_from_blocks=False)
-        _load_weights(model, checkpoint, spec)
+                       max_tokens_per_ubatch=max_tokens_per_ubatch, conversion=conversion,
+                       plans=plans)
+        # After the conversion's collectives: a rank that lacks its own experts fails alone.
+        read = reader.read_experts()
+        fill_experts(model, plans, {plan.path: {name: read[f"{plan.path}.experts.{name}"]
+                                                for name in expert_tensor_names(plan)}
+                                    for plan in plans})
+    _refuse_meta(model)
     generation_config = read_generation_config(path)
     if generation_config is not None:
         model.generation_config = generation_config
     return model.eval()
 
 
-def _fused_spec(config: object) -> ArchSpec:
-    """The architecture's `ArchSpec`; ValueError for one without a fused path, whose
-    checkpoint names this loader does not know."""
-    model_type = getattr(config, "model_type", None)
-    spec = ARCHITECTURES.get(model_type)
-    if spec is None:
-        raise ValueError(
-            f"moe.hf.load: the checkpoint is a {model_type!r} model; moe.hf.load reads the "
-            f"checkpoints of {', '.join(sorted(ARCHITECTURES))} only: load it with "
-            f"transformers (AutoModelForCausalLM.from_pretrained(path)) and convert it, "
-            f"moe.hf.convert(model, group=ep_group), which runs it on the experts path")
-    return spec
+def _refuse_meta(model: nn.Module) -> None:
+    """ValueError naming a tensor left on the meta device: one that an experts module
+    computes when it is built (a non-persistent buffer) rather than reads."""
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if tensor.is_meta:
+            raise ValueError(f"moe.hf.load: {model.config.model_type}: tensor {name!r} is not "
+                             f"in the checkpoint and its module was built on the meta device: "
+                             f"load the model with transformers "
+                             f"(AutoModelForCausalLM.from_pretrained(path)) and convert it, "
+                             f"moe.hf.convert(model, group=ep_group)")
 
 
-def _build_skeleton(transformers: object, config: object, spec: ArchSpec,
-                    dtype: torch.dtype, *, trust_remote_code: bool) -> nn.Module:
-    """The model with `_SKELETON_EXPERTS` experts per block, its config restored after."""
-    field = spec.num_experts_field
-    num_experts = getattr(config, field)
-    setattr(config, field, _SKELETON_EXPERTS)
+def _refuse_quantized(path: str, config: Any) -> None:
+    """ValueError for a checkpoint of quantized weights (config.json's
+    `quantization_config`), which this loader would read as plain numbers."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", type(quantization).__name__))
+    raise ValueError(f"moe.hf.load: {path!r} holds quantized weights (config.json's "
+                     f"quantization_config, quant_method {method!r}): moe.hf.load reads "
+                     f"unquantized checkpoints only; use the model's bfloat16 or float32 "
+                     f"checkpoint")
+
+
+def _build(transformers: Any, config: Any, dtype: torch.dtype, *,
+           trust_remote_code: bool) -> nn.Module:
+    """transformers' causal LM of `config` (in the device context of the caller)."""
     try:
-        model = transformers.AutoModelForCausalLM.from_config(
+        return transformers.AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        raise ValueError(f"moe.hf.load: transformers has no causal LM for a "
+                         f"{config.model_type!r} config (AutoModelForCausalLM cannot build "
+                         f"it): build the model with its own transformers class and convert "
+                         f"it, moe.hf.convert(model, group=ep_group)") from None
+
+
+@contextlib.contextmanager
+def _built_on_meta(classes: set[type]) -> Iterator[None]:
+    """While open, a module of one of `classes` builds its tensors on the meta device
+    (its `__init__` runs under `torch.device("meta")`), whatever device the rest of the
+    model is built on: no rank allocates the routed experts it does not hold."""
+    saved = {cls: cls.__dict__.get("__init__") for cls in classes}
+    for cls in classes:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def on_meta(self: nn.Module, *args: Any, _init: Any = init, **kwargs: Any) -> None:
+            with torch.device("meta"):
+                _init(self, *args, **kwargs)
+
+        cls.__init__ = on_meta
+    try:
+        yield
     finally:
-        setattr(config, field, num_experts)
-    assert model.config is config, "the modules must see the restored expert count"
-    return model
-
-
-def _load_weights(model: nn.Module, checkpoint: Checkpoint, spec: ArchSpec) -> None:
-    """Fill every parameter and persistent buffer of `model` from `checkpoint`."""
-    blocks = {path: m for path, m in model.named_modules() if isinstance(m, HFMoEBlock)}
-    loaded: set[int] = set()
-    missing: dict[int, list[str]] = {}
-    with torch.no_grad():
-        for path, block in blocks.items():
-            _load_experts(block, path, checkpoint, spec)
-            loaded.update(id(t) for t in (block.moe.w13, block.moe.w2))
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if id(tensor) in loaded:
-                continue
-            candidates = _checkpoint_names(name, blocks, spec)
-            found = next((c for c in candidates if c in checkpoint), None)
-            if found is None:
-                missing.setdefault(id(tensor), []).append(candidates[0])
-                continue
-            tensor.copy_(checkpoint.read(found, shape=tensor.shape, what="a model weight"))
-            loaded.add(id(tensor))
-    # A tied tensor (lm_head / embeddings) is found under any one of its names.
-    absent = [names[0] for key, names in missing.items() if key not in loaded]
-    if absent:
-        raise ValueError(f"moe.hf.load: checkpoint {checkpoint.path!r} has no tensor "
-                         f"{absent[0]!r}{f' (and {len(absent) - 1} more)' if len(absent) > 1 else ''}"
-                         f", which the model built from config.json needs: the checkpoint is "
-                         f"incomplete or for another model; re-save it with save_pretrained")
-
-
-def _load_experts(block: HFMoEBlock, path: str, checkpoint: Checkpoint,
-                  spec: ArchSpec) -> None:
-    layer = block.moe
-    config = layer.config
-    experts = ExpertRange(prefixes=_block_prefixes(path, spec), first=layer.first_expert,
-                          count=layer.num_local_experts, num_experts=config.num_experts,
-                          names=spec.per_expert_names)
-    w13, w2 = checkpoint.read_experts(experts, hidden=config.hidden_size,
-                                      width=config.intermediate_size, block=path)
-    layer.w13.copy_(w13)
-    layer.w2.copy_(w2)
-
-
-def _block_prefixes(path: str, spec: ArchSpec) -> list[str]:
-    """The block's names in checkpoints: its model path with the last component replaced
-    by each of `spec.checkpoint_block_names` (the model's own name first)."""
-    parent, _, own = path.rpartition(".")
-    names = [own] + [n for n in spec.checkpoint_block_names if n != own]
-    return [f"{parent}.{n}" if parent else n for n in names]
-
-
-def _checkpoint_names(name: str, blocks: dict[str, HFMoEBlock], spec: ArchSpec) -> list[str]:
-    """Checkpoint names of model tensor `name` (the Hugging Face name first)."""
-    for path in blocks:
-        if name.startswith(path + "."):
-            inner = hf_param_name(name.removeprefix(path + "."))
-            assert inner is not None, "routed experts are loaded by _load_experts"
-            return [f"{prefix}.{inner}" for prefix in _block_prefixes(path, spec)]
-    return [name]
-
+        for cls, init in saved.items():
+            if init is None:
+                del cls.__init__
+            else:
+                cls.__init__ = init

@@ -5,10 +5,12 @@ docs/hf_models.md reports.
 
 Per family, in this process (backend "local"): the converted model's logits (its hidden
 states where transformers has no causal LM for the text model) equal the unconverted
-model's with DBO off and with DBO on (split="batch", the step split), and 8 greedy tokens
+model's with DBO off and with DBO on (split="batch", the step split), 8 greedy tokens
 of `moe.hf.generate` equal the unconverted model's `generate` -- once with every step
 split (each ubatch its own cache), once with the decode steps unsplit (the two caches
-joined and parted again: `moe.hf.kv`). On two gloo ranks, spawned once for all
+joined and parted again: `moe.hf.kv`) -- and the converted model's `save_pretrained`,
+read back by transformers' `from_pretrained` and by `moe.hf.load` (or refused by it in
+one line: the record's `load`), gives the unconverted model's outputs again. On two gloo ranks, spawned once for all
 families, the experts sharded (backend "a2a"): each rank's logits on its own batch with
 DBO off and on (the split step handing over between the ubatches inside the MoE blocks'
 dispatch and combine), and one MoE block called with tokens on rank 0 and none on rank 1.
@@ -95,11 +97,12 @@ def _vocab(model: nn.Module) -> int:
     return min(64, getattr(config, "vocab_size", 64) or 64)
 
 
-def _check_local(family: coverage.MoEFamily) -> Result:
-    """The family's checks in this process (the module doc)."""
-    def result(status: str, reason: str = "", conversion: str = "") -> Result:
+def _check_local(family: coverage.MoEFamily, folder: str) -> Result:
+    """The family's checks in this process (the module doc); `folder` for its checkpoint."""
+    def result(status: str, reason: str = "", conversion: str = "",
+               load: Optional[str] = None) -> Result:
         return Result(family=family.family, model_type=family.model_type, status=status,
-                      reason=reason, conversion=conversion)
+                      reason=reason, conversion=conversion, load=load)
 
     if family.model_type is None:
         return result("not built", "its package defines no model type")
@@ -152,7 +155,30 @@ def _check_local(family: coverage.MoEFamily) -> Result:
                 assert torch.equal(tokens, reference), (tokens, reference)
     except Exception as exc:  # noqa: BLE001 - a difference or a crash: a dbo bug
         return result("failed", f"one process: {_line(exc)}", conversion)
-    return result("ok", "; ".join(notes), conversion)
+    try:
+        load = _check_checkpoint(model, ids, mask, expected, folder)
+    except Exception as exc:  # noqa: BLE001 - a difference or a crash: a dbo bug
+        return result("failed", f"save_pretrained and load: {_line(exc)}", conversion)
+    return result("ok", "; ".join(notes), conversion, load)
+
+
+def _check_checkpoint(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+                      expected: torch.Tensor, folder: str) -> str:
+    """The converted model's `save_pretrained` into `folder`, read back by transformers
+    (the model's class's `from_pretrained`) and by `moe.hf.load`, each with the
+    unconverted model's outputs; "ok", or `moe.hf.load`'s refusal (one line)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(folder)
+        back = type(model).from_pretrained(folder).eval()
+        assert_logits_close(_outputs(back, ids, mask), expected)
+        try:
+            loaded = moe.hf.load(folder)
+        except ValueError as exc:
+            assert "\n" not in str(exc), str(exc)
+            return str(exc)
+    assert_logits_close(_outputs(loaded, ids, mask), expected)
+    return "ok"
 
 
 def _quiet() -> None:
@@ -277,7 +303,7 @@ def test_every_moe_family_of_transformers_converts_and_matches(tmp_path):
     _quiet()
     families = coverage.discover()
     assert {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"} <= {f.family for f in families}
-    local = [_check_local(f) for f in families]
+    local = [_check_local(f, os.fspath(tmp_path / f.family)) for f in families]
     passing = [r.model_type for r in local if r.status == "ok"]
     ranks = run_distributed(2, _ep_ranks, passing)
     results = []
@@ -287,7 +313,7 @@ def test_every_moe_family_of_transformers_converts_and_matches(tmp_path):
         if problems:
             result = Result(family=result.family, model_type=result.model_type,
                             status="failed", reason=f"two ranks: {problems[0]}",
-                            conversion=result.conversion)
+                            conversion=result.conversion, load=result.load)
         results.append(result)
     failed = [f"{r.family}: {r.reason}" for r in results if r.status == "failed"]
     assert not failed, "\n".join(failed)

@@ -6,15 +6,14 @@ zero-compute experts), the hooks the DBO runner reads, the record of which path 
 block took, GPT-OSS's form on the Triton experts (interpreted on CPU) -- and the bad input it refuses in one line, naming the block and what is
 missing, with nothing converted: a block lacking what its flags promise, an
 experts-interface option dbo cannot serve, a kernel or backend that cannot run the form,
-a gate that does not run, weights of another model; and `moe.hf.load` of a checkpoint of
-another architecture than its config.json names.
+a gate that does not run, weights of another model. `moe.hf.load` of the path's
+checkpoints is tested in tests/models/test_hf_load.py.
 
 Every model family of transformers is checked end to end (one process, two ranks,
 generate) in tests/models/test_hf_coverage.py; these are the path's own properties.
 """
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -26,7 +25,7 @@ import dbo  # noqa: E402
 import moe.hf  # noqa: E402
 from moe.hf import HFExperts, coverage, expert_bytes  # noqa: E402
 from moe.hf import generic  # noqa: E402
-from tests.hf_utils import ARCHS, assert_logits_close, batch, logits, save, tiny_model  # noqa: E402
+from tests.hf_utils import ARCHS, assert_logits_close, batch, logits, tiny_model  # noqa: E402
 
 DBO_ON = dbo.DBOConfig(split="batch", split_kwargs=("attention_mask",),
                        min_prefill_tokens=1, min_decode_tokens=1)
@@ -204,28 +203,6 @@ def test_weights_of_another_model_are_refused():
                                          r"config"):
         moe.hf.convert(model)
     _assert_unchanged(model, snapshot)
-
-
-def test_load_refuses_a_checkpoint_of_another_architecture(tmp_path):
-    path = save(tiny_model("mixtral"), tmp_path / "mixtral")
-    config_file = os.path.join(path, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    # Mixtral's weights under a Qwen3-MoE config.json (same sizes).
-    config.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
-                  num_experts=4, moe_intermediate_size=16, head_dim=8)
-    with open(config_file, "w") as f:
-        json.dump(config, f)
-    with pytest.raises(ValueError, match=r"has no tensor "
-                                         r"'model.layers.0.mlp.experts.0.gate_proj.weight' "
-                                         r"\(expert 0 of block 'model.layers.0.mlp'\)"):
-        moe.hf.load(path)
-    olmoe = save(tiny_model("olmoe", intermediate_size=16, num_experts=4,
-                            num_experts_per_tok=2), tmp_path / "olmoe")
-    with pytest.raises(ValueError, match=r"the checkpoint is a 'olmoe' model; moe.hf.load reads "
-                                         r"the checkpoints of deepseek_v3, mixtral, qwen2_moe, "
-                                         r"qwen3_moe only: load it with transformers"):
-        moe.hf.load(olmoe)
 
 
 @pytest.mark.gpu
