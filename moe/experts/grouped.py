@@ -11,8 +11,11 @@ GEMM paths, chosen per call:
   the weights are contiguous, on CUDA the dtype is bfloat16 (the only dtype its fast kernels
   and meta checks accept), and a one-off probe on that device and dtype gives exact results.
   No host sync: offsets stay on the device.
+  Inside a graph that ``torch.compile`` traced, off CUDA, the GEMM is the op
+  ``moe::grouped_mm`` (``_gmm`` says why).
 - ``loop``: the fallback, one ``torch.mm`` per expert over its contiguous block of sorted
-  rows (one host sync to read the block ends). Chosen over a padded ``bmm`` because its
+  rows (one host sync to read the block ends: a graph break under ``torch.compile``).
+  Chosen over a padded ``bmm`` because its
   memory is S rows whatever the load imbalance (padding needs E * max_rows_per_expert).
   The reason is logged once per distinct reason.
 

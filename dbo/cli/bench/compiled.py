@@ -10,9 +10,9 @@ compiled then replayed, DBO off and on.
 
 Each rank runs `--requests` requests of equal length, `--tokens` in all (its own random
 ids), through `MoETransformer(get_preset(--preset, num_layers=--layers))` (the preset's
-dense layers first, one MoE layer at least) in bfloat16 on GPUs (float32 on CPU), backend `--backend` (a2a_ll: the step can be captured; one rank:
-local) with a capacity of the step's tokens (a ubatch's half under DBO), the default
-experts (triton on GPUs). DBO on splits every step (thresholds 0) between the middle
+dense layers first, one MoE layer at least) in bfloat16 on GPUs (float32 on CPU), backend
+`--backend` (a2a_ll: the step can be captured; one rank: local) with a capacity of the
+step's tokens (a ubatch's half under DBO), the default experts (triton on GPUs). DBO on splits every step (thresholds 0) between the middle
 requests, so both ubatches have one shape and compile once. The modes: eager
 `DBORunner(model)`; compile `DBORunner(torch.compile(model, dynamic=False))` (`--mode`,
 `--compiler`: torch.compile's mode and backend); graph `GraphedRunner(DBORunner(model))`;
