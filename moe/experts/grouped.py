@@ -15,8 +15,8 @@ GEMM paths, chosen per call:
   ``moe::grouped_mm`` (``_gmm`` says why).
 - ``loop``: the fallback, one ``torch.mm`` per expert over its contiguous block of sorted
   rows (one host sync to read the block ends: a graph break under ``torch.compile``).
-  Chosen over a padded ``bmm`` because its
-  memory is S rows whatever the load imbalance (padding needs E * max_rows_per_expert).
+  Chosen over a padded ``bmm`` because its memory is S rows whatever the load imbalance
+  (padding needs E * max_rows_per_expert).
   The reason is logged once per distinct reason.
 
 Every form of `moe.experts.form` runs on both paths: the biases are added per sorted slot
