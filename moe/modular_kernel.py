@@ -40,7 +40,8 @@ Under `torch.compile` the halves that communicate (`_dispatch_send`, `_dispatch_
 `_combine_send`, `_chunked_combine`, `_combine_recv`) are graph breaks (`dbo.compiling`):
 they run eagerly, yields and collectives in the same order as without compile, and the
 compute between them (the experts, the own rows, the shared experts) is compiled, the
-experts then without workspaces.
+experts then without workspaces. The chunked combine's experts run inside its half,
+eagerly.
 """
 from __future__ import annotations
 
