@@ -8,6 +8,12 @@ A scope is a trace range when tracing is on (`traces.ranges`, named `ub<U>/L<L>/
 and an exception that leaves it gets a note `[dbo] rank R, ubatch U, layer L, phase P`
 (the innermost scope wins) and the attributes `dbo_rank`, `dbo_layer`, `dbo_phase`
 (`dbo.failures` says what the runner adds).
+
+Inside a graph that `torch.compile` traced, a scope is nothing: the graph's kernels are
+fused across the phases, so there is no boundary to mark, and a range opened while
+tracing would not run with the graph. The phases that run eagerly between graphs (the
+MoE layer's dispatch and combine, `dbo.compiling`) keep theirs, and the scheduler's
+`ub<n>/run` ranges still say which ubatch every kernel belongs to.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from typing import Any, Optional
 
 import greenlet
 
+from dbo.compiling import compiling
 from dbo.failures import add_note, this_rank
 from dbo.yield_points import dbo_current_ubatch_id
 from traces.ranges import end_phase, start_phase
@@ -32,12 +39,15 @@ class phase_scope:  # noqa: N801 - used like a function: `with phase_scope(...)`
         self._handle: Any = None
 
     def __enter__(self) -> "phase_scope":
+        if compiling():  # inside a compiled graph: no range (module doc)
+            return self
         self._handle = start_phase(self.name, ubatch_id=dbo_current_ubatch_id(),
                                    layer=self.layer)
         return self
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
-        end_phase(self._handle)
+        if self._handle is not None:
+            end_phase(self._handle)
         if exc is not None and not isinstance(exc, greenlet.GreenletExit):
             annotate_phase(exc, self.name, self.layer)
 

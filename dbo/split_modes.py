@@ -105,7 +105,9 @@ def auto_split_mode(kwargs: dict, *, model_mode: Optional[str], model_name: str
                       f"{SEQ_LENS_KWARG}=")
 
 def model_name(model: Any) -> str:
-    """A function's name, else its class's (an nn.Module's, a callable object's)."""
+    """A function's name, else its class's (an nn.Module's, a callable object's); a
+    module wrapped by `torch.compile` is named by the module it compiles."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
     if inspect.isfunction(model) or inspect.ismethod(model):
         return model.__qualname__
     return type(model).__name__

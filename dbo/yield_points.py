@@ -27,21 +27,31 @@ queue independent work (shared experts) and yield, and waits only in its receive
 
 Events are recorded *before* the hand-off: an event recorded on the shared compute
 stream after a yield would also cover the other ubatch's queued work.
+
+Under `torch.compile` every call here is a graph break (`dbo.compiling`): each function
+first tests whether dynamo traces it (`compiling()`) or runs it with its frame hook on
+(`frame_hook()`), and if so calls its own `torch.compiler.disable`d twin, which runs it
+eagerly, with the hook off, between two compiled graphs. Eager callers pay the two tests.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from dbo.compiling import compiling, eager_twin, frame_hook
 from dbo.scheduler import active_scheduler, running_step
 
 
 def dbo_enabled() -> bool:
     """True inside a DBO step."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_enabled"]()
     return active_scheduler() is not None
 
 
 def dbo_current_ubatch_id() -> int:
     """The running ubatch (0 or 1); 0 outside a DBO step."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_current_ubatch_id"]()
     s = active_scheduler()
     return 0 if s is None else s.running.ubatch_id
 
@@ -53,6 +63,8 @@ def dbo_other_ubatch_started() -> bool:
     Lets a backend that must block the host (a2a reads its counts) do so before its first
     yield of the step: the other ubatch has queued nothing the GPU could run meanwhile.
     """
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_other_ubatch_started"]()
     s = active_scheduler()
     if s is None:
         return False
@@ -63,6 +75,8 @@ def dbo_other_ubatch_started() -> bool:
 def dbo_is_last_ubatch() -> bool:
     """Whether the running ubatch is the step's last (the highest id): the one whose final
     combine has no other ubatch's compute left to overlap. False outside a step."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_is_last_ubatch"]()
     s = active_scheduler()
     return s is not None and s.running.ubatch_id == s.num_ubatches - 1
 
@@ -72,12 +86,16 @@ def dbo_single_batch_overlap() -> bool:
     are no-ops but its stream switches are real, so a layer may queue work that does
     not need the dispatched tokens (shared experts) on the compute stream while its
     dispatch is in flight on the comm stream. False outside a step and in a DBO step."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_single_batch_overlap"]()
     s = active_scheduler()
     return s is not None and s.num_ubatches == 1
 
 
 def dbo_yield() -> None:
     """Hand control to the other ubatch; resume on this ubatch's stream."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_yield"]()
     s = running_step.scheduler
     if s is not None:
         s.yield_()
@@ -93,6 +111,8 @@ def dbo_yield() -> None:
 
 def dbo_yield_and_switch_from_compute_to_comm() -> None:
     """Record compute-done, hand off; on resume: comm stream, waiting on compute-done."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_yield_and_switch_from_compute_to_comm"]()
     s = running_step.scheduler
     if s is None:
         return
@@ -112,6 +132,8 @@ def dbo_yield_and_switch_from_compute_to_comm() -> None:
 
 def dbo_yield_and_switch_from_comm_to_compute() -> None:
     """Record comm-done, hand off; on resume: compute stream, waiting on comm-done."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_yield_and_switch_from_comm_to_compute"]()
     s = running_step.scheduler
     if s is None:
         return
@@ -131,6 +153,8 @@ def dbo_yield_and_switch_from_comm_to_compute() -> None:
 
 def dbo_switch_to_comm() -> None:
     """Make the comm stream current for this ubatch (no dependency added)."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_switch_to_comm"]()
     s = active_scheduler()
     if s is not None:
         s.set_stream(s.running, s.streams.comm)
@@ -138,6 +162,8 @@ def dbo_switch_to_comm() -> None:
 
 def dbo_switch_to_compute() -> None:
     """Make the compute stream current for this ubatch (no dependency added)."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_switch_to_compute"]()
     s = active_scheduler()
     if s is not None:
         s.set_stream(s.running, s.streams.compute)
@@ -145,6 +171,8 @@ def dbo_switch_to_compute() -> None:
 
 def dbo_switch_to_comm_sync() -> None:
     """Record compute-done, switch to comm, make comm wait on it."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_switch_to_comm_sync"]()
     s = active_scheduler()
     if s is None:
         return
@@ -158,6 +186,8 @@ def dbo_switch_to_comm_sync() -> None:
 
 def dbo_switch_to_compute_sync() -> None:
     """Record comm-done, switch to compute, make compute wait on it."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_switch_to_compute_sync"]()
     s = active_scheduler()
     if s is None:
         return
@@ -184,6 +214,8 @@ class ComputeWait:
         self._stream = stream
 
     def wait(self, *tensors: Any) -> None:
+        if compiling() or frame_hook() is not None:
+            return _EAGER["ComputeWait.wait"](self, *tensors)
         if self._event is None:
             return
         self._stream.wait_event(self._event)
@@ -199,6 +231,8 @@ def dbo_switch_to_compute_async() -> ComputeWait:
     """Record comm-done on the comm stream, switch to compute without waiting; the
     returned `ComputeWait` adds the wait when its `wait()` is called. Outside a step:
     a no-op whose `wait()` does nothing."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_switch_to_compute_async"]()
     s = active_scheduler()
     if s is None:
         return _NO_WAIT
@@ -216,6 +250,8 @@ def dbo_register_recv_hook(hook: Callable[[], Any]) -> None:
     ubatch has finished, the hook runs at once; if it finishes without running the
     hook, the scheduler runs it before resuming this ubatch. Outside a step (or with a
     single ubatch) the hook runs at once."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_register_recv_hook"](hook)
     if not callable(hook):
         raise TypeError(f"dbo_register_recv_hook takes a callable, got {type(hook).__name__}")
     s = active_scheduler()
@@ -228,6 +264,8 @@ def dbo_register_recv_hook(hook: Callable[[], Any]) -> None:
 
 def dbo_maybe_run_recv_hook() -> None:
     """Run the hooks the other ubatch handed to this one, oldest first."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_maybe_run_recv_hook"]()
     s = active_scheduler()
     if s is None:
         return
@@ -239,6 +277,8 @@ def dbo_maybe_run_recv_hook() -> None:
 def dbo_get_previous_event(fn: Callable[..., Any], *args: Any) -> Any:
     """Run `fn(*args)` with the compute stream current and return its result (e.g. an
     event captured there, as DeepEP's `Buffer.capture`). None outside a DBO step."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_get_previous_event"](fn, *args)
     s = active_scheduler()
     if s is None:
         return None
@@ -259,3 +299,14 @@ def _expect_stream(actual: Any, expected: Any, call: str, name: str) -> None:
 def _wrong_stream(actual: Any, call: str, name: str) -> None:
     raise RuntimeError(f"{call}() must be called on the {name} stream, but this ubatch "
                        f"is on {actual!r}: check the order of the switch calls")
+
+
+# The graph-break twins of the calls above (see the module doc).
+_EAGER: dict[str, Callable[..., Any]] = {
+    fn.__name__: eager_twin(fn) for fn in (
+        dbo_enabled, dbo_current_ubatch_id, dbo_other_ubatch_started, dbo_is_last_ubatch,
+        dbo_single_batch_overlap, dbo_yield, dbo_yield_and_switch_from_compute_to_comm,
+        dbo_yield_and_switch_from_comm_to_compute, dbo_switch_to_comm, dbo_switch_to_compute,
+        dbo_switch_to_comm_sync, dbo_switch_to_compute_sync, dbo_switch_to_compute_async,
+        dbo_register_recv_hook, dbo_maybe_run_recv_hook, dbo_get_previous_event)}
+_EAGER["ComputeWait.wait"] = eager_twin(ComputeWait.wait)

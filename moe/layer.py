@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dbo.compiling import graph_break
 from dbo.failures import collectives_issued, fail_call_after_collectives
 from dbo.phases import phase_scope
 from moe.backends import make_backend
@@ -220,11 +221,12 @@ class MoELayer(nn.Module):
     # ------------------------------------------------------------------ internals
     def _kernel(self, device: torch.device) -> ModularKernel:
         kernel = self._kernels.get(device)
-        if kernel is None:
-            experts: Experts = make_experts(self.config.experts, device,
-                                            policy=self.config.kernels)
-            kernel = ModularKernel(self.config, self.backend, experts)
-            self._kernels[device] = kernel
+        return kernel if kernel is not None else self._new_kernel(device)
+
+    @graph_break  # it imports the expert kernel's module: eagerly, once per device
+    def _new_kernel(self, device: torch.device) -> ModularKernel:
+        experts: Experts = make_experts(self.config.experts, device, policy=self.config.kernels)
+        kernel = self._kernels[device] = ModularKernel(self.config, self.backend, experts)
         return kernel
 
     def _check_finite(self, logits_TE: Tensor) -> None:

@@ -35,14 +35,23 @@ chunk's combine sent on the comm stream while the next chunk's experts run, the 
 last (`PrepareFinalize.finalize_chunked_async`). It replaces the split above; a chunk
 count of 1, and DBO steps, take the path above. The same rows go through the experts
 once each, in other row groups (equal within floating-point rounding).
+
+Under `torch.compile` the halves that communicate (`_dispatch_send`, `_dispatch_recv`,
+`_combine_send`, `_chunked_combine`, `_combine_recv`) are graph breaks (`dbo.compiling`):
+they run eagerly, yields and collectives in the same order as without compile, and the
+compute between them (the experts, the own rows, the shared experts) is compiled, the
+experts then without workspaces. The chunked combine's experts run inside its half,
+eagerly.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
+from dbo.compiling import compiling, graph_break
 from dbo.phases import phase_scope
 from dbo.yield_points import (
     dbo_current_ubatch_id,
@@ -57,6 +66,16 @@ from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, R
 from moe.config import MoEConfig
 from moe.experts.base import Experts
 from moe.workspace import Workspace, WorkspaceSets
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """A dispatch in flight: its pending receive, the ubatch's workspace, and whether the
+    step is single-batch overlap (`dbo_single_batch_overlap`)."""
+
+    pending: Pending[Dispatched]
+    workspace: Workspace
+    sbo: bool
 
 
 def await_pending(pending: Pending[R]) -> R:
@@ -99,6 +118,51 @@ class ModularKernel:
         the notes of an exception raised inside it. `split_combine`: this is the model's
         last MoE layer (see the module doc).
         """
+        send = self._dispatch_send(x_TH, topk_weights_TK, topk_ids_TK, logits_TE,
+                                   correction_bias_E, layer)
+        sbo, workspace = send.sbo, send.workspace
+        shared_TH = None
+        if sbo and shared_experts is not None:
+            with phase_scope("shared_experts", layer=layer):
+                shared_TH = shared_experts(x_TH)  # under the dispatch
+        if sbo and self.config.combine_chunks > 1 and self.backend.chunks_combine:
+            dispatched, _ = self._dispatch_recv(send, layer, split=False)
+            pending_out = self._chunked_combine(dispatched, w13_EIH, w2_EHI, workspace, layer)
+            out_TH = self._combine_recv(pending_out, layer)
+            return out_TH if shared_TH is None else out_TH + shared_TH
+        dispatched, own = self._dispatch_recv(
+            send, layer, split=split_combine or (sbo and self.config.split_last_combine))
+        # Inside a compiled graph the experts allocate their own scratch (the compiler
+        # plans its buffers); the workspaces serve the eager kernels.
+        experts_ws = None if compiling() else workspace
+        with phase_scope("experts", layer=layer):
+            ids_RK = dispatched.topk_ids_RK
+            if own is not None:
+                ids_RK = ids_RK.clone()
+                ids_RK[own.rows] = -1  # computed after the send
+            expert_out_RH = self._run_experts(dispatched.x_RH, ids_RK,
+                                              dispatched.topk_weights_RK, w13_EIH, w2_EHI,
+                                              experts_ws)
+        pending_out = self._combine_send(expert_out_RH, dispatched, workspace, own, layer)
+        if own is not None:
+            with phase_scope("own_experts", layer=layer):
+                own.out_NH = self._run_experts(
+                    dispatched.x_RH[own.rows], dispatched.topk_ids_RK[own.rows],
+                    dispatched.topk_weights_RK[own.rows], w13_EIH, w2_EHI, experts_ws)
+        if shared_experts is not None and not sbo:
+            with phase_scope("shared_experts", layer=layer):
+                shared_TH = shared_experts(x_TH)
+        out_TH = self._combine_recv(pending_out, layer)
+        return out_TH if shared_TH is None else out_TH + shared_TH
+
+    # The halves that communicate: each a graph break under torch.compile, so their
+    # collectives, stream switches and yields run eagerly between compiled graphs, in
+    # the order written here (`dbo.compiling`).
+    @graph_break
+    def _dispatch_send(self, x_TH: Tensor, topk_weights_TK: Optional[Tensor],
+                       topk_ids_TK: Optional[Tensor], logits_TE: Optional[Tensor],
+                       correction_bias_E: Optional[Tensor], layer: Optional[int]) -> _Sent:
+        """The dispatch's send on this ubatch's workspace (after the hooks handed to it)."""
         workspace = self.workspaces.for_ubatch(dbo_current_ubatch_id())
         sbo = dbo_single_batch_overlap()
         with phase_scope("dispatch_send", layer=layer):
@@ -112,46 +176,35 @@ class ModularKernel:
             else:
                 assert topk_weights_TK is not None and topk_ids_TK is not None
                 pending = self._prepare_async(x_TH, topk_weights_TK, topk_ids_TK, workspace)
-        shared_TH = None
-        if sbo and shared_experts is not None:
-            with phase_scope("shared_experts", layer=layer):
-                shared_TH = shared_experts(x_TH)  # under the dispatch
+        return _Sent(pending=pending, workspace=workspace, sbo=sbo)
+
+    @graph_break
+    def _dispatch_recv(self, sent: _Sent, layer: Optional[int], *, split: bool
+                       ) -> tuple[Dispatched, Optional[OwnRows]]:
+        """The dispatched rows, and with `split` (the split combine, module doc) on the
+        step's last ubatch the rows this rank sent itself, where the backend names them."""
         with phase_scope("dispatch_recv", layer=layer):
-            dispatched = await_pending(pending)
-        if sbo and self.config.combine_chunks > 1 and self.backend.chunks_combine:
-            pending_out = self._chunked_combine(dispatched, w13_EIH, w2_EHI, workspace, layer)
-            with phase_scope("combine_recv", layer=layer):
-                out_TH = await_pending(pending_out)
-            return out_TH if shared_TH is None else out_TH + shared_TH
-        own = None
-        if ((split_combine or (sbo and self.config.split_last_combine)) and dbo_enabled()
-                and dbo_is_last_ubatch()):
-            rows = self.backend.own_rows(dispatched)
-            own = None if rows is None else OwnRows(rows)
-        with phase_scope("experts", layer=layer):
-            ids_RK = dispatched.topk_ids_RK
-            if own is not None:
-                ids_RK = ids_RK.clone()
-                ids_RK[own.rows] = -1  # computed after the send
-            expert_out_RH = self._run_experts(dispatched.x_RH, ids_RK,
-                                              dispatched.topk_weights_RK, w13_EIH, w2_EHI,
-                                              workspace)
+            dispatched = await_pending(sent.pending)
+        if not (split and dbo_enabled() and dbo_is_last_ubatch()):
+            return dispatched, None
+        rows = self.backend.own_rows(dispatched)
+        return dispatched, None if rows is None else OwnRows(rows)
+
+    @graph_break
+    def _combine_send(self, expert_out_RH: Tensor, dispatched: Dispatched,
+                      workspace: Workspace, own: Optional[OwnRows],
+                      layer: Optional[int]) -> Pending[Tensor]:
         with phase_scope("combine_send", layer=layer):
             dbo_maybe_run_recv_hook()
-            pending_out = self.backend.finalize_async(expert_out_RH, dispatched,
-                                                      workspace=workspace, **_own_kwarg(own))
-        if own is not None:
-            with phase_scope("own_experts", layer=layer):
-                own.out_NH = self._run_experts(
-                    dispatched.x_RH[own.rows], dispatched.topk_ids_RK[own.rows],
-                    dispatched.topk_weights_RK[own.rows], w13_EIH, w2_EHI, workspace)
-        if shared_experts is not None and not sbo:
-            with phase_scope("shared_experts", layer=layer):
-                shared_TH = shared_experts(x_TH)
-        with phase_scope("combine_recv", layer=layer):
-            out_TH = await_pending(pending_out)
-        return out_TH if shared_TH is None else out_TH + shared_TH
+            return self.backend.finalize_async(expert_out_RH, dispatched,
+                                               workspace=workspace, **_own_kwarg(own))
 
+    @graph_break
+    def _combine_recv(self, pending_out: Pending[Tensor], layer: Optional[int]) -> Tensor:
+        with phase_scope("combine_recv", layer=layer):
+            return await_pending(pending_out)
+
+    @graph_break
     def _chunked_combine(self, dispatched: Dispatched, w13_EIH: Tensor, w2_EHI: Tensor,
                          workspace: Workspace, layer: Optional[int]) -> Pending[Tensor]:
         """The experts and the combine interleaved by the backend (`combine_chunks`
@@ -178,7 +231,7 @@ class ModularKernel:
                                           workspace=workspace)
 
     def _run_experts(self, x_RH: Tensor, ids_RK: Tensor, weights_RK: Tensor, w13_EIH: Tensor,
-                     w2_EHI: Tensor, workspace: Workspace) -> Tensor:
+                     w2_EHI: Tensor, workspace: Optional[Workspace]) -> Tensor:
         """Experts over the given rows, `expert_chunk_size` rows at a time. The rows are
         read in place, in the backend's packed buffer (a strided view; every expert
         kernel takes a row stride), which spares a [R, H] copy per layer."""

@@ -11,9 +11,12 @@ GEMM paths, chosen per call:
   the weights are contiguous, on CUDA the dtype is bfloat16 (the only dtype its fast kernels
   and meta checks accept), and a one-off probe on that device and dtype gives exact results.
   No host sync: offsets stay on the device.
+  Inside a graph that ``torch.compile`` traced, off CUDA, the GEMM is the op
+  ``moe::grouped_mm`` (``_gmm`` says why).
 - ``loop``: the fallback, one ``torch.mm`` per expert over its contiguous block of sorted
-  rows (one host sync to read the block ends). Chosen over a padded ``bmm`` because its
-  memory is S rows whatever the load imbalance (padding needs E * max_rows_per_expert).
+  rows (one host sync to read the block ends: a graph break under ``torch.compile``).
+  Chosen over a padded ``bmm`` because its memory is S rows whatever the load imbalance
+  (padding needs E * max_rows_per_expert).
   The reason is logged once per distinct reason.
 
 Every form of `moe.experts.form` runs on both paths: the biases are added per sorted slot
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dbo.compiling import compiling, graph_break
 from moe.experts.base import Experts, check_expert_inputs, weighted_topk_sum
 from moe.experts.form import ExpertExtras, activate
 from moe.workspace import Workspace, empty_from
@@ -45,6 +49,34 @@ def _grouped_mm_fn() -> Callable[..., Tensor] | None:
     return fn if fn is not None else getattr(torch, "_grouped_mm", None)
 
 
+@torch.library.custom_op("moe::grouped_mm", mutates_args=())
+def _grouped_mm_op(a_SK: Tensor, b_GKN: Tensor, offs_G: Tensor) -> Tensor:
+    """``grouped_mm(a, b, offs=offs)`` as an op of its own, for compiled graphs off CUDA
+    (`_gmm`): [S, K] x [G, K, N] -> [S, N] in a's dtype."""
+    fn = _grouped_mm_fn()
+    assert fn is not None
+    return fn(a_SK, b_GKN, offs=offs_G)
+
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_fake(a_SK: Tensor, b_GKN: Tensor, offs_G: Tensor) -> Tensor:
+    return a_SK.new_empty(a_SK.shape[0], b_GKN.shape[-1])
+
+
+def _gmm(a_SK: Tensor, b_GKN: Tensor, offs_G: Tensor) -> Tensor:
+    """``grouped_mm(a, b, offs=offs)``. Inside a compiled graph off CUDA it is the op
+    ``moe::grouped_mm``: the shape function torch gives its grouped_mm (what dynamo runs
+    on fake tensors) applies the CUDA kernel's rule, bfloat16 only, while the CPU kernel
+    takes every float dtype (float32 included, as the probe checks), so tracing a CPU call
+    in float32 would fail there. On CUDA the rules agree (`grouped_mm_unsupported_reason`
+    asks for bfloat16) and the compiler gets torch's own op."""
+    if compiling() and a_SK.device.type != "cuda":
+        return _grouped_mm_op(a_SK, b_GKN, offs_G)
+    fn = _grouped_mm_fn()
+    assert fn is not None
+    return fn(a_SK, b_GKN, offs=offs_G)
+
+
 def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
     """Run a tiny grouped GEMM once per (device, dtype); None if it is exact, else why not."""
     key = (device.type, device.index, dtype)
@@ -52,6 +84,12 @@ def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
         return _probe_results[key]
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None  # cannot sync inside a graph capture; decide on the static rules alone
+    return _run_probe(device, dtype)
+
+
+@graph_break  # it compares on the host: once per (device, dtype), eagerly
+def _run_probe(device: torch.device, dtype: torch.dtype) -> str | None:
+    key = (device.type, device.index, dtype)
     fn = _grouped_mm_fn()
     assert fn is not None
     # Small integers are exact in every dtype, so the check can demand equality.
@@ -227,13 +265,11 @@ class GroupedExperts(Experts):
     ) -> Tensor:
         """[S, H] expert outputs in sorted order (`expert_S` the local expert of each sorted
         slot); rows past ``ends_E[-1]`` are garbage."""
-        fn = _grouped_mm_fn()
-        assert fn is not None
         num_slots, inter = x_SH.shape[0], w2_EHI.shape[2]
-        h_SJ = fn(x_SH, w13_EIH.transpose(-2, -1), offs=ends_E)
+        h_SJ = _gmm(x_SH, w13_EIH.transpose(-2, -1), ends_E)
         act_SI = empty_from(workspace, "grouped.act", (num_slots, inter), x_SH.dtype, x_SH.device)
         _activate(h_SJ, expert_S, extras, out_MI=act_SI)
-        y_SH = fn(act_SI, w2_EHI.transpose(-2, -1), offs=ends_E)
+        y_SH = _gmm(act_SI, w2_EHI.transpose(-2, -1), ends_E)
         return _finish_rows(y_SH, expert_S, extras)
 
     @staticmethod

@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from dbo.compiling import graph_break
 from moe.experts.base import Experts, check_expert_inputs, weighted_topk_sum
 from moe.experts.form import ExpertExtras, activate
 from moe.workspace import Workspace
@@ -32,6 +33,7 @@ class ReferenceExperts(Experts):
         """Runs wherever torch runs."""
         return True, ""
 
+    @graph_break  # it reads the ids on the host: eager under torch.compile
     def apply(
         self,
         x_NH: Tensor,

@@ -19,11 +19,12 @@ import importlib.util
 import os
 import sys
 from contextvars import ContextVar
-from typing import ClassVar, Iterator
+from typing import ClassVar, Iterator, Optional
 
 import torch
 from torch import Tensor
 
+from dbo.compiling import compiling
 from dbo.yield_points import dbo_enabled
 from moe.experts.base import Experts
 from moe.experts.form import ExpertExtras, ExpertForm
@@ -121,6 +122,11 @@ class TritonExperts(Experts):
             reason = self.supports(extras.form)
             if reason is not None:
                 raise ValueError(reason)
+        if compiling():  # one opaque op of the graph (`_fused_experts_op`)
+            p = self.policy
+            return _fused_experts_op(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK,
+                                     p.implementation, p.compiled_launches, p.tma, p.sorted_x,
+                                     p.persistent)
         from moe.kernels.fused_moe import fused_moe  # lazy: imports triton
 
         policy = self.policy
@@ -128,6 +134,28 @@ class TritonExperts(Experts):
             policy = dataclasses.replace(policy, persistent=False)
         return fused_moe(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK,
                          workspace=workspace, policy=policy, extras=extras)
+
+
+@torch.library.custom_op("moe::fused_experts", mutates_args=())
+def _fused_experts_op(x_NH: Tensor, w13_EIH: Tensor, w2_EHI: Tensor, topk_ids_NK: Tensor,
+                      topk_weights_NK: Tensor, implementation: str, compiled_launches: bool,
+                      tma: Optional[bool], sorted_x: Optional[bool],
+                      persistent: Optional[bool]) -> Tensor:
+    """`TritonExperts.apply` as one op of a graph that `torch.compile` traced: dynamo cannot
+    trace the fused-MoE host code (tiles, autotuning, compiled-handle launches), so the
+    compiler sees an opaque kernel with a fresh [N, H] output in x's dtype, and when the
+    graph runs the op runs the eager path, which decides as it does eagerly (no
+    persistent kernel in a DBO step included). The policy comes as scalars (an op takes
+    no dataclass); no workspace (the compiler plans the buffers around the op)."""
+    policy = KernelPolicy(implementation=implementation, compiled_launches=compiled_launches,
+                          tma=tma, sorted_x=sorted_x, persistent=persistent)
+    return TritonExperts(policy=policy).apply(x_NH, w13_EIH, w2_EHI, topk_ids_NK,
+                                              topk_weights_NK)
+
+
+@_fused_experts_op.register_fake
+def _fused_experts_fake(x_NH: Tensor, *args: object) -> Tensor:
+    return x_NH.new_empty(x_NH.shape)
 
 
 def _is_interpreted(kernel: object) -> bool:

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dbo.compiling import graph_break
 from moe.backends import backend_class, make_backend, resolve_backend_name
 from moe.config import SUPPORTED_DTYPES, MoEConfig
 from moe.experts import experts_class, make_experts
@@ -319,13 +320,15 @@ class HFExperts(nn.Module):
 
     def _kernel(self, device: torch.device) -> ModularKernel:
         kernel = self._kernels.get(device)
-        if kernel is None:
-            experts: Experts = make_experts(self.config.experts, device,
-                                            policy=self.config.kernels, form=self.form)
-            if not self.form.is_default:
-                experts = BoundExperts(experts, self._extras)
-            kernel = ModularKernel(self.config, self.backend, experts)
-            self._kernels[device] = kernel
+        return kernel if kernel is not None else self._new_kernel(device)
+
+    @graph_break  # it imports the expert kernel's module: eagerly, once per device
+    def _new_kernel(self, device: torch.device) -> ModularKernel:
+        experts: Experts = make_experts(self.config.experts, device,
+                                        policy=self.config.kernels, form=self.form)
+        if not self.form.is_default:
+            experts = BoundExperts(experts, self._extras)
+        kernel = self._kernels[device] = ModularKernel(self.config, self.backend, experts)
         return kernel
 
     def _extras(self) -> ExpertExtras:

@@ -14,6 +14,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from dbo.compiling import compiling
+
 IMPLEMENTATIONS = ("auto", "triton", "torch")
 
 
@@ -24,7 +26,8 @@ class KernelPolicy:
     implementation: str = "auto"
     """The routing, row packing / sums, `a2a_ll` slots and rotary ops: "auto" (Triton for
     CUDA tensors, torch otherwise), "triton" (everywhere: on CPU only under
-    TRITON_INTERPRET=1, for tests) or "torch" (the reference ops)."""
+    TRITON_INTERPRET=1, for tests) or "torch" (the reference ops). Inside a graph that
+    `torch.compile` traces, always the torch ops (`use_triton`)."""
     compiled_launches: bool = True
     """Launch Triton kernels through their compiled handles (`moe.kernels.launch`); False:
     through `kernel[grid](...)`, which costs more host time per launch and is kept so that
@@ -59,7 +62,12 @@ class KernelPolicy:
 
 
 def use_triton(policy: KernelPolicy, t: Tensor) -> bool:
-    """Whether an op with a Triton kernel and a torch version takes the kernel for `t`."""
+    """Whether an op with a Triton kernel and a torch version takes the kernel for `t`.
+    Never inside a graph that `torch.compile` traces: there the torch version is what the
+    compiler fuses with its neighbours (the kernels launch through host code it cannot
+    trace)."""
+    if compiling():
+        return False
     if policy.implementation == "auto":
         return t.device.type == "cuda"
     return policy.implementation == "triton"
