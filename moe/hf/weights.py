@@ -76,8 +76,7 @@ class _WeightMap:
         require("transformers")
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (WeightConverter, WeightRenaming,
-                                                     apply_renamings, dot_natural_key,
-                                                     rename_source_key)
+                                                     dot_natural_key, rename_source_key)
         conversions = get_model_conversion_mapping(model)
         renamings = [t for t in conversions if isinstance(t, WeightRenaming)]
         converters = [t for t in conversions if isinstance(t, WeightConverter)]
@@ -99,7 +98,15 @@ class _WeightMap:
             elif pattern is None:
                 continue  # a second name for a renamed tensor: the first one is read
             target.sources.setdefault(pattern or name, []).append(name)
-            target.renamed[name] = apply_renamings(name, renamings)
+            target.renamed[name] = _renamed(name, renamings)
+
+
+def _renamed(name: str, renamings: list) -> str:
+    """`name` after every `WeightRenaming` in turn (what transformers 5.24's
+    `apply_renamings` does; 5.17 has no such function, each renaming the method)."""
+    for renaming in renamings:
+        name, _ = renaming.rename_source_key(name)
+    return name
 
 
 class WeightReader:

@@ -372,7 +372,7 @@ def test_dbo_run_with_cuda_graphs_checks_the_graphed_step_against_eager(tmp_path
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["cuda_graph"] is True and summary["device"] == "cuda", summary
     expected = backend if backend != "auto" else (
-        "a2a_ll" if summary["world_size"] > 1 else "auto")
+        "a2a_ll" if summary["world_size"] > 1 else "local")
     assert summary["backend"] == expected, summary
     assert summary["split"] is True and summary["outputs_match"] is True, summary
     assert summary["step_ms"]["dbo_on"] > 0 and summary["step_ms"]["dbo_off"] > 0

@@ -230,6 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(format_table(result))
     line = json.dumps(result)
     if cfg.out_dir is not None:
+        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         Path(cfg.out_dir, "compiled.json").write_text(line + "\n")
     print(line)
     return 0

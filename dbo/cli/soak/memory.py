@@ -111,8 +111,11 @@ class MemoryTracker:
             # type(), not isinstance(obj): some objects warn on any attribute access.
             if issubclass(type(obj), Tensor):
                 tensors += 1
-                storage = obj.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
+                try:
+                    storage = obj.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+                except (RuntimeError, NotImplementedError):
+                    pass  # no data of its own (a fake tensor torch.compile left alive)
         num_objects = len(objects)
         del objects
         cuda = None
