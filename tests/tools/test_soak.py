@@ -20,6 +20,7 @@ import torch
 
 from dbo.cli.launch import RankContext
 from dbo.cli.soak import MAX_OBJECT_GROWTH, MemoryTracker, SoakConfig, main, run_rank
+from dbo.cli.soak.memory import MemoryVerdict
 from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -102,11 +103,14 @@ def test_soak_counts_a_stop_that_did_not_happen_as_a_failure():
     tracker = MemoryTracker(torch.device("cpu"), trace_python=False)
     tracker.start(0)
     tracker.record(30)
+    # A flat verdict, not this process's (other tests' threads may allocate meanwhile):
+    # only the stops decide here.
+    flat = MemoryVerdict(growth={}, checked={"tensors": (0, 8)})
 
     def result(rank: int, stopped: list[int]) -> RankResult:
         return RankResult(rank=rank, zero_token_steps=[], stopped_steps=stopped, tokens=1,
                           split_steps=1, max_abs_diff=0.0, mismatched_steps=[],
-                          samples=tracker.samples, memory=tracker.verdict(1 << 20),
+                          samples=tracker.samples, memory=flat,
                           wall_s=1.0, graphs_captured=None, graphs_captured_after_warmup=None)
 
     ctx = RankContext(0, 2, torch.device("cpu"), "gloo")
