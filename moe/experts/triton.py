@@ -24,7 +24,7 @@ from typing import ClassVar, Iterator, Optional
 import torch
 from torch import Tensor
 
-from dbo.compiling import compiling
+from dbo.compiling import compiling, eager_twin
 from dbo.yield_points import dbo_enabled
 from moe.experts.base import Experts
 from moe.experts.form import ExpertExtras, ExpertForm
@@ -122,11 +122,23 @@ class TritonExperts(Experts):
             reason = self.supports(extras.form)
             if reason is not None:
                 raise ValueError(reason)
+        if compiling() and extras is not None:
+            # A form's biases, norm and limits cannot enter an op's arguments: the kernels
+            # run eagerly, a graph break (`dbo.compiling`).
+            return _kernels_eagerly(self, x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK,
+                                    workspace, extras)
         if compiling():  # one opaque op of the graph (`_fused_experts_op`)
             p = self.policy
             return _fused_experts_op(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK,
                                      p.implementation, p.compiled_launches, p.tma, p.sorted_x,
                                      p.persistent)
+        return self._kernels(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK,
+                             workspace, extras)
+
+    def _kernels(self, x_NH: Tensor, w13_EIH: Tensor, w2_EHI: Tensor, topk_ids_NK: Tensor,
+                 topk_weights_NK: Tensor, workspace: Workspace | None,
+                 extras: ExpertExtras | None) -> Tensor:
+        """The fused-MoE kernels (`apply` without its checks)."""
         from moe.kernels.fused_moe import fused_moe  # lazy: imports triton
 
         policy = self.policy
@@ -134,6 +146,9 @@ class TritonExperts(Experts):
             policy = dataclasses.replace(policy, persistent=False)
         return fused_moe(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK,
                          workspace=workspace, policy=policy, extras=extras)
+
+
+_kernels_eagerly = eager_twin(TritonExperts._kernels)
 
 
 @torch.library.custom_op("moe::fused_experts", mutates_args=())

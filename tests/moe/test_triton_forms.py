@@ -177,3 +177,18 @@ def test_a_custom_activation_is_refused_in_one_line_before_anything_runs(monkeyp
     for run in (TritonExperts().apply, fm.fused_moe):
         with pytest.raises(ValueError, match="activation='custom'"):
             run(x, w13, w2, ids, weights, extras=extras)
+
+
+def test_a_form_under_torch_compile_runs_its_own_kernels_eagerly():
+    # A compiled caller must not take the opaque op of the default form: the form's biases
+    # and activation would be dropped. The form's kernels run eagerly (a graph break).
+    torch._dynamo.reset()
+    x, w13, w2, ids, weights, extras = _problem(FORMS["gpt_oss"])
+    experts = TritonExperts()
+
+    def step(x):
+        return experts.apply(x * 1.0, w13, w2, ids, weights, extras=extras)
+
+    out = torch.compile(step, backend="eager")(x)
+    want = ReferenceExperts().apply(x, w13, w2, ids, weights, extras=extras)
+    torch.testing.assert_close(out, want, **TOLERANCES[torch.float32])
