@@ -13,6 +13,10 @@
 | deepep_v2 | DeepEP v2 ElasticBuffer, built against a fake, untested against the real library (needs NCCL >= 2.30.4) | prefill mode: yes, yields before it; decode mode: no | decode mode | no (its fake: yes) |
 | auto | local for EP size 1, else a2a | | | |
 
+Each backend declares its traits as class attributes (`PrepareFinalize`); ask them by
+name with `backend_traits(name)` or `backends_with(trait=value, ...)`, never by a
+hand-kept list of names.
+
 Modules are imported when their backend is first asked for, so an optional engine's
 import cost (or absence) never touches the others.
 """
@@ -26,9 +30,9 @@ import torch.distributed as dist
 from dbo.agreement import agree_before_building
 from dbo.failures import check_group_usable
 from moe.backends.base import Dispatched, Pending, PrepareFinalize
+from moe.backends.traits import TRAITS, BackendTraits, backend_traits, backends_with
 from moe.config import MoEConfig
 from moe.registry import BACKENDS
-
 
 
 def resolve_backend_name(name: str, world_size: int) -> str:
@@ -70,5 +74,6 @@ def make_backend(config: MoEConfig, group: Optional[dist.ProcessGroup]) -> Prepa
     return backend_class(name, world_size)(config, group)
 
 
-__all__ = ["BACKENDS", "Dispatched", "Pending", "PrepareFinalize", "backend_class",
-           "make_backend", "resolve_backend_name"]
+__all__ = ["BACKENDS", "TRAITS", "BackendTraits", "Dispatched", "Pending", "PrepareFinalize",
+           "backend_class", "backend_traits", "backends_with", "make_backend",
+           "resolve_backend_name"]

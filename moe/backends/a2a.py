@@ -90,6 +90,7 @@ class AllToAllBackend(PrepareFinalize):
     """Exact dispatch/combine with `all_to_all_single` and a host-synced count exchange."""
 
     name = "a2a"
+    reads_counts_on_host = True
     comm_recordable = True
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:

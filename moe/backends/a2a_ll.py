@@ -71,6 +71,8 @@ class AllToAllLLBackend(PrepareFinalize):
     """Padded, fixed-capacity all-to-all: static shapes, no count exchange."""
 
     name = "a2a_ll"
+    graph_safe_with_capacity = True
+    pads_to_capacity = True  # every slot of the capacity is sent
     needs_capacity = True
     comm_recordable = True
     graph_safe = True

@@ -142,6 +142,20 @@ class PrepareFinalize(ABC):
     #: Whether the backend needs `MoEConfig.max_tokens_per_rank` (its buffers or padded
     #: slots are sized by it) and refuses a config without one. False unless declared.
     needs_capacity: ClassVar[bool] = False
+    #: Whether, in its default form (`MoEConfig` defaults) and without
+    #: `max_tokens_per_rank`, the exchange reads token counts (or their maximum) on the
+    #: host, so that a CUDA graph cannot capture it. The trait tables
+    #: (`moe.backends.traits`) read the declared class values, never a built backend.
+    reads_counts_on_host: ClassVar[bool] = False
+    #: Whether a step can be captured in a CUDA graph once `max_tokens_per_rank` is set,
+    #: in its default form (as `dbo run` and `dbo soak` configure it).
+    graph_safe_with_capacity: ClassVar[bool] = False
+    #: Whether its work grows with the capacity, not with the routed rows (padded slots of
+    #: the whole capacity travel or reach the experts).
+    pads_to_capacity: ClassVar[bool] = False
+    #: Whether it needs more than torch and its collectives (NVSHMEM, DeepEP, ...): never
+    #: what "auto" picks, and a `dbo bench` sweep runs it only when named.
+    opt_in: ClassVar[bool] = False
 
     @classmethod
     def check_runs(cls, world_size: int, config: Optional[MoEConfig] = None) -> None:

@@ -64,6 +64,8 @@ class DeepEPHTBackend(PrepareFinalize):
     """DeepEP normal kernels: exact rows (default) or worst-case rows (graph-capturable)."""
 
     name = "deepep_ht"
+    reads_counts_on_host = True  # the default (not worst-case) form
+    opt_in = True  # DeepEP
     comm_recordable = False  # DeepEP's own NVLink/RDMA kernels
 
     @classmethod

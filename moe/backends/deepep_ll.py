@@ -68,6 +68,9 @@ class DeepEPLLBackend(PrepareFinalize):
     """DeepEP low-latency kernels: fixed capacity, receive halves run as hooks."""
 
     name = "deepep_ll"
+    graph_safe_with_capacity = True
+    pads_to_capacity = True  # the experts see E_loc * W * C rows
+    opt_in = True  # DeepEP
     needs_capacity = True
     comm_recordable = False  # DeepEP's own low-latency kernels
     graph_safe = True

@@ -201,6 +201,8 @@ class DeepEPV2Backend(PrepareFinalize):
     """
 
     name = "deepep_v2"
+    reads_counts_on_host = True  # prefill mode, the default
+    opt_in = True  # DeepEP v2
     needs_capacity = True
     comm_recordable = False  # DeepEP v2's own kernels
 

@@ -15,6 +15,7 @@ class LocalBackend(PrepareFinalize):
     """Identity dispatch and combine; global expert ids are the local ids."""
 
     name = "local"
+    graph_safe_with_capacity = True
     comm_recordable = True  # nothing to record: EP size 1
     graph_safe = True
 

@@ -41,6 +41,8 @@ class NaiveBackend(PrepareFinalize):
     """All-gather dispatch, reduce-scatter combine."""
 
     name = "naive"
+    reads_counts_on_host = True  # the counts' maximum, without a capacity
+    graph_safe_with_capacity = True
     comm_recordable = True
 
     @property

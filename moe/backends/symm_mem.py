@@ -154,6 +154,8 @@ class SymmMemBackend(PrepareFinalize):
     """Exact dispatch/combine with `torch.ops.symm_mem.all_to_all_vdev`, counts on the GPU."""
 
     name = "symm_mem"
+    graph_safe_with_capacity = True
+    opt_in = True  # NVSHMEM
     needs_capacity = True
     comm_recordable = False  # all_to_all_vdev over NVSHMEM, not a c10d collective
     graph_safe = True
