@@ -229,14 +229,6 @@ def check_fits_memory(option: str, value: int, *, unit: str, per_unit_bytes: int
                      f"{option} <= {fits}")
 
 
-# Backends whose steps a CUDA graph can capture once the job fixes their capacity, as
-# `dbo run` and `dbo soak` do (`PrepareFinalize.graph_safe`): not a2a, which reads its
-# token counts on the host, nor deepep_ht, capturable only in its worst-case form, which
-# no command configures. `dbo bench` runs naive without a capacity: it keeps its own list.
-CAPACITY_GRAPH_BACKENDS: tuple[str, ...] = (
-    "local", "naive", "naive_mono", "a2a_ll", "symm_mem", "deepep_ll")
-
-
 def check_graph_backends(backends: Sequence[str], capturable: Sequence[str], *,
                          option: str, hint: str = "") -> None:
     """Refuse, for `--cuda-graph`, the first of `backends` not in `capturable` (it reads

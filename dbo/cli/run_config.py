@@ -7,10 +7,10 @@ from typing import Any, Optional
 
 import torch
 
-from dbo.cli import (CAPACITY_GRAPH_BACKENDS, check_backend_runs, check_deepep_ll_depth,
+from dbo.cli import (check_backend_runs, check_deepep_ll_depth,
                      check_fits_memory, check_graph_backends, check_out_dir, check_seed)
 from dbo.cli.run_hf import check_hf_options, hf_label, hf_model_config
-from moe.backends import BACKENDS as MOE_BACKENDS
+from moe.backends import BACKENDS as MOE_BACKENDS, backends_with
 from moe.experts import EXPERTS as EXPERT_KERNELS
 from moe.models.presets import PRESETS
 from moe.registry import UNTESTED_BACKENDS
@@ -19,8 +19,10 @@ from moe.registry import UNTESTED_BACKENDS
 # its library).
 BACKENDS = ("auto", *(name for name in MOE_BACKENDS if name not in UNTESTED_BACKENDS))
 EXPERTS = ("auto", *EXPERT_KERNELS)
-# Backends `--cuda-graph` runs: those capturable with the capacity `setup_rank` sets.
-GRAPH_BACKENDS = ("auto", *CAPACITY_GRAPH_BACKENDS)
+# Backends `--cuda-graph` runs: those capturable with the capacity `setup_rank` sets (the
+# trait `graph_safe_with_capacity`: not a2a, which reads its token counts on the host, nor
+# deepep_ht, capturable only in its worst-case form, which no command configures).
+GRAPH_BACKENDS = ("auto", *backends_with(graph_safe_with_capacity=True, among=BACKENDS))
 # What records the traced steps (`dbo trace --profiler`).
 PROFILERS = ("torch", "nsys")
 # What a plain `dbo run` runs on CUDA GPUs (`run_defaults`).

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from dbo.cli import check_seed
 from dbo.config import DBOConfig
-from moe.backends import BACKENDS
+from moe.backends import BACKENDS, backends_with
 from moe.backends.nvshmem_owner import check_one_process
 from moe.registry import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
@@ -31,13 +31,13 @@ BENCH_BACKENDS: tuple[str, ...] = tuple(sorted(
 between ranks (`moe.backends`; all need EP size >= 2), except those never run against
 their library (`moe.registry.UNTESTED_BACKENDS`)."""
 
-GRAPH_BACKENDS: tuple[str, ...] = ("a2a_ll", "symm_mem", "deepep_ll")
-"""Backends whose steps `--cuda-graph` can capture: nothing read on the host (a2a reads its
-counts; the bench runs naive without a fixed capacity, so it reads their maximum;
-deepep_ht reads its counts in the form the bench runs)."""
+GRAPH_BACKENDS: tuple[str, ...] = backends_with(graph_safe=True, among=BENCH_BACKENDS)
+"""Backends whose steps `--cuda-graph` can capture: nothing read on the host (the trait
+`graph_safe`; a2a reads its counts; the bench runs naive without a fixed capacity, so it
+reads their maximum; deepep_ht reads its counts in the form the bench runs)."""
 
-OPT_IN_BACKENDS: tuple[str, ...] = ("symm_mem", "deepep_ht", "deepep_ll")
-"""Backends run only when named (`--backends`): they need more than torch and NCCL
+OPT_IN_BACKENDS: tuple[str, ...] = backends_with(opt_in=True, among=BENCH_BACKENDS)
+"""Backends run only when named (`--backends`; the trait `opt_in`): they need more than torch and NCCL
 (symm_mem: NVSHMEM; the DeepEP ones: DeepEP installed, GPUs of one node and bfloat16,
 deepep_ll a hidden size its kernels are compiled for), so a sweep without --backends runs
 wherever torch does."""

@@ -28,14 +28,15 @@ from dbo.cli.bench.config import (
     EXPERT_KERNELS,
     NVLINK_REGIME,
 )
+from moe.backends import backends_with
 from moe.backends.nvshmem_owner import check_one_process
 
 HF_BACKENDS: tuple[str, ...] = BENCH_BACKENDS
 """Backends a converted model can run (those that need a capacity get one per
 conversion: `conversions`)."""
 
-PADDED_BACKENDS: tuple[str, ...] = ("a2a_ll", "deepep_ll")
-"""Capacity backends whose work grows with the capacity, not with the routed rows (a2a_ll
+PADDED_BACKENDS: tuple[str, ...] = backends_with(pads_to_capacity=True, among=HF_BACKENDS)
+"""Capacity backends (the trait `pads_to_capacity`) whose work grows with the capacity, not with the routed rows (a2a_ll
 sends every slot of it; deepep_ll's experts see E_loc * W * C rows): a capacity above a
 point's tokens would time padding the point does not need."""
 

@@ -35,20 +35,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dbo.cli.bench.config import BenchConfig
+from dbo.cli.bench.config import BENCH_BACKENDS, BenchConfig
 from dbo.cli.bench.decode_stack import (DecodeStack, SplitRequests, describe_decode,
                                         make_kv_caches, ubatch_requests)
-
-#: Backends that size their buffers by MoEConfig.max_tokens_per_rank (and need it).
-FIXED_CAPACITY_BACKENDS: tuple[str, ...] = ("a2a_ll", "deepep_ll")
 from dbo.cli.bench.layer_stack import LayerStack, layer_moe_config, make_input
 from dbo.cli.bench.timing import gather_floats
 from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, decided_step
 from dbo.runner import DBORunner
 from dbo.split import plan_split, plan_token_split
+from moe.backends import backends_with
 from moe.config import MoEConfig
 from moe.models.presets import get_preset
+
+#: Backends that the bench gives a capacity per point, DBO's per ubatch: those whose work
+#: grows with it (the trait `pads_to_capacity`).
+FIXED_CAPACITY_BACKENDS: tuple[str, ...] = backends_with(pads_to_capacity=True,
+                                                         among=BENCH_BACKENDS)
 
 DEFAULT_LAYERS = 4
 

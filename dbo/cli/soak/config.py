@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from dbo.cli import CAPACITY_GRAPH_BACKENDS, check_graph_backends, check_int_option, check_seed
+from dbo.cli import check_graph_backends, check_int_option, check_seed
 from dbo.cli.soak.padding import MIN_GRAPH_SIZE, default_graph_sizes
-from moe.backends import BACKENDS as MOE_BACKENDS
+from moe.backends import BACKENDS as MOE_BACKENDS, backends_with
 from moe.backends.deepep_support import LL_HIDDEN_SIZES
 from moe.registry import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
@@ -19,8 +19,8 @@ BACKENDS = tuple(name for name in MOE_BACKENDS
                  if name != "local" and name not in UNTESTED_BACKENDS)
 EXPERT_KERNELS = ("auto", *EXPERTS)
 # Backends whose soak steps a CUDA graph can capture, with the capacity the soak always
-# sets.
-GRAPH_BACKENDS = tuple(name for name in CAPACITY_GRAPH_BACKENDS if name in BACKENDS)
+# sets (the trait `graph_safe_with_capacity`).
+GRAPH_BACKENDS = backends_with(graph_safe_with_capacity=True, among=BACKENDS)
 # DeepEP's kernels move bfloat16 rows only (`moe.backends.deepep_support`).
 BF16_ONLY_BACKENDS = ("deepep_ht", "deepep_ll")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
