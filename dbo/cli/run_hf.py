@@ -104,7 +104,8 @@ def build_hf(ctx: Any, job: Any, *, backend: str, tokens: int,
     capacity = ubatch = None
     if backend_class(backend, ctx.world_size).needs_capacity:
         capacity = max_tokens
-        if backend == "a2a_ll":  # the largest rank's larger ubatch
+        if backend_class(backend, ctx.world_size).takes_ubatch_capacity:
+            # the largest rank's larger ubatch
             ubatch = min(capacity,
                          moe.hf.ubatch_capacity(num_seqs, max(1, max_tokens // num_seqs)))
     dtype: Optional[torch.dtype] = torch.bfloat16 if ctx.device.type == "cuda" else None

@@ -73,6 +73,7 @@ class AllToAllLLBackend(PrepareFinalize):
     name = "a2a_ll"
     graph_safe_with_capacity = True
     pads_to_capacity = True  # every slot of the capacity is sent
+    takes_ubatch_capacity = True
     needs_capacity = True
     comm_recordable = True
     graph_safe = True

@@ -156,6 +156,11 @@ class PrepareFinalize(ABC):
     #: Whether it needs more than torch and its collectives (NVSHMEM, DeepEP, ...): never
     #: what "auto" picks, and a `dbo bench` sweep runs it only when named.
     opt_in: ClassVar[bool] = False
+    #: Whether it runs on an EP group of one rank only (it exchanges nothing).
+    single_rank: ClassVar[bool] = False
+    #: Whether it takes `MoEConfig.max_tokens_per_ubatch`: DBO's ubatches get a capacity
+    #: of their own, so each sends its own slots, not the whole capacity again.
+    takes_ubatch_capacity: ClassVar[bool] = False
 
     @classmethod
     def check_runs(cls, world_size: int, config: Optional[MoEConfig] = None) -> None:

@@ -16,6 +16,7 @@ class LocalBackend(PrepareFinalize):
 
     name = "local"
     graph_safe_with_capacity = True
+    single_rank = True
     comm_recordable = True  # nothing to record: EP size 1
     graph_safe = True
 

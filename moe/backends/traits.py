@@ -35,6 +35,10 @@ class BackendTraits:
     opt_in: bool
     #: Routes the rows it receives from gathered router logits (monolithic form).
     routes_gathered_logits: bool
+    #: Runs on an EP group of one rank only.
+    single_rank: bool
+    #: Takes `MoEConfig.max_tokens_per_ubatch`.
+    takes_ubatch_capacity: bool
 
 
 #: The trait names `backends_with` takes.
@@ -55,7 +59,9 @@ def backend_traits(name: str) -> BackendTraits:
         graph_safe_with_capacity=bool(cls.graph_safe_with_capacity),
         pads_to_capacity=bool(cls.pads_to_capacity), reads_counts_on_host=reads,
         comm_recordable=bool(cls.comm_recordable), needs_capacity=bool(cls.needs_capacity),
-        opt_in=bool(cls.opt_in), routes_gathered_logits=bool(cls.routes_gathered_logits))
+        opt_in=bool(cls.opt_in), routes_gathered_logits=bool(cls.routes_gathered_logits),
+        single_rank=bool(cls.single_rank),
+        takes_ubatch_capacity=bool(cls.takes_ubatch_capacity))
 
 
 def backends_with(*, among: Optional[Iterable[str]] = None, **wanted: bool) -> tuple[str, ...]:

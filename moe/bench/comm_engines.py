@@ -25,21 +25,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe.registry import BACKENDS
 
 RAW_DEEPEP = ("deepep_raw_ht", "deepep_raw_ll")
 """DeepEP's own calls, timed directly (`moe.bench.comm_raw`)."""
-
-SINGLE_RANK = ("local",)
-"""Registered backends that do not exchange anything between ranks."""
 
 # DeepSeek-V3's expert width: MoEConfig needs one, and no backend's exchange reads it.
 _INTERMEDIATE = 2048
 
 
 def bench_names() -> tuple[str, ...]:
-    """Every name --backends accepts: the registered multi-rank backends, then DeepEP raw."""
-    return tuple(n for n in BACKENDS if n not in SINGLE_RANK) + RAW_DEEPEP
+    """Every name --backends accepts: the registered multi-rank backends (not
+    `single_rank`: they exchange nothing), then DeepEP raw."""
+    from moe.backends import backends_with
+    return backends_with(single_rank=False) + RAW_DEEPEP
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +150,6 @@ def make_source(name: str, shapes: Shapes, group: Optional[dist.ProcessGroup], *
     if name in RAW_DEEPEP:
         from moe.bench.comm_raw import DeepEPRawSource
         return DeepEPRawSource(name, shapes, group, tokens=tokens)
-    if name not in BACKENDS or name in SINGLE_RANK:
+    if name not in bench_names():
         raise ValueError(f"unknown comm backend {name!r}: choose from {list(bench_names())}")
     return BackendSource(name, shapes, group)

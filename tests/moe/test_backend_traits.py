@@ -58,6 +58,11 @@ def test_graph_safe_of_a_built_naive_follows_the_capacity():
                                                max_tokens_per_rank=4), None).graph_safe
 
 
+def test_single_rank_and_ubatch_capacity():
+    assert backends_with(single_rank=True) == ("local",)
+    assert backends_with(takes_ubatch_capacity=True) == ("a2a_ll",)
+
+
 def test_backends_with():
     assert backends_with(pads_to_capacity=True) == ("a2a_ll", "deepep_ll")
     assert backends_with(opt_in=True, among=("a2a", "symm_mem")) == ("symm_mem",)

@@ -29,3 +29,13 @@ def test_bench_graph_and_opt_in_backends():
 def test_padded_backends():
     assert hf_config.PADDED_BACKENDS == ("a2a_ll", "deepep_ll")
     assert workload.FIXED_CAPACITY_BACKENDS == ("a2a_ll", "deepep_ll")
+
+
+def test_multi_rank_backends():
+    from moe.bench.comm_engines import RAW_DEEPEP, bench_names
+    assert bench_config.BENCH_BACKENDS == ("a2a", "a2a_ll", "deepep_ht", "deepep_ll", "naive",
+                                           "naive_mono", "symm_mem")
+    assert soak_config.BACKENDS == ("naive", "naive_mono", "a2a", "a2a_ll", "symm_mem",
+                                    "deepep_ht", "deepep_ll")
+    assert bench_names() == ("naive", "naive_mono", "a2a", "a2a_ll", "symm_mem", "deepep_ht",
+                             "deepep_ll", "deepep_v2", *RAW_DEEPEP)

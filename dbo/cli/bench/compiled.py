@@ -93,11 +93,12 @@ def run_rank(ctx: RankContext, cfg: CompileBenchConfig) -> Optional[dict[str, An
     from torch._dynamo.utils import counters
 
     from dbo import DBOConfig, DBORunner, GraphedRunner
+    from moe.backends import backend_traits
     from moe.models import MoETransformer, get_preset
     cuda = ctx.device.type == "cuda"
     backend = cfg.backend if ctx.world_size > 1 else "local"
     capacity: dict[str, Any] = {"max_tokens_per_rank": cfg.tokens}
-    if backend == "a2a_ll":
+    if backend_traits(backend).takes_ubatch_capacity:
         capacity["max_tokens_per_ubatch"] = cfg.tokens // 2
     dense = min(get_preset(cfg.preset).num_dense_layers, cfg.layers - 1)  # >= 1 MoE layer
     config = get_preset(cfg.preset, num_layers=cfg.layers, num_dense_layers=dense,

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from dbo.cli import check_seed
 from dbo.config import DBOConfig
-from moe.backends import BACKENDS, backends_with
+from moe.backends import backends_with
 from moe.backends.nvshmem_owner import check_one_process
 from moe.registry import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
@@ -26,9 +26,9 @@ reference MoE transformer (`moe.models.transformer.MoETransformer`) of a preset;
 MoE layer (`dbo.cli.bench.decode_stack`); its swept axis is requests per rank."""
 
 BENCH_BACKENDS: tuple[str, ...] = tuple(sorted(
-    name for name in BACKENDS if name != "local" and name not in UNTESTED_BACKENDS))
+    name for name in backends_with(single_rank=False) if name not in UNTESTED_BACKENDS))
 """Dispatch/combine backends the sweep can compare: every registered one that moves tokens
-between ranks (`moe.backends`; all need EP size >= 2), except those never run against
+between ranks (`moe.backends`, not `single_rank`; all need EP size >= 2), except those never run against
 their library (`moe.registry.UNTESTED_BACKENDS`)."""
 
 GRAPH_BACKENDS: tuple[str, ...] = backends_with(graph_safe=True, among=BENCH_BACKENDS)

@@ -248,7 +248,8 @@ def conversions(backend: str, points: tuple[int, ...], *, world_size: int,
         return [Conversion(max_tokens_per_rank=None, points=points)]
     if backend not in PADDED_BACKENDS:
         return [Conversion(max_tokens_per_rank=max(points), points=points)]
-    ubatch = ubatch_of if backend == "a2a_ll" and ubatch_of is not None else (lambda p: None)
+    takes_ubatch = backend_class(backend, world_size).takes_ubatch_capacity
+    ubatch = ubatch_of if takes_ubatch and ubatch_of is not None else (lambda p: None)
     return [Conversion(max_tokens_per_rank=p, max_tokens_per_ubatch=ubatch(p), points=(p,))
             for p in points]
 

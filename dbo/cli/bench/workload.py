@@ -44,7 +44,7 @@ from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, decided_step
 from dbo.runner import DBORunner
 from dbo.split import plan_split, plan_token_split
-from moe.backends import backends_with
+from moe.backends import backend_traits, backends_with
 from moe.config import MoEConfig
 from moe.models.presets import get_preset
 
@@ -162,7 +162,7 @@ class WorkloadFactory:
         capacity = None
         if backend in FIXED_CAPACITY_BACKENDS:
             capacity = self.ubatch_capacity(tokens) if dbo else tokens
-        elif backend == "symm_mem":
+        elif backend_traits(backend).needs_capacity:  # symm_mem
             # Only routed rows travel: the capacity sizes buffers, not transfers, so DBO
             # off and on share one model (and one set of symmetric buffers).
             capacity = tokens

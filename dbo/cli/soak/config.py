@@ -9,14 +9,14 @@ import torch
 
 from dbo.cli import check_graph_backends, check_int_option, check_seed
 from dbo.cli.soak.padding import MIN_GRAPH_SIZE, default_graph_sizes
-from moe.backends import BACKENDS as MOE_BACKENDS, backends_with
+from moe.backends import backends_with
 from moe.backends.deepep_support import LL_HIDDEN_SIZES
 from moe.registry import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
 
 # The soak moves tokens between ranks: every registered backend but the single-rank one.
-BACKENDS = tuple(name for name in MOE_BACKENDS
-                 if name != "local" and name not in UNTESTED_BACKENDS)
+BACKENDS = tuple(name for name in backends_with(single_rank=False)
+                 if name not in UNTESTED_BACKENDS)
 EXPERT_KERNELS = ("auto", *EXPERTS)
 # Backends whose soak steps a CUDA graph can capture, with the capacity the soak always
 # sets (the trait `graph_safe_with_capacity`).
