@@ -74,3 +74,32 @@ def backends_with(*, among: Optional[Iterable[str]] = None, **wanted: bool) -> t
     keep = set(BACKENDS if among is None else among)
     return tuple(name for name in BACKENDS if name in keep
                  and all(getattr(backend_traits(name), k) == v for k, v in wanted.items()))
+
+
+#: The trait table's columns: (trait, heading), in the order docs/backends.md shows them.
+TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("reads_counts_on_host", "reads counts on the host"),
+    ("graph_safe", "CUDA graphs"),
+    ("graph_safe_with_capacity", "CUDA graphs with a capacity"),
+    ("needs_capacity", "needs a capacity"),
+    ("pads_to_capacity", "pads to its capacity"),
+    ("takes_ubatch_capacity", "per-ubatch capacity"),
+    ("comm_recordable", "ceiling probe"),
+    ("opt_in", "opt-in"),
+    ("single_rank", "one rank only"),
+    ("routes_gathered_logits", "monolithic"),
+)
+
+
+def trait_table() -> str:
+    """The declared traits of every registered backend as a Markdown table ("yes" or
+    blank per cell), one row per backend in registry order: what docs/backends.md
+    shows (a test keeps the two equal)."""
+    head = "| name | " + " | ".join(h for _, h in TABLE_COLUMNS) + " |"
+    rule = "|---" * (len(TABLE_COLUMNS) + 1) + "|"
+    rows = []
+    for name in BACKENDS:
+        traits = backend_traits(name)
+        cells = ["yes" if getattr(traits, t) else "" for t, _ in TABLE_COLUMNS]
+        rows.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join([head, rule, *rows]) + "\n"

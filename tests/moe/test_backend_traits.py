@@ -72,3 +72,16 @@ def test_backends_with():
     with pytest.raises(ValueError, match="unknown MoE backend 'nope'"):
         backend_traits("nope")
     assert set(TRAITS) >= set(COLUMNS)
+
+
+def test_docs_trait_table_is_the_generated_one():
+    """docs/backends.md shows `trait_table()` between its markers: regenerate the table
+    there after changing a backend's traits."""
+    from pathlib import Path
+
+    from moe.backends.traits import trait_table
+    text = (Path(__file__).resolve().parents[2] / "docs" / "backends.md").read_text()
+    start = text.index("moe.backends.traits.trait_table()")
+    start = text.index("\n", start) + 1
+    end = text.index("<!-- end of the generated table -->", start)
+    assert text[start:end] == trait_table()
