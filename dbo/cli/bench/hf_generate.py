@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -39,6 +37,7 @@ from dbo.cli import check_int_option, check_out_dir
 from dbo.cli.bench.config import regime_label
 from dbo.cli.bench.hf_config import HFBenchConfig
 from dbo.cli.bench.predicted import device_name
+from dbo.cli.bench.result_line import print_result
 from dbo.cli.bench.timing import _sync, gather_floats
 from dbo.cli.launch import RankContext, launch
 from moe.bench.timing import barrier
@@ -210,12 +209,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = launch(run_rank, cfg, world_size=args.world_size)
     if result is None:  # not rank 0 under torchrun
         return 0
-    print(format_table(result))
-    line = json.dumps(result)
-    if cfg.out_dir is not None:
-        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        Path(cfg.out_dir, "hf_generate.json").write_text(line + "\n")
-    print(line)
+    print_result(format_table(result), result, out_dir=cfg.out_dir, file_name="hf_generate.json")
     return 0
 
 
