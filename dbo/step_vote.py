@@ -33,7 +33,7 @@ import json
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, ClassVar, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -58,12 +58,14 @@ class TokenLimit:
 
     tokens_per_rank: int
     tokens_per_ubatch: int
+    #: What the error for a bad value names (a subclass names its own entry point).
+    entered_by: ClassVar[str] = "step_token_limit"
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_rank", "tokens_per_ubatch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"step_token_limit: {name}={value!r} must be a positive int")
+                raise ValueError(f"{self.entered_by}: {name}={value!r} must be a positive int")
 
 
 _LIMIT: ContextVar[Optional[TokenLimit]] = ContextVar("dbo_step_token_limit", default=None)

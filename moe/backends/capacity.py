@@ -27,26 +27,19 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import ClassVar, Iterator, Optional
 
-from dbo.step_vote import current_token_limit, step_token_limit
+from dbo.step_vote import TokenLimit, current_token_limit, step_token_limit
 
 __all__ = ["ExchangeCapacity", "exchange_capacity", "step_capacity"]
 
 
 @dataclass(frozen=True)
-class ExchangeCapacity:
-    """Slot rows per rank of one exchange: of a whole step, and of a DBO ubatch."""
+class ExchangeCapacity(TokenLimit):
+    """Slot rows per rank of one exchange: of a whole step, and of a DBO ubatch (the
+    token limit it enters, `dbo.step_vote.TokenLimit`)."""
 
-    tokens_per_rank: int
-    tokens_per_ubatch: int
-
-    def __post_init__(self) -> None:
-        for name in ("tokens_per_rank", "tokens_per_ubatch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"exchange_capacity: {name}={value!r} must be a positive "
-                                 f"int")
+    entered_by: ClassVar[str] = "exchange_capacity"
 
 
 @contextmanager
