@@ -206,11 +206,15 @@ def test_weights_of_another_model_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type, kernel", [("olmoe", "triton"), ("gpt_oss", "grouped")])
+@pytest.mark.parametrize("model_type, kernel", [
+    ("olmoe", "triton"), ("gpt_oss", "triton"), ("inkling2", "grouped")])
 def test_the_experts_path_on_cuda_takes_the_kernel_that_computes_the_form(model_type, kernel):
-    """experts="auto" on CUDA: the Triton experts for dbo's SwiGLU (OLMoE), the grouped
-    experts for a form Triton refuses (GPT-OSS); logits as the unconverted model's, DBO
-    off and on."""
+    """experts="auto" on CUDA: the Triton experts for dbo's SwiGLU (OLMoE) and for the
+    variants they compute (GPT-OSS's clamped, interleaved, biased SwiGLU), the grouped
+    experts for a form Triton refuses (Inkling2's own activation); logits as the
+    unconverted model's, DBO off and on."""
+    if not _has_model_type(model_type):
+        pytest.skip(f"this transformers has no {model_type!r}")
     model = coverage.tiny_model(model_type).cuda()
     ids, mask = batch(3, 6, seed=1, vocab=64)
     ids, mask = ids.cuda(), mask.cuda()
