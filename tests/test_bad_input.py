@@ -208,7 +208,7 @@ REJECTED = {
     "`deepep_v2` with NCCL older than 2.30.4 (DeepEP v2 installed, CUDA present)": (
         lambda: deepep_v2_on(nccl=(2, 28, 9)), ImportError,
         "backend 'deepep_v2' needs NCCL >= 2.30.4 (DeepEP v2 uses NCCL's device API) but "
-        "torch has NCCL 2.28.9"),
+        "this process runs NCCL 2.28.9"),
     "`deepep_v2` with a dtype other than bfloat16 (also: hidden size not a multiple of 8, "
     "no process group)": (
         lambda: deepep_v2_on(dtype=torch.float32), ValueError,

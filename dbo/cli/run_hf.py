@@ -64,8 +64,7 @@ def hf_model_config(job: Any, world_size: int) -> Any:
     """The transformers config the job runs, checked as every rank would (architecture,
     experts over the ranks, a checkpoint's index or safetensors headers); ValueError with
     the fix. Reads config.json of --hf and where its tensors are, not the tensors."""
-    from moe.hf.arch import spec_for
-    from moe.hf.tiny import tiny_config
+    from moe.hf.named import expert_sizes
     if job.hf is not None:
         from moe.hf.folder import read_config, tensor_files
         # The folder's own code runs only with --trust-remote-code; without it a folder
@@ -74,18 +73,31 @@ def hf_model_config(job: Any, world_size: int) -> Any:
                              code_fix=REMOTE_CODE_FIX)
         tensor_files(job.hf, where="--hf")  # its index and files' headers, here, not on every rank
     else:
-        config = tiny_config(job.hf_config, num_layers=job.layers, num_experts=job.num_experts)
-    spec = spec_for(config)
-    num_experts = getattr(config, spec.num_experts_field)
+        config = _named_config(job)
+    num_experts, top_k, _ = expert_sizes(config)
     if num_experts % world_size:
         fix = ("another --world-size" if job.hf is not None else
                f"pass --num-experts N with N a multiple of {world_size}, or another --world-size")
         raise ValueError(f"{num_experts} routed experts ({hf_label(job)}) do not split over "
                          f"{world_size} ranks: {fix}")
-    if config.num_experts_per_tok > num_experts:
-        raise ValueError(f"top_k={config.num_experts_per_tok} exceeds num_experts="
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k} exceeds num_experts="
                          f"{num_experts} ({hf_label(job)}): pass a larger --num-experts")
     return config
+
+
+def _named_config(job: Any) -> Any:
+    """The config of --hf-config NAME: a tiny random model of a hand-mapped architecture or
+    of any MoE model type of the installed transformers, or real shapes (then --layers is
+    needed: a whole real model is not what a run job builds by accident)."""
+    from moe.hf.named import REAL_SHAPES, TINY_SIZES, is_named, named_config, unknown_name
+    name = job.hf_config
+    if name not in TINY_SIZES and not is_named(name):
+        raise ValueError(unknown_name(name, option="--hf-config"))
+    if name in REAL_SHAPES and job.layers is None:
+        raise ValueError(f"--hf-config {name} builds real shapes: pass --layers N (e.g. 2) "
+                         f"to build N decoder layers of it")
+    return named_config(name, num_layers=job.layers, num_experts=job.num_experts)
 
 
 def build_hf(ctx: Any, job: Any, *, backend: str, tokens: int,
@@ -96,7 +108,7 @@ def build_hf(ctx: Any, job: Any, *, backend: str, tokens: int,
     gets, the same on every rank)."""
     import moe.hf
     from moe.backends import backend_class
-    from moe.hf.block import HFMoEBlock
+    from moe.hf.block import converted_experts
     from moe.hf.tiny import tiny_model
 
     num_seqs = job.requests
@@ -130,12 +142,12 @@ def build_hf(ctx: Any, job: Any, *, backend: str, tokens: int,
                                         min_prefill_tokens=2, min_decode_tokens=2,
                                         merge=_cat_rows),
                        group=ctx.group)
-    blocks = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
+    experts = converted_experts(model)
     return dict(model=model, runner=runner, args=(),
                 kwargs={"input_ids": ids.to(ctx.device), "attention_mask": mask.to(ctx.device)},
-                backend=backend, dtype=next(b.moe.w13.dtype for b in blocks),
-                num_tokens=num_seqs * seq_len, moe_layer_id=blocks[0].moe.layer_id,
-                num_experts=blocks[0].moe.config.num_experts, label=hf_label(job))
+                backend=backend, dtype=experts[0].w13.dtype,
+                num_tokens=num_seqs * seq_len, moe_layer_id=experts[0].layer_id,
+                num_experts=experts[0].config.num_experts, label=hf_label(job))
 
 
 def check_hf_options(job: Any) -> None:

@@ -53,6 +53,7 @@ from dbo.cli.run_config import (BACKENDS, EXPERTS, PROFILERS, RunConfig, check_j
 from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, capture_graph
 from dbo.runner import DBORunner
+from moe.hf.named import REAL_SHAPES
 from moe.hf.tiny import TINY_SIZES
 from moe.models.presets import PRESETS
 from moe.routing_log import record_routing, routing_ties, spread_in_requests
@@ -343,9 +344,11 @@ def build_parser(*, prog: str = "dbo run", description: Optional[str] = DESCRIPT
     p.add_argument("--trust-remote-code", action="store_true",
                    help="with --hf: run the folder's own Python that config.json's auto_map "
                         "names (refused without it)")
-    p.add_argument("--hf-config", default=d.hf_config, choices=TINY_SIZES, metavar="NAME",
-                   help=f"run a tiny random Hugging Face model of this architecture instead "
-                        f"of the preset: {', '.join(TINY_SIZES)}")
+    p.add_argument("--hf-config", default=d.hf_config, metavar="NAME",
+                   help=f"run a Hugging Face MoE model with random weights instead of the "
+                        f"preset: a tiny one of any MoE model type of the installed "
+                        f"transformers (e.g. {', '.join(TINY_SIZES)}, olmoe), or real shapes "
+                        f"with --layers ({', '.join(REAL_SHAPES)})")
     p.add_argument("--tokens", type=int, default=None,
                    help=f"tokens per rank (rank r gets tokens - r * (tokens // 8)) (default: "
                         f"{cuda.tokens} on CUDA GPUs, {cpu.tokens} on CPU)")

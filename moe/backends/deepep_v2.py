@@ -40,8 +40,10 @@ One `ElasticBuffer` per (process group, size) serves every layer and both ubatch
 """
 from __future__ import annotations
 
+import ctypes
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Optional
@@ -74,15 +76,41 @@ def _find_deep_ep() -> Optional[ModuleType]:
     return importlib.import_module("deep_ep")
 
 
-def _torch_nccl_version() -> Optional[tuple[int, ...]]:
-    """torch's NCCL as (major, minor, patch); None where torch has no NCCL."""
+def _loaded_nccl_version() -> Optional[tuple[int, ...]]:
+    """The NCCL this process has loaded (`ncclGetVersion` of the `libnccl.so.2` already in
+    memory), or None where none is loaded or it cannot be asked. This is the one that
+    runs: a newer NCCL put in with `LD_PRELOAD` (or a newer `nvidia-nccl` package) is not
+    what `torch.cuda.nccl.version()` reports, which is the version torch was built with."""
     try:
-        version = torch.cuda.nccl.version()
+        lib = ctypes.CDLL("libnccl.so.2", mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+        code = ctypes.c_int(0)
+        if lib.ncclGetVersion(ctypes.byref(code)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return _decode_nccl_code(code.value)
+
+
+def _decode_nccl_code(code: int) -> tuple[int, int, int]:
+    """NCCL's version integer as (major, minor, patch): 23007 is 2.30.7 (NCCL >= 2.9
+    encodes major * 10000 + minor * 100 + patch)."""
+    return (code // 10000, code // 100 % 100, code % 100)
+
+
+def _torch_nccl_version() -> Optional[tuple[int, ...]]:
+    """The NCCL this process runs: the loaded library's own version where torch's CUDA
+    libraries have loaded one, else the version torch was built with (as
+    (major, minor, patch)); None where torch has no NCCL."""
+    try:
+        built = torch.cuda.nccl.version()
     except (AttributeError, RuntimeError):  # a build without NCCL
         return None
-    if isinstance(version, int):  # older torch: 2.28.9 as 22809
-        return (version // 10000, version // 100 % 100, version % 100)
-    return tuple(version)
+    loaded = _loaded_nccl_version()
+    if loaded is not None:
+        return loaded
+    if isinstance(built, int):  # older torch: 2.28.9 as 22809
+        return _decode_nccl_code(built)
+    return tuple(built)
 
 
 def elastic_buffer_class(config: MoEConfig, group: Optional[dist.ProcessGroup], *,
@@ -140,8 +168,8 @@ def require_elastic_buffer(
     if version is None or tuple(version) < MIN_NCCL:
         found = "no NCCL" if version is None else "NCCL " + ".".join(map(str, version))
         raise ImportError(f"backend 'deepep_v2' needs NCCL >= 2.30.4 (DeepEP v2 uses NCCL's "
-                          f"device API) but torch has {found}: use a torch whose NCCL "
-                          f"(torch.cuda.nccl.version()) is >= 2.30.4; {_OR}")
+                          f"device API) but this process runs {found}: install a newer NCCL "
+                          f"(nvidia-nccl-cu13 >= 2.30.4 from the package index) for torch to load; {_OR}")
     return deep_ep
 
 

@@ -123,6 +123,20 @@ def hf_param_name(name: str) -> Optional[str]:
     raise AssertionError(f"HFMoEBlock has no parameter {name!r} of a known kind")
 
 
+def converted_experts(model: nn.Module) -> list[nn.Module]:
+    """The modules that hold the routed experts of every converted block of `model`, in
+    model order: the `MoELayer` of an `HFMoEBlock` (the hand-mapped path), or the
+    `HFExperts` (the experts path). Each has `config` (its `MoEConfig`), `layer_id` and
+    this rank's `w13`."""
+    found: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, HFMoEBlock):
+            found.append(m.moe)
+        elif isinstance(m, HFExperts):
+            found.append(m)
+    return found
+
+
 def expert_bytes(model: nn.Module) -> int:
     """Bytes of the routed experts' weights (`moe.w13`, `moe.w2` of an `HFMoEBlock`; `w13`,
     `w2` and the biases of an `HFExperts`) of every converted block of `model`: this

@@ -81,19 +81,24 @@ def unknown_name(name: str, *, option: str = "--hf") -> str:
             f"transformers (python -m moe.hf.coverage --list)")
 
 
-def named_config(name: str, *, num_layers: int, num_experts: Optional[int] = None) -> Any:
-    """The transformers config of `name` with `num_layers` decoder layers (and
-    `num_experts` routed experts, when given); ValueError listing the names otherwise."""
+def named_config(name: str, *, num_layers: Optional[int],
+                 num_experts: Optional[int] = None) -> Any:
+    """The transformers config of `name` with `num_layers` decoder layers (None: a tiny
+    model's own count; real shapes need one) and `num_experts` routed experts, when
+    given; ValueError listing the names otherwise."""
     if name in TINY_SIZES:
         return tiny_config(name, num_layers=num_layers, num_experts=num_experts)
     if name in REAL_SHAPES:
+        if num_layers is None:
+            raise ValueError(f"{name!r} is real shapes: name how many decoder layers to build")
         model_type, sizes = REAL_SHAPES[name]
         config = require("transformers").AutoConfig.for_model(
             model_type, **{**sizes, "num_hidden_layers": num_layers})
     elif is_named(name):
         from moe.hf.coverage import tiny_config as generic_tiny_config
         config = generic_tiny_config(name)
-        _set_layers(config, num_layers)
+        if num_layers is not None:
+            _set_layers(config, num_layers)
     else:
         raise ValueError(unknown_name(name))
     if num_experts is not None:

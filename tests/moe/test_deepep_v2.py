@@ -24,7 +24,8 @@ import torch.distributed as dist
 from dbo import UBatchScheduler
 from dbo.failures import record_collectives
 from dbo.yield_points import dbo_current_ubatch_id
-from moe.backends.deepep_v2 import BUFFERS, DeepEPV2Backend, elastic_buffer_class
+from moe.backends.deepep_v2 import (BUFFERS, DeepEPV2Backend, _decode_nccl_code, _loaded_nccl_version,
+                                     elastic_buffer_class)
 from moe.config import MoEConfig
 from moe.experts.reference import ReferenceExperts
 from moe.layer import MoELayer
@@ -236,9 +237,9 @@ def refusal(cfg: Optional[MoEConfig] = None, group: Any = "group", deep_ep: Any 
      "needs deep_ep.ElasticBuffer, which the installed deep_ep lacks (it is DeepEP v1)"),
     (dict(cuda=False), ValueError, "this process has no CUDA device"),
     (dict(nccl=(2, 28, 9)), ImportError,
-     "needs NCCL >= 2.30.4 (DeepEP v2 uses NCCL's device API) but torch has NCCL 2.28.9"),
+     "needs NCCL >= 2.30.4 (DeepEP v2 uses NCCL's device API) but this process runs NCCL 2.28.9"),
     (dict(nccl=None), ImportError, "needs NCCL >= 2.30.4 (DeepEP v2 uses NCCL's device API) "
-                                   "but torch has no NCCL"),
+                                   "but this process runs no NCCL"),
     (dict(group=None), ValueError, "needs an expert-parallel process group"),
     (dict(cfg=small_config()), ValueError,
      "moves torch.bfloat16 tokens only (DeepEP v2's combine takes bf16) but MoEConfig.dtype "
@@ -264,3 +265,16 @@ def test_this_machine_is_refused_without_importing_deep_ep_at_module_import():
     with pytest.raises((ImportError, ValueError)) as info:
         DeepEPV2Backend(small_config(), None)
     assert "backend 'deepep_v2'" in str(info.value)
+
+
+def test_nccl_version_code_decodes():
+    # ncclGetVersion's integer for NCCL >= 2.9 is major * 10000 + minor * 100 + patch
+    assert _decode_nccl_code(23007) == (2, 30, 7)
+    assert _decode_nccl_code(22809) == (2, 28, 9)
+
+
+def test_loaded_nccl_is_none_without_one():
+    # This CPU torch loads no libnccl; the reader must say so rather than guess.
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA torch has loaded its NCCL")
+    assert _loaded_nccl_version() is None

@@ -47,7 +47,9 @@ def no_launch(monkeypatch):
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--hf-config", "nope"), "argument --hf-config: invalid choice: 'nope'"),
+    (("--hf-config", "nope"), "unknown architecture 'nope' for --hf-config: use one of"),
+    (("--hf-config", "qwen3-30b-a3b"), "--hf-config qwen3-30b-a3b builds real shapes: pass "
+                                       "--layers N"),
     (("--hf", "DIR"), "no config.json there: name a local checkpoint folder"),
     (("--hf", "DIR", "--hf-config", "mixtral"), "--hf and --hf-config name two models"),
     (("--hf-config", "qwen3_moe", "--num-experts", "5"),
@@ -161,6 +163,21 @@ def test_dbo_run_hf_trust_remote_code_reaches_transformers_loader(tmp_path, monk
     assert marker.read_text() == "ran"
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["outputs_match"] is True and summary["model"] == f"hf {path}"
+
+
+def test_dbo_run_hf_takes_a_checkpoint_of_a_family_that_is_not_hand_mapped(tmp_path):
+    # OLMoE goes through the experts path (moe.hf.generic), not the hand-mapped blocks:
+    # its checkpoint loads with moe.hf.load, and the job finds its experts and compares.
+    from moe.hf.coverage import tiny_model
+    path = tmp_path / "olmoe"
+    tiny_model("olmoe", seed=3).save_pretrained(path)
+    code = cli.main(["run", "--hf", str(path), "--world-size", "1", "--steps", "1",
+                     "--warmup", "0", "--tokens", "16", "--requests", "2", "--no-trace",
+                     "--out", str(tmp_path / "out")])
+    assert code == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["outputs_match"] is True and summary["split"] is True
+    assert summary["model"] == f"hf {path}" and summary["num_experts"] > 0
 
 
 def test_transformers_older_than_5_17_is_named_in_one_line(monkeypatch, capsys, no_launch):
