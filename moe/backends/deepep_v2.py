@@ -178,18 +178,34 @@ def _group_live(group: Optional[dist.ProcessGroup]) -> bool:
     return group is None or group in dist.distributed_c10d._world.pg_map
 
 
+def start_nccl_comm(group: Optional[dist.ProcessGroup]) -> None:
+    """Make torch create `group`'s NCCL communicator now, with one tiny all-reduce, where it
+    has not yet: DeepEP v2 reuses it through the group's `_comm_ptr()`, which is a null
+    pointer until the first collective of a lazily started group, and building an
+    `ElasticBuffer` on that crashes the process (seen on an H200 with NCCL 2.30.7). A
+    no-op for a group that is not NCCL's (the tests' fakes run on gloo)."""
+    if group is None or dist.get_backend(group) != "nccl":
+        return
+    one = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(one, group=group)
+    torch.cuda.synchronize()
+
+
 class ElasticBufferPool:
     """One buffer per (process group, buffer class, size), shared by every layer and both
     ubatches. Building an `ElasticBuffer` is collective (it ends in a barrier), so every
-    rank builds its layers in the same order, as with every process group.
+    rank builds its layers in the same order, as with every process group; before the
+    first build on a group, `before_build(group)` (`start_nccl_comm`) runs, collective too.
 
     A buffer holds its group, so the pool cannot hold groups weakly: it forgets the
     buffers of destroyed groups whenever it is asked for one (the same points on every
     rank), and the real buffer frees its memory once the last layer using it is gone.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, before_build: Callable[[Optional[dist.ProcessGroup]], None]
+                 = start_nccl_comm) -> None:
         self._entries: list[tuple[Optional[dist.ProcessGroup], tuple, Any]] = []
+        self._before_build = before_build
 
     def get(self, buffer_cls: Callable[..., Any], group: Optional[dist.ProcessGroup], *,
             num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> Any:
@@ -198,6 +214,7 @@ class ElasticBufferPool:
         for entry_group, entry_key, buffer in self._entries:
             if entry_group is group and entry_key == key:
                 return buffer
+        self._before_build(group)
         buffer = buffer_cls(group, num_max_tokens_per_rank=num_max_tokens_per_rank,
                             hidden=hidden, num_topk=num_topk, use_fp8_dispatch=False)
         self._entries.append((group, key, buffer))

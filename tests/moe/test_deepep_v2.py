@@ -24,8 +24,9 @@ import torch.distributed as dist
 from dbo import UBatchScheduler
 from dbo.failures import record_collectives
 from dbo.yield_points import dbo_current_ubatch_id
-from moe.backends.deepep_v2 import (BUFFERS, DeepEPV2Backend, _decode_nccl_code, _loaded_nccl_version,
-                                     elastic_buffer_class)
+from moe.backends.deepep_v2 import (BUFFERS, DeepEPV2Backend, ElasticBufferPool,
+                                     _decode_nccl_code, _loaded_nccl_version,
+                                     elastic_buffer_class, start_nccl_comm)
 from moe.config import MoEConfig
 from moe.experts.reference import ReferenceExperts
 from moe.layer import MoELayer
@@ -186,6 +187,23 @@ def test_one_buffer_per_group_and_size():
                             elastic_buffer_cls=FakeElasticBuffer)
     assert first.buffer is second.buffer
     assert wider.buffer is not first.buffer and wider.buffer.hidden == 16
+
+
+def test_the_nccl_comm_is_started_before_each_new_buffer_only():
+    # DeepEP v2 reads the group's NCCL communicator, null until a lazily started group's
+    # first collective: the pool starts it before building, once per buffer it builds.
+    started = []
+    pool = ElasticBufferPool(before_build=started.append)
+    group = None  # a live group to the pool (a made-up object would be forgotten)
+    first = pool.get(FakeElasticBuffer, group, num_max_tokens_per_rank=8, hidden=8, num_topk=2)
+    again = pool.get(FakeElasticBuffer, group, num_max_tokens_per_rank=8, hidden=8, num_topk=2)
+    wider = pool.get(FakeElasticBuffer, group, num_max_tokens_per_rank=8, hidden=16, num_topk=2)
+    assert first is again and wider is not first
+    assert started == [group, group]
+
+
+def test_starting_the_comm_is_a_no_op_off_nccl():
+    start_nccl_comm(None)  # no group: nothing to start, and no CUDA needed
 
 
 def forgets_destroyed_groups(rank: int, world_size: int) -> bool:
