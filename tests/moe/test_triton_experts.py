@@ -1,6 +1,6 @@
 """Triton fused-MoE experts (layer 3: the Triton interpreter on CPU; GPU-marked on CUDA).
 
-`moe.kernels.fused_moe.align` and its Triton twin `moe.kernels.fused_moe.align_triton` on their own, then
+`moe.kernels.align` and its Triton twin `moe.kernels.align_triton` on their own, then
 `TritonExperts` against `ReferenceExperts` (per-expert float32 loop) over the edge cases:
 experts with no rows, N = 0 / 1, top-k 1 and 8, 1 to 64 local experts, ids -1, odd hidden
 sizes, several blocks per expert, fp32 / fp16 / bf16 (the interpreter needs a patched

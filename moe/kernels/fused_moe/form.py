@@ -33,11 +33,16 @@ __all__ = ["GEMM1", "GEMM2", "GemmEpilogue", "GemmRole", "KernelExtras", "Kernel
 class KernelForm(Protocol):
     """What the kernels read of an expert form (`moe.experts.form.ExpertForm`)."""
 
-    activation: str
-    gated: bool
-    interleaved: bool
-    swiglu_limit: Optional[float]
-    swiglu_alpha: Optional[float]
+    @property
+    def activation(self) -> str: ...
+    @property
+    def gated(self) -> bool: ...
+    @property
+    def interleaved(self) -> bool: ...
+    @property
+    def swiglu_limit(self) -> Optional[float]: ...
+    @property
+    def swiglu_alpha(self) -> Optional[float]: ...
 
 
 class KernelExtras(Protocol):
@@ -45,12 +50,17 @@ class KernelExtras(Protocol):
     the form, the [E, rows] biases of GEMM1 and GEMM2 (or None) and the post-expert norm
     (or None)."""
 
-    form: KernelForm
-    bias13_EJ: Optional[torch.Tensor]
-    bias2_EH: Optional[torch.Tensor]
-    post_norm: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    @property
+    def form(self) -> KernelForm: ...
+    @property
+    def bias13_EJ(self) -> Optional[torch.Tensor]: ...
+    @property
+    def bias2_EH(self) -> Optional[torch.Tensor]: ...
+    @property
+    def post_norm(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]: ...
 
-#: The activations the kernels' epilogue computes (`fused_moe_epilogue.activation`).
+
+#: The activations the kernels' epilogue computes (`epilogue_triton.activation`).
 KERNEL_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "sigmoid", "swiglu_oai")
 
 
