@@ -218,7 +218,7 @@ class Calibration:
     measured (BENCHMARKS.md: both GPUs run at their 700 W cap either way)."""
     persistent_min_rows: float = 512.0
     """Rows per expert of the unsplit step from which its expert GEMMs run the persistent
-    kernel (`moe.kernels.policy`: PERSISTENT_GEMM1_MIN_ROWS, PERSISTENT_GEMM2_MIN_ROWS),
+    kernel (`moe.kernels.fused_moe.rules`: PERSISTENT_GEMM1_MIN_ROWS, PERSISTENT_GEMM2_MIN_ROWS),
     which a step whose comm shares the SMs (DBO, SBO) never runs. The phase times and
     `gemm_efficiency` come from unsplit steps, so from there on the cost model takes
     SBO's expert passes at the rate the probe measured for the DBO step's experts (the

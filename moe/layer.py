@@ -26,7 +26,7 @@ from moe.config import MoEConfig
 from moe.experts import make_experts
 from moe.experts.base import Experts
 from moe.inference_only import detach_with_error, needs_graph
-from moe.modular_kernel import ModularKernel
+from moe.modular_kernel import ModularKernel, SharesSMs
 from moe.router import route
 from moe.routing_log import RoutingLog
 from moe.shared import SharedExperts
@@ -51,7 +51,7 @@ class Router(nn.Module):
         return F.linear(x_TH, self.weight)
 
 
-class MoELayer(nn.Module):
+class MoELayer(nn.Module, SharesSMs):
     """A Mixture-of-Experts FFN with asynchronous, DBO-aware dispatch and combine.
 
     Args:
@@ -216,7 +216,7 @@ class MoELayer(nn.Module):
             x_TH, topk_weights_TK, topk_ids_TK, w13_EIH=self.w13, w2_EHI=self.w2,
             shared_experts=self.shared_experts, layer=self.layer_id,
             split_combine=self.last_layer and self.config.split_last_combine,
-            logits_TE=logits_TE, correction_bias_E=bias_E)
+            logits_TE=logits_TE, correction_bias_E=bias_E, sms_shared=self.sms_shared)
 
     # ------------------------------------------------------------------ internals
     def _kernel(self, device: torch.device) -> ModularKernel:

@@ -45,8 +45,9 @@ eagerly.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -70,12 +71,41 @@ from moe.workspace import Workspace, WorkspaceSets
 
 @dataclass(frozen=True)
 class _Sent:
-    """A dispatch in flight: its pending receive, the ubatch's workspace, and whether the
-    step is single-batch overlap (`dbo_single_batch_overlap`)."""
+    """A dispatch in flight: its pending receive, the ubatch's workspace, whether the
+    step is single-batch overlap (`dbo_single_batch_overlap`) and whether the experts
+    share the SMs with other streams' kernels (a DBO step, or a caller's `sms_shared`)."""
 
     pending: Pending[Dispatched]
     workspace: Workspace
     sbo: bool
+    sms_shared: bool
+
+
+class SharesSMs:
+    """A module that runs MoE experts through a `ModularKernel` (`MoELayer`, the Hugging
+    Face adapters' experts): `sharing_sms` marks it, and its forward passes the mark on
+    as `ModularKernel.forward`'s `sms_shared`."""
+
+    sms_shared: bool = False
+    """Other streams' kernels run beside this module's experts although no DBO step
+    runs (`sharing_sms`)."""
+
+
+@contextlib.contextmanager
+def sharing_sms(model: nn.Module) -> Iterator[None]:
+    """Within: every MoE layer of `model` (each `SharesSMs` module) runs its experts as in a
+    DBO step, where kernels of other streams share the SMs: no expert kernel that holds
+    every SM until it ends (`Experts.apply`'s `sms_shared`). For callers that overlap
+    other streams' kernels with the model themselves (the bench's ceiling probe)."""
+    layers = [m for m in model.modules() if isinstance(m, SharesSMs)]
+    before = [layer.sms_shared for layer in layers]
+    for layer in layers:
+        layer.sms_shared = True
+    try:
+        yield
+    finally:
+        for layer, value in zip(layers, before):
+            layer.sms_shared = value
 
 
 def await_pending(pending: Pending[R]) -> R:
@@ -107,7 +137,7 @@ class ModularKernel:
                 topk_ids_TK: Optional[Tensor], *, w13_EIH: Tensor, w2_EHI: Tensor,
                 shared_experts: Optional[nn.Module] = None, layer: Optional[int] = None,
                 split_combine: bool = False, logits_TE: Optional[Tensor] = None,
-                correction_bias_E: Optional[Tensor] = None) -> Tensor:
+                correction_bias_E: Optional[Tensor] = None, sms_shared: bool = False) -> Tensor:
         """out_TH (x's dtype, compute stream) = routed experts' weighted sum + shared experts.
 
         topk_ids are global expert ids. A backend of the monolithic form
@@ -116,10 +146,12 @@ class ModularKernel:
         combine_send, own_experts, shared_experts, combine_recv) is a `phase_scope`: a
         trace range `ub<u>/L<layer>/<phase>` when tracing is on, and the place named in
         the notes of an exception raised inside it. `split_combine`: this is the model's
-        last MoE layer (see the module doc).
+        last MoE layer (see the module doc). `sms_shared`: the caller runs other streams'
+        kernels beside this layer (`sharing_sms`); in a DBO step the experts are told so
+        without it (`Experts.apply`'s `sms_shared`).
         """
         send = self._dispatch_send(x_TH, topk_weights_TK, topk_ids_TK, logits_TE,
-                                   correction_bias_E, layer)
+                                   correction_bias_E, layer, sms_shared)
         sbo, workspace = send.sbo, send.workspace
         shared_TH = None
         if sbo and shared_experts is not None:
@@ -127,7 +159,8 @@ class ModularKernel:
                 shared_TH = shared_experts(x_TH)  # under the dispatch
         if sbo and self.config.combine_chunks > 1 and self.backend.chunks_combine:
             dispatched, _ = self._dispatch_recv(send, layer, split=False)
-            pending_out = self._chunked_combine(dispatched, w13_EIH, w2_EHI, workspace, layer)
+            pending_out = self._chunked_combine(dispatched, w13_EIH, w2_EHI, workspace, layer,
+                                                send.sms_shared)
             out_TH = self._combine_recv(pending_out, layer)
             return out_TH if shared_TH is None else out_TH + shared_TH
         dispatched, own = self._dispatch_recv(
@@ -142,13 +175,14 @@ class ModularKernel:
                 ids_RK[own.rows] = -1  # computed after the send
             expert_out_RH = self._run_experts(dispatched.x_RH, ids_RK,
                                               dispatched.topk_weights_RK, w13_EIH, w2_EHI,
-                                              experts_ws)
+                                              experts_ws, send.sms_shared)
         pending_out = self._combine_send(expert_out_RH, dispatched, workspace, own, layer)
         if own is not None:
             with phase_scope("own_experts", layer=layer):
                 own.out_NH = self._run_experts(
                     dispatched.x_RH[own.rows], dispatched.topk_ids_RK[own.rows],
-                    dispatched.topk_weights_RK[own.rows], w13_EIH, w2_EHI, experts_ws)
+                    dispatched.topk_weights_RK[own.rows], w13_EIH, w2_EHI, experts_ws,
+                    send.sms_shared)
         if shared_experts is not None and not sbo:
             with phase_scope("shared_experts", layer=layer):
                 shared_TH = shared_experts(x_TH)
@@ -161,8 +195,10 @@ class ModularKernel:
     @graph_break
     def _dispatch_send(self, x_TH: Tensor, topk_weights_TK: Optional[Tensor],
                        topk_ids_TK: Optional[Tensor], logits_TE: Optional[Tensor],
-                       correction_bias_E: Optional[Tensor], layer: Optional[int]) -> _Sent:
-        """The dispatch's send on this ubatch's workspace (after the hooks handed to it)."""
+                       correction_bias_E: Optional[Tensor], layer: Optional[int],
+                       sms_shared: bool) -> _Sent:
+        """The dispatch's send on this ubatch's workspace (after the hooks handed to it).
+        Whether SMs are shared is settled here, eagerly (a graph break), with the step."""
         workspace = self.workspaces.for_ubatch(dbo_current_ubatch_id())
         sbo = dbo_single_batch_overlap()
         with phase_scope("dispatch_send", layer=layer):
@@ -176,7 +212,8 @@ class ModularKernel:
             else:
                 assert topk_weights_TK is not None and topk_ids_TK is not None
                 pending = self._prepare_async(x_TH, topk_weights_TK, topk_ids_TK, workspace)
-        return _Sent(pending=pending, workspace=workspace, sbo=sbo)
+        return _Sent(pending=pending, workspace=workspace, sbo=sbo,
+                     sms_shared=sms_shared or dbo_enabled())
 
     @graph_break
     def _dispatch_recv(self, sent: _Sent, layer: Optional[int], *, split: bool
@@ -206,14 +243,15 @@ class ModularKernel:
 
     @graph_break
     def _chunked_combine(self, dispatched: Dispatched, w13_EIH: Tensor, w2_EHI: Tensor,
-                         workspace: Workspace, layer: Optional[int]) -> Pending[Tensor]:
+                         workspace: Workspace, layer: Optional[int],
+                         sms_shared: bool) -> Pending[Tensor]:
         """The experts and the combine interleaved by the backend (`combine_chunks`
         chunks; see the module doc): each chunk's experts are an `experts` phase inside
         the `combine_send` phase that queues the chunks' transfers."""
         def run_experts(x_NH: Tensor, ids_NK: Tensor, weights_NK: Tensor) -> Tensor:
             with phase_scope("experts", layer=layer):
                 return self._run_experts(x_NH, ids_NK, weights_NK, w13_EIH, w2_EHI,
-                                         workspace)
+                                         workspace, sms_shared)
 
         with phase_scope("combine_send", layer=layer):
             return self.backend.finalize_chunked_async(
@@ -231,7 +269,7 @@ class ModularKernel:
                                           workspace=workspace)
 
     def _run_experts(self, x_RH: Tensor, ids_RK: Tensor, weights_RK: Tensor, w13_EIH: Tensor,
-                     w2_EHI: Tensor, workspace: Optional[Workspace]) -> Tensor:
+                     w2_EHI: Tensor, workspace: Optional[Workspace], sms_shared: bool) -> Tensor:
         """Experts over the given rows, `expert_chunk_size` rows at a time. The rows are
         read in place, in the backend's packed buffer (a strided view; every expert
         kernel takes a row stride), which spares a [R, H] copy per layer."""
@@ -240,13 +278,13 @@ class ModularKernel:
         num_rows, chunk = x_RH.shape[0], self.config.expert_chunk_size
         if num_rows <= chunk:
             return self.experts.apply(x_RH, w13_EIH, w2_EHI, ids_RK, weights_RK,
-                                      workspace=workspace)
+                                      workspace=workspace, sms_shared=sms_shared)
         out_RH = torch.empty_like(x_RH)
         for start in range(0, num_rows, chunk):
             end = min(start + chunk, num_rows)
             out_RH[start:end] = self.experts.apply(
                 x_RH[start:end], w13_EIH, w2_EHI, ids_RK[start:end], weights_RK[start:end],
-                workspace=workspace)
+                workspace=workspace, sms_shared=sms_shared)
         return out_RH
 
 

@@ -62,8 +62,12 @@ def route(
     bias_E = _check_bias(correction_bias_E, config, logits_TE)
     if use_triton(config.kernels, logits_TE) and config.custom_routing_function is None:
         route_triton = triton_module("moe.kernels.route_triton")
+        assert (bias_E is not None) == config.use_correction_bias
         return route_triton.launch_route(  # step 6 included
-            logits_TE, config, bias_E, compiled=config.kernels.compiled_launches)
+            logits_TE, bias_E, top_k=config.top_k, scoring=config.scoring,
+            renormalize=config.renormalize, scaling=config.routed_scaling_factor,
+            n_group=config.n_group, topk_group=config.topk_group,
+            compiled=config.kernels.compiled_launches)
     logits_TE = logits_TE.float()
     if config.custom_routing_function is not None:
         weights_TK, ids_TK = _custom_route(logits_TE, config)

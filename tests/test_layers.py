@@ -10,9 +10,13 @@ The layers, lowest first (a module may import its own layer and those below):
 
     0  streams, traces.ranges (the phase ranges) and the `traces` package itself
     1  dbo: the runtime core
-    2  moe: the MoE runtime
-    3  models: moe.models (reference transformer, presets), moe.hf (Hugging Face adapters)
-    4  tools: dbo.cli (the `dbo` command and its jobs, bench, soak), moe.bench (expert
+    2  kernels: moe.kernels (fused MoE, rows, routing), moe.backends.kernels (the
+       backends' slot and send-order kernels), moe.models.rotary*, and the two modules
+       they build on, moe.workspace and moe.row_layout: what a kernel needs of the MoE
+       runtime (a config's fields, an expert form) comes as arguments
+    3  moe: the MoE runtime
+    4  models: moe.models (reference transformer, presets), moe.hf (Hugging Face adapters)
+    5  tools: dbo.cli (the `dbo` command and its jobs, bench, soak), moe.bench (expert
        benches and tuners), traces.* (readers, analyzer, timelines, capture)
 """
 from __future__ import annotations
@@ -25,19 +29,26 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("streams", "traces", "dbo", "moe")
 
-LAYER_NAMES = ("streams/annotations", "dbo runtime core", "moe runtime", "models", "tools")
+LAYER_NAMES = ("streams/annotations", "dbo runtime core", "kernels", "moe runtime", "models",
+               "tools")
 
 # Longest matching prefix wins (`mod == prefix` or `mod` starts with `prefix + "."`).
 PREFIX_LAYERS = {
     "streams": 0,
-    "traces": 4,
+    "traces": 5,
     "traces.ranges": 0,
     "dbo": 1,
-    "dbo.cli": 4,
-    "moe": 2,
-    "moe.models": 3,
-    "moe.hf": 3,
-    "moe.bench": 4,
+    "dbo.cli": 5,
+    "moe": 3,
+    "moe.kernels": 2,
+    "moe.backends.kernels": 2,
+    "moe.models.rotary": 2,
+    "moe.models.rotary_triton": 2,
+    "moe.workspace": 2,
+    "moe.row_layout": 2,
+    "moe.models": 4,
+    "moe.hf": 4,
+    "moe.bench": 5,
 }
 # Package `__init__` modules whose layer differs from their children's: `traces` only
 # re-exports the phase ranges, because importing `traces.ranges` runs it.
@@ -201,6 +212,31 @@ def test_an_upward_import_is_named(tmp_path: Path, line: str):
                       "moe/__init__.py": "", "moe/layer.py": "import dbo.scheduler\n"})
     problems = upward_arrows(import_graph(tmp_path))
     assert problems and problems[0].startswith("dbo.scheduler [dbo runtime core] imports moe")
+
+
+@pytest.mark.parametrize("module, line", [
+    ("moe/kernels/rows.py", "from moe.config import MoEConfig"),
+    ("moe/kernels/fused_moe/host.py", "def later():\n    from moe.experts.base import Experts"),
+    ("moe/backends/kernels/slots.py", "import moe.layer"),
+    ("moe/models/rotary.py", "from moe.config import MoEConfig"),
+])
+def test_a_kernel_that_imports_the_moe_runtime_is_named(tmp_path: Path, module: str,
+                                                        line: str):
+    """Kernels take what they need of the MoE runtime as arguments: a kernel module that
+    imports it (even lazily) runs up from the kernels' layer."""
+    _write(tmp_path, {"streams/__init__.py": "", "traces/__init__.py": "",
+                      "dbo/__init__.py": "", "moe/__init__.py": "", "moe/config.py": "",
+                      "moe/layer.py": "", "moe/experts/__init__.py": "",
+                      "moe/experts/base.py": "", "moe/kernels/__init__.py": "",
+                      "moe/kernels/fused_moe/__init__.py": "",
+                      "moe/backends/__init__.py": "", "moe/backends/kernels/__init__.py": "",
+                      "moe/models/__init__.py": "", "moe/workspace.py": "",
+                      module: "from moe.workspace import Workspace\n" + line + "\n"})
+    name = module.removesuffix(".py").replace("/", ".")
+    problems = upward_arrows(import_graph(tmp_path))
+    assert len(problems) == 1 and problems[0].startswith(f"{name} [kernels] imports moe."), \
+        problems
+    assert "[moe runtime]" in problems[0]
 
 
 def test_a_package_init_that_imports_tools_is_named(tmp_path: Path):

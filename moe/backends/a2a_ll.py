@@ -10,7 +10,7 @@ to slot position pos[t, w] = (number of earlier tokens also bound for w); unused
 rows are padding (ids -1, zero x) and route to no expert. The receiver sees [W*C] rows,
 the source rank's slot in order; the combine sends each row's partial output back to the
 same slot position and the source sums a token's rows over ranks. The slot layout, the
-packing and that sum are one kernel each on the GPU (`moe.kernels.slots`,
+packing and that sum are one kernel each on the GPU (`moe.backends.kernels.slots`,
 `moe.kernels.rows`).
 
 More tokens than the capacity is an error naming the capacity: a token is never dropped.
@@ -51,7 +51,7 @@ from moe.backends.capacity import step_capacity
 from moe.backends.combine_chunks import CombineChunks, plan_combine_chunks
 from moe.config import MoEConfig
 from moe.kernels.rows import pack_rows, sum_rows
-from moe.kernels.slots import ll_slots
+from moe.backends.kernels.slots import ll_slots
 from moe.row_layout import RowLayout
 from moe.workspace import Workspace
 from streams.memory import record_on_current_stream

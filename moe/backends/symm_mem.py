@@ -12,7 +12,7 @@ graph.
 Dispatch: the rows are `a2a`'s (token + its K ids and weights, `moe.row_layout`), packed
 rank-major in the order of `a2a.send_order` into a symmetric send buffer, with the rows
 for each rank counted on the GPU into a symmetric [W] tensor. On the Triton path the
-order and the counts are one kernel (`moe.kernels.send_order_triton`, in place of ~30
+order and the counts are one kernel (`moe.backends.kernels.send_order_triton`, in place of ~30
 torch ops, each a launch's host time): the dispatch launches that, the packing kernel
 and the op. The op puts each source's rows back to back in rank order from row 0 of a
 receive buffer of N rows (each peer sends at most C rows to a rank) and leaves the
@@ -90,7 +90,7 @@ from moe.backends.symm_mem_support import SymmBuffers, require_symm_mem, shared_
 from moe.config import MoEConfig
 from moe.kernels.policy import KernelPolicy, triton_module, use_triton
 from moe.kernels.rows import pack_row_fields, sum_rows
-from moe.kernels.slots import TRITON_MAX_WORLD_SIZE
+from moe.backends.kernels.slots import TRITON_MAX_WORLD_SIZE
 from moe.row_layout import RowLayout, destination_mask
 from moe.workspace import Workspace
 
@@ -101,7 +101,7 @@ def packed_send_order(topk_ids_TK: Tensor, num_local_experts: int, *, splits_W: 
     gives it, with the rows for each rank written into splits_W (int [W], the send
     counts' buffer). Returns (src_X int64 [W*T], slot_TW int64 [T, W]), fresh, on the
     current stream, no host sync. On the Triton path (`use_triton`, W <= 64) one kernel
-    (`moe.kernels.send_order_triton`); otherwise the torch ops, bit-identical."""
+    (`moe.backends.kernels.send_order_triton`); otherwise the torch ops, bit-identical."""
     num_tokens, world = topk_ids_TK.shape[0], splits_W.shape[0]
     if not (use_triton(policy, topk_ids_TK) and world <= TRITON_MAX_WORLD_SIZE):
         mask_TW = destination_mask(topk_ids_TK, num_local_experts, world)
@@ -110,7 +110,7 @@ def packed_send_order(topk_ids_TK: Tensor, num_local_experts: int, *, splits_W: 
     device = topk_ids_TK.device
     src_X = torch.empty(world * num_tokens, dtype=torch.int64, device=device)
     slot_TW = torch.empty(num_tokens, world, dtype=torch.int64, device=device)
-    triton_module("moe.kernels.send_order_triton").launch_send_order(
+    triton_module("moe.backends.kernels.send_order_triton").launch_send_order(
         topk_ids_TK, num_local_experts=num_local_experts, splits_W=splits_W, slot_TW=slot_TW,
         src_X=src_X, compiled=policy.compiled_launches)
     return src_X, slot_TW

@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "points": [asdict(p) for p in points],
     }
     if "triton" in args.paths and device.type == "cuda":
-        from moe.kernels.fused_moe_tiles import tuned_configs
+        from moe.kernels.fused_moe.tiles import tuned_configs
 
         record["triton_configs"] = tuned_configs()
     print(table)

@@ -75,9 +75,9 @@ def host_us(fn: Callable[[], object], device: torch.device, reps: int) -> float:
 def measure(args: argparse.Namespace, device: torch.device
             ) -> dict[str, dict[str, list[float]]]:
     """{"fast" | "triton": {step: [median us of each round]}}."""
-    from moe.kernels import fused_moe as fm
-    from moe.kernels import policy as rules
-    from moe.kernels.align_triton import align_routing_triton
+    from moe.kernels.fused_moe import host as fm
+    from moe.kernels.fused_moe import rules
+    from moe.kernels.fused_moe.align_triton import align_routing_triton
     from moe.kernels.policy import KernelPolicy
     from moe.workspace import Workspace
 

@@ -49,6 +49,7 @@ class BoundExperts(Experts):
         *,
         workspace: Workspace | None = None,
         extras: ExpertExtras | None = None,
+        sms_shared: bool = False,
     ) -> Tensor:
         """`Experts.apply` of the inner kernel with the bound extras (`extras` must be None:
         a bound kernel takes its layer's)."""
@@ -56,4 +57,5 @@ class BoundExperts(Experts):
             raise ValueError("BoundExperts: the extras are bound already: call apply without "
                              "extras=")
         return self.inner.apply(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK,
-                                workspace=workspace, extras=self.extras())
+                                workspace=workspace, extras=self.extras(),
+                                sms_shared=sms_shared)

@@ -23,7 +23,7 @@ field               the expert computes
 
 `activate` is the one implementation of the gate the torch kernels (`reference`,
 `grouped`) share; the Triton kernels compute every form but "custom" in their GEMM
-epilogues (`moe.kernels.fused_moe_form`, `TritonExperts.supports`).
+epilogues (`moe.kernels.fused_moe.form`, `TritonExperts.supports`).
 """
 from __future__ import annotations
 

@@ -202,8 +202,10 @@ class GroupedExperts(Experts):
         *,
         workspace: Workspace | None = None,
         extras: ExpertExtras | None = None,
+        sms_shared: bool = False,
     ) -> Tensor:
-        """See `Experts.apply`. Uses ``workspace`` for the sorted input and activation."""
+        """See `Experts.apply`. Uses ``workspace`` for the sorted input and activation;
+        ignores ``sms_shared``."""
         check_expert_inputs(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, extras)
         num_rows, hidden = x_NH.shape
         top_k = topk_ids_NK.shape[1]

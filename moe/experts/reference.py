@@ -44,8 +44,10 @@ class ReferenceExperts(Experts):
         *,
         workspace: Workspace | None = None,
         extras: ExpertExtras | None = None,
+        sms_shared: bool = False,
     ) -> Tensor:
-        """See `Experts.apply`. Ignores ``workspace``; raises ValueError on ids out of range."""
+        """See `Experts.apply`. Ignores ``workspace`` and ``sms_shared``; raises ValueError on
+        ids out of range."""
         check_expert_inputs(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, extras)
         num_rows, hidden = x_NH.shape
         top_k = topk_ids_NK.shape[1]

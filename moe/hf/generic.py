@@ -60,7 +60,7 @@ from moe.hf.experts_sizes import (check_declared_sizes, count_identity_experts, 
 from moe.hf.input_scaled import INPUT_SCALED_BLOCKS, input_scaled_options
 from moe.inference_only import detach_with_error, needs_graph
 from moe.layer import MoELayer
-from moe.modular_kernel import ModularKernel
+from moe.modular_kernel import ModularKernel, SharesSMs
 
 __all__ = ["ExpertsPlan", "HFExperts", "build_experts", "interface_options", "plan_experts"]
 
@@ -210,7 +210,7 @@ def build_experts(plan: ExpertsPlan, module: nn.Module, *, device: torch.device,
                      identity_experts=plan.identity_experts)
 
 
-class HFExperts(nn.Module):
+class HFExperts(nn.Module, SharesSMs):
     """A converted experts module: the block's routing in, dbo's dispatch -> this rank's
     experts -> combine, [T, H] out.
 
@@ -315,7 +315,8 @@ class HFExperts(nn.Module):
             ids_TK = torch.where(zero_TK, -1, ids_TK)
         out_TH = self._kernel(x_TH.device).forward(
             x_TH, weights_TK, ids_TK, w13_EIH=self.w13, w2_EHI=self.w2, layer=self.layer_id,
-            split_combine=self.last_layer and self.config.split_last_combine)
+            split_combine=self.last_layer and self.config.split_last_combine,
+            sms_shared=self.sms_shared)
         return out_TH if identity_TH is None else (out_TH.float() + identity_TH).to(out_TH.dtype)
 
     def _kernel(self, device: torch.device) -> ModularKernel:

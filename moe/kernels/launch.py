@@ -5,7 +5,7 @@ Python work of `kernel[grid](...)`.
 key, checking globals, launch metadata, the autotuner's key and dicts) beside binding
 the arguments and the launch itself. In a DBO step that host time is on the critical
 path: the GPU waits for the host where one ubatch's experts start (figures in
-`moe/kernels/KERNELS.md`).
+`moe/kernels/fused_moe/KERNELS.md`).
 
 `FastLauncher(kernel)(grid, *args, **kwargs)` binds the arguments with Triton's own
 binder (so the specialization — dtypes, 16-byte alignment, integers equal to 1 or

@@ -1,9 +1,7 @@
 """`KernelPolicy`: the choices between kernel paths, passed in (never read from a module
-global), and the rules the fused-MoE host applies per GEMM when the policy leaves a
-choice open. Pure Python: no Triton, nothing launched.
-
-The rules' thresholds come from timings on an H200; `moe/kernels/KERNELS.md` gives the
-figures and what was tried and lost.
+global), shared by every kernel room (fused MoE, the backends' row and slot kernels,
+routing, rotary). Pure Python: no Triton, nothing launched. The rules the fused-MoE host
+applies per GEMM when the policy leaves a choice open are `moe.kernels.fused_moe.rules`.
 """
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
-import torch
 from torch import Tensor
 
 from dbo.compiling import compiling
@@ -34,9 +31,9 @@ class KernelPolicy:
     `moe.bench.host` can measure the difference."""
     tma: bool | None = None
     """Fused MoE: load weight tiles (and sorted A tiles) by TMA. None: per GEMM by
-    `prefer_tma` where the GPU and operands allow it, since TMA wins on deep GEMMs and
-    pointer loads on shallow ones; True (both GEMMs) raises ValueError where TMA cannot
-    load the operands; False: pointer loads only."""
+    `moe.kernels.fused_moe.rules.prefer_tma` where the GPU and operands allow it, since
+    TMA wins on deep GEMMs and pointer loads on shallow ones; True (both GEMMs) raises
+    ValueError where TMA cannot load the operands; False: pointer loads only."""
     sorted_x: bool | None = None
     """Fused MoE: copy x into the sorted row order first, so GEMM1 loads A by TMA too
     (needs GEMM1 on TMA). None: `prefer_sorted_x`, since it pays only for the
@@ -46,7 +43,9 @@ class KernelPolicy:
     table, TMA loads). None: per GEMM by `prefer_persistent`, since it wins on large
     batches outside DBO and loses where few rows per expert or other streams' kernels
     share the SMs; True (both GEMMs) raises ValueError where TMA cannot load the
-    operands; False: never."""
+    operands; False: never. Where the caller says other streams' kernels share the SMs
+    (`fused_moe(..., sms_shared=True)`: a DBO step) the kernel is never taken, True or
+    None."""
 
     def __post_init__(self) -> None:
         if self.implementation not in IMPLEMENTATIONS:
@@ -77,86 +76,3 @@ def triton_module(name: str) -> ModuleType:
     """The Triton kernels' module `name` (e.g. "moe.kernels.rows_triton"), imported now:
     importing an op's module never needs Triton, and TRITON_INTERPRET is read only then."""
     return importlib.import_module(name)
-
-
-# ----------------------------------------------------------------- fused-MoE GEMM rules
-# Rows per expert below are routed rows (dropped ids included) over local experts.
-
-TMA_MIN_K = 1024
-SORTED_X_MIN_BYTES = 128 * 2**20
-PERSISTENT_GEMM1_MIN_K = 4096
-PERSISTENT_GEMM1_MIN_ROWS = 512
-PERSISTENT_GEMM2_MIN_ROWS = 512
-WEIGHT_BOUND_MIN_ROWS = 48
-SHORT_GEMM1_MIN_ROWS = 256
-SHORT_GEMM1_MAX_ROWS = 1024
-GEMM2_TAIL_ROWS = 32
-
-
-def choose_block_m(num_routed: int, num_experts: int) -> int:
-    """BLOCK_M from the mean rows per expert.
-
-    Few rows per expert (decode) take 16- and 32-row blocks, at most about half the mean
-    segment, so padding stays small. From `WEIGHT_BOUND_MIN_ROWS` on, 128-row blocks:
-    with up to a few hundred rows per expert the GEMMs are bound by reading the expert
-    weights, and a block that holds all of an expert's rows reads each weight tile once
-    (shorter blocks read it once per block); its padded rows cost tensor-core time the
-    weight reads hide.
-    """
-    rows_per_expert = num_routed / max(num_experts, 1)
-    for block_m, limit in ((16, 32), (32, WEIGHT_BOUND_MIN_ROWS)):
-        if rows_per_expert < limit:
-            return block_m
-    return 128
-
-
-def prefer_tma(k: int) -> bool:
-    """Whether a GEMM of depth `k` loads its tiles by TMA (where TMA can load them): the
-    in-kernel descriptor set-up is too large a share of a short k-loop."""
-    return k >= TMA_MIN_K
-
-
-def prefer_sorted_x(x_NH: torch.Tensor, *, persistent_gemm1: bool) -> bool:
-    """Whether to gather x into the sorted order for GEMM1 (GEMM1 on TMA): only when x is
-    well over L2 and GEMM1 runs one program per tile (`persistent_gemm1` False)."""
-    return not persistent_gemm1 and x_NH.numel() * x_NH.element_size() >= SORTED_X_MIN_BYTES
-
-
-def prefer_persistent(block_m: int, *, gated: bool, k: int, rows_per_expert: float) -> bool:
-    """Whether a GEMM of depth `k` (`gated`: GEMM1) on `block_m`-row blocks runs the
-    persistent kernel (where TMA can load its operands). Its tiles were tuned on 128-row
-    blocks only; below the row limits the other kernel's shorter tiles and GEMM2 tails
-    win, and a shallow GEMM1 loses to it."""
-    if block_m != 128:
-        return False
-    if not gated:
-        return rows_per_expert >= PERSISTENT_GEMM2_MIN_ROWS
-    return k >= PERSISTENT_GEMM1_MIN_K and rows_per_expert >= PERSISTENT_GEMM1_MIN_ROWS
-
-
-@dataclass(frozen=True)
-class GemmTiles:
-    """How one GEMM's tiles cover the routing's blocks (`fused_moe.kernel_launch`)."""
-
-    rows: int | None = None
-    """Rows per tile, dividing the routing's block; None: the block."""
-    half_tail: bool = False
-    """Half-height tiles for half-used blocks (tiles of >= 32 rows)."""
-    tail_rows: int = 0
-    """> 0: an expert's last block with at most this many used rows rides on the block
-    before it (GEMM2 on whole-block tiles; a power of two from 16 to half the block)."""
-
-
-def gemm_tiles(block_m: int, *, gated: bool, rows_per_expert: float) -> GemmTiles:
-    """The tiles of GEMM1 (`gated`) or GEMM2 on `block_m`-row blocks. On 128-row blocks
-    GEMM1 runs 64-row tiles from `SHORT_GEMM1_MIN_ROWS` to `SHORT_GEMM1_MAX_ROWS` rows
-    per expert; with fewer (weight-bound: a 64-row tile would read each weight tile twice
-    per block) or more rows (then each weight tile would be read twice as often), whole
-    blocks. GEMM2 runs whole blocks with half tiles and tails (in GEMM1 those cost
-    registers and time)."""
-    if block_m != 128:
-        return GemmTiles(block_m)
-    if gated:
-        short = SHORT_GEMM1_MIN_ROWS <= rows_per_expert <= SHORT_GEMM1_MAX_ROWS
-        return GemmTiles(64 if short else 128)
-    return GemmTiles(128, half_tail=True, tail_rows=GEMM2_TAIL_ROWS)

@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from moe.config import MoEConfig
 from moe.kernels.launch import FastLauncher, cdiv, next_power_of_2
 
 # One token per one-warp program keeps every reduction inside a warp. H200, DeepSeek-V3
@@ -130,8 +129,8 @@ def route_kernel(
             group_score = tl.where(picked, _NEG_INF, group_score)
         choice = tl.where(keep[:, :, None], choice, _NEG_INF)
 
-    # K rounds of argmax. The config guarantees >= K kept experts, all with choice > -inf,
-    # so each round's max is a real expert not taken before.
+    # K rounds of argmax. The routing (checked by MoEConfig) keeps >= K experts, all with
+    # choice > -inf, so each round's max is a real expert not taken before.
     offs_k = tl.arange(0, K_POW2)
     weights = tl.zeros((BLOCK_T, K_POW2), dtype=tl.float32)
     ids = tl.zeros((BLOCK_T, K_POW2), dtype=tl.int32)
@@ -165,34 +164,39 @@ _COMPILED = isinstance(route_kernel, triton.runtime.JITFunction)
 _ROUTE = FastLauncher(route_kernel)
 
 
-def launch_route(logits_TE: torch.Tensor, config: MoEConfig,
-                 bias_E: torch.Tensor | None, *,
+def launch_route(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, *, top_k: int,
+                 scoring: str, renormalize: bool, scaling: float, n_group: int | None,
+                 topk_group: int | None,
                  compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_kernel` over the T tokens, on the current stream: steps 1-6 of
-    `moe.router`, the scaling factor included.
+    `moe.router`, the scaling factor included. The routing's settings come as arguments
+    (a `MoEConfig`'s built-in routing: its fields of the same names; `scaling` is its
+    `routed_scaling_factor`).
 
     Args:
         logits_TE: [T, E], any float dtype and strides.
-        config: built-in routing (no custom_routing_function).
-        bias_E: correction bias [E] iff config.use_correction_bias, else None.
+        bias_E: correction bias [E], or None.
+        top_k: experts per token (K).
+        scoring: "softmax" or "sigmoid".
+        renormalize: the K weights are divided by their sum.
+        scaling: the factor the weights are multiplied by last.
+        n_group, topk_group: grouped top-k (the K experts come from the `topk_group`
+            best of `n_group` groups); None, or every group kept: plain top-k.
         compiled: launch through the compiled handle (`moe.kernels.launch`).
 
     Returns:
         ``(weights_TK, ids_TK)``: fresh contiguous float32 and int64 [T, K]; nothing is
         launched when T = 0.
     """
-    assert config.custom_routing_function is None
-    assert (bias_E is not None) == config.use_correction_bias
     num_tokens, num_experts = logits_TE.shape
-    top_k = config.top_k
     weights_TK = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits_TE.device)
     ids_TK = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits_TE.device)
     if num_tokens == 0:
         return weights_TK, ids_TK
     # Keeping all groups masks nothing: route those configs as plain top-k.
-    grouped = config.n_group is not None and config.topk_group < config.n_group
-    num_groups = config.n_group if grouped else 1
-    topk_group = config.topk_group if grouped else 1
+    grouped = n_group is not None and topk_group is not None and topk_group < n_group
+    num_groups = n_group if grouped else 1
+    topk_group = topk_group if grouped else 1
     group_size = num_experts // num_groups
     g_pow2 = next_power_of_2(num_groups)
     x_pow2 = next_power_of_2(group_size)
@@ -202,10 +206,10 @@ def launch_route(logits_TE: torch.Tensor, config: MoEConfig,
         (cdiv(num_tokens, block_t),),
         logits_TE, None if bias_E is None else bias_E.contiguous(), weights_TK, ids_TK,
         num_tokens, logits_TE.stride(0), logits_TE.stride(1),
-        float(config.routed_scaling_factor),
-        SOFTMAX=config.scoring == "softmax", USE_BIAS=bias_E is not None,
+        float(scaling),
+        SOFTMAX=scoring == "softmax", USE_BIAS=bias_E is not None,
         NUM_GROUPS=num_groups, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
-        TOP_K=top_k, RENORMALIZE=config.renormalize, PRECISE=_COMPILED,
+        TOP_K=top_k, RENORMALIZE=renormalize, PRECISE=_COMPILED,
         BLOCK_T=block_t, G_POW2=g_pow2, X_POW2=x_pow2,
         K_POW2=next_power_of_2(top_k), num_warps=num_warps, compiled=compiled,
     )

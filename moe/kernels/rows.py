@@ -9,7 +9,7 @@ B bytes per packed row (`moe.row_layout.RowLayout`).
     sum_rows(rows_RH, sel_TW)
         out[t]  = sum over w with sel[t, w] >= 0 of rows[sel[t, w]]   (a gather-sum)
 
-The expert k-sum (`moe.kernels.fused_moe.sum_routed_rows`) is the same kernel, reading
+The expert k-sum (`moe.kernels.fused_moe.host.sum_routed_rows`) is the same kernel, reading
 row t*W + w where ids[t, w] >= 0 (`moe.kernels.rows_triton`).
 
 Sums accumulate in fp32, w in order, and round once to the rows' dtype. On CUDA each

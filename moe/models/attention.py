@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dbo.graph_host import keep_for_graph
-from moe.kernels.rotary import apply_rotary
+from moe.models.rotary import apply_rotary
 from moe.models.kv_cache import CacheStep
 from moe.models.presets import ModelConfig
 

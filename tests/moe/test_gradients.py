@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dbo import DBOConfig, DBORunner
 from moe import MoEConfig, MoELayer, SharedExperts, init_moe_weights, reference_moe
-from moe.kernels import rotary
+from moe.models import rotary
 from moe.kernels.policy import KernelPolicy
 from moe.models.attention import causal_attention, rotary_cos_sin
 from moe.models.transformer import MoETransformer, get_preset, make_batch

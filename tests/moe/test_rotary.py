@@ -1,11 +1,11 @@
-"""Layer 3 (Triton interpreter on CPU; GPU-marked on CUDA): `moe.kernels.rotary`: the Triton kernel (interpreted on CPU, and on CUDA) against the
+"""Layer 3 (Triton interpreter on CPU; GPU-marked on CUDA): `moe.models.rotary`: the Triton kernel (interpreted on CPU, and on CUDA) against the
 torch version, bit for bit."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe.kernels import rotary
+from moe.models import rotary
 from moe.kernels.policy import KernelPolicy
 from moe.models.attention import rotary_cos_sin
 

@@ -1,4 +1,4 @@
-"""Layer 3 (Triton interpreter on CPU): `moe.kernels.send_order_triton`, the one-kernel
+"""Layer 3 (Triton interpreter on CPU): `moe.backends.kernels.send_order_triton`, the one-kernel
 send order of `symm_mem`'s dispatch, against the torch ops it replaces
 (`destination_mask`, the sum of its tokens and `a2a.send_order`): exact equality of the
 splits, src_X and slot_TW."""
@@ -13,7 +13,7 @@ from moe.row_layout import destination_mask
 pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
 
-from moe.kernels import send_order_triton  # noqa: E402  (after the triton skip)
+from moe.backends.kernels import send_order_triton  # noqa: E402  (after the triton skip)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_T = send_order_triton._BLOCK_T  # tokens per program of the kernel

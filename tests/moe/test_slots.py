@@ -1,11 +1,11 @@
-"""Layer 3 (Triton interpreter on CPU): `moe.kernels.slots`: the slot layout of the `a2a_ll` all-to-all, Triton (interpreted
+"""Layer 3 (Triton interpreter on CPU): `moe.backends.kernels.slots`: the slot layout of the `a2a_ll` all-to-all, Triton (interpreted
 on CPU) against torch and against a loop written out by hand; exact equality."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe.kernels import slots, slots_triton
+from moe.backends.kernels import slots, slots_triton
 from moe.kernels.policy import KernelPolicy
 from moe.workspace import Workspace
 

@@ -32,12 +32,13 @@ class SpyExperts:
     def __init__(self, inner, log: list) -> None:
         self.inner, self.log = inner, log
 
-    def apply(self, x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, *, workspace=None):
+    def apply(self, x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, *, workspace=None,
+              **kwargs):
         from dbo.yield_points import dbo_current_ubatch_id
         valid = int((topk_ids_NK >= 0).any(dim=1).sum())
         self.log.append(("experts", dbo_current_ubatch_id(), x_NH.shape[0], valid))
         return self.inner.apply(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK,
-                                workspace=workspace)
+                                workspace=workspace, **kwargs)
 
 
 def call_order(rank: int, world_size: int, backend: str, split: bool, dbo: bool) -> list:

@@ -210,7 +210,7 @@ def test_the_layout_and_views_are_made_once_and_show_each_calls_rows(monkeypatch
                     "which Triton takes only interpreted (tests/conftest.py, without CUDA)")
 def test_the_triton_path_routes_in_one_kernel_and_matches_torch(monkeypatch):
     """With KernelPolicy "triton" (interpreted here) the send counts, order and slots come
-    from `moe.kernels.send_order_triton`, not the torch ops, and every dispatch and
+    from `moe.backends.kernels.send_order_triton`, not the torch ops, and every dispatch and
     combine equals the torch path's bit for bit: zero tokens, tokens to one rank only
     (ids -1 beside them), and random ids at the capacity."""
     pytest.importorskip("triton")

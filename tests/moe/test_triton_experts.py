@@ -20,8 +20,8 @@ import torch
 
 from moe.experts.reference import ReferenceExperts
 from moe.experts.triton import TritonExperts
-from moe.kernels.align import align_routing, max_padded_rows
-from moe.kernels.align_triton import align_routing_triton
+from moe.kernels.fused_moe.align import align_routing, max_padded_rows
+from moe.kernels.fused_moe.align_triton import align_routing_triton
 from moe.kernels.policy import KernelPolicy
 from moe.workspace import Workspace
 
@@ -276,7 +276,7 @@ def test_load_variants_match_reference(
 ) -> None:
     """Tensor-descriptor (TMA) loads and the pre-sorted x, emulated by the interpreter on
     CPU (the GPU picks them by itself): same results as the pointer loads."""
-    from moe.kernels.fused_moe import fused_moe
+    from moe.kernels.fused_moe.host import fused_moe
 
     problem = make_problem(num_tokens, hidden, inter, num_experts, top_k,
                            dtype=torch.float16, drop_frac=0.2)
@@ -311,7 +311,7 @@ def test_persistent_matches_reference(
     """The persistent GEMMs (tile table, round-robin programs, half tiles), emulated by the
     interpreter: the reference's result, and the one-program-per-tile kernel's bit for bit
     (same k order per row)."""
-    from moe.kernels.fused_moe import fused_moe
+    from moe.kernels.fused_moe.host import fused_moe
 
     problem = make_problem(num_tokens, hidden, inter, num_experts, top_k,
                            dtype=torch.float16, drop_frac=drop_frac)
@@ -327,9 +327,9 @@ def test_persistent_matches_reference(
 def test_persistent_half_tiles_and_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Half-used blocks compute only their upper half (the lower stays unwritten) and
     every used row equals the full-height result; the host's choice of kernel."""
-    import moe.kernels.fused_moe as fm
-    from moe.kernels import policy
-    from moe.kernels.fused_moe import launch_persistent
+    import moe.kernels.fused_moe.host as fm
+    from moe.kernels.fused_moe import rules as policy
+    from moe.kernels.fused_moe.host import launch_persistent
 
     block_m, hidden, inter = 32, 32, 8
     ids = _counted_ids({0: 40, 1: 20, 2: 16, -1: 5}).view(-1, 1).to(DEVICE)  # as above
@@ -372,27 +372,8 @@ def test_persistent_half_tiles_and_policy(monkeypatch: pytest.MonkeyPatch) -> No
         fm.fused_moe(*fp32, policy=KernelPolicy(persistent=True))
 
 
-def test_no_persistent_gemms_where_sms_are_shared(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The experts let fused_moe pick (None) unless other streams' kernels run beside
-    them: inside `sharing_sms()` or a DBO step they forbid the persistent kernel."""
-    import moe.experts.triton as triton_experts
-    import moe.kernels.fused_moe as fm
-
-    seen = []
-    monkeypatch.setattr(fm, "fused_moe",
-                        lambda x, *a, **kw: seen.append(kw["policy"].persistent) or x)
-    problem = make_problem(4, 16, 8, 2, 1)
-    TritonExperts().apply(*problem)
-    with triton_experts.sharing_sms():
-        TritonExperts().apply(*problem)
-    TritonExperts().apply(*problem)
-    monkeypatch.setattr(triton_experts, "dbo_enabled", lambda: True)
-    TritonExperts().apply(*problem)
-    assert seen == [None, False, None, False]
-
-
 def test_tma_and_sorted_x_reject_what_they_cannot_load() -> None:
-    from moe.kernels.fused_moe import fused_moe, tma_unsupported_reason
+    from moe.kernels.fused_moe.host import fused_moe, tma_unsupported_reason
 
     fp32 = make_problem(4, 16, 8, 2, 1)
     assert "16-bit" in tma_unsupported_reason(*fp32[:3])
@@ -410,7 +391,7 @@ def test_tma_and_sorted_x_reject_what_they_cannot_load() -> None:
 
 
 def test_gather_rows_copies_routed_rows_and_zeros_padding() -> None:
-    from moe.kernels.fused_moe import gather_rows
+    from moe.kernels.fused_moe.host import gather_rows
 
     num_tokens, top_k, hidden = 10, 2, 24
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -441,7 +422,7 @@ def test_dropped_rows_are_zero() -> None:
 def test_dropped_rows_are_skipped() -> None:
     """Rows of ids -1 are neither written by GEMM2 nor read by the k-sum (they stay as the
     workspace left them, here NaN), and the output matches the reference."""
-    import moe.kernels.fused_moe as fm
+    import moe.kernels.fused_moe.host as fm
 
     x, w13, w2, ids, weights = make_problem(20, 16, 8, 4, 3, dtype=torch.float16,
                                             drop_frac=0.5)
@@ -459,7 +440,7 @@ def test_dropped_rows_are_skipped() -> None:
 
 def test_sum_routed_rows() -> None:
     """The k-sum adds the rows of ids >= 0 in k order in fp32, over column blocks."""
-    from moe.kernels.fused_moe import sum_routed_rows
+    from moe.kernels.fused_moe.host import sum_routed_rows
 
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(-1, 3, (9, 5), generator=gen)
@@ -477,13 +458,13 @@ def test_zero_tokens() -> None:
 
 
 def test_block_sizes_and_determinism() -> None:
-    from moe.kernels.fused_moe import fused_moe
-    from moe.kernels.policy import choose_block_m
+    from moe.kernels.fused_moe.host import fused_moe
+    from moe.kernels.fused_moe.rules import choose_block_m
 
     # Powers of two from 16 to 128, growing with the rows per expert; below the
     # weight-bound regime never longer than the mean segment beyond the 16-row minimum
     # (decode wastes little padding), from it on 128 rows (each weight tile read once).
-    from moe.kernels.policy import WEIGHT_BOUND_MIN_ROWS
+    from moe.kernels.fused_moe.rules import WEIGHT_BOUND_MIN_ROWS
     sizes = [choose_block_m(rows, 8) for rows in range(0, 8 * 2048, 8)]
     assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
     assert set(sizes) == {16, 32, 128}
@@ -508,8 +489,8 @@ def _counted_ids(counts: dict[int, int], seed: int = 3) -> torch.Tensor:
 def test_half_tail_tiles(tma: bool) -> None:
     """GEMM1 with half tiles: a block whose lower half is padding computes only its upper
     half (those activation rows stay unwritten); every used row is as with full tiles."""
-    from moe.kernels.fused_moe import _launch, kernel_launch
-    from moe.kernels.policy import GemmTiles
+    from moe.kernels.fused_moe.host import _launch, kernel_launch
+    from moe.kernels.fused_moe.rules import GemmTiles
 
     block_m, hidden, inter = 32, 32, 8
     # Expert 0: 40 rows (a full block, then 8: half); expert 1: 20 (more than half used:
@@ -540,8 +521,8 @@ def test_gemm2_tail_rows_ride_on_the_block_before(tma: bool) -> None:
     by the expert's block before it, on its weight loads, in a swapped dot. Every local
     row is written and equals the result without tails, bit for bit; GEMM1 and tiles
     other than whole blocks refuse tails."""
-    from moe.kernels.fused_moe import _launch, kernel_launch
-    from moe.kernels.policy import GemmTiles
+    from moe.kernels.fused_moe.host import _launch, kernel_launch
+    from moe.kernels.fused_moe.rules import GemmTiles
 
     block_m, hidden, inter = 32, 32, 16
     # Sorted 32-row blocks: expert 0: 40 rows in [0, 64), its last 8 ride on block 0;
@@ -581,9 +562,9 @@ def test_short_tiles_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     tiles return at once) and GEMM2 128-row tiles with half tails: the padding-only tiles
     of GEMM1 leave their activation rows unwritten, the used rows are those of one tile
     height, bit for bit."""
-    import moe.kernels.align_triton as align_triton
-    import moe.kernels.fused_moe as fm
-    from moe.kernels import policy
+    import moe.kernels.fused_moe.align_triton as align_triton
+    import moe.kernels.fused_moe.host as fm
+    from moe.kernels.fused_moe import rules as policy
 
     tiles = policy.GemmTiles
     short_min, short_max = policy.SHORT_GEMM1_MIN_ROWS, policy.SHORT_GEMM1_MAX_ROWS
@@ -642,7 +623,7 @@ def test_workspace_reuse() -> None:
 def test_strided_routing_weights_are_read_in_place() -> None:
     """Weights as a strided view (as unpacked from a backend's packed rows) give the
     contiguous weights' result exactly: GEMM2 reads them by row stride, no copy."""
-    from moe.kernels.fused_moe import fused_moe
+    from moe.kernels.fused_moe.host import fused_moe
 
     x, w13, w2, ids, weights = make_problem(19, 24, 16, 6, 3, drop_frac=0.2, seed=3)
     wide = torch.full((19, 11), float("nan"), device=DEVICE)  # NaN: a wrong column shows
@@ -914,7 +895,7 @@ def test_gpu_shapes(
 @pytest.mark.parametrize("tma, sorted_x", [(False, False), (True, False), (True, True)])
 def test_gpu_load_variants(tma: bool, sorted_x: bool) -> None:
     """Each load path compiled on CUDA gives the pointer path's result bit for bit."""
-    from moe.kernels.fused_moe import fused_moe
+    from moe.kernels.fused_moe.host import fused_moe
 
     if tma and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs compute capability 9.0+")
@@ -929,7 +910,7 @@ def test_gpu_load_variants(tma: bool, sorted_x: bool) -> None:
 def test_gpu_persistent(num_tokens: int, num_experts: int) -> None:
     """The persistent kernel compiled and autotuned on CUDA (128-row blocks, half tiles,
     sorted x or not), against the reference and the one-program-per-tile kernel."""
-    from moe.kernels.fused_moe import fused_moe
+    from moe.kernels.fused_moe.host import fused_moe
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the persistent kernel loads by TMA: compute capability 9.0+")
@@ -948,8 +929,8 @@ def test_gpu_persistent(num_tokens: int, num_experts: int) -> None:
 def test_gpu_gemm2_tails() -> None:
     """GEMM2 tails compiled on CUDA (the swapped second dot): at 256 rows per expert, where
     experts end in blocks of at most 32 rows, the same bits as without tails."""
-    import moe.kernels.fused_moe as fm
-    from moe.kernels.policy import GEMM2_TAIL_ROWS, GemmTiles
+    import moe.kernels.fused_moe.host as fm
+    from moe.kernels.fused_moe.rules import GEMM2_TAIL_ROWS, GemmTiles
 
     problem = make_problem(1024, 1024, 384, 32, 8, dtype=_BF16)
     counts = torch.bincount(problem[3].view(-1), minlength=32)

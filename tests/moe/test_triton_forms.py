@@ -114,7 +114,7 @@ def test_load_paths_agree_in_fp16(name):
     """TMA loads (interleaved: a [BLOCK_N, 2, BLOCK_K] box), the sorted x and the
     persistent GEMMs, emulated by the interpreter on CPU: the reference's result, and the
     pointer loads' bits (the same tiles, the same k order)."""
-    from moe.kernels.fused_moe import fused_moe
+    from moe.kernels.fused_moe.host import fused_moe
 
     x, w13, w2, ids, weights, extras = _problem(FORMS[name], dtype=torch.float16, seed=1)
     want = ReferenceExperts().apply(x, w13, w2, ids, weights, extras=extras)
@@ -156,7 +156,7 @@ def test_the_default_form_as_extras_is_the_plain_kernel_bit_for_bit():
 
 
 def test_a_custom_activation_is_refused_in_one_line_before_anything_runs(monkeypatch):
-    import moe.kernels.fused_moe as fm
+    import moe.kernels.fused_moe.host as fm
 
     custom = ExpertForm(activation="custom")
     reason = TritonExperts.supports(custom)

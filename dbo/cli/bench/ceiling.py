@@ -12,7 +12,7 @@ All three are built from the DBO-off step of the same workload:
   step, its count exchanges included, without the host syncs or any compute.
 - **compute alone**: the same step with every collective replaced by a copy of the
   output it produced in the recorded step (`replayed_results`), with the expert kernels
-  a DBO step uses (`moe.experts.triton.sharing_sms`): no communication, but
+  a DBO step uses (`moe.modular_kernel.sharing_sms`): no communication, but
   exactly the data the real step received, so packing, the host syncs, the experts over
   the rows this rank really gets (masked slots included), attention and shared experts
   all cost what they cost in the real step. (An earlier version routed tokens locally
@@ -52,8 +52,8 @@ from torch import Tensor, nn
 
 from dbo.cli.bench.timing import SpanFn, Timing, median_of_rounds, no_spans, time_steps
 from dbo.cli.bench.workload import Workload
-from moe.experts.triton import sharing_sms
 from moe.layer import MoELayer
+from moe.modular_kernel import sharing_sms
 from streams import gemm_carveout
 from streams.stream_set import new_comm_stream
 
@@ -339,8 +339,8 @@ def probe_ceiling(workload: Workload, *, device: torch.device,
                   cuda_graph=cuda_graph)
     comm = time_steps(replay.run_all, **timing, span=span("comm"))
     # Compute alone and both run the kernels a DBO step runs: none that holds every SM
-    # (moe.experts.triton.sharing_sms).
-    with replayed_results(recording) as drift, sharing_sms():
+    # (moe.modular_kernel.sharing_sms).
+    with replayed_results(recording) as drift, sharing_sms(model):
         compute = time_steps(workload.step, **timing, span=span("compute"))
         with _overlapped_comm(workload, replay, device) as both_step, \
                 gemm_carveout.gemm_sm_carveout(gemm_sm_carveout, device):

@@ -2,7 +2,7 @@
 loads, and the tile epilogue (the expert form's bias and activation, the routing weight,
 the store).
 
-The epilogue's constexpr flags come from the expert form (`moe.kernels.fused_moe_form`):
+The epilogue's constexpr flags come from the expert form (`moe.kernels.fused_moe.form`):
 
     GEMM1: h = acc (+ b13[e]);  gated: act(clamp(gate)) * clamp(up), or GPT-OSS's
            gate * sigmoid(alpha * gate) * (up + 1);  without a gate: act(h)

@@ -1,12 +1,12 @@
 """Tile candidates and the autotuners of the two fused-MoE GEMM kernels
-(`moe.kernels.fused_moe_triton`, `moe.kernels.fused_moe_persistent`).
+(`moe.kernels.fused_moe.gemm_triton`, `moe.kernels.fused_moe.persistent_triton`).
 
 `autotune_configs` lists the GPU tiles per BLOCK_M regime; `tile_fits` drops the ones a
 GEMM cannot use (wider than the GEMM, over the shared memory or the register file) before
 anything compiles; `tuned_launcher` launches the autotuner's pick per key without its
 per-call work. `persistent_configs` and `persistent_launcher` do the same for the
 persistent kernel. On CPU (the interpreter) small fixed tiles (`INTERPRETER_TILE`,
-`INTERPRETER_PERSISTENT_TILE`) run instead. Why these tiles: `moe/kernels/KERNELS.md`.
+`INTERPRETER_PERSISTENT_TILE`) run instead. Why these tiles: `moe/kernels/fused_moe/KERNELS.md`.
 Nothing is compiled at import.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import triton
 
-from moe.kernels.fused_moe_persistent import fused_moe_persistent_kernel
-from moe.kernels.fused_moe_triton import fused_moe_kernel
+from moe.kernels.fused_moe.persistent_triton import fused_moe_persistent_kernel
+from moe.kernels.fused_moe.gemm_triton import fused_moe_kernel
 from moe.kernels.launch import AutotunedLauncher, next_power_of_2
 
 # Fixed tiles for CPU tensors (the interpreter): autotuning there would take minutes.
@@ -78,7 +78,7 @@ def tile_fits(
     accumulators (two when gated) within the register file. `tail_m`: the rows of a
     second tile on the same weight loads (`TAIL_M`); its accumulator may take the
     total to 160 registers per thread (a 32-row tail fits without spills, a 64-row one
-    spills: `moe/kernels/KERNELS.md`)."""
+    spills: `moe/kernels/fused_moe/KERNELS.md`)."""
     if block_n > max(16, next_power_of_2(n)) or block_k > max(16, next_power_of_2(k)):
         return False
     num_b = 2 if gated else 1

@@ -6,28 +6,28 @@
                     (`sum_routed_rows`, fp32 accumulation, k in order)
 
 where r = n*K + k is a flat routed row and e = topk_ids[n, k] (dbo's default expert; an
-expert form changes the epilogues and, with a post-expert norm, the sum:
-`moe.kernels.fused_moe_form`). `fused_moe` aligns the
-routing into expert-sorted, padded row blocks (`moe.kernels.align_triton`) and queues the
-two GEMMs (`moe.kernels.fused_moe_triton.fused_moe_kernel`, or the persistent schedule of
-`moe.kernels.fused_moe_persistent`; tiles and autotuners in `moe.kernels.fused_moe_tiles`)
-and the k-sum. GEMM1 writes act in the sorted order
-([P, I]), so GEMM2 reads contiguous row blocks. Every output row is written by exactly
-one program and the k-sum adds in a fixed order: the result is deterministic (no
-atomics). Rows of ids routed to other ranks (-1) are neither computed, written nor read:
-under expert parallelism they are half or more of the rows.
+expert form changes the epilogues and, with a post-expert norm, the sum: `form`).
+`fused_moe` aligns the routing into expert-sorted, padded row blocks (`align_triton`)
+and queues the two GEMMs (`gemm_triton.fused_moe_kernel`, or the persistent schedule of
+`persistent_triton`; tiles and autotuners in `tiles`) and the k-sum. GEMM1 writes act
+in the sorted order ([P, I]), so GEMM2 reads contiguous row blocks. Every output row is
+written by exactly one program and the k-sum adds in a fixed order: the result is
+deterministic (no atomics). Rows of ids routed to other ranks (-1) are neither
+computed, written nor read: under expert parallelism they are half or more of the rows.
+(Module names without a package are this package's, `moe.kernels.fused_moe`.)
 
-Per GEMM the host picks, where the `KernelPolicy` leaves the choice open
-(`moe.kernels.policy`; the timings behind each rule are in `moe/kernels/KERNELS.md`):
+Per GEMM the host picks, where the `KernelPolicy` leaves the choice open (`rules`,
+applied by `rules.choose_paths`; the timings behind each rule are in `KERNELS.md`):
 - the load path: pointer loads, or TMA (tensor descriptors, Hopper and newer) for the
   weight tiles and for A when A is in the sorted order; GEMM1 gathers x rows by pointer,
   or reads x copied into the sorted order first (`gather_rows`), which pays only when x
   is much larger than L2 and GEMM1 runs one program per tile;
-- the tile heights (`policy.gemm_tiles`, `GemmTiles`): on 128-row blocks GEMM1 may
+- the tile heights (`rules.gemm_tiles`, `GemmTiles`): on 128-row blocks GEMM1 may
   run 64-row tiles, GEMM2 half-height tiles for half-used last blocks (`HALF_TAIL`) and
   lets a last block of at most 32 rows ride on the block before it (`TAIL_M`);
-- the schedule: one program per tile, or for large batches outside DBO one program per
-  SM over a table of the used tiles (`policy.prefer_persistent`).
+- the schedule: one program per tile, or for large batches where no other stream's
+  kernels share the SMs (the caller's `sms_shared`) one program per SM over a table of
+  the used tiles (`rules.prefer_persistent`).
 
 Legend: N tokens, K top-k, H hidden, I intermediate, E local experts, R = N*K routed
 rows, P padded rows. Inside the kernels M/N/K are the GEMM's own sizes.
@@ -44,19 +44,20 @@ from typing import Any
 import torch
 import triton
 
-from moe.experts.base import check_expert_inputs, weighted_topk_sum
-from moe.experts.form import ExpertExtras
-from moe.kernels import policy as rules
-from moe.kernels.align import AlignedRouting
-from moe.kernels.align_triton import align_routing_triton
-from moe.kernels.fused_moe_form import GemmEpilogue, epilogues, gemm_role
-from moe.kernels.fused_moe_persistent import fused_moe_persistent_kernel
-from moe.kernels.fused_moe_tiles import (INTERPRETER_PERSISTENT_TILE, INTERPRETER_PROGRAMS,
-                                         INTERPRETER_TILE, persistent_launcher, tuned_launcher)
-from moe.kernels.fused_moe_triton import fused_moe_kernel, gather_rows_kernel
+from moe.kernels.fused_moe import rules
+from moe.kernels.fused_moe.align import AlignedRouting
+from moe.kernels.fused_moe.align_triton import align_routing_triton
+from moe.kernels.fused_moe.form import GemmEpilogue, KernelExtras, epilogues, gemm_role
+from moe.kernels.fused_moe.gemm_triton import fused_moe_kernel, gather_rows_kernel
+from moe.kernels.fused_moe.persistent_triton import fused_moe_persistent_kernel
+from moe.kernels.fused_moe.rules import GemmTiles
+from moe.kernels.fused_moe.tiles import (INTERPRETER_PERSISTENT_TILE, INTERPRETER_PROGRAMS,
+                                         INTERPRETER_TILE, persistent_launcher,
+                                         tuned_launcher)
 from moe.kernels.launch import FastLauncher, cdiv, next_power_of_2
-from moe.kernels.policy import GemmTiles, KernelPolicy
+from moe.kernels.policy import KernelPolicy
 from moe.kernels.rows_triton import launch_sum_rows
+from moe.kernels.topk_sum import weighted_topk_sum
 from moe.workspace import Workspace, empty_from
 
 
@@ -97,10 +98,12 @@ def fused_moe(
     workspace: Workspace | None = None,
     block_m: int | None = None,
     policy: KernelPolicy = KernelPolicy(),
-    extras: ExpertExtras | None = None,
+    extras: KernelExtras | None = None,
+    sms_shared: bool = False,
 ) -> torch.Tensor:
     """Routed expert MLPs: out[n] = sum_k w[n,k] * W2_e(silu(gate_e x[n]) * up_e x[n]),
-    or the expert of `extras`' form (`moe.kernels.fused_moe_form`).
+    or the expert of `extras`' form (`moe.kernels.fused_moe.form`; `extras` is read
+    through the fields `form.KernelExtras` names).
 
     Args:
         x_NH: [N, H] activations, bf16/fp16/fp32, last dim contiguous.
@@ -112,8 +115,7 @@ def fused_moe(
         workspace: source of the intermediates (routing, [P, I] activation, [R, H] rows,
             which share memory with the [P, H] sorted x); fresh allocations when None.
             The returned tensor is always a fresh allocation.
-        block_m: rows per block; `moe.kernels.policy.choose_block_m` when None (tests pin
-            it).
+        block_m: rows per block; `rules.choose_block_m` when None (tests pin it).
         policy: the load paths, sorted x, persistent kernel (None fields: the host's
             rules, per GEMM) and compiled-handle launches; see `KernelPolicy`. A True
             `tma` or `persistent` raises ValueError where TMA cannot load the operands
@@ -122,6 +124,9 @@ def fused_moe(
             and activation run in the GEMMs' epilogues; with a post-expert norm GEMM2
             writes unweighted fp32 rows, the norm runs on them in torch, then the
             weighted k-sum (`weighted_topk_sum`). ValueError for a "custom" activation.
+        sms_shared: the caller runs other streams' kernels beside this call (a DBO step,
+            the bench's overlapped probes): no persistent GEMM, whatever `policy` says
+            (`rules.choose_paths`).
 
     Returns:
         [N, H] in x's dtype on x's device, valid on the current stream. GEMMs accumulate in
@@ -142,35 +147,14 @@ def fused_moe(
     if num_routed == 0:
         return torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
 
-    tma, sorted_x, persistent = policy.tma, policy.sorted_x, policy.persistent
     compiled = policy.compiled_launches
-    # Whether TMA can load the operands decides the load paths and the persistent kernel.
-    tma_reason = tma_unsupported_reason(w13_EIH, w2_EHI, x_NH)
-    tma_auto = device.type == "cuda" and tma_reason is None
-    if tma is None:
-        tma1, tma2 = tma_auto and rules.prefer_tma(hidden), tma_auto and rules.prefer_tma(inter)
-    elif tma and tma_reason is not None:
-        raise ValueError(f"fused_moe(KernelPolicy(tma=True)): {tma_reason}")
-    else:
-        tma1 = tma2 = tma
-    if sorted_x and not tma1:
-        raise ValueError("fused_moe(KernelPolicy(sorted_x=True)) needs tma: the gather only "
-                         "pays for TMA loads")
-
-    block_m = block_m or rules.choose_block_m(num_routed, num_experts)
+    paths = rules.choose_paths(policy, x_NH, num_experts=num_experts, inter=inter,
+                               num_routed=num_routed, block_m=block_m,
+                               tma_reason=tma_unsupported_reason(w13_EIH, w2_EHI, x_NH),
+                               sms_shared=sms_shared)
+    block_m, tma1, tma2, sorted_x = paths.block_m, paths.tma1, paths.tma2, paths.sorted_x
+    persist1, persist2 = paths.persistent1, paths.persistent2
     rows_per_expert = num_routed / num_experts
-    if persistent is None:
-        allowed = tma is not False and tma_auto
-        persist1 = allowed and rules.prefer_persistent(
-            block_m, gated=True, k=hidden, rows_per_expert=rows_per_expert)
-        persist2 = allowed and rules.prefer_persistent(
-            block_m, gated=False, k=inter, rows_per_expert=rows_per_expert)
-    elif persistent and tma_reason is not None:
-        raise ValueError(f"fused_moe(KernelPolicy(persistent=True)): {tma_reason}")
-    else:
-        persist1 = persist2 = persistent
-    if sorted_x is None:
-        sorted_x = tma1 and rules.prefer_sorted_x(x_NH, persistent_gemm1=persist1)
     routing = align_routing_triton(topk_ids_NK, num_experts, block_m, workspace=workspace,
                                    compiled=compiled)
     max_rows = routing.sorted_ids_P.numel()
@@ -285,7 +269,7 @@ def kernel_launch(
     [P, N] activation) or GEMM2 (writes rows by routed id, none for dropped ids), weighted
     by `weights_NK` when given (float32 [N, K] with a unit last stride, maybe a view into
     packed rows). `epilogue` None: dbo's default GEMM1 (gated) when `weights_NK` is None,
-    else its GEMM2 (`moe.kernels.fused_moe_form.gemm_role`); `bias`: the form's [E, rows]
+    else its GEMM2 (`moe.kernels.fused_moe.form.gemm_role`); `bias`: the form's [E, rows]
     biases. `a_sorted`: A is [P, K] in the sorted row order. `tiles`: see `GemmTiles`."""
     tile_m = tiles.rows or routing.block_m
     half_tail, tail_m = tiles.half_tail, tiles.tail_rows
@@ -337,11 +321,12 @@ def _check(
     w2_EHI: torch.Tensor,
     topk_ids_NK: torch.Tensor,
     topk_weights_NK: torch.Tensor,
-    extras: ExpertExtras | None,
+    extras: KernelExtras | None,
 ) -> None:
-    """The `Experts.apply` contract, plus unit-stride last dims: other strides would be
-    correct but silently slow (the tiles are loaded along the last dim)."""
-    check_expert_inputs(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, extras)
+    """What the kernels need beyond the `Experts.apply` contract (which the caller checks:
+    `moe.experts.triton.TritonExperts`): the biases on x's device and unit-stride last
+    dims (other strides would be correct but silently slow: the tiles are loaded along
+    the last dim)."""
     for name in ("bias13_EJ", "bias2_EH"):
         bias = getattr(extras, name, None)
         if bias is not None and bias.device != x_NH.device:

@@ -61,4 +61,4 @@ def _apply_rotary_torch(x_TND: Tensor, cos_TD2: Tensor, sin_TD2: Tensor) -> Tens
 
 
 def _triton() -> Any:
-    return triton_module("moe.kernels.rotary_triton")
+    return triton_module("moe.models.rotary_triton")

@@ -1,6 +1,6 @@
 """Expert-sorted, BLOCK_M-padded routing in three Triton launches (the GPU path of align).
 
-Same contract and the same output as `moe.kernels.align.align_routing` (the torch
+Same contract and the same output as `moe.kernels.fused_moe.align.align_routing` (the torch
 version, kept as the reference and for the tests), with three launches instead of about
 fifteen torch ops and a radix sort. The host launch work matters: under DBO each ubatch
 aligns its own rows in every layer.
@@ -9,7 +9,7 @@ aligns its own rows in every layer.
                 (expert 0..E-1, E = dropped id -1, and one junk bin for the tail).
     2. scan:    one program: segment totals, BLOCK_M-padded segment starts, each chunk's
                 base offset per segment, the block -> expert table, the padding sentinels,
-                the used row count and the tile table (`moe.kernels.align`).
+                the used row count and the tile table (`moe.kernels.fused_moe.align`).
     3. scatter: per chunk, a sort of (segment, position) keys gives every row its rank
                 among the chunk's rows of its segment; row -> base + rank.
 
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.align import AlignedRouting, check_align_args, max_padded_rows
+from moe.kernels.fused_moe.align import AlignedRouting, check_align_args, max_padded_rows
 from moe.kernels.launch import FastLauncher, cdiv, next_power_of_2
 from moe.workspace import Workspace, empty_from
 
@@ -192,7 +192,7 @@ def align_routing_triton(
     chunk: int | None = None,
     compiled: bool = True,
 ) -> AlignedRouting:
-    """`moe.kernels.align.align_routing` in three Triton launches; identical output.
+    """`moe.kernels.fused_moe.align.align_routing` in three Triton launches; identical output.
 
     Args and returns as there (CUDA tensors, or CPU under TRITON_INTERPRET=1), plus
     `chunk`: rows per count/scatter program, a power of two (by default SMALL_CHUNK up to

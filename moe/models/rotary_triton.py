@@ -1,4 +1,4 @@
-"""The Triton kernel of `moe.kernels.rotary` (see there), and its launcher.
+"""The Triton kernel of `moe.models.rotary` (see there), and its launcher.
 
 Import this module only after TRITON_INTERPRET is settled: Triton reads it when the
 kernel is defined. Nothing is compiled or launched at import.

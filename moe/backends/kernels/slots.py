@@ -9,7 +9,7 @@ Shape legend: T tokens (T <= C), K top-k, W ranks, E_loc experts per rank, C cap
     slot[t, w] = w*C + pos[t, w] where mask[t, w], else -1
     src[s]     = the token t with slot[t, w] = s for some w, else -1 (a padding row)
 
-On CUDA this is one Triton kernel (`moe.kernels.slots_triton`). The torch version (CPU,
+On CUDA this is one Triton kernel (`moe.backends.kernels.slots_triton`). The torch version (CPU,
 and the reference in tests) takes about fifteen ops: on the GPU each is a launch costing
 ~7 us of host time, and the DBO schedule is host-bound there. Measured on H200 (Triton
 3.6, T=4096, W=2, K=8, medians): host time per call 160-300 us -> 20-30 us (two
@@ -76,11 +76,11 @@ def _use_triton(policy: KernelPolicy, t: Tensor, world_size: int) -> bool:
     if world_size <= TRITON_MAX_WORLD_SIZE:
         return triton
     if policy.implementation == "triton":
-        raise ValueError(f"moe.kernels.slots: the Triton kernel takes at most "
+        raise ValueError(f"moe.backends.kernels.slots: the Triton kernel takes at most "
                          f"{TRITON_MAX_WORLD_SIZE} ranks, got {world_size}: use "
                          f"KernelPolicy(implementation='auto') or 'torch'")
     return False
 
 
 def _triton() -> Any:
-    return triton_module("moe.kernels.slots_triton")
+    return triton_module("moe.backends.kernels.slots_triton")

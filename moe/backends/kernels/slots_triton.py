@@ -1,4 +1,4 @@
-"""The Triton kernel of `moe.kernels.slots` (see there), and its launcher.
+"""The Triton kernel of `moe.backends.kernels.slots` (see there), and its launcher.
 
 One launch, one program per block of BLOCK_T tokens (at least one program). Program b:
 
@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe.backends.kernels.slots import TRITON_MAX_WORLD_SIZE
 from moe.kernels.launch import FastLauncher, cdiv, next_power_of_2
-from moe.kernels.slots import TRITON_MAX_WORLD_SIZE
 
 _BLOCK_T = 256  # tokens per program
 _BLOCK_C = 256  # slot positions per step of the padding fill

@@ -1,9 +1,10 @@
 """Sort routed (token, k) pairs by local expert into BLOCK_M-aligned row blocks.
 
-The fused MoE kernel (`moe.kernels.fused_moe`) walks its rows in blocks of BLOCK_M that
-all belong to one expert. This module builds that layout with a handful of torch ops on
-the routing's device and no host sync (the reference; `moe.kernels.align_triton` builds the
-same in three launches for the fused kernel): every buffer is sized by an upper bound that is
+The fused MoE kernel (`moe.kernels.fused_moe.host`) walks its rows in blocks of BLOCK_M
+that all belong to one expert. This module builds that layout with a handful of torch
+ops on the routing's device and no host sync (the reference;
+`moe.kernels.fused_moe.align_triton` builds the same in three launches for the fused
+kernel): every buffer is sized by an upper bound that is
 known on the host, and the true number of used rows stays on the device.
 
 Legend: N tokens, K top-k, E local experts, R = N*K routed rows (flat id = token*K + k),
@@ -14,7 +15,7 @@ segment for the rows with id -1 (routed to another rank). Those "dropped" rows d
 but the final GEMM writes zeros for them, so every flat id appears exactly once and the
 [R, H] output needs no memset. Padding rows hold the sentinel R.
 
-Tile table (for the persistent GEMMs, `moe.kernels.fused_moe_persistent`): the blocks
+Tile table (for the persistent GEMMs, `moe.kernels.fused_moe.persistent_triton`): the blocks
 that hold an expert's rows, listed without the padding, dropped and idle blocks. Blocks
 with more than BLOCK_M // 2 used rows come first, in row order; then the half-used ones
 (at most BLOCK_M // 2 used rows: only an expert's last block can be one), in row order.

@@ -1,9 +1,11 @@
-"""What each fused-MoE GEMM computes for an expert form (`moe.experts.form.ExpertForm`),
-host side: the constexpr flags of its epilogue and its role in the pair. Pure Python:
-no Triton, nothing launched (`TritonExperts.supports` reads `unsupported_reason`).
+"""What each fused-MoE GEMM computes for an expert form (`moe.experts.form.ExpertForm`,
+read through the fields named by `KernelForm`: the kernels import nothing of the
+experts), host side: the constexpr flags of its epilogue and its role in the pair. Pure
+Python: no Triton, nothing launched (`TritonExperts.supports` reads
+`unsupported_reason`).
 
 =====================  ================================================================
-form                   the kernels (`moe.kernels.fused_moe_epilogue`)
+form                   the kernels (`moe.kernels.fused_moe.epilogue_triton`)
 =====================  ================================================================
 ``interleaved``        GEMM1 loads gate row 2n and up row 2n + 1 (INTERLEAVED)
 ``bias``               b13 added in GEMM1's epilogue before the activation, b2 in
@@ -13,23 +15,52 @@ form                   the kernels (`moe.kernels.fused_moe_epilogue`)
                        epilogue (ACTIVATION, ALPHA), in fp32
 ``swiglu_limit``       the gate and up clamped first in GEMM1's epilogue (LIMIT)
 ``post_norm``          GEMM2 writes the unweighted fp32 rows; the host runs the norm on
-                       them, then weights and sums (`moe.kernels.fused_moe.fused_moe`)
+                       them, then weights and sums (`moe.kernels.fused_moe.host`)
 "custom" activation    refused: the model's own callable cannot run in a kernel
 =====================  ================================================================
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from moe.experts.form import ExpertForm
+__all__ = ["GEMM1", "GEMM2", "GemmEpilogue", "GemmRole", "KernelExtras", "KernelForm",
+           "epilogues", "gemm_role", "unsupported_reason"]
 
-__all__ = ["GEMM1", "GEMM2", "GemmEpilogue", "GemmRole", "epilogues", "gemm_role",
-           "unsupported_reason"]
 
-#: The activations the kernels' epilogue computes (`fused_moe_epilogue.activation`).
+class KernelForm(Protocol):
+    """What the kernels read of an expert form (`moe.experts.form.ExpertForm`)."""
+
+    @property
+    def activation(self) -> str: ...
+    @property
+    def gated(self) -> bool: ...
+    @property
+    def interleaved(self) -> bool: ...
+    @property
+    def swiglu_limit(self) -> Optional[float]: ...
+    @property
+    def swiglu_alpha(self) -> Optional[float]: ...
+
+
+class KernelExtras(Protocol):
+    """What the kernels read of an expert form's tensors (`moe.experts.form.ExpertExtras`):
+    the form, the [E, rows] biases of GEMM1 and GEMM2 (or None) and the post-expert norm
+    (or None)."""
+
+    @property
+    def form(self) -> KernelForm: ...
+    @property
+    def bias13_EJ(self) -> Optional[torch.Tensor]: ...
+    @property
+    def bias2_EH(self) -> Optional[torch.Tensor]: ...
+    @property
+    def post_norm(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]: ...
+
+
+#: The activations the kernels' epilogue computes (`epilogue_triton.activation`).
 KERNEL_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "sigmoid", "swiglu_oai")
 
 
@@ -62,7 +93,7 @@ GEMM1 = GemmEpilogue(first=True, gated=True, activation="silu")
 GEMM2 = GemmEpilogue(first=False)
 
 
-def unsupported_reason(form: ExpertForm) -> str | None:
+def unsupported_reason(form: KernelForm) -> str | None:
     """None when the Triton kernels compute experts of `form`, else why not (one line)."""
     if form.activation not in KERNEL_ACTIVATIONS:
         names = ", ".join(KERNEL_ACTIVATIONS)
@@ -72,7 +103,7 @@ def unsupported_reason(form: ExpertForm) -> str | None:
     return None
 
 
-def epilogues(form: ExpertForm) -> tuple[GemmEpilogue, GemmEpilogue]:
+def epilogues(form: KernelForm) -> tuple[GemmEpilogue, GemmEpilogue]:
     """GEMM1's and GEMM2's epilogues for `form` (the biases and post-norm are the host's:
     `fused_moe`). ValueError for a form the kernels do not compute."""
     reason = unsupported_reason(form)

@@ -6,18 +6,18 @@ One kernel serves both GEMMs of an expert MLP; constexpr flags pick the epilogue
     GEMM2 (MUL_ROUTED_WEIGHT): y[r]    = topk_weight[r] * (act[r] @ w2_e^T)
 
 where r = n*K + k is a flat routed row and e = topk_ids[n, k]. That is dbo's default
-expert; the flags of an expert form (`moe.kernels.fused_moe_form`: interleaved gate/up
+expert; the flags of an expert form (`moe.kernels.fused_moe.form`: interleaved gate/up
 rows, biases, no gate, other activations, GPT-OSS's clamped SwiGLU) change the loads of
-w13's rows and the epilogue (`moe.kernels.fused_moe_epilogue`), as constexpr branches.
+w13's rows and the epilogue (`moe.kernels.fused_moe.epilogue_triton`), as constexpr branches.
 Rows are visited in the expert-sorted, BLOCK_M-padded order p from
-`moe.kernels.align_triton`, so each program multiplies BLOCK_M rows of one expert by a
+`moe.kernels.fused_moe.align_triton`, so each program multiplies BLOCK_M rows of one expert by a
 BLOCK_N slice of that expert's weights. Every output row is written by exactly one
 program (no atomics).
 
-The host side (load paths, tile heights, launches) is `moe.kernels.fused_moe`; the tile
-candidates and the autotuners are `moe.kernels.fused_moe_tiles`; the persistent schedule
-of the same math is `moe.kernels.fused_moe_persistent`; both take GEMM1's gate-and-up
-dot on TMA loads and the tile epilogue from `moe.kernels.fused_moe_epilogue`.
+The host side (load paths, tile heights, launches) is `moe.kernels.fused_moe.host`; the tile
+candidates and the autotuners are `moe.kernels.fused_moe.tiles`; the persistent schedule
+of the same math is `moe.kernels.fused_moe.persistent_triton`; both take GEMM1's gate-and-up
+dot on TMA loads and the tile epilogue from `moe.kernels.fused_moe.epilogue_triton`.
 
 Import only after TRITON_INTERPRET is settled: Triton reads this module when the kernels
 are defined. Nothing is compiled or launched at import.
@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moe.kernels.fused_moe_epilogue import (gate_up_descriptor, gate_up_dot, split_gate_up,
+from moe.kernels.fused_moe.epilogue_triton import (gate_up_descriptor, gate_up_dot, split_gate_up,
                                             store_tile)
 
 
@@ -39,7 +39,7 @@ def fused_moe_kernel(
     c_ptr,  # output: [R, N] by flat routed id, or [P, N] in sorted row order (C_SORTED)
     topk_weights_ptr,  # float32 [N_tok, K] (row stride stride_wn); MUL_ROUTED_WEIGHT only
     bias_ptr,  # HAS_BIAS: the expert biases [E, rows], contiguous
-    # Routing from moe.kernels.align
+    # Routing from moe.kernels.fused_moe.align
     sorted_ids_ptr,  # int32 [P]: flat routed id per row, `num_routed` = padding
     block_expert_ids_ptr,  # int32 [P // BLOCK_M]: expert per row block, -1 = dropped/idle
     num_padded_rows_ptr,  # int32 [1]: rows in use; later blocks return at once
@@ -67,7 +67,7 @@ def fused_moe_kernel(
     USE_TMA: tl.constexpr,  # load B, and A when A_SORTED, through tensor descriptors
     GATED: tl.constexpr,  # B holds gate rows [0, N) then up rows [N, 2N): act(g) * u
     MUL_ROUTED_WEIGHT: tl.constexpr,  # scale each row by its routing weight
-    # The expert form's epilogue (`moe.kernels.fused_moe_epilogue.store_tile`)
+    # The expert form's epilogue (`moe.kernels.fused_moe.epilogue_triton.store_tile`)
     INTERLEAVED: tl.constexpr,  # GATED: B's rows alternate gate, up
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -99,7 +99,7 @@ def fused_moe_kernel(
     wrapped columns are without TMA. GATED with USE_TMA, the gate and up rows of the
     column block load as one [2, BLOCK_N, BLOCK_K] box of w13 viewed [E * 2, N, K]
     (zeros past an expert's last row) and multiply as one dot twice as wide, as in
-    `moe.kernels.fused_moe_persistent`.
+    `moe.kernels.fused_moe.persistent_triton`.
 
     HALF_TAIL: an expert's rows come first in its segment and padding fills the rest, so
     when the block's row BLOCK_M // 2 is padding, so is every row after it: the block's

@@ -15,7 +15,7 @@ That is `send_order`'s rank-major order (rank 0's tokens first, in token order),
 rows of each rank back to back from row 0, as `all_to_all_vdev` sends them.
 
 One launch, one program per block of BLOCK_T tokens (at least one program), as in
-`moe.kernels.slots_triton` (whose measurements chose this shape over one program walking
+`moe.backends.kernels.slots_triton` (whose measurements chose this shape over one program walking
 all blocks). Program b:
 
     1. reads every token's ids and counts, per rank, the tokens bound for it: those
@@ -37,9 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moe.backends.kernels.slots import TRITON_MAX_WORLD_SIZE
+from moe.backends.kernels.slots_triton import rank_counts, store_block_slots
 from moe.kernels.launch import FastLauncher, cdiv, next_power_of_2
-from moe.kernels.slots import TRITON_MAX_WORLD_SIZE
-from moe.kernels.slots_triton import rank_counts, store_block_slots
 
 _BLOCK_T = 256  # tokens per program
 _BLOCK_X = 256  # src positions per step of the tail fill

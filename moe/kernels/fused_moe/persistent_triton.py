@@ -1,10 +1,10 @@
 """Persistent variant of the fused-MoE GEMM: one program per SM walks a table of tiles.
 
-Same math, operands and epilogues as `moe.kernels.fused_moe_triton.fused_moe_kernel` (see
+Same math, operands and epilogues as `moe.kernels.fused_moe.gemm_triton.fused_moe_kernel` (see
 there); the difference is the schedule. That kernel launches one program per possible
 tile and lets the ones over padding, dropped or idle blocks return. This one launches one
 program per multiprocessor; each builds its TMA descriptors once and then loops over the
-used tiles in grouped order, from the routing's tile table (`moe.kernels.align`): blocks
+used tiles in grouped order, from the routing's tile table (`moe.kernels.fused_moe.align`): blocks
 with more than BLOCK_M // 2 used rows first, then the half-used last blocks of experts as
 half-height tiles (HALF_TAIL), so little math goes to padding rows. With FLATTEN, Triton
 pipelines across the tile loop (the next tile's loads start during this one's epilogue).
@@ -12,12 +12,12 @@ GEMM1 loads a column block's gate and up rows as one TMA box and runs them as on
 twice as wide (`_tile_loop`), as the other kernel does on its TMA path; per element the k
 order is the same, so both kernels give the same bits.
 
-It has no tails (`fused_moe_kernel`'s TAIL_M). The host (`moe.kernels.fused_moe`) picks it
-per GEMM by `KernelPolicy.persistent` and `moe.kernels.policy.prefer_persistent`; its
-tiles and autotuner are in `moe.kernels.fused_moe_tiles`.
+It has no tails (`fused_moe_kernel`'s TAIL_M). The host (`host`) picks it per GEMM by
+`KernelPolicy.persistent`, the caller's `sms_shared` and `rules.prefer_persistent`
+(`rules.choose_paths`); its tiles and autotuner are in `tiles` (this package's modules).
 
 Weights and sorted A tiles load through tensor descriptors (TMA), so this needs a Hopper
-class GPU, 16-bit data and contiguous weights (`fused_moe.tma_unsupported_reason`); the
+class GPU, 16-bit data and contiguous weights (`host.tma_unsupported_reason`); the
 interpreter emulates it on CPU for the tests. Import only after TRITON_INTERPRET is
 settled; nothing is compiled or launched at import.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moe.kernels.fused_moe_epilogue import (gate_up_descriptor, gate_up_dot, split_gate_up,
+from moe.kernels.fused_moe.epilogue_triton import (gate_up_descriptor, gate_up_dot, split_gate_up,
                                             store_tile)
 
 
@@ -38,7 +38,7 @@ def fused_moe_persistent_kernel(
     c_ptr,  # output: [R, N] by flat routed id, or [P, N] in sorted row order (C_SORTED)
     topk_weights_ptr,  # float32 [N_tok, K] (row stride stride_wn); MUL_ROUTED_WEIGHT only
     bias_ptr,  # HAS_BIAS: the expert biases [E, rows], contiguous
-    # Routing from moe.kernels.align
+    # Routing from moe.kernels.fused_moe.align
     sorted_ids_ptr,  # int32 [P]: flat routed id per row, `num_routed` = padding
     block_expert_ids_ptr,  # int32 [P // ROUTE_BLOCK_M]: expert per row block
     tile_rows_ptr,  # int32 [B]: the tile table (first row per tile)
@@ -64,7 +64,7 @@ def fused_moe_persistent_kernel(
     C_SORTED: tl.constexpr,  # C row = sorted row (the [P, I] activation)
     GATED: tl.constexpr,  # B holds gate rows [0, N) then up rows [N, 2N): act(g) * u
     MUL_ROUTED_WEIGHT: tl.constexpr,  # scale each row by its routing weight
-    # The expert form's epilogue (`moe.kernels.fused_moe_epilogue.store_tile`)
+    # The expert form's epilogue (`moe.kernels.fused_moe.epilogue_triton.store_tile`)
     INTERLEAVED: tl.constexpr,  # GATED: B's rows alternate gate, up
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
