@@ -26,8 +26,8 @@ graph, so a result stays valid after the next call. At most `max_graphs` graphs 
 The step must not read device values on the host: backend `a2a` (it reads its counts),
 `naive` without `MoEConfig.max_tokens_per_rank`, the `reference` experts and
 `MoEConfig.check_finite_logits` do, and are refused before any capture (modules that say
-so through `cuda_graph_blocker`, `dbo.model_hooks`); backend `a2a_ll` (or `naive` with a capacity) with the
-`triton` experts is the capturable path. Anything else that syncs fails the
+so through `cuda_graph_blocker`, `dbo.model_hooks`); backend `a2a_ll` (or `naive` with a
+capacity) with the `triton` experts is the capturable path. Anything else that syncs fails the
 capture with a RuntimeError saying so.
 
 Measured on 2x H200 (scale-out emulated, layer mode, DeepSeek-V3 shapes, a2a_ll; `dbo

@@ -10,16 +10,31 @@ itself (a function, an `nn.Module`, a module wrapped by `torch.compile`); on "it
 modules" on every module of an `nn.Module` (`named_modules()`), or on the model itself
 when it is a plain callable.
 
-| hook | where | returns | asked by |
-|---|---|---|---|
-| `dbo_agreement()` | its modules | a mapping of field names to values every rank must share (None, bool, int, float, str, `torch.dtype` / `torch.device`, tuples of these); prefixed with the module's name | `dbo.agreement`: hashed into the fingerprint each step's vote carries |
-| `dbo_check_inputs(*args, **kwargs)` | the model | nothing; raises where the model's forward would (a cheap check, no device reads) | the runner and `GraphedRunner`, before the vote |
-| `dbo_max_tokens_per_rank()` | its modules | the most tokens one rank may hold in a step (int >= 1), or None; the smallest counts | `dbo.step_vote`: a step over it stops on every rank |
-| `dbo_max_tokens_per_ubatch()` | its modules | likewise per ubatch of a DBO step, or None (then the step's) | `dbo.step_vote` |
-| `dbo_sbo_blocker()` | its modules | why the model cannot overlap within one batch, or None; the first reason counts, and no module with the hook means no SBO | `dbo.mode_policy`, and voted as a field (`dbo.step_vote`) |
-| `dbo_can_split_inside_request()` | the model | True where a request's tokens may run in two calls (its output for a token does not depend on the request's other tokens in the same call) | `dbo.split.balance.request_cut_blocker` ("requests" mode) |
-| `dbo_split_mode` (a method or an attribute) | the model | the named split mode `DBOConfig(split=None)` takes ("tokens", "requests", "batch") | `dbo.split.modes` |
-| `cuda_graph_blocker` (an attribute or property) | its modules | why a step through it cannot be captured in a CUDA graph, or None | `dbo.graphs.GraphedRunner`, before any capture |
+- `dbo_agreement()`, on its modules: a mapping of field names to values every rank must
+  share (None, bool, int, float, str, `torch.dtype` / `torch.device`, tuples of these),
+  prefixed with the module's name. Asked by `dbo.agreement`: hashed into the
+  fingerprint that each step's vote carries.
+- `dbo_check_inputs(*args, **kwargs)`, on the model: returns nothing, raises where the
+  model's forward would (a cheap check, no device reads). Asked by the runner and
+  `GraphedRunner` before the vote (`dbo.agreement.check_inputs`).
+- `dbo_max_tokens_per_rank()`, on its modules: the most tokens one rank may hold in a
+  step (an int >= 1), or None; the smallest counts. `dbo_max_tokens_per_ubatch()`:
+  likewise per ubatch of a DBO step (None: the step's). Asked by `dbo.agreement` (they
+  are fields too) and `dbo.step_vote`: a step over them stops on every rank.
+- `dbo_sbo_blocker()`, on its modules: why the model cannot overlap within one batch,
+  or None; the first reason counts, and no module with the hook means no single-batch
+  overlap. Asked by the mode policy (`dbo.mode_policy`, `dbo.overlap`); voted as a
+  field (`dbo.step_vote`).
+- `dbo_can_split_inside_request()`, on the model: True where a request's tokens may
+  run in two calls (its output for a token does not depend on the request's other
+  tokens in the same call). Asked by `dbo.split.balance.request_cut_blocker`
+  ("requests" mode).
+- `dbo_split_mode`, a method or an attribute on the model: the named split mode
+  `DBOConfig(split=None)` takes ("tokens", "requests" or "batch"). Asked by
+  `dbo.split.modes`.
+- `cuda_graph_blocker`, an attribute or property on its modules: why a step through it
+  cannot be captured in a CUDA graph, or None. Asked by `dbo.graphs.GraphedRunner`
+  before any capture.
 
 The hooks are found once per model (`ModelHooks.of`; a runner keeps one, found again
 only when its `model` is replaced), not when a module is added or altered in place. The
@@ -52,7 +67,7 @@ SBO_HOOK = "dbo_sbo_blocker"
 CUT_HOOK = "dbo_can_split_inside_request"
 SPLIT_MODE_HOOK = "dbo_split_mode"
 CUDA_GRAPH_HOOK = "cuda_graph_blocker"
-#: Every hook, in the order of the table above.
+#: Every hook, in the order of the list above.
 HOOKS = (AGREEMENT_HOOK, CHECK_INPUTS_HOOK, CAPACITY_HOOK, UBATCH_CAPACITY_HOOK, SBO_HOOK,
          CUT_HOOK, SPLIT_MODE_HOOK, CUDA_GRAPH_HOOK)
 
