@@ -50,7 +50,6 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dbo.failures import add_note, mark_stopped_together
 from dbo.model_hooks import AGREEMENT_HOOK, CAPACITY_HOOK, UBATCH_CAPACITY_HOOK, ModelHooks
@@ -154,11 +153,13 @@ class AgreementCache:
         return None if self._agreement is None else self._agreement.ubatch_capacity
 
 
-def check_inputs(hooks: ModelHooks, args: tuple, kwargs: dict) -> None:
-    """Run the model's `dbo_check_inputs(*args, **kwargs)` hook (`hooks`), if it has one.
+def check_inputs(model: Any, args: tuple, kwargs: dict) -> None:
+    """Run the model's `dbo_check_inputs(*args, **kwargs)` hook, if it has one (`model`:
+    the model, or its `ModelHooks`).
 
     A call whose arguments the hook does not take (a missing or unknown argument) raises
     a TypeError that names the model and the arguments, not the hook's signature."""
+    hooks = model if isinstance(model, ModelHooks) else ModelHooks.of(model)
     check: Optional[Callable[..., Any]] = hooks.check_inputs_hook
     if check is None:
         return

@@ -120,6 +120,14 @@ class ModelHooks:
                    cut_hook=getattr(model, CUT_HOOK, None),
                    split_mode_hook=getattr(model, SPLIT_MODE_HOOK, None))
 
+    def __repr__(self) -> str:
+        found = [name for name, hooks in (
+            (AGREEMENT_HOOK, self.agreement), (CAPACITY_HOOK, self.max_tokens_per_rank),
+            (UBATCH_CAPACITY_HOOK, self.max_tokens_per_ubatch), (SBO_HOOK, self.sbo_blockers),
+            (CHECK_INPUTS_HOOK, self.check_inputs_hook), (CUT_HOOK, self.cut_hook),
+            (SPLIT_MODE_HOOK, self.split_mode_hook)) if hooks]
+        return f"ModelHooks({self.name}: {', '.join(found) or 'no hooks'})"
+
     @property
     def type_name(self) -> str:
         """The model's class name, as errors about its hooks name it."""

@@ -33,7 +33,7 @@ import json
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator, Optional
+from typing import ClassVar, Iterator, Optional
 
 import torch.distributed as dist
 

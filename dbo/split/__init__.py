@@ -41,9 +41,12 @@ from dbo.split.modes import (
     model_split_mode,
 )
 from dbo.split.plan import SplitPlan, UBatchSlice
+from dbo.model_hooks import CUT_HOOK, SPLIT_MODE_HOOK  # the model's say (`dbo.model_hooks`)
 
 __all__ = [
+    "CUT_HOOK",
     "SEQ_LENS_KWARG",
+    "SPLIT_MODE_HOOK",
     "CallSplit",
     "SeqLens",
     "SplitArgs",

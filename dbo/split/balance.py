@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -202,14 +202,16 @@ def request_positions(seq_lens: SeqLens, *, first_request_offset: int = 0,
     return positions
 
 
-def request_cut_blocker(hooks: ModelHooks, config: DBOConfig) -> Optional[str]:
-    """Why "requests" mode may not cut a request of the model (`hooks`, `dbo.model_hooks`)
-    across the two ubatches, or None when it may (module doc):
+def request_cut_blocker(model: Any, config: DBOConfig) -> Optional[str]:
+    """Why "requests" mode may not cut a request of `model` (or of the model whose
+    `ModelHooks` it is: `dbo.model_hooks`) across the two ubatches, or None when it may
+    (module doc):
     `config.split_inside_requests`, else the model's `dbo_can_split_inside_request()`.
 
     Raises ValueError when the config asks for cuts that the model says are wrong, and
     TypeError when the hook returns something other than a bool.
     """
+    hooks = model if isinstance(model, ModelHooks) else ModelHooks.of(model)
     name = hooks.type_name
     says = hooks.can_split_inside_request
     if config.split_inside_requests is False:
