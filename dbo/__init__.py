@@ -7,8 +7,7 @@ from dbo.groups import destroy_group, new_group
 from dbo.merge import merge_outputs
 from dbo.runner import DBORunner, NoYieldWarning
 from dbo.scheduler import UBatchScheduler
-from dbo.split import SplitPlan, UBatchSlice, plan_split
-from dbo.split_args import SplitArgumentWarning
+from dbo.split import SplitArgumentWarning, SplitPlan, UBatchSlice, plan_split
 from dbo.vote import vote_split
 from dbo.yield_points import (
     dbo_current_ubatch_id,

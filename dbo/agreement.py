@@ -1,7 +1,8 @@
 """What every rank of a group must agree on before a step, and the errors when they don't.
 
-    agreement = cache.get(model, config, runner_fields)   # fields + fingerprint, cached
-    check_inputs(model, args, kwargs)      # the model's cheap input check, if it has one
+    hooks = ModelHooks.of(model)                          # `dbo.model_hooks`
+    agreement = cache.get(hooks, config, runner_fields)   # fields + fingerprint, cached
+    check_inputs(hooks, args, kwargs)      # the model's cheap input check, if it has one
     tally = cast_ballot(Ballot(..., fingerprint=agreement.fingerprint), group)
     if tally.stops:
         stop_step(tally, rejected=..., agreement=agreement, group=group)   # raises
@@ -9,7 +10,8 @@
 The configuration that shapes a step's collectives (the MoE sizes, dtype, backend,
 capacity, whether DBO is on) must be the same on every rank; where it differs the ranks
 issue different collectives and hang, or gloo aborts the process. The runner gathers it
-from two duck-typed hooks, so that this core never imports `moe`:
+from duck-typed hooks (declared in `dbo.model_hooks`), so that this core never imports
+`moe`:
 
 - `dbo_agreement() -> Mapping[str, value]` on any module of the model (`nn.Module`s are
   walked; a plain callable model may define it itself): named fields, prefixed with the
@@ -28,7 +30,7 @@ from two duck-typed hooks, so that this core never imports `moe`:
 
 The fields are hashed into a 62-bit fingerprint carried by every step's vote; they are
 collected on the runner's first step and again only when its `model` or `config` object
-is replaced (not when a module is altered in place). Only when the vote says
+is replaced (not when a module is added or altered in place). Only when the vote says
 a rank rejected its inputs or the fingerprints differ do the ranks exchange their error
 texts and fields (`stop_step`, one `all_gather_object`), then every rank raises, before
 any collective of the model: the rejecting rank its own error, the others a
@@ -48,15 +50,11 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dbo.failures import add_note, mark_stopped_together
+from dbo.model_hooks import AGREEMENT_HOOK, CAPACITY_HOOK, UBATCH_CAPACITY_HOOK, ModelHooks
 from dbo.vote import Tally, group_rank, vote_device
 
-AGREEMENT_HOOK = "dbo_agreement"
-CHECK_INPUTS_HOOK = "dbo_check_inputs"
-CAPACITY_HOOK = "dbo_max_tokens_per_rank"
-UBATCH_CAPACITY_HOOK = "dbo_max_tokens_per_ubatch"
 # Fields listed in a ConfigMismatchError's message (all are on `.fields`).
 MAX_LISTED_FIELDS = 6
 # Characters of a peer's error text carried into a PeerInputError.
@@ -107,67 +105,40 @@ class Agreement:
         return cls(stable, int.from_bytes(digest, "little") >> 2, capacity, ubatch_capacity)
 
 
-def _owners(model: Any) -> list[tuple[str, Any]]:
-    """(name, module) of every module of `model`, or `("", model)` for a plain callable."""
-    if isinstance(model, nn.Module):
-        return list(model.named_modules())
-    return [("", model)]
-
-
 def collect_capacity(model: Any, hook_name: str = CAPACITY_HOOK) -> Optional[int]:
-    """The smallest `dbo_max_tokens_per_rank()` (or other `hook_name`) of `model`'s
-    modules (or of `model` itself when it is not an `nn.Module`); None when none reports
-    a limit."""
-    limits = []
-    for prefix, owner in _owners(model):
-        hook = getattr(owner, hook_name, None)
-        limit = None if hook is None else hook()
-        if limit is None:
-            continue
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise TypeError(f"{type(owner).__name__}.{hook_name}() returned {limit!r}: "
-                            f"it must return a positive int (tokens per rank) or None")
-        limits.append(limit)
-    return min(limits, default=None)
+    """The smallest `dbo_max_tokens_per_rank()` (or `dbo_max_tokens_per_ubatch()`, by
+    `hook_name`) of `model`'s modules; None when none reports a limit
+    (`dbo.model_hooks.ModelHooks.capacity`)."""
+    assert hook_name in (CAPACITY_HOOK, UBATCH_CAPACITY_HOOK), hook_name
+    return ModelHooks.of(model).capacity(per_ubatch=hook_name == UBATCH_CAPACITY_HOOK)
 
 
 def collect_agreement(model: Any) -> Fields:
-    """The `dbo_agreement()` fields of `model`'s modules (or of `model` itself when it is
-    not an `nn.Module`), each prefixed with its module's name."""
-    fields: Fields = {}
-    for prefix, owner in _owners(model):
-        hook = getattr(owner, AGREEMENT_HOOK, None)
-        if hook is None:
-            continue
-        own = hook()
-        if not isinstance(own, Mapping):
-            raise TypeError(f"{type(owner).__name__}.{AGREEMENT_HOOK}() returned a "
-                            f"{type(own).__name__}: it must return a mapping of field names "
-                            f"to values")
-        for name, value in own.items():
-            fields[f"{prefix}.{name}" if prefix else str(name)] = value
-    return fields
+    """The `dbo_agreement()` fields of `model`'s modules, each prefixed with its module's
+    name (`dbo.model_hooks.ModelHooks.agreement_fields`)."""
+    return ModelHooks.of(model).agreement_fields()
 
 
 class AgreementCache:
-    """A runner's `Agreement`, recollected only when its model or config object is
-    replaced. Compared by identity: a step costs two `is` tests."""
+    """A runner's `Agreement`, recollected only when its model (its `ModelHooks`) or
+    config object is replaced. Compared by identity: a step costs two `is` tests."""
 
     def __init__(self) -> None:
-        self._model: Any = None
+        self._hooks: Optional[ModelHooks] = None
         self._config: Any = None
         self._agreement: Optional[Agreement] = None
 
-    def get(self, model: Any, config: Any, own: Callable[[], Fields]) -> Agreement:
-        """The agreement of `model` and the runner's `own()` fields (made from `config`)."""
-        if self._agreement is None or model is not self._model or config is not self._config:
+    def get(self, hooks: ModelHooks, config: Any, own: Callable[[], Fields]) -> Agreement:
+        """The agreement of the model (`hooks`) and the runner's `own()` fields (made from
+        `config`)."""
+        if self._agreement is None or hooks is not self._hooks or config is not self._config:
             self._agreement = None  # a hook that raises leaves nothing behind
-            capacity = collect_capacity(model)  # a field too: every rank must check alike
-            ubatch = collect_capacity(model, UBATCH_CAPACITY_HOOK)
+            capacity = hooks.capacity()  # a field too: every rank must check alike
+            ubatch = hooks.capacity(per_ubatch=True)
             self._agreement = Agreement.of(
-                {**own(), **collect_agreement(model), "capacity": capacity,
+                {**own(), **hooks.agreement_fields(), "capacity": capacity,
                  "ubatch_capacity": ubatch}, capacity, ubatch)
-            self._model, self._config = model, config
+            self._hooks, self._config = hooks, config
         return self._agreement
 
     @property
@@ -183,11 +154,13 @@ class AgreementCache:
 
 
 def check_inputs(model: Any, args: tuple, kwargs: dict) -> None:
-    """Run the model's `dbo_check_inputs(*args, **kwargs)` hook, if it has one.
+    """Run the model's `dbo_check_inputs(*args, **kwargs)` hook, if it has one (`model`:
+    the model, or its `ModelHooks`).
 
     A call whose arguments the hook does not take (a missing or unknown argument) raises
     a TypeError that names the model and the arguments, not the hook's signature."""
-    check: Optional[Callable[..., Any]] = getattr(model, CHECK_INPUTS_HOOK, None)
+    hooks = model if isinstance(model, ModelHooks) else ModelHooks.of(model)
+    check: Optional[Callable[..., Any]] = hooks.check_inputs_hook
     if check is None:
         return
     try:
@@ -198,7 +171,7 @@ def check_inputs(model: Any, args: tuple, kwargs: dict) -> None:
         if unfit is None:
             raise  # the hook's own TypeError about the values
     # Raised outside the handler: one error, not the hook's binding error chained to it.
-    raise TypeError(f"{type(model).__name__} does not take this call's arguments: {unfit} "
+    raise TypeError(f"{hooks.type_name} does not take this call's arguments: {unfit} "
                     f"(got {len(args)} positional and the keywords {sorted(kwargs)}): call "
                     f"the runner with the arguments of the model's forward")
 

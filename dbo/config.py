@@ -15,7 +15,7 @@ from typing import Optional, Any, Callable, Union
 ArgName = Union[int, str]
 
 # The named split modes (see `DBOConfig.split`; None there picks one per call,
-# `dbo.split_modes.auto_split_mode`).
+# `dbo.split.modes.auto_split_mode`).
 SPLIT_MODES: tuple[str, ...] = ("tokens", "requests", "batch")
 
 # The overlap policies (see `DBOConfig.overlap`, `dbo.overlap`).

@@ -26,8 +26,8 @@ graph, so a result stays valid after the next call. At most `max_graphs` graphs 
 The step must not read device values on the host: backend `a2a` (it reads its counts),
 `naive` without `MoEConfig.max_tokens_per_rank`, the `reference` experts and
 `MoEConfig.check_finite_logits` do, and are refused before any capture (modules that say
-so through `cuda_graph_blocker`); backend `a2a_ll` (or `naive` with a capacity) with the
-`triton` experts is the capturable path. Anything else that syncs fails the
+so through `cuda_graph_blocker`, `dbo.model_hooks`); backend `a2a_ll` (or `naive` with a
+capacity) with the `triton` experts is the capturable path. Anything else that syncs fails the
 capture with a RuntimeError saying so.
 
 Measured on 2x H200 (scale-out emulated, layer mode, DeepSeek-V3 shapes, a2a_ll; `dbo
@@ -44,17 +44,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_map
 
-from dbo.graph_host import collect_graph_host_buffers
-from dbo.runner import DBORunner
-from dbo.split_args import UBatchArgs
-from dbo.split_modes import _first_tensor
-from dbo.split import SplitPlan
 from dbo.agreement import check_inputs
 from dbo.failures import annotate_step_failure, reset_collectives
-from dbo.vote import plan_after_vote
+from dbo.graph_host import collect_graph_host_buffers
+from dbo.model_hooks import ModelHooks
+from dbo.runner import DBORunner
+from dbo.mode_policy import Wish
+from dbo.split import SplitPlan, first_tensor
 
 #: Eager steps before a capture: the first compiles and autotunes kernels, allocates the
 #: workspaces and initialises the communicators, none of which a capture may do.
@@ -120,15 +118,9 @@ def capture_graph(fn: Callable[[], Any], *, device: torch.device,
 
 def graph_blockers(model: Any) -> list[str]:
     """Why `model` cannot be captured: the `cuda_graph_blocker` of each of its modules
-    that has one set (e.g. `moe.layer.MoELayer` with backend `a2a`)."""
-    if not isinstance(model, nn.Module):
-        return []
-    reasons = []
-    for name, module in model.named_modules():
-        reason = getattr(module, "cuda_graph_blocker", None)
-        if reason:
-            reasons.append(f"{name or type(module).__name__}: {reason}")
-    return reasons
+    that has one set (e.g. `moe.layer.MoELayer` with backend `a2a`;
+    `dbo.model_hooks.ModelHooks.graph_blockers`)."""
+    return list(ModelHooks.of(model).graph_blockers)
 
 
 @dataclass
@@ -168,7 +160,7 @@ class GraphedRunner:
         for name, value in (("warmup", warmup), ("max_graphs", max_graphs)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        blockers = graph_blockers(runner.model)
+        blockers = runner.hooks.graph_blockers
         if blockers:
             raise ValueError("this model cannot run in a CUDA graph: " + "; ".join(blockers))
         self.runner = runner
@@ -202,10 +194,10 @@ class GraphedRunner:
 
     def _step(self, args: tuple, kwargs: dict) -> Any:
         runner = self.runner
-        plan: Optional[SplitPlan] = None
+        wish: Optional[Wish] = None
         keys: dict[bool, Hashable] = {}
         rejected: Optional[Exception] = None
-        x = _first_tensor(args, kwargs)
+        x = first_tensor(args, kwargs)
         try:
             if x is None or not x.is_cuda:
                 raise ValueError(f"GraphedRunner replays CUDA graphs: the first tensor "
@@ -213,9 +205,9 @@ class GraphedRunner:
                                  f"{'none' if x is None else x.device}; call the DBORunner "
                                  f"itself on CPU")
             signature = _signature(args, kwargs)
-            check_inputs(runner.model, args, kwargs)
-            plan = _plan_of(runner, args, kwargs)[0]
-            keys = {split: (signature, split, _boundaries(plan) if split else ())
+            check_inputs(runner.hooks, args, kwargs)
+            wish = runner.plan(args, kwargs)
+            keys = {split: (signature, split, _boundaries(wish.plan) if split else ())
                     for split in (False, True)}
         except Exception as exc:
             # Vote "not ok": every rank then stops in the vote, rather than waiting in
@@ -223,12 +215,12 @@ class GraphedRunner:
             rejected = exc
         have = (keys.get(True) in self._graphs, keys.get(False) in self._graphs)
         try:
-            tally = runner.vote(plan, rejected, have_graphs=have, cuda_graph=True)
+            tally = runner.vote(None if wish is None else wish.plan, rejected,
+                                have_graphs=have, cuda_graph=True)
         finally:
             rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
-        assert plan is not None and x is not None  # else the vote raised
-        plan = runner.choose_overlap(plan_after_vote(plan, tally.split, tally.max_tokens,
-                                                     tally.all_decode))
+        assert wish is not None and x is not None  # else the vote raised
+        plan = runner.decide(wish, tally.split, tally.max_tokens, tally.all_decode)
         runner.last_decision = plan
         runner.check_capacity(plan, tally, cuda_graph=True)
         all_split, all_unsplit = tally.have_graphs
@@ -275,24 +267,19 @@ def decided_step(runner: DBORunner, args: tuple, kwargs: dict, *, split: bool,
     the runner's plan would not split runs unsplit, as a veto would. `voted`: the plan
     the step's vote left, whose group figures (largest token count, decode) the overlap
     choice reads, so that every rank captures the same mode; None: this rank's own."""
-    plan, ubatch_args, rows = _plan_of(runner, args, kwargs)
-    group_tokens = plan.total_tokens
+    wish = runner.plan(args, kwargs)
+    group_tokens = wish.plan.total_tokens
     group_decode = None
     if voted is not None and voted.group_max_tokens is not None:
         group_tokens, group_decode = voted.group_max_tokens, voted.group_decode
-    plan = runner.choose_overlap(plan_after_vote(plan, split, group_tokens, group_decode))
+    plan = runner.decide(wish, split, group_tokens, group_decode)
 
     def step() -> Any:
-        return runner._execute(plan, ubatch_args, rows, args, kwargs)
+        return runner._execute(plan, wish.cut, args, kwargs)
     return step
 
 
 # ---------------------------------------------------------------------------- helpers
-def _plan_of(runner: DBORunner, args: tuple, kwargs: dict
-             ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
-    """The runner's plan (before any vote), also when its config disables DBO (then
-    unsplit, its tokens counted and its arguments checked as the split mode would)."""
-    return runner._plan(args, kwargs)
 
 
 def _leaves(args: tuple, kwargs: dict) -> list[Any]:

@@ -3,6 +3,9 @@
     plan = restrict_split(plan, config)                 # before the vote
     plan = choose_overlap(plan, config, sbo_blocker)    # after it: plan.overlap, plan.reason
 
+The thresholds' side of the mode policy (`dbo.mode_policy`, which consults the
+calibration's prediction first where it has one).
+
 `DBOConfig.overlap` is the policy:
 - "dbo": split where the thresholds say so (`dbo.split`), else no overlap (the default).
 - "auto": split where the thresholds say so, else single-batch overlap where the model
@@ -15,8 +18,9 @@
 - "none": never split, no overlap.
 
 The model offers SBO unless one of its modules' `dbo_sbo_blocker()` hooks gives a reason
-(or none has the hook: then nothing would overlap). Every rank takes the same mode with
-no collective of its own: it follows from the voted split and from the configuration,
+(or none has the hook: then nothing would overlap; `dbo.model_hooks`). Every rank takes
+the same mode with no collective of its own: it follows from the voted split and from
+the configuration,
 whose fields (the policy, each layer's backend, the model's SBO blocker) the vote's
 fingerprint already covers (`dbo.step_vote`).
 """
@@ -25,29 +29,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from torch import nn
-
 from dbo.config import DBOConfig
+from dbo.model_hooks import NO_SBO_HOOK, ModelHooks
 from dbo.split import SplitPlan
 
-SBO_HOOK = "dbo_sbo_blocker"
-NO_SBO_HOOK = f"no module of the model overlaps within one batch (no {SBO_HOOK} hook)"
+__all__ = ["NO_SBO_HOOK", "choose_overlap", "collect_sbo_blocker", "restrict_split"]
 
 
 def collect_sbo_blocker(model: Any) -> Optional[str]:
     """Why `model` cannot run a single-batch-overlap step (the first module's reason, or
-    that none has the hook), or None when it can."""
-    owners = list(model.modules()) if isinstance(model, nn.Module) else [model]
-    offered = False
-    for owner in owners:
-        hook = getattr(owner, SBO_HOOK, None)
-        if hook is None:
-            continue
-        reason = hook()
-        if reason is not None:
-            return str(reason)
-        offered = True
-    return None if offered else NO_SBO_HOOK
+    that none has the hook), or None when it can (`ModelHooks.sbo_blocker`)."""
+    return ModelHooks.of(model).sbo_blocker
 
 
 def restrict_split(plan: SplitPlan, config: DBOConfig) -> SplitPlan:

@@ -1,6 +1,6 @@
 """The overlap mode a step's shape predicts, from a calibration's measured phase times:
 what `DBORunner(..., calibration=cal)` runs under `DBOConfig(overlap="auto")` instead of
-the token thresholds, with no trial steps.
+the token thresholds, with no trial steps (the choice itself: `dbo.mode_policy`).
 
     predictor = OverlapPredictor(Calibration.load("dbo_out/bench/calibration.json")
                                  .select(backend="a2a"))
@@ -23,9 +23,8 @@ from typing import Optional
 
 from dbo.calibration import Calibration, MeasuredPoint
 from dbo.cost_model import PhaseTimes, Prediction, StepShape, predict
-from dbo.split import SplitPlan
 
-__all__ = ["OverlapPredictor", "choose_predicted", "covering_point", "point_inputs"]
+__all__ = ["OverlapPredictor", "covering_point", "point_inputs"]
 
 # The fields of a MeasuredPoint that scale with the step's tokens.
 _SCALED = ("attention", "experts", "dispatch", "combine", "shared", "comm_latency",
@@ -128,35 +127,3 @@ class OverlapPredictor:
                 *point_inputs(point, self.calibration), self.calibration, margin=self.margin,
                 sbo_chunks=point.sbo_chunks if self.sbo_chunks is None else self.sbo_chunks)
         return self._cache[key]
-
-
-def group_is_decode(plan: SplitPlan) -> bool:
-    """Whether the group's step is decode-shaped: every rank's, as the vote found
-    (`SplitPlan.group_decode`), so every rank predicts the same shape; this rank's own
-    where no vote ran."""
-    return plan.group_decode if plan.group_decode is not None else plan.is_decode
-
-
-def choose_predicted(plan: SplitPlan, predictor: OverlapPredictor,
-                     sbo_blocker: Optional[str]) -> Optional[SplitPlan]:
-    """The voted `plan` with the mode `predictor` gives, or None where it does not cover
-    the shape. Split: DBO. Unsplit: single-batch overlap where it is predicted to win by
-    the margin and the model offers it (`sbo_blocker` None), else none, predicted at the
-    group's largest token count (`plan.group_max_tokens`, the same on every rank)."""
-    tokens = plan.group_max_tokens if plan.group_max_tokens is not None else plan.total_tokens
-    prediction = predictor.predict(tokens=tokens, decode=group_is_decode(plan))
-    if prediction is None:
-        return None
-    if plan.split:
-        return dataclasses.replace(plan, overlap="dbo")
-    reason = plan.reason
-    if not (reason.startswith("predicted") and tokens == plan.total_tokens):
-        reason = f"{reason}; at the group's {tokens} tokens/rank predicted {prediction.reason}"
-    sbo_gain = prediction.gain("sbo")
-    if sbo_gain < predictor.margin:
-        return dataclasses.replace(plan, overlap="none", reason=(
-            f"{reason}; no overlap (sbo predicted {sbo_gain:+.1%})"))
-    if sbo_blocker is not None:
-        return dataclasses.replace(plan, overlap="none", reason=(
-            f"{reason}; no single-batch overlap: {sbo_blocker}"))
-    return dataclasses.replace(plan, overlap="sbo", reason=f"{reason}: single-batch overlap")

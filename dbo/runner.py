@@ -4,11 +4,12 @@
     out = runner(x_TH, positions_T, seq_lens=[5, 3, 8])   # same result as model(...)
     runner.last_decision.split, runner.last_decision.reason
 
-One step: plan the split (the split mode's cut, `dbo.split_modes`; thresholds, token
-balance, `dbo.split`), vote across the group (`dbo.vote`: every rank splits or none
-does), then either call the model once, or run `model(ubatch 0 inputs)` and
-`model(ubatch 1 inputs)` as two greenlets of a `UBatchScheduler` — they interleave where
-the model calls `dbo_yield*()` — and merge the outputs (`dbo.merge`). While the ubatches
+One step is plan -> vote -> run -> merge (`_step`): plan the split (the split mode's
+cut, thresholds and token balance, `dbo.split`; the mode policy, `dbo.mode_policy`),
+vote across the group (`dbo.step_vote`: every rank splits or none does; the mode follows
+from the voted data), then either call the model once, or run `model(ubatch 0 inputs)`
+and `model(ubatch 1 inputs)` as two greenlets of a `UBatchScheduler` — they interleave
+where the model calls `dbo_yield*()` — and merge the outputs (`dbo.merge`). While the ubatches
 run, torch's GEMMs leave `DBOConfig.gemm_sm_carveout` SMs to the comm kernels beside them
 (`streams.gemm_carveout`).
 Nothing here assumes MoE: any model whose rows are independent outside its own
@@ -23,7 +24,7 @@ request is cut across the ubatches only where the model allows it), "batch" (pad
 sequences), a callable, or None (the default: per call, the mode the model declares
 with `dbo_split_mode`, else "requests" for a call with `seq_lens=`, else "tokens"; the
 reason ends with which and why); which arguments each cuts, and which tensors it
-refuses or warns about (`SplitArgumentWarning`), is `dbo.split_modes`'s. An error raised
+refuses or warns about (`SplitArgumentWarning`), is `dbo.split.call`'s. An error raised
 inside a ubatch gets a note naming the rows of the step that ubatch ran, since the
 shapes in its message are the ubatch's.
 
@@ -44,9 +45,11 @@ vote's one small all-reduce per step (0.3-0.5 ms between 2 gloo ranks on a share
 2-core CPU; over NCCL a host sync on a side stream, `dbo.vote`; docs/models.md). What is
 voted, and why no decision of a step is left to one rank's data, is `dbo.step_vote`'s.
 
-With a calibration (`DBORunner(..., calibration=cal)`, `DBOConfig(overlap="auto")`), a
-step whose shape the calibration covers (`dbo.predicted_overlap`) runs the mode the cost
-model predicts fastest instead of the one the thresholds give: it wants to split where
+The model is read through its hooks, found once per model (`dbo.model_hooks`:
+`DBORunner.hooks`). With a calibration (`DBORunner(..., calibration=cal)`,
+`DBOConfig(overlap="auto")`), a step whose shape the calibration covers
+(`dbo.predicted_overlap`, `dbo.mode_policy`) runs the mode the cost model predicts
+fastest instead of the one the thresholds give: it wants to split where
 DBO is predicted to win (thresholds aside), and otherwise takes single-batch overlap or
 none as predicted at the group's largest token count (the same on every rank). No
 trial steps: the reason says "predicted ...", and is logged once per shape. Shapes the
@@ -57,7 +60,6 @@ the field "calibration".
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 import threading
 import warnings
@@ -71,12 +73,22 @@ from dbo.calibration import Calibration
 from dbo.config import DBOConfig
 from dbo.failures import annotate_step_failure, annotate_ubatch_rows, reset_collectives
 from dbo.merge import merge_outputs
-from dbo.overlap import choose_overlap, restrict_split
-from dbo.predicted_overlap import OverlapPredictor, choose_predicted, group_is_decode
+from dbo.mode_policy import ModePolicy, Wish
+from dbo.model_hooks import ModelHooks
+from dbo.predicted_overlap import OverlapPredictor
 from dbo.scheduler import UBatchScheduler
-from dbo.split import SplitPlan, request_cut_blocker
-from dbo.split_args import SplitArgs, SplitArgumentWarning, UBatchArgs, undeclared_warning
-from dbo.split_modes import SplitModeChooser, _first_tensor, _num_rows, model_name, split_call
+from dbo.split import (
+    CallSplit,
+    SplitArgs,
+    SplitArgumentWarning,
+    SplitModeChooser,
+    SplitPlan,
+    first_tensor,
+    num_rows,
+    request_cut_blocker,
+    split_call,
+    undeclared_warning,
+)
 from dbo.step_vote import StepVotes, calibration_digest
 from dbo.vote import Tally, plan_after_vote
 from dbo.yield_points import dbo_enabled
@@ -87,7 +99,6 @@ DISABLED_REASON = "DBO disabled (DBOConfig.enabled=False)"
 # would share its schedulers, streams and agreement (and issue interleaved collectives).
 SHARED_RUNNER = ("a DBORunner runs one step at a time on one thread; give each thread its "
                  "own runner (DBORunner(model, config, group=...) per thread)")
-logger = logging.getLogger(__name__)
 
 
 # The words of `NoYieldWarning` (and, the first part, of the step's reason).
@@ -141,23 +152,22 @@ class DBORunner:
         self.model = model
         self.config = config
         self.group = group
-        self._predictor = OverlapPredictor(calibration) if calibration is not None else None
+        predictor = OverlapPredictor(calibration) if calibration is not None else None
+        self._policy = ModePolicy(predictor)  # the step's mode: thresholds, prediction
         # The calibration's digest is voted (`dbo.step_vote`): ranks predicting from
         # different calibrations would run different overlap modes.
-        self._votes = StepVotes(calibration=None if self._predictor is None else
-                                calibration_digest(calibration, margin=self._predictor.margin,
-                                                   sbo_chunks=self._predictor.sbo_chunks))
-        self._explained: set[tuple[int, bool]] = set()  # shapes whose choice was logged
+        self._votes = StepVotes(calibration=None if predictor is None else
+                                calibration_digest(calibration, margin=predictor.margin,
+                                                   sbo_chunks=predictor.sbo_chunks))
+        self._hooks: Optional[ModelHooks] = None  # the model's, see `hooks`
         self.last_decision: Optional[SplitPlan] = None
         self._schedulers: dict[torch.device, UBatchScheduler] = {}
         self._warned_kwargs: set[str] = set()  # see `_warn_undeclared`
-        # (model, config, why no request may be cut); raises now for a refused config.
-        self._cut_blocker: tuple[Any, Any, Optional[str]] = (None, None, None)
         self._split_modes = SplitModeChooser()  # what DBOConfig(split=None) takes per call
         self._warned_no_yield = False  # see `_no_yield`
         self._never_split: tuple[Any, Optional[DBOConfig]] = (None, None)  # `_plan_disabled`
         # Raise now for a model's bad split mode and a refused cut config.
-        declared = self._split_modes.model_mode(self.model) if config.split is None else None
+        declared = self.hooks.split_mode if config.split is None else None
         if config.split == "requests" or declared == "requests":
             self._whole_requests()
         # Held while a step runs (`__call__`): a second thread's step is refused at once.
@@ -167,11 +177,21 @@ class DBORunner:
         return f"DBORunner(model={type(self.model).__name__}, config={self.config!r})"
 
     @property
+    def hooks(self) -> ModelHooks:
+        """The model's hooks (`dbo.model_hooks`), found again only when `model` is
+        replaced: the one place the runner (and `GraphedRunner`) reads the model."""
+        hooks = self._hooks
+        if hooks is None or hooks.model is not self.model:
+            hooks = self._hooks = ModelHooks.of(self.model)
+        return hooks
+
+    @property
     def predictor(self) -> Optional[OverlapPredictor]:
         """The calibration's predictor (None without one); set once, as its digest is
         what the vote carries."""
-        return self._predictor
+        return self._policy.predictor
 
+    # ------------------------------------------------------------------- one step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if dbo_enabled():
             # Already inside a ubatch of an outer step (the outer runner voted).
@@ -191,27 +211,125 @@ class DBORunner:
             self._in_step.release()
 
     def _step(self, args: tuple, kwargs: dict) -> Any:
-        plan: Optional[SplitPlan] = None
-        ubatch_args: list[UBatchArgs] = []
-        rows: Optional[tuple[int, ...]] = None
-        rejected: Optional[Exception] = None
+        """plan -> vote -> run -> merge."""
+        wish, rejected = self._plan_step(args, kwargs)
         try:
-            check_inputs(self.model, args, kwargs)
-            plan, ubatch_args, rows = self._plan(args, kwargs)
-        except Exception as exc:
-            # Bad input on this rank: vote "not ok" so that every rank stops (`vote`).
-            rejected = exc
-        try:
-            tally = self.vote(plan, rejected)
+            plan = self._vote_step(wish, rejected)
         finally:
             rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
-        assert plan is not None  # a rejected plan stopped the step in the vote
-        plan = self.choose_overlap(plan_after_vote(plan, tally.split, tally.max_tokens,
-                                                   tally.all_decode))
+        assert wish is not None  # a rejected plan stopped the step in the vote
+        outputs = self._run(plan, wish.cut, args, kwargs)
+        return self._merge(plan, wish.cut, outputs)
+
+    def _plan_step(self, args: tuple, kwargs: dict
+                   ) -> tuple[Optional[Wish], Optional[Exception]]:
+        """This rank's wish (`plan`), or the error that rejects its inputs (the model's
+        `dbo_check_inputs`, the split mode's checks): it then votes "not ok", so that
+        every rank stops (`vote`)."""
+        try:
+            check_inputs(self.hooks, args, kwargs)
+            return self.plan(args, kwargs), None
+        except Exception as exc:
+            return None, exc
+
+    def _vote_step(self, wish: Optional[Wish], rejected: Optional[Exception]) -> SplitPlan:
+        """The step's vote, the mode derived from it (`decide`) and the capacity check;
+        sets `last_decision`."""
+        try:
+            tally = self.vote(None if wish is None else wish.plan, rejected)
+        finally:
+            rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
+        assert wish is not None
+        plan = self.decide(wish, tally.split, tally.max_tokens, tally.all_decode)
         self.last_decision = plan
         self.check_capacity(plan, tally)
-        return self._execute(plan, ubatch_args, rows, args, kwargs)
+        return plan
 
+    def _run(self, plan: SplitPlan, cut: CallSplit, args: tuple, kwargs: dict) -> list[Any]:
+        """Run a step whose split every rank has agreed on (`plan`, after the vote): one
+        output per model call. No collective of its own: `dbo.graphs` captures this."""
+        if not plan.split and plan.overlap != "sbo":
+            return [self.model(*args, **kwargs)]
+        x = first_tensor(args, kwargs)
+        scheduler = self._scheduler(x)
+        device = x.device if x is not None else torch.device("cpu")
+        if not plan.split:  # single-batch overlap: one ubatch, its collectives on comm
+            with gemm_sm_carveout(self.config.gemm_sm_carveout, device):
+                return scheduler.run([_bind(self.model, args, kwargs)])
+        try:
+            with gemm_sm_carveout(self.config.gemm_sm_carveout, device):
+                outputs = scheduler.run([_bind(self.model, a, k) for a, k in cut.ubatch_args])
+        except BaseException as exc:
+            # The scheduler named the ubatch (`dbo_ubatch_id`); its shapes are not the
+            # ones the user passed, so say which rows of the step it ran.
+            annotate_ubatch_rows(exc, cut.rows if cut.rows is not None else plan.num_tokens,
+                                 contiguous=not callable(self.config.split))
+            raise
+        if not scheduler.last_run_interleaved and not self._warned_no_yield:
+            self._no_yield()
+        return outputs
+
+    def _merge(self, plan: SplitPlan, cut: CallSplit, outputs: list[Any]) -> Any:
+        """The step's output: the one call's, or the ubatches' merged (`DBOConfig.merge`,
+        else `merge_outputs` by the ubatches' rows)."""
+        if not plan.split:
+            return outputs[0]
+        if self.config.merge is not None:
+            return self.config.merge(outputs)
+        return merge_outputs(outputs, rows=cut.rows)
+
+    def _execute(self, plan: SplitPlan, cut: CallSplit, args: tuple, kwargs: dict) -> Any:
+        """run -> merge of a decided step (what `dbo.graphs.decided_step` captures)."""
+        return self._merge(plan, cut, self._run(plan, cut, args, kwargs))
+
+    # ------------------------------------------------------------------- plan
+    def plan(self, args: tuple, kwargs: dict) -> Wish:
+        """This rank's plan before the vote (its wish, and the ubatches' inputs when it
+        splits): the split mode's cut, then the mode policy (`dbo.mode_policy`); with
+        DBO off the unsplit plan, its inputs checked as the split mode would."""
+        if not self.config.enabled:
+            return Wish(CallSplit(plan=self._plan_disabled(args, kwargs)))
+        return self._policy.wish(self.config, self._cut(args, kwargs),
+                                 lambda: self._cut(args, kwargs, thresholds=False))
+
+    def _plan_disabled(self, args: tuple, kwargs: dict) -> SplitPlan:
+        """The unsplit plan of a step with DBO off: its tokens and shape as the split mode
+        counts them, and the split mode's checks of the arguments (`seq_lens`, rows), so
+        that DBO on or off a step's inputs are checked alike before the vote. A callable
+        split is not called: the step's rows are dim 0 of its first tensor."""
+        if callable(self.config.split):
+            plan = SplitPlan(split=False, num_tokens=(num_rows(args, kwargs),),
+                             reason=DISABLED_REASON)
+        else:
+            if self._never_split[0] is not self.config:
+                never = dataclasses.replace(self.config, min_decode_tokens=sys.maxsize,
+                                            min_prefill_tokens=sys.maxsize)
+                self._never_split = (self.config, never)
+            mode, _ = self._split_modes.choose(self.hooks, self.config, kwargs)
+            plan = split_call(args, kwargs, self._never_split[1], mode=mode,
+                              whole_requests=self._whole_requests).plan
+        assert not plan.split
+        return dataclasses.replace(plan, reason=DISABLED_REASON)
+
+    def _cut(self, args: tuple, kwargs: dict, *, thresholds: bool = True) -> CallSplit:
+        """The cut the split mode and thresholds give (`dbo.split.split_call`; `plan`
+        applies the policy); `thresholds=False`: as if both thresholds were 0."""
+        mode, why = self._split_modes.choose(self.hooks, self.config, kwargs)
+        cut = split_call(args, kwargs, self.config, thresholds=thresholds, mode=mode,
+                         whole_requests=self._whole_requests)
+        if cut.split_args is not None:
+            self._warn_undeclared(cut.split_args)
+        if why is None:
+            return cut
+        return dataclasses.replace(cut, plan=dataclasses.replace(
+            cut.plan, reason=f"{cut.plan.reason} ({why})"))
+
+    def _whole_requests(self) -> Optional[str]:
+        """Why no request of the model may be cut (`dbo.split.request_cut_blocker`), or
+        None; the model's say is read once per model (`ModelHooks`)."""
+        return request_cut_blocker(self.hooks, self.config)
+
+    # ------------------------------------------------------------------- vote
     def vote(self, plan: Optional[SplitPlan], rejected: Optional[BaseException], *,
              have_graphs: tuple[bool, bool] = (True, True), cuda_graph: bool = False) -> Tally:
         """The step's one collective (`dbo.step_vote.StepVotes.vote`): this rank's split
@@ -220,73 +338,24 @@ class DBORunner:
         inputs, or the fingerprints differ, every rank raises here; this rank re-raises
         `rejected`."""
         try:
-            return self._votes.vote(self.model, self.config, self.group, plan, rejected,
+            return self._votes.vote(self.hooks, self.config, self.group, plan, rejected,
                                     have_graphs=have_graphs, cuda_graph=cuda_graph)
         finally:
             rejected = None  # no frame of a stopped step may keep its error (`stop_step`)
 
-    def choose_overlap(self, plan: SplitPlan) -> SplitPlan:
-        """The voted `plan` with the step's overlap mode and its reason (`dbo.overlap`):
-        the same on every rank, from the voted split and the agreed configuration."""
-        if not self.config.enabled:
-            return plan
-        sbo_blocker = self._votes.sbo_blocker(self.model)  # voted with the fields
-        predicted = self._predicted_overlap(plan, sbo_blocker)
-        if predicted is not None:
-            return predicted
-        return choose_overlap(plan, self.config, sbo_blocker)
-
-    def _predicts(self) -> bool:
-        return (self._predictor is not None and self.config.overlap == "auto"
-                and not callable(self.config.split))
-
-    def _predicted_overlap(self, plan: SplitPlan, sbo_blocker: Optional[str]
-                           ) -> Optional[SplitPlan]:
-        """The voted `plan` with its predicted mode (`choose_predicted`), logged once per
-        shape; None where not predicted."""
-        if not self._predicts():
-            return None
-        assert self._predictor is not None
-        chosen = choose_predicted(plan, self._predictor, sbo_blocker)
-        shape = (plan.group_max_tokens or plan.total_tokens, group_is_decode(plan))
-        if chosen is not None and shape not in self._explained:
-            self._explained.add(shape)
-            logger.info("dbo: %d %s tokens/rank run %s: %s", shape[0],
-                        "decode" if shape[1] else "prefill", chosen.overlap, chosen.reason)
-        return chosen
+    def decide(self, wish: Wish, split: bool, max_tokens: int,
+               all_decode: Optional[bool]) -> SplitPlan:
+        """The plan every rank runs: `wish` as the vote left it (`split`, the group's
+        largest token count and whether every rank's step is decode) with the step's
+        mode and its reason (`dbo.mode_policy`), from voted and agreed data only."""
+        voted = plan_after_vote(wish.plan, split, max_tokens, all_decode)
+        sbo_blocker = self.hooks.sbo_blocker if self.config.enabled else None
+        return self._policy.settle(self.config, wish, voted, sbo_blocker)
 
     def agreement_fields(self, cuda_graph: bool = False) -> dict[str, Any]:
         """The runner's own fields that every rank must share (`dbo.step_vote`); the
         model's modules add theirs."""
-        return self._votes.fields(self.model, self.config, cuda_graph)
-
-    def _execute(self, plan: SplitPlan, ubatch_args: list[UBatchArgs],
-                 rows: Optional[tuple[int, ...]], args: tuple, kwargs: dict) -> Any:
-        """Run a step whose split every rank has agreed on (`plan`, after the vote), with
-        the ubatches' inputs `_plan` gave. No collective of its own: `dbo.graphs`
-        captures this."""
-        if not plan.split and plan.overlap != "sbo":
-            return self.model(*args, **kwargs)
-        x = _first_tensor(args, kwargs)
-        scheduler = self._scheduler(x)
-        device = x.device if x is not None else torch.device("cpu")
-        if not plan.split:  # single-batch overlap: one ubatch, its collectives on comm
-            with gemm_sm_carveout(self.config.gemm_sm_carveout, device):
-                return scheduler.run([_bind(self.model, args, kwargs)])[0]
-        try:
-            with gemm_sm_carveout(self.config.gemm_sm_carveout, device):
-                outputs = scheduler.run([_bind(self.model, a, k) for a, k in ubatch_args])
-        except BaseException as exc:
-            # The scheduler named the ubatch (`dbo_ubatch_id`); its shapes are not the
-            # ones the user passed, so say which rows of the step it ran.
-            annotate_ubatch_rows(exc, rows if rows is not None else plan.num_tokens,
-                                 contiguous=not callable(self.config.split))
-            raise
-        if not scheduler.last_run_interleaved and not self._warned_no_yield:
-            self._no_yield()
-        if self.config.merge is not None:
-            return self.config.merge(outputs)
-        return merge_outputs(outputs, rows=rows)
+        return self._votes.fields(self.hooks, self.config, cuda_graph)
 
     def check_capacity(self, plan: SplitPlan, tally: Tally, *, cuda_graph: bool = False
                        ) -> None:
@@ -296,77 +365,7 @@ class DBORunner:
         and `tally` after the vote). `cuda_graph`: the check of a `GraphedRunner` step."""
         self._votes.check_capacity(plan, tally, group=self.group, cuda_graph=cuda_graph)
 
-    # ------------------------------------------------------------------- planning
-    def _plan(self, args: tuple, kwargs: dict
-              ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
-        """This rank's plan, the ubatches' inputs (when split) and their rows for merge."""
-        if not self.config.enabled:
-            return self._plan_disabled(args, kwargs), [], None
-        plan, ubatch_args, rows = self._plan_split(args, kwargs)
-        if self._predicts():
-            predicted = self._predicted_split(plan, args, kwargs)
-            if predicted is not None:
-                return predicted
-        restricted = restrict_split(plan, self.config)
-        if restricted is not plan:
-            return restricted, [], None
-        return plan, ubatch_args, rows
-
-    def _plan_disabled(self, args: tuple, kwargs: dict) -> SplitPlan:
-        """The unsplit plan of a step with DBO off: its tokens and shape as the split mode
-        counts them, and the split mode's checks of the arguments (`seq_lens`, rows), so
-        that DBO on or off a step's inputs are checked alike before the vote. A callable
-        split is not called: the step's rows are dim 0 of its first tensor."""
-        if callable(self.config.split):
-            plan = SplitPlan(split=False, num_tokens=(_num_rows(args, kwargs),),
-                             reason=DISABLED_REASON)
-        else:
-            if self._never_split[0] is not self.config:
-                never = dataclasses.replace(self.config, min_decode_tokens=sys.maxsize,
-                                            min_prefill_tokens=sys.maxsize)
-                self._never_split = (self.config, never)
-            mode, _ = self._split_modes.choose(self.model, self.config, kwargs)
-            plan = split_call(args, kwargs, self._never_split[1], mode=mode,
-                              whole_requests=self._whole_requests).plan
-        assert not plan.split
-        return dataclasses.replace(plan, reason=DISABLED_REASON)
-
-    def _predicted_split(self, plan: SplitPlan, args: tuple, kwargs: dict
-                         ) -> Optional[tuple[SplitPlan, list[UBatchArgs],
-                                             Optional[tuple[int, ...]]]]:
-        """This rank's wish where the calibration covers its shape: split (thresholds
-        aside) where DBO is predicted fastest, else unsplit; None where not covered."""
-        assert self._predictor is not None
-        prediction = self._predictor.predict(tokens=plan.total_tokens, decode=plan.is_decode)
-        if prediction is None:
-            return None
-        if prediction.chosen != "dbo":
-            return dataclasses.replace(
-                plan, split=False, ubatches=(), num_tokens=(plan.total_tokens,),
-                reason=f"predicted {prediction.reason}"), [], None
-        ubatch_args: list[UBatchArgs] = []
-        rows: Optional[tuple[int, ...]] = None
-        if not plan.split:  # below a threshold, perhaps: the prediction overrides it
-            plan, ubatch_args, rows = self._plan_split(args, kwargs, thresholds=False)
-        why = f"predicted {prediction.reason}"
-        if not plan.split:  # e.g. one request that may not be cut
-            return dataclasses.replace(plan, reason=f"{why}, but {plan.reason}"), [], None
-        return dataclasses.replace(plan, reason=f"{why} ({plan.reason})"), ubatch_args, rows
-
-    def _plan_split(self, args: tuple, kwargs: dict, *, thresholds: bool = True
-                    ) -> tuple[SplitPlan, list[UBatchArgs], Optional[tuple[int, ...]]]:
-        """The plan the split mode and thresholds give (`dbo.split_modes`; `_plan`
-        applies the policy); `thresholds=False`: as if both thresholds were 0."""
-        mode, why = self._split_modes.choose(self.model, self.config, kwargs)
-        cut = split_call(args, kwargs, self.config, thresholds=thresholds, mode=mode,
-                         whole_requests=self._whole_requests)
-        if cut.split_args is not None:
-            self._warn_undeclared(cut.split_args)
-        plan = cut.plan
-        if why is not None:
-            plan = dataclasses.replace(plan, reason=f"{plan.reason} ({why})")
-        return plan, cut.ubatch_args, cut.rows
-
+    # ------------------------------------------------------------------- warnings
     def _no_yield(self) -> None:
         """The first split step whose ubatches never interleaved (`UBatchScheduler.
         last_run_interleaved`): say so, once per runner, in a `NoYieldWarning` and in
@@ -375,18 +374,9 @@ class DBORunner:
         if self.last_decision is not None and self.last_decision.split:
             self.last_decision = dataclasses.replace(
                 self.last_decision, reason=f"{self.last_decision.reason}; {NO_YIELD_NOTE}")
-        warnings.warn(f"DBORunner over {model_name(self.model)}: {NO_YIELD_NOTE}. "
+        warnings.warn(f"DBORunner over {self.hooks.name}: {NO_YIELD_NOTE}. "
                       f"{NO_YIELD_HELP} Warned once per runner", NoYieldWarning,
                       stacklevel=5)
-
-    def _whole_requests(self) -> Optional[str]:
-        """Why no request of the model may be cut (`dbo.split.request_cut_blocker`), or
-        None; looked up again only when `model` or `config` is replaced."""
-        model, config, reason = self._cut_blocker
-        if model is not self.model or config is not self.config:
-            reason = request_cut_blocker(self.model, self.config)
-            self._cut_blocker = (self.model, self.config, reason)
-        return reason
 
     def _warn_undeclared(self, which: SplitArgs) -> None:
         """Once per runner and keyword: a keyword tensor this split step cuts by rows
@@ -395,7 +385,7 @@ class DBORunner:
             if keyword not in self._warned_kwargs:
                 self._warned_kwargs.add(keyword)
                 warnings.warn(undeclared_warning(keyword, which),
-                              SplitArgumentWarning, stacklevel=5)
+                              SplitArgumentWarning, stacklevel=6)
 
     def _scheduler(self, x: Optional[torch.Tensor]) -> UBatchScheduler:
         """One scheduler per input device, reused across steps (it caches streams)."""

@@ -2,7 +2,7 @@
 step's one all-reduce (`dbo.vote.cast_ballot`), and the capacity check after it.
 
     votes = StepVotes(calibration=cal)          # one per DBORunner
-    tally = votes.vote(model, config, group, plan, rejected)   # may raise on every rank
+    tally = votes.vote(hooks, config, group, plan, rejected)   # may raise on every rank
     votes.check_capacity(plan, tally, group=group)             # likewise
     with step_token_limit(64, 32):              # a caller's limit on one call's tokens
         runner(x)
@@ -12,7 +12,7 @@ the process ("EnforceNotMet 512 vs 256"). So every decision of a step that chang
 collectives is voted, or derived from voted data only:
 
 - the split: every rank's wish, voted (MIN);
-- the overlap mode (`dbo.overlap`, `dbo.predicted_overlap`): the voted split, the group's
+- the overlap mode (`dbo.mode_policy`): the voted split, the group's
   largest token count and whether every rank's step is decode (voted), `DBOConfig.overlap`,
   the model's SBO blocker and a digest of the calibration (fields of the fingerprint);
 - the chunked SBO combine and the split combine: the overlap mode, the split, and the MoE
@@ -33,7 +33,7 @@ import json
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator, Optional
+from typing import ClassVar, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -41,7 +41,7 @@ from dbo.agreement import Agreement, AgreementCache, Fields, gather_objects, sto
 from dbo.calibration import Calibration
 from dbo.config import DBOConfig
 from dbo.failures import mark_stopped_together
-from dbo.overlap import collect_sbo_blocker
+from dbo.model_hooks import ModelHooks
 from dbo.split import SplitPlan
 from dbo.vote import Ballot, Tally, cast_ballot
 
@@ -111,31 +111,26 @@ def calibration_digest(calibration: Optional[Calibration], *, margin: float,
 class StepVotes:
     """One runner's side of its steps' votes: its fields (`fields`), the agreement
     caches (eager steps and `GraphedRunner` steps, whose fields differ by `cuda_graph`),
-    the vote (`vote`) and the capacity check after it (`check_capacity`)."""
+    the vote (`vote`) and the capacity check after it (`check_capacity`). The model is
+    read through its `ModelHooks` (`dbo.model_hooks`)."""
 
     def __init__(self, *, calibration: Optional[str] = None) -> None:
         self.calibration = calibration
         self._caches = {False: AgreementCache(), True: AgreementCache()}
-        self._sbo_blocker: tuple[Any, Optional[str]] = (None, None)  # (model, its reason)
 
-    def sbo_blocker(self, model: Any) -> Optional[str]:
-        """Why `model` offers no single-batch overlap (`dbo.overlap.collect_sbo_blocker`),
-        looked up again only when the model is replaced: the value the vote carried."""
-        if self._sbo_blocker[0] is not model:
-            self._sbo_blocker = (model, collect_sbo_blocker(model))
-        return self._sbo_blocker[1]
-
-    def fields(self, model: Any, config: DBOConfig, cuda_graph: bool = False) -> Fields:
+    def fields(self, hooks: ModelHooks, config: DBOConfig, cuda_graph: bool = False
+               ) -> Fields:
         """The runner's own fields that every rank must share (the model's modules add
-        theirs, `dbo.agreement`)."""
+        theirs, `dbo.agreement`); the model's SBO blocker (`ModelHooks.sbo_blocker`, read
+        once per model) is one, so the mode it helps choose is the same on every rank."""
         split = config.split
         return {"DBOConfig.enabled": config.enabled,
                 "DBOConfig.split": split if isinstance(split, str) else "auto" if split is None
                 else f"callable {getattr(split, '__qualname__', type(split).__name__)}",
                 "DBOConfig.overlap": config.overlap, "cuda_graph": cuda_graph,
-                "calibration": self.calibration, "sbo_blocker": self.sbo_blocker(model)}
+                "calibration": self.calibration, "sbo_blocker": hooks.sbo_blocker}
 
-    def vote(self, model: Any, config: DBOConfig, group: Optional[dist.ProcessGroup],
+    def vote(self, hooks: ModelHooks, config: DBOConfig, group: Optional[dist.ProcessGroup],
              plan: Optional[SplitPlan], rejected: Optional[BaseException], *,
              have_graphs: tuple[bool, bool] = (True, True), cuda_graph: bool = False) -> Tally:
         """Cast this rank's ballot (module doc); where any rank rejected its inputs or
@@ -143,7 +138,7 @@ class StepVotes:
         agreement: Optional[Agreement] = None
         try:
             agreement = self._caches[cuda_graph].get(
-                model, config, lambda: self.fields(model, config, cuda_graph))
+                hooks, config, lambda: self.fields(hooks, config, cuda_graph))
         except Exception as exc:  # a hook's bad field: stop every rank, as for bad input
             rejected = rejected if rejected is not None else exc
         limit = current_token_limit()

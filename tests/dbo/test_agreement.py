@@ -23,6 +23,7 @@ from torch import nn
 import dbo
 from dbo import ConfigMismatchError, DBOConfig, DBORunner, GraphedRunner, PeerInputError
 from dbo.agreement import Agreement, AgreementCache, collect_agreement, collect_capacity
+from dbo.model_hooks import ModelHooks
 from dbo.failures import record_collectives
 from dbo.vote import Ballot, cast_ballot
 from moe import MoEConfig, MoELayer, init_moe_weights
@@ -104,15 +105,15 @@ def test_the_cache_collects_again_only_when_the_model_or_config_is_replaced() ->
         def dbo_max_tokens_per_rank(self) -> int:  # the capacity, voted on as a field
             return 12
 
-    model, cache = Counting(), AgreementCache()
+    hooks, cache = ModelHooks.of(Counting()), AgreementCache()
     on, off = DBOConfig(), DBOConfig(enabled=False)
-    first = cache.get(model, on, lambda: {"enabled": True})
+    first = cache.get(hooks, on, lambda: {"enabled": True})
     assert first.fields == {"enabled": True, "width": 4, "capacity": 12,
                             "ubatch_capacity": None}
     assert first.capacity == cache.capacity == 12 and cache.ubatch_capacity is None
-    assert cache.get(model, on, lambda: {"enabled": True}) is first and len(calls) == 1
-    assert cache.get(model, off, lambda: {"enabled": False}) is not first and len(calls) == 2
-    cache.get(Counting(), off, lambda: {"enabled": False})
+    assert cache.get(hooks, on, lambda: {"enabled": True}) is first and len(calls) == 1
+    assert cache.get(hooks, off, lambda: {"enabled": False}) is not first and len(calls) == 2
+    cache.get(ModelHooks.of(Counting()), off, lambda: {"enabled": False})
     assert len(calls) == 3
 
 

@@ -94,7 +94,8 @@ def test_compiled_ubatches_hand_off_at_every_yield_and_match_eager(model_class):
     # Nothing of the runner or the scheduler was compiled: each switch and the step's
     # end were made with dynamo's frame hook off.
     cache_entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
-    for code in (DBORunner._step.__code__, DBORunner._execute.__code__,
+    for code in (DBORunner._step.__code__, DBORunner._run.__code__,
+                 DBORunner._merge.__code__,
                  UBatchScheduler.run.__code__, UBatchScheduler._loop.__code__):
         assert cache_entries(code) == [], code.co_name
 

@@ -161,8 +161,8 @@ class EagerReplays:
         return self.runner.last_decision
 
     def __call__(self, *args, **kwargs):
-        from dbo.graphs import _plan_of, decided_step
-        plan = _plan_of(self.runner, args, kwargs)[0]
+        from dbo.graphs import decided_step
+        plan = self.runner.plan(args, kwargs).plan
         self.runner.last_decision = plan
         if plan.split not in self.steps:
             inputs = tuple(a.clone() for a in args)

@@ -1,17 +1,9 @@
-"""The split modes (`DBOConfig.split`): one call's arguments into this rank's `SplitPlan`
-and, when it splits, each ubatch's arguments. `DBORunner` applies the policy around this
-(the calibration's prediction, `DBOConfig.overlap`) and runs the ubatches.
+"""One call's arguments into this rank's `SplitPlan` and, when it splits, each ubatch's
+arguments, per split mode (`DBOConfig.split`; None: `dbo.split.modes`). The runner
+applies the policy around this (`dbo.mode_policy`) and runs the ubatches.
 
     cut = split_call(args, kwargs, config, whole_requests=lambda: None)
     cut.plan.split, cut.ubatch_args, cut.rows       # rows per ubatch, for `merge_outputs`
-    mode, why = auto_split_mode(kwargs, model_mode=model_split_mode(model),
-                                model_name=type(model).__name__)   # DBOConfig(split=None)
-
-`DBOConfig(split=None)` (the default) picks a named mode per call (`auto_split_mode`):
-the one the model declares with a `dbo_split_mode()` method (or attribute; looked up on
-the model itself, like `dbo_can_split_inside_request`), else "requests" when the call
-has a `seq_lens=` keyword, else "tokens". The runner says which, and why, in the plan's
-reason.
 
 Only top-level arguments are split; the others are passed to both ubatches unchanged:
 - "tokens": dim 0 of the first tensor argument (not declared whole) is the step's
@@ -22,7 +14,7 @@ Only top-level arguments are split; the others are passed to both ubatches uncha
   A request is cut across the ubatches only where the model's
   `dbo_can_split_inside_request()` says it may (or `DBOConfig.split_inside_requests`);
   otherwise a step whose request boundaries are more than `max_imbalance` apart runs
-  unsplit (`dbo.split`).
+  unsplit (`dbo.split.balance`).
 - "batch": dim 0 is sequences (padded [B, S, ...] inputs): tensors are split at a
   sequence boundary; S == 1 (or 1-D inputs) counts as decode.
 - a callable `split(args, kwargs) -> [(args0, kwargs0), (args1, kwargs1)] | None`.
@@ -37,28 +29,24 @@ to both ubatches would hide the shape bug the unsplit call raises for. Positiona
 with the step's rows are split silently; a keyword tensor with them is split too, and
 warned about once per runner (`SplitArgumentWarning`, on its first split step) unless it
 is declared row-major in `DBOConfig.split_kwargs`: its dim 0 may equal the rows by
-chance (`dbo.split_args`). The warning is the runner's to give (`CallSplit.split_args`).
+chance (`dbo.split.args`). The warning is the runner's to give (`CallSplit.split_args`).
 """
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from dbo.config import SPLIT_MODES, DBOConfig
-from dbo.split import SplitPlan, UBatchSlice, plan_split, plan_token_split
-from dbo.split_args import SplitArgs, UBatchArgs, find_split_args, slice_args
+from dbo.config import DBOConfig
+from dbo.split.args import SplitArgs, UBatchArgs, find_split_args, slice_args
+from dbo.split.balance import plan_split, plan_token_split
+from dbo.split.modes import SEQ_LENS_KWARG, auto_split_mode
+from dbo.split.plan import SplitPlan, UBatchSlice
 
-__all__ = ["SEQ_LENS_KWARG", "SPLIT_MODE_HOOK", "CallSplit", "auto_split_mode",
-           "model_split_mode", "split_call"]
-
-SEQ_LENS_KWARG = "seq_lens"
-# The model's method (or attribute) naming the split mode that `DBOConfig(split=None)` takes.
-SPLIT_MODE_HOOK = "dbo_split_mode"
+__all__ = ["CallSplit", "first_tensor", "num_rows", "split_call"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,87 +65,6 @@ class CallSplit:
     about (`SplitArgumentWarning`)."""
 
 
-def model_split_mode(model: Any) -> Optional[str]:
-    """The named split mode `model` declares (`dbo_split_mode()`, or a `dbo_split_mode`
-    attribute), or None where it declares none. Raises ValueError for anything other
-    than a named mode."""
-    hook = getattr(model, SPLIT_MODE_HOOK, None)
-    if hook is None:
-        return None
-    mode = hook() if callable(hook) else hook
-    if not isinstance(mode, str) or mode not in SPLIT_MODES:
-        raise ValueError(f"{type(model).__name__}.{SPLIT_MODE_HOOK} gives {mode!r}: it must "
-                         f"give one of {', '.join(repr(m) for m in SPLIT_MODES)} (or pass "
-                         f"DBOConfig(split=...) to the runner)")
-    return mode
-
-
-def auto_split_mode(kwargs: dict, *, model_mode: Optional[str], model_name: str
-                    ) -> tuple[str, str]:
-    """The named mode `DBOConfig(split=None)` takes for a call with keyword arguments
-    `kwargs`, and why: `model_mode` (the model's `model_split_mode`) where it declares
-    one, else "requests" where the call has `seq_lens=`, else "tokens"."""
-    if model_mode is not None:
-        return model_mode, f"{model_name}.{SPLIT_MODE_HOOK} says so"
-    if SEQ_LENS_KWARG in kwargs:
-        return "requests", f"the call has {SEQ_LENS_KWARG}="
-    return "tokens", (f"{model_name} declares no {SPLIT_MODE_HOOK} and the call has no "
-                      f"{SEQ_LENS_KWARG}=")
-
-def model_name(model: Any) -> str:
-    """A function's name, else its class's (an nn.Module's, a callable object's); a
-    module wrapped by `torch.compile` is named by the module it compiles."""
-    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
-    if inspect.isfunction(model) or inspect.ismethod(model):
-        return model.__qualname__
-    return type(model).__name__
-
-
-class SplitModeChooser:
-    """The split mode of each call of one runner and, where `DBOConfig(split=None)` chose
-    it, the words for the plan's reason (`auto_split_mode`). The choice depends only on
-    the model, the config and whether the call has `seq_lens=`: it is kept per the last,
-    and made again only when the model or the config is replaced; the model's
-    `dbo_split_mode` is read again only when the model is."""
-
-    def __init__(self) -> None:
-        self._hook: tuple[Any, Optional[str]] = (None, None)  # (model, its split mode)
-        self._for: tuple[Any, Any] = (None, None)  # (model, config) of `_modes`
-        self._modes: dict[bool, tuple[str, str]] = {}  # has seq_lens= -> (mode, why)
-
-    def choose(self, model: Any, config: DBOConfig, kwargs: dict) -> tuple[Any, Optional[str]]:
-        """(mode, why): `config.split` and None where it names one; else the chosen mode."""
-        if config.split is not None:
-            return config.split, None
-        if self._for[0] is not model or self._for[1] is not config:
-            self._for, self._modes = (model, config), {}
-        has_seq_lens = SEQ_LENS_KWARG in kwargs
-        chosen = self._modes.get(has_seq_lens)
-        if chosen is None:
-            chosen = self._modes[has_seq_lens] = self._choose(model, config, kwargs)
-        return chosen
-
-    def model_mode(self, model: Any) -> Optional[str]:
-        """The model's `dbo_split_mode` (`model_split_mode`), kept per model."""
-        known, mode = self._hook
-        if known is not model:
-            mode = model_split_mode(model)
-            self._hook = (model, mode)
-        return mode
-
-    def _choose(self, model: Any, config: DBOConfig, kwargs: dict) -> tuple[str, str]:
-        mode, why = auto_split_mode(kwargs, model_mode=self.model_mode(model),
-                                    model_name=model_name(model))
-        if config.split_inside_requests and mode != "requests":
-            raise ValueError(
-                f"DBOConfig(split_inside_requests=True) cuts requests, but split=None chose "
-                f"{mode!r} for this call ({why}), which has none to cut: pass the tokens "
-                f"per request as seq_lens=[...] (split='requests'), or drop "
-                f"split_inside_requests")
-        return mode, f"split=None chose {mode!r}: {why}"
-
-
-
 def split_call(args: tuple, kwargs: dict, config: DBOConfig, *,
                whole_requests: Callable[[], Optional[str]], thresholds: bool = True,
                mode: Any = None) -> CallSplit:
@@ -166,7 +73,7 @@ def split_call(args: tuple, kwargs: dict, config: DBOConfig, *,
     `mode`: the split mode to apply (a named one or a callable); None: `config.split`,
     where that is None too `auto_split_mode` without a model's say (the runner passes
     the mode it chose with the model's). `whole_requests()`: why no request may be cut
-    (`dbo.split.request_cut_blocker`) or None, asked only in "requests" mode.
+    (`dbo.split.balance.request_cut_blocker`) or None, asked only in "requests" mode.
     `thresholds=False`: as if both thresholds were 0.
     Raises TypeError / ValueError for arguments the mode cannot split (module doc).
     """
@@ -206,7 +113,7 @@ def split_call(args: tuple, kwargs: dict, config: DBOConfig, *,
             ubatch_args.append((a, {key: k[key] for key in kwargs}))  # keep kwarg order
         return CallSplit(plan=plan, ubatch_args=ubatch_args, rows=plan.num_tokens,
                          split_args=which)
-    assert mode == "batch", mode  # DBOConfig (or model_split_mode) validated it
+    assert mode == "batch", mode  # DBOConfig (or ModelHooks.split_mode) validated it
     which = find_split_args(args, kwargs, config, mode)
     seq_len = which.row_shape[1] if len(which.row_shape) >= 2 else 1
     plan = plan_split([seq_len] * which.rows, planning, allow_split_inside_request=False)
@@ -223,7 +130,7 @@ def _split_by_callable(split_fn: Callable[..., Any], args: tuple, kwargs: dict,
     name = getattr(split_fn, "__name__", repr(split_fn))
     result = split_fn(args, kwargs)
     if result is None:
-        return CallSplit(plan=SplitPlan(split=False, num_tokens=(_num_rows(args, kwargs),),
+        return CallSplit(plan=SplitPlan(split=False, num_tokens=(num_rows(args, kwargs),),
                                         reason=f"the split callable {name} returned None"))
     if (not isinstance(result, (list, tuple)) or len(result) != config.num_ubatches
             or not all(_is_args_pair(r) for r in result)):
@@ -232,8 +139,8 @@ def _split_by_callable(split_fn: Callable[..., Any], args: tuple, kwargs: dict,
             f"None (no split) or a list of {config.num_ubatches} (args: tuple, "
             f"kwargs: dict) pairs, one per ubatch")
     ubatch_args = [(tuple(a), dict(k)) for a, k in result]
-    rows = [_num_rows(a, k) for a, k in ubatch_args]
-    step_rows = _num_rows(args, kwargs)
+    rows = [num_rows(a, k) for a, k in ubatch_args]
+    step_rows = num_rows(args, kwargs)
     if step_rows and sum(rows) != step_rows:  # rows known: the first tensor's dim 0
         raise ValueError(
             f"the split callable {name} returned ubatches of {' + '.join(map(str, rows))} = "
@@ -244,16 +151,16 @@ def _split_by_callable(split_fn: Callable[..., Any], args: tuple, kwargs: dict,
     return CallSplit(plan=plan, ubatch_args=ubatch_args)
 
 
-def _first_tensor(args: Sequence[Any], kwargs: dict) -> Optional[torch.Tensor]:
+def first_tensor(args: Sequence[Any], kwargs: dict) -> Optional[torch.Tensor]:
     for value in itertools.chain(args, kwargs.values()):
         if isinstance(value, torch.Tensor):
             return value
     return None
 
 
-def _num_rows(args: Sequence[Any], kwargs: dict) -> int:
+def num_rows(args: Sequence[Any], kwargs: dict) -> int:
     """Dim 0 of the first tensor argument (0 without one, or for a 0-dim tensor)."""
-    x = _first_tensor(args, kwargs)
+    x = first_tensor(args, kwargs)
     return x.shape[0] if x is not None and x.dim() > 0 else 0
 
 
