@@ -160,7 +160,7 @@ class MoETransformer(nn.Module):
 
     def dbo_split_mode(self) -> str:
         """"requests": the DBO runner's split mode for this model's calls under
-        `DBOConfig(split=None)` (`dbo.split_modes`): a step is cut at request boundaries
+        `DBOConfig(split=None)` (`dbo.split.modes`): a step is cut at request boundaries
         of its `seq_lens`, each ubatch getting its own. (A call with `cache=` needs
         `moe.models.kv_cache.with_cache_split`, which gives each ubatch its requests'
         cache.)"""
