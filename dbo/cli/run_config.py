@@ -13,7 +13,7 @@ from dbo.cli.run_hf import check_hf_options, hf_label, hf_model_config
 from moe.backends import BACKENDS as MOE_BACKENDS, backends_with
 from moe.experts import EXPERTS as EXPERT_KERNELS
 from moe.models.presets import PRESETS
-from moe.registry import UNTESTED_BACKENDS
+from moe.backends import UNTESTED_BACKENDS
 
 # The backends `dbo run` offers: every registered one (not deepep_v2, never run against
 # its library).

@@ -32,6 +32,7 @@ layout they and their kernels share is `moe.row_layout`.
 """
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Generic, NamedTuple, Optional, TypeVar
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe.backend_options import BackendOptions, NoOptions
 from moe.config import MoEConfig
 from moe.row_layout import RowLayout
 from moe.workspace import Workspace
@@ -158,9 +160,27 @@ class PrepareFinalize(ABC):
     opt_in: ClassVar[bool] = False
     #: Whether it runs on an EP group of one rank only (it exchanges nothing).
     single_rank: ClassVar[bool] = False
-    #: Whether it takes `MoEConfig.max_tokens_per_ubatch`: DBO's ubatches get a capacity
-    #: of their own, so each sends its own slots, not the whole capacity again.
+    #: Whether its options take a capacity per DBO ubatch (`max_tokens_per_ubatch`): DBO's
+    #: ubatches get a capacity of their own, so each sends its own slots, not the whole
+    #: capacity again.
     takes_ubatch_capacity: ClassVar[bool] = False
+    #: Its options dataclass (`MoEConfig.backend_options`; a frozen keyword-only
+    #: `BackendOptions` defined in the backend's file); `NoOptions` where it has none.
+    options_type: ClassVar[type[BackendOptions]] = NoOptions
+    #: What `agreement_fields` puts before each option's name ("deepep_" makes DeepEP's
+    #: `worst_case_dispatch` the field "deepep_worst_case_dispatch").
+    agreement_prefix: ClassVar[str] = ""
+
+    @classmethod
+    def agreement_fields(cls, config: MoEConfig) -> dict[str, object]:
+        """What this backend adds to the fields every rank of the EP group must share
+        (`MoEConfig.agreement_fields` has the rest; `make_backend` and
+        `MoELayer.dbo_agreement` ask for both): each field of `config.options`, named
+        `agreement_prefix` + the field, since every option of a backend changes its
+        collectives or its math."""
+        options = config.options
+        return {cls.agreement_prefix + f.name: getattr(options, f.name)
+                for f in dataclasses.fields(options)}
 
     @classmethod
     def check_runs(cls, world_size: int, config: Optional[MoEConfig] = None) -> None:
@@ -173,6 +193,8 @@ class PrepareFinalize(ABC):
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         self.config = config
+        #: `config.backend_options`, or this backend's defaults.
+        self.options = config.options
         self.group = group
         if group is None:
             self.placement = ExpertPlacement(0, 1, config.num_experts)
@@ -235,6 +257,19 @@ class PrepareFinalize(ABC):
         """Whether `finalize_chunked_async` runs here; False (this default) where the
         backend's combine cannot be sent in chunks."""
         return False
+
+    @property
+    def combine_chunks(self) -> int:
+        """The chunks a single-batch-overlap step sends its combine in (its options'
+        `combine_chunks` where `chunks_combine`); 1 (this default): the combine whole."""
+        return 1
+
+    @property
+    def max_tokens_per_ubatch(self) -> Optional[int]:
+        """The most tokens one rank may send in one ubatch of a DBO step, where the
+        backend takes a capacity of its own per ubatch (`takes_ubatch_capacity`, from its
+        options); None (this default): the step's capacity."""
+        return None
 
     def finalize_chunked_async(self, run_experts: RunExperts, dispatched: Dispatched, *,
                                num_chunks: int, workspace: Workspace) -> Pending[Tensor]:

@@ -15,7 +15,7 @@ valid rows, -1 for the padding; one small GPU op, nothing read on the host) and 
 since DeepEP's combine (`low_latency_combine`, with its own hook) applies the top-k
 weights itself.
 
-FP8 dispatch (`MoEConfig.deepep.fp8_dispatch`): DeepEP casts the tokens to
+FP8 dispatch (`DeepEPLLOptions.fp8_dispatch`): DeepEP casts the tokens to
 float8_e4m3fn with one float32 scale per 128 channels on the way; they are dequantised
 to bfloat16 (one [R, H] copy) before the experts, which take bfloat16. The combine stays
 bfloat16.
@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
 from dbo.yield_points import dbo_enabled
+from moe.backend_options import BackendOptions
+from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
 from moe.backends.deepep_support import (
     DEEPEP_MAX_INT4S,
     LLRowConstants,
@@ -64,6 +65,24 @@ class LLHandle:
     topk_weights_TK: Tensor
 
 
+@dataclass(frozen=True, kw_only=True)
+class DeepEPLLOptions(BackendOptions):
+    """Options of backend `deepep_ll` (`MoEConfig(backend="deepep_ll", backend_options=
+    DeepEPLLOptions(...))`)."""
+
+    backend_name = "deepep_ll"
+
+    fp8_dispatch: bool = False
+    """Send the tokens in FP8 (per-128-channel scales), dequantised to bfloat16 before
+    the experts; the combine stays bfloat16."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fp8_dispatch, bool):
+            raise TypeError(f"DeepEPLLOptions.fp8_dispatch={self.fp8_dispatch!r}: must be "
+                            f"True or False (a bool, not a "
+                            f"{type(self.fp8_dispatch).__name__}).")
+
+
 class DeepEPLLBackend(PrepareFinalize):
     """DeepEP low-latency kernels: fixed capacity, receive halves run as hooks."""
 
@@ -73,6 +92,9 @@ class DeepEPLLBackend(PrepareFinalize):
     opt_in = True  # DeepEP
     needs_capacity = True
     comm_recordable = False  # DeepEP's own low-latency kernels
+    options_type = DeepEPLLOptions
+    options: DeepEPLLOptions
+    agreement_prefix = "deepep_"
     graph_safe = True
 
     @classmethod
@@ -92,7 +114,7 @@ class DeepEPLLBackend(PrepareFinalize):
                              "rank sends in one step")
         assert group is not None  # world size >= 2, checked above
         self.capacity = ll_capacity(config.max_tokens_per_rank, self.world_size)
-        self.use_fp8 = config.deepep.fp8_dispatch
+        self.use_fp8 = self.options.fp8_dispatch
         self.topk_idx_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
         num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
             self.capacity, config.hidden_size, self.world_size, config.num_experts)

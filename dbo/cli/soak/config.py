@@ -11,7 +11,7 @@ from dbo.cli import check_graph_backends, check_int_option, check_seed
 from dbo.cli.soak.padding import MIN_GRAPH_SIZE, default_graph_sizes
 from moe.backends import backends_with
 from moe.backends.deepep_support import LL_HIDDEN_SIZES
-from moe.registry import UNTESTED_BACKENDS
+from moe.backends import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
 
 # The soak moves tokens between ranks: every registered backend but the single-rank one.
