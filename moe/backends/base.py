@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Generic, NamedTuple, Optional, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Mapping, NamedTuple, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -167,6 +167,14 @@ class PrepareFinalize(ABC):
     #: Its options dataclass (`MoEConfig.backend_options`; a frozen keyword-only
     #: `BackendOptions` defined in the backend's file); `NoOptions` where it has none.
     options_type: ClassVar[type[BackendOptions]] = NoOptions
+    #: Its requirements on the rows it moves, known without importing any library (the
+    #: `dbo` commands refuse other options up front): the element types its kernels
+    #: move (None: any of `moe.config.SUPPORTED_DTYPES`), the hidden sizes they are
+    #: compiled for (None: any), and how a refusal names the library and those kernels.
+    row_dtypes: ClassVar[Optional[tuple[torch.dtype, ...]]] = None
+    hidden_sizes: ClassVar[Optional[tuple[int, ...]]] = None
+    library: ClassVar[str] = "torch"
+    kernels: ClassVar[str] = "torch's collectives"
     #: What `agreement_fields` puts before each option's name ("deepep_" makes DeepEP's
     #: `worst_case_dispatch` the field "deepep_worst_case_dispatch").
     agreement_prefix: ClassVar[str] = ""
@@ -190,6 +198,22 @@ class PrepareFinalize(ABC):
         with `config`, also for shapes or a dtype its kernels do not take. What is known
         before any layer is built (the `dbo` commands call it before starting ranks);
         the constructor refuses the same. Nothing by default."""
+
+    @classmethod
+    def check_shape(cls, hidden_size: int, dtype: torch.dtype, world_size: int) -> None:
+        """Raise ValueError, in one line with the fix, where this backend's kernels cannot
+        move rows of `hidden_size` `dtype` values over `world_size` ranks (`check_runs`
+        with a config asks it too). Nothing by default."""
+
+    @classmethod
+    def check_max_tokens(cls, max_tokens: int, world_size: int, *, option: str,
+                         backend_option: str, env: Mapping[str, str]) -> None:
+        """Raise ValueError where `max_tokens` tokens per rank (the command's `option`,
+        e.g. "--tokens", with this backend named as `backend_option`) cannot run on
+        `world_size` ranks in the environment `env` (a library's limit read from its
+        variables, e.g. NVSHMEM's queue depth), naming the largest that can. The `dbo`
+        commands call it before starting ranks, passing their environment (only the CLI
+        reads it). Nothing by default."""
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         self.config = config

@@ -88,6 +88,9 @@ class DeepEPHTBackend(PrepareFinalize):
     opt_in = True  # DeepEP
     comm_recordable = False  # DeepEP's own NVLink/RDMA kernels
     options_type = DeepEPHTOptions
+    row_dtypes = (torch.bfloat16,)
+    library = "DeepEP"
+    kernels = "DeepEP's normal kernels"
     options: DeepEPHTOptions
     agreement_prefix = "deepep_"
 
@@ -96,7 +99,11 @@ class DeepEPHTBackend(PrepareFinalize):
         require_deep_ep(cls.name, "Buffer")
         check_ht_world(cls.name, world_size)
         if config is not None:
-            ht_padded_hidden(cls.name, config.hidden_size, config.dtype)
+            cls.check_shape(config.hidden_size, config.dtype, world_size)
+
+    @classmethod
+    def check_shape(cls, hidden_size: int, dtype: torch.dtype, world_size: int) -> None:
+        ht_padded_hidden(cls.name, hidden_size, dtype)
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(config, group)

@@ -29,7 +29,7 @@ reads device values on the host: a step can be captured in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,9 @@ from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, che
 from moe.backends.deepep_support import (
     DEEPEP_MAX_INT4S,
     LLRowConstants,
+    LL_HIDDEN_SIZES,
     SharedBuffer,
+    check_ll_depth,
     check_ll_shape,
     check_ll_world,
     dequantize_fp8,
@@ -93,6 +95,10 @@ class DeepEPLLBackend(PrepareFinalize):
     needs_capacity = True
     comm_recordable = False  # DeepEP's own low-latency kernels
     options_type = DeepEPLLOptions
+    row_dtypes = (torch.bfloat16,)
+    hidden_sizes = LL_HIDDEN_SIZES
+    library = "DeepEP"
+    kernels = "DeepEP's low-latency kernels"
     options: DeepEPLLOptions
     agreement_prefix = "deepep_"
     graph_safe = True
@@ -102,7 +108,18 @@ class DeepEPLLBackend(PrepareFinalize):
         require_deep_ep(cls.name, "Buffer")
         check_ll_world(cls.name, world_size)
         if config is not None:
-            check_ll_shape(cls.name, config.hidden_size, config.dtype, world_size)
+            cls.check_shape(config.hidden_size, config.dtype, world_size)
+
+    @classmethod
+    def check_shape(cls, hidden_size: int, dtype: torch.dtype, world_size: int) -> None:
+        check_ll_shape(cls.name, hidden_size, dtype, world_size)
+
+    @classmethod
+    def check_max_tokens(cls, max_tokens: int, world_size: int, *, option: str,
+                         backend_option: str, env: Mapping[str, str]) -> None:
+        """DeepEP's capacity must fit NVSHMEM's queue depth (`check_ll_depth`)."""
+        check_ll_depth(option, max_tokens, world_size, backend_option=backend_option,
+                       env=env)
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(config, group)

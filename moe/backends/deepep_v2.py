@@ -228,6 +228,9 @@ class DeepEPV2Backend(PrepareFinalize):
     needs_capacity = True
     comm_recordable = False  # DeepEP v2's own kernels
     options_type = DeepEPV2Options
+    row_dtypes = (torch.bfloat16,)
+    library = "DeepEP v2"
+    kernels = "DeepEP v2's kernels"
     options: DeepEPV2Options
     agreement_prefix = "deepep_v2_"
 

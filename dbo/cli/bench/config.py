@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from dbo.cli import check_seed
 from dbo.config import DBOConfig
-from moe.backends import backends_with
+from moe.backends import COMPARED_BACKENDS, backends_with
 from moe.backends.nvshmem_owner import check_one_process
 from moe.backends import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
@@ -125,7 +125,7 @@ class BenchConfig:
     tokens: tuple[int, ...] = DEFAULT_CPU_TOKENS
     """Tokens per rank of one step, one sweep point each (decode mode: requests per rank,
     one new token each; `--requests`)."""
-    backends: tuple[str, ...] = ("a2a", "a2a_ll", "naive")
+    backends: tuple[str, ...] = COMPARED_BACKENDS
     """Dispatch/combine backends to compare (any of BENCH_BACKENDS; naive_mono moves the
     same data as naive plus the router logits, so it is asked for by name)."""
     layers: Optional[int] = None
