@@ -15,7 +15,11 @@
 
 Each backend declares its traits as class attributes (`PrepareFinalize`); ask them by
 name with `backend_traits(name)` or `backends_with(trait=value, ...)`, never by a
-hand-kept list of names.
+hand-kept list of names. It also declares its options class (`options_type`, held as
+`MoEConfig.backend_options`), the fields it adds to the agreement (`agreement_fields`)
+and its requirements (`check_runs`, `check_shape`, `check_max_tokens`, `row_dtypes`,
+`hidden_sizes`). Names, where each is implemented and the named defaults
+(`DEFAULT_BACKEND`, ...) are `moe.backends.registry`'s.
 
 Modules are imported when their backend is first asked for, so an optional engine's
 import cost (or absence) never touches the others.
