@@ -122,7 +122,7 @@ class MeasuredPoint:
     not measured. The model then takes the two ubatches' compute from it."""
     sbo_chunks: int = 1
     """Chunks of the combine in the point's single-batch-overlap step
-    (`MoEConfig.combine_chunks` where the backend chunks its combine, else 1)."""
+    (`A2ALLOptions.combine_chunks` where the backend chunks its combine, else 1)."""
     own_row_share: float = 0.0
     """Share of the received rows this rank sent itself, computed last in an SBO step
     and in a DBO step's last MoE layer, under the combine (1/W where the backend splits

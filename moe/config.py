@@ -25,9 +25,10 @@ import torch
 from torch import Tensor
 
 from moe.kernels.policy import KernelPolicy
-from moe.registry import AUTO, BACKENDS, EXPERTS
+from moe.backend_options import BackendOptions
+from moe.registry import AUTO, EXPERTS
 
-__all__ = ["DeepEPOptions", "MoEConfig", "RoutingFunction", "round_up_hidden",
+__all__ = ["MoEConfig", "RoutingFunction", "round_up_hidden",
            "SUPPORTED_DTYPES"]
 
 #: ``fn(logits_TE, top_k) -> (topk_weights_TK, topk_ids_TK)``; global expert ids.
@@ -37,33 +38,12 @@ RoutingFunction = Callable[[Tensor, int], "tuple[Tensor, Tensor]"]
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
 _SCORINGS = ("softmax", "sigmoid")
-_DEEPEP_V2_MODES = ("prefill", "decode")
 _BOOL_FIELDS = ("renormalize", "use_correction_bias", "apply_router_weight_on_input",
                 "split_last_combine", "check_finite_logits")
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DeepEPOptions:
-    """Choices of the DeepEP backends (`deepep_ht`, `deepep_ll`); other backends ignore them."""
-
-    worst_case_dispatch: bool = False
-    """`deepep_ht`: receive into buffers sized for the worst case (max_tokens_per_rank *
-    ranks rows, DeepEP's `num_worst_tokens`) instead of reading the counts on the host:
-    no host sync, so a step can be captured in a CUDA graph; needs max_tokens_per_rank."""
-    fp8_dispatch: bool = False
-    """`deepep_ll`: send the tokens in FP8 (per-128-channel scales), dequantised to
-    bfloat16 before the experts; the combine stays bfloat16."""
-
-    def __post_init__(self) -> None:
-        for name in ("worst_case_dispatch", "fp8_dispatch"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"DeepEPOptions.{name}={value!r}: must be True or False (a "
-                                f"bool, not a {type(value).__name__}).")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,12 +82,6 @@ class MoEConfig:
     """Activation and weight dtype: torch.float32, torch.float16 or torch.bfloat16."""
     max_tokens_per_rank: int | None = None
     """Tokens one rank may send per step (fixed-capacity backends size buffers by it)."""
-    max_tokens_per_ubatch: int | None = None
-    """Backend `a2a_ll` only: the capacity of one ubatch of a DBO step (at most
-    max_tokens_per_rank). a2a_ll sends every slot of its capacity whether filled or not;
-    without this, each of a DBO step's two ubatches pads to the whole step's capacity and
-    the step moves twice what the unsplit step moves. None: max_tokens_per_rank. The DBO
-    runner stops a step whose largest ubatch exceeds it on every rank at once."""
     expert_chunk_size: int = 8192
     """Most tokens sent through the experts at once; larger batches go in chunks."""
     split_last_combine: bool = True
@@ -115,18 +89,9 @@ class MoEConfig:
     True)`) sends the other ranks' expert outputs first and computes its own rows while
     that combine is in flight (a2a, a2a_ll): the step's final combine is otherwise exposed.
     In a single-batch-overlap step (`DBOConfig.overlap`) every MoE layer's combine splits so."""
-    combine_chunks: int = 1
-    """In a single-batch-overlap step, backend `a2a_ll` only: run the experts on the rows
-    other ranks sent in this many chunks (slot positions [i*C/n, (i+1)*C/n) of every
-    rank's block, C = max_tokens_per_rank) and send each chunk's combine while the next
-    chunk's experts run, then this rank's own rows under the last one. 1 = the combine
-    whole (with `split_last_combine`'s split). Each chunk reads the weights of the
-    experts its rows use, so n chunks may read an expert's weights up to n times."""
     kernels: KernelPolicy = KernelPolicy()
     """Which path the router, the backends' row kernels and the Triton experts take
     (`moe.kernels.policy`); the default is the shipped choice."""
-    deepep: DeepEPOptions = DeepEPOptions()
-    """Options of the DeepEP backends (`DeepEPOptions`)."""
     check_finite_logits: bool = False
     """Raise ValueError when router logits hold NaN/Inf (one host sync per layer); off: those tokens' outputs are NaN/Inf and every other token's output is unaffected."""
     backend: str = "auto"
@@ -134,18 +99,15 @@ class MoEConfig:
     deepep_ht, deepep_ll; "auto": local for EP size 1, else a2a."""
     experts: str = "auto"
     """Expert kernel (`moe.experts`): reference, grouped, triton; "auto": the fastest available on the input's device."""
-    deepep_v2_mode: str = "prefill"
-    """Backend `deepep_v2` only: "prefill" (exact sizes, expert-major rows, the host waits
-    for the counts) or "decode" (outputs sized for the worst case, the count stays on the
-    GPU: no host sync, CUDA-graph capturable). Other backends ignore it."""
+    backend_options: BackendOptions | None = None
+    """The backend's own options: an instance of its `options_type` (e.g.
+    `moe.backends.a2a_ll.A2ALLOptions(combine_chunks=2)` for backend a2a_ll); options of
+    another backend are refused. None: the backend's defaults (`options`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kernels, KernelPolicy):
             raise TypeError(f"MoEConfig.kernels={self.kernels!r}: pass a "
                             "moe.kernels.policy.KernelPolicy(...)")
-        if not isinstance(self.deepep, DeepEPOptions):
-            raise TypeError(f"MoEConfig.deepep={self.deepep!r}: pass a "
-                            "moe.config.DeepEPOptions(...)")
         # First: a string such as "false" is truthy, and the checks below read these.
         for name in _BOOL_FIELDS:
             value = getattr(self, name)
@@ -192,21 +154,19 @@ class MoEConfig:
                 f"MoEConfig.max_tokens_per_rank={self.max_tokens_per_rank!r}: must be a "
                 f"positive int, or None for backends without a fixed capacity."
             )
-        self._check_ubatch_capacity()
         if not _is_int(self.expert_chunk_size) or self.expert_chunk_size < 1:
             raise ValueError(
                 f"MoEConfig.expert_chunk_size={self.expert_chunk_size!r}: must be a positive int."
             )
-        self._check_combine_chunks()
-        if self.deepep_v2_mode not in _DEEPEP_V2_MODES:
-            raise ValueError(f"MoEConfig.deepep_v2_mode={self.deepep_v2_mode!r} is not a "
-                             f"deepep_v2 mode: use one of {_DEEPEP_V2_MODES}.")
+        # Lazily: moe.backends imports this module.
+        from moe.backends.registry import BACKENDS
         for name, what, registry in (("backend", "MoE backend", BACKENDS),
                                      ("experts", "experts kernel", EXPERTS)):
             value = getattr(self, name)
             if value != AUTO and value not in registry:
                 raise ValueError(f"unknown {what} {value!r} (MoEConfig.{name}): choose one "
                                  f"of {sorted(registry) + [AUTO]}")
+        self._check_backend_options()
 
     def _check_groups(self) -> None:
         n_group, topk_group = self.n_group, self.topk_group
@@ -248,32 +208,40 @@ class MoEConfig:
                     f"{self.num_experts // 2}."
                 )
 
-    def _check_ubatch_capacity(self) -> None:
-        value, capacity = self.max_tokens_per_ubatch, self.max_tokens_per_rank
-        if value is None:
-            return
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"MoEConfig.max_tokens_per_ubatch={value!r}: must be a positive "
-                             f"int, or None (a ubatch takes max_tokens_per_rank).")
-        if self.backend != "a2a_ll":
-            raise ValueError(f"MoEConfig.max_tokens_per_ubatch is taken by backend 'a2a_ll' "
-                             f"only (its padded slots), not {self.backend!r}: drop it.")
-        if capacity is None or value > capacity:
-            raise ValueError(f"MoEConfig.max_tokens_per_ubatch={value} needs "
-                             f"max_tokens_per_rank >= {value} (got {capacity}): a ubatch "
-                             f"holds at most the step's tokens.")
+    def _check_backend_options(self) -> None:
+        options = self.backend_options
+        if options is None:
+            return  # the backend's defaults, which fit any config
+        if not isinstance(options, BackendOptions):
+            raise TypeError(f"MoEConfig.backend_options={options!r}: pass the backend's "
+                            f"options (a moe.backend_options.BackendOptions), or None.")
+        wanted = self.options_type()
+        if type(options) is not wanted:
+            owner = (f"of backend {options.backend_name!r}" if options.backend_name else
+                     "of the backends without options")
+            raise ValueError(f"MoEConfig.backend_options={type(options).__name__}(...) are the "
+                             f"options {owner}, not of backend {self.backend!r} (which takes "
+                             f"{wanted.__name__}): pass {wanted.__name__}(...) or None.")
+        options.check(self)
 
-    def _check_combine_chunks(self) -> None:
-        chunks = self.combine_chunks
-        if not _is_int(chunks) or chunks < 1:
-            raise ValueError(f"MoEConfig.combine_chunks={chunks!r}: must be a positive int "
-                             f"(1 = the combine in one piece).")
-        capacity = self.max_tokens_per_rank
-        if capacity is not None and chunks > capacity:
-            raise ValueError(
-                f"MoEConfig.combine_chunks={chunks} exceeds max_tokens_per_rank={capacity}: "
-                f"each chunk takes at least one slot row of every rank's block; use at most "
-                f"{capacity} chunks.")
+    def options_type(self) -> type[BackendOptions]:
+        """The options class of `backend` (its `PrepareFinalize.options_type`; "auto":
+        that of the backends it may resolve to, which take the same). Imports the
+        backend's module, builds nothing."""
+        from moe.backends.registry import (DEFAULT_BACKEND, SINGLE_RANK_BACKEND,
+                                           backend_class)
+        if self.backend != AUTO:
+            return backend_class(self.backend, 2).options_type
+        single, default = (backend_class(SINGLE_RANK_BACKEND, 1).options_type,
+                           backend_class(DEFAULT_BACKEND, 2).options_type)
+        assert single is default, "the backends 'auto' picks must take the same options"
+        return default
+
+    @property
+    def options(self) -> BackendOptions:
+        """`backend_options`, or the backend's default options where None."""
+        return self.backend_options if self.backend_options is not None else (
+            self.options_type()())
 
     def _check_custom_routing(self) -> None:
         fn = self.custom_routing_function
@@ -297,7 +265,8 @@ class MoEConfig:
         math (ranks that differ there run a silently mixed model). Not here: what only
         picks this rank's kernels or chunking (`kernels`, `expert_chunk_size`) or checks
         its own values (`check_finite_logits`). The custom routing function is named by
-        its module and qualified name. `backend` is as given ("auto" unresolved)."""
+        its module and qualified name. `backend` is as given ("auto" unresolved). The
+        backend adds the fields of its options (`PrepareFinalize.agreement_fields`)."""
         fn = self.custom_routing_function
         routing = None if fn is None else (f"{getattr(fn, '__module__', '?')}."
                                            f"{getattr(fn, '__qualname__', type(fn).__name__)}")
@@ -311,14 +280,7 @@ class MoEConfig:
                 "custom_routing_function": routing,
                 "dtype": self.dtype, "backend": self.backend, "experts": self.experts,
                 "max_tokens_per_rank": self.max_tokens_per_rank,
-                "max_tokens_per_ubatch": self.max_tokens_per_ubatch,
-                "split_last_combine": self.split_last_combine,
-                # Each changes the collectives: the SBO combine's count, DeepEP's receive
-                # sizes and element type, the v2 mode's host sync.
-                "combine_chunks": self.combine_chunks,
-                "deepep_worst_case_dispatch": self.deepep.worst_case_dispatch,
-                "deepep_fp8_dispatch": self.deepep.fp8_dispatch,
-                "deepep_v2_mode": self.deepep_v2_mode}
+                "split_last_combine": self.split_last_combine}
 
     @property
     def experts_per_group(self) -> int:

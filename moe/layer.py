@@ -135,13 +135,15 @@ class MoELayer(nn.Module, SharesSMs):
 
     def dbo_max_tokens_per_ubatch(self) -> Optional[int]:
         """The most tokens one rank may send through this layer in one ubatch of a DBO
-        step (`MoEConfig.max_tokens_per_ubatch`), or None: the step's capacity."""
-        return self.config.max_tokens_per_ubatch
+        step (its backend's `max_tokens_per_ubatch`, from the backend's options), or None:
+        the step's capacity."""
+        return self.backend.max_tokens_per_ubatch
 
     def dbo_agreement(self) -> dict[str, object]:
         """What every rank's copy of this layer must share, or the ranks' dispatch and
         combine collectives differ (checked by the DBO runner's vote, `dbo.agreement`)."""
-        return {**self.config.agreement_fields(), "backend": self.backend.name,
+        return {**self.config.agreement_fields(),
+                **type(self.backend).agreement_fields(self.config), "backend": self.backend.name,
                 "split_combine": self.last_layer and self.config.split_last_combine}
 
     def load_weights(self, weights: dict[str, Tensor], *, global_experts: bool = True) -> None:

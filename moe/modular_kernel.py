@@ -29,7 +29,7 @@ receive, and every layer's combine is split as above (with `split_combine`'s con
 rows are computed under that combine. Same operations on the same rows as without
 overlap, only queued in another order.
 
-The chunked combine (SBO only, `MoEConfig.combine_chunks` > 1, backends with
+The chunked combine (SBO only, the backend's `combine_chunks` > 1, backends with
 `chunks_combine`: a2a_ll): the experts run on the other ranks' rows in chunks, each
 chunk's combine sent on the comm stream while the next chunk's experts run, the own rows
 last (`PrepareFinalize.finalize_chunked_async`). It replaces the split above; a chunk
@@ -157,7 +157,7 @@ class ModularKernel:
         if sbo and shared_experts is not None:
             with phase_scope("shared_experts", layer=layer):
                 shared_TH = shared_experts(x_TH)  # under the dispatch
-        if sbo and self.config.combine_chunks > 1 and self.backend.chunks_combine:
+        if sbo and self.backend.combine_chunks > 1:
             dispatched, _ = self._dispatch_recv(send, layer, split=False)
             pending_out = self._chunked_combine(dispatched, w13_EIH, w2_EHI, workspace, layer,
                                                 send.sms_shared)
@@ -255,7 +255,7 @@ class ModularKernel:
 
         with phase_scope("combine_send", layer=layer):
             return self.backend.finalize_chunked_async(
-                run_experts, dispatched, num_chunks=self.config.combine_chunks,
+                run_experts, dispatched, num_chunks=self.backend.combine_chunks,
                 workspace=workspace)
 
     def _prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor,

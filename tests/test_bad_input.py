@@ -24,6 +24,8 @@ import torch
 
 from dbo import DBOConfig, DBORunner, UBatchScheduler
 from moe import MoEConfig, MoELayer, init_moe_weights
+from moe.backends.a2a_ll import A2ALLOptions
+from moe.backends.deepep_v2 import DeepEPV2Options
 from moe.models.transformer import MoETransformer, get_preset
 from tests.hf_utils import rewrite_without, save, tiny_model
 
@@ -157,10 +159,17 @@ REJECTED = {
         lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
                           apply_router_weight_on_input=True), ValueError,
         "apply_router_weight_on_input=True needs top_k=1"),
-    "`MoEConfig.max_tokens_per_ubatch` above `max_tokens_per_rank`, or with a backend other than `a2a_ll`": (
+    "`A2ALLOptions.max_tokens_per_ubatch` above `max_tokens_per_rank`": (
         lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
-                          backend="a2a_ll", max_tokens_per_rank=8, max_tokens_per_ubatch=9),
-        ValueError, "MoEConfig.max_tokens_per_ubatch=9 needs max_tokens_per_rank >= 9 (got 8)"),
+                          backend="a2a_ll", max_tokens_per_rank=8,
+                          backend_options=A2ALLOptions(max_tokens_per_ubatch=9)),
+        ValueError, "A2ALLOptions.max_tokens_per_ubatch=9 needs MoEConfig.max_tokens_per_rank "
+                    ">= 9 (got 8)"),
+    "a backend's options given to another backend": (
+        lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                          backend="a2a", backend_options=A2ALLOptions(combine_chunks=2)),
+        ValueError, "MoEConfig.backend_options=A2ALLOptions(...) are the options of backend "
+                    "'a2a_ll', not of backend 'a2a' (which takes NoOptions)"),
     "a config boolean that is not a bool": (
         lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
                           renormalize="false"), TypeError,
@@ -199,12 +208,12 @@ REJECTED = {
         "MoETransformer.dbo_can_split_inside_request() is False"),
     "more combine chunks than slot rows": (
         lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
-                          max_tokens_per_rank=8, combine_chunks=9), ValueError,
-        "MoEConfig.combine_chunks=9 exceeds max_tokens_per_rank=8"),
+                          backend="a2a_ll", max_tokens_per_rank=8,
+                          backend_options=A2ALLOptions(combine_chunks=9)), ValueError,
+        "A2ALLOptions.combine_chunks=9 exceeds MoEConfig.max_tokens_per_rank=8"),
     "unknown `deepep_v2` mode": (
-        lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
-                          deepep_v2_mode="eager"), ValueError,
-        "MoEConfig.deepep_v2_mode='eager' is not a deepep_v2 mode"),
+        lambda: DeepEPV2Options(mode="eager"), ValueError,
+        "DeepEPV2Options.mode='eager' is not a deepep_v2 mode"),
     "`deepep_v2` with NCCL older than 2.30.4 (DeepEP v2 installed, CUDA present)": (
         lambda: deepep_v2_on(nccl=(2, 28, 9)), ImportError,
         "backend 'deepep_v2' needs NCCL >= 2.30.4 (DeepEP v2 uses NCCL's device API) but "

@@ -127,28 +127,29 @@ def check_backend_runs(backend: str, world_size: int, config: Any = None) -> Non
     backend_class(backend, world_size).check_runs(world_size, config)
 
 
-def check_deepep_ll_depth(option: str, max_tokens: int, world_size: int, *,
-                          backend_option: str,
-                          env: Optional[Mapping[str, str]] = None) -> None:
-    """Refuse `max_tokens` per rank (`option`, e.g. "--max-tokens") for backend deepep_ll
-    (`backend_option`, as the command names it) on `world_size` ranks where DeepEP's
-    capacity would not fit NVSHMEM's queue depth: DeepEP asserts NVSHMEM_QP_DEPTH (1024
-    by default; read from `env`, None: this process's environment, the CLI being the
-    one place that reads it) >= 2 (C + 1), C the capacity
-    `moe.backends.deepep_support.ll_capacity` gives it."""
-    from moe.backends.deepep_support import DEFAULT_NVSHMEM_QP_DEPTH, ll_capacity
+def check_backend_tokens(backend: str, option: str, max_tokens: int, world_size: int, *,
+                         backend_option: str,
+                         env: Optional[Mapping[str, str]] = None) -> None:
+    """Refuse `max_tokens` per rank (`option`, e.g. "--max-tokens") for MoE backend
+    `backend` ("auto" allowed; `backend_option`: how the command names it) on
+    `world_size` ranks where the backend says it cannot run them here
+    (`PrepareFinalize.check_max_tokens`: deepep_ll's capacity against NVSHMEM's queue
+    depth), reading its limits from `env` (None: this process's environment, the CLI
+    being the one place that reads it). ValueError in one line with the fix."""
+    from moe.backends import backend_class
 
     env = os.environ if env is None else env
-    depth = int(env.get("NVSHMEM_QP_DEPTH", DEFAULT_NVSHMEM_QP_DEPTH))
-    capacity = ll_capacity(max_tokens, world_size)
-    if 2 * (capacity + 1) <= depth:
-        return
-    fits = next((n for n in range(min(max_tokens - 1, depth // 2), 0, -1)
-                 if 2 * (ll_capacity(n, world_size) + 1) <= depth), 0)
-    raise ValueError(f"{option}={max_tokens} with {backend_option} on {world_size} ranks: "
-                     f"DeepEP's capacity {capacity} needs an NVSHMEM queue depth of "
-                     f"{2 * (capacity + 1)}, above NVSHMEM_QP_DEPTH={depth}; use {option} "
-                     f"<= {fits}, or raise NVSHMEM_QP_DEPTH")
+    backend_class(backend, world_size).check_max_tokens(
+        max_tokens, world_size, option=option, backend_option=backend_option, env=env)
+
+
+def check_backend_shape(backend: str, hidden_size: int, dtype: Any, world_size: int) -> None:
+    """Refuse rows of `hidden_size` `dtype` (a torch.dtype) values for MoE backend
+    `backend` ("auto" allowed) on `world_size` ranks where its kernels cannot move them
+    (`PrepareFinalize.check_shape`): ValueError in one line with the fix."""
+    from moe.backends import backend_class
+
+    backend_class(backend, world_size).check_shape(hidden_size, dtype, world_size)
 
 
 def format_bytes(num_bytes: float) -> str:

@@ -116,7 +116,7 @@ def build_parser() -> Parser:
                    help="steps replayed as CUDA graphs: no host launch cost")
     p.add_argument("--sbo-chunks", type=_positive_int, default=1,
                    help="combine chunks of an SBO step, each under the next chunk's "
-                        "experts (MoEConfig.combine_chunks)")
+                        "experts (A2ALLOptions.combine_chunks)")
     p.add_argument("--margin", type=float, default=0.01,
                    help="an overlap mode must win by at least this (0.01 = 1%%)")
     p.add_argument("--calibration", default=None,

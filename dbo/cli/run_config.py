@@ -7,13 +7,15 @@ from typing import Any, Optional
 
 import torch
 
-from dbo.cli import (check_backend_runs, check_deepep_ll_depth,
+from dbo.cli import (check_backend_runs, check_backend_tokens,
                      check_fits_memory, check_graph_backends, check_out_dir, check_seed)
 from dbo.cli.run_hf import check_hf_options, hf_label, hf_model_config
 from moe.backends import BACKENDS as MOE_BACKENDS, backends_with
+from moe.backends.registry import (AUTO, DEFAULT_BACKEND, DEFAULT_GRAPH_BACKEND,
+                                   SINGLE_RANK_BACKEND)
 from moe.experts import EXPERTS as EXPERT_KERNELS
 from moe.models.presets import PRESETS
-from moe.registry import UNTESTED_BACKENDS
+from moe.backends import UNTESTED_BACKENDS
 
 # The backends `dbo run` offers: every registered one (not deepep_v2, never run against
 # its library).
@@ -133,11 +135,11 @@ def run_defaults(device_type: str) -> RunConfig:
 def run_backend(job: RunConfig, world_size: int) -> str:
     """The backend the job's ranks build: `job.backend`, where "auto" is local on one
     rank, a2a on several, a2a_ll on several with --cuda-graph (capturable)."""
-    if job.backend != "auto":
+    if job.backend != AUTO:
         return job.backend
     if world_size == 1:
-        return "local"
-    return "a2a_ll" if job.cuda_graph else "a2a"
+        return SINGLE_RANK_BACKEND
+    return DEFAULT_GRAPH_BACKEND if job.cuda_graph else DEFAULT_BACKEND
 
 
 def check_job_runs(job: RunConfig, world_size: int) -> None:
@@ -148,9 +150,8 @@ def check_job_runs(job: RunConfig, world_size: int) -> None:
     against NVSHMEM's queue depth, and the memory one rank would need."""
     config = model_config(job, world_size)
     backend = run_backend(job, world_size)
-    if backend == "deepep_ll":
-        check_deepep_ll_depth("--tokens", job.tokens, world_size,
-                              backend_option="--backend=deepep_ll")
+    check_backend_tokens(backend, "--tokens", job.tokens, world_size,
+                         backend_option=f"--backend={backend}")
     check_backend_runs(backend, world_size, getattr(config, "moe", None))
     check_run_memory(job, config, world_size)
 

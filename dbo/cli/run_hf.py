@@ -16,7 +16,7 @@ layer's phases (router, dispatch, experts, combine, shared experts): transformer
 attention and norms open no dbo phase, so they appear in the trace only as kernels
 under each ubatch's `ub<n>/run` range. With `--cuda-graph` (GPUs; backend "auto" is then
 a2a_ll) both modes run as CUDA graph replays, as for the presets; a2a_ll's DBO ubatches
-get a capacity of their own (`MoEConfig.max_tokens_per_ubatch`: half the sequences).
+get a capacity of their own (`A2ALLOptions.max_tokens_per_ubatch`: half the sequences).
 """
 from __future__ import annotations
 

@@ -8,21 +8,24 @@
 | a2a | exact all_to_all_single: count exchange, then data | yes: yields before it | no | yes |
 | a2a_ll | fixed-capacity padded all_to_all_single | no | yes | yes |
 | symm_mem | exact all_to_all_vdev on torch symmetric memory (NVSHMEM), counts on the GPU | no | yes | no (CUDA GPUs) |
-| deepep_ht | DeepEP normal kernels (NVLink, bfloat16) | yes (DeepEP busy-waits for the counts; yields before it) | with MoEConfig.deepep.worst_case_dispatch | no |
+| deepep_ht | DeepEP normal kernels (NVLink, bfloat16) | yes (DeepEP busy-waits for the counts; yields before it) | with DeepEPHTOptions.worst_case_dispatch | no |
 | deepep_ll | DeepEP low-latency kernels, receive halves as hooks (hidden 2048..8192, bfloat16) | no | yes | no |
 | deepep_v2 | DeepEP v2 ElasticBuffer, built against a fake, untested against the real library (needs NCCL >= 2.30.4) | prefill mode: yes, yields before it; decode mode: no | decode mode | no (its fake: yes) |
 | auto | local for EP size 1, else a2a | | | |
 
 Each backend declares its traits as class attributes (`PrepareFinalize`); ask them by
 name with `backend_traits(name)` or `backends_with(trait=value, ...)`, never by a
-hand-kept list of names.
+hand-kept list of names. It also declares its options class (`options_type`, held as
+`MoEConfig.backend_options`), the fields it adds to the agreement (`agreement_fields`)
+and its requirements (`check_runs`, `check_shape`, `check_max_tokens`, `row_dtypes`,
+`hidden_sizes`). Names, where each is implemented and the named defaults
+(`DEFAULT_BACKEND`, ...) are `moe.backends.registry`'s.
 
 Modules are imported when their backend is first asked for, so an optional engine's
 import cost (or absence) never touches the others.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Optional
 
 import torch.distributed as dist
@@ -31,33 +34,19 @@ from dbo.agreement import agree_before_building
 from dbo.failures import check_group_usable
 from moe.backends.base import Dispatched, Pending, PrepareFinalize
 from moe.backends.traits import TRAITS, BackendTraits, backend_traits, backends_with
+from moe.backend_options import BackendOptions, NoOptions
+from moe.backends.registry import (BACKENDS, COMPARED_BACKENDS, DEFAULT_BACKEND,
+                                   DEFAULT_GRAPH_BACKEND, SINGLE_RANK_BACKEND,
+                                   UNTESTED_BACKENDS, backend_class, resolve_backend_name)
 from moe.config import MoEConfig
-from moe.registry import BACKENDS
-
-
-def resolve_backend_name(name: str, world_size: int) -> str:
-    """Map "auto" to a concrete backend; reject unknown names."""
-    if name == "auto":
-        return "local" if world_size == 1 else "a2a"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown MoE backend {name!r}: choose one of "
-                         f"{sorted(BACKENDS) + ['auto']}")
-    return name
-
-
-def backend_class(name: str, world_size: int) -> type[PrepareFinalize]:
-    """The class of backend `name` ("auto" allowed) for an EP group of `world_size` ranks,
-    imported but not built: its class attributes (`needs_capacity`, ...) answer what a
-    config needs before anything is made."""
-    module_name, cls_name = BACKENDS[resolve_backend_name(name, world_size)].split(":")
-    return getattr(importlib.import_module(module_name), cls_name)
 
 
 def make_backend(config: MoEConfig, group: Optional[dist.ProcessGroup]) -> PrepareFinalize:
     """Instantiate backend `config.backend` ("auto" allowed) on `group` (None: EP = 1).
 
     Collective over `group`: first every rank checks that the others were given the same
-    config (`MoEConfig.agreement_fields`, backend resolved; one all-gather of a
+    config (`MoEConfig.agreement_fields` and the backend's `agreement_fields`, backend
+    resolved; one all-gather of a
     fingerprint, `dbo.agreement.agree_before_building`) and raises ConfigMismatchError
     naming the fields that differ, on every rank, before a backend makes a process group
     or a buffer; then that `num_experts` divides the EP size. A group that a failed step
@@ -66,14 +55,17 @@ def make_backend(config: MoEConfig, group: Optional[dist.ProcessGroup]) -> Prepa
         check_group_usable(group)
     world_size = 1 if group is None else dist.get_world_size(group)
     name = resolve_backend_name(config.backend, world_size)
-    agree_before_building({**config.agreement_fields(), "backend": name}, group,
-                          what="MoEConfig")
+    cls = backend_class(name, world_size)
+    agree_before_building({**config.agreement_fields(), **cls.agreement_fields(config),
+                           "backend": name}, group, what="MoEConfig")
     if config.num_experts % world_size != 0:
         raise ValueError(f"MoEConfig.num_experts={config.num_experts} is not divisible by "
                          f"the EP size {world_size}: use a multiple of {world_size} experts")
-    return backend_class(name, world_size)(config, group)
+    return cls(config, group)
 
 
-__all__ = ["BACKENDS", "TRAITS", "BackendTraits", "Dispatched", "Pending", "PrepareFinalize",
+__all__ = ["BACKENDS", "COMPARED_BACKENDS", "DEFAULT_BACKEND", "DEFAULT_GRAPH_BACKEND",
+           "SINGLE_RANK_BACKEND", "TRAITS", "UNTESTED_BACKENDS", "BackendOptions",
+           "BackendTraits", "Dispatched", "NoOptions", "Pending", "PrepareFinalize",
            "backend_class", "backend_traits", "backends_with", "make_backend",
            "resolve_backend_name"]

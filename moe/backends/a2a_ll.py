@@ -14,7 +14,7 @@ packing and that sum are one kernel each on the GPU (`moe.backends.kernels.slots
 `moe.kernels.rows`).
 
 More tokens than the capacity is an error naming the capacity: a token is never dropped.
-In a DBO step each ubatch sends slots of `MoEConfig.max_tokens_per_ubatch` rows where it
+In a DBO step each ubatch sends slots of `A2ALLOptions.max_tokens_per_ubatch` rows where it
 is set (each ubatch's exchange then moves half of the step's, not all of it again).
 Within `moe.backends.capacity.exchange_capacity` (calls known to be smaller, such as
 decode steps of a model whose capacity fits its prompt) the slots are that size.
@@ -27,7 +27,7 @@ GPU, that wait left the compute stream idle for ~1.2 ms on 2x H200). Both halves
 before they yield, so the comm stream still gets the ubatches' transfers alternating:
 dispatch 0, dispatch 1, combine 0, combine 1, dispatch 0 of the next layer, ...
 
-The chunked combine (`finalize_chunked_async`, `MoEConfig.combine_chunks` > 1, in a
+The chunked combine (`finalize_chunked_async`, `A2ALLOptions.combine_chunks` > 1, in a
 single-batch-overlap step): the slots being fixed-size, chunk i is the same slot
 positions of every other rank's block, one `all_to_all_single` with split sizes the host
 knows (`moe.backends.combine_chunks`); the own block goes last, computed under the last
@@ -36,7 +36,7 @@ chunk's transfer. Nothing yields (one ubatch), no host read: graph-safe as above
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from torch import Tensor
 from dbo.failures import note_collective
 from dbo.yield_points import (dbo_enabled, dbo_single_batch_overlap, dbo_switch_to_comm_sync,
                               dbo_switch_to_compute_async, dbo_yield)
+from moe.backend_options import BackendOptions
 from moe.backends.base import (Dispatched, OwnRows, Pending, PrepareFinalize, RunExperts,
                                check_capacity, check_process_group)
 from moe.backends.capacity import step_capacity
@@ -55,6 +56,55 @@ from moe.backends.kernels.slots import ll_slots
 from moe.row_layout import RowLayout
 from moe.workspace import Workspace
 from streams.memory import record_on_current_stream
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class A2ALLOptions(BackendOptions):
+    """Options of backend `a2a_ll` (`MoEConfig(backend="a2a_ll", backend_options=
+    A2ALLOptions(...))`)."""
+
+    backend_name = "a2a_ll"
+
+    max_tokens_per_ubatch: Optional[int] = None
+    """The capacity of one ubatch of a DBO step (at most MoEConfig.max_tokens_per_rank).
+    a2a_ll sends every slot of its capacity whether filled or not; without this, each of
+    a DBO step's two ubatches pads to the whole step's capacity and the step moves twice
+    what the unsplit step moves. None: max_tokens_per_rank. The DBO runner stops a step
+    whose largest ubatch exceeds it on every rank at once."""
+    combine_chunks: int = 1
+    """In a single-batch-overlap step: run the experts on the rows other ranks sent in
+    this many chunks (slot positions [i*C/n, (i+1)*C/n) of every rank's block, C =
+    max_tokens_per_rank) and send each chunk's combine while the next chunk's experts
+    run, then this rank's own rows under the last one. 1 = the combine whole (with
+    `MoEConfig.split_last_combine`'s split). Each chunk reads the weights of the experts
+    its rows use, so n chunks may read an expert's weights up to n times."""
+
+    def __post_init__(self) -> None:
+        value = self.max_tokens_per_ubatch
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ValueError(f"A2ALLOptions.max_tokens_per_ubatch={value!r}: must be a "
+                             f"positive int, or None (a ubatch takes max_tokens_per_rank).")
+        chunks = self.combine_chunks
+        if not _is_int(chunks) or chunks < 1:
+            raise ValueError(f"A2ALLOptions.combine_chunks={chunks!r}: must be a positive int "
+                             f"(1 = the combine in one piece).")
+
+    def check(self, config: Any) -> None:
+        value, capacity = self.max_tokens_per_ubatch, config.max_tokens_per_rank
+        if value is not None and (capacity is None or value > capacity):
+            raise ValueError(f"A2ALLOptions.max_tokens_per_ubatch={value} needs "
+                             f"MoEConfig.max_tokens_per_rank >= {value} (got {capacity}): a "
+                             f"ubatch holds at most the step's tokens.")
+        chunks = self.combine_chunks
+        if capacity is not None and chunks > capacity:
+            raise ValueError(
+                f"A2ALLOptions.combine_chunks={chunks} exceeds MoEConfig.max_tokens_per_rank="
+                f"{capacity}: each chunk takes at least one slot row of every rank's block; "
+                f"use at most {capacity} chunks.")
 
 
 @dataclass(frozen=True)
@@ -77,6 +127,8 @@ class AllToAllLLBackend(PrepareFinalize):
     needs_capacity = True
     comm_recordable = True
     graph_safe = True
+    options_type = A2ALLOptions
+    options: A2ALLOptions
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(config, group)
@@ -85,7 +137,7 @@ class AllToAllLLBackend(PrepareFinalize):
                              "fixed capacity per rank): set it to the largest token count a "
                              "rank sends in one step")
         self.capacity = config.max_tokens_per_rank
-        self.ubatch_capacity = config.max_tokens_per_ubatch or self.capacity
+        self.ubatch_capacity = self.options.max_tokens_per_ubatch or self.capacity
         self._chunk_plans: dict[tuple[int, int, torch.device], CombineChunks] = {}
 
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
@@ -157,6 +209,16 @@ class AllToAllLLBackend(PrepareFinalize):
     def chunks_combine(self) -> bool:
         """With peers to send to: one rank has no combine to chunk."""
         return self.world_size > 1
+
+    @property
+    def combine_chunks(self) -> int:
+        """`A2ALLOptions.combine_chunks` where `chunks_combine`, else 1."""
+        return self.options.combine_chunks if self.chunks_combine else 1
+
+    @property
+    def max_tokens_per_ubatch(self) -> Optional[int]:
+        """`A2ALLOptions.max_tokens_per_ubatch`."""
+        return self.options.max_tokens_per_ubatch
 
     def finalize_chunked_async(self, run_experts: RunExperts, dispatched: Dispatched, *,
                                num_chunks: int, workspace: Workspace) -> Pending[Tensor]:

@@ -32,14 +32,16 @@ layout they and their kernels share is `moe.row_layout`.
 """
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Generic, NamedTuple, Optional, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Mapping, NamedTuple, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe.backend_options import BackendOptions, NoOptions
 from moe.config import MoEConfig
 from moe.row_layout import RowLayout
 from moe.workspace import Workspace
@@ -158,9 +160,35 @@ class PrepareFinalize(ABC):
     opt_in: ClassVar[bool] = False
     #: Whether it runs on an EP group of one rank only (it exchanges nothing).
     single_rank: ClassVar[bool] = False
-    #: Whether it takes `MoEConfig.max_tokens_per_ubatch`: DBO's ubatches get a capacity
-    #: of their own, so each sends its own slots, not the whole capacity again.
+    #: Whether its options take a capacity per DBO ubatch (`max_tokens_per_ubatch`): DBO's
+    #: ubatches get a capacity of their own, so each sends its own slots, not the whole
+    #: capacity again.
     takes_ubatch_capacity: ClassVar[bool] = False
+    #: Its options dataclass (`MoEConfig.backend_options`; a frozen keyword-only
+    #: `BackendOptions` defined in the backend's file); `NoOptions` where it has none.
+    options_type: ClassVar[type[BackendOptions]] = NoOptions
+    #: Its requirements on the rows it moves, known without importing any library (the
+    #: `dbo` commands refuse other options up front): the element types its kernels
+    #: move (None: any of `moe.config.SUPPORTED_DTYPES`), the hidden sizes they are
+    #: compiled for (None: any), and how a refusal names the library and those kernels.
+    row_dtypes: ClassVar[Optional[tuple[torch.dtype, ...]]] = None
+    hidden_sizes: ClassVar[Optional[tuple[int, ...]]] = None
+    library: ClassVar[str] = "torch"
+    kernels: ClassVar[str] = "torch's collectives"
+    #: What `agreement_fields` puts before each option's name ("deepep_" makes DeepEP's
+    #: `worst_case_dispatch` the field "deepep_worst_case_dispatch").
+    agreement_prefix: ClassVar[str] = ""
+
+    @classmethod
+    def agreement_fields(cls, config: MoEConfig) -> dict[str, object]:
+        """What this backend adds to the fields every rank of the EP group must share
+        (`MoEConfig.agreement_fields` has the rest; `make_backend` and
+        `MoELayer.dbo_agreement` ask for both): each field of `config.options`, named
+        `agreement_prefix` + the field, since every option of a backend changes its
+        collectives or its math."""
+        options = config.options
+        return {cls.agreement_prefix + f.name: getattr(options, f.name)
+                for f in dataclasses.fields(options)}
 
     @classmethod
     def check_runs(cls, world_size: int, config: Optional[MoEConfig] = None) -> None:
@@ -171,8 +199,26 @@ class PrepareFinalize(ABC):
         before any layer is built (the `dbo` commands call it before starting ranks);
         the constructor refuses the same. Nothing by default."""
 
+    @classmethod
+    def check_shape(cls, hidden_size: int, dtype: torch.dtype, world_size: int) -> None:
+        """Raise ValueError, in one line with the fix, where this backend's kernels cannot
+        move rows of `hidden_size` `dtype` values over `world_size` ranks (`check_runs`
+        with a config asks it too). Nothing by default."""
+
+    @classmethod
+    def check_max_tokens(cls, max_tokens: int, world_size: int, *, option: str,
+                         backend_option: str, env: Mapping[str, str]) -> None:
+        """Raise ValueError where `max_tokens` tokens per rank (the command's `option`,
+        e.g. "--tokens", with this backend named as `backend_option`) cannot run on
+        `world_size` ranks in the environment `env` (a library's limit read from its
+        variables, e.g. NVSHMEM's queue depth), naming the largest that can. The `dbo`
+        commands call it before starting ranks, passing their environment (only the CLI
+        reads it). Nothing by default."""
+
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         self.config = config
+        #: `config.backend_options`, or this backend's defaults.
+        self.options = config.options
         self.group = group
         if group is None:
             self.placement = ExpertPlacement(0, 1, config.num_experts)
@@ -235,6 +281,19 @@ class PrepareFinalize(ABC):
         """Whether `finalize_chunked_async` runs here; False (this default) where the
         backend's combine cannot be sent in chunks."""
         return False
+
+    @property
+    def combine_chunks(self) -> int:
+        """The chunks a single-batch-overlap step sends its combine in (its options'
+        `combine_chunks` where `chunks_combine`); 1 (this default): the combine whole."""
+        return 1
+
+    @property
+    def max_tokens_per_ubatch(self) -> Optional[int]:
+        """The most tokens one rank may send in one ubatch of a DBO step, where the
+        backend takes a capacity of its own per ubatch (`takes_ubatch_capacity`, from its
+        options); None (this default): the step's capacity."""
+        return None
 
     def finalize_chunked_async(self, run_experts: RunExperts, dispatched: Dispatched, *,
                                num_chunks: int, workspace: Workspace) -> Pending[Tensor]:

@@ -14,7 +14,7 @@ Two forms of the dispatch:
 - default: DeepEP reads the received counts on the host (it busy-waits for them) and
   allocates exactly R rows. The host wait comes after a yield, so the other ubatch's
   compute is queued first (as in `a2a`: except before the other ubatch has started).
-- `MoEConfig.deepep.worst_case_dispatch` (DeepEP's `num_worst_tokens`): R is always
+- `DeepEPHTOptions.worst_case_dispatch` (DeepEP's `num_worst_tokens`): R is always
   max_tokens_per_rank * ranks, the rows past the real count have ids -1 (routed to no
   expert), nothing is read on the host and a step can be captured in a CUDA graph.
 
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dbo.yield_points import dbo_enabled, dbo_other_ubatch_started, dbo_yield
+from moe.backend_options import BackendOptions
 from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
 from moe.backends.deepep_support import (
     check_ht_world,
@@ -60,6 +61,25 @@ class HTHandle:
     deep_handle: tuple
 
 
+@dataclass(frozen=True, kw_only=True)
+class DeepEPHTOptions(BackendOptions):
+    """Options of backend `deepep_ht` (`MoEConfig(backend="deepep_ht", backend_options=
+    DeepEPHTOptions(...))`)."""
+
+    backend_name = "deepep_ht"
+
+    worst_case_dispatch: bool = False
+    """Receive into buffers sized for the worst case (max_tokens_per_rank * ranks rows,
+    DeepEP's `num_worst_tokens`) instead of reading the counts on the host: no host sync,
+    so a step can be captured in a CUDA graph; needs MoEConfig.max_tokens_per_rank."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.worst_case_dispatch, bool):
+            raise TypeError(f"DeepEPHTOptions.worst_case_dispatch="
+                            f"{self.worst_case_dispatch!r}: must be True or False (a bool, "
+                            f"not a {type(self.worst_case_dispatch).__name__}).")
+
+
 class DeepEPHTBackend(PrepareFinalize):
     """DeepEP normal kernels: exact rows (default) or worst-case rows (graph-capturable)."""
 
@@ -67,22 +87,32 @@ class DeepEPHTBackend(PrepareFinalize):
     reads_counts_on_host = True  # the default (not worst-case) form
     opt_in = True  # DeepEP
     comm_recordable = False  # DeepEP's own NVLink/RDMA kernels
+    options_type = DeepEPHTOptions
+    row_dtypes = (torch.bfloat16,)
+    library = "DeepEP"
+    kernels = "DeepEP's normal kernels"
+    options: DeepEPHTOptions
+    agreement_prefix = "deepep_"
 
     @classmethod
     def check_runs(cls, world_size: int, config: Optional[MoEConfig] = None) -> None:
         require_deep_ep(cls.name, "Buffer")
         check_ht_world(cls.name, world_size)
         if config is not None:
-            ht_padded_hidden(cls.name, config.hidden_size, config.dtype)
+            cls.check_shape(config.hidden_size, config.dtype, world_size)
+
+    @classmethod
+    def check_shape(cls, hidden_size: int, dtype: torch.dtype, world_size: int) -> None:
+        ht_padded_hidden(cls.name, hidden_size, dtype)
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(config, group)
         deep_ep = require_deep_ep(self.name, "Buffer")
         self.padded_hidden = ht_padded_hidden(self.name, config.hidden_size, config.dtype)
         self.num_worst_tokens = 0
-        if config.deepep.worst_case_dispatch:
+        if self.options.worst_case_dispatch:
             if config.max_tokens_per_rank is None:
-                raise ValueError("backend 'deepep_ht' with MoEConfig.deepep.worst_case_dispatch "
+                raise ValueError("backend 'deepep_ht' with DeepEPHTOptions.worst_case_dispatch "
                                  "needs MoEConfig.max_tokens_per_rank (the receive buffers "
                                  "hold max_tokens_per_rank * ranks rows): set it, or turn "
                                  "worst_case_dispatch off")

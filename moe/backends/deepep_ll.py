@@ -15,7 +15,7 @@ valid rows, -1 for the padding; one small GPU op, nothing read on the host) and 
 since DeepEP's combine (`low_latency_combine`, with its own hook) applies the top-k
 weights itself.
 
-FP8 dispatch (`MoEConfig.deepep.fp8_dispatch`): DeepEP casts the tokens to
+FP8 dispatch (`DeepEPLLOptions.fp8_dispatch`): DeepEP casts the tokens to
 float8_e4m3fn with one float32 scale per 128 channels on the way; they are dequantised
 to bfloat16 (one [R, H] copy) before the experts, which take bfloat16. The combine stays
 bfloat16.
@@ -29,18 +29,21 @@ reads device values on the host: a step can be captured in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
 from dbo.yield_points import dbo_enabled
+from moe.backend_options import BackendOptions
+from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
 from moe.backends.deepep_support import (
     DEEPEP_MAX_INT4S,
     LLRowConstants,
+    LL_HIDDEN_SIZES,
     SharedBuffer,
+    check_ll_depth,
     check_ll_shape,
     check_ll_world,
     dequantize_fp8,
@@ -64,6 +67,24 @@ class LLHandle:
     topk_weights_TK: Tensor
 
 
+@dataclass(frozen=True, kw_only=True)
+class DeepEPLLOptions(BackendOptions):
+    """Options of backend `deepep_ll` (`MoEConfig(backend="deepep_ll", backend_options=
+    DeepEPLLOptions(...))`)."""
+
+    backend_name = "deepep_ll"
+
+    fp8_dispatch: bool = False
+    """Send the tokens in FP8 (per-128-channel scales), dequantised to bfloat16 before
+    the experts; the combine stays bfloat16."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fp8_dispatch, bool):
+            raise TypeError(f"DeepEPLLOptions.fp8_dispatch={self.fp8_dispatch!r}: must be "
+                            f"True or False (a bool, not a "
+                            f"{type(self.fp8_dispatch).__name__}).")
+
+
 class DeepEPLLBackend(PrepareFinalize):
     """DeepEP low-latency kernels: fixed capacity, receive halves run as hooks."""
 
@@ -73,6 +94,13 @@ class DeepEPLLBackend(PrepareFinalize):
     opt_in = True  # DeepEP
     needs_capacity = True
     comm_recordable = False  # DeepEP's own low-latency kernels
+    options_type = DeepEPLLOptions
+    row_dtypes = (torch.bfloat16,)
+    hidden_sizes = LL_HIDDEN_SIZES
+    library = "DeepEP"
+    kernels = "DeepEP's low-latency kernels"
+    options: DeepEPLLOptions
+    agreement_prefix = "deepep_"
     graph_safe = True
 
     @classmethod
@@ -80,7 +108,18 @@ class DeepEPLLBackend(PrepareFinalize):
         require_deep_ep(cls.name, "Buffer")
         check_ll_world(cls.name, world_size)
         if config is not None:
-            check_ll_shape(cls.name, config.hidden_size, config.dtype, world_size)
+            cls.check_shape(config.hidden_size, config.dtype, world_size)
+
+    @classmethod
+    def check_shape(cls, hidden_size: int, dtype: torch.dtype, world_size: int) -> None:
+        check_ll_shape(cls.name, hidden_size, dtype, world_size)
+
+    @classmethod
+    def check_max_tokens(cls, max_tokens: int, world_size: int, *, option: str,
+                         backend_option: str, env: Mapping[str, str]) -> None:
+        """DeepEP's capacity must fit NVSHMEM's queue depth (`check_ll_depth`)."""
+        check_ll_depth(option, max_tokens, world_size, backend_option=backend_option,
+                       env=env)
 
     def __init__(self, config: MoEConfig, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__(config, group)
@@ -92,7 +131,7 @@ class DeepEPLLBackend(PrepareFinalize):
                              "rank sends in one step")
         assert group is not None  # world size >= 2, checked above
         self.capacity = ll_capacity(config.max_tokens_per_rank, self.world_size)
-        self.use_fp8 = config.deepep.fp8_dispatch
+        self.use_fp8 = self.options.fp8_dispatch
         self.topk_idx_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
         num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
             self.capacity, config.hidden_size, self.world_size, config.num_experts)

@@ -26,7 +26,7 @@ import importlib.util
 import weakref
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -116,6 +116,25 @@ def check_ll_world(backend: str, world_size: int) -> None:
     if world_size < 2:
         raise ValueError(f"backend {backend!r} needs an EP group of at least 2 ranks (got "
                          f"{world_size}); use backend 'local' on one rank")
+
+
+def check_ll_depth(option: str, max_tokens: int, world_size: int, *, backend_option: str,
+                   env: Mapping[str, str]) -> None:
+    """Refuse `max_tokens` per rank (`option`, e.g. "--max-tokens") for backend deepep_ll
+    (`backend_option`, as the command names it) on `world_size` ranks where DeepEP's
+    capacity would not fit NVSHMEM's queue depth: DeepEP asserts NVSHMEM_QP_DEPTH (1024
+    by default; read from `env`, the caller's environment) >= 2 (C + 1), C the capacity
+    `ll_capacity` gives it."""
+    depth = int(env.get("NVSHMEM_QP_DEPTH", DEFAULT_NVSHMEM_QP_DEPTH))
+    capacity = ll_capacity(max_tokens, world_size)
+    if 2 * (capacity + 1) <= depth:
+        return
+    fits = next((n for n in range(min(max_tokens - 1, depth // 2), 0, -1)
+                 if 2 * (ll_capacity(n, world_size) + 1) <= depth), 0)
+    raise ValueError(f"{option}={max_tokens} with {backend_option} on {world_size} ranks: "
+                     f"DeepEP's capacity {capacity} needs an NVSHMEM queue depth of "
+                     f"{2 * (capacity + 1)}, above NVSHMEM_QP_DEPTH={depth}; use {option} "
+                     f"<= {fits}, or raise NVSHMEM_QP_DEPTH")
 
 
 def ll_capacity(max_tokens_per_rank: int, world_size: int) -> int:

@@ -9,7 +9,7 @@ machines this project runs on. The adapter follows DeepEP's documented contract
 `csrc/elastic/buffer.hpp`: sizes and streams) and is tested through a fake that
 reproduces it (`tests/moe/fake_elastic_buffer.py`).
 
-Two modes (`MoEConfig.deepep_v2_mode`):
+Two modes (`DeepEPV2Options.mode`):
 
 - "prefill": `do_cpu_sync=True, do_expand=True`. The dispatch blocks the host until the
   counts arrive and returns exactly R rows, expert-major: one row per (token, local expert
@@ -54,6 +54,7 @@ from torch import Tensor
 
 from dbo.failures import note_collective
 from dbo.yield_points import dbo_enabled, dbo_other_ubatch_started, dbo_yield
+from moe.backend_options import BackendOptions
 from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
 from moe.config import MoEConfig
 from moe.workspace import Workspace
@@ -233,12 +234,33 @@ class V2Handle:
     ep_handle: Any
 
 
+_MODES = ("prefill", "decode")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepEPV2Options(BackendOptions):
+    """Options of backend `deepep_v2` (`MoEConfig(backend="deepep_v2", backend_options=
+    DeepEPV2Options(...))`)."""
+
+    backend_name = "deepep_v2"
+
+    mode: str = "prefill"
+    """"prefill" (exact sizes, expert-major rows, the host waits for the counts) or
+    "decode" (outputs sized for the worst case, the count stays on the GPU: no host
+    sync, CUDA-graph capturable)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise ValueError(f"DeepEPV2Options.mode={self.mode!r} is not a deepep_v2 mode: "
+                             f"use one of {_MODES}.")
+
+
 class DeepEPV2Backend(PrepareFinalize):
     """DeepEP v2 (`ElasticBuffer`) dispatch and combine, in prefill or decode mode.
 
     Args:
         config: needs `max_tokens_per_rank` (the buffer's and decode mode's size C);
-            `deepep_v2_mode` picks the mode.
+            its `DeepEPV2Options.mode` picks the mode.
         group: the EP process group.
         elastic_buffer_cls: the buffer class, built as `cls(group,
             num_max_tokens_per_rank=C, hidden=H, num_topk=K, use_fp8_dispatch=False)`;
@@ -250,6 +272,12 @@ class DeepEPV2Backend(PrepareFinalize):
     opt_in = True  # DeepEP v2
     needs_capacity = True
     comm_recordable = False  # DeepEP v2's own kernels
+    options_type = DeepEPV2Options
+    row_dtypes = (torch.bfloat16,)
+    library = "DeepEP v2"
+    kernels = "DeepEP v2's kernels"
+    options: DeepEPV2Options
+    agreement_prefix = "deepep_v2_"
 
     @classmethod
     def check_runs(cls, world_size: int, config: Optional[MoEConfig] = None) -> None:
@@ -269,7 +297,7 @@ class DeepEPV2Backend(PrepareFinalize):
                              "ElasticBuffer's size, and decode mode's outputs): set it to the "
                              "largest token count a rank sends in one step")
         self.capacity = config.max_tokens_per_rank
-        self.decode = config.deepep_v2_mode == "decode"
+        self.decode = self.options.mode == "decode"
         self.buffer = BUFFERS.get(elastic_buffer_cls, group, num_max_tokens_per_rank=self.capacity,
                                   hidden=config.hidden_size, num_topk=config.top_k)
 

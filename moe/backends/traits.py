@@ -3,7 +3,7 @@
 The facts live as class attributes of the backend classes (`PrepareFinalize`:
 `needs_capacity`, `reads_counts_on_host`, ...); this module reads them through
 `backend_class`, so a tool asks `backends_with(pads_to_capacity=True)` instead of keeping
-a list of names by hand. Answers come in registry order (`moe.registry.BACKENDS`).
+a list of names by hand. Answers come in registry order (`moe.backends.registry.BACKENDS`).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from moe.registry import BACKENDS
+from moe.backends.registry import BACKENDS, backend_class
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,7 +37,7 @@ class BackendTraits:
     routes_gathered_logits: bool
     #: Runs on an EP group of one rank only.
     single_rank: bool
-    #: Takes `MoEConfig.max_tokens_per_ubatch`.
+    #: Takes a capacity per DBO ubatch (`A2ALLOptions.max_tokens_per_ubatch`).
     takes_ubatch_capacity: bool
 
 
@@ -49,7 +49,6 @@ TRAITS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(BackendTraits
 def backend_traits(name: str) -> BackendTraits:
     """The declared traits of registered backend `name` ("auto" not taken: it is local or
     a2a by EP size). Imports the backend's module, builds nothing."""
-    from moe.backends import backend_class
     if name not in BACKENDS:
         raise ValueError(f"unknown MoE backend {name!r}: choose one of {sorted(BACKENDS)}")
     cls = backend_class(name, 2)

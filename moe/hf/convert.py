@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe.backend_options import BackendOptions
+from moe.backends.a2a_ll import A2ALLOptions
 from moe.config import SUPPORTED_DTYPES, MoEConfig
 from moe.hf.arch import ARCHITECTURES, SILU_NAMES, ArchSpec
 from moe.hf.block import HFMoEBlock, HFRouter, HFSharedExperts
@@ -115,8 +117,9 @@ def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
             padded slots are sized by it); a call with more rows raises (under DBO, on
             every rank at the vote). None: no capacity.
         max_tokens_per_ubatch: backend a2a_ll: the capacity of one ubatch of a DBO step
-            (`MoEConfig.max_tokens_per_ubatch`; each ubatch then sends slots of this
-            size, not of max_tokens_per_rank). None: max_tokens_per_rank.
+            (every layer's `backend_options=A2ALLOptions(max_tokens_per_ubatch=...)`;
+            each ubatch then sends slots of this size, not of max_tokens_per_rank).
+            None: max_tokens_per_rank.
         conversion: "auto": the fused block where `moe.hf.arch` knows the architecture and
             the block fits it, else the experts path; "experts": the experts path for
             every block.
@@ -151,6 +154,7 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
     world = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     check_capacity_argument(backend, max_tokens_per_rank, world=world, where="moe.hf.convert")
+    options = ubatch_options(max_tokens_per_ubatch)
     from_blocks = plans is None
     if plans is None:
         plans = plan_blocks(model, world=world, check_weights=True, backend=backend,
@@ -163,13 +167,13 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
         device = getattr(old.experts, names[0]).device if from_blocks else torch.device("cpu")
         if isinstance(plan, ExpertsPlan):
             new = build_experts(plan, old.experts, device=device, group=group,
-                                capacity=max_tokens_per_rank,
-                                ubatch_capacity=max_tokens_per_ubatch, last_layer=i == last)
+                                capacity=max_tokens_per_rank, backend_options=options,
+                                last_layer=i == last)
             record_layout(new, old.experts, transposed=plan.transposed)
         else:
             new = _build_block(plan, old, device=device, group=group, backend=backend,
                                experts=experts, capacity=max_tokens_per_rank,
-                               ubatch_capacity=max_tokens_per_ubatch, last_layer=i == last)
+                               backend_options=options, last_layer=i == last)
             record_layout(new, old, transposed=False)
         if from_blocks:
             first, stop = local_rows(plan, rank=rank, world=world)
@@ -191,6 +195,14 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
     model.dbo_split_mode = "batch"
     save_in_transformers_names(model)
     return model
+
+
+def ubatch_options(max_tokens_per_ubatch: Optional[int]) -> Optional[BackendOptions]:
+    """The backend options that give each DBO ubatch `max_tokens_per_ubatch` rows of
+    capacity (`A2ALLOptions`: the backend that takes one), or None: the defaults."""
+    if max_tokens_per_ubatch is None:
+        return None
+    return A2ALLOptions(max_tokens_per_ubatch=max_tokens_per_ubatch)
 
 
 def ubatch_capacity(batch_size: int, seq_len: int) -> int:
@@ -345,14 +357,14 @@ def _check_block(path: str, block: nn.Module, spec: Optional[ArchSpec], config: 
 
 def _build_block(plan: BlockPlan, old: nn.Module, *, device: torch.device,
                  group: Optional[dist.ProcessGroup], backend: str, experts: str,
-                 capacity: Optional[int], ubatch_capacity: Optional[int],
+                 capacity: Optional[int], backend_options: Optional[BackendOptions],
                  last_layer: bool) -> HFMoEBlock:
     """The new block for `old` on `device`, its experts uninitialised (`copy_rows`), the
     router's and shared experts' tensors taken over as they are."""
     spec = plan.spec
     config = dataclasses.replace(plan.config, backend=backend, experts=experts,
                                  max_tokens_per_rank=capacity,
-                                 max_tokens_per_ubatch=ubatch_capacity)
+                                 backend_options=backend_options)
     layer = MoELayer(config, group=group, layer_id=plan.layer_id, last_layer=last_layer,
                      device=device)
     gate = old.gate

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dbo.compiling import graph_break
+from moe.backend_options import BackendOptions
 from moe.backends import backend_class, make_backend, resolve_backend_name
 from moe.config import SUPPORTED_DTYPES, MoEConfig
 from moe.experts import experts_class, make_experts
@@ -195,12 +196,12 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
 
 def build_experts(plan: ExpertsPlan, module: nn.Module, *, device: torch.device,
                   group: Optional[dist.ProcessGroup], capacity: Optional[int],
-                  ubatch_capacity: Optional[int], last_layer: bool) -> "HFExperts":
+                  backend_options: Optional[BackendOptions], last_layer: bool) -> "HFExperts":
     """The `HFExperts` for the experts `module` of `plan` on `device`, its experts
     uninitialised (the caller copies this rank's in), the custom gate and the
     post-expert norm taken over."""
     config = dataclasses.replace(plan.config, max_tokens_per_rank=capacity,
-                                 max_tokens_per_ubatch=ubatch_capacity)
+                                 backend_options=backend_options)
     form = plan.form
     owner = gate_owner(module) if form.activation == "custom" else None
     post_norm = getattr(module, "post_expert_norm", None) if form.post_norm else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -27,6 +27,7 @@ from dbo.model_hooks import ModelHooks
 from dbo.failures import record_collectives
 from dbo.vote import Ballot, cast_ballot
 from moe import MoEConfig, MoELayer, init_moe_weights
+from moe.backends.a2a_ll import A2ALLOptions
 from moe.models.transformer import MoETransformer, get_preset, make_batch
 from tests.dist_utils import run_distributed
 
@@ -236,12 +237,17 @@ EP_LAYER = dict(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8,
 
 def ep_layer_default(field: str) -> Any:
     """The value `ep_layer` gives `field` unless told otherwise."""
-    return {"backend": "naive", **EP_LAYER}.get(field, getattr(MoEConfig, field, None))
+    return {"backend": "naive", **EP_LAYER}.get(
+        field, getattr(MoEConfig, field, getattr(A2ALLOptions, field, None)))
 
 
-def ep_layer(group: Any, *, backend: str = "naive", **moe: Any) -> MoELayer:
-    cfg = MoEConfig(**{**EP_LAYER, **moe})
-    layer = MoELayer(replace(cfg, backend=backend, experts="reference"), group=group)
+def ep_layer(group: Any, *, backend: str = "naive", combine_chunks: Optional[int] = None,
+             **moe: Any) -> MoELayer:
+    """A layer of `EP_LAYER`'s shape on `group`; `combine_chunks`: a2a_ll's option."""
+    options = None if combine_chunks is None else A2ALLOptions(combine_chunks=combine_chunks)
+    cfg = MoEConfig(**{**EP_LAYER, **moe}, backend=backend, experts="reference",
+                    backend_options=options)
+    layer = MoELayer(cfg, group=group)
     layer.load_weights(init_moe_weights(cfg, seed=2))
     return layer
 
@@ -264,7 +270,10 @@ def altered(layer: MoELayer, **changes: Any) -> MoELayer:
 # backend makes (a2a builds a second process group over the ranks).
 BUILT_UNLIKE = (
     ("a2a on one rank", "backend", dict(backend="naive"), dict(backend="a2a")),
-    ("a2a_ll on one rank", "backend", dict(backend="a2a"), dict(backend="a2a_ll")),
+    # a2a_ll adds the fields of its options (`PrepareFinalize.agreement_fields`), which
+    # a2a's config lacks: named too, after the backend.
+    ("a2a_ll on one rank", ("backend", "combine_chunks", "max_tokens_per_ubatch"),
+     dict(backend="a2a"), dict(backend="a2a_ll")),
     ("top_k", "top_k", dict(top_k=2), dict(top_k=1)),
     # A chunked SBO combine issues more collectives than one combine.
     ("combine_chunks", "combine_chunks", dict(backend="a2a_ll"),
@@ -307,10 +316,12 @@ def mismatched_configs(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.distributed
 def test_configurations_that_differ_raise_the_same_named_error_on_every_rank() -> None:
     for rank, out in enumerate(run_distributed(2, mismatched_configs)):
-        for case, field, rank0, rank1 in BUILT_UNLIKE:
+        for case, named, rank0, rank1 in BUILT_UNLIKE:
             result = out[f"built: {case}"]
             assert result["type"] == "ConfigMismatchError", (rank, case, result)
-            assert result["fields"] == (field,), (rank, case, result)
+            names = named if isinstance(named, tuple) else (named,)
+            assert result["fields"] == names, (rank, case, result)
+            field = names[0]
             value0 = rank0.get(field, ep_layer_default(field))
             value1 = rank1.get(field, ep_layer_default(field))
             assert f"{field}: rank 0: {value0}, rank 1: {value1}" in result["text"], result

@@ -22,7 +22,7 @@ import dbo  # noqa: E402
 import moe.hf  # noqa: E402
 from moe.config import MoEConfig  # noqa: E402
 from moe.hf import HFMoEBlock  # noqa: E402
-from moe.registry import BACKENDS  # noqa: E402
+from moe.backends.registry import BACKENDS  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.hf_utils import ARCHS, assert_logits_close, batch, logits, save, tiny_model  # noqa: E402
 from tests.models.test_hf_convert import run_dbo  # noqa: E402

@@ -1,7 +1,8 @@
 """Every registered backend against the dense reference (two gloo ranks), found through
-the registry: a new backend is tested here by registering it. A backend that cannot run
-in this process is skipped with the reason its own `check_runs` gives; `single_rank`
-ones (EP size 1) are covered by the single-process layer tests.
+the registry: a new backend is tested here by registering it and adding its row to
+`ROWS` (the traits it declares; tests/moe/test_backend_traits.py checks them). A backend
+that cannot run in this process is skipped with the reason its own `check_runs` gives;
+`single_rank` ones (EP size 1) are covered by the single-process layer tests.
 
 fp32 tolerance 1e-5: the backends add per-rank partial sums (reduce-scatter in another
 order) where the reference adds a token's K expert outputs in one loop, so only the
@@ -20,7 +21,22 @@ from moe.layer import MoELayer
 from moe.reference import init_moe_weights, reference_moe
 from tests.dist_utils import run_distributed
 
-pytestmark = pytest.mark.distributed
+# One row per registered backend: the traits it declares true (`moe.backends.TRAITS`).
+# A new backend adds its row here.
+ROWS: dict[str, frozenset[str]] = {name: frozenset(traits) for name, traits in {
+    "local": {"graph_safe", "graph_safe_with_capacity", "comm_recordable", "single_rank"},
+    "naive": {"graph_safe_with_capacity", "reads_counts_on_host", "comm_recordable"},
+    "naive_mono": {"graph_safe_with_capacity", "reads_counts_on_host", "comm_recordable",
+                   "routes_gathered_logits"},
+    "a2a": {"reads_counts_on_host", "comm_recordable"},
+    "a2a_ll": {"graph_safe", "graph_safe_with_capacity", "pads_to_capacity", "comm_recordable",
+               "needs_capacity", "takes_ubatch_capacity"},
+    "symm_mem": {"graph_safe", "graph_safe_with_capacity", "needs_capacity", "opt_in"},
+    "deepep_ht": {"reads_counts_on_host", "opt_in"},
+    "deepep_ll": {"graph_safe", "graph_safe_with_capacity", "pads_to_capacity",
+                  "needs_capacity", "opt_in"},
+    "deepep_v2": {"reads_counts_on_host", "needs_capacity", "opt_in"},
+}.items()}
 
 ATOL = 1e-5
 CAPACITY = 12
@@ -69,6 +85,7 @@ def run_contract(rank: int, world_size: int, backend: str) -> dict:
     return results
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_backend_contract(backend):
     if backend_traits(backend).single_rank:

@@ -1,37 +1,24 @@
-"""The backends' declared traits (`moe.backends.traits`): the table, its consistency with
-what a built backend says, and the name lists the tools derive from it."""
+"""The backends' declared traits (`moe.backends.traits`): each backend's row of
+tests/moe/test_backend_contract.py, their consistency with what a built backend says,
+the generated table of docs/backends.md, and what a backend declares besides (its
+options, the fields it adds to the agreement, its requirements)."""
 from __future__ import annotations
 
 import pytest
 
 from moe.backends import (BACKENDS, TRAITS, backend_class, backend_traits, backends_with)
-
-# The trait table, as the backends declare it. A new backend adds its row here.
-# Columns: graph_safe, graph_safe_with_capacity, pads_to_capacity, reads_counts_on_host,
-# comm_recordable, needs_capacity, opt_in.
-TABLE = {
-    "local":      (1, 1, 0, 0, 1, 0, 0),
-    "naive":      (0, 1, 0, 1, 1, 0, 0),
-    "naive_mono": (0, 1, 0, 1, 1, 0, 0),
-    "a2a":        (0, 0, 0, 1, 1, 0, 0),
-    "a2a_ll":     (1, 1, 1, 0, 1, 1, 0),
-    "symm_mem":   (1, 1, 0, 0, 0, 1, 1),
-    "deepep_ht":  (0, 0, 0, 1, 0, 0, 1),
-    "deepep_ll":  (1, 1, 1, 0, 0, 1, 1),
-    "deepep_v2":  (0, 0, 0, 1, 0, 1, 1),
-}
-COLUMNS = ("graph_safe", "graph_safe_with_capacity", "pads_to_capacity",
-           "reads_counts_on_host", "comm_recordable", "needs_capacity", "opt_in")
+from tests.moe.test_backend_contract import ROWS
 
 
 def test_every_registered_backend_has_a_row():
-    assert set(TABLE) == set(BACKENDS)
+    assert set(ROWS) == set(BACKENDS)
+    assert all(row <= set(TRAITS) for row in ROWS.values())
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_declared_traits(name):
     traits = backend_traits(name)
-    assert tuple(int(getattr(traits, c)) for c in COLUMNS) == TABLE[name]
+    assert {t for t in TRAITS if getattr(traits, t)} == ROWS[name]
     assert traits.name == name
 
 
@@ -71,7 +58,6 @@ def test_backends_with():
         backends_with(padded=True)
     with pytest.raises(ValueError, match="unknown MoE backend 'nope'"):
         backend_traits("nope")
-    assert set(TRAITS) >= set(COLUMNS)
 
 
 def test_docs_trait_table_is_the_generated_one():
@@ -85,3 +71,65 @@ def test_docs_trait_table_is_the_generated_one():
     start = text.index("\n", start) + 1
     end = text.index("<!-- end of the generated table -->", start)
     assert text[start:end] == trait_table()
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_options_are_the_backend_s_own(name):
+    """Each backend names a frozen keyword-only options class; its defaults are what a
+    config without options gets, and its fields are what it adds to the agreement."""
+    import dataclasses
+
+    from moe.backend_options import BackendOptions, NoOptions
+    from moe.config import MoEConfig
+    cls = backend_class(name, 2)
+    options_type = cls.options_type
+    assert issubclass(options_type, BackendOptions)
+    params = dataclasses.fields(options_type)
+    assert options_type.__dataclass_params__.frozen
+    assert all(f.kw_only for f in params)
+    assert options_type is NoOptions or options_type.backend_name == name
+    config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                       backend=name)
+    assert config.options == options_type()
+    added = cls.agreement_fields(config)
+    assert list(added) == [cls.agreement_prefix + f.name for f in params]
+    assert not set(added) & set(config.agreement_fields())
+
+
+def test_the_fields_backends_add_to_the_agreement_keep_their_names():
+    from moe.backends.a2a_ll import A2ALLOptions
+    from moe.config import MoEConfig
+
+    def added(name, **kw):
+        config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                           max_tokens_per_rank=8, backend=name, **kw)
+        return backend_class(name, 2).agreement_fields(config)
+
+    assert added("a2a_ll", backend_options=A2ALLOptions(combine_chunks=2)) == {
+        "max_tokens_per_ubatch": None, "combine_chunks": 2}
+    assert added("deepep_ht") == {"deepep_worst_case_dispatch": False}
+    assert added("deepep_ll") == {"deepep_fp8_dispatch": False}
+    assert added("deepep_v2") == {"deepep_v2_mode": "prefill"}
+    assert added("a2a") == {}
+
+
+def test_requirements_are_declared_by_the_backends():
+    """What the commands check before ranks start, asked of the backend: deepep_ll's
+    rows and NVSHMEM queue depth; nothing for a backend of torch's collectives."""
+    import torch
+
+    env = {"NVSHMEM_QP_DEPTH": "1024"}
+    ll, a2a = backend_class("deepep_ll", 2), backend_class("a2a", 2)
+    assert ll.row_dtypes == (torch.bfloat16,) and 2048 in ll.hidden_sizes
+    assert a2a.row_dtypes is None and a2a.hidden_sizes is None
+    ll.check_max_tokens(510, 2, option="--tokens", backend_option="", env=env)
+    with pytest.raises(ValueError, match="--tokens=511 with --backend=deepep_ll on 2 ranks: "
+                                         "DeepEP's capacity 512 needs an NVSHMEM queue depth "
+                                         "of 1026, above NVSHMEM_QP_DEPTH=1024; use --tokens "
+                                         "<= 510"):
+        ll.check_max_tokens(511, 2, option="--tokens", backend_option="--backend=deepep_ll",
+                            env=env)
+    a2a.check_max_tokens(10**6, 2, option="--tokens", backend_option="", env=env)
+    with pytest.raises(ValueError, match="hidden_size=1000 is not supported"):
+        ll.check_shape(1000, torch.bfloat16, 2)
+    a2a.check_shape(1000, torch.float32, 2)

@@ -1,5 +1,5 @@
 """Layers 1 (CPU) and 2 (two gloo processes): the chunked combine of `a2a_ll` in
-single-batch overlap (`MoEConfig.combine_chunks`).
+single-batch overlap (`A2ALLOptions.combine_chunks`).
 
 Layer 1: the chunk plan's index maps (every slot row lands in exactly one row of the
 chunked buffer, and the remap reads it back) and the config's validation. Layer 2: an
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dbo import UBatchScheduler
+from moe.backends.a2a_ll import A2ALLOptions
 from moe.backends.combine_chunks import plan_combine_chunks
 from moe.config import MoEConfig
 from moe.layer import MoELayer
@@ -63,12 +64,12 @@ def test_chunk_plan_moves_every_slot_row_once(world_size, capacity, num_chunks):
     (CAPACITY + 1, ValueError, f"at most {CAPACITY} chunks")])
 def test_bad_chunk_count_is_refused(value, error, match):
     with pytest.raises(error, match=match):
-        replace(BASE, combine_chunks=value)
+        replace(BASE, backend_options=A2ALLOptions(combine_chunks=value))
 
 
 def test_chunk_count_without_a_capacity_is_accepted():
-    assert replace(BASE, backend="a2a", max_tokens_per_rank=None,
-                   combine_chunks=64).combine_chunks == 64
+    assert replace(BASE, max_tokens_per_rank=None, backend_options=A2ALLOptions(
+        combine_chunks=64)).options.combine_chunks == 64
 
 
 # -- Layer 2: outputs and order in a step ---------------------------------------------
@@ -92,6 +93,10 @@ SCENARIOS = {
 
 def make_layer(overrides: dict, *, last_layer: bool = False, device: str = "cpu"
                ) -> MoELayer:
+    overrides = dict(overrides)
+    chunks = overrides.pop("combine_chunks", None)
+    if chunks is not None:
+        overrides["backend_options"] = A2ALLOptions(combine_chunks=chunks)
     cfg = replace(BASE, **overrides)
     layer = MoELayer(cfg, group=dist.group.WORLD, last_layer=last_layer)
     layer.load_weights(init_moe_weights(cfg, seed=7))

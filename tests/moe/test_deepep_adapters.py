@@ -28,7 +28,8 @@ from moe.backends.deepep_support import (
     LLRowConstants,
     ll_expert_ids,
 )
-from moe.config import DeepEPOptions
+from moe.backends.deepep_ht import DeepEPHTOptions
+from moe.backends.deepep_ll import DeepEPLLOptions
 from tests.dist_utils import run_distributed
 
 BF16 = torch.bfloat16
@@ -78,11 +79,13 @@ def test_dequantize_fp8_applies_per_128_channel_scales_in_column_major_layout():
 
 
 def test_deepep_options_take_bools_only():
-    with pytest.raises(TypeError, match="DeepEPOptions.fp8_dispatch='yes'"):
-        DeepEPOptions(fp8_dispatch="yes")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="MoEConfig.deepep="):
+    with pytest.raises(TypeError, match="DeepEPLLOptions.fp8_dispatch='yes'"):
+        DeepEPLLOptions(fp8_dispatch="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="DeepEPHTOptions.worst_case_dispatch=1"):
+        DeepEPHTOptions(worst_case_dispatch=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="MoEConfig.backend_options=True"):
         MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
-                  deepep=True)  # type: ignore[arg-type]
+                  backend_options=True)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- Layer 1: refusals
@@ -101,7 +104,7 @@ def _layer(backend: str, **kw: Any) -> MoELayer:
 
 @pytest.mark.parametrize("backend,kw,message", [
     ("deepep_ht", dict(dtype=torch.float32), "DeepEP's normal combine sums bfloat16 rows only"),
-    ("deepep_ht", dict(deepep=DeepEPOptions(worst_case_dispatch=True)),
+    ("deepep_ht", dict(backend_options=DeepEPHTOptions(worst_case_dispatch=True)),
      "worst_case_dispatch needs MoEConfig.max_tokens_per_rank"),
     ("deepep_ht", {}, "needs an EP process group"),
     ("deepep_ll", dict(hidden_size=1000), "MoEConfig.hidden_size=1000 is not supported"),
@@ -262,7 +265,7 @@ def _fake_worker(rank: int, world_size: int) -> dict[str, Any]:
     ht2 = DeepEPHTBackend(_config("deepep_ht"), world)
     out["ht_shared"] = ht1.shared is ht2.shared and len(_Buffer.made) == 1
     out["ht_args"] = _Buffer.made[0].args
-    worst = replace(_config("deepep_ht"), deepep=DeepEPOptions(worst_case_dispatch=True))
+    worst = replace(_config("deepep_ht"), backend_options=DeepEPHTOptions(worst_case_dispatch=True))
     out["graph_safe"] = (ht1.graph_safe, DeepEPHTBackend(worst, world).graph_safe)
     first = _Buffer.made[0]
     ht_pad = DeepEPHTBackend(_config("deepep_ht", hidden=2880), world)  # padded to 3072

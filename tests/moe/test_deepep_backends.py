@@ -25,7 +25,8 @@ from torch import nn
 
 from dbo import DBOConfig, DBORunner, UBatchScheduler
 from dbo.graphs import GraphedRunner
-from moe.config import DeepEPOptions, MoEConfig
+from moe.backends.deepep_ht import DeepEPHTOptions
+from moe.config import MoEConfig
 from moe.layer import MoELayer
 from moe.reference import init_moe_weights, reference_moe
 from tests.dist_utils import run_distributed
@@ -100,9 +101,9 @@ def _worker(rank: int, world_size: int, backend: str, worst: bool) -> dict[str, 
     device = torch.device("cuda", rank)
     counts = _count_hooks() if backend == "deepep_ll" else None
     torch.manual_seed(100 + rank)
-    options = DeepEPOptions(worst_case_dispatch=worst)
+    options = DeepEPHTOptions(worst_case_dispatch=worst) if backend == "deepep_ht" else None
     out: dict[str, Any] = {}
-    base = _config(backend, deepep=options)
+    base = _config(backend, backend_options=options)
     cases = {"mixed": (base, (37, 11)), "zero_tokens": (base, (0, 24)),
              "one_expert": (replace(base, custom_routing_function=_to_expert_5), (20, 9))}
     layers = []

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe import MoEConfig, MoELayer
-from moe.registry import BACKENDS, UNTESTED_BACKENDS
+from moe.backends.registry import BACKENDS, UNTESTED_BACKENDS
 
 DEEPEP = ["deepep_ht", "deepep_ll", "deepep_v2"]
 

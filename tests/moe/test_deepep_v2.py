@@ -24,9 +24,10 @@ import torch.distributed as dist
 from dbo import UBatchScheduler
 from dbo.failures import record_collectives
 from dbo.yield_points import dbo_current_ubatch_id
-from moe.backends.deepep_v2 import (BUFFERS, DeepEPV2Backend, ElasticBufferPool,
-                                     _decode_nccl_code, _loaded_nccl_version,
-                                     elastic_buffer_class, start_nccl_comm)
+from moe.backends.deepep_v2 import (BUFFERS, DeepEPV2Backend, DeepEPV2Options,
+                                     ElasticBufferPool, _decode_nccl_code,
+                                     _loaded_nccl_version, elastic_buffer_class,
+                                     start_nccl_comm)
 from moe.config import MoEConfig
 from moe.experts.reference import ReferenceExperts
 from moe.layer import MoELayer
@@ -45,7 +46,8 @@ def v2_layer(cfg: MoEConfig, group: Optional[dist.ProcessGroup],
              buffer_cls: Callable[..., Any] = FakeElasticBuffer) -> MoELayer:
     """An MoELayer whose backend is the adapter over `buffer_cls` (the layer builds its
     backend by name, so it is made with another and swapped before the first call)."""
-    layer = MoELayer(replace(cfg, backend="local" if group is None else "naive"), group=group)
+    layer = MoELayer(replace(cfg, backend="local" if group is None else "naive",
+                             backend_options=None), group=group)
     layer.backend = DeepEPV2Backend(replace(cfg, backend="deepep_v2"), group,
                                     elastic_buffer_cls=buffer_cls)
     return layer
@@ -57,7 +59,7 @@ def errors_against_reference(rank: int, group: Optional[dist.ProcessGroup],
     layer (the split combine, which this backend declines), and the output shapes."""
     torch.manual_seed(99 + rank)
     return scenario_errors(rank, lambda cfg: v2_layer(cfg, group), experts="reference",
-                           deepep_v2_mode=mode)
+                           backend="deepep_v2", backend_options=DeepEPV2Options(mode=mode))
 
 
 def assert_close(errors: dict[str, tuple], rank: int) -> None:
@@ -93,7 +95,7 @@ def test_every_call_is_async_after_an_event_of_the_compute_stream(mode, expand):
     """Both calls: `previous_event` captured by the adapter, `allocate_on_comm_stream`
     (which DeepEP requires with it), `async_with_compute_stream` (the compute stream is
     not held); the dispatch with the mode's `do_cpu_sync` and `do_expand`."""
-    cfg = small_config(deepep_v2_mode=mode)
+    cfg = small_config(backend_options=DeepEPV2Options(mode=mode))
     layer = v2_layer(cfg, None)
     layer.load_weights(init_moe_weights(cfg, seed=0))
     with torch.no_grad():
@@ -111,7 +113,7 @@ def test_decode_reads_nothing_on_the_host():
     """Decode mode: every device output of the fake refuses a host read (the count of
     received rows lives on the GPU); the dispatch's masking and the combine never read
     one. The result still equals the reference."""
-    cfg = small_config(deepep_v2_mode="decode", num_experts=4, top_k=2)
+    cfg = small_config(backend_options=DeepEPV2Options(mode="decode"), num_experts=4, top_k=2)
     buffer_cls = functools.partial(FakeElasticBuffer, device_only=True)
     backend = DeepEPV2Backend(cfg, None, elastic_buffer_cls=buffer_cls)
     weights = init_moe_weights(cfg, seed=2)
@@ -134,7 +136,7 @@ def test_decode_reads_nothing_on_the_host():
 def issue_order(mode: str) -> list[tuple[str, int]]:
     """(call, ubatch) in the order a DBO step of one layer issued them; "capture" is
     the event on the compute stream that a dispatch or combine then waits for."""
-    cfg = small_config(deepep_v2_mode=mode)
+    cfg = small_config(backend_options=DeepEPV2Options(mode=mode))
     layer = v2_layer(cfg, None)
     layer.load_weights(init_moe_weights(cfg, seed=0))
     kernel = layer._kernel(torch.device("cpu"))
@@ -181,7 +183,7 @@ def test_decode_sends_before_yielding():
 def test_one_buffer_per_group_and_size():
     cfg = small_config()
     first = DeepEPV2Backend(cfg, None, elastic_buffer_cls=FakeElasticBuffer)
-    second = DeepEPV2Backend(replace(cfg, deepep_v2_mode="decode"), None,
+    second = DeepEPV2Backend(replace(cfg, backend_options=DeepEPV2Options(mode="decode")), None,
                              elastic_buffer_cls=FakeElasticBuffer)
     wider = DeepEPV2Backend(replace(cfg, hidden_size=16), None,
                             elastic_buffer_cls=FakeElasticBuffer)
@@ -232,8 +234,8 @@ def test_needs_a_capacity_and_keeps_to_it():
 
 
 def test_unknown_mode_is_refused():
-    with pytest.raises(ValueError, match="deepep_v2_mode='eager' is not a deepep_v2 mode"):
-        small_config(deepep_v2_mode="eager")
+    with pytest.raises(ValueError, match="DeepEPV2Options.mode='eager' is not a deepep_v2 mode"):
+        DeepEPV2Options(mode="eager")
 
 
 # ---------------------------------------------------------------- refusals

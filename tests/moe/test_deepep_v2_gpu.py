@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dbo import UBatchScheduler
-from moe.backends.deepep_v2 import MIN_NCCL, _torch_nccl_version
+from moe.backends.deepep_v2 import MIN_NCCL, DeepEPV2Options, _torch_nccl_version
 from moe.config import MoEConfig
 from moe.layer import MoELayer
 from moe.reference import init_moe_weights, reference_moe
@@ -44,7 +44,7 @@ def real_v2(rank: int, world_size: int, mode: str) -> dict:
     torch.manual_seed(7 + rank)
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64,
                     dtype=torch.bfloat16, max_tokens_per_rank=64, experts="reference",
-                    backend="deepep_v2", deepep_v2_mode=mode)
+                    backend="deepep_v2", backend_options=DeepEPV2Options(mode=mode))
     layer = MoELayer(cfg, group=dist.group.WORLD, device=device)
     weights = init_moe_weights(cfg, seed=3, device=device)
     layer.load_weights(weights)
@@ -85,7 +85,7 @@ def graphed_decode(rank: int, world_size: int) -> float:
     torch.manual_seed(11 + rank)
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64,
                     dtype=torch.bfloat16, max_tokens_per_rank=64, experts="reference",
-                    backend="deepep_v2", deepep_v2_mode="decode")
+                    backend="deepep_v2", backend_options=DeepEPV2Options(mode="decode"))
     layer = MoELayer(cfg, group=dist.group.WORLD, device=device)
     layer.load_weights(init_moe_weights(cfg, seed=5, device=device))
     static_x = torch.randn(32, cfg.hidden_size, device=device, dtype=cfg.dtype)

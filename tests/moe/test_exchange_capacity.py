@@ -59,7 +59,8 @@ def _exchanges(rank: int, world_size: int) -> dict:
     out["equal"] = (torch.allclose(small, whole, rtol=1e-5, atol=1e-6)
                     and torch.allclose(split, whole, rtol=1e-5, atol=1e-6))
     # Single-batch overlap with a chunked combine: the chunks follow the smaller slots.
-    chunked = _model(dataclasses.replace(CONFIG, combine_chunks=2))
+    chunked = _model(dataclasses.replace(
+        CONFIG, backend_options=dataclasses.replace(CONFIG.options, combine_chunks=2)))
     sbo = DBORunner(chunked, DBOConfig(overlap="sbo", min_prefill_tokens=2,
                                        min_decode_tokens=2))
     with torch.no_grad():

@@ -8,8 +8,12 @@ import re
 import pytest
 import torch
 
+from moe.backend_options import NoOptions
+from moe.backends.a2a_ll import A2ALLOptions
+from moe.backends.deepep_ht import DeepEPHTOptions
+from moe.backends.deepep_v2 import DeepEPV2Options
+from moe.backends.registry import BACKENDS
 from moe.config import MoEConfig, round_up_hidden
-from moe.registry import BACKENDS
 
 BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8)
 
@@ -69,14 +73,16 @@ def test_valid_variants() -> None:
         (dict(dtype="bfloat16"), "dtype='bfloat16'"),
         (dict(max_tokens_per_rank=0), "max_tokens_per_rank=0"),
         (dict(expert_chunk_size=0), "expert_chunk_size=0"),
-        (dict(backend="a2a_ll", max_tokens_per_rank=8, max_tokens_per_ubatch=0),
-         "max_tokens_per_ubatch=0: must be a positive int"),
-        (dict(backend="a2a_ll", max_tokens_per_rank=8, max_tokens_per_ubatch=2.0),
-         "max_tokens_per_ubatch=2.0"),
-        (dict(backend="a2a_ll", max_tokens_per_ubatch=4),
-         r"max_tokens_per_ubatch=4 needs max_tokens_per_rank >= 4 \(got None\)"),
-        (dict(backend="naive", max_tokens_per_rank=8, max_tokens_per_ubatch=4),
-         "is taken by backend 'a2a_ll' only"),
+        (dict(backend="a2a_ll", backend_options=A2ALLOptions(max_tokens_per_ubatch=4)),
+         r"A2ALLOptions.max_tokens_per_ubatch=4 needs MoEConfig.max_tokens_per_rank >= 4 "
+         r"\(got None\)"),
+        (dict(backend="a2a_ll", max_tokens_per_rank=4,
+              backend_options=A2ALLOptions(combine_chunks=5)),
+         "A2ALLOptions.combine_chunks=5 exceeds MoEConfig.max_tokens_per_rank=4"),
+        (dict(backend="naive", max_tokens_per_rank=8,
+              backend_options=A2ALLOptions(max_tokens_per_ubatch=4)),
+         r"A2ALLOptions\(...\) are the options of backend 'a2a_ll', not of backend 'naive' "
+         r"\(which takes NoOptions\)"),
         (dict(backend="deepep"), r"unknown MoE backend 'deepep' \(MoEConfig.backend\): "
                                  + re.escape(f"choose one of {[*sorted(BACKENDS), 'auto']}")),
         (dict(experts="cutlass"), r"unknown experts kernel 'cutlass' \(MoEConfig.experts\)"),
@@ -104,6 +110,38 @@ def test_booleans_accept_bools() -> None:
                   check_finite_logits=True)
     assert (config.renormalize, config.use_correction_bias) == (False, True)
     assert make(top_k=1, apply_router_weight_on_input=True).apply_router_weight_on_input
+
+
+@pytest.mark.parametrize(("build", "match"), [
+    (lambda: A2ALLOptions(max_tokens_per_ubatch=0), "max_tokens_per_ubatch=0: must be a positive"),
+    (lambda: A2ALLOptions(max_tokens_per_ubatch=2.0), "max_tokens_per_ubatch=2.0"),
+    (lambda: A2ALLOptions(combine_chunks=0), "combine_chunks=0: must be a positive int"),
+    (lambda: A2ALLOptions(combine_chunks=True), "combine_chunks=True"),
+    (lambda: DeepEPV2Options(mode="eager"), "mode='eager' is not a deepep_v2 mode"),
+])
+def test_invalid_backend_options(build, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_backend_options_default_and_refusals() -> None:
+    """Omitted options are the backend's defaults; options of another backend, or not
+    options at all, are refused naming both."""
+    assert make(backend="a2a_ll", max_tokens_per_rank=8).options == A2ALLOptions()
+    assert make(backend="deepep_v2").options == DeepEPV2Options(mode="prefill")
+    assert make().options == NoOptions() and make(backend="naive").options == NoOptions()
+    given = A2ALLOptions(max_tokens_per_ubatch=4, combine_chunks=2)
+    assert make(backend="a2a_ll", max_tokens_per_rank=8, backend_options=given).options is given
+    make(backend="auto", backend_options=NoOptions())
+    with pytest.raises(ValueError, match=r"DeepEPHTOptions\(...\) are the options of backend "
+                                         r"'deepep_ht', not of backend 'deepep_ll' \(which takes "
+                                         r"DeepEPLLOptions\)"):
+        make(backend="deepep_ll", backend_options=DeepEPHTOptions())
+    with pytest.raises(ValueError, match=r"NoOptions\(...\) are the options of the backends "
+                                         r"without options, not of backend 'a2a_ll'"):
+        make(backend="a2a_ll", backend_options=NoOptions())
+    with pytest.raises(TypeError, match="MoEConfig.backend_options=2"):
+        make(backend_options=2)
 
 
 def test_round_up_hidden() -> None:

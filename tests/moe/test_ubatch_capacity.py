@@ -1,4 +1,4 @@
-"""Layer 2 (two gloo processes): `MoEConfig.max_tokens_per_ubatch`, a2a_ll's capacity of
+"""Layer 2 (two gloo processes): `A2ALLOptions.max_tokens_per_ubatch`, a2a_ll's capacity of
 one ubatch of a DBO step.
 
 Each ubatch's exchange sends slots of the ubatch capacity (not the step's), the outputs
@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dbo import DBOConfig, DBORunner
+from moe.backends.a2a_ll import A2ALLOptions
 from moe.config import MoEConfig
 from moe.layer import MoELayer
 from moe.reference import init_moe_weights
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.distributed
 
 CONFIG = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
                    backend="a2a_ll", experts="reference", max_tokens_per_rank=16,
-                   max_tokens_per_ubatch=8)
+                   backend_options=A2ALLOptions(max_tokens_per_ubatch=8))
 
 
 def _model(cfg: MoEConfig) -> nn.Module:
@@ -50,7 +51,8 @@ def exchanges(rank: int, world_size: int) -> dict:
         out["split_rows"] = spy.take()
     out["equal"] = torch.allclose(split, whole, rtol=1e-5, atol=1e-6)
     # A ubatch capacity of 6: rank 1's 14 tokens split into ubatches of 7.
-    small = _model(dataclasses.replace(CONFIG, max_tokens_per_ubatch=6))
+    small = _model(dataclasses.replace(
+        CONFIG, backend_options=A2ALLOptions(max_tokens_per_ubatch=6)))
     overflow = DBORunner(small, DBOConfig(split="tokens", min_prefill_tokens=2,
                                           min_decode_tokens=2))
     try:

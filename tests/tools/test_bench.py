@@ -128,7 +128,7 @@ def test_combine_chunks_reach_the_no_overlap_layers() -> None:
     assert cfg.combine_chunks == 4 and cfg.summary()["combine_chunks"] == 4
     factory = WorkloadFactory(cfg, group=None, device=torch.device("cpu"))
     stack = factory.get(tokens=8, backend="a2a_ll", dbo=False).model
-    assert all(layer.config.combine_chunks == 4 for layer in stack.moe)
+    assert all(layer.config.options.combine_chunks == 4 for layer in stack.moe)
     with pytest.raises(ValueError, match="combine_chunks=9 must be an int from 1 to the "
                                          "smallest point's 8 tokens"):
         config_from_args(build_parser().parse_args([*argv[:-1], "9"]), {})

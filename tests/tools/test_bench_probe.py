@@ -27,7 +27,7 @@ from dbo.cli.bench.sweep import SweepResult
 from dbo.cli.bench.timing import Timing
 from dbo.cli.bench.workload import WorkloadFactory
 from moe.backends.a2a import AllToAllBackend
-from moe.registry import BACKENDS
+from moe.backends.registry import BACKENDS
 from tests.dist_utils import run_distributed
 
 RECORDABLE = {"local", "naive", "naive_mono", "a2a", "a2a_ll"}

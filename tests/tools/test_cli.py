@@ -117,7 +117,7 @@ def test_help_lists_the_choices_from_the_registries(capsys):
     from moe.backends import BACKENDS
     from moe.experts import EXPERTS
     from moe.models.presets import PRESETS
-    from moe.registry import UNTESTED_BACKENDS
+    from moe.backends.registry import UNTESTED_BACKENDS
 
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])

@@ -193,7 +193,9 @@ def test_deepep_ll_capacity_refused_before_ranks(capsys, monkeypatch):
     assert ("--max-tokens=511 with --backend=deepep_ll on 2 ranks: DeepEP's capacity 512 "
             "needs an NVSHMEM queue depth of 1026, above NVSHMEM_QP_DEPTH=1024; use "
             "--max-tokens <= 510") in capsys.readouterr().err
-    from dbo.cli import check_deepep_ll_depth
+    from dbo.cli import check_backend_tokens
     env = {"NVSHMEM_QP_DEPTH": "1024"}
-    check_deepep_ll_depth("--max-tokens", 510, 2, backend_option="", env=env)  # fits
-    check_deepep_ll_depth("--max-tokens", 511, 4, backend_option="", env=env)
+    check_backend_tokens("deepep_ll", "--max-tokens", 510, 2, backend_option="",
+                         env=env)  # fits
+    check_backend_tokens("deepep_ll", "--max-tokens", 511, 4, backend_option="", env=env)
+    check_backend_tokens("a2a", "--max-tokens", 10**6, 2, backend_option="", env=env)  # no limit

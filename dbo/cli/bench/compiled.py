@@ -41,6 +41,7 @@ from dbo.cli.bench.predicted import device_name
 from dbo.cli.bench.result_line import print_result
 from dbo.cli.bench.timing import _sync, gather_floats, time_steps
 from dbo.cli.launch import RankContext, launch
+from moe.backends import DEFAULT_GRAPH_BACKEND
 from moe.bench.timing import barrier
 
 MODES = ("eager", "compile", "graph", "compile+graph")
@@ -60,7 +61,7 @@ class CompileBenchConfig:
     """Tokens per rank in one step."""
     requests: int = 4
     """Requests per rank, of tokens / requests tokens each; even, so DBO halves them."""
-    backend: str = "a2a_ll"
+    backend: str = DEFAULT_GRAPH_BACKEND
     mode: str = "default"
     compiler: str = "inductor"
     warmup: int = 3
@@ -92,13 +93,14 @@ def run_rank(ctx: RankContext, cfg: CompileBenchConfig) -> Optional[dict[str, An
     from torch._dynamo.utils import counters
 
     from dbo import DBOConfig, DBORunner, GraphedRunner
-    from moe.backends import backend_traits
+    from moe.backends import SINGLE_RANK_BACKEND, backend_class, backend_traits
     from moe.models import MoETransformer, get_preset
     cuda = ctx.device.type == "cuda"
-    backend = cfg.backend if ctx.world_size > 1 else "local"
+    backend = cfg.backend if ctx.world_size > 1 else SINGLE_RANK_BACKEND
     capacity: dict[str, Any] = {"max_tokens_per_rank": cfg.tokens}
     if backend_traits(backend).takes_ubatch_capacity:
-        capacity["max_tokens_per_ubatch"] = cfg.tokens // 2
+        options_type = backend_class(backend, ctx.world_size).options_type
+        capacity["backend_options"] = options_type(max_tokens_per_ubatch=cfg.tokens // 2)
     dense = min(get_preset(cfg.preset).num_dense_layers, cfg.layers - 1)  # >= 1 MoE layer
     config = get_preset(cfg.preset, num_layers=cfg.layers, num_dense_layers=dense,
                         backend=backend, dtype=torch.bfloat16 if cuda else torch.float32,

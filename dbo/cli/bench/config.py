@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 from dbo.cli import check_seed
 from dbo.config import DBOConfig
-from moe.backends import backends_with
+from moe.backends import COMPARED_BACKENDS, backends_with
 from moe.backends.nvshmem_owner import check_one_process
-from moe.registry import UNTESTED_BACKENDS
+from moe.backends import UNTESTED_BACKENDS
 from moe.experts import EXPERTS
 
 MODES: tuple[str, ...] = ("layer", "model", "decode")
@@ -29,7 +29,7 @@ BENCH_BACKENDS: tuple[str, ...] = tuple(sorted(
     name for name in backends_with(single_rank=False) if name not in UNTESTED_BACKENDS))
 """Dispatch/combine backends the sweep can compare: every registered one that moves tokens
 between ranks (`moe.backends`, not `single_rank`; all need EP size >= 2), except those never run against
-their library (`moe.registry.UNTESTED_BACKENDS`)."""
+their library (`moe.backends.UNTESTED_BACKENDS`)."""
 
 GRAPH_BACKENDS: tuple[str, ...] = backends_with(graph_safe=True, among=BENCH_BACKENDS)
 """Backends whose steps `--cuda-graph` can capture: nothing read on the host (the trait
@@ -125,7 +125,7 @@ class BenchConfig:
     tokens: tuple[int, ...] = DEFAULT_CPU_TOKENS
     """Tokens per rank of one step, one sweep point each (decode mode: requests per rank,
     one new token each; `--requests`)."""
-    backends: tuple[str, ...] = ("a2a", "a2a_ll", "naive")
+    backends: tuple[str, ...] = COMPARED_BACKENDS
     """Dispatch/combine backends to compare (any of BENCH_BACKENDS; naive_mono moves the
     same data as naive plus the router logits, so it is asked for by name)."""
     layers: Optional[int] = None
@@ -177,7 +177,7 @@ class BenchConfig:
     own (`MoEConfig.split_last_combine`); False runs that layer like the others."""
     combine_chunks: int = 1
     """SBO steps of `a2a_ll`: the combine in this many chunks, each sent under the next
-    chunk's experts (`MoEConfig.combine_chunks`); at most the smallest point's tokens
+    chunk's experts (`A2ALLOptions.combine_chunks`); at most the smallest point's tokens
     (requests in decode mode), the capacity of its no-overlap model."""
     gemm_sm_carveout: int = DBOConfig().gemm_sm_carveout or 0
     """SMs that torch's GEMMs leave to the comm kernels in DBO steps and in the probe's

@@ -28,7 +28,7 @@ from dbo.cli.bench.config import (
     EXPERT_KERNELS,
     NVLINK_REGIME,
 )
-from moe.backends import backends_with
+from moe.backends import DEFAULT_BACKEND, backends_with
 from moe.backends.nvshmem_owner import check_one_process
 
 HF_BACKENDS: tuple[str, ...] = BENCH_BACKENDS
@@ -101,7 +101,7 @@ class HFBenchConfig:
     tokens / requests tokens."""
     requests: int = 4
     """Sequences per rank per step (DBO splits between them: at least 2)."""
-    backends: tuple[str, ...] = ("a2a",)
+    backends: tuple[str, ...] = (DEFAULT_BACKEND,)
     """Dispatch/combine backends of the converted model (any of HF_BACKENDS)."""
     experts: str = "auto"
     """Expert kernel of the converted model (`moe.experts`)."""
@@ -226,7 +226,7 @@ class Conversion:
     max_tokens_per_rank: Optional[int]
     """The converted layers' capacity (None: a backend that needs none)."""
     max_tokens_per_ubatch: Optional[int] = None
-    """a2a_ll: the capacity of one DBO ubatch (`MoEConfig.max_tokens_per_ubatch`), the
+    """a2a_ll: the capacity of one DBO ubatch (`A2ALLOptions.max_tokens_per_ubatch`), the
     largest ubatch of the point; None: the whole capacity."""
     points: tuple[int, ...]
     """Tokens (prefill) or requests (decode) per rank of the points timed on it."""
@@ -260,18 +260,22 @@ def capacity_note(backends: tuple[str, ...], *, world_size: int) -> Optional[str
     taking = [b for b in backends if backend_class(b, world_size).needs_capacity]
     if not taking:
         return None
-    notes = []
-    if "a2a_ll" in taking:
-        notes.append("a2a_ll: max_tokens_per_rank = the point's tokens per rank, "
-                     "max_tokens_per_ubatch = its largest DBO ubatch (each ubatch sends "
-                     "slots of its own capacity)")
-    if "deepep_ll" in taking:
-        notes.append("deepep_ll: max_tokens_per_rank = the point's tokens per rank, one "
-                     "converted model for DBO off and on, so each DBO ubatch pads to the "
-                     "full capacity (2x the padding of DBO off)")
-    if "symm_mem" in taking:
-        notes.append("symm_mem: max_tokens_per_rank = the largest point (it sizes the "
-                     "buffers); only routed rows travel")
+    # By what the capacity does (`conversions`), in this order: a capacity per ubatch
+    # too, padded slots of the whole capacity, buffers sized by it.
+    kinds: dict[str, list[str]] = {"ubatch": [], "padded": [], "sized": []}
+    for b in taking:
+        cls = backend_class(b, world_size)
+        kind = ("ubatch" if cls.takes_ubatch_capacity else
+                "padded" if cls.pads_to_capacity else "sized")
+        kinds[kind].append(b)
+    notes = [f"{b}: max_tokens_per_rank = the point's tokens per rank, "
+             f"max_tokens_per_ubatch = its largest DBO ubatch (each ubatch sends "
+             f"slots of its own capacity)" for b in kinds["ubatch"]]
+    notes += [f"{b}: max_tokens_per_rank = the point's tokens per rank, one "
+              f"converted model for DBO off and on, so each DBO ubatch pads to the "
+              f"full capacity (2x the padding of DBO off)" for b in kinds["padded"]]
+    notes += [f"{b}: max_tokens_per_rank = the largest point (it sizes the "
+              f"buffers); only routed rows travel" for b in kinds["sized"]]
     return "; ".join(notes)
 
 

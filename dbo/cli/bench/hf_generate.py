@@ -77,16 +77,17 @@ def run_rank(ctx: RankContext, cfg: GenerateBenchConfig) -> Optional[dict[str, A
     import dbo
     import moe.hf
     from dbo.cli.bench.hf_sweep import build_model
+    from moe.backends import DEFAULT_GRAPH_BACKEND as backend  # capturable, a ubatch capacity
     cuda = ctx.device.type == "cuda"
     bench = HFBenchConfig(arch=cfg.arch, layers=cfg.layers, device=ctx.device.type,
                           regime=regime_label(ctx.device.type, p2p_disabled=os.environ.get(
-                              "NCCL_P2P_DISABLE") == "1"), backends=("a2a_ll",),
+                              "NCCL_P2P_DISABLE") == "1"), backends=(backend,),
                           seed=cfg.seed, progress=False)
     config = bench.model_config(ctx.world_size)
     dtype = torch.bfloat16 if cuda else torch.float32
     model = build_model(bench, config, device=ctx.device, dtype=dtype)
     tokens = cfg.requests * cfg.prompt
-    model = moe.hf.convert(model, group=ctx.group, backend="a2a_ll",
+    model = moe.hf.convert(model, group=ctx.group, backend=backend,
                            max_tokens_per_rank=tokens,
                            max_tokens_per_ubatch=moe.hf.ubatch_capacity(cfg.requests,
                                                                         cfg.prompt))

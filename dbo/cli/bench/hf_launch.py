@@ -36,8 +36,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from dbo.cli import (check_backend_runs, check_deepep_ll_depth, check_fits_memory, check_out_dir,
-                     quiet_profiler_logs)
+from dbo.cli import (check_backend_runs, check_backend_shape, check_backend_tokens,
+                     check_fits_memory, check_out_dir, quiet_profiler_logs)
 from dbo.cli.bench.config import check_context_option, regime_label, requests_count
 from dbo.cli.bench.ranks import measure_on_rank, p2p_disabled, resolve_device, world_size_of
 from dbo.cli.bench.hf_config import (
@@ -51,6 +51,7 @@ from dbo.cli.bench.hf_config import (
     HFBenchConfig,
     HFDecodeOptions,
 )
+from moe.backends import DEFAULT_BACKEND
 
 # Options of the other modes that mean nothing here: (attribute, its default, flag).
 _NOT_WITH_HF = (("preset", None, "--preset"), ("experts_per_rank", None, "--experts-per-rank"),
@@ -68,7 +69,8 @@ def hf_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> HFB
     decode = _decode_options(args, gpu=gpu)
     tokens = ([t for group in args.tokens for t in group] if args.tokens else
               list(DEFAULT_HF_GPU_TOKENS if gpu else DEFAULT_HF_CPU_TOKENS))
-    backends = [b for group in args.backends for b in group] if args.backends else ["a2a"]
+    backends = ([b for group in args.backends for b in group] if args.backends
+                else [DEFAULT_BACKEND])
     return HFBenchConfig(decode=decode,
         arch=args.hf, layers=args.layers if args.layers is not None else DEFAULT_HF_LAYERS,
         num_experts=args.num_experts, tokens=tuple(tokens),
@@ -137,18 +139,18 @@ def main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace,
 def check_backends_run(cfg: HFBenchConfig, config: Any, *, world_size: int,
                        env: Mapping[str, str]) -> None:
     """ImportError or ValueError, in one line, for a backend of `cfg` that cannot run the
-    model of transformers config `config` here: symm_mem without its op, CUDA or NVSHMEM;
-    the DeepEP backends without deep_ep or CUDA; deepep_ll at a hidden size its kernels
-    lack, or at more tokens per rank than NVSHMEM's queue depth takes."""
-    from moe.backends.deepep_support import check_ll_shape
+    model of transformers config `config` here, as the backend declares it
+    (`PrepareFinalize.check_runs`, `check_shape`, `check_max_tokens`): symm_mem without
+    its op, CUDA or NVSHMEM; the DeepEP backends without deep_ep or CUDA; deepep_ll at a
+    hidden size its kernels lack, or at more tokens per rank than NVSHMEM's queue depth
+    takes."""
     points = cfg.tokens if cfg.decode is None else cfg.decode.requests
     for backend in cfg.backends:
         check_backend_runs(backend, world_size)
-        if backend == "deepep_ll":
-            check_ll_shape(backend, config.hidden_size, torch.bfloat16, world_size)
-            check_deepep_ll_depth("--tokens" if cfg.decode is None else "--requests",
-                                  max(points), world_size, env=env,
-                                  backend_option="--backends deepep_ll")
+        check_backend_shape(backend, config.hidden_size, torch.bfloat16, world_size)
+        check_backend_tokens(backend, "--tokens" if cfg.decode is None else "--requests",
+                             max(points), world_size, env=env,
+                             backend_option=f"--backends {backend}")
 
 
 def run_hf_rank(cfg: HFBenchConfig, *, rank: int, world_size: int, local_rank: int,

@@ -32,7 +32,7 @@ from dbo.cli.bench.config import (
     regime_label,
     requests_count,
 )
-from dbo.cli import (Parser, check_backend_runs, check_deepep_ll_depth, check_fits_memory,
+from dbo.cli import (Parser, check_backend_runs, check_backend_tokens, check_fits_memory,
                      check_out_dir, quiet_profiler_logs)
 from dbo.cli.bench.ranks import (measure_on_rank, p2p_disabled, resolve_device, spawn_ranks,
                                   world_size_of)
@@ -219,10 +219,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         num_experts = cfg.resolve_num_experts(world, PRESETS[cfg.preset].moe.num_experts)
         check_bench_memory(cfg, world_size=world, num_experts=num_experts)
         for backend in cfg.backends:
-            if backend == "deepep_ll":
-                check_deepep_ll_depth("--tokens" if cfg.mode != "decode" else "--requests",
-                                      max(cfg.tokens), world, env=env,
-                                      backend_option="--backends deepep_ll")
+            check_backend_tokens(backend, "--tokens" if cfg.mode != "decode" else "--requests",
+                                 max(cfg.tokens), world, env=env,
+                                 backend_option=f"--backends {backend}")
             check_backend_runs(backend, world)
         from dbo.cli.bench.predicted import bench_calibration
         bench_calibration(cfg.calibration)  # a bad file fails here, before any rank starts

@@ -191,7 +191,7 @@ def _sbo_passes(layer: Any, world: int) -> dict[str, Any]:
     chunks where its backend chunks the combine, and the own rows' share (1/W) where the
     backend splits its combine and the layer does (`moe.modular_kernel`)."""
     config, backend = layer.config, layer.backend
-    chunks = config.combine_chunks if backend.chunks_combine else 1
+    chunks = backend.combine_chunks
     splits = (config.split_last_combine and world > 1
               and type(backend).own_rows is not PrepareFinalize.own_rows)
     return {"sbo_chunks": chunks, "own_row_share": 1.0 / world if splits else 0.0}

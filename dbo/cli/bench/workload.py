@@ -44,7 +44,7 @@ from dbo.config import DBOConfig
 from dbo.graphs import GraphedRunner, decided_step
 from dbo.runner import DBORunner
 from dbo.split import plan_split, plan_token_split
-from moe.backends import backend_traits, backends_with
+from moe.backends import backend_class, backend_traits, backends_with
 from moe.config import MoEConfig
 from moe.models.presets import get_preset
 
@@ -197,6 +197,13 @@ class WorkloadFactory:
         self._inputs.clear()
 
     # --------------------------------------------------------------- internals
+    def _chunked_options(self, backend: str, chunks: int) -> Any:
+        """The options of `backend` with `chunks` combine chunks where its options take
+        them (`combine_chunks`), else None: the backend's defaults."""
+        options_type = backend_class(backend, self.world_size).options_type
+        takes = any(f.name == "combine_chunks" for f in dataclasses.fields(options_type))
+        return options_type(combine_chunks=chunks) if takes and chunks > 1 else None
+
     def _get_model(self, backend: str, capacity: Optional[int]) -> nn.Module:
         key = (backend, capacity)
         if key == self._model_key and self._model is not None:
@@ -210,7 +217,7 @@ class WorkloadFactory:
                                                                        capacity)
         moe = dataclasses.replace(self.base_moe, max_tokens_per_rank=capacity,
                                   backend=backend, experts=self.cfg.experts,
-                                  combine_chunks=chunks)
+                                  backend_options=self._chunked_options(backend, chunks))
         if self.cfg.mode == "layer":
             model = LayerStack(moe, num_layers=self.num_layers,
                                attn_context=self.cfg.attn_context, group=self.group,

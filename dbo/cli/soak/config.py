@@ -9,9 +9,7 @@ import torch
 
 from dbo.cli import check_graph_backends, check_int_option, check_seed
 from dbo.cli.soak.padding import MIN_GRAPH_SIZE, default_graph_sizes
-from moe.backends import backends_with
-from moe.backends.deepep_support import LL_HIDDEN_SIZES
-from moe.registry import UNTESTED_BACKENDS
+from moe.backends import DEFAULT_BACKEND, UNTESTED_BACKENDS, backend_class, backends_with
 from moe.experts import EXPERTS
 
 # The soak moves tokens between ranks: every registered backend but the single-rank one.
@@ -21,8 +19,6 @@ EXPERT_KERNELS = ("auto", *EXPERTS)
 # Backends whose soak steps a CUDA graph can capture, with the capacity the soak always
 # sets (the trait `graph_safe_with_capacity`).
 GRAPH_BACKENDS = backends_with(graph_safe_with_capacity=True, among=BACKENDS)
-# DeepEP's kernels move bfloat16 rows only (`moe.backends.deepep_support`).
-BF16_ONLY_BACKENDS = ("deepep_ht", "deepep_ll")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Rank r's forced zero-token period (primes: any two ranks also meet on all-zero steps).
@@ -51,7 +47,7 @@ class SoakConfig:
 
     steps: int = 2000
     """Steps in all, warmup included."""
-    backend: str = "a2a"
+    backend: str = DEFAULT_BACKEND
     """MoE dispatch/combine backend (`BACKENDS`; with `cuda_graph`, `GRAPH_BACKENDS`)."""
     max_tokens: int = 64
     """Most tokens per rank and step (also MoEConfig.max_tokens_per_rank)."""
@@ -191,13 +187,18 @@ class SoakConfig:
         if self.cuda_graph and self.experts == "reference":
             raise ValueError("--cuda-graph with --experts=reference: the reference experts "
                              "select each expert's rows on the host; use triton or auto")
-        if self.backend in BF16_ONLY_BACKENDS and self.dtype != "bfloat16":
-            raise ValueError(f"--backend={self.backend} with --dtype {self.dtype}: DeepEP's "
-                             f"kernels move bfloat16 rows only; add --dtype bfloat16")
-        if self.backend == "deepep_ll" and self.hidden not in LL_HIDDEN_SIZES:
-            raise ValueError(f"--backend=deepep_ll with --hidden={self.hidden}: DeepEP's "
-                             f"low-latency kernels are compiled for hidden sizes "
-                             f"{', '.join(map(str, LL_HIDDEN_SIZES))}; use one of them")
+        # What the backend declares of the rows it moves (`PrepareFinalize.row_dtypes`,
+        # `hidden_sizes`): DeepEP's kernels move bfloat16 rows of a few hidden sizes.
+        cls = backend_class(self.backend, 2)
+        if cls.row_dtypes is not None and DTYPES[self.dtype] not in cls.row_dtypes:
+            names = [name for name, dtype in DTYPES.items() if dtype in cls.row_dtypes]
+            raise ValueError(f"--backend={self.backend} with --dtype {self.dtype}: "
+                             f"{cls.library}'s kernels move {' or '.join(names)} rows only; add "
+                             f"--dtype {names[0]}")
+        if cls.hidden_sizes is not None and self.hidden not in cls.hidden_sizes:
+            raise ValueError(f"--backend={self.backend} with --hidden={self.hidden}: "
+                             f"{cls.kernels} are compiled for hidden sizes "
+                             f"{', '.join(map(str, cls.hidden_sizes))}; use one of them")
 
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.agreement import PeerInputError
-from dbo.cli import (Parser, check_backend_runs, check_deepep_ll_depth, check_fits_memory,
+from dbo.cli import (Parser, check_backend_runs, check_backend_tokens, check_fits_memory,
                      check_out_file)
 from dbo.cli.launch import RankContext, launch, resolve_world_size
 from dbo.config import DBOConfig
@@ -279,9 +279,8 @@ def check_devices(job: SoakConfig, world_size: int) -> None:
     if job.cuda_graph and not torch.cuda.is_available():
         raise ValueError("--cuda-graph needs CUDA GPUs, and none is visible here: drop "
                          "--cuda-graph to run eager steps")
-    if job.backend == "deepep_ll":
-        check_deepep_ll_depth("--max-tokens", job.max_tokens, world_size,
-                              backend_option="--backend=deepep_ll")
+    check_backend_tokens(job.backend, "--max-tokens", job.max_tokens, world_size,
+                         backend_option=f"--backend={job.backend}")
     check_backend_runs(job.backend, world_size)
     fixed, per_token = memory_need(job, world_size)
     check_fits_memory("--max-tokens", job.max_tokens, unit="token", per_unit_bytes=per_token,
