@@ -8,7 +8,7 @@ imports nothing of the project, so `moe.config` can hold the type.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Optional
 
 
@@ -19,6 +19,16 @@ class BackendOptions:
     #: The backend these options belong to (named when they are given to another one);
     #: None for `NoOptions`, which every backend without options takes.
     backend_name: ClassVar[Optional[str]] = None
+
+    def __post_init__(self) -> None:
+        """TypeError for a field declared `bool` that holds anything else (a 1 or a
+        "yes" would otherwise pass for True); subclasses with checks of their own call
+        this first."""
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.type in ("bool", bool) and not isinstance(value, bool):
+                raise TypeError(f"{type(self).__name__}.{field.name}={value!r}: must be True "
+                                f"or False (a bool, not a {type(value).__name__}).")
 
     def check(self, config: Any) -> None:
         """Raise ValueError, naming the field and the fix, where these options do not fit

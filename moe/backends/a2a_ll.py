@@ -84,6 +84,7 @@ class A2ALLOptions(BackendOptions):
     its rows use, so n chunks may read an expert's weights up to n times."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         value = self.max_tokens_per_ubatch
         if value is not None and (not _is_int(value) or value < 1):
             raise ValueError(f"A2ALLOptions.max_tokens_per_ubatch={value!r}: must be a "

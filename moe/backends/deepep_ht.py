@@ -73,12 +73,6 @@ class DeepEPHTOptions(BackendOptions):
     DeepEP's `num_worst_tokens`) instead of reading the counts on the host: no host sync,
     so a step can be captured in a CUDA graph; needs MoEConfig.max_tokens_per_rank."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.worst_case_dispatch, bool):
-            raise TypeError(f"DeepEPHTOptions.worst_case_dispatch="
-                            f"{self.worst_case_dispatch!r}: must be True or False (a bool, "
-                            f"not a {type(self.worst_case_dispatch).__name__}).")
-
 
 class DeepEPHTBackend(PrepareFinalize):
     """DeepEP normal kernels: exact rows (default) or worst-case rows (graph-capturable)."""

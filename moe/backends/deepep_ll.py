@@ -78,12 +78,6 @@ class DeepEPLLOptions(BackendOptions):
     """Send the tokens in FP8 (per-128-channel scales), dequantised to bfloat16 before
     the experts; the combine stays bfloat16."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.fp8_dispatch, bool):
-            raise TypeError(f"DeepEPLLOptions.fp8_dispatch={self.fp8_dispatch!r}: must be "
-                            f"True or False (a bool, not a "
-                            f"{type(self.fp8_dispatch).__name__}).")
-
 
 class DeepEPLLBackend(PrepareFinalize):
     """DeepEP low-latency kernels: fixed capacity, receive halves run as hooks."""

@@ -250,6 +250,7 @@ class DeepEPV2Options(BackendOptions):
     sync, CUDA-graph capturable)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.mode not in _MODES:
             raise ValueError(f"DeepEPV2Options.mode={self.mode!r} is not a deepep_v2 mode: "
                              f"use one of {_MODES}.")

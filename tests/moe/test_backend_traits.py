@@ -133,3 +133,16 @@ def test_requirements_are_declared_by_the_backends():
     with pytest.raises(ValueError, match="hidden_size=1000 is not supported"):
         ll.check_shape(1000, torch.bfloat16, 2)
     a2a.check_shape(1000, torch.float32, 2)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_bool_options_refuse_anything_but_a_bool(name):
+    # BackendOptions checks every field declared bool once, for every backend's options.
+    import dataclasses
+    options_type = backend_class(name, 2).options_type
+    flags = [f.name for f in dataclasses.fields(options_type) if f.type in ("bool", bool)]
+    for flag in flags:
+        with pytest.raises(TypeError, match=rf"{options_type.__name__}\.{flag}=1: must be "
+                                            r"True or False \(a bool, not a int\)"):
+            options_type(**{flag: 1})
+        assert getattr(options_type(**{flag: True}), flag) is True
