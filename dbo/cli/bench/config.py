@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from dbo.cli import check_seed
+from dbo.cli.job_base import ModelJob
 from dbo.config import DBOConfig
 from moe.backends import backends_with
 from moe.backends.nvshmem_owner import check_one_process
@@ -115,8 +115,10 @@ def known_presets() -> list[str]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class BenchConfig:
-    """What one `dbo bench` run sweeps and how it times, gates and writes the results."""
+class BenchConfig(ModelJob):
+    """What one `dbo bench` run sweeps and how it times, gates and writes the results
+    (`seed`, and `num_experts` over all ranks: `dbo.cli.job_base.ModelJob`; None:
+    experts_per_rank, or the preset's, at most 32 per rank)."""
 
     mode: str = "layer"
     """Workload: "layer" (MoE layer stack + attention-sized GEMMs) or "model" (MoETransformer)."""
@@ -130,8 +132,6 @@ class BenchConfig:
     same data as naive plus the router logits, so it is asked for by name)."""
     layers: Optional[int] = None
     """Layer mode: MoE layers (None: 4); model mode: decoder layers (None: the preset's)."""
-    num_experts: Optional[int] = None
-    """Routed experts over all ranks; None: experts_per_rank, or the preset's (<= 32 per rank)."""
     experts_per_rank: Optional[int] = None
     """Routed experts per rank (num_experts = this * world size); exclusive with num_experts."""
     attn_context: int = 2048
@@ -160,8 +160,6 @@ class BenchConfig:
     """Environment label carried by every output (see regime_label)."""
     out_dir: str = "dbo_out/bench"
     """Where the CSV, JSON and PNG go (rank 0 writes them)."""
-    seed: int = 0
-    """Seed of weights and inputs."""
     plot: bool = True
     """Write the PNG (needs matplotlib)."""
     progress: bool = True
@@ -215,7 +213,8 @@ class BenchConfig:
             raise ValueError(f"backends={self.backends!r} repeats a name: list each once")
         check_one_process(self.backends)  # symm_mem with deepep_ll aborts the process
         self._check_overlaps()
-        for name in ("layers", "num_experts", "experts_per_rank"):
+        super().__post_init__()  # seed, num_experts
+        for name in ("layers", "experts_per_rank"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive int (or unset)")
@@ -228,7 +227,6 @@ class BenchConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
-        check_seed(self.seed)
         if not _is_int(self.combine_chunks) or not 1 <= self.combine_chunks <= min(self.tokens):
             raise ValueError(f"combine_chunks={self.combine_chunks!r} must be an int from 1 to "
                              f"the smallest point's {min(self.tokens)} tokens per rank (each "

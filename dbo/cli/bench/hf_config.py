@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from dbo.cli import check_graph_backends, check_seed
+from dbo.cli import check_graph_backends
 from dbo.cli.bench.config import (
     BENCH_BACKENDS,
     CPU_REGIME,
@@ -28,6 +28,7 @@ from dbo.cli.bench.config import (
     EXPERT_KERNELS,
     NVLINK_REGIME,
 )
+from dbo.cli.job_base import ModelJob
 from moe.backends import backends_with
 from moe.backends.nvshmem_owner import check_one_process
 
@@ -86,16 +87,16 @@ class HFDecodeOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class HFBenchConfig:
-    """What one `dbo bench --hf` run measures."""
+class HFBenchConfig(ModelJob):
+    """What one `dbo bench --hf` run measures (`seed`: of the weights, the same on every
+    rank, and of the inputs, each rank its own; `num_experts` over all ranks, None: the
+    architecture's: `dbo.cli.job_base.ModelJob`)."""
 
     arch: str
     """A name of `moe.hf.named.named_architectures()`: real shapes ("qwen3-30b-a3b",
     "deepseek-v3") or a tiny model ("qwen3_moe", ...)."""
     layers: int = DEFAULT_HF_LAYERS
     """Decoder layers (every one an MoE layer)."""
-    num_experts: Optional[int] = None
-    """Routed experts over all ranks; None: the architecture's."""
     tokens: tuple[int, ...] = DEFAULT_HF_CPU_TOKENS
     """Prefill tokens per rank of one step, one point each: `requests` sequences of
     tokens / requests tokens."""
@@ -120,8 +121,6 @@ class HFBenchConfig:
     """Environment label (`dbo.cli.bench.config.regime_label`)."""
     out_dir: str = "dbo_out/bench"
     """Where the CSV and JSON go (rank 0 writes them)."""
-    seed: int = 0
-    """Seed of weights (the same on every rank) and inputs (each rank its own)."""
     progress: bool = True
     """Progress lines on stderr (rank 0)."""
     decode: Optional[HFDecodeOptions] = None
@@ -146,11 +145,7 @@ class HFBenchConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
-        check_seed(self.seed)
-        if self.num_experts is not None and (not _is_int(self.num_experts)
-                                             or self.num_experts < 1):
-            raise ValueError(f"num_experts={self.num_experts!r} must be a positive int "
-                             f"(or unset)")
+        super().__post_init__()  # seed, num_experts
         if not isinstance(self.tokens, tuple) or not self.tokens:
             raise ValueError(f"tokens={self.tokens!r}: give at least one count (--tokens 4096)")
         bad = [t for t in self.tokens
