@@ -27,9 +27,21 @@ ALIGN_CASES = [
     (8, 8, 8, 32, 0.25),  # ids -1 in the mix
     (16, 4, 5, 16, 1.0),  # everything dropped
     (21, 3, 4, 64, 0.1),
-    # 68 blocks of one expert and 117 dropped rows: 75 chunks of 16 (many scan steps),
-    # or by default two chunks of CHUNK rows, the second mostly past the last row.
+    # 68 blocks of one expert and 117 dropped rows: by default two chunks of CHUNK rows,
+    # the second mostly past the last row; the blocks take two scan steps (_BLOCK_STEP).
     (1200, 1, 1, 16, 0.1),
+]
+
+# (*ALIGN_CASES row, chunk). None: the default chunk. 16: many count/scatter programs,
+# for the cases of more than 16 routed rows (at most 16 make one chunk either way: one
+# count and one scatter program, only their sort's width differs). The last row, 19
+# chunks of 16, makes the scan read their histograms in two steps of _CHUNK_STEP (16),
+# the second partial, as the 1200-row case's 75 chunks did in five, at a quarter of its
+# interpreted programs.
+TRITON_ALIGN_CASES = [
+    *[(*case, None) for case in ALIGN_CASES],
+    *[(*case, 16) for case in ALIGN_CASES[:-1] if case[0] * case[1] > 16],
+    (300, 1, 1, 16, 0.1, 16),
 ]
 
 
@@ -104,8 +116,8 @@ def assert_same_routing(ids: torch.Tensor, num_experts: int, block_m: int, **kwa
     assert torch.equal(got.tile_rows_B[:num_tiles], want.tile_rows_B[:num_tiles])
 
 
-@pytest.mark.parametrize("chunk", [16, None])  # 16: many count/scatter programs
-@pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m, drop_frac", ALIGN_CASES)
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m, drop_frac, chunk",
+                         TRITON_ALIGN_CASES)
 def test_triton_align_matches_torch(
     num_tokens: int, top_k: int, num_experts: int, block_m: int, drop_frac: float,
     chunk: int | None,

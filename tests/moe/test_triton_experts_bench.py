@@ -61,16 +61,18 @@ def test_bench_profile_window(monkeypatch: pytest.MonkeyPatch,
     assert events == ["sync", "start", "stop"]
 
     if DEVICE.type == "cpu":  # the wiring: one window per path that ran, after its rounds
+        # (the same for every path: reference and dense, not the interpreted triton's
+        # seconds; test_bench_cli and test_bench_ep_routing run that one)
         monkeypatch.undo()
         windows: list[str] = []
         monkeypatch.setattr(bench_experts, "profile_one_call",
                             lambda fn, device, label: windows.append(label) or fn())
         args = bench_experts.parse_args(["--device", "cpu", "--shapes", "tiny", "--tokens",
-                                         "4", "--paths", "triton,dense", "--rounds", "1"])
+                                         "4", "--paths", "reference,dense", "--rounds", "1"])
         args.profile_window = True
         points = bench_experts.bench_shape("tiny", args, DEVICE, 2, [0])
-        assert [p.path for p in points] == ["triton", "dense"]
-        assert [w.split(":")[0] for w in windows] == ["tiny T=4 triton", "tiny T=4 dense"]
+        assert [p.path for p in points] == ["reference", "dense"]
+        assert [w.split(":")[0] for w in windows] == ["tiny T=4 reference", "tiny T=4 dense"]
         assert all("GB, x " in w for w in windows)
 
 
@@ -122,8 +124,9 @@ def test_bench_writes_table_json_and_plot(tmp_path, capsys: pytest.CaptureFixtur
 
     if DEVICE.type != "cpu":
         pytest.skip("the interpreted smoke run is the CPU path")
+    # Any path writes them alike: reference, not the interpreted triton's seconds.
     argv = ["--device", "cpu", "--shapes", "tiny", "--tokens", "4,8",
-            "--paths", "triton,dense", "--rounds", "1", "--out", str(tmp_path / "a")]
+            "--paths", "reference,dense", "--rounds", "1", "--out", str(tmp_path / "a")]
     assert bench_experts.main(argv) == 0
     record = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert json.loads((tmp_path / "a" / "experts.json").read_text())["points"] == record["points"]

@@ -10,6 +10,8 @@ most 64 rows through `fused_moe`, or take the torch align (the same buffers, as
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 
@@ -24,6 +26,35 @@ from tests.moe.triton_problems import DEVICE, TOLERANCES, make_problem, needs_tr
 pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("needs_triton")]
 
 
+Problem = tuple[torch.Tensor, ...]
+# (problem, reference, plain output) of a problem and BLOCK_M: the `pointer_loads` fixture.
+PointerLoads = Callable[..., tuple[Problem, torch.Tensor, torch.Tensor]]
+
+
+@pytest.fixture(scope="module")
+def pointer_loads() -> PointerLoads:
+    """(problem, reference, plain output) of an fp16 `make_problem` and BLOCK_M, each made
+    once per module: the plain kernel (pointer loads, one program per tile) is what every
+    load variant and the persistent kernel must equal bit for bit, and the interpreter's
+    costliest call here; the tests of one problem share it instead of making it again."""
+    from moe.kernels.fused_moe import fused_moe
+
+    made: dict[tuple[object, ...], tuple[Problem, torch.Tensor, torch.Tensor]] = {}
+
+    def get(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, *,
+            block_m: int, drop_frac: float) -> tuple[Problem, torch.Tensor, torch.Tensor]:
+        key = (num_tokens, hidden, inter, num_experts, top_k, block_m, drop_frac)
+        if key not in made:
+            problem = make_problem(num_tokens, hidden, inter, num_experts, top_k,
+                                   dtype=torch.float16, drop_frac=drop_frac)
+            plain = fused_moe(*problem, block_m=block_m,
+                              policy=KernelPolicy(tma=False, sorted_x=False))
+            made[key] = (problem, ReferenceExperts().apply(*problem), plain)
+        return made[key]
+
+    return get
+
+
 @pytest.mark.parametrize("tma, sorted_x", [(True, False), (True, True)])
 @pytest.mark.parametrize(
     "num_tokens, hidden, inter, num_experts, top_k, block_m",
@@ -35,18 +66,16 @@ pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("needs_triton")]
 )
 def test_load_variants_match_reference(
     tma: bool, sorted_x: bool, num_tokens: int, hidden: int, inter: int, num_experts: int,
-    top_k: int, block_m: int,
+    top_k: int, block_m: int, pointer_loads: PointerLoads,
 ) -> None:
     """Tensor-descriptor (TMA) loads and the pre-sorted x, emulated by the interpreter on
     CPU (the GPU picks them by itself): same results as the pointer loads."""
     from moe.kernels.fused_moe import fused_moe
 
-    problem = make_problem(num_tokens, hidden, inter, num_experts, top_k,
-                           dtype=torch.float16, drop_frac=0.2)
-    ref = ReferenceExperts().apply(*problem)
+    problem, ref, plain = pointer_loads(num_tokens, hidden, inter, num_experts, top_k,
+                                        block_m=block_m, drop_frac=0.2)
     out = fused_moe(*problem, block_m=block_m, policy=KernelPolicy(tma=tma, sorted_x=sorted_x))
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[torch.float16])
-    plain = fused_moe(*problem, block_m=block_m, policy=KernelPolicy(tma=False, sorted_x=False))
     # The same tiles in the same order: only the load path differs.
     assert torch.equal(out, plain)
     # From a workspace (the sorted x and GEMM2's rows share one buffer), twice.
@@ -69,21 +98,20 @@ def test_load_variants_match_reference(
 )
 def test_persistent_matches_reference(
     sorted_x: bool, num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
-    block_m: int, drop_frac: float,
+    block_m: int, drop_frac: float, pointer_loads: PointerLoads,
 ) -> None:
     """The persistent GEMMs (tile table, round-robin programs, half tiles), emulated by the
     interpreter: the reference's result, and the one-program-per-tile kernel's bit for bit
-    (same k order per row)."""
+    (same k order per row). That kernel's is the same with any loads (TMA or not, x sorted
+    or not: test_load_variants_match_reference), so both variants compare with its
+    pointer loads, made once."""
     from moe.kernels.fused_moe import fused_moe
 
-    problem = make_problem(num_tokens, hidden, inter, num_experts, top_k,
-                           dtype=torch.float16, drop_frac=drop_frac)
+    problem, ref, plain = pointer_loads(num_tokens, hidden, inter, num_experts, top_k,
+                                        block_m=block_m, drop_frac=drop_frac)
     out = fused_moe(*problem, block_m=block_m,
                     policy=KernelPolicy(tma=True, sorted_x=sorted_x, persistent=True))
-    ref = ReferenceExperts().apply(*problem)
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[torch.float16])
-    plain = fused_moe(*problem, block_m=block_m,
-                      policy=KernelPolicy(tma=True, sorted_x=sorted_x, persistent=False))
     assert torch.equal(out, plain)
 
 
