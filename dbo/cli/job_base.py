@@ -4,6 +4,7 @@
     ModelJob       a job on a named model (a preset, a Hugging Face architecture) whose
                    routed expert count the command line may override: `num_experts`
 
+`dbo.cli.bench.config.SweepJob`, a ModelJob, adds what the two `dbo bench` sweeps share.
 A config derives from the one that fits and calls `super().__post_init__()` in its own
 `__post_init__`; its flags, defaults and error messages are its own. The soak's
 `num_experts` is no override (its model has no other count), so it stays a field of
