@@ -3,12 +3,13 @@ and the model config it makes for a group of ranks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
 from dbo.cli import (check_backend_runs, check_backend_tokens,
-                     check_fits_memory, check_graph_backends, check_out_dir, check_seed)
+                     check_fits_memory, check_graph_backends, check_out_dir)
+from dbo.cli.job_base import ModelJob
 from dbo.cli.run_hf import check_hf_options, hf_label, hf_model_config
 from moe.backends import BACKENDS as MOE_BACKENDS, backends_with
 from moe.backends.registry import (AUTO, DEFAULT_BACKEND, DEFAULT_GRAPH_BACKEND,
@@ -33,8 +34,9 @@ CUDA_TOKENS = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    """What `dbo run` runs."""
+class RunConfig(ModelJob):
+    """What `dbo run` runs (`seed`, and `num_experts` in place of the preset's routed
+    expert count: `dbo.cli.job_base.ModelJob`)."""
 
     preset: str = "tiny"
     """Model preset (moe.models.transformer.PRESETS)."""
@@ -46,17 +48,12 @@ class RunConfig:
     """Dispatch/combine backend."""
     experts: str = "auto"
     """Expert kernel."""
-    num_experts: Optional[int] = None
-    """Override the preset's routed expert count (over all ranks: a multiple of the
-    world size)."""
     steps: int = 3
     """Timed steps per mode, after warm-up."""
     warmup: int = 1
     """Untimed steps per mode first."""
     layers: Optional[int] = None
     """Override the preset's layer count."""
-    seed: int = 0
-    """Weights and batches derive from it."""
     out: str = "dbo_out/run"
     """Output folder."""
     trace: bool = True
@@ -77,6 +74,7 @@ class RunConfig:
     profiler: str = "torch"
     """What records the traced steps: "torch" (torch.profiler) or "nsys" (NVTX ranges
     inside cudaProfilerStart/Stop, for Nsight Systems; GPUs only)."""
+    errors_name_options: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         for name in ("tokens", "requests", "steps"):
@@ -88,7 +86,7 @@ class RunConfig:
                              f"{self.tokens}, or --tokens >= {self.requests}")
         if self.warmup < 0:
             raise ValueError(f"--warmup={self.warmup}: must be >= 0")
-        check_seed(self.seed)
+        super().__post_init__()  # --seed, --num-experts
         if self.decode_steps < 0:
             raise ValueError(f"--decode-steps={self.decode_steps}: must be >= 0")
         if self.decode_steps and (self.hf is not None or self.hf_config is not None):
@@ -104,10 +102,8 @@ class RunConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{name}={getattr(self, name)!r}: choose one of "
                                  f"{', '.join(choices)}")
-        for name in ("layers", "num_experts"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={value}: must be >= 1")
+        if self.layers is not None and self.layers < 1:
+            raise ValueError(f"--layers={self.layers}: must be >= 1")
         check_out_dir("--out", self.out)
         check_hf_options(self)
         if self.cuda_graph:

@@ -10,7 +10,7 @@ Run on a GPU machine with the DeepEP wheel installed:
 Tolerance: the layer runs in bfloat16 (Triton experts: the gate/up output, the
 activation and each weighted expert row are rounded to bf16, 8 mantissa bits) where the
 reference computes in float32 and rounds once, so outputs may differ by a few bf16 ulps
-of the output scale: 4e-2 of it, as tests/moe/test_triton_experts.py allows for bf16.
+of the output scale: 4e-2 of it, as tests/moe/triton_problems.py allows for bf16.
 """
 from __future__ import annotations
 

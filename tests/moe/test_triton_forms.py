@@ -18,7 +18,7 @@ from moe.experts.form import DEFAULT_FORM, ExpertExtras, ExpertForm
 from moe.experts.reference import ReferenceExperts
 from moe.experts.triton import TritonExperts
 from moe.kernels.policy import KernelPolicy
-from tests.moe.test_triton_experts import bf16_dot_in_interpreter  # noqa: F401 (fixture)
+from tests.moe.triton_problems import bf16_dot_in_interpreter  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.triton
 
@@ -42,7 +42,7 @@ FORMS = {
 # orders: a few 1e-7 at outputs of O(1) (measured <= 5e-7), so 1e-5 leaves room yet
 # catches any wrong term (a missed bias or clamp moves outputs by O(0.1)). fp16 / bf16:
 # the kernel rounds the activation and each output row to the dtype (2^-11 / 2^-8
-# relative) where the reference stays in fp32, as `test_triton_experts.TOLERANCES` says.
+# relative) where the reference stays in fp32, as `triton_problems.TOLERANCES` says.
 TOLERANCES = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
     torch.float16: dict(atol=1e-2, rtol=1e-2),

@@ -44,6 +44,7 @@ def test_cpu_run_times_the_eager_and_static_modes_and_skips_graphs(capsys, tmp_p
     (["--new-tokens", "5,3"], "--new-tokens=5,3: give N1,N2 with 1 <= N1 < N2"),
     (["--new-tokens", "5"], "--new-tokens=5: give N1,N2"),
     (["--requests", "0"], "--requests=0: must be an int >= 1"),
+    (["--seed", "-1"], "--seed=-1: must be an int >= 0"),
 ])
 def test_bad_settings_stop_before_any_rank_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:

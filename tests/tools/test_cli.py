@@ -237,6 +237,11 @@ HUGE = "99999999999999"  # tokens no machine holds the activations of
                                      f"from it must fit torch's 64-bit generator seeds)"),
     (("bench", "--seed", str(2**32)), f"--seed={2**32}: at most 4294967295"),
     (("bench-comm", "--seed", "-3"), "--seed=-3: must be an int >= 0"),
+    # One check (dbo.cli.job_base.ModelJob), each command's own words.
+    (("run", "--num-experts", "0"), "--num-experts=0: must be >= 1"),
+    (("bench", "--num-experts", "0"), "num_experts=0 must be a positive int (or unset)"),
+    (("bench", "--hf", "qwen3_moe", "--num-experts", "-2"),
+     "num_experts=-2 must be a positive int (or unset)"),
     (("trace", "--profiler", "nope"), "invalid choice: 'nope'"),
     pytest.param(("trace", "--profiler", "nsys"), "--profiler=nsys needs CUDA GPUs",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),

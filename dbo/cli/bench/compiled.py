@@ -36,10 +36,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dbo.cli import check_int_option, check_out_dir, check_seed
+from dbo.cli import check_int_option, check_out_dir
 from dbo.cli.bench.predicted import device_name
 from dbo.cli.bench.result_line import print_result
 from dbo.cli.bench.timing import _sync, gather_floats, time_steps
+from dbo.cli.job_base import ToolJob
 from dbo.cli.launch import RankContext, launch
 from moe.backends import DEFAULT_GRAPH_BACKEND
 from moe.bench.timing import barrier
@@ -52,8 +53,8 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True, kw_only=True)
-class CompileBenchConfig:
-    """What one run measures."""
+class CompileBenchConfig(ToolJob):
+    """What one run measures (`seed`: `dbo.cli.job_base.ToolJob`)."""
 
     preset: str = "tiny"
     layers: int = 2
@@ -66,7 +67,6 @@ class CompileBenchConfig:
     compiler: str = "inductor"
     warmup: int = 3
     iters: int = 10
-    seed: int = 0
     out_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -76,7 +76,7 @@ class CompileBenchConfig:
         for name in ("layers", "tokens", "requests", "iters"):
             check_int_option(name, getattr(self, name), low=1)
         check_int_option("warmup", self.warmup, low=0)
-        check_seed(self.seed)
+        super().__post_init__()  # --seed
         if self.requests % 2 or self.tokens % self.requests:
             raise ValueError(f"--requests={self.requests} --tokens={self.tokens}: give an "
                              f"even number of requests that divides the tokens (DBO then "

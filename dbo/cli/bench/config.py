@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from dbo.cli import check_seed
+from dbo.cli.job_base import ModelJob
 from dbo.config import DBOConfig
 from moe.backends import COMPARED_BACKENDS, backends_with
 from moe.backends.nvshmem_owner import check_one_process
@@ -115,8 +115,62 @@ def known_presets() -> list[str]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class BenchConfig:
-    """What one `dbo bench` run sweeps and how it times, gates and writes the results."""
+class SweepJob(ModelJob):
+    """What the sweeps of `dbo bench` (`BenchConfig`) and `dbo bench --hf`
+    (`HFBenchConfig`) share, besides `seed` and `num_experts` (`dbo.cli.job_base.ModelJob`):
+    the expert kernel, how each point is timed, where it runs, the label and folder of its
+    outputs."""
+
+    experts: str = "auto"
+    """Expert kernel name (see moe.experts): "auto", "reference", "grouped", "triton"."""
+    iters: int = 20
+    """Timed steps per measurement; the median is reported."""
+    warmup: int = 5
+    """Untimed steps before each measurement (allocations, autotuning, NCCL setup)."""
+    rounds: int = 3
+    """Each point's modes are measured this many times in alternation, so slow drift of
+    clocks or host load hits them all alike; times are medians over the rounds."""
+    device: str = "cpu"
+    """"cpu" (gloo) or "cuda" (NCCL, one GPU per rank)."""
+    regime: str = CPU_REGIME
+    """Environment label carried by every output (see regime_label)."""
+    out_dir: str = "dbo_out/bench"
+    """Where the outputs go (rank 0 writes them)."""
+    progress: bool = True
+    """Show progress on stderr (rank 0)."""
+    cuda_graph: bool = False
+    """Time the steps as CUDA graph replays (`dbo.graphs`; each sweep says which)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, low in (("iters", 1), ("warmup", 0), ("rounds", 1)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ValueError(f"{name}={value!r} must be an int >= {low}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r}: use one of {', '.join(DEVICES)}")
+        if self.regime not in (NVLINK_REGIME, CPU_REGIME, EMULATED_REGIME):
+            raise ValueError(f"regime={self.regime!r}: build it with regime_label()")
+        if self.experts not in EXPERT_KERNELS:
+            raise ValueError(f"unknown experts kernel {self.experts!r}: use one of "
+                             f"{', '.join(EXPERT_KERNELS)}")
+
+    @property
+    def functional(self) -> bool:
+        """A CPU gloo run: gloo runs each collective on the calling thread, so nothing can
+        overlap, and the times only show that the code runs (no speedup is reported)."""
+        return self.regime == CPU_REGIME
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig(SweepJob):
+    """What one `dbo bench` run sweeps and how it times, gates and writes the results.
+    From `SweepJob`: `num_experts` over all ranks (None: experts_per_rank, or the
+    preset's, at most 32 per rank); `rounds`, each point measured in alternation as DBO
+    off, probe, SBO, DBO on, then again, eta's spread over them reported beside it;
+    `out_dir`, the CSV, JSON and PNG; `cuda_graph`, every step timed as a replay: DBO on
+    through a `GraphedRunner` (vote, then replay), DBO off and the probe's timings
+    captured whole."""
 
     mode: str = "layer"
     """Workload: "layer" (MoE layer stack + attention-sized GEMMs) or "model" (MoETransformer)."""
@@ -130,8 +184,6 @@ class BenchConfig:
     same data as naive plus the router logits, so it is asked for by name)."""
     layers: Optional[int] = None
     """Layer mode: MoE layers (None: 4); model mode: decoder layers (None: the preset's)."""
-    num_experts: Optional[int] = None
-    """Routed experts over all ranks; None: experts_per_rank, or the preset's (<= 32 per rank)."""
     experts_per_rank: Optional[int] = None
     """Routed experts per rank (num_experts = this * world size); exclusive with num_experts."""
     attn_context: int = 2048
@@ -140,32 +192,12 @@ class BenchConfig:
     """Model mode: requests per rank per step (random lengths, moe.models.transformer.make_batch)."""
     context: int = 4096
     """Decode mode: tokens in each request's KV cache, attended to by its new token."""
-    experts: str = "auto"
-    """Expert kernel name (see moe.experts): "auto", "reference", "grouped", "triton"."""
-    iters: int = 20
-    """Timed steps per measurement; the median is reported."""
-    warmup: int = 5
-    """Untimed steps before each measurement (allocations, autotuning, NCCL setup)."""
-    rounds: int = 3
-    """Each point is measured this many times in alternation (DBO off, probe, SBO, DBO on,
-    then again), so slow drift of clocks or host load hits them all alike; times are medians
-    over the rounds, and eta's spread over the rounds is reported beside it."""
     min_gain: float = 0.03
     """Gate: keep DBO off where the measured ceiling T_serial / T_both is below 1 + min_gain."""
     gate_min_tokens: int = 512
     """Gate: keep DBO off below this many tokens per rank."""
-    device: str = "cpu"
-    """"cpu" (gloo) or "cuda" (NCCL, one GPU per rank)."""
-    regime: str = CPU_REGIME
-    """Environment label carried by every output (see regime_label)."""
-    out_dir: str = "dbo_out/bench"
-    """Where the CSV, JSON and PNG go (rank 0 writes them)."""
-    seed: int = 0
-    """Seed of weights and inputs."""
     plot: bool = True
     """Write the PNG (needs matplotlib)."""
-    progress: bool = True
-    """Show a progress bar on stderr (rank 0)."""
     gate_trial_iters: int = 3
     """Steps of each of the gate's separate DBO trials, one per round (see
     dbo.cli.bench.gating)."""
@@ -182,9 +214,6 @@ class BenchConfig:
     gemm_sm_carveout: int = DBOConfig().gemm_sm_carveout or 0
     """SMs that torch's GEMMs leave to the comm kernels in DBO steps and in the probe's
     `both` (`DBOConfig.gemm_sm_carveout`); 0: every SM."""
-    cuda_graph: bool = False
-    """Time every step as a CUDA graph replay (`dbo.graphs`): DBO on through a
-    `GraphedRunner` (vote, then replay), DBO off and the probe's timings captured whole."""
     overlaps: tuple[str, ...] = OVERLAPS
     """The overlaps timed at every point beside no overlap (any of OVERLAPS, each once);
     the gate chooses among no overlap and these."""
@@ -215,20 +244,19 @@ class BenchConfig:
             raise ValueError(f"backends={self.backends!r} repeats a name: list each once")
         check_one_process(self.backends)  # symm_mem with deepep_ll aborts the process
         self._check_overlaps()
-        for name in ("layers", "num_experts", "experts_per_rank"):
+        super().__post_init__()  # seed, num_experts, experts, iters, warmup, rounds, device, regime
+        for name in ("layers", "experts_per_rank"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive int (or unset)")
         if self.num_experts is not None and self.experts_per_rank is not None:
             raise ValueError(f"num_experts={self.num_experts} and experts_per_rank="
                              f"{self.experts_per_rank} are both set: give only one")
-        for name, low in (("attn_context", 0), ("requests", 1), ("iters", 1), ("warmup", 0),
-                          ("rounds", 1), ("gate_min_tokens", 0), ("gate_trial_iters", 1),
-                          ("gemm_sm_carveout", 0)):
+        for name, low in (("attn_context", 0), ("requests", 1), ("gate_min_tokens", 0),
+                          ("gate_trial_iters", 1), ("gemm_sm_carveout", 0)):
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
-        check_seed(self.seed)
         if not _is_int(self.combine_chunks) or not 1 <= self.combine_chunks <= min(self.tokens):
             raise ValueError(f"combine_chunks={self.combine_chunks!r} must be an int from 1 to "
                              f"the smallest point's {min(self.tokens)} tokens per rank (each "
@@ -241,25 +269,12 @@ class BenchConfig:
                 or not 0.0 <= self.min_gain < 10.0):
             raise ValueError(f"min_gain={self.min_gain!r} must be a fraction >= 0, e.g. 0.03 "
                              f"for 3%")
-        if self.device not in DEVICES:
-            raise ValueError(f"device={self.device!r}: use one of {', '.join(DEVICES)}")
-        if self.regime not in (NVLINK_REGIME, CPU_REGIME, EMULATED_REGIME):
-            raise ValueError(f"regime={self.regime!r}: build it with regime_label()")
         if self.device == "cuda" and self.regime == CPU_REGIME:
             # It would be reported as a functional run: every speedup null.
             raise ValueError(f"regime={self.regime!r} does not fit device='cuda': pass "
                              f"regime=regime_label('cuda', p2p_disabled=...)")
-        if self.experts not in EXPERT_KERNELS:
-            raise ValueError(f"unknown experts kernel {self.experts!r}: use one of "
-                             f"{', '.join(EXPERT_KERNELS)}")
         if self.cuda_graph:
             self._check_cuda_graph()
-
-    @property
-    def functional(self) -> bool:
-        """A CPU gloo run: gloo runs each collective on the calling thread, so nothing can
-        overlap, and the times only show that the code runs (no speedup is reported)."""
-        return self.regime == CPU_REGIME
 
     def _check_cuda_graph(self) -> None:
         if self.device != "cuda":

@@ -17,16 +17,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from dbo.cli import check_graph_backends, check_seed
+from dbo.cli import check_graph_backends
 from dbo.cli.bench.config import (
     BENCH_BACKENDS,
-    CPU_REGIME,
     GRAPH_BACKENDS,
     GRAPH_REFUSES_REFERENCE_EXPERTS,
-    DEVICES,
-    EMULATED_REGIME,
-    EXPERT_KERNELS,
-    NVLINK_REGIME,
+    SweepJob,
 )
 from moe.backends import DEFAULT_BACKEND, backends_with
 from moe.backends.nvshmem_owner import check_one_process
@@ -86,16 +82,22 @@ class HFDecodeOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class HFBenchConfig:
-    """What one `dbo bench --hf` run measures."""
+class HFBenchConfig(SweepJob):
+    """What one `dbo bench --hf` run measures. From `dbo.cli.bench.config.SweepJob`:
+    `seed`, of the weights (the same on every rank) and of the inputs (each rank its own);
+    `num_experts` over all ranks (None: the architecture's); `experts`, the converted
+    model's kernel; `rounds`, DBO off and on measured in alternation; `device`, "cpu"
+    (gloo, float32) or "cuda" (NCCL, bfloat16); `out_dir`, the CSV and JSON;
+    `cuda_graph`, on GPUs, prefill or decode: the converted model's steps, DBO off and
+    on, captured in CUDA graphs and replayed (`dbo.graphs`); the unconverted model is
+    timed eagerly and, where transformers' model captures, graphed too. A decode step
+    captures as it is: it leaves its KV cache as it found it (`hf_decode.PrefixCache`)."""
 
     arch: str
     """A name of `moe.hf.named.named_architectures()`: real shapes ("qwen3-30b-a3b",
     "deepseek-v3") or a tiny model ("qwen3_moe", ...)."""
     layers: int = DEFAULT_HF_LAYERS
     """Decoder layers (every one an MoE layer)."""
-    num_experts: Optional[int] = None
-    """Routed experts over all ranks; None: the architecture's."""
     tokens: tuple[int, ...] = DEFAULT_HF_CPU_TOKENS
     """Prefill tokens per rank of one step, one point each: `requests` sequences of
     tokens / requests tokens."""
@@ -103,34 +105,11 @@ class HFBenchConfig:
     """Sequences per rank per step (DBO splits between them: at least 2)."""
     backends: tuple[str, ...] = (DEFAULT_BACKEND,)
     """Dispatch/combine backends of the converted model (any of HF_BACKENDS)."""
-    experts: str = "auto"
-    """Expert kernel of the converted model (`moe.experts`)."""
     conversion: str = "auto"
     """`moe.hf.convert(conversion=)`: "auto" (the fused path where the architecture has
     one, else the experts path) or "experts" (the experts path for every block)."""
-    iters: int = 20
-    """Timed steps per measurement; the median is reported."""
-    warmup: int = 5
-    """Untimed steps before each measurement."""
-    rounds: int = 3
-    """DBO off and on are measured this many times in alternation; medians over rounds."""
-    device: str = "cpu"
-    """"cpu" (gloo, float32) or "cuda" (NCCL, bfloat16)."""
-    regime: str = CPU_REGIME
-    """Environment label (`dbo.cli.bench.config.regime_label`)."""
-    out_dir: str = "dbo_out/bench"
-    """Where the CSV and JSON go (rank 0 writes them)."""
-    seed: int = 0
-    """Seed of weights (the same on every rank) and inputs (each rank its own)."""
-    progress: bool = True
-    """Progress lines on stderr (rank 0)."""
     decode: Optional[HFDecodeOptions] = None
     """Decode steps over KV caches instead of prefill (`tokens` and `requests` unused)."""
-    cuda_graph: bool = False
-    """GPUs, prefill or decode: the converted model's steps, DBO off and on, captured in
-    CUDA graphs and replayed (`dbo.graphs`); the unconverted model is timed eagerly and,
-    where transformers' model captures, graphed too. A decode step captures as it is: it
-    leaves its KV cache as it found it (`hf_decode.PrefixCache`)."""
 
     def __post_init__(self) -> None:
         from moe.hf.named import is_named, unknown_name
@@ -141,16 +120,11 @@ class HFBenchConfig:
         if self.conversion not in CONVERSIONS:
             raise ValueError(f"--conversion {self.conversion!r}: use one of "
                              f"{', '.join(CONVERSIONS)}")
-        for name, low in (("layers", 1), ("requests", 2), ("iters", 1), ("warmup", 0),
-                          ("rounds", 1)):
+        for name, low in (("layers", 1), ("requests", 2)):
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
-        check_seed(self.seed)
-        if self.num_experts is not None and (not _is_int(self.num_experts)
-                                             or self.num_experts < 1):
-            raise ValueError(f"num_experts={self.num_experts!r} must be a positive int "
-                             f"(or unset)")
+        super().__post_init__()  # seed, num_experts, experts, iters, warmup, rounds, device, regime
         if not isinstance(self.tokens, tuple) or not self.tokens:
             raise ValueError(f"tokens={self.tokens!r}: give at least one count (--tokens 4096)")
         bad = [t for t in self.tokens
@@ -168,13 +142,6 @@ class HFBenchConfig:
         if len(set(self.backends)) != len(self.backends):
             raise ValueError(f"backends={self.backends!r} repeats a name: list each once")
         check_one_process(self.backends)  # symm_mem with deepep_ll aborts the process
-        if self.experts not in EXPERT_KERNELS:
-            raise ValueError(f"unknown experts kernel {self.experts!r}: use one of "
-                             f"{', '.join(EXPERT_KERNELS)}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device={self.device!r}: use one of {', '.join(DEVICES)}")
-        if self.regime not in (NVLINK_REGIME, CPU_REGIME, EMULATED_REGIME):
-            raise ValueError(f"regime={self.regime!r}: build it with regime_label()")
         if not isinstance(self.cuda_graph, bool):
             raise TypeError(f"cuda_graph={self.cuda_graph!r} must be True or False")
         if self.cuda_graph:
@@ -186,11 +153,6 @@ class HFBenchConfig:
         check_graph_backends(self.backends, GRAPH_BACKENDS, option="--backends ")
         if self.experts == "reference":
             raise ValueError(GRAPH_REFUSES_REFERENCE_EXPERTS)
-
-    @property
-    def functional(self) -> bool:
-        """A CPU gloo run: nothing overlaps, the times only show that it runs."""
-        return self.regime == CPU_REGIME
 
     def model_config(self, world_size: int) -> Any:
         """The transformers config this run builds, checked for `world_size` ranks

@@ -39,6 +39,7 @@ from dbo.cli.bench.hf_config import HFBenchConfig
 from dbo.cli.bench.predicted import device_name
 from dbo.cli.bench.result_line import print_result
 from dbo.cli.bench.timing import _sync, gather_floats
+from dbo.cli.job_base import ToolJob
 from dbo.cli.launch import RankContext, launch
 from moe.bench.timing import barrier
 
@@ -46,8 +47,8 @@ MODES = ("eager", "static", "graph")
 
 
 @dataclass(frozen=True, kw_only=True)
-class GenerateBenchConfig:
-    """What one run measures."""
+class GenerateBenchConfig(ToolJob):
+    """What one run measures (`seed`: `dbo.cli.job_base.ToolJob`)."""
 
     arch: str
     """A name `dbo bench --hf` takes (`moe.hf.named`)."""
@@ -59,10 +60,10 @@ class GenerateBenchConfig:
     new_tokens: tuple[int, int] = (4, 12)
     """(N1, N2), N1 < N2: the steady time per token is the difference over N2 - N1."""
     rounds: int = 2
-    seed: int = 0
     out_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # --seed
         for name in ("layers", "requests", "prompt", "rounds"):
             check_int_option(name, getattr(self, name), low=1)
         first, second = self.new_tokens

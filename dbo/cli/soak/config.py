@@ -7,7 +7,8 @@ from typing import Optional
 
 import torch
 
-from dbo.cli import check_graph_backends, check_int_option, check_seed
+from dbo.cli import check_graph_backends, check_int_option
+from dbo.cli.job_base import ToolJob
 from dbo.cli.soak.padding import MIN_GRAPH_SIZE, default_graph_sizes
 from moe.backends import DEFAULT_BACKEND, UNTESTED_BACKENDS, backend_class, backends_with
 from moe.experts import EXPERTS
@@ -42,8 +43,9 @@ MAX_TENSOR_GROWTH = 8
 
 
 @dataclass(frozen=True, kw_only=True)
-class SoakConfig:
-    """What `python -m dbo.cli.soak` runs."""
+class SoakConfig(ToolJob):
+    """What `python -m dbo.cli.soak` runs (`seed`: `dbo.cli.job_base.ToolJob`; weights,
+    token counts and inputs derive from it)."""
 
     steps: int = 2000
     """Steps in all, warmup included."""
@@ -53,8 +55,6 @@ class SoakConfig:
     """Most tokens per rank and step (also MoEConfig.max_tokens_per_rank)."""
     layers: int = 2
     """MoE layers in the stack (each followed by a Linear + GELU)."""
-    seed: int = 0
-    """Weights, token counts and inputs derive from it."""
     warmup: int = 50
     """Steps before the memory baseline."""
     report_every: int = 200
@@ -100,7 +100,7 @@ class SoakConfig:
             check_int_option(name, getattr(self, name), low=1)
         for name in ("warmup", "bound_kib"):
             check_int_option(name, getattr(self, name), low=0)
-        check_seed(self.seed)
+        super().__post_init__()  # --seed
         check_int_option("trace_window", self.trace_window, low=0)
         check_int_option("bad_every", self.bad_every, low=0)
         if self.bad_every == 1:
