@@ -82,6 +82,13 @@ class A2ALLOptions(BackendOptions):
     run, then this rank's own rows under the last one. 1 = the combine whole (with
     `MoEConfig.split_last_combine`'s split). Each chunk reads the weights of the experts
     its rows use, so n chunks may read an expert's weights up to n times."""
+    combine_groups: int = 1
+    """In a single-batch-overlap step: run this rank's experts in this many groups
+    (local experts [g*E/G, (g+1)*E/G)), each over every received row, and send each
+    group's partial combine while the next group's experts run: every expert's weights
+    are read once. Each group's combine sends every slot row (the slots are fixed-size),
+    so the step moves G times the combine's bytes; the source sums a token's G partials
+    per rank. 1 = the experts whole; exclusive with combine_chunks > 1."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -93,6 +100,14 @@ class A2ALLOptions(BackendOptions):
         if not _is_int(chunks) or chunks < 1:
             raise ValueError(f"A2ALLOptions.combine_chunks={chunks!r}: must be a positive int "
                              f"(1 = the combine in one piece).")
+        groups = self.combine_groups
+        if not _is_int(groups) or groups < 1:
+            raise ValueError(f"A2ALLOptions.combine_groups={groups!r}: must be a positive int "
+                             f"(1 = the experts whole).")
+        if groups > 1 and chunks > 1:
+            raise ValueError(f"A2ALLOptions.combine_groups={groups} and combine_chunks="
+                             f"{chunks}: a single-batch-overlap combine goes by expert group "
+                             f"or by row chunk, not both; set one of them to 1.")
 
     def check(self, config: Any) -> None:
         value, capacity = self.max_tokens_per_ubatch, config.max_tokens_per_rank
@@ -106,6 +121,10 @@ class A2ALLOptions(BackendOptions):
                 f"A2ALLOptions.combine_chunks={chunks} exceeds MoEConfig.max_tokens_per_rank="
                 f"{capacity}: each chunk takes at least one slot row of every rank's block; "
                 f"use at most {capacity} chunks.")
+        groups, local = self.combine_groups, config.num_experts
+        if groups > local:
+            raise ValueError(f"A2ALLOptions.combine_groups={groups} exceeds MoEConfig."
+                             f"num_experts={local}: a group holds at least one expert.")
 
 
 @dataclass(frozen=True)
@@ -140,6 +159,11 @@ class AllToAllLLBackend(PrepareFinalize):
         self.capacity = config.max_tokens_per_rank
         self.ubatch_capacity = self.options.max_tokens_per_ubatch or self.capacity
         self._chunk_plans: dict[tuple[int, int, torch.device], CombineChunks] = {}
+        groups, local = self.options.combine_groups, self.placement.num_local_experts
+        if groups > local:
+            raise ValueError(f"A2ALLOptions.combine_groups={groups} exceeds the "
+                             f"{local} experts each of the {self.world_size} ranks holds: a "
+                             f"group holds at least one expert; use at most {local}.")
 
     def prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor, *,
                       workspace: Workspace) -> Pending[Dispatched]:
@@ -217,6 +241,16 @@ class AllToAllLLBackend(PrepareFinalize):
         return self.options.combine_chunks if self.chunks_combine else 1
 
     @property
+    def groups_combine(self) -> bool:
+        """With peers to send to (one rank has no combine to overlap)."""
+        return self.world_size > 1
+
+    @property
+    def combine_groups(self) -> int:
+        """`A2ALLOptions.combine_groups` where `groups_combine`, else 1."""
+        return self.options.combine_groups if self.groups_combine else 1
+
+    @property
     def max_tokens_per_ubatch(self) -> Optional[int]:
         """`A2ALLOptions.max_tokens_per_ubatch`."""
         return self.options.max_tokens_per_ubatch
@@ -257,6 +291,40 @@ class AllToAllLLBackend(PrepareFinalize):
 
         return Pending(None, receiver)
 
+    def finalize_grouped_async(self, run_experts: RunExperts, dispatched: Dispatched, *,
+                               num_groups: int, workspace: Workspace) -> Pending[Tensor]:
+        """Per group g (compute stream): the experts over every received row with only
+        group g's local experts kept (`expert_group_ids`); then on the comm stream that
+        partial output's combine into block g of the grouped buffer (every slot row, to
+        this rank too: its own rows travel by the collective's local copy). The receiver
+        waits for the last group (the comm stream runs them in order) and sums a token's
+        G partials from each rank, rank by rank (`grouped_slots`)."""
+        handle: LLHandle = dispatched.handle
+        x_RH, ids_RK, weights_RK = (dispatched.x_RH, dispatched.topk_ids_RK,
+                                    dispatched.topk_weights_RK)
+        rows, hidden = x_RH.shape
+        back_GRH = workspace.get("a2a_ll.back_groups", (num_groups, rows, hidden),
+                                 x_RH.dtype, x_RH.device)
+        local = self.placement.num_local_experts
+        wait = None
+        for g in range(num_groups):
+            ids_g = expert_group_ids(ids_RK, g, num_groups=num_groups, num_experts=local)
+            send_RH = run_experts(x_RH, ids_g, weights_RK).contiguous()
+            dbo_switch_to_comm_sync()
+            note_collective("all_to_all_single", self.group)
+            dist.all_to_all_single(back_GRH[g], send_RH, group=self.group)
+            record_on_current_stream(send_RH)
+            wait = dbo_switch_to_compute_async()
+        assert wait is not None  # num_groups >= 1
+
+        def receiver() -> Tensor:
+            wait.wait()
+            sel_TX = grouped_slots(handle.slot_TW, num_groups=num_groups, rows=rows)
+            return sum_rows(back_GRH.view(num_groups * rows, hidden), sel_TX,
+                            policy=self.config.kernels)
+
+        return Pending(None, receiver)
+
     def _chunk_plan(self, num_chunks: int, capacity: int, device: torch.device
                     ) -> CombineChunks:
         """The chunks' index tensors, built once per chunk count, slot size and device
@@ -269,3 +337,22 @@ class AllToAllLLBackend(PrepareFinalize):
                                        device=device)
             self._chunk_plans[key] = plan
         return plan
+
+
+def expert_group_ids(ids_RK: Tensor, group: int, *, num_groups: int,
+                     num_experts: int) -> Tensor:
+    """ids_RK (local expert ids, -1 = none) with only group `group`'s experts kept: local
+    experts [group * E // G, (group + 1) * E // G), every other id -1."""
+    lo, hi = group * num_experts // num_groups, (group + 1) * num_experts // num_groups
+    return torch.where((ids_RK >= lo) & (ids_RK < hi), ids_RK, -1)
+
+
+def grouped_slots(slot_TW: Tensor, *, num_groups: int, rows: int) -> Tensor:
+    """slot_TW (the flat slot row of token t on rank w, -1 = none) as rows of the grouped
+    combine's buffer [G * R]: [T, W * G], for each rank w its G groups' rows (g * R +
+    slot), -1 where t does not go to w. A token's sum then runs rank by rank, each rank's
+    groups in order."""
+    offsets_G = torch.arange(num_groups, device=slot_TW.device, dtype=slot_TW.dtype) * rows
+    sel_TWG = slot_TW.unsqueeze(-1) + offsets_G
+    sel_TWG = torch.where(slot_TW.unsqueeze(-1) >= 0, sel_TWG, -1)
+    return sel_TWG.reshape(slot_TW.shape[0], slot_TW.shape[1] * num_groups)

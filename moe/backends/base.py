@@ -22,6 +22,11 @@ copy, not over the network. A backend that can say which rows those are lets the
 send the other ranks' outputs first and compute its own rows while that combine is in
 flight, handing their outputs over before it receives.
 
+A combine by expert group (`groups_combine`, `finalize_grouped_async`, single-batch
+overlap only): the backend runs one group of its experts at a time over every received
+row and queues that group's partial combine before the next group's experts, so each
+expert's weights are read once while the combine overlaps the GEMMs.
+
 A chunked combine (`chunks_combine`, `finalize_chunked_async`, single-batch overlap only):
 the backend runs the experts itself, through a callable, on one chunk of rows at a time
 and queues each chunk's combine before the next chunk's experts, so the transfer of one
@@ -289,6 +294,18 @@ class PrepareFinalize(ABC):
         return 1
 
     @property
+    def combine_groups(self) -> int:
+        """The expert groups a single-batch-overlap step runs and sends its combine in
+        (its options' `combine_groups` where `groups_combine`); 1 (this default): the
+        experts whole, then the combine."""
+        return 1
+
+    @property
+    def groups_combine(self) -> bool:
+        """Whether `finalize_grouped_async` runs here; False (this default)."""
+        return False
+
+    @property
     def max_tokens_per_ubatch(self) -> Optional[int]:
         """The most tokens one rank may send in one ubatch of a DBO step, where the
         backend takes a capacity of its own per ubatch (`takes_ubatch_capacity`, from its
@@ -303,6 +320,16 @@ class PrepareFinalize(ABC):
         `finalize_async` does. Every row goes through `run_experts` exactly once."""
         raise TypeError(f"backend {self.name!r} cannot send its combine in chunks "
                         f"(chunks_combine is False): call finalize_async")
+
+    def finalize_grouped_async(self, run_experts: RunExperts, dispatched: Dispatched, *,
+                               num_groups: int, workspace: Workspace) -> Pending[Tensor]:
+        """Experts and combine interleaved by expert group (only where `groups_combine`):
+        `run_experts` on every row of `dispatched` with only group 0's experts (the other
+        ids -1), group 0's partial combine queued on the comm stream, group 1's experts
+        under it, ...: each expert's weights are read once; the receiver gives out_TH as
+        `finalize_async` does, each token's sum over the groups' partial outputs."""
+        raise TypeError(f"backend {self.name!r} cannot send its combine by expert group "
+                        f"(groups_combine is False): call finalize_async")
 
     def refuse_split(self, own: Optional[OwnRows]) -> None:
         """For backends without a split combine: `own` must be None."""
