@@ -106,7 +106,7 @@ def test_the_fields_backends_add_to_the_agreement_keep_their_names():
         return backend_class(name, 2).agreement_fields(config)
 
     assert added("a2a_ll", backend_options=A2ALLOptions(combine_chunks=2)) == {
-        "max_tokens_per_ubatch": None, "combine_chunks": 2}
+        "max_tokens_per_ubatch": None, "combine_chunks": 2, "combine_groups": 1}
     assert added("deepep_ht") == {"deepep_worst_case_dispatch": False}
     assert added("deepep_ll") == {"deepep_fp8_dispatch": False}
     assert added("deepep_v2") == {"deepep_v2_mode": "prefill"}
