@@ -242,9 +242,12 @@ def ep_layer_default(field: str) -> Any:
 
 
 def ep_layer(group: Any, *, backend: str = "naive", combine_chunks: Optional[int] = None,
-             **moe: Any) -> MoELayer:
-    """A layer of `EP_LAYER`'s shape on `group`; `combine_chunks`: a2a_ll's option."""
-    options = None if combine_chunks is None else A2ALLOptions(combine_chunks=combine_chunks)
+             combine_groups: Optional[int] = None, **moe: Any) -> MoELayer:
+    """A layer of `EP_LAYER`'s shape on `group`; `combine_chunks`, `combine_groups`:
+    a2a_ll's options."""
+    given = {k: v for k, v in (("combine_chunks", combine_chunks),
+                               ("combine_groups", combine_groups)) if v is not None}
+    options = A2ALLOptions(**given) if given else None
     cfg = MoEConfig(**{**EP_LAYER, **moe}, backend=backend, experts="reference",
                     backend_options=options)
     layer = MoELayer(cfg, group=group)
@@ -272,12 +275,16 @@ BUILT_UNLIKE = (
     ("a2a on one rank", "backend", dict(backend="naive"), dict(backend="a2a")),
     # a2a_ll adds the fields of its options (`PrepareFinalize.agreement_fields`), which
     # a2a's config lacks: named too, after the backend.
-    ("a2a_ll on one rank", ("backend", "combine_chunks", "max_tokens_per_ubatch"),
+    ("a2a_ll on one rank", ("backend", "combine_chunks", "combine_groups",
+                            "max_tokens_per_ubatch"),
      dict(backend="a2a"), dict(backend="a2a_ll")),
     ("top_k", "top_k", dict(top_k=2), dict(top_k=1)),
     # A chunked SBO combine issues more collectives than one combine.
     ("combine_chunks", "combine_chunks", dict(backend="a2a_ll"),
      dict(backend="a2a_ll", combine_chunks=2)),
+    # So does a combine by expert group (one collective per group).
+    ("combine_groups", "combine_groups", dict(backend="a2a_ll"),
+     dict(backend="a2a_ll", combine_groups=2)),
     # The ones below change only the math: the ranks would run a silently mixed model.
     ("intermediate_size", "intermediate_size", {}, dict(intermediate_size=12)),
     ("scoring", "scoring", {}, dict(scoring="sigmoid")),
