@@ -83,6 +83,27 @@ Terms (source of each parameter after the colon):
           layer = a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + tail
           tail = ov(x_o, c_n) if o > 0, else c_n (the last combine exposed)
           T = step(L * layer, max(host(k + n - 1 + [o > 0]), h_sbo))
+  SBO by expert group (G = sbo_groups > 1, `A2ALLOptions.combine_groups`): the shared
+          experts under the dispatch, then for each of G groups of this rank's experts
+          the experts over EVERY received row (own rows included: no own-rows pass)
+          with only that group's 1/G of the local experts, each group's combine sent
+          while the next group's experts run. Each expert's weights are read once and
+          its rows are the unsplit step's, so the GEMM efficiency is unchanged:
+          x_g = max(x / G, W_e / G)           one group: 1/G of the work and weights
+          c_g = c                             a backend of fixed-size slots (a2a_ll,
+                                              `group_carries_all`): each group's combine
+                                              carries all the combine's rows, G times
+                                              the bytes in all
+          c_g = (c - lam) / G + lam           an expert-major backend: each group's
+                                              combine carries its 1/G of the rows
+          layer = a + ov(s, d) + x_g + (G - 1) * ov(x_g, c_g) + c_g
+                                              (the last group's combine exposed)
+          T = step(L * layer, max(host(k + G - 1), h_sbo))
+          (G = 1 is the row-chunked term above; both above 1 is refused.) With
+          c_g = c, x_g + (G - 1) * ov(x_g, c) + c >= G * x_g + c = max(x, W_e) + c:
+          the grouped a2a_ll step is never predicted faster on the GPU than SBO's
+          single pass without own rows (n = 1, o = 0), only than row chunks that
+          each re-read the weights.
   choice: the fastest mode, unless its gain T_none / T_mode - 1 is below `margin`:
           then "none" (an overlap mode that is predicted to win by less never runs).
 """
@@ -271,13 +292,24 @@ def _split_expert_rate(shape: StepShape, cal: Calibration, *, a2: float,
 
 
 def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
-            margin: float = 0.01, sbo_chunks: int = 1) -> Prediction:
+            margin: float = 0.01, sbo_chunks: int = 1, sbo_groups: int = 1,
+            group_carries_all: bool = True) -> Prediction:
     """Predicted step time with no overlap, DBO and SBO (module docstring: the terms),
-    and the mode to run: the fastest, if it beats no overlap by at least `margin`."""
+    and the mode to run: the fastest, if it beats no overlap by at least `margin`.
+
+    `sbo_chunks` (n) chunks SBO's combine by rows, `sbo_groups` (G) by expert group; at
+    most one of them above 1. `group_carries_all`: each group's combine carries all the
+    combine's rows (fixed-size slots, a2a_ll), else 1/G of them (expert-major)."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin={margin!r}: must be in [0, 1) (0.01 = 1%).")
-    if isinstance(sbo_chunks, bool) or not isinstance(sbo_chunks, int) or sbo_chunks < 1:
-        raise ValueError(f"sbo_chunks={sbo_chunks!r}: must be an int >= 1.")
+    for name, value in (("sbo_chunks", sbo_chunks), ("sbo_groups", sbo_groups)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be an int >= 1.")
+    if sbo_chunks > 1 and sbo_groups > 1:
+        raise ValueError(f"sbo_chunks={sbo_chunks} and sbo_groups={sbo_groups}: SBO chunks "
+                         f"its combine by rows or by expert group, not both; set one to 1.")
+    if not isinstance(group_carries_all, bool):
+        raise ValueError(f"group_carries_all={group_carries_all!r}: must be True or False.")
     cal, L = calibration, shape.layers
     f = cal.comm_sm_share if shape.comm_sm_share is None else shape.comm_sm_share
     kappa = cal.overlap_clock
@@ -326,11 +358,18 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
             return max(2 * q * x2_split * cal.efficiency(r / 2) / cal.efficiency(q * r), w_e)
         return max(q * x * cal.efficiency(r) / cal.efficiency(q * r), w_e)
 
-    x_n, x_o = sbo_pass((1.0 - o) / n), (sbo_pass(o) if o > 0 else 0.0)
-    c_n = (c - lam) / n + lam
-    tail = ov(x_o, c_n) if o > 0 else c_n
-    t_sbo = step(L * (a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + tail),
-                 max(host(k + n - 1 + (o > 0)), h_sbo))
+    if sbo_groups > 1:  # by expert group: every row, 1/G of the experts per pass
+        G = sbo_groups
+        x_g = max(x / G, w_e / G)
+        c_g = c if group_carries_all else (c - lam) / G + lam
+        t_sbo = step(L * (a + ov(s, d) + x_g + (G - 1) * ov(x_g, c_g) + c_g),
+                     max(host(k + G - 1), h_sbo))
+    else:
+        x_n, x_o = sbo_pass((1.0 - o) / n), (sbo_pass(o) if o > 0 else 0.0)
+        c_n = (c - lam) / n + lam
+        tail = ov(x_o, c_n) if o > 0 else c_n
+        t_sbo = step(L * (a + ov(s, d) + x_n + (n - 1) * ov(x_n, c_n) + tail),
+                     max(host(k + n - 1 + (o > 0)), h_sbo))
 
     costs = {
         "weights_read_twice": 2 * L * (max(0.0, w_a - a / 2) + max(0.0, w_s - s / 2)
