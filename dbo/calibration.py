@@ -123,6 +123,10 @@ class MeasuredPoint:
     sbo_chunks: int = 1
     """Chunks of the combine in the point's single-batch-overlap step
     (`A2ALLOptions.combine_chunks` where the backend chunks its combine, else 1)."""
+    sbo_groups: int = 1
+    """Expert groups of the point's single-batch-overlap step, each group's combine sent
+    while the next group's experts run (`A2ALLOptions.combine_groups` where the backend
+    groups its combine, else 1); at most one of `sbo_chunks` and `sbo_groups` above 1."""
     own_row_share: float = 0.0
     """Share of the received rows this rank sent itself, computed last in an SBO step
     and in a DBO step's last MoE layer, under the combine (1/W where the backend splits
@@ -131,8 +135,12 @@ class MeasuredPoint:
     def __post_init__(self) -> None:
         owner = "MeasuredPoint"
         for name, low in (("tokens", 1), ("layers", 1), ("num_experts", 0), ("world_size", 0),
-                          ("context", 0), ("sbo_chunks", 1)):
+                          ("context", 0), ("sbo_chunks", 1), ("sbo_groups", 1)):
             check_int(owner, name, getattr(self, name), low)
+        if self.sbo_chunks > 1 and self.sbo_groups > 1:
+            raise FieldError(owner, "sbo_groups", self.sbo_groups,
+                             f"must be 1 where sbo_chunks={self.sbo_chunks} (an SBO step "
+                             f"chunks its combine by rows or by expert group, not both).")
         for name in ("decode", "cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise FieldError(owner, name, getattr(self, name), "must be True or False.")

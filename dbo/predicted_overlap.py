@@ -103,20 +103,34 @@ class OverlapPredictor:
     Args:
         calibration: machine figures and measured points, one per shape.
         margin: an overlap mode must be predicted to win by this much (0.01 = 1%).
-        sbo_chunks: combine chunks of a single-batch-overlap step (`dbo.cost_model`);
-            None: each measured point's own (`MeasuredPoint.sbo_chunks`).
+        sbo_chunks: combine chunks (by rows) of a single-batch-overlap step
+            (`dbo.cost_model`).
+        sbo_groups: combine groups (by expert group) of a single-batch-overlap step.
+            Both None: each measured point's own (`MeasuredPoint.sbo_chunks`,
+            `MeasuredPoint.sbo_groups`); one given: that one, the other 1 (at most one
+            above 1).
     """
 
     def __init__(self, calibration: Calibration, *, margin: float = 0.01,
-                 sbo_chunks: Optional[int] = None) -> None:
+                 sbo_chunks: Optional[int] = None, sbo_groups: Optional[int] = None) -> None:
         if not isinstance(calibration, Calibration):
             raise TypeError(f"calibration must be a dbo.Calibration, got a "
                             f"{type(calibration).__name__}: load one with "
                             f"Calibration.load(path)")
+        for name, value in (("sbo_chunks", sbo_chunks), ("sbo_groups", sbo_groups)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"OverlapPredictor({name}={value!r}): must be None (each "
+                                 f"point's own) or an int >= 1.")
+        if (sbo_chunks or 1) > 1 and (sbo_groups or 1) > 1:
+            raise ValueError(f"OverlapPredictor(sbo_chunks={sbo_chunks}, sbo_groups="
+                             f"{sbo_groups}): SBO chunks its combine by rows or by expert "
+                             f"group, not both; set one to 1.")
         check_one_per_shape(calibration)
         self.calibration = calibration
         self.margin = margin
         self.sbo_chunks = sbo_chunks
+        self.sbo_groups = sbo_groups
         self._cache: dict[tuple[int, bool], Optional[Prediction]] = {}
 
     def predict(self, *, tokens: int, decode: bool) -> Optional[Prediction]:
@@ -125,5 +139,11 @@ class OverlapPredictor:
             point = covering_point(self.calibration, tokens=tokens, decode=decode)
             self._cache[key] = None if point is None else predict(
                 *point_inputs(point, self.calibration), self.calibration, margin=self.margin,
-                sbo_chunks=point.sbo_chunks if self.sbo_chunks is None else self.sbo_chunks)
+                **self._sbo_form(point))
         return self._cache[key]
+
+    def _sbo_form(self, point: MeasuredPoint) -> dict[str, int]:
+        """The SBO step's combine form at `point`: the predictor's, else the point's."""
+        if self.sbo_chunks is None and self.sbo_groups is None:
+            return {"sbo_chunks": point.sbo_chunks, "sbo_groups": point.sbo_groups}
+        return {"sbo_chunks": self.sbo_chunks or 1, "sbo_groups": self.sbo_groups or 1}

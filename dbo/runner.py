@@ -158,7 +158,8 @@ class DBORunner:
         # different calibrations would run different overlap modes.
         self._votes = StepVotes(calibration=None if predictor is None else
                                 calibration_digest(calibration, margin=predictor.margin,
-                                                   sbo_chunks=predictor.sbo_chunks))
+                                                   sbo_chunks=predictor.sbo_chunks,
+                                                   sbo_groups=predictor.sbo_groups))
         self._hooks: Optional[ModelHooks] = None  # the model's, see `hooks`
         self.last_decision: Optional[SplitPlan] = None
         self._schedulers: dict[torch.device, UBatchScheduler] = {}

@@ -95,15 +95,16 @@ def current_token_limit() -> Optional[TokenLimit]:
 
 
 def calibration_digest(calibration: Optional[Calibration], *, margin: float,
-                       sbo_chunks: Optional[int]) -> Optional[str]:
+                       sbo_chunks: Optional[int],
+                       sbo_groups: Optional[int] = None) -> Optional[str]:
     """A short text that differs where two calibrations (with the predictor's margin and
-    SBO chunks) could predict differently: a hash of their figures and points, not of
-    where or when they were measured. None without a calibration."""
+    SBO chunks and groups) could predict differently: a hash of their figures and points,
+    not of where or when they were measured. None without a calibration."""
     if calibration is None:
         return None
     content = {k: v for k, v in calibration.to_json().items()
                if k not in ("device", "torch_version", "date")}
-    text = json.dumps([content, margin, sbo_chunks], sort_keys=True)
+    text = json.dumps([content, margin, sbo_chunks, sbo_groups], sort_keys=True)
     digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
     return f"{digest} ({len(calibration.points)} points, margin {margin})"
 

@@ -45,6 +45,11 @@ def test_a_good_file_with_points_loads(tmp_path):
     (dict(compute_scale=HUGE), "points[1].compute_scale", "finite number"),
     (dict(rows_per_expert=HUGE), "points[1].rows_per_expert", "finite number"),
     (dict(own_row_share=HUGE), "points[1].own_row_share", "[0, 1)"),
+    (dict(sbo_groups=0), "points[1].sbo_groups", "must be an int >= 1"),
+    (dict(sbo_groups=2.0), "points[1].sbo_groups", "must be an int >= 1"),
+    (dict(sbo_groups=2, sbo_chunks=4), "points[1].sbo_groups",
+     "must be 1 where sbo_chunks=4 (an SBO step chunks its combine by rows or by expert "
+     "group, not both)"),
     (dict(tflops=1), "points[1]", "unknown keys ['tflops']"),
 ], ids=lambda v: str(v)[:30] if not isinstance(v, dict) else None)
 def test_a_bad_point_is_named_by_index_and_field(tmp_path, change, field, must):
@@ -56,6 +61,17 @@ def test_a_bad_point_is_named_by_index_and_field(tmp_path, change, field, must):
     assert f"{field}=" in message or f"{field}:" in message, message
     assert must in message, message
     assert "0" * 100 not in message, message  # a huge value is shown cut short
+
+
+def test_a_points_sbo_form_round_trips(tmp_path):
+    # Written by save, read back by load: the row chunks and the expert groups each.
+    path = _file(tmp_path, point=dict(sbo_groups=4))
+    cal = Calibration.load(path)
+    assert [(p.sbo_chunks, p.sbo_groups) for p in cal.points] == [(1, 1), (1, 4)]
+    cal.save(tmp_path / "again.json")
+    assert Calibration.load(tmp_path / "again.json") == cal
+    saved = json.loads((tmp_path / "again.json").read_text())["points"][1]
+    assert saved["sbo_groups"] == 4 and saved["sbo_chunks"] == 1
 
 
 def test_a_point_missing_a_field_is_named(tmp_path):

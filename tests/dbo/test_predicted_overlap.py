@@ -67,6 +67,32 @@ def test_hand_computed_predictions_and_reasons():
     assert predictor.predict(tokens=64, decode=True) is None
 
 
+def test_a_points_expert_groups_reach_the_prediction():
+    # B measured with a 2-group SBO combine (a2a_ll: each group's combine carries all the
+    # rows, c_g = c = 1): 1 + ov(2, 2) + x_g + ov(x_g, 1) + 1 with x_g = max(2 / 2, 2 / 2)
+    # = 1, ov(1, 1) = max(1, 1 + .18) = 1.18: 1 + 2.36 + 1 + 1.18 + 1 = 6.54; 7.18 / 6.54
+    # - 1 = +9.8%, still SBO. DBO and none do not move (7.86, 7.18 above).
+    grouped = Calibration(points=(point(16, sbo_groups=2, **WEIGHT_BOUND),))
+    b = OverlapPredictor(grouped).predict(tokens=16, decode=True)
+    assert b.times_ms == pytest.approx({"none": 7.18, "dbo": 7.86, "sbo": 6.54})
+    assert b.chosen == "sbo" and b.reason.startswith("sbo: predicted +9.8%"), b.reason
+    # The predictor's own form overrides the point's: one group, the single pass (6.36).
+    one = OverlapPredictor(grouped, sbo_groups=1).predict(tokens=16, decode=True)
+    assert one.times_ms["sbo"] == pytest.approx(6.36)
+    # ... and groups given to the predictor replace a point's row chunks (else refused
+    # as both at once). A, comm-heavy, in 2 groups: 2 + ov(0, 4) + 1 + ov(1, 4) + 4 = 15
+    # (-20.0%): DBO's 9 stays the choice.
+    chunked = Calibration(points=(point(4, sbo_chunks=2, **COMM_HEAVY),))
+    a = OverlapPredictor(chunked, sbo_groups=2).predict(tokens=4, decode=True)
+    assert a.times_ms["sbo"] == pytest.approx(15.0) and a.chosen == "dbo"
+    assert "sbo -20.0%" in a.reason, a.reason
+    with pytest.raises(ValueError, match=r"sbo_chunks=2, sbo_groups=2\): SBO chunks its "
+                                         r"combine by rows or by expert group, not both"):
+        OverlapPredictor(grouped, sbo_chunks=2, sbo_groups=2)
+    with pytest.raises(ValueError, match=r"OverlapPredictor\(sbo_groups=0\): must be None"):
+        OverlapPredictor(grouped, sbo_groups=0)
+
+
 def test_points_between_are_interpolated_linearly_in_tokens():
     mid = covering_point(calibration(), tokens=24, decode=True)
     assert mid.attention == pytest.approx(1.0) and mid.shared == pytest.approx(1.0)

@@ -14,6 +14,7 @@ peers were not told.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import pytest
@@ -49,8 +50,14 @@ def test_the_calibration_digest_sees_the_figures_not_the_provenance() -> None:
     for other in (calibration_digest(predicts_none(dense_tflops=600.0), margin=0.01,
                                      sbo_chunks=None),
                   calibration_digest(cal, margin=0.02, sbo_chunks=None),
-                  calibration_digest(cal, margin=0.01, sbo_chunks=2)):
+                  calibration_digest(cal, margin=0.01, sbo_chunks=2),
+                  calibration_digest(cal, margin=0.01, sbo_chunks=None, sbo_groups=2)):
         assert other != digest
+    assert digest == calibration_digest(cal, margin=0.01, sbo_chunks=None, sbo_groups=None)
+    # A point's own SBO form is in the figures: ranks whose points were measured with
+    # expert groups and without would predict different SBO times.
+    grouped = Calibration(points=(dataclasses.replace(cal.points[0], sbo_groups=2),))
+    assert calibration_digest(grouped, margin=0.01, sbo_chunks=None) != digest
     assert calibration_digest(None, margin=0.01, sbo_chunks=None) is None
 
 
