@@ -117,6 +117,10 @@ def build_parser() -> Parser:
     p.add_argument("--sbo-chunks", type=_positive_int, default=1,
                    help="combine chunks of an SBO step, each under the next chunk's "
                         "experts (A2ALLOptions.combine_chunks)")
+    p.add_argument("--sbo-groups", type=_positive_int, default=1,
+                   help="expert groups of an SBO step, each group's combine under the next "
+                        "group's experts, each carrying all the combine's rows "
+                        "(A2ALLOptions.combine_groups; not with --sbo-chunks)")
     p.add_argument("--margin", type=float, default=0.01,
                    help="an overlap mode must win by at least this (0.01 = 1%%)")
     p.add_argument("--calibration", default=None,
@@ -178,7 +182,8 @@ def plan_phase(args: Any, model: Any, cluster: Cluster, cal: Calibration, *, dec
                                    redundant_experts=args.redundant_experts)
         if scale is not None:
             times = scale.apply(times, tokens=tokens, comm_regime=regime)
-        return predict(times, shape, cal, margin=args.margin, sbo_chunks=args.sbo_chunks)
+        return predict(times, shape, cal, margin=args.margin, sbo_chunks=args.sbo_chunks,
+                       sbo_groups=args.sbo_groups)
 
     name = "decode" if decode else "prefill"
     of = "this preset and phase" + (f" of backend {args.backend}" if args.backend else "")
@@ -189,6 +194,7 @@ def plan_phase(args: Any, model: Any, cluster: Cluster, cal: Calibration, *, dec
     print(f"\nprediction, {name} ({'requests' if decode else 'tokens'} per rank), "
           f"{layers} MoE layers, EP {cluster.ep_size} on {cluster.nodes} node(s):")
     print(f"phase times: {rescale}")
+    print(f"sbo: {sbo_form(args.sbo_chunks, args.sbo_groups)}")
     print(f"{'tokens':>7} {'none ms':>9} {'dbo ms':>9} {'dbo gain':>9} {'sbo ms':>9} "
           f"{'sbo gain':>9}  chosen")
     for r in rows:
@@ -206,6 +212,17 @@ def plan_phase(args: Any, model: Any, cluster: Cluster, cal: Calibration, *, dec
     print(f"prediction at {point}: {at['reason']}")
     return {"phase": name, "point": at, "sweep": rows, "thresholds": thresholds,
             "overlap_loses_at": loses, "phase_times": rescale}
+
+
+def sbo_form(chunks: int, groups: int) -> str:
+    """The SBO step's combine in words (`dbo.cost_model`)."""
+    if groups > 1:
+        return (f"combine by {groups} expert groups, each under the next group's experts "
+                f"and carrying all the combine's rows (A2ALLOptions.combine_groups)")
+    if chunks > 1:
+        return (f"combine in {chunks} row chunks, each under the next chunk's experts "
+                f"(A2ALLOptions.combine_chunks)")
+    return "one expert pass, its combine exposed"
 
 
 def _plot(phases: list[dict[str, Any]], path: Path) -> None:
@@ -238,6 +255,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError(f"--margin {args.margin}: must be in [0, 1) (0.01 = 1%)")
         if args.launches_per_layer < 0:
             raise ValueError(f"--launches-per-layer {args.launches_per_layer}: must be >= 0")
+        if args.sbo_chunks > 1 and args.sbo_groups > 1:
+            raise ValueError(f"--sbo-chunks {args.sbo_chunks} and --sbo-groups "
+                             f"{args.sbo_groups}: SBO chunks its combine by rows or by expert "
+                             f"group, not both: drop one")
         if args.out is not None:
             check_out_dir("--out", args.out)
         if args.backend is not None and args.calibration is None:
@@ -274,8 +295,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(json.dumps({"plan": "prediction", "preset": args.preset, "ep": args.ep,
                       "redundant_experts": args.redundant_experts,
                       "gpus_per_node": args.gpus_per_node, "cluster": vars(cluster),
-                      "calibration": source,
-                      "modes": list(MODES), "phases": phases, "plot": plot}))
+                      "calibration": source, "sbo_chunks": args.sbo_chunks,
+                      "sbo_groups": args.sbo_groups, "modes": list(MODES), "phases": phases, "plot": plot}))
     return 0
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from dbo import cli
 from dbo.calibration import Calibration
+from dbo.cost_model import predict
 from dbo.cli.plan_model import Cluster, step_inputs
 from moe.models.presets import get_preset
 
@@ -78,6 +79,32 @@ def test_step_inputs_comm_grows_with_nodes_and_shrinks_with_bandwidth():
     assert one_node == pytest.approx(1024 * 8 * (1 - (7 / 8) ** 8) * 7 / 8 * 7168 * 2 / 400e6)
 
 
+def test_sbo_groups_reach_the_prediction(capsys):
+    # The plan's SBO column with --sbo-groups 2 is the cost model's grouped term on the
+    # same roofline inputs; none and DBO do not move.
+    _, one = run_plan([*HEADLINE, "--tokens", "4096"], capsys)
+    out, grouped = run_plan([*HEADLINE, "--tokens", "4096", "--sbo-groups", "2"], capsys)
+    assert (grouped["sbo_chunks"], grouped["sbo_groups"]) == (1, 2)
+    assert (one["sbo_chunks"], one["sbo_groups"]) == (1, 1)
+    assert "sbo: combine by 2 expert groups, each under the next group's experts" in out
+    model, cal = get_preset("deepseek-v3-like"), Calibration()
+    cluster = Cluster(**grouped["cluster"])
+    for a, b in zip(one["phases"][0]["sweep"], grouped["phases"][0]["sweep"]):
+        times, shape = step_inputs(model, cluster, cal, tokens=b["tokens"], decode=False,
+                                   context_len=4096, layers=58, fp8_dispatch=True,
+                                   kernels_per_layer=0, redundant_experts=32)
+        expected = predict(times, shape, cal, sbo_groups=2).times_ms
+        # The JSON rounds to 4 decimals.
+        assert b["times_ms"]["sbo"] == pytest.approx(expected["sbo"], abs=1e-4)
+        assert b["times_ms"]["none"] == a["times_ms"]["none"]
+        assert b["times_ms"]["dbo"] == a["times_ms"]["dbo"]
+    # At 16 tokens the experts are weight-bound: the default SBO step's own-rows pass
+    # reads all the weights again, the groups read each expert's once.
+    first_one, first_grouped = one["phases"][0]["sweep"][0], grouped["phases"][0]["sweep"][0]
+    assert first_grouped["tokens"] == 16
+    assert first_grouped["times_ms"]["sbo"] < first_one["times_ms"]["sbo"]
+
+
 def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["plan", "--help"])
@@ -101,6 +128,10 @@ def test_help_shows_defaults(capsys):
                              "'a2a_ll', "),
     (["--backend", "a2a"], "--backend a2a picks the --calibration file's measured points of "
                            "that backend, and there is no --calibration"),
+    (["--sbo-groups", "0"], "argument --sbo-groups: '0': must be an int >= 1"),
+    (["--sbo-groups", "2", "--sbo-chunks", "4"], "--sbo-chunks 4 and --sbo-groups 2: SBO "
+                                                 "chunks its combine by rows or by expert "
+                                                 "group, not both: drop one"),
     (["--sweep", "a,b"], "argument --sweep: 'a,b': give tokens per rank >= 1"),
     (["--sweep", "0,16"], "argument --sweep: '0,16': give tokens per rank >= 1"),
     (["--margin", "2"], "--margin 2.0"),
