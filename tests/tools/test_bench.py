@@ -134,6 +134,33 @@ def test_combine_chunks_reach_the_no_overlap_layers() -> None:
         config_from_args(build_parser().parse_args([*argv[:-1], "9"]), {})
 
 
+def test_combine_groups_reach_the_no_overlap_layers() -> None:
+    from dbo.cli.bench.workload import WorkloadFactory
+
+    argv = ["--device", "cpu", "--tokens", "8", "--backends", "a2a_ll", "--combine-groups", "2"]
+    cfg = config_from_args(build_parser().parse_args(argv), {})
+    assert cfg.combine_groups == 2 and cfg.summary()["combine_groups"] == 2
+    assert cfg.summary()["combine_chunks"] == 1
+    assert cfg.sbo_form().startswith("a2a_ll: the experts in 2 expert groups over every row")
+    factory = WorkloadFactory(cfg, group=None, device=torch.device("cpu"))
+    stack = factory.get(tokens=8, backend="a2a_ll", dbo=False).model
+    assert all(layer.config.options.combine_groups == 2 for layer in stack.moe)
+    assert all(layer.config.options.combine_chunks == 1 for layer in stack.moe)
+    # A backend whose options have no groups keeps its defaults.
+    a2a = factory.get(tokens=8, backend="a2a", dbo=False).model
+    assert all(layer.config.backend_options is None for layer in a2a.moe)
+    with pytest.raises(ValueError, match=r"combine_chunks=2 and combine_groups=2: an SBO step "
+                                         r"chunks its combine by rows or by expert group, not "
+                                         r"both; drop --combine-chunks or --combine-groups"):
+        config_from_args(build_parser().parse_args([*argv, "--combine-chunks", "2"]), {})
+    with pytest.raises(ValueError, match="combine_groups=0 must be an int >= 1"):
+        config_from_args(build_parser().parse_args([*argv[:-1], "0"]), {})
+    with pytest.raises(ValueError, match="combine_groups=4 exceeds the 2 experts each rank "
+                                         "holds"):
+        config_from_args(build_parser().parse_args([*argv[:-1], "4", "--experts-per-rank",
+                                                    "2"]), {})
+
+
 def test_gate_thresholds_then_probe_then_trial() -> None:
     gate = GatePolicy(min_tokens_per_rank=512, min_gain=0.03)
     small = gate.decide(tokens_per_rank=256, ceiling=1.4, trial_speedups=[1.3])

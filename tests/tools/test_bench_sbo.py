@@ -6,6 +6,7 @@ distributed).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -155,6 +156,23 @@ def test_bad_overlaps_exit_with_the_fix(argv: list[str], message: str, tmp_path:
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--combine-groups", "2", "--combine-chunks", "2"],
+     "combine_chunks=2 and combine_groups=2: an SBO step chunks its combine by rows or by "
+     "expert group, not both"),
+    # The tiny preset's 8 experts over the 2 ranks: 4 each.
+    (["--combine-groups", "8"], "combine_groups=8 exceeds the 4 experts each rank holds"),
+    (["--combine-groups", "-1"], "combine_groups=-1 must be an int >= 1"),
+])
+def test_bad_combine_groups_exit_with_the_fix(argv: list[str], message: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", "cpu", "--backends", "a2a_ll", "--out", str(tmp_path), *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
 # --------------------------------------------------------- layer 2: two gloo processes
 def _sbo_pieces(rank: int, world_size: int, out_dir: str) -> dict:
     import torch.distributed as dist
@@ -202,3 +220,74 @@ def test_sbo_step_equals_no_overlap_and_overlaps_leave_one_out(tmp_path: Path) -
     cfg = BenchConfig(tokens=(4,), backends=("a2a_ll",), out_dir=str(tmp_path))
     table = format_table(SweepResult(cfg, 2, SHAPES, "skipped", [no_dbo, no_sbo]))
     assert "gate decisions:" in table  # a table without DBO or SBO times still renders
+
+
+def _grouped_sweep(rank: int, world_size: int, out_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from dbo.cli.bench.sweep import run_sweep
+    from dbo.cli.bench.workload import WorkloadFactory
+    from moe.backends.a2a_ll import AllToAllLLBackend
+
+    grouped_calls: list[int] = []
+    original = AllToAllLLBackend.finalize_grouped_async
+
+    def counted(self, *args, **kwargs):  # the SBO step takes the grouped combine
+        grouped_calls.append(kwargs["num_groups"])
+        return original(self, *args, **kwargs)
+
+    AllToAllLLBackend.finalize_grouped_async = counted
+    try:
+        group, cpu = dist.group.WORLD, torch.device("cpu")
+        factory = WorkloadFactory(BenchConfig(layers=2, backends=("a2a_ll",), combine_groups=2),
+                                  group=group, device=cpu)
+        off = factory.get(tokens=10, backend="a2a_ll", dbo=False)
+        expected = off.step()
+        calls_off = len(grouped_calls)
+        sbo = factory.get(tokens=10, backend="a2a_ll", dbo=False, sbo=True)
+        got = sbo.step()
+        out = {"error": (got - expected).abs().max().item(), "calls_off": calls_off,
+               "calls_sbo": list(grouped_calls[calls_off:]),
+               "overlap": sbo.runner.last_decision.overlap}
+        cfg = BenchConfig(mode="decode", tokens=(4,), context=8, backends=("a2a_ll",),
+                          layers=2, iters=1, warmup=1, rounds=1, out_dir=out_dir, plot=False,
+                          progress=False, combine_groups=2)
+        result = run_sweep(cfg, group=group, device=cpu)
+        out["point"] = result.points[0]
+        out["result"] = result if rank == 0 else None
+        return out
+    finally:
+        AllToAllLLBackend.finalize_grouped_async = original
+
+
+@pytest.mark.distributed
+def test_a_grouped_sbo_sweep_measures_and_predicts_the_groups(tmp_path: Path) -> None:
+    from dbo.calibration import Calibration
+    from dbo.cli.bench.report import format_table, write_outputs
+    from dbo.cost_model import predict
+    from dbo.predicted_overlap import point_inputs
+
+    results = run_distributed(2, _grouped_sweep, str(tmp_path))
+    for rank, out in enumerate(results):
+        # fp32, each group's partial summed at the source: within rounding (1e-5, as the
+        # ungrouped SBO step above and tests/moe/test_combine_groups.py).
+        assert out["error"] <= 1e-5, (rank, out["error"])
+        assert out["calls_off"] == 0 and out["overlap"] == "sbo", (rank, out)
+        assert out["calls_sbo"] == [2, 2], (rank, out)  # 2 MoE layers, 2 groups each
+    point = results[0]["point"]
+    measured = point.measured_point
+    assert (measured.sbo_groups, measured.sbo_chunks) == (2, 1)
+    # The point's SBO prediction is the cost model's grouped term on its measured phases
+    # (the same inputs, so equal but for the order of float operations).
+    cal = Calibration()
+    split = dict(split_compute=point.t_split_ms) if point.t_split_ms else {}
+    inputs = point_inputs(dataclasses.replace(measured, **split), cal)
+    assert point.t_sbo_pred_ms == pytest.approx(predict(*inputs, cal,
+                                                        sbo_groups=2).times_ms["sbo"])
+    result = results[0]["result"]
+    files = write_outputs(result)  # the calibration file keeps the point's groups
+    assert Calibration.load(files["calibration"]).points[0].sbo_groups == 2
+    assert json.loads(Path(files["json"]).read_text())["config"]["combine_groups"] == 2
+    table = format_table(result)
+    assert "a2a_ll: the experts in 2 expert groups over every row, each group's combine " \
+           "under the next group's experts" in table

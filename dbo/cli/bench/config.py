@@ -211,6 +211,11 @@ class BenchConfig(SweepJob):
     """SBO steps of `a2a_ll`: the combine in this many chunks, each sent under the next
     chunk's experts (`A2ALLOptions.combine_chunks`); at most the smallest point's tokens
     (requests in decode mode), the capacity of its no-overlap model."""
+    combine_groups: int = 1
+    """SBO steps of `a2a_ll`: the experts in this many groups of each rank's experts, each
+    over every received row, each group's combine sent under the next group's experts
+    (`A2ALLOptions.combine_groups`); at most the experts each rank holds; exclusive with
+    `combine_chunks` > 1."""
     gemm_sm_carveout: int = DBOConfig().gemm_sm_carveout or 0
     """SMs that torch's GEMMs leave to the comm kernels in DBO steps and in the probe's
     `both` (`DBOConfig.gemm_sm_carveout`); 0: every SM."""
@@ -261,6 +266,7 @@ class BenchConfig(SweepJob):
             raise ValueError(f"combine_chunks={self.combine_chunks!r} must be an int from 1 to "
                              f"the smallest point's {min(self.tokens)} tokens per rank (each "
                              f"chunk takes one slot row per rank): lower --combine-chunks")
+        self._check_combine_groups()
         if self.mode == "model" and self.requests > min(self.tokens):
             raise ValueError(f"requests={self.requests} per rank exceeds the smallest token "
                              f"count {min(self.tokens)}: every request needs a token; lower "
@@ -275,6 +281,36 @@ class BenchConfig(SweepJob):
                              f"regime=regime_label('cuda', p2p_disabled=...)")
         if self.cuda_graph:
             self._check_cuda_graph()
+
+    def _check_combine_groups(self) -> None:
+        groups = self.combine_groups
+        if not _is_int(groups) or groups < 1:
+            raise ValueError(f"combine_groups={groups!r} must be an int >= 1 (1: the experts "
+                             f"whole; --combine-groups N)")
+        if groups > 1 and self.combine_chunks > 1:
+            raise ValueError(f"combine_chunks={self.combine_chunks} and combine_groups="
+                             f"{groups}: an SBO step chunks its combine by rows or by expert "
+                             f"group, not both; drop --combine-chunks or --combine-groups")
+        if self.experts_per_rank is not None:
+            self.check_combine_groups_fit(self.experts_per_rank)
+
+    def check_combine_groups_fit(self, experts_per_rank: int) -> None:
+        """ValueError where `combine_groups` exceeds the experts each rank holds (known
+        once the world size is: `resolve_num_experts`)."""
+        if self.combine_groups > experts_per_rank:
+            raise ValueError(f"combine_groups={self.combine_groups} exceeds the "
+                             f"{experts_per_rank} experts each rank holds: a group holds at "
+                             f"least one expert; lower --combine-groups")
+
+    def sbo_form(self) -> str:
+        """How an SBO step overlaps its combine, in words (the table)."""
+        if self.combine_groups > 1:
+            return (f"a2a_ll: the experts in {self.combine_groups} expert groups over every "
+                    f"row, each group's combine under the next group's experts")
+        if self.combine_chunks > 1:
+            return (f"a2a_ll: the combine in {self.combine_chunks} row chunks, each under "
+                    f"the next chunk's experts, own rows under the last")
+        return "own rows under the combine"
 
     def _check_cuda_graph(self) -> None:
         if self.device != "cuda":
@@ -345,7 +381,7 @@ class BenchConfig(SweepJob):
                 "context": self.context,
                 "experts": self.experts, "iters": self.iters, "warmup": self.warmup,
                 "rounds": self.rounds, "split_last_combine": self.split_last_combine,
-                "combine_chunks": self.combine_chunks,
+                "combine_chunks": self.combine_chunks, "combine_groups": self.combine_groups,
                 "gemm_sm_carveout": self.gemm_sm_carveout, "cuda_graph": self.cuda_graph,
                 "overlaps": list(self.overlaps),
                 "min_gain": self.min_gain, "gate_min_tokens": self.gate_min_tokens,

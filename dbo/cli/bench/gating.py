@@ -141,7 +141,7 @@ class GatePolicy:
         if worst < self.min_trial_speedup:
             return False, (f"trial SBO {worst:.3f}x{of_trials} < {self.min_trial_speedup:.3f}x "
                            f"in a separate short run: reordering the step (shared experts "
-                           f"under the dispatch, own rows under the combine) hides less "
+                           f"under the dispatch, expert work under the combine) hides less "
                            f"than it costs")
         return True, (f"trial SBO {worst:.3f}x{of_trials} >= {self.min_trial_speedup:.3f}x "
                       f"(no split: thresholds and probe do not apply)")

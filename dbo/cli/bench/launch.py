@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--combine-chunks", type=int, default=d.combine_chunks, metavar="N",
                    help="a2a_ll in SBO steps: send the combine in N chunks, each under the "
                         "next chunk's experts (1: whole)")
+    p.add_argument("--combine-groups", type=int, default=d.combine_groups, metavar="N",
+                   help="a2a_ll in SBO steps: run each rank's experts in N groups over every "
+                        "row, each group's combine under the next group's experts (1: whole; "
+                        "not with --combine-chunks)")
     p.add_argument("--gemm-sm-carveout", type=int, default=d.gemm_sm_carveout,
                    metavar="N",
                    help="SMs that torch's GEMMs leave to the comm kernels in DBO steps and "
@@ -193,7 +197,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> BenchC
         regime=regime_label(device, p2p_disabled=p2p_disabled(env)), out_dir=args.out,
         seed=args.seed, plot=not args.no_plot, progress=not args.no_progress,
         trace=args.trace, split_last_combine=not args.no_split_combine,
-        combine_chunks=args.combine_chunks,
+        combine_chunks=args.combine_chunks, combine_groups=args.combine_groups,
         gemm_sm_carveout=args.gemm_sm_carveout, cuda_graph=args.cuda_graph,
         overlaps=(tuple(o for group in args.overlaps for o in group) if args.overlaps
                   else OVERLAPS),
@@ -217,6 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         world = world_size_of(args.world_size, cfg.device, env)
         from moe.models.presets import PRESETS
         num_experts = cfg.resolve_num_experts(world, PRESETS[cfg.preset].moe.num_experts)
+        cfg.check_combine_groups_fit(num_experts // world)
         check_bench_memory(cfg, world_size=world, num_experts=num_experts)
         for backend in cfg.backends:
             check_backend_tokens(backend, "--tokens" if cfg.mode != "decode" else "--requests",

@@ -188,13 +188,14 @@ def probe_phases(workload: Workload, *, device: torch.device,
 
 def _sbo_passes(layer: Any, world: int) -> dict[str, Any]:
     """How the layer's SBO step passes over its rows (`dbo.cost_model`): the combine
-    chunks where its backend chunks the combine, and the own rows' share (1/W) where the
-    backend splits its combine and the layer does (`moe.modular_kernel`)."""
+    chunks where its backend chunks the combine, its expert groups where it groups it,
+    and the own rows' share (1/W) where the backend splits its combine and the layer
+    does (`moe.modular_kernel`)."""
     config, backend = layer.config, layer.backend
-    chunks = backend.combine_chunks
     splits = (config.split_last_combine and world > 1
               and type(backend).own_rows is not PrepareFinalize.own_rows)
-    return {"sbo_chunks": chunks, "own_row_share": 1.0 / world if splits else 0.0}
+    return {"sbo_chunks": backend.combine_chunks, "sbo_groups": backend.combine_groups,
+            "own_row_share": 1.0 / world if splits else 0.0}
 
 
 def to_graph_mode(point: MeasuredPoint, *, compute_ms: float, comm_ms: float) -> MeasuredPoint:

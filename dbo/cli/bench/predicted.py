@@ -58,7 +58,7 @@ def attach_prediction(point: Any, measured: MeasuredPoint, calibration: Calibrat
     if point.t_split_ms:  # the probe measured the DBO step's compute alone
         measured = dataclasses.replace(measured, split_compute=point.t_split_ms)
     prediction = predict(*point_inputs(measured, calibration), calibration,
-                         sbo_chunks=measured.sbo_chunks)
+                         sbo_chunks=measured.sbo_chunks, sbo_groups=measured.sbo_groups)
     times = prediction.times_ms
     point.phase_ms = {k: getattr(measured, k)
                       for k in ("attention", "shared", "experts", "dispatch", "combine")}

@@ -157,8 +157,8 @@ def format_table(result: SweepResult) -> str:
            f"KV cache {shapes['kv_cache_gb']} GB/rank" if cfg.mode == "decode" else ""),
         "  host noDBO / host DBO: the host's time to issue one step (not waiting for the "
         "device), slowest rank",
-        "  SBO: single-batch overlap (one ubatch; shared experts under the dispatch, own "
-        "rows under the combine), SBO x = noDBO / SBO; gate: off, sbo or dbo, chosen from "
+        f"  SBO: single-batch overlap (one ubatch; shared experts under the dispatch, "
+        f"{cfg.sbo_form()}), SBO x = noDBO / SBO; gate: off, sbo or dbo, chosen from "
         "separate trials; best: the fastest of the reported times",
         f"  times in ms, median of {cfg.iters} steps after {cfg.warmup} warmup"
         + (f", median of {cfg.rounds} alternating rounds" if cfg.rounds > 1 else "")

@@ -197,12 +197,16 @@ class WorkloadFactory:
         self._inputs.clear()
 
     # --------------------------------------------------------------- internals
-    def _chunked_options(self, backend: str, chunks: int) -> Any:
-        """The options of `backend` with `chunks` combine chunks where its options take
-        them (`combine_chunks`), else None: the backend's defaults."""
+    def _sbo_options(self, backend: str, chunks: int) -> Any:
+        """The options of `backend` with `chunks` combine chunks and the config's expert
+        groups where its options take them (`combine_chunks`, `combine_groups`: a2a_ll),
+        else None: the backend's defaults."""
         options_type = backend_class(backend, self.world_size).options_type
-        takes = any(f.name == "combine_chunks" for f in dataclasses.fields(options_type))
-        return options_type(combine_chunks=chunks) if takes and chunks > 1 else None
+        fields = {f.name for f in dataclasses.fields(options_type)}
+        given = {name: value for name, value in (("combine_chunks", chunks),
+                                                 ("combine_groups", self.cfg.combine_groups))
+                 if name in fields and value > 1}
+        return options_type(**given) if given else None
 
     def _get_model(self, backend: str, capacity: Optional[int]) -> nn.Module:
         key = (backend, capacity)
@@ -217,7 +221,7 @@ class WorkloadFactory:
                                                                        capacity)
         moe = dataclasses.replace(self.base_moe, max_tokens_per_rank=capacity,
                                   backend=backend, experts=self.cfg.experts,
-                                  backend_options=self._chunked_options(backend, chunks))
+                                  backend_options=self._sbo_options(backend, chunks))
         if self.cfg.mode == "layer":
             model = LayerStack(moe, num_layers=self.num_layers,
                                attn_context=self.cfg.attn_context, group=self.group,
