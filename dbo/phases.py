@@ -4,7 +4,7 @@ combine_recv, attention, ...) that every MoE phase and the reference model open.
     with phase_scope("experts", layer=3):      # a trace range, and a note on failure
         ...
 
-A scope is a trace range when tracing is on (`traces.ranges`, named `ub<U>/L<L>/<phase>`),
+A scope is a trace range when tracing is on (`dbo.ranges`, named `ub<U>/L<L>/<phase>`),
 and an exception that leaves it gets a note `[dbo] rank R, ubatch U, layer L, phase P`
 (the innermost scope wins) and the attributes `dbo_rank`, `dbo_layer`, `dbo_phase`
 (`dbo.failures` says what the runner adds).
@@ -24,7 +24,7 @@ import greenlet
 from dbo.compiling import compiling
 from dbo.failures import add_note, this_rank
 from dbo.yield_points import dbo_current_ubatch_id
-from traces.ranges import end_phase, start_phase
+from dbo.ranges import end_phase, start_phase
 
 
 class phase_scope:  # noqa: N801 - used like a function: `with phase_scope(...)`

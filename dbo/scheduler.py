@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import greenlet
 import torch
 
-import traces.ranges as trace_ranges
+import dbo.ranges as trace_ranges
 import dbo.thread_state as tls
 from dbo.thread_state import ThreadState, ThreadStateSwitch
 from streams.standins import OpLog

@@ -211,6 +211,11 @@ REJECTED = {
                           backend="a2a_ll", max_tokens_per_rank=8,
                           backend_options=A2ALLOptions(combine_chunks=9)), ValueError,
         "A2ALLOptions.combine_chunks=9 exceeds MoEConfig.max_tokens_per_rank=8"),
+    "more combine groups than experts, or both groups and chunks": (
+        lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                          backend="a2a_ll", max_tokens_per_rank=8,
+                          backend_options=A2ALLOptions(combine_groups=5)), ValueError,
+        "A2ALLOptions.combine_groups=5 exceeds MoEConfig.num_experts=4"),
     "unknown `deepep_v2` mode": (
         lambda: DeepEPV2Options(mode="eager"), ValueError,
         "DeepEPV2Options.mode='eager' is not a deepep_v2 mode"),

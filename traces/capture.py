@@ -6,7 +6,7 @@ writes `<name>.json` (a Chrome trace: open it in Perfetto), `<name>_analysis.jso
 `<name>_timeline.png`, and returns a `Capture` with the parsed trace and the report.
 The trace is rewritten so that the ubatches' phase ranges nest (`traces.perfetto`).
 Phase labels (`ub0/L3/dispatch_send`, ...) are `record_function` ranges opened through
-`traces.ranges`; each step is labelled `step/N` so the analyzer can bound its window.
+`dbo.ranges`; each step is labelled `step/N` so the analyzer can bound its window.
 
 Ranks that capture together pass `align` (e.g. a device sync and a barrier over the
 group): it runs once the profiler has started, before the first step, and again after
@@ -25,10 +25,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from dbo import TraceConfig, configure, current_config, label_range, step_name
 from traces.analyze import Report, analyze
 from traces.model import Label, Trace
 from traces.perfetto import rewrite_chrome_trace
-from traces.ranges import TraceConfig, configure, current_config, label_range, step_name
 from traces.readers import read_chrome_trace
 from traces.timeline import draw_timeline
 

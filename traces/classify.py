@@ -11,7 +11,7 @@ thread), else open at its midpoint on its stream (device-side labels). "Latest s
 is exact when the running ubatch opened a range after it was switched in: ranges the other
 ubatch left open across its yield started earlier. It is wrong for kernels a ubatch
 launches outside any of its own ranges while the other ubatch has one open; a scheduler
-that opens a ``ub<n>/run`` range per switch-in (``traces.ranges.start_phase("run", ...)``)
+that opens a ``ub<n>/run`` range per switch-in (``dbo.ranges.start_phase("run", ...)``)
 makes it exact. Kineto's own device-side annotations come from a per-thread correlation
 stack and can be wrong in the same way.
 """

@@ -1,6 +1,6 @@
 """The normalized trace form shared by the readers, the analyzer and the timeline.
 
-Times are microseconds on the trace's own clock. Label names follow ``traces.ranges``:
+Times are microseconds on the trace's own clock. Label names follow ``dbo.ranges``:
 ``ub<ubatch>/L<layer>/<phase>``.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Sources:
 - torch.profiler (Kineto) Chrome JSON (``.json`` or ``.json.gz``): GPU events have
   ``pid`` = device and ``tid`` = stream (CUPTI's stream id, not PyTorch's); ``ts``/``dur``
   are microseconds. Labels come from ``gpu_user_annotation`` (device-side spans) and
-  ``user_annotation`` (CPU-side spans, e.g. ``record_function`` / ``traces.ranges``).
+  ``user_annotation`` (CPU-side spans, e.g. ``record_function`` / ``dbo.ranges``).
 - Nsight Systems SQLite (``nsys export --type sqlite``): ``CUPTI_ACTIVITY_KIND_KERNEL``
   (+ ``MEMCPY``/``MEMSET`` when present), ``NVTX_EVENTS`` ranges, ``StringIds``; times in ns.
 

@@ -264,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"dbo: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     if os.environ.get("DBO_NVTX") == "1":  # the CLI is the one place env vars are read
-        from traces.ranges import TraceConfig, configure
+        from dbo import TraceConfig, configure
         configure(TraceConfig(nvtx=True))
     quiet_profiler_logs()
     module = importlib.import_module(COMMANDS[name][0])

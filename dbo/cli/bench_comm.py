@@ -130,8 +130,7 @@ def check_named_backends(names: Sequence[str], world_size: int) -> None:
     `dbo.cli.check_backend_runs`, DeepEP's raw calls through the DeepEP backends' check.
     Without --backends every one is tried, and one that cannot run is skipped with the
     reason."""
-    from moe.backends import backend_class
-    from moe.backends.deepep_support import require_deep_ep
+    from moe.backends import backend_class, require_deep_ep
     from moe.bench.comm_engines import RAW_DEEPEP, check_timed
 
     for name in names:

@@ -31,13 +31,9 @@ import time
 
 import greenlet
 
+from dbo import (UBatchScheduler, dbo_yield, dbo_yield_and_switch_from_comm_to_compute,
+                 dbo_yield_and_switch_from_compute_to_comm)
 from dbo.cli import Parser, check_int_option
-from dbo.scheduler import UBatchScheduler
-from dbo.yield_points import (
-    dbo_yield,
-    dbo_yield_and_switch_from_comm_to_compute,
-    dbo_yield_and_switch_from_compute_to_comm,
-)
 
 
 def time_greenlet(num_yields: int, *, with_streams: bool = True) -> float:

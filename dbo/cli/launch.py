@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dbo.groups import destroy_group
+from dbo import destroy_group
 from moe.bench.timing import barrier
 
 DEFAULT_CPU_RANKS = 2

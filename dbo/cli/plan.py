@@ -24,9 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from dbo.calibration import Calibration
+from dbo import MODES, Calibration, Prediction, predict
 from dbo.cli import Parser, check_out_dir
-from dbo.cost_model import MODES, Prediction, predict
 from dbo.cli.plan_measured import measured_scale
 from dbo.cli.plan_model import Cluster, check_expert_split, comm_time, step_inputs
 
@@ -78,7 +77,7 @@ examples:
 
 def build_parser() -> Parser:
     from dbo.cli.bench.config import BENCH_BACKENDS
-    from moe.models.presets import PRESETS
+    from moe.models import PRESETS
 
     p = Parser("dbo plan", description=DESCRIPTION, epilog=EXAMPLES)
     p.add_argument("--preset", choices=list(PRESETS), default="deepseek-v3-like",
@@ -265,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError(f"--backend {args.backend} picks the --calibration file's measured "
                              f"points of that backend, and there is no --calibration: add "
                              f"--calibration FILE, or drop --backend")
-        from moe.models.presets import get_preset  # noqa: PLC0415
+        from moe.models import get_preset  # noqa: PLC0415
 
         model = get_preset(args.preset)
         check_expert_split(model.moe.num_experts, args.ep, redundant=args.redundant_experts)

@@ -27,9 +27,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from dbo.calibration import Calibration, MeasuredPoint
+from dbo import Calibration, MeasuredPoint, PhaseTimes
 from dbo.cli.plan_model import Cluster, step_inputs
-from dbo.cost_model import PhaseTimes
 
 __all__ = ["MeasuredScale", "measured_scale"]
 

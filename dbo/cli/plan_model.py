@@ -24,9 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dbo.calibration import Calibration
-from dbo.cost_model import PhaseTimes, StepShape
-from moe.models.presets import ModelConfig
+from dbo import Calibration, PhaseTimes, StepShape
+from moe.models import ModelConfig
 
 __all__ = ["Cluster", "check_expert_split", "comm_time", "step_inputs"]
 

@@ -11,12 +11,11 @@ from dbo.cli import (check_backend_runs, check_backend_tokens,
                      check_fits_memory, check_graph_backends, check_out_dir)
 from dbo.cli.job_base import ModelJob
 from dbo.cli.run_hf import check_hf_options, hf_label, hf_model_config
-from moe.backends import BACKENDS as MOE_BACKENDS, backends_with
-from moe.backends.registry import (AUTO, DEFAULT_BACKEND, DEFAULT_GRAPH_BACKEND,
-                                   SINGLE_RANK_BACKEND)
+from moe.backends import (AUTO, BACKENDS as MOE_BACKENDS, DEFAULT_BACKEND,
+                          DEFAULT_GRAPH_BACKEND, SINGLE_RANK_BACKEND, UNTESTED_BACKENDS,
+                          backends_with)
 from moe.experts import EXPERTS as EXPERT_KERNELS
-from moe.models.presets import PRESETS
-from moe.backends import UNTESTED_BACKENDS
+from moe.models import PRESETS
 
 # The backends `dbo run` offers: every registered one (not deepep_v2, never run against
 # its library).
@@ -177,7 +176,7 @@ def check_run_memory(job: RunConfig, config: Any, world_size: int) -> None:
     with --decode-steps, the two KV caches (DBO off and on) of the prefill's tokens and
     of every decode step's. A --hf / --hf-config model: its logits [T, V] and four hidden
     rows per token (bf16 on GPUs, fp32 on CPU)."""
-    from moe.models.presets import estimate_param_bytes
+    from moe.models import estimate_param_bytes
 
     if job.hf is not None or job.hf_config is not None:
         size = 2 if torch.cuda.is_available() else 4
@@ -212,7 +211,7 @@ def model_config(job: RunConfig, world_size: int) -> Any:
     """The preset's `ModelConfig` with the job's overrides for a group of `world_size`
     ranks. ValueError (with the fix) where the preset cannot run that way, e.g. experts
     that do not split over the ranks: call it before starting them."""
-    from moe.models.transformer import get_preset
+    from moe.models import get_preset
 
     if job.hf is not None or job.hf_config is not None:
         return hf_model_config(job, world_size)

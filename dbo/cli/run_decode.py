@@ -18,9 +18,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dbo.runner import DBORunner
-from moe.models.kv_cache import KVCache, with_cache_split
-from moe.routing_log import record_routing, routing_ties
+from dbo import DBORunner
+from moe import record_routing, routing_ties
+from moe.models import KVCache, with_cache_split
 
 
 @dataclass(frozen=True)

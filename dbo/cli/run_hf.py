@@ -26,8 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from dbo.config import DBOConfig
-from dbo.runner import DBORunner
+from dbo import DBOConfig, DBORunner
 
 __all__ = ["LogitsOnly", "build_hf", "hf_model_config", "hf_label"]
 
@@ -64,9 +63,9 @@ def hf_model_config(job: Any, world_size: int) -> Any:
     """The transformers config the job runs, checked as every rank would (architecture,
     experts over the ranks, a checkpoint's index or safetensors headers); ValueError with
     the fix. Reads config.json of --hf and where its tensors are, not the tensors."""
-    from moe.hf.named import expert_sizes
+    from moe.hf import expert_sizes
     if job.hf is not None:
-        from moe.hf.folder import read_config, tensor_files
+        from moe.hf import read_config, tensor_files
         # The folder's own code runs only with --trust-remote-code; without it a folder
         # that names some is refused, rather than silently run as transformers' class.
         config = read_config(job.hf, where="--hf", trust_remote_code=job.trust_remote_code,
@@ -90,7 +89,7 @@ def _named_config(job: Any) -> Any:
     """The config of --hf-config NAME: a tiny random model of a hand-mapped architecture or
     of any MoE model type of the installed transformers, or real shapes (then --layers is
     needed: a whole real model is not what a run job builds by accident)."""
-    from moe.hf.named import REAL_SHAPES, TINY_SIZES, is_named, named_config, unknown_name
+    from moe.hf import REAL_SHAPES, TINY_SIZES, is_named, named_config, unknown_name
     name = job.hf_config
     if name not in TINY_SIZES and not is_named(name):
         raise ValueError(unknown_name(name, option="--hf-config"))
@@ -108,8 +107,7 @@ def build_hf(ctx: Any, job: Any, *, backend: str, tokens: int,
     gets, the same on every rank)."""
     import moe.hf
     from moe.backends import backend_class
-    from moe.hf.block import converted_experts
-    from moe.hf.tiny import tiny_model
+    from moe.hf import converted_experts, tiny_model
 
     num_seqs = job.requests
     seq_len = max(1, tokens // num_seqs)

@@ -42,6 +42,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dbo import DBOConfig, DBORunner, GraphedRunner, capture_graph
 from dbo.cli import Parser
 from dbo.cli.bench.config import NVLINK_REGIME, regime_label
 from dbo.cli.bench.ranks import p2p_disabled
@@ -50,13 +51,9 @@ from dbo.cli.run_decode import decode_summary, print_decode, run_decode_steps, t
 from dbo.cli.run_hf import build_hf
 from dbo.cli.run_config import (BACKENDS, EXPERTS, PROFILERS, RunConfig, check_job_runs,
                                 model_config, run_backend, run_defaults, tokens_for_rank)
-from dbo.config import DBOConfig
-from dbo.graphs import GraphedRunner, capture_graph
-from dbo.runner import DBORunner
-from moe.hf.named import REAL_SHAPES
-from moe.hf.tiny import TINY_SIZES
-from moe.models.presets import PRESETS
-from moe.routing_log import record_routing, routing_ties, spread_in_requests
+from moe import record_routing, routing_ties, spread_in_requests
+from moe.hf import REAL_SHAPES, TINY_SIZES
+from moe.models import PRESETS
 from traces.capture import capture, phase_order
 
 DESCRIPTION = """\
@@ -118,7 +115,7 @@ class RankSetup:
 def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
     """Build the preset model (same global weights on every rank), this rank's batch
     and a DBORunner voting over all ranks."""
-    from moe.models.transformer import MoETransformer, make_batch
+    from moe.models import MoETransformer, make_batch
 
     if job.cuda_graph and ctx.device.type != "cuda":
         raise ValueError(f"--cuda-graph needs CUDA GPUs; this rank runs on {ctx.device}")

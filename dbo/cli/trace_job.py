@@ -37,13 +37,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from traces.alignment import capture_windows
-from traces.capture import Capture, capture
-from traces.intervals import Span
+from dbo import TraceConfig, configure, current_config, label_range, step_name
 from dbo.cli.launch import RankContext, align_ranks, launch
 from dbo.cli.run_config import RunConfig
 from dbo.cli.run_job import build_parser, parse_job, setup_rank
-from traces.ranges import TraceConfig, configure, current_config, label_range, step_name
+from traces.alignment import capture_windows
+from traces.capture import Capture, capture
+from traces.intervals import Span
 
 # Three warm-up steps: the first compiles and autotunes the kernels of each ubatch's
 # shapes. On 2x H200 (deepseek-v3-like, 2 layers, 4096 tokens; before the ranks met at a

@@ -22,20 +22,26 @@ and its requirements (`check_runs`, `check_shape`, `check_max_tokens`, `row_dtyp
 (`DEFAULT_BACKEND`, ...) are `moe.backends.registry`'s.
 
 Modules are imported when their backend is first asked for, so an optional engine's
-import cost (or absence) never touches the others.
+import cost (or absence) never touches the others. The tools import from here only
+(`__all__`, tests/test_layers.py): NVSHMEM's one owner (`check_one_process`,
+`claim_nvshmem`) is re-exported, and DeepEP's helpers (`require_deep_ep`,
+`destroy_buffers`) lazily, so that `moe.backends.deepep_support` is imported on first use
+like the DeepEP backends themselves.
 """
 from __future__ import annotations
 
-from typing import Optional
+import importlib
+from typing import Any, Optional
 
 import torch.distributed as dist
 
 from dbo.agreement import agree_before_building
 from dbo.failures import check_group_usable
 from moe.backends.base import Dispatched, Pending, PrepareFinalize
+from moe.backends.nvshmem_owner import check_one_process, claim_nvshmem
 from moe.backends.traits import TRAITS, BackendTraits, backend_traits, backends_with
 from moe.backend_options import BackendOptions, NoOptions
-from moe.backends.registry import (BACKENDS, COMPARED_BACKENDS, DEFAULT_BACKEND,
+from moe.backends.registry import (AUTO, BACKENDS, COMPARED_BACKENDS, DEFAULT_BACKEND,
                                    DEFAULT_GRAPH_BACKEND, SINGLE_RANK_BACKEND,
                                    UNTESTED_BACKENDS, backend_class, resolve_backend_name)
 from moe.config import MoEConfig
@@ -64,8 +70,23 @@ def make_backend(config: MoEConfig, group: Optional[dist.ProcessGroup]) -> Prepa
     return cls(config, group)
 
 
-__all__ = ["BACKENDS", "COMPARED_BACKENDS", "DEFAULT_BACKEND", "DEFAULT_GRAPH_BACKEND",
+# Re-exported on first use ("module:attribute"): importing their module registers DeepEP's
+# buffer teardown with `dbo.groups`, which a process without DeepEP backends never needs.
+_LAZY = {"destroy_buffers": "moe.backends.deepep_support:destroy_buffers",
+         "require_deep_ep": "moe.backends.deepep_support:require_deep_ep"}
+
+
+def __getattr__(name: str) -> Any:
+    """The lazily re-exported names of `_LAZY`, imported on first use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module_name, _, attribute = _LAZY[name].partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+__all__ = ["AUTO", "BACKENDS", "COMPARED_BACKENDS", "DEFAULT_BACKEND", "DEFAULT_GRAPH_BACKEND",
            "SINGLE_RANK_BACKEND", "TRAITS", "UNTESTED_BACKENDS", "BackendOptions",
            "BackendTraits", "Dispatched", "NoOptions", "Pending", "PrepareFinalize",
-           "backend_class", "backend_traits", "backends_with", "make_backend",
+           "backend_class", "backend_traits", "backends_with", "check_one_process",
+           "claim_nvshmem", "destroy_buffers", "make_backend", "require_deep_ep",
            "resolve_backend_name"]

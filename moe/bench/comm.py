@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from moe.backends.nvshmem_owner import check_one_process
+from moe.backends import check_one_process
 from moe.bench.comm_engines import Engine, Shapes, bench_names, make_source
 from moe.bench.comm_metrics import (ROUTINGS, CommKernels, algbw_gbps, comm_kernel_sms,
                                     expert_slots, make_routing, make_tokens, rows_to_ranks)

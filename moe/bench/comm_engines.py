@@ -95,7 +95,7 @@ class BackendEngine:
 
     def __init__(self, backend: Any, x_TH: Tensor, topk_weights_TK: Tensor,
                  topk_ids_TK: Tensor) -> None:
-        from moe.workspace import Workspace
+        from moe import Workspace
 
         check_timed(type(backend))
         self.backend = backend
@@ -128,8 +128,8 @@ class BackendSource:
         self.group = group
 
     def bind(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor) -> Engine:
+        from moe import MoEConfig
         from moe.backends import make_backend
-        from moe.config import MoEConfig
 
         s = self.shapes
         config = MoEConfig(num_experts=s.num_experts, top_k=s.top_k, hidden_size=s.hidden,

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe.backends.deepep_support import require_deep_ep
+from moe.backends import require_deep_ep
 
 LL_MAX_TOKENS = 256
 """Most tokens per rank of `deepep_raw_ll`. Its `Buffer.low_latency_*` assert
@@ -116,7 +116,7 @@ class DeepEPRawSource:
         if self.buffer is not None:
             return self.buffer
         if self.low_latency:
-            from moe.backends.nvshmem_owner import claim_nvshmem
+            from moe.backends import claim_nvshmem
 
             claim_nvshmem(self.name)  # refused after symm_mem, before anything is made
         Buffer, world = self.deep_ep.Buffer, dist.get_world_size(self.group)

@@ -142,7 +142,7 @@ def capture_layers(engine: Engine, *, layers: int, device: torch.device) -> Laye
     """Capture `layers` dispatch + combine pairs of `engine` in one CUDA graph (module doc;
     every rank at once: the capture itself issues no collective). RuntimeError where the
     engine cannot be captured."""
-    from dbo.graphs import capture_graph
+    from dbo import capture_graph
 
     # external=True: recorded by the replay as graph nodes, so they time inside it.
     marks = [torch.cuda.Event(enable_timing=True, external=True)

@@ -266,7 +266,7 @@ def make_path(
     """A skipped Point, or the path made ready to time. Here one call compiles /
     autotunes, keeps its output (on the CPU) for the error column, and takes the peak
     with only this path's buffers alive."""
-    from moe.workspace import Workspace
+    from moe import Workspace
 
     skipped = Point(problem.shape, problem.tokens, path, None, None, None, problem.min_gb)
     if path == "reference" and args.ref_max_tokens and problem.tokens > args.ref_max_tokens:
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "points": [asdict(p) for p in points],
     }
     if "triton" in args.paths and device.type == "cuda":
-        from moe.kernels.fused_moe.tiles import tuned_configs
+        from moe.kernels.fused_moe import tuned_configs
 
         record["triton_configs"] = tuned_configs()
     print(table)

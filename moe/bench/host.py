@@ -75,11 +75,11 @@ def host_us(fn: Callable[[], object], device: torch.device, reps: int) -> float:
 def measure(args: argparse.Namespace, device: torch.device
             ) -> dict[str, dict[str, list[float]]]:
     """{"fast" | "triton": {step: [median us of each round]}}."""
-    from moe.kernels.fused_moe import host as fm
-    from moe.kernels.fused_moe import rules
-    from moe.kernels.fused_moe.align_triton import align_routing_triton
-    from moe.kernels.policy import KernelPolicy
-    from moe.workspace import Workspace
+    from moe import Workspace
+    from moe.kernels import KernelPolicy
+    from moe.kernels.fused_moe import (align_routing_triton, choose_block_m, fused_moe,
+                                       gemm_tiles, kernel_launch, launch_gemm, prefer_tma,
+                                       sum_routed_rows, tma_unsupported_reason)
 
     _, inter, top_k, num_experts = SHAPES[args.shape]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
@@ -87,28 +87,28 @@ def measure(args: argparse.Namespace, device: torch.device
     w13, w2 = random_weights(args.shape, dtype, gen)
     x, weights, ids = random_tokens(args.shape, args.tokens, dtype, gen, args.ep_ranks)
     ws = Workspace()
-    fm.fused_moe(x, w13, w2, ids, weights, workspace=ws)  # compile and autotune
-    block_m = rules.choose_block_m(ids.numel(), num_experts)
+    fused_moe(x, w13, w2, ids, weights, workspace=ws)  # compile and autotune
+    block_m = choose_block_m(ids.numel(), num_experts)
     routing = align_routing_triton(ids, num_experts, block_m, workspace=ws)
     max_rows = routing.sorted_ids_P.numel()
     act = torch.zeros(max_rows, inter, dtype=dtype, device=device)
     y = torch.empty(ids.numel(), x.shape[1], dtype=dtype, device=device)
     out = torch.empty_like(x)
-    tiles = rules.gemm_tiles(block_m, gated=False, rows_per_expert=ids.numel() / num_experts)
-    tma = device.type == "cuda" and fm.tma_unsupported_reason(w13, w2, x) is None
-    gemm2 = fm.kernel_launch(act, w2, y, weights, routing, n=x.shape[1], k=inter,
-                             a_rows_div=1, a_sorted=True, tma=tma and rules.prefer_tma(inter),
-                             tiles=tiles)
+    tiles = gemm_tiles(block_m, gated=False, rows_per_expert=ids.numel() / num_experts)
+    tma = device.type == "cuda" and tma_unsupported_reason(w13, w2, x) is None
+    gemm2 = kernel_launch(act, w2, y, weights, routing, n=x.shape[1], k=inter,
+                          a_rows_div=1, a_sorted=True, tma=tma and prefer_tma(inter),
+                          tiles=tiles)
 
     def steps(compiled: bool) -> dict[str, Callable[[], object]]:
         policy = KernelPolicy(compiled_launches=compiled)
         return {
-            "fused_moe": lambda: fm.fused_moe(x, w13, w2, ids, weights, workspace=ws,
-                                              policy=policy),
+            "fused_moe": lambda: fused_moe(x, w13, w2, ids, weights, workspace=ws,
+                                           policy=policy),
             "align": lambda: align_routing_triton(ids, num_experts, block_m, workspace=ws,
                                                   compiled=compiled),
-            "gemm2_launch": lambda: fm._launch(gemm2, compiled=compiled),
-            "ksum_launch": lambda: fm.sum_routed_rows(y, ids, out, compiled=compiled),
+            "gemm2_launch": lambda: launch_gemm(gemm2, compiled=compiled),
+            "ksum_launch": lambda: sum_routed_rows(y, ids, out, compiled=compiled),
         }
 
     calls = {mode: steps(mode == "fast") for mode in MODES}

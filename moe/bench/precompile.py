@@ -22,7 +22,7 @@ def compile_one(job: tuple[tuple[Any, ...], dict[str, Any], dict[str, int]]) -> 
     """Worker: compile one candidate into Triton's cache; the error text if it fails."""
     args, flags, meta = job
     try:
-        from moe.kernels.fused_moe.gemm_triton import fused_moe_kernel
+        from moe.kernels.fused_moe import fused_moe_kernel
 
         fused_moe_kernel.warmup(*args, grid=(1,), **flags, **meta)
     except Exception as exc:  # a tile the compiler rejects is reported, not fatal

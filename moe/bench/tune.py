@@ -89,7 +89,7 @@ def candidate_tiles(
     block_ks: tuple[int, ...] = BLOCK_KS,
 ) -> list[Tile]:
     """The tile space less what does not fit (`moe.kernels.fused_moe.tiles.tile_fits`)."""
-    from moe.kernels.fused_moe.tiles import tile_fits
+    from moe.kernels.fused_moe import tile_fits
 
     return [
         Tile(block_n, block_k, DEFAULT_GROUP_M, warps, stages)
@@ -176,8 +176,8 @@ def launches(point: Point, block_m: int, variants: list[str]) -> dict[str, Any]:
     """The GEMM launches (`KernelLaunch`) of `point` with rows aligned to `block_m`, keyed
     "gemm1:<variant>" and "gemm2:<ptr|tma>" (GEMM2 always reads the sorted activation),
     plus "gather": the call that fills the sorted x of the "sorted" variant."""
-    from moe.kernels.fused_moe.align_triton import align_routing_triton as align_routing
-    from moe.kernels.fused_moe.host import gather_rows, kernel_launch
+    from moe.kernels.fused_moe import align_routing_triton as align_routing
+    from moe.kernels.fused_moe import gather_rows, kernel_launch
 
     hidden, inter, top_k, num_experts = point.dims
     routing = align_routing(point.topk_ids_NK, num_experts, block_m)
@@ -207,8 +207,7 @@ def gemm_launches(launches_: dict[str, Any]) -> dict[str, Any]:
 
 def time_launch(launch: Any, tile: Tile, reps: int) -> float:
     """Median ms of one tile after a first (compiling) launch."""
-    from moe.kernels.fused_moe.gemm_triton import fused_moe_kernel
-    from moe.kernels.fused_moe.host import use_tma_scratch
+    from moe.kernels.fused_moe import fused_moe_kernel, use_tma_scratch
 
     grid = launch.grid(tile.block_n)
     use_tma_scratch()
@@ -227,8 +226,8 @@ def time_fn(fn: Callable[[], object], device: torch.device, reps: int) -> float:
 
 def tune_point(point: Point, args: argparse.Namespace) -> list[Timing]:
     """Every candidate of both GEMMs at each BLOCK_M, then GROUP_M for the winners."""
-    from moe.kernels.fused_moe.align_triton import align_routing_triton as align_routing
-    from moe.kernels.fused_moe.host import fused_moe, sum_routed_rows
+    from moe.kernels.fused_moe import align_routing_triton as align_routing
+    from moe.kernels.fused_moe import fused_moe, sum_routed_rows
 
     hidden, inter, top_k, num_experts = point.dims
     device = point.x_NH.device
@@ -345,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
               "--dry-run lists the candidates without one", file=sys.stderr)
         return 2
 
-    from moe.kernels.fused_moe.tiles import autotune_configs
+    from moe.kernels.fused_moe import autotune_configs
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(args.seed)

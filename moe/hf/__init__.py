@@ -15,14 +15,23 @@ its experts module replaced by an `HFExperts` (`moe.hf.generic`): dispatch/combi
 the EP group and this rank's experts on the block's routing. `model.dbo_conversion_summary`
 says which block took which path; docs/hf_models.md lists the model types checked.
 transformers and safetensors are imported on first use (`pip install -e ".[hf]"`).
+The tools import the adapters from this package only (`__all__`, tests/test_layers.py).
 """
-from moe.hf.arch import ARCHITECTURES, ArchSpec
-from moe.hf.block import HFMoEBlock, expert_bytes
+from moe.hf.arch import ARCHITECTURES, ArchSpec, spec_for
+from moe.hf.block import HFMoEBlock, converted_experts, expert_bytes
 from moe.hf.convert import convert, ubatch_capacity
+from moe.hf.deps import require
+from moe.hf.folder import read_config, tensor_files
 from moe.hf.generic import HFExperts
 from moe.hf.generate import generate
+from moe.hf.kv import cache_keyword
 from moe.hf.load import load
 from moe.hf.mask import batch_attention_mask
+from moe.hf.named import REAL_SHAPES, expert_sizes, is_named, named_config, unknown_name
+from moe.hf.tiny import TINY_SIZES, tiny_config, tiny_model
 
-__all__ = ["ARCHITECTURES", "ArchSpec", "HFExperts", "HFMoEBlock", "batch_attention_mask",
-           "convert", "expert_bytes", "generate", "load", "ubatch_capacity"]
+__all__ = ["ARCHITECTURES", "ArchSpec", "HFExperts", "HFMoEBlock", "REAL_SHAPES", "TINY_SIZES",
+           "batch_attention_mask", "cache_keyword", "convert", "converted_experts",
+           "expert_bytes", "expert_sizes", "generate", "is_named", "load", "named_config",
+           "read_config", "require", "spec_for", "tensor_files", "tiny_config", "tiny_model",
+           "ubatch_capacity", "unknown_name"]

@@ -96,7 +96,8 @@ def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
             backend: str = "auto", experts: str = "auto",
             max_tokens_per_rank: Optional[int] = None,
             max_tokens_per_ubatch: Optional[int] = None,
-            conversion: str = "auto") -> nn.Module:
+            conversion: str = "auto",
+            backend_options: Optional[BackendOptions] = None) -> nn.Module:
     """Convert every MoE block of `model` (a loaded transformers model) to hold this rank's
     experts and run them over dbo's backends; return `model` (changed in place), with the
     path each block took in `model.dbo_conversion` / `model.dbo_conversion_summary`.
@@ -123,6 +124,10 @@ def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
         conversion: "auto": the fused block where `moe.hf.arch` knows the architecture and
             the block fits it, else the experts path; "experts": the experts path for
             every block.
+        backend_options: the backend's own options for every converted layer
+            (`MoEConfig.backend_options`, e.g. `A2ALLOptions(combine_groups=4)` for
+            backend a2a_ll); None: the backend's defaults. With `max_tokens_per_ubatch`
+            too, give that inside them instead (`A2ALLOptions(max_tokens_per_ubatch=)`).
 
     Raises:
         ImportError: transformers older than 5.17 (`moe.hf.deps.MIN_TRANSFORMERS`).
@@ -134,13 +139,15 @@ def convert(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
     """
     return convert_blocks(model, group=group, backend=backend, experts=experts,
                           max_tokens_per_rank=max_tokens_per_rank,
-                          max_tokens_per_ubatch=max_tokens_per_ubatch, conversion=conversion)
+                          max_tokens_per_ubatch=max_tokens_per_ubatch, conversion=conversion,
+                          backend_options=backend_options)
 
 
 def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], backend: str,
                    experts: str, max_tokens_per_rank: Optional[int],
                    max_tokens_per_ubatch: Optional[int] = None, conversion: str = "auto",
-                   plans: Optional[list[BlockPlan | ExpertsPlan]] = None) -> nn.Module:
+                   plans: Optional[list[BlockPlan | ExpertsPlan]] = None,
+                   backend_options: Optional[BackendOptions] = None) -> nn.Module:
     """`convert`; with `plans` (`plan_blocks(model, check_weights=False)`) the blocks' own
     expert tensors are not read (`moe.hf.load` builds the model with them on the meta
     device): the new blocks are built on the CPU, their experts left uninitialised
@@ -154,7 +161,7 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
     world = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     check_capacity_argument(backend, max_tokens_per_rank, world=world, where="moe.hf.convert")
-    options = ubatch_options(max_tokens_per_ubatch)
+    options = layer_options(max_tokens_per_ubatch, backend_options)
     from_blocks = plans is None
     if plans is None:
         plans = plan_blocks(model, world=world, check_weights=True, backend=backend,
@@ -197,11 +204,20 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
     return model
 
 
-def ubatch_options(max_tokens_per_ubatch: Optional[int]) -> Optional[BackendOptions]:
-    """The backend options that give each DBO ubatch `max_tokens_per_ubatch` rows of
-    capacity (`A2ALLOptions`: the backend that takes one), or None: the defaults."""
+def layer_options(max_tokens_per_ubatch: Optional[int],
+                  backend_options: Optional[BackendOptions] = None) -> Optional[BackendOptions]:
+    """Every converted layer's backend options: `backend_options` as given, or those that
+    give each DBO ubatch `max_tokens_per_ubatch` rows of capacity (`A2ALLOptions`: the
+    backend that takes one), or None: the defaults. ValueError for both at once."""
+    if backend_options is not None and not isinstance(backend_options, BackendOptions):
+        raise TypeError(f"moe.hf.convert: backend_options={backend_options!r}: pass a "
+                        f"backend's options object (e.g. A2ALLOptions(...)) or None")
     if max_tokens_per_ubatch is None:
-        return None
+        return backend_options
+    if backend_options is not None:
+        raise ValueError(f"moe.hf.convert: max_tokens_per_ubatch={max_tokens_per_ubatch} and "
+                         f"backend_options={backend_options!r}: give the ubatch capacity "
+                         f"inside the options (A2ALLOptions(max_tokens_per_ubatch=...))")
     return A2ALLOptions(max_tokens_per_ubatch=max_tokens_per_ubatch)
 
 

@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe.backend_options import BackendOptions
 from moe.hf.checkpoint import Checkpoint
-from moe.hf.convert import check_capacity_argument, convert_blocks, plan_blocks
+from moe.hf.convert import check_capacity_argument, convert_blocks, layer_options, plan_blocks
 from moe.hf.deps import require
 from moe.hf.folder import read_config, read_generation_config
 from moe.hf.rows import expert_tensor_names, fill_experts, local_rows
@@ -49,7 +50,8 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
          max_tokens_per_rank: Optional[int] = None,
          max_tokens_per_ubatch: Optional[int] = None,
          dtype: Optional[torch.dtype] = None, conversion: str = "auto",
-         trust_remote_code: bool = False) -> nn.Module:
+         trust_remote_code: bool = False,
+         backend_options: Optional[BackendOptions] = None) -> nn.Module:
     """Build the model of checkpoint directory `path`, load its weights, this rank's
     experts only, and convert it (`moe.hf.convert`). Returns the model in eval mode on
     the CPU.
@@ -57,8 +59,8 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
     Args:
         path: a directory with config.json and model.safetensors (or shards and
             model.safetensors.index.json), as `save_pretrained` writes it.
-        group, backend, experts, max_tokens_per_rank, max_tokens_per_ubatch, conversion:
-            as for `moe.hf.convert`.
+        group, backend, experts, max_tokens_per_rank, max_tokens_per_ubatch, conversion,
+        backend_options: as for `moe.hf.convert`.
         dtype: parameter dtype; None: the dtype config.json names, else float32.
         trust_remote_code: run the Python of the directory that config.json's `auto_map`
             names (it builds the model). False: transformers' own classes of its
@@ -77,6 +79,7 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
     world = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     check_capacity_argument(backend, max_tokens_per_rank, world=world, where="moe.hf.load")
+    layer_options(max_tokens_per_ubatch, backend_options)  # before reading anything
     with Checkpoint(path) as checkpoint:  # checks the directory before building anything
         config = read_config(path, trust_remote_code=trust_remote_code)
         _refuse_quantized(path, config)
@@ -104,7 +107,7 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
         convert_blocks(model, group=group, backend=backend, experts=experts,
                        max_tokens_per_rank=max_tokens_per_rank,
                        max_tokens_per_ubatch=max_tokens_per_ubatch, conversion=conversion,
-                       plans=plans)
+                       plans=plans, backend_options=backend_options)
         # After the conversion's collectives: a rank that lacks its own experts fails alone.
         read = reader.read_experts()
         fill_experts(model, plans, {plan.path: {name: read[f"{plan.path}.experts.{name}"]

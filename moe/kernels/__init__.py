@@ -10,4 +10,10 @@ they need comes as arguments (`tests/test_layers.py` holds them to it).
 
 The backends' slot and send-order kernels are in `moe.backends.kernels`, rotary in
 `moe.models.rotary`.
+
+The tools import the kernel policy from here and the fused MoE from `moe.kernels.fused_moe`
+(`__all__`, tests/test_layers.py).
 """
+from moe.kernels.policy import KernelPolicy
+
+__all__ = ["KernelPolicy"]

@@ -206,7 +206,7 @@ def test_state_restored_after_failure():
 def test_run_ranges_mark_which_ubatch_holds_the_thread(tmp_path):
     from torch.profiler import ProfilerActivity, profile
 
-    from traces.ranges import TraceConfig, configure
+    from dbo.ranges import TraceConfig, configure
     from traces.readers import read_chrome_trace
 
     configure(TraceConfig(record_function=True))

@@ -26,6 +26,7 @@ from moe.backends.registry import BACKENDS  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.hf_utils import ARCHS, assert_logits_close, batch, logits, save, tiny_model  # noqa: E402
 from tests.models.test_hf_convert import run_dbo  # noqa: E402
+from moe.hf.coverage import tiny_model as coverage_tiny_model  # noqa: E402
 
 CAPACITY_MESSAGE = "backend 'a2a_ll' needs max_tokens_per_rank"
 
@@ -162,3 +163,53 @@ def test_a2a_ll_with_a_capacity_over_two_ranks_equals_the_unconverted_model():
         assert "has 12 tokens in one model call this step (its largest ubatch" in \
             result["ubatch_over"], result["ubatch_over"]
         assert "max_tokens_per_ubatch=10" in result["ubatch_over"]
+
+
+def _sbo_groups(rank: int, world_size: int) -> dict:
+    """A tiny Qwen3-MoE (fused blocks) and OLMoE (experts path) converted with a2a_ll's
+    combine by expert group: an SBO step gives the unconverted model's logits."""
+    from moe.backends.a2a_ll import A2ALLOptions
+    from moe.hf.block import converted_experts
+    group = dbo.new_group()
+    result = {}
+    for name, make in (("qwen3_moe", lambda: tiny_model("qwen3_moe")),
+                       ("olmoe", lambda: coverage_tiny_model("olmoe", seed=5))):
+        model = make()
+        ids, mask = batch(*[(2, 6), (2, 4)][rank], seed=60 + rank)
+        expected = logits(model, ids, mask)
+        moe.hf.convert(model, group=group, backend="a2a_ll", max_tokens_per_rank=12,
+                       backend_options=A2ALLOptions(combine_groups=2))
+        result[name + "/groups"] = sorted({m.config.options.combine_groups
+                                          for m in converted_experts(model)})
+        runner = dbo.DBORunner(model, dbo.DBOConfig(overlap="sbo"), group=group)
+        with torch.no_grad():
+            out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        assert_logits_close(out, expected)
+        result[name + "/overlap"] = runner.last_decision.overlap
+    return result
+
+
+@pytest.mark.distributed
+def test_backend_options_reach_every_layer_and_sbo_by_expert_group_matches():
+    for result in run_distributed(2, _sbo_groups):
+        assert result == {"qwen3_moe/groups": [2], "qwen3_moe/overlap": "sbo",
+                          "olmoe/groups": [2], "olmoe/overlap": "sbo"}, result
+
+
+def test_backend_options_are_checked_before_anything_changes(tmp_path):
+    from moe.backends.a2a_ll import A2ALLOptions
+    model = tiny_model("qwen3_moe")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="give the ubatch capacity inside the options"):
+        moe.hf.convert(model, backend="a2a_ll", max_tokens_per_rank=8,
+                       max_tokens_per_ubatch=4, backend_options=A2ALLOptions())
+    with pytest.raises(TypeError, match="pass a backend's options object"):
+        moe.hf.convert(model, backend_options={"combine_groups": 2})
+    with pytest.raises(ValueError, match="are the options of backend 'a2a_ll', not of "
+                                         "backend 'a2a'"):
+        moe.hf.convert(model, backend="a2a", backend_options=A2ALLOptions(combine_groups=2))
+    assert _unchanged(model, before)
+    path = save(tiny_model("qwen3_moe"), tmp_path)
+    with pytest.raises(ValueError, match="give the ubatch capacity inside the options"):
+        moe.hf.load(path, backend="a2a_ll", max_tokens_per_rank=8, max_tokens_per_ubatch=4,
+                    backend_options=A2ALLOptions())

@@ -1,4 +1,4 @@
-"""Layer 1 (CPU): unit tests of traces.ranges — phase ranges that two greenlets interleave on
+"""Layer 1 (CPU): unit tests of dbo.ranges — phase ranges that two greenlets interleave on
 one thread: NVTX start/end pairing by id, torch.profiler labels in a real CPU trace, the
 trace rewritten so those ranges nest (traces.perfetto), and the off state doing nothing.
 """
@@ -16,9 +16,9 @@ import greenlet
 import pytest
 import torch
 
-from traces import ranges
+import dbo.ranges as ranges
 from traces.classify import kernel_ubatches
-from traces.ranges import (
+from dbo.ranges import (
     TraceConfig,
     configure,
     end_phase,
@@ -168,7 +168,7 @@ def test_missing_nvtx_without_cuda_logs_once(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setitem(sys.modules, "nvtx", None)  # import nvtx -> ImportError
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(ranges, "_logged", set())
-    with caplog.at_level(logging.WARNING, logger="traces.ranges"):
+    with caplog.at_level(logging.WARNING, logger="dbo.ranges"):
         configure(TraceConfig(nvtx=True))
         configure(TraceConfig(nvtx=True))
         assert start_phase("experts", ubatch_id=0) is None and not ranges.enabled()

@@ -52,10 +52,9 @@ from torch import Tensor, nn
 
 from dbo.cli.bench.timing import SpanFn, Timing, median_of_rounds, no_spans, time_steps
 from dbo.cli.bench.workload import Workload
-from moe.layer import MoELayer
-from moe.modular_kernel import sharing_sms
-from streams import gemm_carveout
-from streams.stream_set import new_comm_stream
+import streams
+from moe import MoELayer, sharing_sms
+from streams import new_comm_stream
 
 # The collectives the dispatch/combine backends (and the vote) issue.
 RECORDED_COLLECTIVES: tuple[str, ...] = (
@@ -343,7 +342,7 @@ def probe_ceiling(workload: Workload, *, device: torch.device,
     with replayed_results(recording) as drift, sharing_sms(model):
         compute = time_steps(workload.step, **timing, span=span("compute"))
         with _overlapped_comm(workload, replay, device) as both_step, \
-                gemm_carveout.gemm_sm_carveout(gemm_sm_carveout, device):
+                streams.gemm_sm_carveout(gemm_sm_carveout, device):
             both = time_steps(both_step, **timing, span=span("both"))
     log_drift("ceiling probe", drift)
     return Ceiling(compute, comm, both, recording.num_collectives, drift.calls)

@@ -70,7 +70,7 @@ class CompileBenchConfig(ToolJob):
     out_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
-        from moe.models.presets import PRESETS
+        from moe.models import PRESETS
         if self.preset not in PRESETS:
             raise ValueError(f"--preset={self.preset!r}: choose one of {sorted(PRESETS)}")
         for name in ("layers", "tokens", "requests", "iters"):

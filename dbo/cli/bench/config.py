@@ -12,11 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from dbo import DBOConfig
 from dbo.cli.job_base import ModelJob
-from dbo.config import DBOConfig
-from moe.backends import COMPARED_BACKENDS, backends_with
-from moe.backends.nvshmem_owner import check_one_process
-from moe.backends import UNTESTED_BACKENDS
+from moe.backends import COMPARED_BACKENDS, UNTESTED_BACKENDS, backends_with, check_one_process
 from moe.experts import EXPERTS
 
 MODES: tuple[str, ...] = ("layer", "model", "decode")
@@ -110,7 +108,7 @@ def requests_count(groups: Optional[list[list[int]]], *, where: str, default: in
 
 
 def known_presets() -> list[str]:
-    from moe.models.presets import PRESETS  # light: configs only
+    from moe.models import PRESETS
     return sorted(PRESETS)
 
 

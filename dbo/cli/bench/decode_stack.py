@@ -36,9 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dbo.cli.bench.layer_stack import generator, init_moe_experts, rms_norm
-from moe.config import MoEConfig
-from moe.layer import MoELayer
-from moe.models.presets import ModelConfig
+from moe import MoEConfig, MoELayer
+from moe.models import ModelConfig
 
 FIRST_REQUEST_KWARG = "first_request"
 

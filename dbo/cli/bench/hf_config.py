@@ -24,8 +24,7 @@ from dbo.cli.bench.config import (
     GRAPH_REFUSES_REFERENCE_EXPERTS,
     SweepJob,
 )
-from moe.backends import DEFAULT_BACKEND, backends_with
-from moe.backends.nvshmem_owner import check_one_process
+from moe.backends import DEFAULT_BACKEND, backends_with, check_one_process
 
 HF_BACKENDS: tuple[str, ...] = BENCH_BACKENDS
 """Backends a converted model can run (those that need a capacity get one per
@@ -112,7 +111,7 @@ class HFBenchConfig(SweepJob):
     """Decode steps over KV caches instead of prefill (`tokens` and `requests` unused)."""
 
     def __post_init__(self) -> None:
-        from moe.hf.named import is_named, unknown_name
+        from moe.hf import is_named, unknown_name
         if self.decode is not None and not isinstance(self.decode, HFDecodeOptions):
             raise TypeError(f"decode={self.decode!r} must be an HFDecodeOptions or None")
         if not is_named(self.arch):
@@ -157,7 +156,7 @@ class HFBenchConfig(SweepJob):
     def model_config(self, world_size: int) -> Any:
         """The transformers config this run builds, checked for `world_size` ranks
         (ValueError with the fix: experts not divisible by the ranks, top-k too large)."""
-        from moe.hf.named import expert_sizes, named_config
+        from moe.hf import expert_sizes, named_config
         config = named_config(self.arch, num_layers=self.layers, num_experts=self.num_experts)
         num_experts, top_k, _ = expert_sizes(config)
         if num_experts % world_size:

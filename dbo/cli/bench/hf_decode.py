@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dbo import DBOConfig, DBORunner, GraphedRunner, capture_graph
 from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, HFDecodeOptions, conversions
 from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
@@ -59,10 +60,7 @@ from dbo.cli.bench.hf_sweep import (HFPointTimes, build_model, describe_model, f
                                     free_memory, max_rel_diff, round_tag, timing_fields)
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import Timing, median_of_rounds, time_steps
-from dbo.config import DBOConfig
-from dbo.graphs import GraphedRunner, capture_graph
-from dbo.runner import DBORunner
-from moe.hf.kv import cache_keyword
+from moe.hf import cache_keyword
 
 __all__ = ["DecodeStep", "HFDecodePoint", "HFDecodeResult", "PrefixCache", "SplitCaches",
            "prefill_cache", "run_hf_decode"]
@@ -146,7 +144,7 @@ def prefill_cache(model: nn.Module, input_ids: Tensor, *,
                   chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> Any:
     """A `DynamicCache` of `input_ids` [R, C] (no padding), filled by `model` in calls of
     about `chunk_tokens` tokens (whole requests), untimed; the logits are dropped."""
-    from moe.hf.deps import require
+    from moe.hf import require
     transformers = require("transformers")
     keyword = cache_keyword(model)
     num_requests, context = input_ids.shape

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from dbo import capture_graph
 from dbo.cli.bench.hf_config import HFBenchConfig
 from dbo.cli.bench.timing import Timing, gather_floats, median_of_rounds, time_steps
-from dbo.graphs import capture_graph
 
 __all__ = ["GRAPH_WARMUP", "MASK_FREE_SDPA", "UnconvertedTimes", "graphed_unconverted",
            "replayed", "use_mask_free_sdpa"]
@@ -100,7 +100,7 @@ def use_mask_free_sdpa(model: nn.Module) -> None:
     transformers builds no mask, eagerly or in a capture. Correct only for calls that
     need no mask: no padding, and one query per sequence (decode) or a prefill from an
     empty cache (sdpa's is_causal), as the bench's prefill and decode calls are."""
-    from moe.hf.deps import require
+    from moe.hf import require
     transformers = require("transformers")
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     transformers.AttentionInterface.register(MASK_FREE_SDPA, sdpa_attention_forward)

@@ -26,13 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dbo import DBORunner, GraphedRunner
 from dbo.cli.bench.ceiling import Ceiling, probe_ceiling, probe_split_compute
 from dbo.cli.bench.point import efficiency
 from dbo.cli.bench.probe_scope import probe_scope
 from dbo.cli.bench.timing import Timing
 from dbo.cli.bench.workload import Workload
-from dbo.graphs import GraphedRunner
-from dbo.runner import DBORunner
 
 __all__ = ["HFProbe", "PROBE_NA_CPU", "PROBE_NO_FIGURES", "probe_hf_point"]
 

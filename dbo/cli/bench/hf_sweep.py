@@ -45,16 +45,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dbo import DBOConfig, DBORunner, GraphedRunner, capture_graph
 from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, conversions
+from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
+                                     replayed, use_mask_free_sdpa)
 from dbo.cli.bench.hf_probe import HFProbe, probe_hf_point, skipped
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import (Timing, gather_floats, host_bound, median_of_rounds, rate,
                                   time_steps)
-from dbo.config import DBOConfig
-from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
-                                     replayed, use_mask_free_sdpa)
-from dbo.graphs import GraphedRunner, capture_graph
-from dbo.runner import DBORunner
 
 __all__ = ["HFPoint", "HFPointTimes", "HFSweepResult", "build_model", "describe_model",
            "max_rel_diff", "run_hf_sweep", "timing_fields"]
@@ -245,9 +243,7 @@ def build_model(cfg: HFBenchConfig, config: Any, *, device: torch.device,
     Where the steps are graphed (`cfg.cuda_graph`) it attends through
     `hf_graphs.use_mask_free_sdpa`, so that a captured step builds no attention mask where
     the eager one builds none (the bench's calls have no padding)."""
-    from moe.hf.deps import require
-    from moe.hf.named import REAL_SHAPES
-    from moe.hf.tiny import tiny_model
+    from moe.hf import REAL_SHAPES, require, tiny_model
     if cfg.arch not in REAL_SHAPES:
         model = tiny_model(config, seed=cfg.seed).to(device=device, dtype=dtype)
     else:
@@ -274,7 +270,7 @@ def _batch(cfg: HFBenchConfig, tokens: int, vocab: int, *, rank: int,
 def largest_ubatch(cfg: HFBenchConfig, tokens: int) -> int:
     """Rows of the larger ubatch of a DBO step at `tokens` per rank: the "batch" split
     gives it ceil(B / 2) of the B sequences (`moe.hf.ubatch_capacity`)."""
-    from moe.hf.convert import ubatch_capacity
+    from moe.hf import ubatch_capacity
     return ubatch_capacity(cfg.requests, tokens // cfg.requests)
 
 
@@ -337,7 +333,7 @@ def timing_fields(hf: Timing, offs: list[Timing], ons: list[Timing], *, total_to
 
 def describe_model(model: nn.Module, config: Any, *, world: int,
                    dtype: torch.dtype) -> dict[str, Any]:
-    from moe.hf.named import expert_sizes
+    from moe.hf import expert_sizes
     num_experts, top_k, width = expert_sizes(config)
     return {"model_type": config.model_type, "hidden_size": config.hidden_size,
             "num_experts": num_experts, "experts_per_rank": num_experts // world,

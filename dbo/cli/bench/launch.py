@@ -219,7 +219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = config_from_args(args, env)
         check_out_dir("--out", cfg.out_dir)
         world = world_size_of(args.world_size, cfg.device, env)
-        from moe.models.presets import PRESETS
+        from moe.models import PRESETS
         num_experts = cfg.resolve_num_experts(world, PRESETS[cfg.preset].moe.num_experts)
         cfg.check_combine_groups_fit(num_experts // world)
         check_bench_memory(cfg, world_size=world, num_experts=num_experts)
@@ -248,7 +248,7 @@ def check_bench_memory(cfg: BenchConfig, *, world_size: int, num_experts: int) -
     mode: with its request's keys and values [Nk, context, D])."""
     from dbo.cli.bench.workload import DEFAULT_LAYERS
     from dbo.cli.run_config import step_bytes_per_token
-    from moe.models.presets import estimate_param_bytes, get_preset
+    from moe.models import estimate_param_bytes, get_preset
 
     preset = get_preset(cfg.preset, num_experts=num_experts)
     size, moe = preset.dtype.itemsize, preset.moe

@@ -30,8 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.config import MoEConfig
-from moe.layer import MoELayer
+from moe import MoEConfig, MoELayer
 
 
 class AttentionStandin(nn.Module):

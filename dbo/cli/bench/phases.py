@@ -40,12 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dbo.calibration import MeasuredPoint
+from dbo import MeasuredPoint
 from dbo.cli.bench.ceiling import (CommRecording, CommReplay, log_drift, moe_layers,
                                    record_collectives, replayed_results)
 from dbo.cli.bench.timing import gather_floats, time_steps
 from dbo.cli.bench.workload import Workload
-from moe.backends.base import PrepareFinalize
+from moe.backends import PrepareFinalize
 from moe.bench.timing import barrier
 
 __all__ = ["probe_phases", "split_recording", "step_is_decode", "to_graph_mode"]

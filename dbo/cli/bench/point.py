@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from dbo.calibration import MeasuredPoint
+from dbo import MeasuredPoint
 from dbo.cli.bench.ceiling import Ceiling, median_ceiling
 from dbo.cli.bench.config import BenchConfig
 from dbo.cli.bench.predicted import PREDICTION_NOTE

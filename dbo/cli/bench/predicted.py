@@ -24,10 +24,8 @@ from typing import Any, Optional
 
 import torch
 
-from dbo.calibration import Calibration, MeasuredPoint
+from dbo import Calibration, MeasuredPoint, OverlapPredictor, Prediction, point_inputs, predict
 from dbo.cli.bench.config import EMULATED_REGIME, NVLINK_REGIME
-from dbo.cost_model import Prediction, predict
-from dbo.predicted_overlap import OverlapPredictor, point_inputs
 
 CALIBRATION_FILE = "calibration.json"
 PREDICTION_NOTE = ("pred: the cost model (dbo.cost_model) on this point's measured phase "

@@ -22,11 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from dbo import collect_sbo_blocker
 from dbo.cli.bench.config import BenchConfig
 from dbo.cli.bench.gating import GateChoice, GateDecision, GatePolicy
 from dbo.cli.bench.timing import SpanFn, Timing, median_of_rounds, rate, time_steps
 from dbo.cli.bench.workload import WorkloadFactory
-from dbo.overlap import collect_sbo_blocker
 
 SBO_SKIPPED = "not timed (--overlaps without sbo)"
 DBO_SKIPPED = "not timed (--overlaps without dbo)"

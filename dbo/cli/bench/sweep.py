@@ -42,9 +42,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dbo import Calibration, MeasuredPoint
 from dbo.cli.bench.ceiling import moe_layers, probe_ceiling, probe_split_compute
 from dbo.cli.bench.config import BenchConfig
-from dbo.calibration import Calibration, MeasuredPoint
 from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.phases import probe_phases, step_is_decode, to_graph_mode
 from dbo.cli.bench.point import Point, Round, add_rounds, make_point

@@ -27,8 +27,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dbo.cost_model import HOST_BOUND_SHARE
-from dbo.graphs import capture_graph
+from dbo import HOST_BOUND_SHARE, capture_graph
 from moe.bench.timing import barrier
 
 

@@ -35,18 +35,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dbo import DBOConfig, DBORunner, GraphedRunner, decided_step, plan_split, plan_token_split
 from dbo.cli.bench.config import BENCH_BACKENDS, BenchConfig
 from dbo.cli.bench.decode_stack import (DecodeStack, SplitRequests, describe_decode,
                                         make_kv_caches, ubatch_requests)
 from dbo.cli.bench.layer_stack import LayerStack, layer_moe_config, make_input
 from dbo.cli.bench.timing import gather_floats
-from dbo.config import DBOConfig
-from dbo.graphs import GraphedRunner, decided_step
-from dbo.runner import DBORunner
-from dbo.split import plan_split, plan_token_split
+from moe import MoEConfig
 from moe.backends import backend_class, backend_traits, backends_with
-from moe.config import MoEConfig
-from moe.models.presets import get_preset
+from moe.models import get_preset
 
 #: Backends that the bench gives a capacity per point, DBO's per ubatch: those whose work
 #: grows with it (the trait `pads_to_capacity`).
@@ -284,7 +281,7 @@ class WorkloadFactory:
 
 def _import_model() -> tuple[Any, Any]:
     try:
-        from moe.models.transformer import MoETransformer, make_batch
+        from moe.models import MoETransformer, make_batch
     except ImportError as exc:
         raise ValueError(f"--mode model needs moe.models.transformer (MoETransformer, make_batch), which "
                          f"cannot be imported here ({exc}); use --mode layer") from exc

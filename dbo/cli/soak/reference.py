@@ -35,9 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe.config import MoEConfig
-from moe.reference import init_moe_weights
-from moe.router import route
+from moe import MoEConfig, init_moe_weights, route
 
 #: bfloat16's unit roundoff: 8 significant bits.
 BF16_UNIT_ROUNDOFF = 2.0 ** -8

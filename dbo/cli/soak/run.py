@@ -11,13 +11,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from dbo.agreement import PeerInputError
+from dbo import DBOConfig, DBORunner, GraphedRunner, PeerInputError
 from dbo.cli import (Parser, check_backend_runs, check_backend_tokens, check_fits_memory,
                      check_out_file)
 from dbo.cli.launch import RankContext, launch, resolve_world_size
-from dbo.config import DBOConfig
-from dbo.graphs import GraphedRunner
-from dbo.runner import DBORunner
 from dbo.cli.soak.config import BACKENDS, DTYPES, EXPERT_KERNELS, KIB, SoakConfig, memory_need
 from dbo.cli.soak.memory import MemoryTracker
 from dbo.cli.soak.padding import pad_rows, padded_size, real_rows
@@ -123,7 +120,7 @@ def _release(job: SoakConfig, ctx: RankContext, runner: DBORunner | GraphedRunne
     if isinstance(runner, GraphedRunner):
         runner.reset()
     if job.backend.startswith("deepep"):
-        from moe.backends.deepep_support import destroy_buffers
+        from moe.backends import destroy_buffers
         torch.cuda.synchronize(ctx.device)
         dist.barrier()
         destroy_buffers(ctx.group)

@@ -8,12 +8,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.config import MoEConfig
-from moe.layer import MoELayer
-from moe.reference import init_moe_weights
-from moe.shared import SharedExperts
 from dbo.cli.soak.config import SoakConfig, ZERO_EVERY
 from dbo.cli.soak.padding import capture_sweep_tokens
+from moe import MoEConfig, MoELayer, SharedExperts, init_moe_weights
 
 
 # ------------------------------------------------------------------------------ model

@@ -17,7 +17,7 @@ flag and return; they allocate nothing (the name is built only when on).
 
 Usage::
 
-    from traces.ranges import TraceConfig, configure, phase_range, start_phase, end_phase
+    from dbo import TraceConfig, configure, end_phase, phase_range, start_phase
     configure(TraceConfig(nvtx=True, record_function=True))
     with phase_range("attention", ubatch_id=0, layer=3):
         ...
