@@ -32,6 +32,9 @@ the experts module          becomes (`moe.experts.form.ExpertForm`)
                             alpha/limit, ...), else the module's own callable ("custom")
 ==========================  ==============================================================
 
+An experts module that its block calls with the router logits instead, routing them
+itself, takes this path through `moe.hf.logits_routed` (transformers 5.17's Aria).
+
 What dbo cannot run is refused before anything changes, naming the block and what it
 lacks (`plan_experts`). The four architectures of `moe.hf.arch` keep their fused path
 (`moe.hf.block`) by default; `convert(..., conversion="experts")` takes this path for
