@@ -43,8 +43,9 @@ from moe.config import SUPPORTED_DTYPES, MoEConfig
 from moe.hf.arch import ARCHITECTURES, SILU_NAMES, ArchSpec
 from moe.hf.block import HFMoEBlock, HFRouter, HFSharedExperts
 from moe.hf.deps import require
-from moe.hf.generic import ExpertsPlan, HFExperts, build_experts, plan_experts
+from moe.hf.generic import ExpertsPlan, HFExperts, build_experts, module_tensor, plan_experts
 from moe.hf.input_scaled import InputScaledBlock
+from moe.hf.logits_routed import build_logits_routed, plan_logits_routed, takes_router_logits
 from moe.hf.router_logits import record_router_logits
 from moe.hf.rows import copy_rows, expert_tensor_names, local_rows
 from moe.hf.save import record_layout, save_in_transformers_names
@@ -171,20 +172,23 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
     for i, plan in enumerate(plans):
         old = model.get_submodule(plan.path)
         names = expert_tensor_names(plan)
-        device = getattr(old.experts, names[0]).device if from_blocks else torch.device("cpu")
+        device = (module_tensor(old.experts, names[0]).device if from_blocks
+                  else torch.device("cpu"))
         if isinstance(plan, ExpertsPlan):
-            new = build_experts(plan, old.experts, device=device, group=group,
-                                capacity=max_tokens_per_rank, backend_options=options,
-                                last_layer=i == last)
-            record_layout(new, old.experts, transposed=plan.transposed)
+            build = build_logits_routed if plan.routing else build_experts
+            new = build(plan, old.experts, device=device, group=group,
+                        capacity=max_tokens_per_rank, backend_options=options,
+                        last_layer=i == last)
+            record_layout(new, old.experts, transposed=plan.transposed, names=names)
         else:
             new = _build_block(plan, old, device=device, group=group, backend=backend,
                                experts=experts, capacity=max_tokens_per_rank,
                                backend_options=options, last_layer=i == last)
-            record_layout(new, old, transposed=False)
+            record_layout(new, old, transposed=False,
+                          names=tuple(f"experts.{name}" for name in names))
         if from_blocks:
             first, stop = local_rows(plan, rank=rank, world=world)
-            copy_rows(plan, new, {name: getattr(old.experts, name)[first:stop]
+            copy_rows(plan, new, {name: module_tensor(old.experts, name)[first:stop]
                                    for name in names})
         new_blocks.append(InputScaledBlock(old, new) if isinstance(plan, ExpertsPlan)
                           and plan.input_scaled else new)
@@ -293,12 +297,15 @@ def plan_blocks(model: nn.Module, *, world: int, check_weights: bool, backend: s
 
 def _experts_plan(path: str, block: nn.Module, config: Any, *, world: int, backend: str,
                   experts: str, layer_id: int, note: str, check_weights: bool) -> ExpertsPlan:
-    """The block's experts-path plan; its refusal says why the fused path was not taken
-    too, where the architecture has one (`note`)."""
+    """The block's experts-path plan (`moe.hf.logits_routed` for experts that take the
+    router logits); its refusal says why the fused path was not taken too, where the
+    architecture has one (`note`)."""
+    plan = (plan_logits_routed if takes_router_logits(getattr(block, "experts", None))
+            else plan_experts)
     try:
-        return plan_experts(path, block, model_config=config, world=world, backend=backend,
-                            experts=experts, check_weights=check_weights, layer_id=layer_id,
-                            note=note)
+        return plan(path, block, model_config=config, world=world, backend=backend,
+                    experts=experts, check_weights=check_weights, layer_id=layer_id,
+                    note=note)
     except ValueError as exc:
         if note:
             raise ValueError(f"{exc} (not fused either: {note})") from None

@@ -32,6 +32,9 @@ the experts module          becomes (`moe.experts.form.ExpertForm`)
                             alpha/limit, ...), else the module's own callable ("custom")
 ==========================  ==============================================================
 
+An experts module that its block calls with the router logits instead, routing them
+itself, takes this path through `moe.hf.logits_routed` (transformers 5.17's Aria).
+
 What dbo cannot run is refused before anything changes, naming the block and what it
 lacks (`plan_experts`). The four architectures of `moe.hf.arch` keep their fused path
 (`moe.hf.block`) by default; `convert(..., conversion="experts")` takes this path for
@@ -63,7 +66,8 @@ from moe.inference_only import detach_with_error, needs_graph
 from moe.layer import MoELayer
 from moe.modular_kernel import ModularKernel, SharesSMs
 
-__all__ = ["ExpertsPlan", "HFExperts", "build_experts", "interface_options", "plan_experts"]
+__all__ = ["ExpertsPlan", "HFExperts", "build_experts", "interface_options", "module_tensor",
+           "plan_experts"]
 
 #: The experts-interface options dbo serves, with transformers' defaults.
 KNOWN_OPTIONS: dict[str, bool] = {"is_concatenated": True, "is_transposed": False,
@@ -92,12 +96,20 @@ class ExpertsPlan:
     input_scaled: bool = False
     """The block scales its experts' input by the routing weight (`moe.hf.input_scaled`):
     the whole block is replaced by an `InputScaledBlock`."""
+    tensor_names: Optional[tuple[str, str]] = None
+    """The module's up and down expert tensors where they are not the interface's, e.g.
+    ("fc1.weight", "fc2.weight"); None: gate_up_proj (or up_proj) and down_proj."""
+    routing: str = ""
+    """The experts module's method that turns the router logits its block hands it into
+    the routing (`moe.hf.logits_routed`), e.g. "route_tokens_to_experts"; "": the block
+    hands its experts the routing."""
 
     def describe(self) -> str:
         """e.g. "OlmoeExperts: silu(gate) * up" (with the zero-compute experts, if any)."""
         zero = f", {self.identity_experts} zero-compute experts" if self.identity_experts else ""
         scaled = ", routing weight on the input" if self.input_scaled else ""
-        return f"{self.source}: {self.form.describe()}{zero}{scaled}"
+        routed = f", routed by {self.source}.{self.routing}" if self.routing else ""
+        return f"{self.source}: {self.form.describe()}{zero}{scaled}{routed}"
 
 
 def interface_options() -> dict[str, Any]:
@@ -114,12 +126,19 @@ def interface_options() -> dict[str, Any]:
 
 def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
                  backend: str, experts: str, check_weights: bool, layer_id: int,
-                 note: str = "") -> ExpertsPlan:
+                 note: str = "", options: Optional[dict[str, bool]] = None,
+                 tensor_names: Optional[tuple[str, str]] = None,
+                 form: Optional[ExpertForm] = None, routing: str = "") -> ExpertsPlan:
     """Check `block`'s experts module; ValueError naming the block and what dbo cannot do.
 
     `backend` / `experts` are `convert`'s: the backend must take the model's routing (not
     route gathered logits itself) and an explicitly named expert kernel must compute the
     experts' form.
+
+    For a module that is not called as the interface's (`moe.hf.logits_routed`): its
+    interface options (`KNOWN_OPTIONS` names), its up and down expert tensors (dotted
+    names in the module), its form where the module has no gate to probe (None: read as
+    for any experts module, `identify_form`), the method that routes its logits.
     """
     module = getattr(block, "experts", None)
     cls = type(module).__name__
@@ -129,27 +148,31 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
                           f"{cls}): {what}")
 
     input_scaled = type(block).__name__ in INPUT_SCALED_BLOCKS
-    if input_scaled:
-        options = input_scaled_options(block, find_top_k(block, module, model_config), refuse)
-    else:
-        options = _module_options(module, refuse)
+    if options is None:
+        options = (input_scaled_options(block, find_top_k(block, module, model_config), refuse)
+                   if input_scaled else _module_options(module, refuse))
     gated = options["has_gate"]
-    up_name = "gate_up_proj" if gated else "up_proj"
-    up, down = getattr(module, up_name, None), getattr(module, "down_proj", None)
+    up_name, down_name = tensor_names or ("gate_up_proj" if gated else "up_proj", "down_proj")
+    up, down = module_tensor(module, up_name), module_tensor(module, down_name)
     if not isinstance(up, Tensor) or not isinstance(down, Tensor):
-        raise refuse(f"no expert tensors experts.{up_name} and experts.down_proj: dbo runs "
+        raise refuse(f"no expert tensors experts.{up_name} and experts.{down_name}: dbo runs "
                      f"experts stored as transformers' experts interface stores them, 3-D "
                      f"tensors over all experts ([E, 2I, H] and [E, H, I])")
+    if tensor_names is not None and options["has_bias"]:
+        raise refuse(f"biased experts stored as {up_name} / {down_name}: dbo serves biases "
+                     f"only as the experts interface names them (gate_up_proj_bias, "
+                     f"down_proj_bias)")
     transposed = options["is_transposed"]
     identity = count_identity_experts(module, up, down, transposed=transposed)
     if identity:  # the rows past down_proj's experts are never read (zero-compute experts)
         up = up[:down.shape[0]]
     e, j, h, i = expert_sizes(up, down, transposed=transposed, refuse=refuse, up_name=up_name)
     if gated and j != 2 * i:
-        raise refuse(f"experts.{up_name} has {j} rows per expert, down_proj {i}: a gated "
+        raise refuse(f"experts.{up_name} has {j} rows per expert, {down_name} {i}: a gated "
                      f"expert needs 2 * {i} (gate and up)")
     if not gated and j != i:
-        raise refuse(f"experts.up_proj has {j} rows per expert, down_proj {i}: they must match")
+        raise refuse(f"experts.{up_name} has {j} rows per expert, {down_name} {i}: they must "
+                     f"match")
     check_declared_sizes(module, e=e + identity, h=h, i=i, refuse=refuse)
     if options["has_bias"]:
         for name, shape in ((f"{up_name}_bias", (e, j)), ("down_proj_bias", (e, h))):
@@ -167,7 +190,8 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
                      f"(load the model in one of them)")
     if check_weights and up.is_meta:
         raise refuse("expert weights are on the meta device: load the weights first")
-    form, _ = identify_form(module, options, refuse=refuse)
+    if form is None:
+        form, _ = identify_form(module, options, refuse=refuse)
     top_k = find_top_k(block, module, model_config)
     if top_k is None:
         raise refuse("cannot find its top-k (no `top_k` / `num_experts_per_tok` on the block, "
@@ -191,24 +215,27 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
             raise refuse(unsupported)
     return ExpertsPlan(path=path, source=cls, config=config, form=form, transposed=transposed,
                        layer_id=layer_id, note=note, identity_experts=identity,
-                       input_scaled=input_scaled)
+                       input_scaled=input_scaled, tensor_names=tensor_names, routing=routing)
 
 
 def build_experts(plan: ExpertsPlan, module: nn.Module, *, device: torch.device,
                   group: Optional[dist.ProcessGroup], capacity: Optional[int],
-                  backend_options: Optional[BackendOptions], last_layer: bool) -> "HFExperts":
+                  backend_options: Optional[BackendOptions], last_layer: bool,
+                  cls: Optional[Callable[..., "HFExperts"]] = None) -> "HFExperts":
     """The `HFExperts` for the experts `module` of `plan` on `device`, its experts
     uninitialised (the caller copies this rank's in), the custom gate and the
-    post-expert norm taken over."""
+    post-expert norm taken over. `cls`: what builds it, with `HFExperts`' arguments
+    (a subclass that takes more bound to them); None: `HFExperts`."""
     config = dataclasses.replace(plan.config, max_tokens_per_rank=capacity,
                                  backend_options=backend_options)
     form = plan.form
     owner = gate_owner(module) if form.activation == "custom" else None
     post_norm = getattr(module, "post_expert_norm", None) if form.post_norm else None
-    return HFExperts(config, form, group=group, layer_id=plan.layer_id, last_layer=last_layer,
-                     device=device, path=plan.path + ".experts", source=plan.source,
-                     gate_owner=owner, post_norm=post_norm,
-                     identity_experts=plan.identity_experts)
+    return (cls or HFExperts)(config, form, group=group, layer_id=plan.layer_id,
+                              last_layer=last_layer, device=device,
+                              path=plan.path + ".experts", source=plan.source,
+                              gate_owner=owner, post_norm=post_norm,
+                              identity_experts=plan.identity_experts)
 
 
 class HFExperts(nn.Module, SharesSMs):
@@ -234,6 +261,9 @@ class HFExperts(nn.Module, SharesSMs):
 
     #: Which conversion path produced this module ("fused" for `HFMoEBlock`).
     dbo_path = "experts"
+    #: Children that stand for the replaced module (copies of it without its expert
+    #: tensors): what they hold, the replaced module held under the same names.
+    OWNERS: tuple[str, ...] = ("gate_owner",)
 
     def __init__(self, config: MoEConfig, form: ExpertForm, *,
                  group: Optional[dist.ProcessGroup], layer_id: int, last_layer: bool,
@@ -357,6 +387,15 @@ class HFExperts(nn.Module, SharesSMs):
 
 
 # ---------------------------------------------------------------------- reading a module
+def module_tensor(module: nn.Module, name: str) -> Any:
+    """The attribute `name` of `module`, dotted names through its children
+    ("fc1.weight"); None where a step is missing."""
+    value: Any = module
+    for part in name.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
 def _module_options(module: Any, refuse: Callable[[str], ValueError]) -> dict[str, bool]:
     """The experts module's interface options (dbo's `KNOWN_OPTIONS` names); ValueError
     for a module that is not an experts module, or sets an option dbo cannot serve."""

@@ -19,11 +19,14 @@ __all__ = ["copy_rows", "expert_tensor_names", "fill_experts", "local_rows"]
 
 
 def expert_tensor_names(plan: Any) -> tuple[str, ...]:
-    """The expert tensors (names in the block's `experts` module, each [E, ...]) of which a
-    converted block holds this rank's rows: `plan` a `BlockPlan` (fused) or an
+    """The expert tensors (names in the block's `experts` module, each [E, ...], dotted
+    where a child holds them: "fc1.weight") of which a converted block holds this rank's
+    rows, in the order w13, w2, bias13, bias2: `plan` a `BlockPlan` (fused) or an
     `ExpertsPlan`."""
     if not isinstance(plan, ExpertsPlan):
         return ("gate_up_proj", "down_proj")
+    if plan.tensor_names is not None:  # a module of its own names (no bias: not served)
+        return plan.tensor_names
     up = "gate_up_proj" if plan.form.gated else "up_proj"
     return (up, "down_proj") + ((f"{up}_bias", "down_proj_bias") if plan.form.bias else ())
 

@@ -50,17 +50,17 @@ class HFLayout:
     """The replaced module stored `w13` / `w2` transposed ([E, H, J] / [E, I, H])."""
 
 
-def record_layout(module: nn.Module, replaced: nn.Module, *, transposed: bool) -> None:
+def record_layout(module: nn.Module, replaced: nn.Module, *, transposed: bool,
+                  names: tuple[str, ...]) -> None:
     """Record on converted `module` (`HFMoEBlock` or `HFExperts`) the names and shapes of
     `replaced`, the transformers module it takes the place of (its tensors may be on the
-    meta device)."""
+    meta device): `names` are replaced's expert tensors (relative to it) that the converted
+    module's w13, w2, bias13, bias2 hold, in that order (`moe.hf.rows.expert_tensor_names`,
+    "experts."-prefixed for a whole block)."""
     shapes = {name: tuple(t.shape) for name, t in replaced.state_dict().items()}
-    if isinstance(module, HFMoEBlock):
-        experts = {"moe.w13": "experts.gate_up_proj", "moe.w2": "experts.down_proj"}
-    else:
-        up = "gate_up_proj" if module.form.gated else "up_proj"
-        experts = {"w13": up, "w2": "down_proj", "bias13": f"{up}_bias",
-                   "bias2": "down_proj_bias"}
+    ours = ("moe.w13", "moe.w2") if isinstance(module, HFMoEBlock) else (
+        "w13", "w2", "bias13", "bias2")
+    experts = dict(zip(ours, names))
     module.dbo_hf_layout = HFLayout(shapes=shapes, experts=experts, transposed=transposed)
 
 
@@ -122,7 +122,7 @@ def hf_state_dict(model: nn.Module) -> Optional[dict[str, Tensor]]:
             tensor = _with_zero_compute_rows(tensor, layout.shapes.get(hf_name))
         else:
             hf_name = (hf_param_name(inner) if isinstance(module, HFMoEBlock)
-                       else inner.removeprefix("gate_owner."))
+                       else _owned_name(module, inner))
         made[path][hf_name] = tuple(tensor.shape)
         out[f"{path}.{hf_name}"] = tensor
     if not writer:
@@ -130,6 +130,16 @@ def hf_state_dict(model: nn.Module) -> Optional[dict[str, Tensor]]:
     for path, module in converted.items():
         _check_layout(path, module.dbo_hf_layout, made[path])
     return out
+
+
+def _owned_name(module: HFExperts, inner: str) -> str:
+    """The replaced module's name of tensor `inner` of converted experts `module`: what a
+    child that stands for the replaced module (`HFExperts.OWNERS`) holds, under the
+    replaced module's name."""
+    for owner in module.OWNERS:
+        if inner.startswith(owner + "."):
+            return inner[len(owner) + 1:]
+    return inner
 
 
 def _rank(module: nn.Module) -> int:
