@@ -17,7 +17,7 @@ from dbo import cli  # noqa: E402
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("backend", ["auto", "a2a_ll"])  # a2a_ll: a capacity is given
+@pytest.mark.parametrize("backend", ["a2a_ll"])  # a capacity is given (auto: below)
 def test_dbo_run_hf_config_end_to_end(tmp_path, backend):
     proc = subprocess.run([sys.executable, "-m", "dbo.cli", "run", "--hf-config", "qwen3_moe",
                            "--tokens", "48", "--requests", "4", "--steps", "1",
@@ -35,6 +35,15 @@ def test_dbo_run_hf_config_end_to_end(tmp_path, backend):
     assert order.index("ub1 router") < order.index("ub0 dispatch_recv")
     assert (tmp_path / "trace.json").stat().st_size > 0
     assert "dbo run: hf-config qwen3_moe, 2 ranks" in proc.stdout
+
+
+def test_auto_backend_of_an_hf_run_is_the_preset_run_s():
+    # --hf / --hf-config resolve "auto" as the preset job does (its end-to-end run over
+    # a2a is tests/tools/test_cli.py's): local on one rank, a2a on several, a2a_ll graphed.
+    from dbo.cli.run_config import RunConfig, run_backend
+    job = RunConfig(hf_config="qwen3_moe")
+    assert [run_backend(job, 1), run_backend(job, 2)] == ["local", "a2a"]
+    assert run_backend(RunConfig(hf_config="qwen3_moe", cuda_graph=True), 2) == "a2a_ll"
 
 
 @pytest.fixture
