@@ -54,6 +54,21 @@ VALID = ", ".join(named_architectures())
     (["--hf", "olmoe", "--num-experts", "5"], "5 routed experts of olmoe do not split"),
     (["--hf", "olmoe", "--conversion", "fused"], "argument --conversion: invalid choice"),
     (["--conversion", "experts"], "--conversion applies to --hf"),
+    (["--hf", "qwen3_moe", "--combine-groups", "0"], "--combine-groups 0 must be an int >= 1"),
+    (["--hf", "qwen3_moe", "--backends", "a2a_ll", "--combine-chunks", "2",
+      "--combine-groups", "2"], "--combine-chunks 2 and --combine-groups 2: an SBO step "
+                                "chunks its combine by rows or by expert group, not both"),
+    (["--hf", "qwen3_moe", "--backends", "a2a_ll,a2a", "--combine-groups", "2"],
+     "--combine-groups 2: backend 'a2a' has no such option (a2a_ll's SBO steps take it)"),
+    (["--hf", "qwen3_moe", "--combine-chunks", "2"],
+     "--combine-chunks 2: backend 'a2a' has no such option"),
+    (["--hf", "qwen3_moe", "--backends", "a2a_ll", "--combine-groups", "5"],
+     "--combine-groups 5 exceeds the 4 experts each rank holds (8 of qwen3_moe over 2 ranks)"),
+    (["--hf", "qwen3_moe", "--backends", "a2a_ll", "--tokens", "8,16", "--combine-chunks",
+      "9"], "--combine-chunks 9 exceeds the smallest point's 8 tokens per rank"),
+    (["--hf", "qwen3_moe", "--mode", "decode", "--backends", "a2a_ll", "--combine-groups",
+      "2"], "--combine-groups 2 shapes the SBO steps of the --hf prefill sweep; --mode "
+            "decode times none"),
 ])
 def test_bad_arguments_exit_with_the_fix_before_any_rank(
         argv: list[str], message: str, capsys: pytest.CaptureFixture,
@@ -245,6 +260,10 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
         assert p["dbo_split"] is True and p["rounds"] == 2
         assert p["speedup"] is None and p["dbo_vs_hf"] is None  # functional: no ratios
         assert p["logits_diff_nodbo"] < 1e-5 and p["logits_diff_dbo"] < 1e-5
+        # SBO: the DBO-off model through DBOConfig(overlap="sbo"), timed beside it; its
+        # logits as DBO off's within the same float32 bound (other kernel orders only).
+        assert p["t_sbo_ms"] > 0 and p["host_sbo_ms"] > 0 and p["sbo_note"] == "", p
+        assert p["speedup_sbo"] is None and p["logits_diff_sbo"] < 1e-5
         # No ceiling probe on CPU (nothing overlaps on gloo): its fields null, and why.
         assert [p[k] for k in ("t_compute_ms", "t_comm_ms", "t_both_ms", "t_split_ms",
                                "ceiling", "eta")] == [None] * 6, p
@@ -254,10 +273,16 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert "functional run" in table and "unconv ms" in table
     assert "host unconv  host noDBO  host DBO" in table and "host-bound" not in table
     assert "  capacity: a2a_ll: max_tokens_per_rank" in table
+    assert ("  SBO: the DBO-off model through DBOConfig(overlap=\"sbo\"), one ubatch: shared "
+            "experts under the dispatch, own rows under the combine") in table
+    assert final["summary"]["points_sbo"] == 6
     header = next(line for line in lines if "T/rank" in line)
     assert "comp ms   comm ms   both ms  split ms  ceiling     eta" in header
+    assert "DBO ms           SBO ms  host unconv" in header and "SBO speedup" not in header
     rows = [line for line in lines if re.match(r"\s+(8|16)\s+(a2a|naive|a2a_ll)\s", line)]
     assert len(rows) == 6 and all(re.search(r"(\s+-){6}\s", line) for line in rows), rows
+    # noDBO, DBO and SBO each as rank0/max.
+    assert all(len(re.findall(r"\d+\.\d{3}/\d+\.\d{3}", line)) == 4 for line in rows), rows
     assert (f"  a2a T=8, a2a T=16, naive T=8, naive T=16, a2a_ll T=8, a2a_ll T=16: "
             f"{PROBE_NA_CPU}") in lines
     files = final["files"]
@@ -269,6 +294,8 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert doc["config"]["arch"] == "deepseek_v3" and "dbo_vs_hf" in doc["definitions"]
     assert "probe_note" in doc["definitions"] and rows[0]["probe_note"] == PROBE_NA_CPU
     assert all(len(p["rounds_ms"]["t_dbo"]) == 2 for p in doc["points"])
+    assert all(len(p["rounds_ms"]["t_sbo"]) == 2 for p in doc["points"])
+    assert "t_sbo" in doc["definitions"] and doc["config"]["combine_groups"] == 1
 
 
 def _graphed_hf_sweep(rank: int, world_size: int, out_dir: str) -> dict:
@@ -342,6 +369,9 @@ def test_graphed_hf_sweep_replays_the_converted_model_on_two_gpus(tmp_path: Path
         for key in ("t_compute_ms", "t_comm_ms", "t_both_ms", "t_split_ms", "ceiling"):
             assert point[key] is not None and point[key] > 0, (key, point)
         assert point["probe_note"] == "", point
+        # SBO through its own GraphedRunner: timed, and its logits as close as DBO off's.
+        assert point["t_sbo_ms"] > 0 and point["sbo_note"] == "", point
+        assert point["logits_diff_sbo"] < 0.3, point
     assert "  ceiling probe: measured: compute alone" in table
     assert "CUDA graphs: the converted model's steps are replayed" in table
     assert "attention without a mask (hf_graphs.use_mask_free_sdpa)" in table

@@ -109,6 +109,15 @@ class HFBenchConfig(SweepJob):
     one, else the experts path) or "experts" (the experts path for every block)."""
     decode: Optional[HFDecodeOptions] = None
     """Decode steps over KV caches instead of prefill (`tokens` and `requests` unused)."""
+    combine_chunks: int = 1
+    """SBO steps of `a2a_ll` (prefill): the combine in this many chunks, each sent under
+    the next chunk's experts (`A2ALLOptions.combine_chunks`); at most the smallest
+    point's tokens per rank (a2a_ll's capacity there). 1: the combine whole."""
+    combine_groups: int = 1
+    """SBO steps of `a2a_ll` (prefill): each rank's experts in this many groups over
+    every received row, each group's combine sent under the next group's experts
+    (`A2ALLOptions.combine_groups`); at most the experts each rank holds (checked by
+    `model_config`); exclusive with `combine_chunks` > 1. 1: the experts whole."""
 
     def __post_init__(self) -> None:
         from moe.hf import is_named, unknown_name
@@ -141,10 +150,54 @@ class HFBenchConfig(SweepJob):
         if len(set(self.backends)) != len(self.backends):
             raise ValueError(f"backends={self.backends!r} repeats a name: list each once")
         check_one_process(self.backends)  # symm_mem with deepep_ll aborts the process
+        self._check_combine_forms()
         if not isinstance(self.cuda_graph, bool):
             raise TypeError(f"cuda_graph={self.cuda_graph!r} must be True or False")
         if self.cuda_graph:
             self._check_cuda_graph()
+
+    def _check_combine_forms(self) -> None:
+        """--combine-chunks / --combine-groups: ints >= 1, not both above 1, only for
+        prefill (decode steps time no SBO) and backends whose options take them (a2a_ll),
+        chunks at most the smallest point's tokens (a2a_ll's capacity there)."""
+        given = []
+        for name in ("combine_chunks", "combine_groups"):
+            value, flag = getattr(self, name), "--" + name.replace("_", "-")
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{flag} {value!r} must be an int >= 1 (1: the combine "
+                                 f"whole)")
+            if value > 1:
+                given.append((name, flag, value))
+        if len(given) == 2:
+            raise ValueError(f"--combine-chunks {self.combine_chunks} and --combine-groups "
+                             f"{self.combine_groups}: an SBO step chunks its combine by rows "
+                             f"or by expert group, not both; drop one of them")
+        if not given:
+            return
+        name, flag, value = given[0]
+        if self.decode is not None:
+            raise ValueError(f"{flag} {value} shapes the SBO steps of the --hf prefill sweep; "
+                             f"--mode decode times none: drop {flag}")
+        without = [b for b in self.backends if not takes_option(b, name)]
+        if without:
+            raise ValueError(f"{flag} {value}: backend {without[0]!r} has no such option "
+                             f"(a2a_ll's SBO steps take it): use --backends a2a_ll, or drop "
+                             f"{flag}")
+        if name == "combine_chunks" and value > min(self.tokens):
+            raise ValueError(f"--combine-chunks {value} exceeds the smallest point's "
+                             f"{min(self.tokens)} tokens per rank (a2a_ll's capacity there; "
+                             f"each chunk takes one slot row per rank): lower "
+                             f"--combine-chunks")
+
+    def sbo_form(self) -> str:
+        """How an SBO step overlaps its combine, in words (the table)."""
+        if self.combine_groups > 1:
+            return (f"a2a_ll: the experts in {self.combine_groups} expert groups over every "
+                    f"row, each group's combine under the next group's experts")
+        if self.combine_chunks > 1:
+            return (f"a2a_ll: the combine in {self.combine_chunks} row chunks, each under "
+                    f"the next chunk's experts, own rows under the last")
+        return "own rows under the combine"
 
     def _check_cuda_graph(self) -> None:
         if self.device != "cuda":
@@ -167,6 +220,11 @@ class HFBenchConfig(SweepJob):
         if top_k > num_experts:
             raise ValueError(f"top_k={top_k} exceeds num_experts="
                              f"{num_experts}: pass a larger --num-experts")
+        if self.combine_groups > num_experts // world_size:
+            raise ValueError(f"--combine-groups {self.combine_groups} exceeds the "
+                             f"{num_experts // world_size} experts each rank holds "
+                             f"({num_experts} of {self.arch} over {world_size} ranks): a "
+                             f"group holds at least one expert; lower --combine-groups")
         return config
 
     def summary(self) -> dict[str, Any]:
@@ -177,6 +235,7 @@ class HFBenchConfig(SweepJob):
                 "conversion": self.conversion, "iters": self.iters,
                 "warmup": self.warmup, "rounds": self.rounds, "device": self.device,
                 "seed": self.seed, "cuda_graph": self.cuda_graph,
+                "combine_chunks": self.combine_chunks, "combine_groups": self.combine_groups,
                 "decode": None if self.decode is None else dataclasses.asdict(self.decode)}
 
 
@@ -213,6 +272,34 @@ def conversions(backend: str, points: tuple[int, ...], *, world_size: int,
     ubatch = ubatch_of if takes_ubatch and ubatch_of is not None else (lambda p: None)
     return [Conversion(max_tokens_per_rank=p, max_tokens_per_ubatch=ubatch(p), points=(p,))
             for p in points]
+
+
+def takes_option(backend: str, name: str) -> bool:
+    """Whether `backend`'s options (`PrepareFinalize.options_type`) have a field `name`
+    ("combine_chunks", "combine_groups": a2a_ll's)."""
+    from moe.backends import backend_class
+    # HF_BACKENDS holds no "auto", the one name whose class depends on the world size.
+    options_type = backend_class(backend, 2).options_type
+    return name in {f.name for f in dataclasses.fields(options_type)}
+
+
+def layer_options(cfg: HFBenchConfig, backend: str, conversion: Conversion, *,
+                  world_size: int) -> Any:
+    """The backend options every converted layer of `conversion` gets
+    (`moe.hf.convert(backend_options=)`): a2a_ll's DBO-ubatch capacity
+    (`Conversion.max_tokens_per_ubatch`) and SBO combine form (`cfg.combine_chunks`,
+    `cfg.combine_groups`) where set, as `A2ALLOptions(...)`; None: the backend's
+    defaults."""
+    from moe.backends import backend_class
+    given: dict[str, int] = {}
+    if conversion.max_tokens_per_ubatch is not None:
+        given["max_tokens_per_ubatch"] = conversion.max_tokens_per_ubatch
+    for name in ("combine_chunks", "combine_groups"):
+        if getattr(cfg, name) > 1:  # HFBenchConfig refused it for a backend without it
+            given[name] = getattr(cfg, name)
+    if not given:
+        return None
+    return backend_class(backend, world_size).options_type(**given)
 
 
 def capacity_note(backends: tuple[str, ...], *, world_size: int) -> Optional[str]:

@@ -10,9 +10,14 @@
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf qwen3-30b-a3b \
         --tokens 4096 --backends a2a_ll --cuda-graph         # converted steps as graphs
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf qwen3-30b-a3b \
+        --tokens 4096 --backends a2a_ll --combine-groups 4   # SBO by expert group
+    NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 -m dbo.cli.bench --hf qwen3-30b-a3b \
         --mode decode --requests 64,256,512 --backends a2a_ll --cuda-graph   # graphed decode
 
-Prefill by default; `--mode decode` times decode steps over KV caches instead
+Prefill by default, each point timed with DBO off, SBO (single-batch overlap, the
+DBO-off model through `DBOConfig(overlap="sbo")`) and DBO on; `--combine-chunks N` /
+`--combine-groups N` (a2a_ll only, prefill only) set the SBO step's combine form
+(`A2ALLOptions`). `--mode decode` times decode steps over KV caches instead
 (`dbo.cli.bench.hf_decode`), sweeping `--requests` (requests per rank) at `--context`
 cached tokens per request, gated as the other modes gate (`--gate-min-tokens`,
 `--gate-trial-iters`).
@@ -82,7 +87,8 @@ def hf_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> HFB
         warmup=args.warmup if args.warmup is not None else (5 if gpu else 2),
         rounds=args.rounds if args.rounds is not None else (3 if gpu else 1),
         device=device, regime=regime_label(device, p2p_disabled=p2p_disabled(env)),
-        cuda_graph=args.cuda_graph,
+        cuda_graph=args.cuda_graph, combine_chunks=args.combine_chunks,
+        combine_groups=args.combine_groups,
         out_dir=args.out, seed=args.seed, progress=not args.no_progress)
 
 

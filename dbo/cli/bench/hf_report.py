@@ -34,6 +34,13 @@ DEFINITIONS = {
              "this rank's batch (no expert parallelism)"),
     "t_nodbo / t_dbo": ("the converted model (expert parallelism), DBO off / on; with "
                         "cuda_graph replayed from CUDA graphs"),
+    "t_sbo": ("the converted model as DBO off, through DBORunner(model, DBOConfig("
+              "overlap=\"sbo\")): one ubatch, shared experts under the dispatch, the "
+              "combine overlapped as the table's SBO line says (a2a_ll: --combine-chunks / "
+              "--combine-groups); null where it did not run (sbo_note says why)"),
+    "speedup_sbo": "T_noDBO / T_SBO (null in a functional run or without an SBO step)",
+    "sbo_note": "why the point has no SBO step (the model offers none, or the runner "
+                "did not run one), or empty",
     "t_hf_eager / t_hf_graph": ("with cuda_graph: the unconverted model eagerly / as a "
                                 "replayed graph (null where it did not capture: "
                                 "hf_graph_note); t_hf is the faster"),
@@ -45,7 +52,7 @@ DEFINITIONS = {
     "dbo_vs_hf": "T_hf / T_DBO", "nodbo_vs_hf": "T_hf / T_noDBO",
     "max_tokens_per_rank": ("the converted layers' capacity (moe.hf.convert), for the "
                             "backends that need one; null otherwise"),
-    "logits_diff": ("max |logits - unconverted logits| / max |unconverted logits| on the "
+    "logits_diff": ("DBO off / on / SBO: max |logits - unconverted logits| / max |unconverted logits| on the "
                     "same batch, the largest over ranks"),
     "t_compute / t_comm / t_both": (
         "the ceiling probe, once per point after its rounds (GPU, backends made of "
@@ -116,6 +123,22 @@ def probe_cells(point: Any) -> dict[str, str]:
     return {"comp ms": _opt(point.t_compute_ms), "comm ms": _opt(point.t_comm_ms),
             "both ms": _opt(point.t_both_ms), "split ms": _opt(point.t_split_ms),
             "ceiling": _opt(point.ceiling), "eta": _opt(point.eta, "{:.2f}")}
+
+
+def sbo_cell(point: Any) -> str:
+    """The SBO step's time as rank 0/max, "-" where it did not run."""
+    if point.t_sbo_ms is None:
+        return "-"
+    return f"{point.t_sbo_ms_rank0:.3f}/{point.t_sbo_ms:.3f}"
+
+
+def sbo_lines(points: list[Any]) -> list[str]:
+    """One line per reason some points have no SBO step, naming them."""
+    missing: dict[str, list[str]] = {}
+    for p in points:
+        if p.sbo_note:
+            missing.setdefault(p.sbo_note, []).append(f"{p.backend} T={p.tokens_per_rank}")
+    return [f"  {', '.join(labels)}: SBO {note}" for note, labels in missing.items()]
 
 
 def probe_lines(points: list[Any]) -> list[str]:
@@ -197,10 +220,13 @@ def json_line(result: Any, *, mode: str, summary: dict[str, Any],
 
 def summarize(result: HFSweepResult) -> dict[str, Any]:
     points = result.points
+    sbo = [p.speedup_sbo for p in points if p.speedup_sbo is not None]
     if result.config.functional:
         return {"functional": True, "points": len(points),
-                "points_split": sum(p.dbo_split for p in points)}
+                "points_split": sum(p.dbo_split for p in points),
+                "points_sbo": sum(p.t_sbo_ms is not None for p in points)}
     return {"points": len(points),
+            **({"min_speedup_sbo": min(sbo), "max_speedup_sbo": max(sbo)} if sbo else {}),
             "min_speedup": min(p.speedup for p in points),  # type: ignore[type-var]
             "max_speedup": max(p.speedup for p in points),  # type: ignore[type-var]
             "min_dbo_vs_hf": min(p.dbo_vs_hf for p in points),  # type: ignore[type-var]
@@ -238,22 +264,27 @@ def format_table(result: HFSweepResult) -> str:
           if any(p.t_both_ms is not None for p in result.points) else []),
         *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
         *([f"  capacity: {note}"] if (note := _capacity_note(result)) else []),
+        f"  SBO: the DBO-off model through DBOConfig(overlap=\"sbo\"), one ubatch: shared "
+        f"experts under the dispatch, {cfg.sbo_form()}",
         "",
     ]
     cols = [("T/rank", 7), ("backend", 7), ("unconv ms", 15), ("noDBO ms", 15),
-            ("DBO ms", 15), *HOST_COLUMNS, ("speedup", 7), ("DBO/unconv", 10),
+            ("DBO ms", 15), ("SBO ms", 15), *HOST_COLUMNS, ("speedup", 7),
+            ("SBO speedup", 11), ("DBO/unconv", 10),
             ("noDBO/unconv", 12), ("tok/s DBO", 9), *PROBE_COLUMNS, ("diff", 8)]
     if cfg.functional:
-        cols = [c for c in cols if c[0] not in ("speedup", "DBO/unconv", "noDBO/unconv")]
+        cols = [c for c in cols if c[0] not in ("speedup", "SBO speedup", "DBO/unconv",
+                                                 "noDBO/unconv")]
     if cfg.cuda_graph:
         cols.insert(3, ("unconv eager/graph", 18))
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
     for p in result.points:
         cells = {"T/rank": str(p.tokens_per_rank), "backend": p.backend, **step_cells(p),
-                 "speedup": f"{p.speedup or 0:.3f}", "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
+                 "SBO ms": sbo_cell(p), "speedup": f"{p.speedup or 0:.3f}",
+                 "SBO speedup": _opt(p.speedup_sbo), "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
                  "noDBO/unconv": f"{p.nodbo_vs_hf or 0:.3f}",
                  "tok/s DBO": _num(p.tokens_per_s_dbo),
-                 "diff": f"{max(p.logits_diff_nodbo, p.logits_diff_dbo):.1e}",
+                 "diff": f"{max(p.logits_diff_nodbo, p.logits_diff_dbo, p.logits_diff_sbo or 0):.1e}",
                  "unconv eager/graph": eager_graph_cell(p), **probe_cells(p)}
         lines.append("  ".join(f"{cells[name]:>{w}}" for name, w in cols))
     not_split = [p for p in result.points if not p.dbo_split]
@@ -261,10 +292,11 @@ def format_table(result: HFSweepResult) -> str:
         lines.append(f"  {p.backend} T={p.tokens_per_rank}: DBO-on step NOT split: "
                      f"{p.dbo_split_reason}")
     lines += host_bound_lines(result.points, lambda p: f"{p.backend} T={p.tokens_per_rank}")
+    lines += sbo_lines(result.points)
     lines += probe_lines(result.points)
     notes = {p.tokens_per_rank: p.hf_graph_note for p in result.points if p.hf_graph_note}
     lines += [f"  unconverted T={t}: no graph: {note}" for t, note in notes.items()]
-    lines.append("  speedup = noDBO/DBO; DBO/unconv = unconverted/DBO (above 1: the converted "
+    lines.append("  speedup = noDBO/DBO; SBO speedup = noDBO/SBO; DBO/unconv = unconverted/DBO (above 1: the converted "
                  "model with DBO is faster); diff = largest logit difference to the "
                  "unconverted model, relative; comp/comm/both/split: the ceiling probe, "
                  "ceiling = (comp + comm) / both, eta = (noDBO - DBO) / (noDBO - both)")

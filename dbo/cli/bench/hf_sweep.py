@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dbo import DBOConfig, DBORunner, GraphedRunner, capture_graph
-from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, conversions
+from dbo import DBOConfig, DBORunner, GraphedRunner, capture_graph, collect_sbo_blocker
+from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, conversions, layer_options
 from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
                                      replayed, use_mask_free_sdpa)
 from dbo.cli.bench.hf_probe import HFProbe, probe_hf_point, skipped
@@ -59,6 +59,8 @@ __all__ = ["HFPoint", "HFPointTimes", "HFSweepResult", "build_model", "describe_
 
 # DBO on: every point split (B >= 2 sequences); the bench compares, it does not gate.
 _DBO_ON = DBOConfig(split="batch", min_prefill_tokens=2, min_decode_tokens=2)
+# SBO: the same thresholds, never split (`dbo.overlap`).
+_SBO = dataclasses.replace(_DBO_ON, overlap="sbo")
 
 
 @dataclass(kw_only=True)
@@ -120,6 +122,19 @@ class HFPoint(HFPointTimes):
     """One backend and token count of the prefill sweep."""
 
     tokens_per_rank: int
+    t_sbo_ms: Optional[float] = None
+    t_sbo_ms_rank0: Optional[float] = None
+    host_sbo_ms: Optional[float] = None
+    tokens_per_s_sbo: Optional[float] = None
+    speedup_sbo: Optional[float] = None
+    """The SBO step (the DBO-off model through `DBORunner(model, DBOConfig(overlap="sbo"))`:
+    one ubatch, shared experts under the dispatch, the combine overlapped as
+    `HFBenchConfig.sbo_form` says) and T_noDBO / T_SBO (None in a functional run); all
+    None where it did not run (`sbo_note` says why)."""
+    logits_diff_sbo: Optional[float] = None
+    sbo_note: str = ""
+    """Why this point has no SBO time (the model's `dbo_sbo_blocker`, or the runner's
+    decision), or empty."""
     t_compute_ms: Optional[float] = None
     t_comm_ms: Optional[float] = None
     t_both_ms: Optional[float] = None
@@ -156,7 +171,7 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timing = dict(device=device, group=group, warmup=cfg.warmup, iters=cfg.iters)
     probes = len(cfg.tokens) * len(cfg.backends) if device.type == "cuda" else 0
-    progress = Progress(len(cfg.tokens) * (1 + 2 * len(cfg.backends)) * cfg.rounds + probes,
+    progress = Progress(len(cfg.tokens) * (1 + 3 * len(cfg.backends)) * cfg.rounds + probes,
                         enabled=cfg.progress and rank == 0)
     inputs = {t: _batch(cfg, t, config.vocab_size, rank=rank, device=device)
               for t in cfg.tokens}
@@ -192,27 +207,45 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
         model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
                                conversion=cfg.conversion,
                                max_tokens_per_rank=conversion.max_tokens_per_rank,
-                               max_tokens_per_ubatch=conversion.max_tokens_per_ubatch)
+                               backend_options=layer_options(cfg, backend, conversion,
+                                                             world_size=world))
         free_memory(device)
         shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
         shapes.setdefault("conversion", model.dbo_conversion_summary)
         runner = DBORunner(model, _DBO_ON, group=group)
         graphed = GraphedRunner(runner, warmup=GRAPH_WARMUP) if cfg.cuda_graph else None
+        blocker = collect_sbo_blocker(model)
+        sbo_runner = DBORunner(model, _SBO, group=group) if blocker is None else None
+        sbo_graphed = (GraphedRunner(sbo_runner, warmup=GRAPH_WARMUP)
+                       if cfg.cuda_graph and sbo_runner is not None else None)
         for tokens in conversion.points:
             off = _step(model, inputs[tokens])
             if cfg.cuda_graph:
                 off = replayed(capture_graph(off, device=device, warmup=GRAPH_WARMUP))
             on = _step(graphed if graphed is not None else runner, inputs[tokens])
             diffs = [max_rel_diff(s().logits, reference[tokens], group) for s in (off, on)]
-            offs, ons = [], []
+            sbo, sbo_note = None, f"not offered: {blocker}" if blocker is not None else ""
+            if sbo_runner is not None:
+                sbo = _step(sbo_graphed if sbo_graphed is not None else sbo_runner,
+                            inputs[tokens])
+                diffs.append(max_rel_diff(sbo().logits, reference[tokens], group))
+                sbo_note = sbo_not_run(sbo_runner)
+                if sbo_note:
+                    sbo = None
+            offs, ons, sbos = [], [], []
             for index in range(cfg.rounds):
                 tag = f"{backend} T={tokens}/rank{round_tag(cfg, index)}"
                 progress.step(f"{tag}: DBO off")
                 offs.append(time_steps(off, **timing))
+                progress.step(f"{tag}: SBO" + ("" if sbo is not None else " (not run)"))
+                if sbo is not None:
+                    sbos.append(time_steps(sbo, **timing))
                 progress.step(f"{tag}: DBO on")
                 ons.append(time_steps(on, **timing))
             decision = runner.last_decision  # of the timed steps: the probe runs more
-            off = on = None  # the DBO-off graph and its memory go here
+            if sbo is not None:
+                sbo_note = sbo_not_run(sbo_runner)  # of the timed steps too
+            off = on = sbo = None  # the DBO-off graph and its memory go here
             free_memory(device)
             if not skipped(model, device):
                 progress.step(f"{backend} T={tokens}/rank: ceiling probe")
@@ -227,13 +260,42 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                                  split=bool(decision is not None and decision.split),
                                  reason="" if decision is None else decision.reason,
                                  diffs=diffs, probe=probe))
+            attach_sbo(points[-1], sbos if not sbo_note else [], note=sbo_note,
+                       diff=diffs[2] if len(diffs) > 2 else None, perf=not cfg.functional)
             free_memory(device)
-        if graphed is not None:
-            graphed.reset()
-        model = runner = graphed = None
+        for g in (graphed, sbo_graphed):
+            if g is not None:
+                g.reset()
+        model = runner = graphed = sbo_runner = sbo_graphed = None
     progress.close()
     free_memory(device)
     return HFSweepResult(cfg, world, shapes, points)
+
+
+def sbo_not_run(runner: DBORunner) -> str:
+    """Why the last step of `runner` (`DBOConfig(overlap="sbo")`) was not a
+    single-batch-overlap step (`SplitPlan.overlap`), or "" where it was."""
+    decision = runner.last_decision
+    if decision is None:
+        return "not run: the runner made no decision"
+    return "" if decision.overlap == "sbo" else f"not run: {decision.reason}"
+
+
+def attach_sbo(point: HFPoint, rounds: list[Timing], *, note: str, diff: Optional[float],
+               perf: bool) -> None:
+    """Set the SBO fields of `point` from its rounds (none where `note` says why), as
+    `timing_fields` sets DBO's: medians over rounds, the slowest rank's time, T_noDBO /
+    T_SBO only in a performance run (`perf`)."""
+    point.sbo_note, point.logits_diff_sbo = note, diff
+    if not rounds:
+        return
+    t_sbo = median_of_rounds(rounds)
+    point.t_sbo_ms, point.t_sbo_ms_rank0 = t_sbo.max_ms, t_sbo.rank0_ms
+    point.host_sbo_ms = t_sbo.host_max_ms
+    point.tokens_per_s_sbo = rate(point.tokens_per_rank * point.world_size, t_sbo.max_ms)
+    point.speedup_sbo = point.t_nodbo_ms / t_sbo.max_ms if perf else None
+    point.per_rank_ms["t_sbo"] = list(t_sbo.per_rank_ms)
+    point.rounds_ms["t_sbo"] = [t.max_ms for t in rounds]
 
 
 def build_model(cfg: HFBenchConfig, config: Any, *, device: torch.device,
