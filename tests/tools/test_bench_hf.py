@@ -66,9 +66,9 @@ VALID = ", ".join(named_architectures())
      "--combine-groups 5 exceeds the 4 experts each rank holds (8 of qwen3_moe over 2 ranks)"),
     (["--hf", "qwen3_moe", "--backends", "a2a_ll", "--tokens", "8,16", "--combine-chunks",
       "9"], "--combine-chunks 9 exceeds the smallest point's 8 tokens per rank"),
-    (["--hf", "qwen3_moe", "--mode", "decode", "--backends", "a2a_ll", "--combine-groups",
-      "2"], "--combine-groups 2 shapes the SBO steps of the --hf prefill sweep; --mode "
-            "decode times none"),
+    (["--hf", "qwen3_moe", "--mode", "decode", "--requests", "2,4", "--backends", "a2a_ll",
+      "--combine-chunks", "3"], "--combine-chunks 3 exceeds the smallest point's 2 requests "
+                                "per rank"),
 ])
 def test_bad_arguments_exit_with_the_fix_before_any_rank(
         argv: list[str], message: str, capsys: pytest.CaptureFixture,

@@ -232,6 +232,11 @@ def test_cli_hf_decode_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
         assert p["dbo_split"] is True and p["rounds"] == 2 and len(p["trial_speedups"]) == 2
         assert p["speedup"] is None and p["gated_speedup"] is None
         assert p["logits_diff_nodbo"] < 1e-5 and p["logits_diff_dbo"] < 1e-5
+        # SBO: the DBO-off step (one cache) through DBOConfig(overlap="sbo"), timed each
+        # round; its logits within the same float32 bound as DBO off's.
+        assert p["t_sbo_ms"] > 0 and p["sbo_note"] == "" and p["speedup_sbo"] is None, p
+        assert p["logits_diff_sbo"] < 1e-5
+    assert final["summary"]["points_sbo"] == 4
     for p in points[0], points[2]:
         assert p["gate"] == "off" and p["gate_reason"].startswith("threshold: 2")
     for p in points[1], points[3]:
@@ -241,14 +246,21 @@ def test_cli_hf_decode_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert "one token per request over 5 cached tokens" in table and "gate decisions:" in table
     assert "  capacity: a2a_ll: max_tokens_per_rank" in table
     assert "host unconv  host noDBO  host DBO" in table and "host-bound" not in table
+    assert ("  SBO: the DBO-off model through DBOConfig(overlap=\"sbo\"), one ubatch: shared "
+            "experts under the dispatch, own rows under the combine") in table
+    header = next(line for line in lines if "R/rank" in line)
+    assert "DBO ms           SBO ms  host unconv" in header and "SBO speedup" not in header
     files = final["files"]
     with open(files["csv"]) as f:
         rows = list(csv.DictReader(f))
     assert [r["requests_per_rank"] for r in rows] == ["2", "3", "2", "3"]
+    assert all(float(r["t_sbo_ms"]) > 0 for r in rows)
     assert all(float(r["host_dbo_ms"]) > 0 for r in rows)
     doc = json.loads(Path(files["json"]).read_text())
     assert doc["config"]["decode"]["context"] == 5 and "gated_speedup" in doc["definitions"]
     assert all(len(p["rounds_ms"]["t_dbo"]) == 2 for p in doc["points"])
+    assert all(len(p["rounds_ms"]["t_sbo"]) == 2 for p in doc["points"])
+    assert "t_sbo" in doc["definitions"]
 
 
 def _graphed_hf_decode(rank: int, world_size: int, out_dir: str) -> dict:
@@ -340,5 +352,8 @@ def test_graphed_hf_decode_replays_the_eager_steps_on_two_gpus(tmp_path: Path) -
         assert point["t_hf_ms"] <= point["t_hf_eager_ms"], point
         assert len(point["trial_speedups"]) == 1 and point["trial_speedups"][0] > 0, point
         assert point["speedup"] > 0 and point["gated_speedup"] > 0, point
+        # SBO through its own GraphedRunner over the one cache.
+        assert point["t_sbo_ms"] > 0 and point["speedup_sbo"] > 0, point
+        assert point["sbo_note"] == "" and point["logits_diff_sbo"] < 0.3, point
     assert "CUDA graphs: the converted model's steps are replayed" in table
     assert "unconv eager/graph" in table

@@ -1,12 +1,14 @@
 """Layers 1-2: the SBO step of `dbo bench --hf ARCH` (prefill). The backend options each
 conversion gets (a2a_ll's ubatch capacity and combine form in one `A2ALLOptions`), a
-point without an SBO step saying why (layer 1); `--combine-groups 2` on two gloo ranks:
-the converted layers' SBO steps combine by expert group, and the SBO step's logits are
-DBO off's (layer 2). The command line end to end, SBO column included, and the flags'
-refusals are in test_bench_hf.py.
+point without an SBO step saying why (layer 1); `--combine-groups 2` on two gloo ranks,
+prefill then decode: the converted layers' SBO steps combine by expert group, and the
+SBO step's logits are as close to the unconverted model's as DBO off's (layer 2). The
+command line end to end, SBO column included, and the flags' refusals are in
+test_bench_hf.py and test_bench_hf_decode.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -16,7 +18,8 @@ import torch
 pytest.importorskip("transformers")
 
 from dbo.cli.bench.config import CPU_REGIME  # noqa: E402
-from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, layer_options  # noqa: E402
+from dbo.cli.bench.hf_config import (Conversion, HFBenchConfig, HFDecodeOptions,  # noqa: E402
+                                     layer_options)
 
 
 def test_each_conversion_gets_the_ubatch_capacity_and_combine_form_in_one_options() -> None:
@@ -53,17 +56,20 @@ def test_a_point_without_an_sbo_step_says_why_and_shows_no_time() -> None:
     point: Any = types.SimpleNamespace(backend="a2a", tokens_per_rank=8, world_size=2,
                                        t_nodbo_ms=4.0, t_sbo_ms=None, per_rank_ms={},
                                        rounds_ms={})
-    attach_sbo(point, [], note=note, diff=None, perf=True)
+    attach_sbo(point, [], note=note, diff=None, perf=True, total_tokens=16)
     assert point.t_sbo_ms is None and point.sbo_note == note and "t_sbo" not in point.rounds_ms
     assert sbo_cell(point) == "-"
-    assert sbo_lines([point, point]) == [f"  a2a T=8, a2a T=8: SBO {note}"]
+    assert sbo_lines([point, point], lambda p: f"{p.backend} T={p.tokens_per_rank}") == [
+        f"  a2a T=8, a2a T=8: SBO {note}"]
 
 
 def _grouped_sweep(rank: int, world_size: int, out_dir: str) -> dict:
-    """The --hf prefill sweep of a2a_ll with --combine-groups 2, counting the grouped
-    combines (`finalize_grouped_async`) and the groups each was asked for."""
+    """The --hf prefill sweep of a2a_ll with --combine-groups 2, then its decode sweep,
+    counting the grouped combines (`finalize_grouped_async`) and the groups each was
+    asked for."""
     import torch.distributed as dist
 
+    from dbo.cli.bench.hf_decode import run_hf_decode
     from dbo.cli.bench.hf_report import format_table
     from dbo.cli.bench.hf_sweep import run_hf_sweep
     from moe.backends.a2a_ll import AllToAllLLBackend
@@ -80,10 +86,18 @@ def _grouped_sweep(rank: int, world_size: int, out_dir: str) -> dict:
                         regime=CPU_REGIME, out_dir=out_dir, progress=False)
     result = run_hf_sweep(cfg, group=dist.group.WORLD, device=torch.device("cpu"))
     point = result.points[0]
-    return {"groups": groups, "t_sbo_ms": point.t_sbo_ms, "sbo_note": point.sbo_note,
-            "diffs": (point.logits_diff_nodbo, point.logits_diff_sbo),
-            "split": point.dbo_split, "max_tokens_per_ubatch": point.max_tokens_per_ubatch,
-            "table": format_table(result) if rank == 0 else ""}
+    out = {"groups": list(groups), "t_sbo_ms": point.t_sbo_ms, "sbo_note": point.sbo_note,
+           "diffs": (point.logits_diff_nodbo, point.logits_diff_sbo),
+           "split": point.dbo_split, "max_tokens_per_ubatch": point.max_tokens_per_ubatch,
+           "table": format_table(result) if rank == 0 else ""}
+    groups.clear()
+    decode = run_hf_decode(dataclasses.replace(cfg, decode=HFDecodeOptions(
+        requests=(2,), context=4)), group=dist.group.WORLD, device=torch.device("cpu"))
+    step = decode.points[0]
+    out["decode"] = {"groups": list(groups), "t_sbo_ms": step.t_sbo_ms,
+                     "sbo_note": step.sbo_note,
+                     "diffs": (step.logits_diff_nodbo, step.logits_diff_sbo)}
+    return out
 
 
 @pytest.mark.distributed
@@ -100,6 +114,11 @@ def test_combine_groups_reach_every_converted_layer_and_sbo_matches_dbo_off(
         # use (summing two groups' partials only reorders float additions).
         assert out["diffs"][0] < 1e-5 and out["diffs"][1] < 1e-5, out["diffs"]
         assert out["split"] and out["max_tokens_per_ubatch"] == 4, out
+        # Decode: the same count of SBO steps (one untimed, one warmup, two timed).
+        decode = out["decode"]
+        assert decode["groups"] == [2] * 4 * 2, decode["groups"]
+        assert decode["t_sbo_ms"] > 0 and decode["sbo_note"] == "", decode
+        assert decode["diffs"][0] < 1e-5 and decode["diffs"][1] < 1e-5, decode["diffs"]
     assert ("SBO: the DBO-off model through DBOConfig(overlap=\"sbo\"), one ubatch: shared "
             "experts under the dispatch, a2a_ll: the experts in 2 expert groups over every "
             "row") in results[0]["table"]

@@ -1,5 +1,6 @@
 """Configuration of `dbo bench --hf NAME` (`HFBenchConfig`): a Hugging Face MoE
-architecture converted by `moe.hf.convert`, DBO off and on, beside the unconverted model.
+architecture converted by `moe.hf.convert`, DBO off, SBO and DBO on, beside the
+unconverted model.
 
     cfg = HFBenchConfig(arch="qwen3_moe", tokens=(16,), device="cpu", regime=CPU_REGIME)
     cfg = HFBenchConfig(arch="qwen3_moe", decode=HFDecodeOptions(requests=(2, 4)))  # decode
@@ -110,11 +111,11 @@ class HFBenchConfig(SweepJob):
     decode: Optional[HFDecodeOptions] = None
     """Decode steps over KV caches instead of prefill (`tokens` and `requests` unused)."""
     combine_chunks: int = 1
-    """SBO steps of `a2a_ll` (prefill): the combine in this many chunks, each sent under
-    the next chunk's experts (`A2ALLOptions.combine_chunks`); at most the smallest
-    point's tokens per rank (a2a_ll's capacity there). 1: the combine whole."""
+    """SBO steps of `a2a_ll`: the combine in this many chunks, each sent under the next
+    chunk's experts (`A2ALLOptions.combine_chunks`); at most the smallest point's tokens
+    (decode: requests) per rank, a2a_ll's capacity there. 1: the combine whole."""
     combine_groups: int = 1
-    """SBO steps of `a2a_ll` (prefill): each rank's experts in this many groups over
+    """SBO steps of `a2a_ll`: each rank's experts in this many groups over
     every received row, each group's combine sent under the next group's experts
     (`A2ALLOptions.combine_groups`); at most the experts each rank holds (checked by
     `model_config`); exclusive with `combine_chunks` > 1. 1: the experts whole."""
@@ -158,8 +159,8 @@ class HFBenchConfig(SweepJob):
 
     def _check_combine_forms(self) -> None:
         """--combine-chunks / --combine-groups: ints >= 1, not both above 1, only for
-        prefill (decode steps time no SBO) and backends whose options take them (a2a_ll),
-        chunks at most the smallest point's tokens (a2a_ll's capacity there)."""
+        backends whose options take them (a2a_ll), chunks at most the smallest point's
+        tokens or requests per rank (a2a_ll's capacity there)."""
         given = []
         for name in ("combine_chunks", "combine_groups"):
             value, flag = getattr(self, name), "--" + name.replace("_", "-")
@@ -175,17 +176,16 @@ class HFBenchConfig(SweepJob):
         if not given:
             return
         name, flag, value = given[0]
-        if self.decode is not None:
-            raise ValueError(f"{flag} {value} shapes the SBO steps of the --hf prefill sweep; "
-                             f"--mode decode times none: drop {flag}")
         without = [b for b in self.backends if not takes_option(b, name)]
         if without:
             raise ValueError(f"{flag} {value}: backend {without[0]!r} has no such option "
                              f"(a2a_ll's SBO steps take it): use --backends a2a_ll, or drop "
                              f"{flag}")
-        if name == "combine_chunks" and value > min(self.tokens):
+        points, unit = ((self.tokens, "tokens") if self.decode is None
+                        else (self.decode.requests, "requests"))
+        if name == "combine_chunks" and value > min(points):
             raise ValueError(f"--combine-chunks {value} exceeds the smallest point's "
-                             f"{min(self.tokens)} tokens per rank (a2a_ll's capacity there; "
+                             f"{min(points)} {unit} per rank (a2a_ll's capacity there; "
                              f"each chunk takes one slot row per rank): lower "
                              f"--combine-chunks")
 

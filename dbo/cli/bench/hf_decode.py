@@ -18,7 +18,9 @@ the cache never grows. The restore only rebinds tensors the append never wrote t
 
 1. unconverted: every expert on every rank, this rank's requests;
 2. converted (`moe.hf.convert`, this rank's experts), per backend: DBO off (the model
-   called directly on the whole cache) and DBO on (`DBORunner` with `SplitCaches`:
+   called directly on the whole cache), SBO (the same step through a `DBORunner` with
+   `DBOConfig(overlap="sbo")`: never split; where the model offers none, the point says
+   why; not gated) and DBO on (`DBORunner` with `SplitCaches`:
    ubatch 0 gets requests [0, ceil(R/2)) with a cache of its own rows, ubatch 1 the rest
    with its own, as `moe.hf.generate` keeps one cache per ubatch), `rounds` rounds in
    alternation, each round with a separate short trial of DBO on for the gate
@@ -51,13 +53,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dbo import DBOConfig, DBORunner, GraphedRunner, capture_graph
+from dbo import DBOConfig, DBORunner, GraphedRunner, capture_graph, collect_sbo_blocker
 from dbo.cli.bench.gating import GatePolicy
-from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, HFDecodeOptions, conversions
+from dbo.cli.bench.hf_config import (Conversion, HFBenchConfig, HFDecodeOptions, conversions,
+                                     layer_options)
 from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
                                      replayed)
-from dbo.cli.bench.hf_sweep import (HFPointTimes, build_model, describe_model, flat_row,
-                                    free_memory, max_rel_diff, round_tag, timing_fields)
+from dbo.cli.bench.hf_sweep import (HFPointTimes, attach_sbo, build_model, describe_model,
+                                    flat_row, free_memory, max_rel_diff, round_tag,
+                                    sbo_not_run, timing_fields)
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import Timing, median_of_rounds, time_steps
 from moe.hf import cache_keyword
@@ -207,7 +211,7 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     timing = dict(device=device, group=group, warmup=cfg.warmup, iters=cfg.iters)
     # No ceiling probe here (min_gain unused): the threshold and the trials decide.
     gate = GatePolicy(min_tokens_per_rank=opts.gate_min_requests, min_gain=0.0)
-    progress = Progress(1 + len(opts.requests) * (1 + 2 * len(cfg.backends)) * cfg.rounds,
+    progress = Progress(1 + len(opts.requests) * (1 + 3 * len(cfg.backends)) * cfg.rounds,
                         enabled=cfg.progress and rank == 0)
     max_requests = max(opts.requests)
     gen = torch.Generator().manual_seed(cfg.seed * 7 + 1000 * rank + 1)
@@ -255,13 +259,20 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
         model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
                                conversion=cfg.conversion,
                                max_tokens_per_rank=conversion.max_tokens_per_rank,
-                               max_tokens_per_ubatch=conversion.max_tokens_per_ubatch)
+                               backend_options=layer_options(cfg, backend, conversion,
+                                                             world_size=world))
         free_memory(device)
         shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
         shapes.setdefault("conversion", model.dbo_conversion_summary)
         decoder = DecodeStep(model)
         runner = DBORunner(decoder, DBOConfig(split=SplitCaches()), group=group)
         graphed = GraphedRunner(runner, warmup=GRAPH_WARMUP) if cfg.cuda_graph else None
+        # SBO: the DBO-off step (one cache, no parts: never split) with overlap="sbo".
+        blocker = collect_sbo_blocker(decoder)
+        sbo_runner = (DBORunner(decoder, DBOConfig(split=SplitCaches(), overlap="sbo"),
+                                group=group) if blocker is None else None)
+        sbo_graphed = (GraphedRunner(sbo_runner, warmup=GRAPH_WARMUP)
+                       if cfg.cuda_graph and sbo_runner is not None else None)
         for r in conversion.points:
             off = _step(decoder, next_ids[:r], cache=caches[r])
             if cfg.cuda_graph:
@@ -269,19 +280,33 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
             on = _step(graphed if graphed is not None else runner, next_ids[:r],
                        cache=caches[r], parts=parts[r])
             diffs = [max_rel_diff(s(), reference[r], group) for s in (off, on)]
-            offs, ons, trials = [], [], []
+            sbo, sbo_note = None, f"not offered: {blocker}" if blocker is not None else ""
+            if sbo_runner is not None:
+                sbo = _step(sbo_graphed if sbo_graphed is not None else sbo_runner,
+                            next_ids[:r], cache=caches[r])
+                diffs.append(max_rel_diff(sbo(), reference[r], group))
+                sbo_note = sbo_not_run(sbo_runner)
+                if sbo_note:
+                    sbo = None
+            offs, ons, sbos, trials = [], [], [], []
             for index in range(cfg.rounds):
                 tag = f"{backend} R={r}/rank{round_tag(cfg, index)}"
                 progress.step(f"{tag}: DBO off")
                 offs.append(time_steps(off, **timing))
+                progress.step(f"{tag}: SBO" + ("" if sbo is not None else " (not run)"))
+                if sbo is not None:
+                    sbos.append(time_steps(sbo, **timing))
                 progress.step(f"{tag}: DBO trial + on")
                 trial = time_steps(on, **{**timing, "iters": opts.gate_trial_iters})
                 trials.append(offs[-1].max_ms / trial.max_ms)
                 ons.append(time_steps(on, **timing))
             decision = runner.last_decision
-            off = on = None  # the DBO-off graph and its memory go here
-            if graphed is not None:
-                graphed.reset()  # this point's DBO graph: no later point replays it
+            if sbo is not None:
+                sbo_note = sbo_not_run(sbo_runner)  # of the timed steps too
+            off = on = sbo = None  # the DBO-off graph and its memory go here
+            for g in (graphed, sbo_graphed):
+                if g is not None:
+                    g.reset()  # this point's graphs: no later point replays them
             free_memory(device)
             points.append(_point(cfg, opts, gate, backend=backend, requests=r, world=world,
                                  conversion=conversion, unconverted=hf_times.get(r),
@@ -289,7 +314,10 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                                  split=bool(decision is not None and decision.split),
                                  reason="" if decision is None else decision.reason,
                                  diffs=diffs))
-        model = decoder = runner = graphed = None
+            attach_sbo(points[-1], sbos if not sbo_note else [], note=sbo_note,
+                       diff=diffs[2] if len(diffs) > 2 else None, perf=not cfg.functional,
+                       total_tokens=r * world)
+        model = decoder = runner = graphed = sbo_runner = sbo_graphed = None
     progress.close()
     free_memory(device)
     return HFDecodeResult(cfg, world, shapes, points)

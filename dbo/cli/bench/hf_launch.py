@@ -16,8 +16,8 @@
 
 Prefill by default, each point timed with DBO off, SBO (single-batch overlap, the
 DBO-off model through `DBOConfig(overlap="sbo")`) and DBO on; `--combine-chunks N` /
-`--combine-groups N` (a2a_ll only, prefill only) set the SBO step's combine form
-(`A2ALLOptions`). `--mode decode` times decode steps over KV caches instead
+`--combine-groups N` (a2a_ll only) set the SBO step's combine form (`A2ALLOptions`).
+`--mode decode` times decode steps over KV caches instead, SBO too
 (`dbo.cli.bench.hf_decode`), sweeping `--requests` (requests per rank) at `--context`
 cached tokens per request, gated as the other modes gate (`--gate-min-tokens`,
 `--gate-trial-iters`).

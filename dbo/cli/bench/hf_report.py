@@ -3,7 +3,8 @@
 Files, under `out_dir`: `bench_hf_<arch>_w<world>_<regime tag>.{csv,json}` (regime tag as
 `dbo.cli.bench.report`). A CPU run is a functional check: its ratios are null and the
 table says so. Below the table, one line per point whose DBO step is host-bound
-(`host_bound_lines`, also used by the decode table), and one per reason the ceiling
+(`host_bound_lines`, also used by the decode table), one per reason some points have
+no SBO step (`sbo_lines`, also the decode table's), and one per reason the ceiling
 probe did not measure some points (`probe_lines`; on CPU every point's).
 """
 from __future__ import annotations
@@ -52,8 +53,8 @@ DEFINITIONS = {
     "dbo_vs_hf": "T_hf / T_DBO", "nodbo_vs_hf": "T_hf / T_noDBO",
     "max_tokens_per_rank": ("the converted layers' capacity (moe.hf.convert), for the "
                             "backends that need one; null otherwise"),
-    "logits_diff": ("DBO off / on / SBO: max |logits - unconverted logits| / max |unconverted logits| on the "
-                    "same batch, the largest over ranks"),
+    "logits_diff": ("DBO off / on / SBO: max |logits - unconverted logits| / max "
+                    "|unconverted logits| on the same batch, the largest over ranks"),
     "t_compute / t_comm / t_both": (
         "the ceiling probe, once per point after its rounds (GPU, backends made of "
         "torch.distributed collectives): the DBO-off step with every collective replaced "
@@ -125,6 +126,12 @@ def probe_cells(point: Any) -> dict[str, str]:
             "ceiling": _opt(point.ceiling), "eta": _opt(point.eta, "{:.2f}")}
 
 
+def max_logits_diff(point: Any) -> float:
+    """The largest of a point's logit differences: DBO off, DBO on, SBO (where run)."""
+    diffs = [point.logits_diff_nodbo, point.logits_diff_dbo]
+    return max(diffs + ([point.logits_diff_sbo] if point.logits_diff_sbo is not None else []))
+
+
 def sbo_cell(point: Any) -> str:
     """The SBO step's time as rank 0/max, "-" where it did not run."""
     if point.t_sbo_ms is None:
@@ -132,12 +139,19 @@ def sbo_cell(point: Any) -> str:
     return f"{point.t_sbo_ms_rank0:.3f}/{point.t_sbo_ms:.3f}"
 
 
-def sbo_lines(points: list[Any]) -> list[str]:
-    """One line per reason some points have no SBO step, naming them."""
+def sbo_legend(cfg: Any) -> str:
+    """The table's line on what the SBO step is (prefill or decode)."""
+    return (f"  SBO: the DBO-off model through DBOConfig(overlap=\"sbo\"), one ubatch: shared "
+            f"experts under the dispatch, {cfg.sbo_form()}")
+
+
+def sbo_lines(points: list[Any], label: Callable[[Any], str]) -> list[str]:
+    """One line per reason some points have no SBO step, naming them (`label(point)`:
+    "a2a T=4096")."""
     missing: dict[str, list[str]] = {}
     for p in points:
         if p.sbo_note:
-            missing.setdefault(p.sbo_note, []).append(f"{p.backend} T={p.tokens_per_rank}")
+            missing.setdefault(p.sbo_note, []).append(label(p))
     return [f"  {', '.join(labels)}: SBO {note}" for note, labels in missing.items()]
 
 
@@ -264,8 +278,7 @@ def format_table(result: HFSweepResult) -> str:
           if any(p.t_both_ms is not None for p in result.points) else []),
         *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
         *([f"  capacity: {note}"] if (note := _capacity_note(result)) else []),
-        f"  SBO: the DBO-off model through DBOConfig(overlap=\"sbo\"), one ubatch: shared "
-        f"experts under the dispatch, {cfg.sbo_form()}",
+        sbo_legend(cfg),
         "",
     ]
     cols = [("T/rank", 7), ("backend", 7), ("unconv ms", 15), ("noDBO ms", 15),
@@ -284,7 +297,7 @@ def format_table(result: HFSweepResult) -> str:
                  "SBO speedup": _opt(p.speedup_sbo), "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
                  "noDBO/unconv": f"{p.nodbo_vs_hf or 0:.3f}",
                  "tok/s DBO": _num(p.tokens_per_s_dbo),
-                 "diff": f"{max(p.logits_diff_nodbo, p.logits_diff_dbo, p.logits_diff_sbo or 0):.1e}",
+                 "diff": f"{max_logits_diff(p):.1e}",
                  "unconv eager/graph": eager_graph_cell(p), **probe_cells(p)}
         lines.append("  ".join(f"{cells[name]:>{w}}" for name, w in cols))
     not_split = [p for p in result.points if not p.dbo_split]
@@ -292,12 +305,13 @@ def format_table(result: HFSweepResult) -> str:
         lines.append(f"  {p.backend} T={p.tokens_per_rank}: DBO-on step NOT split: "
                      f"{p.dbo_split_reason}")
     lines += host_bound_lines(result.points, lambda p: f"{p.backend} T={p.tokens_per_rank}")
-    lines += sbo_lines(result.points)
+    lines += sbo_lines(result.points, lambda p: f"{p.backend} T={p.tokens_per_rank}")
     lines += probe_lines(result.points)
     notes = {p.tokens_per_rank: p.hf_graph_note for p in result.points if p.hf_graph_note}
     lines += [f"  unconverted T={t}: no graph: {note}" for t, note in notes.items()]
-    lines.append("  speedup = noDBO/DBO; SBO speedup = noDBO/SBO; DBO/unconv = unconverted/DBO (above 1: the converted "
-                 "model with DBO is faster); diff = largest logit difference to the "
-                 "unconverted model, relative; comp/comm/both/split: the ceiling probe, "
-                 "ceiling = (comp + comm) / both, eta = (noDBO - DBO) / (noDBO - both)")
+    lines.append("  speedup = noDBO/DBO; SBO speedup = noDBO/SBO; DBO/unconv = "
+                 "unconverted/DBO (above 1: the converted model with DBO is faster); "
+                 "diff = largest logit difference to the unconverted model, relative; "
+                 "comp/comm/both/split: the ceiling probe, ceiling = (comp + comm) / both, "
+                 "eta = (noDBO - DBO) / (noDBO - both)")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """The measurements of `dbo bench --hf NAME`: a transformers MoE model as transformers
-runs it, then converted by `moe.hf.convert` (expert parallelism), DBO off and on.
+runs it, then converted by `moe.hf.convert` (expert parallelism), DBO off, SBO and DBO on.
 
     result = run_hf_sweep(cfg, group=dist.group.WORLD, device=device)   # on every rank
 
@@ -20,7 +20,12 @@ logits are the last position's, as a server computes them: [B, 1, V]).
    a2a_ll and deepep_ll the point's tokens per rank, converted (and rebuilt) per point;
    symm_mem the largest point's. The DBO-on runner shares the DBO-off model; a2a_ll's
    ubatches get a capacity of their own (the point's larger ubatch), deepep_ll's carry
-   the whole capacity (its padding, twice).
+   the whole capacity (its padding, twice). Each round also times an SBO step between
+   DBO off and DBO on: the same model through `DBORunner(model, DBOConfig(overlap=
+   "sbo"))` (never split; a `GraphedRunner` under `cuda_graph`), its combine in the form
+   `--combine-chunks` / `--combine-groups` give a2a_ll (`hf_config.layer_options`);
+   where the model offers none (`dbo_sbo_blocker`) or the runner ran none, the point
+   says why (`sbo_note`) instead of a time.
 With `cuda_graph` (GPU, prefill): DBO off is one captured forward (`dbo.graphs.
 capture_graph`) replayed, DBO on a `dbo.graphs.GraphedRunner` (the vote, then a
 replay), both with their output cloned out as a caller would keep it. The unconverted
@@ -54,8 +59,8 @@ from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import (Timing, gather_floats, host_bound, median_of_rounds, rate,
                                   time_steps)
 
-__all__ = ["HFPoint", "HFPointTimes", "HFSweepResult", "build_model", "describe_model",
-           "max_rel_diff", "run_hf_sweep", "timing_fields"]
+__all__ = ["HFPoint", "HFPointTimes", "HFSweepResult", "attach_sbo", "build_model",
+           "describe_model", "max_rel_diff", "run_hf_sweep", "sbo_not_run", "timing_fields"]
 
 # DBO on: every point split (B >= 2 sequences); the bench compares, it does not gate.
 _DBO_ON = DBOConfig(split="batch", min_prefill_tokens=2, min_decode_tokens=2)
@@ -112,16 +117,6 @@ class HFPointTimes:
     None where it did not capture: `hf_graph_note`); under `cuda_graph` only. `t_hf_ms`
     is the faster."""
     hf_graph_note: str = ""
-    rounds: int = 1
-    per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
-    rounds_ms: dict[str, list[float]] = field(default_factory=dict)
-
-
-@dataclass(kw_only=True)
-class HFPoint(HFPointTimes):
-    """One backend and token count of the prefill sweep."""
-
-    tokens_per_rank: int
     t_sbo_ms: Optional[float] = None
     t_sbo_ms_rank0: Optional[float] = None
     host_sbo_ms: Optional[float] = None
@@ -135,6 +130,16 @@ class HFPoint(HFPointTimes):
     sbo_note: str = ""
     """Why this point has no SBO time (the model's `dbo_sbo_blocker`, or the runner's
     decision), or empty."""
+    rounds: int = 1
+    per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
+    rounds_ms: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class HFPoint(HFPointTimes):
+    """One backend and token count of the prefill sweep."""
+
+    tokens_per_rank: int
     t_compute_ms: Optional[float] = None
     t_comm_ms: Optional[float] = None
     t_both_ms: Optional[float] = None
@@ -261,7 +266,8 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                                  reason="" if decision is None else decision.reason,
                                  diffs=diffs, probe=probe))
             attach_sbo(points[-1], sbos if not sbo_note else [], note=sbo_note,
-                       diff=diffs[2] if len(diffs) > 2 else None, perf=not cfg.functional)
+                       diff=diffs[2] if len(diffs) > 2 else None, perf=not cfg.functional,
+                       total_tokens=tokens * world)
             free_memory(device)
         for g in (graphed, sbo_graphed):
             if g is not None:
@@ -281,18 +287,19 @@ def sbo_not_run(runner: DBORunner) -> str:
     return "" if decision.overlap == "sbo" else f"not run: {decision.reason}"
 
 
-def attach_sbo(point: HFPoint, rounds: list[Timing], *, note: str, diff: Optional[float],
-               perf: bool) -> None:
-    """Set the SBO fields of `point` from its rounds (none where `note` says why), as
-    `timing_fields` sets DBO's: medians over rounds, the slowest rank's time, T_noDBO /
-    T_SBO only in a performance run (`perf`)."""
+def attach_sbo(point: HFPointTimes, rounds: list[Timing], *, note: str,
+               diff: Optional[float], perf: bool, total_tokens: int) -> None:
+    """Set the SBO fields of `point` (prefill or decode) from its rounds (none where
+    `note` says why), as `timing_fields` sets DBO's: medians over rounds, the slowest
+    rank's time, the rate of `total_tokens` over all ranks, T_noDBO / T_SBO only in a
+    performance run (`perf`)."""
     point.sbo_note, point.logits_diff_sbo = note, diff
     if not rounds:
         return
     t_sbo = median_of_rounds(rounds)
     point.t_sbo_ms, point.t_sbo_ms_rank0 = t_sbo.max_ms, t_sbo.rank0_ms
     point.host_sbo_ms = t_sbo.host_max_ms
-    point.tokens_per_s_sbo = rate(point.tokens_per_rank * point.world_size, t_sbo.max_ms)
+    point.tokens_per_s_sbo = rate(total_tokens, t_sbo.max_ms)
     point.speedup_sbo = point.t_nodbo_ms / t_sbo.max_ms if perf else None
     point.per_rank_ms["t_sbo"] = list(t_sbo.per_rank_ms)
     point.rounds_ms["t_sbo"] = [t.max_ms for t in rounds]
