@@ -45,10 +45,10 @@ receiver sums each token's partials over the groups (equal within floating-point
 rounding: every group's partial is rounded to the rows' dtype).
 
 Under `torch.compile` the halves that communicate (`_dispatch_send`, `_dispatch_recv`,
-`_combine_send`, `_chunked_combine`, `_grouped_combine`, `_combine_recv`) are graph breaks (`dbo.compiling`):
+`_combine_send`, `_interleaved_combine`, `_combine_recv`) are graph breaks (`dbo.compiling`):
 they run eagerly, yields and collectives in the same order as without compile, and the
 compute between them (the experts, the own rows, the shared experts) is compiled, the
-experts then without workspaces. The chunked combine's experts run inside its half,
+experts then without workspaces. The interleaved combines' experts run inside their half,
 eagerly.
 """
 from __future__ import annotations
@@ -165,16 +165,10 @@ class ModularKernel:
         if sbo and shared_experts is not None:
             with phase_scope("shared_experts", layer=layer):
                 shared_TH = shared_experts(x_TH)  # under the dispatch
-        if sbo and self.backend.combine_groups > 1:
+        if sbo and (self.backend.combine_groups > 1 or self.backend.combine_chunks > 1):
             dispatched, _ = self._dispatch_recv(send, layer, split=False)
-            pending_out = self._grouped_combine(dispatched, w13_EIH, w2_EHI, workspace, layer,
-                                                send.sms_shared)
-            out_TH = self._combine_recv(pending_out, layer)
-            return out_TH if shared_TH is None else out_TH + shared_TH
-        if sbo and self.backend.combine_chunks > 1:
-            dispatched, _ = self._dispatch_recv(send, layer, split=False)
-            pending_out = self._chunked_combine(dispatched, w13_EIH, w2_EHI, workspace, layer,
-                                                send.sms_shared)
+            pending_out = self._interleaved_combine(dispatched, w13_EIH, w2_EHI, workspace,
+                                                    layer, send.sms_shared)
             out_TH = self._combine_recv(pending_out, layer)
             return out_TH if shared_TH is None else out_TH + shared_TH
         dispatched, own = self._dispatch_recv(
@@ -256,37 +250,26 @@ class ModularKernel:
             return await_pending(pending_out)
 
     @graph_break
-    def _chunked_combine(self, dispatched: Dispatched, w13_EIH: Tensor, w2_EHI: Tensor,
-                         workspace: Workspace, layer: Optional[int],
-                         sms_shared: bool) -> Pending[Tensor]:
-        """The experts and the combine interleaved by the backend (`combine_chunks`
-        chunks; see the module doc): each chunk's experts are an `experts` phase inside
-        the `combine_send` phase that queues the chunks' transfers."""
+    def _interleaved_combine(self, dispatched: Dispatched, w13_EIH: Tensor, w2_EHI: Tensor,
+                             workspace: Workspace, layer: Optional[int],
+                             sms_shared: bool) -> Pending[Tensor]:
+        """The experts and the combine interleaved by the backend (see the module doc): by
+        expert group (`combine_groups` > 1) or by row chunk (`combine_chunks` > 1). Each
+        pass of the experts is an `experts` phase inside the `combine_send` phase that
+        queues the transfers."""
         def run_experts(x_NH: Tensor, ids_NK: Tensor, weights_NK: Tensor) -> Tensor:
             with phase_scope("experts", layer=layer):
                 return self._run_experts(x_NH, ids_NK, weights_NK, w13_EIH, w2_EHI,
                                          workspace, sms_shared)
 
+        backend = self.backend
         with phase_scope("combine_send", layer=layer):
-            return self.backend.finalize_chunked_async(
-                run_experts, dispatched, num_chunks=self.backend.combine_chunks,
-                workspace=workspace)
-
-    @graph_break
-    def _grouped_combine(self, dispatched: Dispatched, w13_EIH: Tensor, w2_EHI: Tensor,
-                         workspace: Workspace, layer: Optional[int],
-                         sms_shared: bool) -> Pending[Tensor]:
-        """The experts and the combine interleaved by expert group (`combine_groups`
-        groups; see the module doc): each group's experts are an `experts` phase inside
-        the `combine_send` phase that queues the groups' transfers."""
-        def run_experts(x_NH: Tensor, ids_NK: Tensor, weights_NK: Tensor) -> Tensor:
-            with phase_scope("experts", layer=layer):
-                return self._run_experts(x_NH, ids_NK, weights_NK, w13_EIH, w2_EHI,
-                                         workspace, sms_shared)
-
-        with phase_scope("combine_send", layer=layer):
-            return self.backend.finalize_grouped_async(
-                run_experts, dispatched, num_groups=self.backend.combine_groups,
+            if backend.combine_groups > 1:
+                return backend.finalize_grouped_async(
+                    run_experts, dispatched, num_groups=backend.combine_groups,
+                    workspace=workspace)
+            return backend.finalize_chunked_async(
+                run_experts, dispatched, num_chunks=backend.combine_chunks,
                 workspace=workspace)
 
     def _prepare_async(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor,

@@ -138,6 +138,15 @@ class SweepJob(ModelJob):
     """Show progress on stderr (rank 0)."""
     cuda_graph: bool = False
     """Time the steps as CUDA graph replays (`dbo.graphs`; each sweep says which)."""
+    combine_chunks: int = 1
+    """SBO steps of `a2a_ll`: the combine in this many chunks, each sent under the next
+    chunk's experts (`A2ALLOptions.combine_chunks`); at most the smallest point's tokens
+    (requests in decode mode) per rank, a2a_ll's capacity there. 1: the combine whole."""
+    combine_groups: int = 1
+    """SBO steps of `a2a_ll`: each rank's experts in this many groups, each over every
+    received row, each group's combine sent under the next group's experts
+    (`A2ALLOptions.combine_groups`); at most the experts each rank holds; exclusive with
+    `combine_chunks` > 1. 1: the experts whole."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -152,6 +161,16 @@ class SweepJob(ModelJob):
         if self.experts not in EXPERT_KERNELS:
             raise ValueError(f"unknown experts kernel {self.experts!r}: use one of "
                              f"{', '.join(EXPERT_KERNELS)}")
+
+    def sbo_form(self) -> str:
+        """How an SBO step overlaps its combine, in words (the table)."""
+        if self.combine_groups > 1:
+            return (f"a2a_ll: the experts in {self.combine_groups} expert groups over every "
+                    f"row, each group's combine under the next group's experts")
+        if self.combine_chunks > 1:
+            return (f"a2a_ll: the combine in {self.combine_chunks} row chunks, each under "
+                    f"the next chunk's experts, own rows under the last")
+        return "own rows under the combine"
 
     @property
     def functional(self) -> bool:
@@ -205,15 +224,6 @@ class BenchConfig(SweepJob):
     split_last_combine: bool = True
     """The last MoE layer's last ubatch sends the other ranks' rows before computing its
     own (`MoEConfig.split_last_combine`); False runs that layer like the others."""
-    combine_chunks: int = 1
-    """SBO steps of `a2a_ll`: the combine in this many chunks, each sent under the next
-    chunk's experts (`A2ALLOptions.combine_chunks`); at most the smallest point's tokens
-    (requests in decode mode), the capacity of its no-overlap model."""
-    combine_groups: int = 1
-    """SBO steps of `a2a_ll`: the experts in this many groups of each rank's experts, each
-    over every received row, each group's combine sent under the next group's experts
-    (`A2ALLOptions.combine_groups`); at most the experts each rank holds; exclusive with
-    `combine_chunks` > 1."""
     gemm_sm_carveout: int = DBOConfig().gemm_sm_carveout or 0
     """SMs that torch's GEMMs leave to the comm kernels in DBO steps and in the probe's
     `both` (`DBOConfig.gemm_sm_carveout`); 0: every SM."""
@@ -299,16 +309,6 @@ class BenchConfig(SweepJob):
             raise ValueError(f"combine_groups={self.combine_groups} exceeds the "
                              f"{experts_per_rank} experts each rank holds: a group holds at "
                              f"least one expert; lower --combine-groups")
-
-    def sbo_form(self) -> str:
-        """How an SBO step overlaps its combine, in words (the table)."""
-        if self.combine_groups > 1:
-            return (f"a2a_ll: the experts in {self.combine_groups} expert groups over every "
-                    f"row, each group's combine under the next group's experts")
-        if self.combine_chunks > 1:
-            return (f"a2a_ll: the combine in {self.combine_chunks} row chunks, each under "
-                    f"the next chunk's experts, own rows under the last")
-        return "own rows under the combine"
 
     def _check_cuda_graph(self) -> None:
         if self.device != "cuda":

@@ -110,15 +110,6 @@ class HFBenchConfig(SweepJob):
     one, else the experts path) or "experts" (the experts path for every block)."""
     decode: Optional[HFDecodeOptions] = None
     """Decode steps over KV caches instead of prefill (`tokens` and `requests` unused)."""
-    combine_chunks: int = 1
-    """SBO steps of `a2a_ll`: the combine in this many chunks, each sent under the next
-    chunk's experts (`A2ALLOptions.combine_chunks`); at most the smallest point's tokens
-    (decode: requests) per rank, a2a_ll's capacity there. 1: the combine whole."""
-    combine_groups: int = 1
-    """SBO steps of `a2a_ll`: each rank's experts in this many groups over
-    every received row, each group's combine sent under the next group's experts
-    (`A2ALLOptions.combine_groups`); at most the experts each rank holds (checked by
-    `model_config`); exclusive with `combine_chunks` > 1. 1: the experts whole."""
 
     def __post_init__(self) -> None:
         from moe.hf import is_named, unknown_name
@@ -188,16 +179,6 @@ class HFBenchConfig(SweepJob):
                              f"{min(points)} {unit} per rank (a2a_ll's capacity there; "
                              f"each chunk takes one slot row per rank): lower "
                              f"--combine-chunks")
-
-    def sbo_form(self) -> str:
-        """How an SBO step overlaps its combine, in words (the table)."""
-        if self.combine_groups > 1:
-            return (f"a2a_ll: the experts in {self.combine_groups} expert groups over every "
-                    f"row, each group's combine under the next group's experts")
-        if self.combine_chunks > 1:
-            return (f"a2a_ll: the combine in {self.combine_chunks} row chunks, each under "
-                    f"the next chunk's experts, own rows under the last")
-        return "own rows under the combine"
 
     def _check_cuda_graph(self) -> None:
         if self.device != "cuda":
