@@ -53,15 +53,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dbo import DBOConfig, DBORunner, GraphedRunner, capture_graph, collect_sbo_blocker
+from dbo import DBOConfig, DBORunner, GraphedRunner, capture_graph
 from dbo.cli.bench.gating import GatePolicy
-from dbo.cli.bench.hf_config import (Conversion, HFBenchConfig, HFDecodeOptions, conversions,
-                                     layer_options)
+from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, HFDecodeOptions, conversions
 from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
                                      replayed)
-from dbo.cli.bench.hf_sweep import (HFPointTimes, attach_sbo, build_model, describe_model,
-                                    flat_row, free_memory, max_rel_diff, round_tag,
-                                    sbo_not_run, timing_fields)
+from dbo.cli.bench.hf_sweep import (HFPointTimes, attach_sbo, build_model, converted_model,
+                                    describe_model, flat_row, free_memory, max_rel_diff,
+                                    round_tag, sbo_not_run, sbo_runners, timing_fields)
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import Timing, median_of_rounds, time_steps
 from moe.hf import cache_keyword
@@ -247,32 +246,19 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
             t_hf[r] = hf_times[r].best
     unconverted = step = None
 
-    import moe.hf
     points = []
     plans = [(backend, conversion) for backend in cfg.backends
              for conversion in conversions(backend, opts.requests, world_size=world,
                                            ubatch_of=lambda r: (r + 1) // 2)]
     for backend, conversion in plans:
-        if model is None:  # the previous conversion's model is gone
-            model = build_model(cfg, config, device=device, dtype=dtype)
-        free_memory(device)
-        model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
-                               conversion=cfg.conversion,
-                               max_tokens_per_rank=conversion.max_tokens_per_rank,
-                               backend_options=layer_options(cfg, backend, conversion,
-                                                             world_size=world))
-        free_memory(device)
-        shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
-        shapes.setdefault("conversion", model.dbo_conversion_summary)
+        model = converted_model(cfg, config, model, backend, conversion, shapes,
+                                device=device, dtype=dtype, group=group, world=world)
         decoder = DecodeStep(model)
         runner = DBORunner(decoder, DBOConfig(split=SplitCaches()), group=group)
         graphed = GraphedRunner(runner, warmup=GRAPH_WARMUP) if cfg.cuda_graph else None
         # SBO: the DBO-off step (one cache, no parts: never split) with overlap="sbo".
-        blocker = collect_sbo_blocker(decoder)
-        sbo_runner = (DBORunner(decoder, DBOConfig(split=SplitCaches(), overlap="sbo"),
-                                group=group) if blocker is None else None)
-        sbo_graphed = (GraphedRunner(sbo_runner, warmup=GRAPH_WARMUP)
-                       if cfg.cuda_graph and sbo_runner is not None else None)
+        blocker, sbo_runner, sbo_graphed = sbo_runners(
+            decoder, DBOConfig(split=SplitCaches(), overlap="sbo"), cfg, group=group)
         for r in conversion.points:
             off = _step(decoder, next_ids[:r], cache=caches[r])
             if cfg.cuda_graph:

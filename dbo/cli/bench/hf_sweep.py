@@ -200,29 +200,16 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                                                        device=device, group=group)
             t_hf[tokens] = unconverted[tokens].best
 
-    import moe.hf
     points = []
     plans = [(backend, conversion) for backend in cfg.backends
              for conversion in conversions(backend, cfg.tokens, world_size=world,
                                            ubatch_of=lambda t: largest_ubatch(cfg, t))]
     for backend, conversion in plans:
-        if model is None:  # the previous conversion's model is gone
-            model = build_model(cfg, config, device=device, dtype=dtype)
-        free_memory(device)
-        model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
-                               conversion=cfg.conversion,
-                               max_tokens_per_rank=conversion.max_tokens_per_rank,
-                               backend_options=layer_options(cfg, backend, conversion,
-                                                             world_size=world))
-        free_memory(device)
-        shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
-        shapes.setdefault("conversion", model.dbo_conversion_summary)
+        model = converted_model(cfg, config, model, backend, conversion, shapes,
+                                device=device, dtype=dtype, group=group, world=world)
         runner = DBORunner(model, _DBO_ON, group=group)
         graphed = GraphedRunner(runner, warmup=GRAPH_WARMUP) if cfg.cuda_graph else None
-        blocker = collect_sbo_blocker(model)
-        sbo_runner = DBORunner(model, _SBO, group=group) if blocker is None else None
-        sbo_graphed = (GraphedRunner(sbo_runner, warmup=GRAPH_WARMUP)
-                       if cfg.cuda_graph and sbo_runner is not None else None)
+        blocker, sbo_runner, sbo_graphed = sbo_runners(model, _SBO, cfg, group=group)
         for tokens in conversion.points:
             off = _step(model, inputs[tokens])
             if cfg.cuda_graph:
@@ -276,6 +263,40 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     progress.close()
     free_memory(device)
     return HFSweepResult(cfg, world, shapes, points)
+
+
+def converted_model(cfg: HFBenchConfig, config: Any, model: Optional[nn.Module],
+                    backend: str, conversion: Any, shapes: dict[str, Any], *,
+                    device: torch.device, dtype: torch.dtype,
+                    group: Optional[dist.ProcessGroup], world: int) -> nn.Module:
+    """`model` (built again if the previous conversion's is gone) converted for one
+    (backend, conversion) plan of the sweep, with `layer_options`; the first conversion's
+    expert bytes and summary go into `shapes`."""
+    import moe.hf
+    if model is None:  # the previous conversion's model is gone
+        model = build_model(cfg, config, device=device, dtype=dtype)
+    free_memory(device)
+    model = moe.hf.convert(model, group=group, backend=backend, experts=cfg.experts,
+                           conversion=cfg.conversion,
+                           max_tokens_per_rank=conversion.max_tokens_per_rank,
+                           backend_options=layer_options(cfg, backend, conversion,
+                                                         world_size=world))
+    free_memory(device)
+    shapes.setdefault("expert_bytes_per_rank_converted", moe.hf.expert_bytes(model))
+    shapes.setdefault("conversion", model.dbo_conversion_summary)
+    return model
+
+
+def sbo_runners(model: Callable[..., Any], config: DBOConfig, cfg: HFBenchConfig, *,
+                group: Optional[dist.ProcessGroup]
+                ) -> tuple[Optional[str], Optional[DBORunner], Optional[GraphedRunner]]:
+    """(why the model offers no SBO, or None; the SBO runner under `config`, whose
+    overlap is "sbo"; its graphed runner under --cuda-graph): None where not offered."""
+    blocker = collect_sbo_blocker(model)
+    runner = DBORunner(model, config, group=group) if blocker is None else None
+    graphed = (GraphedRunner(runner, warmup=GRAPH_WARMUP)
+               if cfg.cuda_graph and runner is not None else None)
+    return blocker, runner, graphed
 
 
 def sbo_not_run(runner: DBORunner) -> str:
