@@ -18,8 +18,9 @@ Routing variants selected by the config (see `moe.router.route` for the maths):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -286,6 +287,32 @@ class MoEConfig:
     def experts_per_group(self) -> int:
         """Experts in one routing group (num_experts when grouped top-k is off)."""
         return self.num_experts // (self.n_group or 1)
+
+
+#: Fields MoEConfig once had, now in a backend's options: the class to pass instead.
+MOVED_TO_OPTIONS: dict[str, str] = {
+    "max_tokens_per_ubatch": "A2ALLOptions(max_tokens_per_ubatch=...)",
+    "combine_chunks": "A2ALLOptions(combine_chunks=...)",
+    "deepep": "DeepEPHTOptions(worst_case_dispatch=...) or DeepEPLLOptions(fp8_dispatch=...)",
+    "deepep_v2_mode": "DeepEPV2Options(mode=...)",
+}
+
+
+def _refuse_moved_fields(init: Callable[..., None]) -> Callable[..., None]:
+    """MoEConfig's generated __init__, refusing a field that moved into a backend's
+    options in one line that names where it went (not Python's "unexpected keyword")."""
+    @functools.wraps(init)
+    def checked(self: "MoEConfig", *args: Any, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name in MOVED_TO_OPTIONS:
+                raise TypeError(f"MoEConfig({name}=...) is a backend's option now: pass "
+                                f"MoEConfig(backend_options={MOVED_TO_OPTIONS[name]}) "
+                                f"(moe.backends)")
+        init(self, *args, **kwargs)
+    return checked
+
+
+MoEConfig.__init__ = _refuse_moved_fields(MoEConfig.__init__)  # type: ignore[method-assign]
 
 
 def round_up_hidden(hidden_size: int, dtype: torch.dtype, align_bytes: int = 512) -> int:

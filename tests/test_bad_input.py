@@ -211,6 +211,12 @@ REJECTED = {
                           backend="a2a_ll", max_tokens_per_rank=8,
                           backend_options=A2ALLOptions(combine_chunks=9)), ValueError,
         "A2ALLOptions.combine_chunks=9 exceeds MoEConfig.max_tokens_per_rank=8"),
+    "a field that moved into a backend's options (`combine_chunks`, `max_tokens_per_ubatch`, `deepep`, `deepep_v2_mode`)": (
+        lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                          backend="a2a_ll", max_tokens_per_rank=8, combine_chunks=2),
+        TypeError,
+        "MoEConfig(combine_chunks=...) is a backend's option now: pass "
+        "MoEConfig(backend_options=A2ALLOptions(combine_chunks=...))"),
     "more combine groups than experts, or both groups and chunks": (
         lambda: MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
                           backend="a2a_ll", max_tokens_per_rank=8,

@@ -73,7 +73,12 @@ def make_backend(config: MoEConfig, group: Optional[dist.ProcessGroup]) -> Prepa
 # Re-exported on first use ("module:attribute"): importing their module registers DeepEP's
 # buffer teardown with `dbo.groups`, which a process without DeepEP backends never needs.
 _LAZY = {"destroy_buffers": "moe.backends.deepep_support:destroy_buffers",
-         "require_deep_ep": "moe.backends.deepep_support:require_deep_ep"}
+         "require_deep_ep": "moe.backends.deepep_support:require_deep_ep",
+         # Each backend's options class, from its backend's module (imported on first use).
+         "A2ALLOptions": "moe.backends.a2a_ll:A2ALLOptions",
+         "DeepEPHTOptions": "moe.backends.deepep_ht:DeepEPHTOptions",
+         "DeepEPLLOptions": "moe.backends.deepep_ll:DeepEPLLOptions",
+         "DeepEPV2Options": "moe.backends.deepep_v2:DeepEPV2Options"}
 
 
 def __getattr__(name: str) -> Any:
@@ -84,7 +89,8 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module_name), attribute)
 
 
-__all__ = ["AUTO", "BACKENDS", "COMPARED_BACKENDS", "DEFAULT_BACKEND", "DEFAULT_GRAPH_BACKEND",
+__all__ = ["A2ALLOptions", "DeepEPHTOptions", "DeepEPLLOptions", "DeepEPV2Options",
+           "AUTO", "BACKENDS", "COMPARED_BACKENDS", "DEFAULT_BACKEND", "DEFAULT_GRAPH_BACKEND",
            "SINGLE_RANK_BACKEND", "TRAITS", "UNTESTED_BACKENDS", "BackendOptions",
            "BackendTraits", "Dispatched", "NoOptions", "Pending", "PrepareFinalize",
            "backend_class", "backend_traits", "backends_with", "check_one_process",
