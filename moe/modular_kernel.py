@@ -36,8 +36,8 @@ last (`PrepareFinalize.finalize_chunked_async`). It replaces the split above; a 
 count of 1, and DBO steps, take the path above. The same rows go through the experts
 once each, in other row groups (equal within floating-point rounding).
 
-The combine by expert group (SBO only, the backend's `combine_groups` > 1, backends with
-`groups_combine`: a2a_ll): the experts run over every received row one group of this
+The combine by expert group (SBO only, the backend's `combine_groups` > 1, where it has
+`finalize_grouped_async`: a2a_ll): the experts run over every received row one group of this
 rank's experts at a time (the other ids masked to -1), each group's partial combine sent
 on the comm stream while the next group's experts run (`finalize_grouped_async`). Each
 expert's weights are read once, where row chunks may read them once per chunk; the

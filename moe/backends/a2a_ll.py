@@ -241,14 +241,10 @@ class AllToAllLLBackend(PrepareFinalize):
         return self.options.combine_chunks if self.chunks_combine else 1
 
     @property
-    def groups_combine(self) -> bool:
-        """With peers to send to (one rank has no combine to overlap)."""
-        return self.world_size > 1
-
-    @property
     def combine_groups(self) -> int:
-        """`A2ALLOptions.combine_groups` where `groups_combine`, else 1."""
-        return self.options.combine_groups if self.groups_combine else 1
+        """`A2ALLOptions.combine_groups` where there are peers to send to (as for
+        `chunks_combine`: one rank has no combine to overlap), else 1."""
+        return self.options.combine_groups if self.chunks_combine else 1
 
     @property
     def max_tokens_per_ubatch(self) -> Optional[int]:

@@ -22,7 +22,7 @@ copy, not over the network. A backend that can say which rows those are lets the
 send the other ranks' outputs first and compute its own rows while that combine is in
 flight, handing their outputs over before it receives.
 
-A combine by expert group (`groups_combine`, `finalize_grouped_async`, single-batch
+A combine by expert group (`combine_groups` > 1, `finalize_grouped_async`, single-batch
 overlap only): the backend runs one group of its experts at a time over every received
 row and queues that group's partial combine before the next group's experts, so each
 expert's weights are read once while the combine overlaps the GEMMs.
@@ -296,14 +296,9 @@ class PrepareFinalize(ABC):
     @property
     def combine_groups(self) -> int:
         """The expert groups a single-batch-overlap step runs and sends its combine in
-        (its options' `combine_groups` where `groups_combine`); 1 (this default): the
-        experts whole, then the combine."""
+        (from its options, where `finalize_grouped_async` runs); 1 (this default): the
+        experts whole, then the combine, and `finalize_grouped_async` is never called."""
         return 1
-
-    @property
-    def groups_combine(self) -> bool:
-        """Whether `finalize_grouped_async` runs here; False (this default)."""
-        return False
 
     @property
     def max_tokens_per_ubatch(self) -> Optional[int]:
@@ -323,13 +318,13 @@ class PrepareFinalize(ABC):
 
     def finalize_grouped_async(self, run_experts: RunExperts, dispatched: Dispatched, *,
                                num_groups: int, workspace: Workspace) -> Pending[Tensor]:
-        """Experts and combine interleaved by expert group (only where `groups_combine`):
+        """Experts and combine interleaved by expert group (only where `combine_groups` > 1):
         `run_experts` on every row of `dispatched` with only group 0's experts (the other
         ids -1), group 0's partial combine queued on the comm stream, group 1's experts
         under it, ...: each expert's weights are read once; the receiver gives out_TH as
         `finalize_async` does, each token's sum over the groups' partial outputs."""
         raise TypeError(f"backend {self.name!r} cannot send its combine by expert group "
-                        f"(groups_combine is False): call finalize_async")
+                        f"(its combine_groups is 1): call finalize_async")
 
     def refuse_split(self, own: Optional[OwnRows]) -> None:
         """For backends without a split combine: `own` must be None."""
