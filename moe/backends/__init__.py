@@ -43,7 +43,8 @@ from moe.backends.traits import TRAITS, BackendTraits, backend_traits, backends_
 from moe.backend_options import BackendOptions, NoOptions
 from moe.backends.registry import (AUTO, BACKENDS, COMPARED_BACKENDS, DEFAULT_BACKEND,
                                    DEFAULT_GRAPH_BACKEND, SINGLE_RANK_BACKEND,
-                                   UNTESTED_BACKENDS, backend_class, resolve_backend_name)
+                                   UNTESTED_BACKENDS, backend_class, options_with,
+                                   resolve_backend_name)
 from moe.config import MoEConfig
 
 
@@ -94,5 +95,5 @@ __all__ = ["A2ALLOptions", "DeepEPHTOptions", "DeepEPLLOptions", "DeepEPV2Option
            "SINGLE_RANK_BACKEND", "TRAITS", "UNTESTED_BACKENDS", "BackendOptions",
            "BackendTraits", "Dispatched", "NoOptions", "Pending", "PrepareFinalize",
            "backend_class", "backend_traits", "backends_with", "check_one_process",
-           "claim_nvshmem", "destroy_buffers", "make_backend", "require_deep_ep",
+           "claim_nvshmem", "destroy_buffers", "make_backend", "options_with", "require_deep_ep",
            "resolve_backend_name"]

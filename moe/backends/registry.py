@@ -7,6 +7,7 @@ backend's module on first use. A new backend is one line in `BACKENDS`.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 #: backend name -> "module:Class" (`moe.backends`); "auto" is `SINGLE_RANK_BACKEND` for
 #: EP size 1, else `DEFAULT_BACKEND`.
@@ -48,6 +49,18 @@ def resolve_backend_name(name: str, world_size: int) -> str:
         raise ValueError(f"unknown MoE backend {name!r}: choose one of "
                          f"{sorted(BACKENDS) + [AUTO]}")
     return name
+
+
+def options_with(name: str, world_size: int, **values: Any) -> Any:
+    """Backend `name`'s options (its `options_type`) with `values` set, keeping only the
+    fields it has and the values that differ from their defaults; None where nothing is
+    left (the backend's defaults). E.g. `options_with("a2a_ll", 2, combine_groups=2)`
+    is `A2ALLOptions(combine_groups=2)`, and None for backend "a2a"."""
+    import dataclasses
+    options_type = backend_class(name, world_size).options_type
+    defaults = {f.name: f.default for f in dataclasses.fields(options_type)}
+    given = {k: v for k, v in values.items() if k in defaults and v != defaults[k]}
+    return options_type(**given) if given else None
 
 
 def backend_class(name: str, world_size: int) -> type:

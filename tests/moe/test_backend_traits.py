@@ -146,3 +146,11 @@ def test_bool_options_refuse_anything_but_a_bool(name):
                                             r"True or False \(a bool, not a int\)"):
             options_type(**{flag: 1})
         assert getattr(options_type(**{flag: True}), flag) is True
+
+
+def test_options_with_keeps_the_fields_a_backend_has_and_drops_its_defaults():
+    from moe.backends import A2ALLOptions, options_with
+    assert options_with("a2a_ll", 2, combine_groups=2, combine_chunks=1) == \
+        A2ALLOptions(combine_groups=2)
+    assert options_with("a2a_ll", 2, max_tokens_per_ubatch=None, combine_chunks=1) is None
+    assert options_with("a2a", 2, combine_groups=2) is None  # a2a has no such option

@@ -271,16 +271,11 @@ def layer_options(cfg: HFBenchConfig, backend: str, conversion: Conversion, *,
     (`Conversion.max_tokens_per_ubatch`) and SBO combine form (`cfg.combine_chunks`,
     `cfg.combine_groups`) where set, as `A2ALLOptions(...)`; None: the backend's
     defaults."""
-    from moe.backends import backend_class
-    given: dict[str, int] = {}
-    if conversion.max_tokens_per_ubatch is not None:
-        given["max_tokens_per_ubatch"] = conversion.max_tokens_per_ubatch
-    for name in ("combine_chunks", "combine_groups"):
-        if getattr(cfg, name) > 1:  # HFBenchConfig refused it for a backend without it
-            given[name] = getattr(cfg, name)
-    if not given:
-        return None
-    return backend_class(backend, world_size).options_type(**given)
+    from moe.backends import options_with
+    # HFBenchConfig refused the SBO combine forms for a backend without them.
+    return options_with(backend, world_size,
+                        max_tokens_per_ubatch=conversion.max_tokens_per_ubatch,
+                        combine_chunks=cfg.combine_chunks, combine_groups=cfg.combine_groups)
 
 
 def capacity_note(backends: tuple[str, ...], *, world_size: int) -> Optional[str]:

@@ -42,7 +42,7 @@ from dbo.cli.bench.decode_stack import (DecodeStack, SplitRequests, describe_dec
 from dbo.cli.bench.layer_stack import LayerStack, layer_moe_config, make_input
 from dbo.cli.bench.timing import gather_floats
 from moe import MoEConfig
-from moe.backends import backend_class, backend_traits, backends_with
+from moe.backends import backend_traits, backends_with, options_with
 from moe.models import get_preset
 
 #: Backends that the bench gives a capacity per point, DBO's per ubatch: those whose work
@@ -198,12 +198,8 @@ class WorkloadFactory:
         """The options of `backend` with `chunks` combine chunks and the config's expert
         groups where its options take them (`combine_chunks`, `combine_groups`: a2a_ll),
         else None: the backend's defaults."""
-        options_type = backend_class(backend, self.world_size).options_type
-        fields = {f.name for f in dataclasses.fields(options_type)}
-        given = {name: value for name, value in (("combine_chunks", chunks),
-                                                 ("combine_groups", self.cfg.combine_groups))
-                 if name in fields and value > 1}
-        return options_type(**given) if given else None
+        return options_with(backend, self.world_size, combine_chunks=chunks,
+                            combine_groups=self.cfg.combine_groups)
 
     def _get_model(self, backend: str, capacity: Optional[int]) -> nn.Module:
         key = (backend, capacity)
