@@ -10,7 +10,7 @@
 | symm_mem | exact all_to_all_vdev on torch symmetric memory (NVSHMEM), counts on the GPU | no | yes | no (CUDA GPUs) |
 | deepep_ht | DeepEP normal kernels (NVLink, bfloat16) | yes (DeepEP busy-waits for the counts; yields before it) | with DeepEPHTOptions.worst_case_dispatch | no |
 | deepep_ll | DeepEP low-latency kernels, receive halves as hooks (hidden 2048..8192, bfloat16) | no | yes | no |
-| deepep_v2 | DeepEP v2 ElasticBuffer, built against a fake, untested against the real library (needs NCCL >= 2.30.4) | prefill mode: yes, yields before it; decode mode: no | decode mode | no (its fake: yes) |
+| deepep_v2 | DeepEP v2 ElasticBuffer (needs NCCL >= 2.30.4); its exactness against the real library on 2 GPUs not yet measured | prefill mode: yes, yields before it; decode mode: no | decode mode | no (its fake: yes) |
 | auto | local for EP size 1, else a2a | | | |
 
 Each backend declares its traits as class attributes (`PrepareFinalize`); ask them by

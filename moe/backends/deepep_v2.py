@@ -3,11 +3,12 @@
 Shape legend: T tokens here (T <= C), C = `MoEConfig.max_tokens_per_rank`, H hidden,
 K top-k, W ranks, E_loc experts per rank, R rows received for this rank's experts.
 
-Untested against the real library: DeepEP v2 needs NCCL >= 2.30.4, newer than the GPU
-machines this project runs on. The adapter follows DeepEP's documented contract
-(`deep_ep/buffers/elastic.py`: `ElasticBuffer.dispatch`, `.combine`, `EPHandle`;
-`csrc/elastic/buffer.hpp`: sizes and streams) and is tested through a fake that
-reproduces it (`tests/moe/fake_elastic_buffer.py`).
+Not yet measured against the real library on two GPUs (it needs NCCL >= 2.30.4 loaded,
+and peers: on one rank DeepEP v2's own dispatch crashes). The adapter follows DeepEP's
+contract (`deep_ep/buffers/elastic.py`: `ElasticBuffer.dispatch`, `.combine`,
+`EPHandle`), is tested through a fake that reproduces it
+(`tests/moe/fake_elastic_buffer.py`), and builds its buffer on the real library (H200,
+NCCL 2.30.7, DeepEP main at dd758ca) once the group's NCCL communicator has started.
 
 Two modes (`DeepEPV2Options.mode`):
 

@@ -23,9 +23,10 @@ BACKENDS: dict[str, str] = {
     "deepep_v2": "moe.backends.deepep_v2:DeepEPV2Backend",
 }
 
-#: Backends built against a stand-in for their library only, never run against the real
-#: one: `deepep_v2` (DeepEP v2 needs NCCL >= 2.30.4; tested through
-#: tests/moe/fake_elastic_buffer.py). The `dbo` commands do not offer them.
+#: Backends whose exactness against their real library is not yet measured: `deepep_v2`
+#: (DeepEP v2 needs NCCL >= 2.30.4 and peers; its layer has been built on the real
+#: library, its tests run through tests/moe/fake_elastic_buffer.py). The `dbo` commands
+#: do not offer them.
 UNTESTED_BACKENDS: frozenset[str] = frozenset({"deepep_v2"})
 
 #: What "auto" takes on an EP group of one rank (nothing to exchange).
