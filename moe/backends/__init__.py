@@ -11,6 +11,7 @@
 | deepep_ht | DeepEP normal kernels (NVLink, bfloat16) | yes (DeepEP busy-waits for the counts; yields before it) | with DeepEPHTOptions.worst_case_dispatch | no |
 | deepep_ll | DeepEP low-latency kernels, receive halves as hooks (hidden 2048..8192, bfloat16) | no | yes | no |
 | deepep_v2 | DeepEP v2 ElasticBuffer (needs NCCL >= 2.30.4); its exactness against the real library on 2 GPUs not yet measured | prefill mode: yes, yields before it; decode mode: no | decode mode | no (its fake: yes) |
+| nccl_ep | NCCL EP (nccl-extensions, NCCL >= 2.29): low-latency or high-throughput form; measured on one GPU, not yet across two | no | yes | no |
 | auto | local for EP size 1, else a2a | | | |
 
 Each backend declares its traits as class attributes (`PrepareFinalize`); ask them by
@@ -79,7 +80,8 @@ _LAZY = {"destroy_buffers": "moe.backends.deepep_support:destroy_buffers",
          "A2ALLOptions": "moe.backends.a2a_ll:A2ALLOptions",
          "DeepEPHTOptions": "moe.backends.deepep_ht:DeepEPHTOptions",
          "DeepEPLLOptions": "moe.backends.deepep_ll:DeepEPLLOptions",
-         "DeepEPV2Options": "moe.backends.deepep_v2:DeepEPV2Options"}
+         "DeepEPV2Options": "moe.backends.deepep_v2:DeepEPV2Options",
+         "NCCLEPOptions": "moe.backends.nccl_ep:NCCLEPOptions"}
 
 
 def __getattr__(name: str) -> Any:
@@ -90,7 +92,7 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module_name), attribute)
 
 
-__all__ = ["A2ALLOptions", "DeepEPHTOptions", "DeepEPLLOptions", "DeepEPV2Options",
+__all__ = ["A2ALLOptions", "DeepEPHTOptions", "DeepEPLLOptions", "DeepEPV2Options", "NCCLEPOptions",
            "AUTO", "BACKENDS", "COMPARED_BACKENDS", "DEFAULT_BACKEND", "DEFAULT_GRAPH_BACKEND",
            "SINGLE_RANK_BACKEND", "TRAITS", "UNTESTED_BACKENDS", "BackendOptions",
            "BackendTraits", "Dispatched", "NoOptions", "Pending", "PrepareFinalize",

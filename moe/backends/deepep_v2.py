@@ -41,10 +41,8 @@ One `ElasticBuffer` per (process group, size) serves every layer and both ubatch
 """
 from __future__ import annotations
 
-import ctypes
 import importlib
 import importlib.util
-import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Optional
@@ -57,6 +55,7 @@ from dbo.failures import note_collective
 from dbo.yield_points import dbo_enabled, dbo_other_ubatch_started, dbo_yield
 from moe.backend_options import BackendOptions
 from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
+from moe.backends.nccl_comm import group_live, start_nccl_comm, torch_nccl_version
 from moe.config import MoEConfig
 from moe.workspace import Workspace
 
@@ -78,46 +77,9 @@ def _find_deep_ep() -> Optional[ModuleType]:
     return importlib.import_module("deep_ep")
 
 
-def _loaded_nccl_version() -> Optional[tuple[int, ...]]:
-    """The NCCL this process has loaded (`ncclGetVersion` of the `libnccl.so.2` already in
-    memory), or None where none is loaded or it cannot be asked. This is the one that
-    runs: a newer NCCL put in with `LD_PRELOAD` (or a newer `nvidia-nccl` package) is not
-    what `torch.cuda.nccl.version()` reports, which is the version torch was built with."""
-    try:
-        lib = ctypes.CDLL("libnccl.so.2", mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
-        code = ctypes.c_int(0)
-        if lib.ncclGetVersion(ctypes.byref(code)) != 0:
-            return None
-    except (OSError, AttributeError):
-        return None
-    return _decode_nccl_code(code.value)
-
-
-def _decode_nccl_code(code: int) -> tuple[int, int, int]:
-    """NCCL's version integer as (major, minor, patch): 23007 is 2.30.7 (NCCL >= 2.9
-    encodes major * 10000 + minor * 100 + patch)."""
-    return (code // 10000, code // 100 % 100, code % 100)
-
-
-def _torch_nccl_version() -> Optional[tuple[int, ...]]:
-    """The NCCL this process runs: the loaded library's own version where torch's CUDA
-    libraries have loaded one, else the version torch was built with (as
-    (major, minor, patch)); None where torch has no NCCL."""
-    try:
-        built = torch.cuda.nccl.version()
-    except (AttributeError, RuntimeError):  # a build without NCCL
-        return None
-    loaded = _loaded_nccl_version()
-    if loaded is not None:
-        return loaded
-    if isinstance(built, int):  # older torch: 2.28.9 as 22809
-        return _decode_nccl_code(built)
-    return tuple(built)
-
-
 def elastic_buffer_class(config: MoEConfig, group: Optional[dist.ProcessGroup], *,
                          find_deep_ep: Callable[[], Optional[ModuleType]] = _find_deep_ep,
-                         nccl_version: Callable[[], Optional[tuple[int, ...]]] = _torch_nccl_version,
+                         nccl_version: Callable[[], Optional[tuple[int, ...]]] = torch_nccl_version,
                          cuda_available: Callable[[], bool] = torch.cuda.is_available) -> type:
     """`deep_ep.ElasticBuffer`, once everything it needs is here; otherwise raise, in one
     line, what is missing and how to get it. The keyword arguments are where the facts
@@ -150,7 +112,7 @@ def check_v2_rows(config: MoEConfig) -> None:
 
 def require_elastic_buffer(
         *, find_deep_ep: Callable[[], Optional[ModuleType]] = _find_deep_ep,
-        nccl_version: Callable[[], Optional[tuple[int, ...]]] = _torch_nccl_version,
+        nccl_version: Callable[[], Optional[tuple[int, ...]]] = torch_nccl_version,
         cuda_available: Callable[[], bool] = torch.cuda.is_available) -> ModuleType:
     """The `deep_ep` module, where this process has what DeepEP v2 needs (whatever the
     config): raise as `elastic_buffer_class` does for no `deep_ep`, no `ElasticBuffer`,
@@ -175,24 +137,6 @@ def require_elastic_buffer(
     return deep_ep
 
 
-def _group_live(group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether `group` is still registered with torch (the test `dbo.groups` uses)."""
-    return group is None or group in dist.distributed_c10d._world.pg_map
-
-
-def start_nccl_comm(group: Optional[dist.ProcessGroup]) -> None:
-    """Make torch create `group`'s NCCL communicator now, with one tiny all-reduce, where it
-    has not yet: DeepEP v2 reuses it through the group's `_comm_ptr()`, which is a null
-    pointer until the first collective of a lazily started group, and building an
-    `ElasticBuffer` on that crashes the process (seen on an H200 with NCCL 2.30.7). A
-    no-op for a group that is not NCCL's (the tests' fakes run on gloo)."""
-    if group is None or dist.get_backend(group) != "nccl":
-        return
-    one = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))
-    dist.all_reduce(one, group=group)
-    torch.cuda.synchronize()
-
-
 class ElasticBufferPool:
     """One buffer per (process group, buffer class, size), shared by every layer and both
     ubatches. Building an `ElasticBuffer` is collective (it ends in a barrier), so every
@@ -211,7 +155,7 @@ class ElasticBufferPool:
 
     def get(self, buffer_cls: Callable[..., Any], group: Optional[dist.ProcessGroup], *,
             num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> Any:
-        self._entries = [e for e in self._entries if _group_live(e[0])]
+        self._entries = [e for e in self._entries if group_live(e[0])]
         key = (buffer_cls, num_max_tokens_per_rank, hidden, num_topk)
         for entry_group, entry_key, buffer in self._entries:
             if entry_group is group and entry_key == key:

@@ -36,6 +36,8 @@ ROWS: dict[str, frozenset[str]] = {name: frozenset(traits) for name, traits in {
     "deepep_ll": {"graph_safe", "graph_safe_with_capacity", "pads_to_capacity",
                   "needs_capacity", "opt_in"},
     "deepep_v2": {"reads_counts_on_host", "needs_capacity", "opt_in"},
+    "nccl_ep": {"graph_safe", "graph_safe_with_capacity", "pads_to_capacity", "needs_capacity",
+                "opt_in"},
 }.items()}
 
 ATOL = 1e-5

@@ -47,8 +47,7 @@ def fake_deep_ep(monkeypatch, *names: str) -> None:
 
 def test_registered_and_v2_marked_untested():
     assert set(DEEPEP) <= set(BACKENDS)
-    assert UNTESTED_BACKENDS == {"deepep_v2"}
-
+    assert UNTESTED_BACKENDS == {"deepep_v2", "nccl_ep"}
 
 
 @pytest.mark.parametrize("backend,cls", [("deepep_ht", "Buffer"), ("deepep_ll", "Buffer"),

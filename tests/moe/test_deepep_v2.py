@@ -25,9 +25,8 @@ from dbo import UBatchScheduler
 from dbo.failures import record_collectives
 from dbo.yield_points import dbo_current_ubatch_id
 from moe.backends.deepep_v2 import (BUFFERS, DeepEPV2Backend, DeepEPV2Options,
-                                     ElasticBufferPool, _decode_nccl_code,
-                                     _loaded_nccl_version, elastic_buffer_class,
-                                     start_nccl_comm)
+                                     ElasticBufferPool, elastic_buffer_class)
+from moe.backends.nccl_comm import decode_nccl_code, loaded_nccl_version, start_nccl_comm
 from moe.config import MoEConfig
 from moe.experts.reference import ReferenceExperts
 from moe.layer import MoELayer
@@ -289,12 +288,12 @@ def test_this_machine_is_refused_without_importing_deep_ep_at_module_import():
 
 def test_nccl_version_code_decodes():
     # ncclGetVersion's integer for NCCL >= 2.9 is major * 10000 + minor * 100 + patch
-    assert _decode_nccl_code(23007) == (2, 30, 7)
-    assert _decode_nccl_code(22809) == (2, 28, 9)
+    assert decode_nccl_code(23007) == (2, 30, 7)
+    assert decode_nccl_code(22809) == (2, 28, 9)
 
 
 def test_loaded_nccl_is_none_without_one():
     # This CPU torch loads no libnccl; the reader must say so rather than guess.
     if torch.cuda.is_available():
         pytest.skip("a CUDA torch has loaded its NCCL")
-    assert _loaded_nccl_version() is None
+    assert loaded_nccl_version() is None

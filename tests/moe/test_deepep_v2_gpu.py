@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from dbo import UBatchScheduler
-from moe.backends.deepep_v2 import MIN_NCCL, DeepEPV2Options, _torch_nccl_version
+from moe.backends.deepep_v2 import MIN_NCCL, DeepEPV2Options
+from moe.backends.nccl_comm import torch_nccl_version
 from moe.config import MoEConfig
 from moe.layer import MoELayer
 from moe.reference import init_moe_weights, reference_moe
@@ -33,7 +34,7 @@ def _why_not() -> str:
     import deep_ep
     if not hasattr(deep_ep, "ElasticBuffer"):
         return "needs deep_ep.ElasticBuffer (DeepEP v2)"
-    version = _torch_nccl_version()
+    version = torch_nccl_version()
     if version is None or version < MIN_NCCL:
         return f"needs NCCL >= 2.30.4 loaded, this process runs {version}"
     return ""
