@@ -52,18 +52,9 @@ class Experts(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def apply(
-        self,
-        x_NH: Tensor,
-        w13_EIH: Tensor,
-        w2_EHI: Tensor,
-        topk_ids_NK: Tensor,
-        topk_weights_NK: Tensor,
-        *,
-        workspace: Workspace | None = None,
-        extras: ExpertExtras | None = None,
-        sms_shared: bool = False,
-    ) -> Tensor:
+    def apply(self, x_NH: Tensor, w13_EIH: Tensor, w2_EHI: Tensor, topk_ids_NK: Tensor,
+              topk_weights_NK: Tensor, *, workspace: Workspace | None = None,
+              extras: ExpertExtras | None = None, sms_shared: bool = False) -> Tensor:
         """Run the routed rows through their experts and reduce over k.
 
         Args:

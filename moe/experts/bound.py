@@ -39,18 +39,9 @@ class BoundExperts(Experts):
     def is_available(cls, device: torch.device) -> tuple[bool, str]:
         return True, ""
 
-    def apply(
-        self,
-        x_NH: Tensor,
-        w13_EIH: Tensor,
-        w2_EHI: Tensor,
-        topk_ids_NK: Tensor,
-        topk_weights_NK: Tensor,
-        *,
-        workspace: Workspace | None = None,
-        extras: ExpertExtras | None = None,
-        sms_shared: bool = False,
-    ) -> Tensor:
+    def apply(self, x_NH: Tensor, w13_EIH: Tensor, w2_EHI: Tensor, topk_ids_NK: Tensor,
+              topk_weights_NK: Tensor, *, workspace: Workspace | None = None,
+              extras: ExpertExtras | None = None, sms_shared: bool = False) -> Tensor:
         """`Experts.apply` of the inner kernel with the bound extras (`extras` must be None:
         a bound kernel takes its layer's)."""
         if extras is not None:

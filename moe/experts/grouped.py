@@ -192,18 +192,9 @@ class GroupedExperts(Experts):
             return False, "GroupedExperts cannot run on the meta device"
         return True, ""
 
-    def apply(
-        self,
-        x_NH: Tensor,
-        w13_EIH: Tensor,
-        w2_EHI: Tensor,
-        topk_ids_NK: Tensor,
-        topk_weights_NK: Tensor,
-        *,
-        workspace: Workspace | None = None,
-        extras: ExpertExtras | None = None,
-        sms_shared: bool = False,
-    ) -> Tensor:
+    def apply(self, x_NH: Tensor, w13_EIH: Tensor, w2_EHI: Tensor, topk_ids_NK: Tensor,
+              topk_weights_NK: Tensor, *, workspace: Workspace | None = None,
+              extras: ExpertExtras | None = None, sms_shared: bool = False) -> Tensor:
         """See `Experts.apply`. Uses ``workspace`` for the sorted input and activation;
         ignores ``sms_shared``."""
         check_expert_inputs(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, extras)

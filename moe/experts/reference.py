@@ -34,18 +34,9 @@ class ReferenceExperts(Experts):
         return True, ""
 
     @graph_break  # it reads the ids on the host: eager under torch.compile
-    def apply(
-        self,
-        x_NH: Tensor,
-        w13_EIH: Tensor,
-        w2_EHI: Tensor,
-        topk_ids_NK: Tensor,
-        topk_weights_NK: Tensor,
-        *,
-        workspace: Workspace | None = None,
-        extras: ExpertExtras | None = None,
-        sms_shared: bool = False,
-    ) -> Tensor:
+    def apply(self, x_NH: Tensor, w13_EIH: Tensor, w2_EHI: Tensor, topk_ids_NK: Tensor,
+              topk_weights_NK: Tensor, *, workspace: Workspace | None = None,
+              extras: ExpertExtras | None = None, sms_shared: bool = False) -> Tensor:
         """See `Experts.apply`. Ignores ``workspace`` and ``sms_shared``; raises ValueError on
         ids out of range."""
         check_expert_inputs(x_NH, w13_EIH, w2_EHI, topk_ids_NK, topk_weights_NK, extras)

@@ -87,18 +87,9 @@ class TritonExperts(Experts):
         GEMMs' epilogues, a post-expert norm on GEMM2's rows (`moe.kernels.fused_moe.form`)."""
         return unsupported_reason(form)
 
-    def apply(
-        self,
-        x_NH: Tensor,
-        w13_EIH: Tensor,
-        w2_EHI: Tensor,
-        topk_ids_NK: Tensor,
-        topk_weights_NK: Tensor,
-        *,
-        workspace: Workspace | None = None,
-        extras: ExpertExtras | None = None,
-        sms_shared: bool = False,
-    ) -> Tensor:
+    def apply(self, x_NH: Tensor, w13_EIH: Tensor, w2_EHI: Tensor, topk_ids_NK: Tensor,
+              topk_weights_NK: Tensor, *, workspace: Workspace | None = None,
+              extras: ExpertExtras | None = None, sms_shared: bool = False) -> Tensor:
         """See `Experts.apply`. Routing, the expert-sorted [P, I] activation and the
         [N*K, H] weighted rows (sharing memory with the sorted x where that path is taken)
         come from ``workspace`` when given; ids are not range-checked (no host sync).

@@ -14,15 +14,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dbo import DBOConfig, DBORunner, UBatchScheduler
+from dbo import DBOConfig, DBORunner
 from dbo.graphs import GraphedRunner
 from moe.backends import NCCLEPOptions
 from moe.backends.nccl_comm import torch_nccl_version
 from moe.backends.nccl_ep_support import MIN_NCCL, nccl_ep_installed
 from moe.config import MoEConfig
 from moe.layer import MoELayer
-from moe.reference import init_moe_weights, reference_moe
+from moe.reference import init_moe_weights
 from tests.dist_utils import run_distributed
+from tests.moe.gpu_reference import off_and_on_errors
 
 TOL = 4e-2  # bfloat16 (the form measured): 8-bit mantissa, one rounding per sum
 MODES = ("ll", "ht")
@@ -57,18 +58,7 @@ def exact(rank: int, world_size: int, mode: str) -> dict:
     errors = {}
     for tokens in ((37, 11), (0, 24), (64, 64)):
         x = torch.randn(tokens[rank], cfg.hidden_size, device=device, dtype=cfg.dtype)
-        ref = reference_moe(x, router_weight_EH=weights["router_weight"],
-                            w13_EIH=weights["w13"], w2_EHI=weights["w2"], config=cfg).float()
-        with torch.no_grad():
-            off = layer(x)
-            half = x.shape[0] // 2
-            on = torch.cat(UBatchScheduler(device).run(
-                [lambda: layer(x[:half]), lambda: layer(x[half:])]))
-        torch.cuda.synchronize()
-        assert off.shape == on.shape == x.shape, (off.shape, on.shape, x.shape)
-        scale = max(ref.abs().max().item(), 1.0) if ref.numel() else 1.0
-        errors[tokens] = tuple((out.float() - ref).abs().max().item() / scale
-                               if out.numel() else 0.0 for out in (off, on))
+        errors[tokens] = off_and_on_errors(layer, weights, cfg, x)
     return errors
 
 
