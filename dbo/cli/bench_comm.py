@@ -10,8 +10,10 @@ MoE backend and of DeepEP's raw calls, over tokens per rank (`moe.bench.comm`).
 
 Without torchrun it starts one rank per visible GPU (NCCL), or 2 gloo ranks on a CPU
 machine. Backends: every registered multi-rank one (a2a, a2a_ll, naive, naive_mono,
-deepep_*, symm_mem when registered) and DeepEP's raw calls `deepep_raw_ht` (normal
-kernels) and `deepep_raw_ll` (low-latency kernels, T <= 256). Without --backends, one
+deepep_*, symm_mem, nccl_ep) and the libraries' raw calls: DeepEP's `deepep_raw_ht`
+(normal kernels) and `deepep_raw_ll` (low-latency kernels, T <= 256), NCCL EP's
+`nccl_ep_raw_ll` and `nccl_ep_raw_ht`. A backend takes its options as
+`NAME:FIELD=VALUE` (`--backends nccl_ep,nccl_ep:mode=ht`). Without --backends, one
 that cannot be built or run here is skipped with a one-line reason; one named in
 --backends is refused before any rank starts. NCCL_P2P_DISABLE=1 slows NCCL only
 (DeepEP and NVSHMEM do not go through NCCL): the regime label says which was set.
@@ -71,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per rank of each point, comma list "
                         f"(default {','.join(map(str, DEFAULT_TOKENS))})")
     p.add_argument("--backends", type=_name_list, default=None,
-                   help=f"comma list of {', '.join(bench_names())} (default: all)")
+                   help=f"comma list of {', '.join(bench_names())} (default: all); a "
+                        f"backend may take its options as NAME:FIELD=VALUE, e.g. "
+                        f"nccl_ep:mode=ht")
     p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size H")
     p.add_argument("--top-k", type=int, default=d.top_k, help="experts per token")
     p.add_argument("--num-experts", type=int, default=d.num_experts,
@@ -127,15 +131,20 @@ def check_named_backends(names: Sequence[str], world_size: int) -> None:
     """Refuse, in one line, a backend named in --backends that this benchmark does not
     time (`moe.bench.comm_engines.check_timed`) or that cannot run here (a missing
     library, no CUDA, a group size it does not take): the MoE backends through
-    `dbo.cli.check_backend_runs`, DeepEP's raw calls through the DeepEP backends' check.
+    `dbo.cli.check_backend_runs`, DeepEP's and NCCL EP's raw calls through their
+    backends' checks. An entry may carry the backend's options (`nccl_ep:mode=ht`).
     Without --backends every one is tried, and one that cannot run is skipped with the
     reason."""
     from moe.backends import backend_class, require_deep_ep
-    from moe.bench.comm_engines import RAW_DEEPEP, check_timed
+    from moe.bench.comm_engines import RAW_DEEPEP, RAW_NCCL_EP, check_timed, parse_spec
 
-    for name in names:
+    for spec in names:
+        name, _ = parse_spec(spec)
         if name in RAW_DEEPEP:
             require_deep_ep(name, "Buffer")
+        elif name in RAW_NCCL_EP:
+            from moe.backends.nccl_ep_support import require_nccl_ep
+            require_nccl_ep()
         else:
             check_timed(backend_class(name, world_size))
             check_backend_runs(name, world_size)

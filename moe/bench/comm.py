@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from moe.backends import check_one_process
-from moe.bench.comm_engines import Engine, Shapes, bench_names, make_source
+from moe.bench.comm_engines import Engine, Shapes, bench_names, make_source, parse_spec
 from moe.bench.comm_metrics import (ROUTINGS, CommKernels, algbw_gbps, comm_kernel_sms,
                                     expert_slots, make_routing, make_tokens, rows_to_ranks)
 from moe.bench.comm_timing import (DEFAULT_GRAPH_LAYERS, RankTiming, capture_layers,
@@ -98,12 +98,10 @@ class CommBenchConfig:
             if not _is_int(t) or t < 1:
                 raise ValueError(f"tokens must be positive ints, got {t!r}: every point "
                                  f"needs at least one token per rank")
-        valid = bench_names()
-        unknown = [b for b in self.backends if b not in valid]
-        if unknown:
-            raise ValueError(f"unknown backend {unknown[0]!r}: choose from "
-                             f"{', '.join(valid)}")
-        check_one_process(self.backends)  # symm_mem with a DeepEP LL one aborts the process
+        for spec in self.backends:
+            parse_spec(spec)  # ValueError naming the choices or the options' fields
+        # symm_mem with a DeepEP LL one aborts the process
+        check_one_process([parse_spec(spec)[0] for spec in self.backends])
         if not isinstance(self.cuda_graph, bool):
             raise TypeError(f"cuda_graph={self.cuda_graph!r}: must be True or False")
         for name in ("hidden", "top_k", "num_experts", "iters", "graph_layers"):

@@ -29,15 +29,70 @@ from torch import Tensor
 RAW_DEEPEP = ("deepep_raw_ht", "deepep_raw_ll")
 """DeepEP's own calls, timed directly (`moe.bench.comm_raw`)."""
 
+RAW_NCCL_EP = ("nccl_ep_raw_ll", "nccl_ep_raw_ht")
+"""NCCL EP's own calls, timed directly (`moe.bench.comm_raw_nccl_ep`)."""
+
+RAW = RAW_DEEPEP + RAW_NCCL_EP
+
 # DeepSeek-V3's expert width: MoEConfig needs one, and no backend's exchange reads it.
 _INTERMEDIATE = 2048
 
 
 def bench_names() -> tuple[str, ...]:
-    """Every name --backends accepts: the registered multi-rank backends (not
-    `single_rank`: they exchange nothing), then DeepEP raw."""
+    """Every plain name --backends accepts: the registered multi-rank backends (not
+    `single_rank`: they exchange nothing), then the libraries' raw calls. A backend may
+    also be named with options, `NAME:FIELD=VALUE[:FIELD=VALUE]` (`parse_spec`)."""
     from moe.backends import backends_with
-    return backends_with(single_rank=False) + RAW_DEEPEP
+    return backends_with(single_rank=False) + RAW
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """A --backends entry as (backend name, its options' values): "nccl_ep:mode=ht" is
+    ("nccl_ep", {"mode": "ht"}), "a2a_ll:combine_groups=2" ("a2a_ll", {"combine_groups":
+    2}); a plain name has no values. Values read as int, then true/false, else text.
+    ValueError, naming the choices, for an unknown name, a field the backend's options
+    lack, or a value its options refuse."""
+    name, *pairs = spec.split(":")
+    if name not in bench_names() or (pairs and name in RAW):
+        choices = ", ".join(bench_names())
+        raise ValueError(f"unknown backend {spec!r}: choose from {choices} (a backend may "
+                         f"take options as NAME:FIELD=VALUE)")
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        field, eq, text = pair.partition("=")
+        if not eq or not field:
+            raise ValueError(f"backend {spec!r}: options are FIELD=VALUE, got {pair!r}")
+        values[field] = _value(text)
+    if values:
+        _options(name, values)  # checked here, before any rank starts
+    return name, values
+
+
+def _value(text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _options(name: str, values: dict[str, Any]) -> Any:
+    """Backend `name`'s options class built with `values` (ValueError naming its fields
+    for one it lacks)."""
+    import dataclasses
+
+    from moe.backends import backend_class
+    options_type = backend_class(name, 2).options_type
+    fields = [f.name for f in dataclasses.fields(options_type)]
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"backend {name!r} has no option {unknown[0]!r}: its options "
+                         f"({options_type.__name__}) are {fields or 'none'}")
+    try:
+        return options_type(**values)
+    except TypeError as exc:
+        raise ValueError(f"backend {name!r}: {exc}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,10 +175,13 @@ class BackendEngine:
 
 
 class BackendSource:
-    """A registered backend, built for each point with capacity T (`moe.backends`)."""
+    """A registered backend, built for each point with capacity T (`moe.backends`), with
+    the options of its --backends entry (`parse_spec`)."""
 
-    def __init__(self, name: str, shapes: Shapes, group: Optional[dist.ProcessGroup]) -> None:
-        self.name = name
+    def __init__(self, spec: str, shapes: Shapes, group: Optional[dist.ProcessGroup]) -> None:
+        self.name = spec
+        self.backend, values = parse_spec(spec)
+        self.options = _options(self.backend, values) if values else None
         self.shapes = shapes
         self.group = group
 
@@ -134,7 +192,8 @@ class BackendSource:
         s = self.shapes
         config = MoEConfig(num_experts=s.num_experts, top_k=s.top_k, hidden_size=s.hidden,
                            intermediate_size=_INTERMEDIATE, dtype=s.dtype,
-                           max_tokens_per_rank=max(1, x_TH.shape[0]), backend=self.name)
+                           max_tokens_per_rank=max(1, x_TH.shape[0]), backend=self.backend,
+                           backend_options=self.options)
         return BackendEngine(make_backend(config, self.group), x_TH, topk_weights_TK,
                              topk_ids_TK)
 
@@ -144,12 +203,13 @@ class BackendSource:
 
 def make_source(name: str, shapes: Shapes, group: Optional[dist.ProcessGroup], *,
                 tokens: tuple[int, ...]) -> Source:
-    """The source of backend `name` (`bench_names()`); `tokens`: the run's points, tokens
-    per rank (DeepEP's low-latency buffer is sized by them). Raises where the backend
-    cannot run at all (e.g. DeepEP not installed)."""
+    """The source of `name` (`bench_names()`, or a backend with options, `parse_spec`);
+    `tokens`: the run's points, tokens per rank (DeepEP's low-latency buffer is sized by
+    them). Raises where the backend cannot run at all (e.g. DeepEP not installed)."""
     if name in RAW_DEEPEP:
         from moe.bench.comm_raw import DeepEPRawSource
         return DeepEPRawSource(name, shapes, group, tokens=tokens)
-    if name not in bench_names():
-        raise ValueError(f"unknown comm backend {name!r}: choose from {list(bench_names())}")
+    if name in RAW_NCCL_EP:
+        from moe.bench.comm_raw_nccl_ep import NCCLEPRawSource
+        return NCCLEPRawSource(name, shapes, group, tokens=tokens)
     return BackendSource(name, shapes, group)

@@ -132,3 +132,43 @@ def test_nccl_ep_replays_as_cuda_graphs(mode, world_size):
         # several ranks in arrival order, so allow bf16's rounding of that sum
         assert worst["split"], worst
         assert worst["layer"] <= TOL and worst["dbo"] <= TOL, (rank, worst)
+
+
+def raw_and_adapter(rank: int, world_size: int) -> dict:
+    """`dbo bench-comm`'s engines for NCCL EP (raw calls and the backend in both forms) on
+    the same inputs, with the rows dispatched sent back as the expert outputs: each
+    engine's combine against what that identity gives, relative to its largest value."""
+    from moe.bench.comm_engines import Shapes, make_source
+    device = torch.device("cuda", rank)
+    shapes = Shapes(hidden=512, top_k=2, num_experts=8, dtype=torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(3 + rank)
+    x = torch.randn(24, shapes.hidden, generator=gen, device=device).to(shapes.dtype)
+    ids = torch.rand(24, shapes.num_experts, generator=gen, device=device).topk(2).indices
+    weights = torch.softmax(torch.rand(24, 2, generator=gen, device=device), 1)
+    per_rank = shapes.num_experts // world_size
+    num_ranks = torch.tensor([len(set((row // per_rank).tolist())) for row in ids],
+                             device=device)
+    expected = {"ll": x.float() * weights.sum(1, keepdim=True),  # weighted on receipt
+                "ht": x.float() * num_ranks.unsqueeze(1)}  # one unweighted row per rank
+    errors = {}
+    for name, form in (("nccl_ep_raw_ll", "ll"), ("nccl_ep_raw_ht", "ht"),
+                       ("nccl_ep", "ll"), ("nccl_ep:mode=ht", "ht")):
+        source = make_source(name, shapes, dist.group.WORLD, tokens=(24,))
+        engine = source.bind(x, weights, ids)
+        with torch.no_grad():
+            out = engine.combine(engine.dispatch())
+        torch.cuda.synchronize()
+        want = expected[form]
+        errors[name] = ((out.float() - want).abs().max() / want.abs().max()).item()
+        source.close()
+    return errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_bench_comm_engines_of_nccl_ep_return_what_they_sent(world_size):
+    reason = _why_not(world_size)
+    if reason:
+        pytest.skip(reason)
+    for rank, errors in enumerate(run_distributed(world_size, raw_and_adapter, backend="nccl")):
+        assert max(errors.values()) <= TOL, (rank, errors)
