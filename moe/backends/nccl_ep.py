@@ -46,8 +46,8 @@ from dbo.yield_points import (dbo_current_ubatch_id, dbo_enabled, dbo_switch_to_
 from moe.backend_options import BackendOptions
 from moe.backends.base import Dispatched, OwnRows, Pending, PrepareFinalize, check_capacity
 from moe.backends.deepep_support import LLRowConstants, ll_expert_ids
-from moe.backends.nccl_ep_support import (GROUPS, NAME, GroupKey, check_nccl_ep_rows,
-                                          descriptor, require_nccl_ep)
+from moe.backends.nccl_ep_support import (GROUPS, NAME, Descriptors, GroupKey,
+                                          check_nccl_ep_rows, require_nccl_ep)
 from moe.config import MoEConfig
 from moe.workspace import Workspace
 from streams.memory import record_on_current_stream
@@ -135,6 +135,7 @@ class NCCLEPBackend(PrepareFinalize):
         self.capacity = config.max_tokens_per_rank
         self.low_latency = self.options.mode == "ll"
         self._handles: dict[int, Any] = {}  # ubatch id -> this layer's handle
+        self.descriptors = Descriptors(self.ep)
 
     @property
     def rows_per_expert(self) -> int:
@@ -165,19 +166,22 @@ class NCCLEPBackend(PrepareFinalize):
 
     def _dispatch_ll(self, x_TH: Tensor, ids_TK: Tensor, weights_TK: Tensor, handle: Any,
                      workspace: Workspace) -> Pending[Dispatched]:
-        ep, device = self.ep, x_TH.device
+        device = x_TH.device
         num_local, hidden = self.placement.num_local_experts, x_TH.shape[1]
         recv_ENH = workspace.get("nccl_ep/ll/recv", (num_local, self.rows_per_expert, hidden),
                                  x_TH.dtype, device)
         count_E = workspace.get("nccl_ep/ll/count", (num_local,), torch.int32, device)
         stream = torch.cuda.current_stream(device).cuda_stream
         split = dbo_enabled()  # outside a DBO step: one launch, nothing to hand over
-        ids_d, x_d, recv_d, count_d = (descriptor(ep, t) for t in (ids_TK, x_TH, recv_ENH, count_E))
-        bundles = (ep.DispatchInputs(tokens=x_d), ep.DispatchOutputs(tokens=recv_d),
-                   ep.LayoutInfo(expert_counters=count_d), ep.DispatchConfig(send_only=int(split)))
+        d = self.descriptors
+        ids_d = d.of(ids_TK)
+        inputs, outputs = d.bundle("DispatchInputs", tokens=x_TH), d.bundle(
+            "DispatchOutputs", tokens=recv_ENH)
+        layout = d.bundle("LayoutInfo", expert_counters=count_E)
+        config = d.bundle("DispatchConfig", send_only=int(split))
         note_collective("nccl_ep.dispatch", self.group)
         handle.update(ids_d, stream=stream)
-        handle.dispatch(bundles[0], bundles[1], layout_info=bundles[2], config=bundles[3],
+        handle.dispatch(inputs[0], outputs[0], layout_info=layout[0], config=config[0],
                         stream=stream)
         call = EPCall(handle, ids_TK, weights_TK, None)
         rows = workspace.keep(f"nccl_ep/rows/{num_local}/{self.rows_per_expert}/{device}",
@@ -188,12 +192,12 @@ class NCCLEPBackend(PrepareFinalize):
             return Dispatched(recv_ENH.view(-1, hidden), ll_expert_ids(count_E, rows),
                               rows.ones_R1, call)
 
-        keep = (ids_d, x_d, recv_d, count_d, bundles)
+        keep = [ids_d, inputs, outputs, layout, config]
         return Pending(_completion(handle, keep) if split else None, receiver)
 
     def _dispatch_ht(self, x_TH: Tensor, ids_TK: Tensor, weights_TK: Tensor, handle: Any,
                      workspace: Workspace) -> Pending[Dispatched]:
-        ep, device = self.ep, x_TH.device
+        device = x_TH.device
         slots, hidden, top_k = self.world_size * self.capacity, x_TH.shape[1], ids_TK.shape[1]
         recv_SH = workspace.get("nccl_ep/ht/recv", (slots, hidden), x_TH.dtype, device)
         recv_w_SK = workspace.get("nccl_ep/ht/weights", (slots, top_k), torch.float32, device)
@@ -203,15 +207,14 @@ class NCCLEPBackend(PrepareFinalize):
         if in_step:
             dbo_switch_to_comm_sync()  # send first: nothing to read on the host
         stream = torch.cuda.current_stream(device).cuda_stream
-        ids_d, w_d, x_d, total_d, recv_d, rw_d, ri_d = (
-            descriptor(ep, t) for t in (ids_TK, weights_TK, x_TH, total_1, recv_SH, recv_w_SK,
-                                        recv_ids_SK))
+        d = self.descriptors
+        layout = d.bundle("LayoutInfo", recv_total_counter=total_1)
+        inputs = d.bundle("DispatchInputs", tokens=x_TH, topk_weights=weights_TK)
+        outputs = d.bundle("DispatchOutputs", tokens=recv_SH, topk_weights=recv_w_SK,
+                           topk_idx=recv_ids_SK)
         note_collective("nccl_ep.dispatch", self.group)
-        handle.update(ids_d, layout_info=ep.LayoutInfo(recv_total_counter=total_d),
-                      stream=stream)
-        handle.dispatch(ep.DispatchInputs(tokens=x_d, topk_weights=w_d),
-                        ep.DispatchOutputs(tokens=recv_d, topk_weights=rw_d, topk_idx=ri_d),
-                        stream=stream)
+        handle.update(d.of(ids_TK), layout_info=layout[0], stream=stream)
+        handle.dispatch(inputs[0], outputs[0], stream=stream)
         record_on_current_stream(x_TH, ids_TK, weights_TK)  # made on compute, read here
         wait = dbo_switch_to_compute_async()
         if in_step:
@@ -236,23 +239,24 @@ class NCCLEPBackend(PrepareFinalize):
         return self._combine_ht(expert_out_RH, call)
 
     def _combine_ll(self, expert_out_RH: Tensor, call: EPCall) -> Pending[Tensor]:
-        ep, device = self.ep, expert_out_RH.device
+        device = expert_out_RH.device
         out_ENH = expert_out_RH.contiguous().view(self.placement.num_local_experts,
                                                   self.rows_per_expert, -1)
         out_TH = torch.empty(call.ids_TK.shape[0], out_ENH.shape[2], dtype=out_ENH.dtype,
                              device=device)
         stream = torch.cuda.current_stream(device).cuda_stream
         split = dbo_enabled()
-        y_d, out_d, w_d = (descriptor(ep, t) for t in (out_ENH, out_TH, call.weights_TK))
-        bundles = (ep.CombineInputs(tokens=y_d), ep.CombineOutputs(tokens=out_d, topk_weights=w_d),
-                   ep.CombineConfig(send_only=int(split)))
+        d = self.descriptors
+        inputs = d.bundle("CombineInputs", tokens=out_ENH)
+        outputs = d.bundle("CombineOutputs", tokens=out_TH, topk_weights=call.weights_TK)
+        config = d.bundle("CombineConfig", send_only=int(split))
         note_collective("nccl_ep.combine", self.group)
-        call.handle.combine(bundles[0], bundles[1], config=bundles[2], stream=stream)
-        keep = (y_d, out_d, w_d, bundles, out_ENH)
+        call.handle.combine(inputs[0], outputs[0], config=config[0], stream=stream)
+        keep = [inputs, outputs, config, out_ENH]
         return Pending(_completion(call.handle, keep) if split else None, lambda: out_TH)
 
     def _combine_ht(self, expert_out_RH: Tensor, call: EPCall) -> Pending[Tensor]:
-        ep, device = self.ep, expert_out_RH.device
+        device = expert_out_RH.device
         y_SH = expert_out_RH.contiguous()
         out_TH = torch.empty(call.ids_TK.shape[0], y_SH.shape[1], dtype=y_SH.dtype,
                              device=device)
@@ -260,10 +264,11 @@ class NCCLEPBackend(PrepareFinalize):
         if in_step:
             dbo_switch_to_comm_sync()
         stream = torch.cuda.current_stream(device).cuda_stream
-        y_d, out_d = descriptor(ep, y_SH), descriptor(ep, out_TH)
+        d = self.descriptors
+        inputs, outputs = d.bundle("CombineInputs", tokens=y_SH), d.bundle(
+            "CombineOutputs", tokens=out_TH)
         note_collective("nccl_ep.combine", self.group)
-        call.handle.combine(ep.CombineInputs(tokens=y_d), ep.CombineOutputs(tokens=out_d),
-                            stream=stream)
+        call.handle.combine(inputs[0], outputs[0], stream=stream)
         record_on_current_stream(y_SH, out_TH)
         wait = dbo_switch_to_compute_async()
         if in_step:
@@ -276,7 +281,7 @@ class NCCLEPBackend(PrepareFinalize):
         return Pending(None, receiver)
 
 
-def _completion(handle: Any, keep: tuple) -> Callable[[], None]:
+def _completion(handle: Any, keep: list) -> Callable[[], None]:
     """The receive half of a send-only call (`Handle.complete` on the stream current when
     it runs: the compute stream, under the other ubatch), to run exactly once. `keep`
     holds the call's descriptors and bundles until then: the handle keeps their
@@ -288,6 +293,6 @@ def _completion(handle: Any, keep: tuple) -> Callable[[], None]:
         assert not ran, "an NCCL EP completion ran twice"
         ran.append(True)
         handle.complete(stream=torch.cuda.current_stream().cuda_stream)
-        keep_alive = keep  # noqa: F841 - referenced here so the closure holds it
+        del keep[:]  # the completion has read them: let them go with the call
 
     return complete

@@ -91,3 +91,34 @@ def test_options_are_checked_and_agreed():
                     backend_options=NCCLEPOptions(mode="ht", num_sms=8))
     fields = backend_class("nccl_ep", 2).agreement_fields(cfg)
     assert fields == {"nccl_ep_mode": "ht", "nccl_ep_num_sms": 8}
+
+
+class _FakeEP:
+    """Stand-in for `nccl.ep`: descriptors and bundles that record what they were made of."""
+
+    class Tensor:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.key = (t.data_ptr(), tuple(t.shape), t.dtype)
+
+    class DispatchInputs:
+        def __init__(self, **fields) -> None:
+            self.fields = fields
+
+    DispatchConfig = DispatchInputs
+
+
+def test_descriptors_are_reused_for_the_same_address_shape_and_dtype():
+    from moe.backends.nccl_ep_support import Descriptors
+    d = Descriptors(_FakeEP(), size=2)
+    a, b = torch.zeros(4, 3), torch.zeros(4, 3)
+    assert d.of(a) is d.of(a) and d.of(a) is not d.of(b)
+    assert d.of(a[:2]) is not d.of(a)  # same address, another shape
+    bundle, held = d.bundle("DispatchInputs", tokens=a, topk_weights=b)
+    assert d.bundle("DispatchInputs", topk_weights=b, tokens=a)[0] is bundle
+    assert [h.key for h in held] == [d.of(a).key, d.of(b).key]  # what the caller holds
+    assert bundle.fields["tokens"].key == (a.data_ptr(), (4, 3), torch.float32)
+    config, none = d.bundle("DispatchConfig", send_only=1)
+    assert none == (1,) and d.bundle("DispatchConfig", send_only=0)[0] is not config
+    first = d.of(a)
+    d.of(b), d.of(torch.zeros(1))  # the oldest of size=2 goes
+    assert d.of(a) is not first
