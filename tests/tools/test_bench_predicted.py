@@ -110,16 +110,25 @@ def _bench(out: Path, *extra: str) -> dict:
     return json.loads(lines[-1])
 
 
+@pytest.fixture(scope="module")
+def first_bench(tmp_path_factory) -> dict:
+    """One uncalibrated bench of a2a and a2a_ll (one launch for both tests below)."""
+    return _bench(tmp_path_factory.mktemp("bench") / "a", "--backends", "a2a,a2a_ll")
+
+
 @pytest.mark.distributed
-def test_bench_writes_the_calibration_a_second_run_and_plan_use(tmp_path, capsys):
-    first = _bench(tmp_path / "a")
+def test_bench_writes_the_calibration_a_second_run_and_plan_use(first_bench, tmp_path, capsys):
+    first = first_bench
     path = first["files"]["calibration"]
     cal = Calibration.load(path)
     assert cal.device.startswith("cpu") and cal.torch_version == torch.__version__
     assert cal.date[:2] == "20" and cal.date.endswith("+00:00")
     assert [(p.backend, p.tokens, p.decode, p.layers) for p in cal.points] == [
-        ("a2a", 16, True, 2), ("a2a", 64, True, 2)]
+        ("a2a", 16, True, 2), ("a2a", 64, True, 2), ("a2a_ll", 16, True, 2),
+        ("a2a_ll", 64, True, 2)]
+    assert len(first["points"]) == len(cal.points)
     for p, row in zip(cal.points, first["points"]):
+        assert (row["backend"], row["tokens_per_rank"]) == (p.backend, p.tokens)
         assert min(p.attention, p.experts, p.shared, p.dispatch, p.combine) > 0, p
         assert p.expert_weight_bytes > 0 and p.rows_per_expert == p.tokens * 2 * 2 / 8
         assert p.measured_ms["none"] == pytest.approx(row["t_nodbo_ms"], rel=1e-3)
@@ -127,7 +136,8 @@ def test_bench_writes_the_calibration_a_second_run_and_plan_use(tmp_path, capsys
         assert row["pred_choice"] in ("none", "dbo", "sbo") and row["pred_err_dbo"] is not None
         assert len(row["trial_speedups"]) == 1  # no calibration: the gate's trial ran
 
-    second = _bench(tmp_path / "b", "--calibration", path)
+    second = _bench(tmp_path / "b", "--calibration", path)  # a2a: its points are covered
+    assert [row["backend"] for row in second["points"]] == ["a2a", "a2a"]
     for row in second["points"]:
         assert row["trial_speedups"] == [], row  # covered: no trial step
         assert row["gate_reason"].startswith("prediction: "), row
@@ -137,17 +147,18 @@ def test_bench_writes_the_calibration_a_second_run_and_plan_use(tmp_path, capsys
     assert cli.main(["plan", "--calibration", path, "--sweep", "16,64"]) == 0
     out = capsys.readouterr().out
     assert f"calibration: {path} (written by dbo bench on cpu" in out
-    assert "2 measured points" in json.loads(out.strip().splitlines()[-1])["calibration"]
+    assert "4 measured points" in json.loads(out.strip().splitlines()[-1])["calibration"]
 
 
 @pytest.mark.distributed
-def test_bench_records_each_modes_host_time_for_an_issue_only_backend(tmp_path):
+def test_bench_records_each_modes_host_time_for_an_issue_only_backend(first_bench):
     # a2a_ll never waits on the device: its host times are issue times, the floors of
     # the no-overlap, DBO and SBO predictions (`dbo.cost_model`).
-    row = _bench(tmp_path / "ll", "--backends", "a2a_ll", "--tokens", "16")
-    point = Calibration.load(row["files"]["calibration"]).points[0]
-    assert point.backend == "a2a_ll"
-    assert point.host_ms == pytest.approx(row["points"][0]["host_nodbo_ms"], rel=1e-3)
-    assert point.host_dbo_ms == pytest.approx(row["points"][0]["host_dbo_ms"], rel=1e-3)
-    assert point.host_sbo_ms == pytest.approx(row["points"][0]["host_sbo_ms"], rel=1e-3)
+    points = Calibration.load(first_bench["files"]["calibration"]).points
+    rows = [row for row in first_bench["points"] if row["backend"] == "a2a_ll"]
+    point = next(p for p in points if p.backend == "a2a_ll" and p.tokens == 16)
+    row = next(row for row in rows if row["tokens_per_rank"] == 16)
+    assert point.host_ms == pytest.approx(row["host_nodbo_ms"], rel=1e-3)
+    assert point.host_dbo_ms == pytest.approx(row["host_dbo_ms"], rel=1e-3)
+    assert point.host_sbo_ms == pytest.approx(row["host_sbo_ms"], rel=1e-3)
     assert min(point.host_ms, point.host_dbo_ms, point.host_sbo_ms) > 0
