@@ -4,13 +4,8 @@ phase times. Two gloo ranks (layer 2, marked distributed): the bench writes
 calibration.json, a second run gated on it runs no trial step, `dbo plan` reads it."""
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import sys
-import tempfile
 from pathlib import Path
-from typing import IO, Iterator
 
 import pytest
 import torch
@@ -24,6 +19,7 @@ from dbo.cli.bench.predicted import attach_prediction, prediction_lines
 from dbo.cli.bench.sweep import SweepResult
 from dbo.cli.bench.timing import Timing
 from dbo.cli.bench.workload import Workload
+from tests.tools.fd_output import printed
 
 def test_each_layers_last_collective_is_its_combine():
     recording = CommRecording(segments=[["vote"], ["count", "data", "back"], ["gather", "rs"]])
@@ -94,38 +90,20 @@ def test_the_probes_split_compute_feeds_the_dbo_prediction():
     assert point.measured_point.split_compute == 6.0
 
 
-@contextlib.contextmanager
-def stdout_to(file: IO[bytes]) -> Iterator[None]:
-    """File descriptor 1, which the spawned ranks inherit, and sys.stdout write to `file`
-    (one file offset for all): capfd's capture, for a module-scoped fixture."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(file.fileno(), 1)
-    try:
-        with open(os.dup(1), "w", closefd=True) as text, contextlib.redirect_stdout(text):
-            yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def _bench(out: Path, *extra: str) -> dict:
     """`dbo bench` on two gloo ranks through main() in this process (the ranks it spawns
     import torch, this process has): its final JSON line."""
     from dbo.cli.bench import main
 
-    with tempfile.TemporaryFile() as file:
-        with pytest.MonkeyPatch.context() as env, stdout_to(file):
-            for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE"):
-                env.delenv(name, raising=False)  # not under torchrun: it spawns its ranks
-            code = main(["--device", "cpu", "--tokens", "16,64", "--backends", "a2a",
-                         "--iters", "1", "--warmup", "1", "--layers", "2", "--rounds", "1",
-                         "--no-progress", "--out", str(out), *extra])
-        file.seek(0)
-        stdout = file.read().decode()
-    assert code == 0, stdout[-3000:]
-    assert "predicted (cost model on each point's measured phase times" in stdout
-    return json.loads(stdout.strip().splitlines()[-1])
+    with pytest.MonkeyPatch.context() as env, printed() as output:
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE"):
+            env.delenv(name, raising=False)  # not under torchrun: it spawns its ranks
+        code = main(["--device", "cpu", "--tokens", "16,64", "--backends", "a2a", "--iters",
+                     "1", "--warmup", "1", "--layers", "2", "--rounds", "1", "--no-progress",
+                     "--out", str(out), *extra])
+    assert code == 0, output.err[-3000:]
+    assert "predicted (cost model on each point's measured phase times" in output.out
+    return json.loads(output.out.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")

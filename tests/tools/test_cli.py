@@ -7,33 +7,37 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import runpy
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from dbo import cli
-
-
-def dbo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dbo.cli", *args], capture_output=True,
-                          text=True, timeout=timeout)
+from tests.tools.fd_output import Printed, printed
 
 
 @pytest.fixture(scope="module")
-def run_out(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+def run_out(tmp_path_factory) -> tuple[Path, int, Printed]:
+    """`dbo run` on two gloo ranks through cli.main in this process (the ranks it spawns
+    import torch, this process has; `python -m dbo.cli` itself: test_python_m_runs_the_command):
+    its folder, exit code and output, the ranks' included."""
     out = tmp_path_factory.mktemp("run")
-    proc = dbo("run", "--tokens", "96", "--requests", "6", "--steps", "1", "--num-experts", "4",
-               "--out", str(out))
-    return out, proc
+    with pytest.MonkeyPatch.context() as env, printed() as output:
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "KINETO_LOG_LEVEL"):
+            env.delenv(name, raising=False)  # a fresh shell's: no torchrun, Kineto's default
+        code = cli.main(["run", "--tokens", "96", "--requests", "6", "--steps", "1",
+                         "--num-experts", "4", "--out", str(out)])
+    return out, code, output
 
 
 @pytest.mark.distributed
 def test_dbo_run_end_to_end(run_out):
-    out, proc = run_out
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out, code, output = run_out
+    assert code == 0, output.err[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["backend"] == "a2a"
     assert summary["num_experts"] == 4  # --num-experts, not the preset's 8
@@ -48,23 +52,22 @@ def test_dbo_run_end_to_end(run_out):
     for name in ("trace.json", "trace_analysis.json", "trace_timeline.png"):
         assert (out / name).stat().st_size > 0
     assert (out / "rank1" / "trace.json").exists()
-    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    last = json.loads(output.out.strip().splitlines()[-1])
     assert last["outputs_match"] is True
-    assert "order in which the ubatches issued the phases" in proc.stdout
+    assert "order in which the ubatches issued the phases" in output.out
     # CPU times are a functional check: labelled so, and no speedup is derived from them.
     assert summary["timings"] == "functional" and summary["speedup"] is None
     assert last["timings"] == "functional" and last["speedup"] is None
-    text = proc.stdout.strip().rsplit("\n", 1)[0]
+    text = output.out.strip().rsplit("\n", 1)[0]
     assert "not a performance figure" in text and "speedup" not in text
     # Kineto's "USDT ... profiler_start/stop" lines are quieted (KINETO_LOG_LEVEL).
-    assert "USDT" not in proc.stderr and "profiler_start" not in proc.stderr
+    assert "USDT" not in output.err and "profiler_start" not in output.err
 
 
 @pytest.mark.distributed
 def test_dbo_inspect_reads_the_run_trace(run_out, capsys):
-    # In this process (`python -m dbo.cli` itself is launched by dbo run above): the
-    # trace a 2-rank run wrote, read back.
-    out, _ = run_out
+    # The trace a 2-rank run wrote, read back.
+    out, _, _ = run_out
     assert cli.main(["inspect", str(out / "trace.json")]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["devices"], report
@@ -103,6 +106,22 @@ def test_every_command_describes_itself_to_a_user_in_a_few_lines(command, capsys
     assert 1 <= len(lines) <= 7 and max(map(len, lines)) <= 92, description
     assert "dbo.cli" not in description and "`dbo." not in description, description
     assert "One rank's" not in description and "Modules:" not in description
+
+
+@pytest.mark.parametrize("module, usage", [
+    ("dbo.cli", "usage: dbo COMMAND"), ("dbo.cli.bench", "usage: dbo bench "),
+    ("dbo.cli.bench_comm", "usage: dbo bench-comm "), ("dbo.cli.soak", "usage: dbo soak "),
+])
+def test_python_m_runs_the_command(module, usage, monkeypatch, capsys):
+    # `python -m MODULE --help` as python -m runs it (runpy, as __main__), in this process:
+    # the module's main block reaches the command. The end-to-end tests call main().
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "found in sys.modules": imported
+        with pytest.raises(SystemExit) as exc:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith(usage)
 
 
 def test_help_lists_the_choices_from_the_registries(capsys):
