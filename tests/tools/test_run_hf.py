@@ -20,7 +20,7 @@ from dbo import cli  # noqa: E402
 @pytest.mark.parametrize("backend", ["a2a_ll"])  # a capacity is given (auto: below)
 def test_dbo_run_hf_config_end_to_end(tmp_path, backend, capfd, monkeypatch):
     # cli.main in this process (the ranks it spawns import torch and transformers, this
-    # process has; python -m dbo.cli is launched by tests/tools/test_cli.py): capfd also
+    # process has; python -m dbo.cli is checked by tests/tools/test_cli.py): capfd also
     # sees the ranks' output. Not under torchrun: it spawns its ranks.
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
