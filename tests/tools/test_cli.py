@@ -1,8 +1,9 @@
 """Layers 1-2 (CPU): the `dbo` command. In-process (layer 1): every command's --help
 (its name, defaults, choices), bad arguments refused with one line and exit code 2
 before any rank starts, `launch.resolve_world_size`, the printed summary. Spawning gloo
-ranks (layer 2, marked distributed): `dbo run` end to end on the tiny preset, and
-`dbo inspect` of its trace (`dbo trace` end to end: tests/traces/test_trace_alignment.py)."""
+ranks (layer 2, marked distributed): `dbo run` end to end on the tiny preset, its
+--decode-steps included, and `dbo inspect` of its trace (`dbo trace` end to end:
+tests/traces/test_trace_alignment.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,7 +31,7 @@ def run_out(tmp_path_factory) -> tuple[Path, int, Printed]:
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "KINETO_LOG_LEVEL"):
             env.delenv(name, raising=False)  # a fresh shell's: no torchrun, Kineto's default
         code = cli.main(["run", "--tokens", "96", "--requests", "6", "--steps", "1",
-                         "--num-experts", "4", "--out", str(out)])
+                         "--num-experts", "4", "--decode-steps", "2", "--out", str(out)])
     return out, code, output
 
 
@@ -62,6 +63,24 @@ def test_dbo_run_end_to_end(run_out):
     assert "not a performance figure" in text and "speedup" not in text
     # Kineto's "USDT ... profiler_start/stop" lines are quieted (KINETO_LOG_LEVEL).
     assert "USDT" not in output.err and "profiler_start" not in output.err
+
+
+@pytest.mark.distributed
+def test_dbo_run_decode_steps_end_to_end(run_out):
+    # --decode-steps 2 of the same run: after the prefill, two decode steps compared DBO
+    # off and on, reported in the table, summary and JSON line.
+    out, code, output = run_out
+    assert code == 0, output.err[-3000:]
+    final = json.loads(output.out.strip().splitlines()[-1])
+    decode = final["decode"]
+    assert decode["steps"] == 2 and decode["requests_per_rank"] == [6, 6]
+    assert decode["split"] is True and "SplitWithCache" in decode["reason"]
+    assert decode["outputs_match"] is True
+    assert all(d < 1e-4 for d in decode["max_abs_diff"]), decode
+    assert decode["step_ms"]["dbo_off"] > 0 and decode["step_ms"]["dbo_on"] > 0
+    assert "decode: 2 steps of one token per request over KV caches" in output.out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["decode"]["outputs_match"] is True
 
 
 @pytest.mark.distributed
