@@ -19,6 +19,7 @@ from dbo.cli.bench.predicted import attach_prediction, prediction_lines
 from dbo.cli.bench.sweep import SweepResult
 from dbo.cli.bench.timing import Timing
 from dbo.cli.bench.workload import Workload
+from tests.dist_utils import run_distributed
 from tests.tools.fd_output import printed
 
 def test_each_layers_last_collective_is_its_combine():
@@ -90,6 +91,11 @@ def test_the_probes_split_compute_feeds_the_dbo_prediction():
     assert point.measured_point.split_compute == 6.0
 
 
+BENCH_ARGS = ("--device", "cpu", "--tokens", "16,64", "--backends", "a2a", "--iters", "1",
+              "--warmup", "1", "--layers", "2", "--rounds", "1", "--no-progress")
+PREDICTED = "predicted (cost model on each point's measured phase times"
+
+
 def _bench(out: Path, *extra: str) -> dict:
     """`dbo bench` on two gloo ranks through main() in this process (the ranks it spawns
     import torch, this process has): its final JSON line."""
@@ -98,12 +104,27 @@ def _bench(out: Path, *extra: str) -> dict:
     with pytest.MonkeyPatch.context() as env, printed() as output:
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE"):
             env.delenv(name, raising=False)  # not under torchrun: it spawns its ranks
-        code = main(["--device", "cpu", "--tokens", "16,64", "--backends", "a2a", "--iters",
-                     "1", "--warmup", "1", "--layers", "2", "--rounds", "1", "--no-progress",
-                     "--out", str(out), *extra])
+        code = main([*BENCH_ARGS, "--out", str(out), *extra])
     assert code == 0, output.err[-3000:]
-    assert "predicted (cost model on each point's measured phase times" in output.out
+    assert PREDICTED in output.out
     return json.loads(output.out.strip().splitlines()[-1])
+
+
+def _sweep(rank: int, world_size: int, argv: list[str]) -> dict | None:
+    """What a `dbo bench argv` rank sweeps and (rank 0) reports, on ranks that
+    tests.dist_utils starts (the command's own launch: `_bench`): its final JSON line."""
+    import torch.distributed as dist
+
+    from dbo.cli.bench import report
+    from dbo.cli.bench.launch import build_parser, config_from_args
+    from dbo.cli.bench.sweep import run_sweep
+
+    cfg = config_from_args(build_parser().parse_args(argv), {})
+    result = run_sweep(cfg, group=dist.group.WORLD, device=torch.device("cpu"))
+    if rank:
+        return None
+    assert PREDICTED in report.format_table(result)
+    return json.loads(report.final_line(result, report.write_outputs(result)))
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +153,9 @@ def test_bench_writes_the_calibration_a_second_run_and_plan_use(first_bench, tmp
         assert row["pred_choice"] in ("none", "dbo", "sbo") and row["pred_err_dbo"] is not None
         assert len(row["trial_speedups"]) == 1  # no calibration: the gate's trial ran
 
-    second = _bench(tmp_path / "b", "--calibration", path)  # a2a: its points are covered
+    # a2a only, its points covered: the sweep of such a run (one set of ranks less).
+    second = run_distributed(2, _sweep, [*BENCH_ARGS, "--out", str(tmp_path / "b"),
+                                         "--calibration", path])[0]
     assert [row["backend"] for row in second["points"]] == ["a2a", "a2a"]
     for row in second["points"]:
         assert row["trial_speedups"] == [], row  # covered: no trial step
