@@ -8,8 +8,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,7 +38,6 @@ from dbo.cli.bench.sweep import PROBE_SKIPPED_CPU, SweepResult
 from dbo.cli.bench.timing import Timing, median_of_rounds
 from tests.dist_utils import run_distributed
 
-REPO = Path(__file__).resolve().parents[2]
 FINAL_KEYS = {"bench", "regime", "mode", "preset", "world_size", "device", "shapes", "probe",
               "summary", "points", "files"}
 POINT_KEYS = {"backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
@@ -384,22 +381,23 @@ def test_plot_draws_the_ceiling(tmp_path: Path) -> None:
 
 # --------------------------------------------------------- layer 2: two gloo processes
 @pytest.mark.distributed
-def test_cli_layer_mode_end_to_end(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "dbo.cli.bench", "--device", "cpu", "--mode", "layer",
-           "--tokens", "16,64", "--backends", "a2a,naive", "--iters", "2", "--warmup", "1",
-           "--layers", "2", "--gate-min-tokens", "32", "--rounds", "2", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+def test_cli_layer_mode_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixture,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # main() in this process (the ranks it spawns import torch, this process has; python -m
+    # dbo.cli.bench: tests/tools/test_cli.py): capfd also sees the ranks' stderr.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE"):
+        monkeypatch.delenv(name, raising=False)  # not under torchrun: it spawns its ranks
+    code = main(["--device", "cpu", "--mode", "layer", "--tokens", "16,64", "--backends",
+                 "a2a,naive", "--iters", "2", "--warmup", "1", "--layers", "2",
+                 "--gate-min-tokens", "32", "--rounds", "2", "--out", str(tmp_path)])
+    stdout, stderr = capfd.readouterr()
+    assert code == 0, stderr[-3000:]
+    lines = stdout.strip().splitlines()
     final = json.loads(lines[-1])
     assert FINAL_KEYS <= set(final)
     assert final["regime"] == CPU_REGIME and final["world_size"] == 2
     assert final["probe"] == PROBE_SKIPPED_CPU
-    assert "[dbo bench]" in proc.stderr  # the progress bar
+    assert "[dbo bench]" in stderr  # the progress bar
     table = "\n".join(lines[:-1])
     assert "regime=CPU gloo" in table and "ceiling probe: skipped on CPU" in table
     assert "gate decisions:" in table and "median of 2 alternating rounds" in table

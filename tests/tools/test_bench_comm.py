@@ -10,9 +10,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -197,19 +194,21 @@ POINT_KEYS = {"backend", "tokens", "dispatch_us", "combine_us", "total_us",
 
 
 @pytest.mark.distributed
-def test_command_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+def test_command_end_to_end_on_two_gloo_ranks(tmp_path: Path, capfd: pytest.CaptureFixture,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from dbo.cli.bench_comm import main
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE"):
+        monkeypatch.delenv(name, raising=False)  # not under torchrun: it spawns its ranks
     # No --backends: every engine is tried, and those that cannot run here are skipped
-    # with their reason (a named one is refused before any rank starts).
-    cmd = [sys.executable, "-m", "dbo.cli.bench_comm", "--hidden", "64", "--num-experts",
-           "8", "--top-k", "2", "--tokens", "1,16", "--iters", "2", "--warmup", "1",
-           "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    # with their reason (a named one is refused before any rank starts). main() runs in
+    # this process (the ranks it spawns import torch, this process has): capfd also sees
+    # the ranks' stderr.
+    code = main(["--hidden", "64", "--num-experts", "8", "--top-k", "2", "--tokens", "1,16",
+                 "--iters", "2", "--warmup", "1", "--out", str(tmp_path)])
+    stdout, stderr = capfd.readouterr()
+    assert code == 0, stderr[-3000:]
+    lines = stdout.strip().splitlines()
     final = json.loads(lines[-1])
     assert final["bench"] == "comm" and final["world_size"] == 2
     assert final["regime"] == "CPU gloo" and final["functional"] is True
@@ -238,7 +237,7 @@ def test_command_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert "regime=CPU gloo" in table and "functional check" in table
     assert "skipped deepep_raw_ht: rank 0: " in table
     assert sum(line.startswith(tuple(f"{b} " for b in ran)) for line in lines) == 6
-    progress = [line for line in proc.stderr.splitlines() if line.startswith("[bench-comm] ")]
+    progress = [line for line in stderr.splitlines() if line.startswith("[bench-comm] ")]
     assert sum(": dispatch " in line for line in progress) == 6  # one line per point run
     for name in skipped:  # and its skip, per point or for the whole engine
         assert any(line.startswith(f"[bench-comm] {name}") and "skipped: " in line

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -226,17 +224,18 @@ def test_real_shapes_of_the_experts_path_families(name: str, sizes: tuple) -> No
 
 
 @pytest.mark.distributed
-def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "dbo.cli.bench", "--device", "cpu", "--hf", "deepseek_v3",
-           "--tokens", "8,16", "--requests", "2", "--backends", "a2a,naive,a2a_ll", "--iters", "1",
-           "--warmup", "0", "--rounds", "2", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path, capfd: pytest.CaptureFixture,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # main() in this process (the ranks it spawns import torch, this process has):
+    # capfd also sees the ranks' stderr. Not under torchrun: it spawns its ranks.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+    code = main(["--device", "cpu", "--hf", "deepseek_v3", "--tokens", "8,16", "--requests", "2",
+                 "--backends", "a2a,naive,a2a_ll", "--iters", "1", "--warmup", "0", "--rounds",
+                 "2", "--out", str(tmp_path)])
+    stdout, stderr = capfd.readouterr()
+    assert code == 0, stderr[-3000:]
+    lines = stdout.strip().splitlines()
     final = json.loads(lines[-1])
     assert final["mode"] == "hf" and final["arch"] == "deepseek_v3"
     assert final["regime"] == CPU_REGIME and final["world_size"] == 2

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from typing import Any
@@ -29,11 +26,9 @@ import moe.hf  # noqa: E402
 from dbo.cli.bench.config import CPU_REGIME, NVLINK_REGIME  # noqa: E402
 from dbo.cli.bench.hf_config import HFBenchConfig, HFDecodeOptions  # noqa: E402
 from dbo.cli.bench.hf_decode import DecodeStep, PrefixCache, SplitCaches, prefill_cache  # noqa: E402
+from dbo.cli.bench import main  # noqa: E402
 from tests.tools.test_bench_hf import refused_before_any_rank  # noqa: E402
 from moe.hf.tiny import tiny_config, tiny_model  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
@@ -201,18 +196,19 @@ def test_bad_decode_arguments_exit_with_the_fix_before_any_rank(
 
 
 @pytest.mark.distributed
-def test_cli_hf_decode_end_to_end_on_two_gloo_ranks(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "dbo.cli.bench", "--device", "cpu", "--hf", "deepseek_v3",
-           "--mode", "decode", "--requests", "2,3", "--context", "5", "--backends", "a2a,a2a_ll",
-           "--iters", "1", "--warmup", "0", "--rounds", "2", "--gate-min-tokens", "3",
-           "--gate-trial-iters", "1", "--out", str(tmp_path), "--no-progress"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+def test_cli_hf_decode_end_to_end_on_two_gloo_ranks(
+        tmp_path: Path, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # main() in this process (the ranks it spawns import torch, this process has):
+    # capfd also sees the ranks' stderr. Not under torchrun: it spawns its ranks.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+    code = main(["--device", "cpu", "--hf", "deepseek_v3", "--mode", "decode", "--requests",
+                 "2,3", "--context", "5", "--backends", "a2a,a2a_ll", "--iters", "1", "--warmup",
+                 "0", "--rounds", "2", "--gate-min-tokens", "3", "--gate-trial-iters", "1",
+                 "--out", str(tmp_path), "--no-progress"])
+    stdout, stderr = capfd.readouterr()
+    assert code == 0, stderr[-3000:]
+    lines = stdout.strip().splitlines()
     final = json.loads(lines[-1])
     assert final["mode"] == "hf_decode" and final["arch"] == "deepseek_v3"
     assert final["regime"] == CPU_REGIME and final["world_size"] == 2

@@ -5,9 +5,6 @@ calibration.json, a second run gated on it runs no trial step, `dbo plan` reads 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,9 +19,8 @@ from dbo.cli.bench.predicted import attach_prediction, prediction_lines
 from dbo.cli.bench.sweep import SweepResult
 from dbo.cli.bench.timing import Timing
 from dbo.cli.bench.workload import Workload
-
-REPO = Path(__file__).resolve().parents[2]
-
+from tests.dist_utils import run_distributed
+from tests.tools.fd_output import printed
 
 def test_each_layers_last_collective_is_its_combine():
     recording = CommRecording(segments=[["vote"], ["count", "data", "back"], ["gather", "rs"]])
@@ -95,31 +91,61 @@ def test_the_probes_split_compute_feeds_the_dbo_prediction():
     assert point.measured_point.split_compute == 6.0
 
 
+BENCH_ARGS = ("--device", "cpu", "--tokens", "16,64", "--backends", "a2a", "--iters", "1",
+              "--warmup", "1", "--layers", "2", "--rounds", "1", "--no-progress")
+PREDICTED = "predicted (cost model on each point's measured phase times"
+
+
 def _bench(out: Path, *extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "dbo.cli.bench", "--device", "cpu", "--tokens", "16,64",
-           "--backends", "a2a", "--iters", "1", "--warmup", "1", "--layers", "2",
-           "--rounds", "1", "--no-progress", "--out", str(out), *extra]
-    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert "predicted (cost model on each point's measured phase times" in proc.stdout
-    return json.loads(lines[-1])
+    """`dbo bench` on two gloo ranks through main() in this process (the ranks it spawns
+    import torch, this process has): its final JSON line."""
+    from dbo.cli.bench import main
+
+    with pytest.MonkeyPatch.context() as env, printed() as output:
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_P2P_DISABLE"):
+            env.delenv(name, raising=False)  # not under torchrun: it spawns its ranks
+        code = main([*BENCH_ARGS, "--out", str(out), *extra])
+    assert code == 0, output.err[-3000:]
+    assert PREDICTED in output.out
+    return json.loads(output.out.strip().splitlines()[-1])
+
+
+def _sweep(rank: int, world_size: int, argv: list[str]) -> dict | None:
+    """What a `dbo bench argv` rank sweeps and (rank 0) reports, on ranks that
+    tests.dist_utils starts (the command's own launch: `_bench`): its final JSON line."""
+    import torch.distributed as dist
+
+    from dbo.cli.bench import report
+    from dbo.cli.bench.launch import build_parser, config_from_args
+    from dbo.cli.bench.sweep import run_sweep
+
+    cfg = config_from_args(build_parser().parse_args(argv), {})
+    result = run_sweep(cfg, group=dist.group.WORLD, device=torch.device("cpu"))
+    if rank:
+        return None
+    assert PREDICTED in report.format_table(result)
+    return json.loads(report.final_line(result, report.write_outputs(result)))
+
+
+@pytest.fixture(scope="module")
+def first_bench(tmp_path_factory) -> dict:
+    """One uncalibrated bench of a2a and a2a_ll (one launch for both tests below)."""
+    return _bench(tmp_path_factory.mktemp("bench") / "a", "--backends", "a2a,a2a_ll")
 
 
 @pytest.mark.distributed
-def test_bench_writes_the_calibration_a_second_run_and_plan_use(tmp_path, capsys):
-    first = _bench(tmp_path / "a")
+def test_bench_writes_the_calibration_a_second_run_and_plan_use(first_bench, tmp_path, capsys):
+    first = first_bench
     path = first["files"]["calibration"]
     cal = Calibration.load(path)
     assert cal.device.startswith("cpu") and cal.torch_version == torch.__version__
     assert cal.date[:2] == "20" and cal.date.endswith("+00:00")
     assert [(p.backend, p.tokens, p.decode, p.layers) for p in cal.points] == [
-        ("a2a", 16, True, 2), ("a2a", 64, True, 2)]
+        ("a2a", 16, True, 2), ("a2a", 64, True, 2), ("a2a_ll", 16, True, 2),
+        ("a2a_ll", 64, True, 2)]
+    assert len(first["points"]) == len(cal.points)
     for p, row in zip(cal.points, first["points"]):
+        assert (row["backend"], row["tokens_per_rank"]) == (p.backend, p.tokens)
         assert min(p.attention, p.experts, p.shared, p.dispatch, p.combine) > 0, p
         assert p.expert_weight_bytes > 0 and p.rows_per_expert == p.tokens * 2 * 2 / 8
         assert p.measured_ms["none"] == pytest.approx(row["t_nodbo_ms"], rel=1e-3)
@@ -127,7 +153,10 @@ def test_bench_writes_the_calibration_a_second_run_and_plan_use(tmp_path, capsys
         assert row["pred_choice"] in ("none", "dbo", "sbo") and row["pred_err_dbo"] is not None
         assert len(row["trial_speedups"]) == 1  # no calibration: the gate's trial ran
 
-    second = _bench(tmp_path / "b", "--calibration", path)
+    # a2a only, its points covered: the sweep of such a run (one set of ranks less).
+    second = run_distributed(2, _sweep, [*BENCH_ARGS, "--out", str(tmp_path / "b"),
+                                         "--calibration", path])[0]
+    assert [row["backend"] for row in second["points"]] == ["a2a", "a2a"]
     for row in second["points"]:
         assert row["trial_speedups"] == [], row  # covered: no trial step
         assert row["gate_reason"].startswith("prediction: "), row
@@ -137,17 +166,18 @@ def test_bench_writes_the_calibration_a_second_run_and_plan_use(tmp_path, capsys
     assert cli.main(["plan", "--calibration", path, "--sweep", "16,64"]) == 0
     out = capsys.readouterr().out
     assert f"calibration: {path} (written by dbo bench on cpu" in out
-    assert "2 measured points" in json.loads(out.strip().splitlines()[-1])["calibration"]
+    assert "4 measured points" in json.loads(out.strip().splitlines()[-1])["calibration"]
 
 
 @pytest.mark.distributed
-def test_bench_records_each_modes_host_time_for_an_issue_only_backend(tmp_path):
+def test_bench_records_each_modes_host_time_for_an_issue_only_backend(first_bench):
     # a2a_ll never waits on the device: its host times are issue times, the floors of
     # the no-overlap, DBO and SBO predictions (`dbo.cost_model`).
-    row = _bench(tmp_path / "ll", "--backends", "a2a_ll", "--tokens", "16")
-    point = Calibration.load(row["files"]["calibration"]).points[0]
-    assert point.backend == "a2a_ll"
-    assert point.host_ms == pytest.approx(row["points"][0]["host_nodbo_ms"], rel=1e-3)
-    assert point.host_dbo_ms == pytest.approx(row["points"][0]["host_dbo_ms"], rel=1e-3)
-    assert point.host_sbo_ms == pytest.approx(row["points"][0]["host_sbo_ms"], rel=1e-3)
+    points = Calibration.load(first_bench["files"]["calibration"]).points
+    rows = [row for row in first_bench["points"] if row["backend"] == "a2a_ll"]
+    point = next(p for p in points if p.backend == "a2a_ll" and p.tokens == 16)
+    row = next(row for row in rows if row["tokens_per_rank"] == 16)
+    assert point.host_ms == pytest.approx(row["host_nodbo_ms"], rel=1e-3)
+    assert point.host_dbo_ms == pytest.approx(row["host_dbo_ms"], rel=1e-3)
+    assert point.host_sbo_ms == pytest.approx(row["host_sbo_ms"], rel=1e-3)
     assert min(point.host_ms, point.host_dbo_ms, point.host_sbo_ms) > 0

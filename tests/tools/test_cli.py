@@ -1,39 +1,44 @@
 """Layers 1-2 (CPU): the `dbo` command. In-process (layer 1): every command's --help
 (its name, defaults, choices), bad arguments refused with one line and exit code 2
 before any rank starts, `launch.resolve_world_size`, the printed summary. Spawning gloo
-ranks (layer 2, marked distributed): `dbo run`, `dbo trace`, `dbo inspect` end to end on
-the tiny preset."""
+ranks (layer 2, marked distributed): `dbo run` end to end on the tiny preset, its
+--decode-steps included, and `dbo inspect` of its trace (`dbo trace` end to end:
+tests/traces/test_trace_alignment.py)."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import runpy
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from dbo import cli
-
-
-def dbo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dbo.cli", *args], capture_output=True,
-                          text=True, timeout=timeout)
+from tests.tools.fd_output import Printed, printed
 
 
 @pytest.fixture(scope="module")
-def run_out(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+def run_out(tmp_path_factory) -> tuple[Path, int, Printed]:
+    """`dbo run` on two gloo ranks through cli.main in this process (the ranks it spawns
+    import torch, this process has; `python -m dbo.cli` itself: test_python_m_runs_the_command):
+    its folder, exit code and output, the ranks' included."""
     out = tmp_path_factory.mktemp("run")
-    proc = dbo("run", "--tokens", "96", "--requests", "6", "--steps", "1", "--num-experts", "4",
-               "--out", str(out))
-    return out, proc
+    with pytest.MonkeyPatch.context() as env, printed() as output:
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "KINETO_LOG_LEVEL"):
+            env.delenv(name, raising=False)  # a fresh shell's: no torchrun, Kineto's default
+        code = cli.main(["run", "--tokens", "96", "--requests", "6", "--steps", "1",
+                         "--num-experts", "4", "--decode-steps", "2", "--out", str(out)])
+    return out, code, output
 
 
 @pytest.mark.distributed
 def test_dbo_run_end_to_end(run_out):
-    out, proc = run_out
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out, code, output = run_out
+    assert code == 0, output.err[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["backend"] == "a2a"
     assert summary["num_experts"] == 4  # --num-experts, not the preset's 8
@@ -48,34 +53,43 @@ def test_dbo_run_end_to_end(run_out):
     for name in ("trace.json", "trace_analysis.json", "trace_timeline.png"):
         assert (out / name).stat().st_size > 0
     assert (out / "rank1" / "trace.json").exists()
-    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    last = json.loads(output.out.strip().splitlines()[-1])
     assert last["outputs_match"] is True
-    assert "order in which the ubatches issued the phases" in proc.stdout
+    assert "order in which the ubatches issued the phases" in output.out
     # CPU times are a functional check: labelled so, and no speedup is derived from them.
     assert summary["timings"] == "functional" and summary["speedup"] is None
     assert last["timings"] == "functional" and last["speedup"] is None
-    text = proc.stdout.strip().rsplit("\n", 1)[0]
+    text = output.out.strip().rsplit("\n", 1)[0]
     assert "not a performance figure" in text and "speedup" not in text
     # Kineto's "USDT ... profiler_start/stop" lines are quieted (KINETO_LOG_LEVEL).
-    assert "USDT" not in proc.stderr and "profiler_start" not in proc.stderr
+    assert "USDT" not in output.err and "profiler_start" not in output.err
 
 
 @pytest.mark.distributed
-def test_dbo_inspect_reads_the_run_trace(run_out):
-    out, _ = run_out
-    proc = dbo("inspect", str(out / "trace.json"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    json.loads(proc.stdout.strip().splitlines()[-1])
+def test_dbo_run_decode_steps_end_to_end(run_out):
+    # --decode-steps 2 of the same run: after the prefill, two decode steps compared DBO
+    # off and on, reported in the table, summary and JSON line.
+    out, code, output = run_out
+    assert code == 0, output.err[-3000:]
+    final = json.loads(output.out.strip().splitlines()[-1])
+    decode = final["decode"]
+    assert decode["steps"] == 2 and decode["requests_per_rank"] == [6, 6]
+    assert decode["split"] is True and "SplitWithCache" in decode["reason"]
+    assert decode["outputs_match"] is True
+    assert all(d < 1e-4 for d in decode["max_abs_diff"]), decode
+    assert decode["step_ms"]["dbo_off"] > 0 and decode["step_ms"]["dbo_on"] > 0
+    assert "decode: 2 steps of one token per request over KV caches" in output.out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["decode"]["outputs_match"] is True
 
 
 @pytest.mark.distributed
-def test_dbo_trace_writes_analysis(tmp_path):
-    proc = dbo("trace", "--tokens", "64", "--steps", "1", "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "USDT" not in proc.stderr
-    analysis = json.loads((tmp_path / "trace_analysis.json").read_text())
-    assert "devices" in analysis
-    assert (tmp_path / "trace_timeline.png").stat().st_size > 0
+def test_dbo_inspect_reads_the_run_trace(run_out, capsys):
+    # The trace a 2-rank run wrote, read back.
+    out, _, _ = run_out
+    assert cli.main(["inspect", str(out / "trace.json")]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["devices"], report
 
 
 # A default each command's --help must show: (option, its default).
@@ -111,6 +125,22 @@ def test_every_command_describes_itself_to_a_user_in_a_few_lines(command, capsys
     assert 1 <= len(lines) <= 7 and max(map(len, lines)) <= 92, description
     assert "dbo.cli" not in description and "`dbo." not in description, description
     assert "One rank's" not in description and "Modules:" not in description
+
+
+@pytest.mark.parametrize("module, usage", [
+    ("dbo.cli", "usage: dbo COMMAND"), ("dbo.cli.bench", "usage: dbo bench "),
+    ("dbo.cli.bench_comm", "usage: dbo bench-comm "), ("dbo.cli.soak", "usage: dbo soak "),
+])
+def test_python_m_runs_the_command(module, usage, monkeypatch, capsys):
+    # `python -m MODULE --help` as python -m runs it (runpy, as __main__), in this process:
+    # the module's main block reaches the command. The end-to-end tests call main().
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "found in sys.modules": imported
+        with pytest.raises(SystemExit) as exc:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith(usage)
 
 
 def test_help_lists_the_choices_from_the_registries(capsys):
@@ -391,13 +421,15 @@ def test_profiler_start_and_stop_print_no_usdt_lines():
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
-    loud, quiet = (subprocess.run([sys.executable, "-c", PROFILE_ONCE, mode], env=env,
-                                  capture_output=True, text=True, timeout=120)
-                   for mode in ("loud", "quiet"))
-    assert loud.returncode == 0 and quiet.returncode == 0, quiet.stderr[-2000:]
-    if "profiler_start" not in loud.stderr:
+    # Both processes at once (each spends seconds importing torch): then read each.
+    procs = [subprocess.Popen([sys.executable, "-c", PROFILE_ONCE, mode], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for mode in ("loud", "quiet")]
+    (_, loud_err), (_, quiet_err) = (p.communicate(timeout=120) for p in procs)
+    assert [p.returncode for p in procs] == [0, 0], quiet_err[-2000:] + loud_err[-2000:]
+    if "profiler_start" not in loud_err:
         pytest.skip("this torch build's profiler prints no USDT lines")
-    assert "USDT" not in quiet.stderr and "profiler_start" not in quiet.stderr, quiet.stderr
+    assert "USDT" not in quiet_err and "profiler_start" not in quiet_err, quiet_err
 
 
 def fake_deep_ep_on_cuda(monkeypatch, *, classes=("Buffer",)) -> None:

@@ -1,12 +1,9 @@
-"""Layers 1-2: `dbo run --decode-steps N` on CPU. Its argument errors before any rank
-starts (layer 1); the run end to end on two gloo ranks it spawns itself, the decode
-steps compared DBO off and on and reported in the table, summary and JSON line (layer 2,
-marked distributed).
+"""Layer 1: `dbo run --decode-steps N` on CPU, its argument errors before any rank
+starts. The run end to end on two gloo ranks, the decode steps compared DBO off and on
+and reported in the table, summary and JSON line, shares tests/tools/test_cli.py's dbo run
+(test_dbo_run_decode_steps_end_to_end).
 """
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 
@@ -34,23 +31,3 @@ def test_bad_decode_arguments_fail_fast(args: tuple[str, ...], message: str,
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
-
-
-@pytest.mark.distributed
-def test_run_with_decode_steps_end_to_end(tmp_path: Path,
-                                          capsys: pytest.CaptureFixture) -> None:
-    code = cli.main(["run", "--decode-steps", "2", "--tokens", "64", "--requests", "4",
-                     "--steps", "1", "--warmup", "0", "--no-trace", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    final = json.loads(out.strip().splitlines()[-1])
-    decode = final["decode"]
-    assert decode["steps"] == 2 and decode["requests_per_rank"] == [4, 4]
-    assert decode["split"] is True and "SplitWithCache" in decode["reason"]
-    assert decode["outputs_match"] is True
-    assert all(d < 1e-4 for d in decode["max_abs_diff"]), decode
-    assert decode["step_ms"]["dbo_off"] > 0 and decode["step_ms"]["dbo_on"] > 0
-    assert "decode: 2 steps of one token per request over KV caches" in out
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["decode"]["outputs_match"] is True
-    assert final["outputs_match"] is True  # the prefill's line is as before

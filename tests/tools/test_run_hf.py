@@ -18,12 +18,16 @@ from dbo import cli  # noqa: E402
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", ["a2a_ll"])  # a capacity is given (auto: below)
-def test_dbo_run_hf_config_end_to_end(tmp_path, backend):
-    proc = subprocess.run([sys.executable, "-m", "dbo.cli", "run", "--hf-config", "qwen3_moe",
-                           "--tokens", "48", "--requests", "4", "--steps", "1",
-                           "--backend", backend, "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_dbo_run_hf_config_end_to_end(tmp_path, backend, capfd, monkeypatch):
+    # cli.main in this process (the ranks it spawns import torch and transformers, this
+    # process has; python -m dbo.cli is checked by tests/tools/test_cli.py): capfd also
+    # sees the ranks' output. Not under torchrun: it spawns its ranks.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    code = cli.main(["run", "--hf-config", "qwen3_moe", "--tokens", "48", "--requests", "4",
+                     "--steps", "1", "--backend", backend, "--out", str(tmp_path)])
+    stdout, stderr = capfd.readouterr()
+    assert code == 0, stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["model"] == "hf-config qwen3_moe" and summary["world_size"] == 2
     assert summary["backend"] == ("a2a" if backend == "auto" else backend)
@@ -34,7 +38,7 @@ def test_dbo_run_hf_config_end_to_end(tmp_path, backend):
     order = summary["phase_order"]
     assert order.index("ub1 router") < order.index("ub0 dispatch_recv")
     assert (tmp_path / "trace.json").stat().st_size > 0
-    assert "dbo run: hf-config qwen3_moe, 2 ranks" in proc.stdout
+    assert "dbo run: hf-config qwen3_moe, 2 ranks" in stdout
 
 
 def test_auto_backend_of_an_hf_run_is_the_preset_run_s():

@@ -1,6 +1,6 @@
 """Layer 2 (CPU, spawns gloo ranks): the soak run, `python -m dbo.cli.soak`.
 
-300 DBO steps on two gloo ranks with random token counts per rank (0 included, on both
+180 DBO steps on two gloo ranks with random token counts per rank (0 included, on both
 ranks at once every 77th step) at tiny sizes, through the command's `main`: every step
 matches the no-DBO reference and memory stays flat after warmup. Also shorter soaks of
 the other expert-parallel backends, the memory tracker's own ability to see a leak, and
@@ -41,40 +41,45 @@ def check_summary(s: dict, *, steps: int) -> None:
         assert rank["tensors"]["final"] > 0 and rank["objects"]["final"] > 0
 
 
-def test_soak_a2a_300_steps(tmp_path, capfd):
+def test_soak_a2a_180_steps(tmp_path, capfd):
     out = tmp_path / "soak.json"
     # main() in this process (its ranks are spawned): capfd also sees the ranks' stderr.
-    code = main(["--steps", "300", "--backend", "a2a", "--layers", "1", "--report-every",
-                 "80", "--trace-window", "40", "--json-out", str(out)])
+    # 180 steps: both ranks have 0 tokens at steps 77 and 154, and five memory samples
+    # (the fewest with which the RSS is held over the later half) with a shorter last
+    # interval and a shorter last traced window.
+    code = main(["--steps", "180", "--backend", "a2a", "--layers", "1", "--report-every",
+                 "40", "--trace-window", "20", "--json-out", str(out)])
     stdout, stderr = capfd.readouterr()
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     last = json.loads(stdout.strip().splitlines()[-1])  # the one final JSON line
-    check_summary(last, steps=300)
+    check_summary(last, steps=180)
     assert last["backend"] == "a2a" and last["experts"] == "reference"
     full = json.loads(out.read_text())
-    assert full["config"]["trace_window"] == 40 and "samples" not in last["memory"][0]
+    assert full["config"]["trace_window"] == 20 and "samples" not in last["memory"][0]
     windows = full["memory"][0]["traced_bytes_per_window"]
-    # Samples at 50 (the baseline), every 80 steps after it, and at the last step (a
-    # shorter last interval); each traced window is the 40 steps before a sample.
-    assert [x["step"] for x in full["memory"][1]["samples"]] == [50, 130, 210, 290, 300]
-    assert windows["window_steps"] == 40 and len(windows["bytes"]) == 4
-    assert "soak: step 300/300" in stderr and "verdict: PASS" in stdout
+    # Samples at 50 (the baseline), every 40 steps after it, and at the last step (a
+    # shorter last interval); each traced window is the 20 steps before a sample.
+    assert [x["step"] for x in full["memory"][1]["samples"]] == [50, 90, 130, 170, 180]
+    assert all("rss_later_half" in rank["checked"] for rank in full["memory"])
+    assert windows["window_steps"] == 20 and len(windows["bytes"]) == 4
+    assert "soak: step 180/180" in stderr and "verdict: PASS" in stdout
 
 
 def soak_several(rank: int, world_size: int, jobs: list[SoakConfig]) -> Any:
     """Several soaks in one set of ranks (one process start for all; the soak command's
-    own launch is covered by test_soak_a2a_300_steps)."""
+    own launch is covered by test_soak_a2a_180_steps)."""
     ctx = RankContext(rank, world_size, torch.device("cpu"), "gloo")
     return [run_rank(ctx, job) for job in jobs]
 
 
 def test_soak_other_backends():
-    # 120 steps: ranks 0 and 1 both have 0 tokens at step 76.
-    jobs = [SoakConfig(steps=120, backend=backend, layers=1, warmup=20, report_every=50,
+    # 80 steps: ranks 0 and 1 both have 0 tokens at step 76 (0-based); memory samples at
+    # 20 (the baseline), 70 and 80.
+    jobs = [SoakConfig(steps=80, backend=backend, layers=1, warmup=20, report_every=50,
                        trace_window=25) for backend in ("a2a_ll", "naive")]
     for job, summary in zip(jobs, run_distributed(2, soak_several, jobs)[0]):
         assert summary["backend"] == job.backend
-        check_summary(summary, steps=120)
+        check_summary(summary, steps=80)
 
 
 def test_soak_with_rejected_inputs_stops_at_the_vote_and_reuses_the_group():
