@@ -45,7 +45,8 @@ def test_docs_show_one_process_two_rank_and_hf_examples() -> None:
 
 
 def run_block(index: int, code: str, folder: Path) -> subprocess.CompletedProcess:
-    """Block `index` written to `folder` and run there as a script from the repository root."""
+    """Block `index` as a script in `folder`, run by a fresh interpreter from the repository
+    root."""
     script = folder / f"doc_example_{index}.py"
     script.write_text(code)
     env = dict(os.environ)
