@@ -10,12 +10,10 @@ of `moe.hf.generate` equal the unconverted model's `generate` -- once with every
 split (each ubatch its own cache), once with the decode steps unsplit (the two caches
 joined and parted again: `moe.hf.kv`) -- and the converted model's `save_pretrained`,
 read back by transformers' `from_pretrained` and by `moe.hf.load` (or refused by it in
-one line: the record's `load`), gives the unconverted model's outputs again. On two gloo
-ranks, spawned once for all families while this process runs its checks, the experts
-sharded (backend "a2a"), for each family that passes here: each rank's logits on its own
-batch with DBO off and on (the split step handing over between the ubatches inside the
-MoE blocks' dispatch and combine), and one MoE block called with tokens on rank 0 and
-none on rank 1.
+one line: the record's `load`), gives the unconverted model's outputs again. On two gloo ranks, spawned once for all
+families, the experts sharded (backend "a2a"): each rank's logits on its own batch with
+DBO off and on (the split step handing over between the ubatches inside the MoE blocks'
+dispatch and combine), and one MoE block called with tokens on rank 0 and none on rank 1.
 
 A family is "ok" when every check passes, "refused" when `moe.hf.convert` refuses it
 (naming the block and what dbo lacks), "not built" when no tiny model of it builds here,
@@ -32,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from concurrent.futures import ThreadPoolExecutor
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -199,15 +196,11 @@ def _ep_ranks(rank: int, world: int, model_types: list[str]) -> dict[str, Option
     group = dist.group.WORLD
     found: dict[str, Optional[str]] = {}
     for model_type in model_types:
-        try:  # no collective yet: what fails here fails alike on every rank
-            model = coverage.tiny_model(model_type)
-            ids, mask = batch(*RANK_SHAPES[rank], seed=10 + rank, vocab=_vocab(model))
-            expected = _outputs(model, ids, mask)
-            probe = ZeroTokenProbe(model, rank)
-            moe.hf.convert(model, group=group)
-        except Exception as exc:  # noqa: BLE001 - not built or refused: the local checks
-            found[model_type] = f"rank {rank}: not run: {_line(exc)}"  # say which
-            continue
+        model = coverage.tiny_model(model_type)
+        ids, mask = batch(*RANK_SHAPES[rank], seed=10 + rank, vocab=_vocab(model))
+        expected = _outputs(model, ids, mask)
+        probe = ZeroTokenProbe(model, rank)
+        moe.hf.convert(model, group=group)
         # Every collective first, on every rank alike; the comparisons after them, so that
         # a difference on one rank leaves the ranks' collectives in step.
         outputs = [_outputs(model, ids, mask)]
@@ -313,13 +306,9 @@ def test_every_moe_family_of_transformers_converts_and_matches(tmp_path):
     _quiet()
     families = coverage.discover()
     assert {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"} <= {f.family for f in families}
-    # The two ranks check every family meanwhile (this process's checks leave a core of
-    # two mostly idle); only the families that pass here are read from them.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        two_ranks = pool.submit(run_distributed, 2, _ep_ranks,
-                                [f.model_type for f in families if f.model_type is not None])
-        local = [_check_local(f, os.fspath(tmp_path / f.family)) for f in families]
-        ranks = two_ranks.result()
+    local = [_check_local(f, os.fspath(tmp_path / f.family)) for f in families]
+    passing = [r.model_type for r in local if r.status == "ok"]
+    ranks = run_distributed(2, _ep_ranks, passing)
     results = []
     for result in local:
         problems = [found[result.model_type] for found in ranks
