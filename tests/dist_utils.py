@@ -5,7 +5,8 @@
 timeout `init_timeout_s`), and returns the list of their return values (rank order). A
 failure on any rank raises here with that rank's traceback. `fn` must be a module-level
 function (it is pickled by name). gloo ranks fork from a server process that has imported
-torch once (`_context`), so a test pays ~0.05 s per process group instead of ~1.5 s.
+torch (and transformers, where installed) once (`_context`), so a test pays ~0.05 s per
+process group instead of ~1.5 s (~3 s with transformers).
 The ranks see the environment of the test process as it was when the server started
 (the first `run_distributed` of the session), not later changes to it, and write to the
 server's stdout/stderr: a rank reports through its return value or its traceback.
@@ -45,6 +46,13 @@ def _worker(rank: int, world_size: int, port: int, backend: str, init_timeout_s:
             dist.destroy_process_group()
 
 
+# transformers' model and generation code (~1.3 s of imports per rank otherwise, in every
+# rank of the Hugging Face tests). Without transformers the server skips them: it ignores
+# a preload that raises ImportError.
+_TRANSFORMERS = ("transformers.modeling_utils", "transformers.generation.utils",
+                 "transformers.models.auto.modeling_auto")
+
+
 def _context(backend: str) -> Any:
     """gloo: ranks fork from one server process that has imported torch, dbo and moe
     already, so a rank starts in a fraction of a second instead of re-importing torch
@@ -56,8 +64,9 @@ def _context(backend: str) -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "dbo", "moe.layer", "pytest",
-                                "tests.dist_utils"])
+                                "tests.dist_utils", *_TRANSFORMERS])
     return ctx
+
 
 
 def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any,

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -158,13 +159,20 @@ def one_rank_skips_a_step(rank: int, world_size: int, timeout_s: float) -> dict:
     group = dbo.new_group(timeout_s=timeout_s)
     layer = ep_layer(group)
     x = torch.randn(10, 16)
+    store = dist.distributed_c10d._get_default_store()
     if rank == 1:
         # Skip the step but stay connected: only the group's timeout can free rank 0
-        # (exiting would close the connection and fail rank 0 at once).
-        time.sleep(4 * timeout_s)
+        # (exiting would close the connection and fail rank 0 at once). Wait until rank 0
+        # has failed, at most 4 timeouts (then leave: the test sees rank 0 late).
+        try:
+            store.wait(["rank 0 done"], timedelta(seconds=4 * timeout_s))
+        except RuntimeError:
+            pass
         return {"skipped": True}
-    return outcome(lambda: dbo.UBatchScheduler("cpu").run([lambda: layer(x[:5]),
-                                                            lambda: layer(x[5:])]))
+    result = outcome(lambda: dbo.UBatchScheduler("cpu").run([lambda: layer(x[:5]),
+                                                              lambda: layer(x[5:])]))
+    store.set("rank 0 done", "1")
+    return result
 
 
 @pytest.mark.distributed

@@ -14,9 +14,11 @@ peer never joins (`dbo.failures`, `dbo.vote`).
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import dbo
 from dbo import DBOConfig, DBORunner, GroupUnusableError, PeerInputError
@@ -155,13 +157,20 @@ def test_a_step_stopped_at_the_vote_keeps_the_group_usable():
 def vote_without_a_peer(rank: int, world_size: int, peer: str) -> dict:
     group = dbo.new_group(timeout_s=TIMEOUT_S)
     layer = ep_layer(group, "a2a")
+    store = dist.distributed_c10d._get_default_store()
     if rank == 1:
         if peer == "stays":  # connected, but never calls the runner: only the timeout
-            time.sleep(3 * TIMEOUT_S)
+            # frees rank 0. Stay until it is done, at most 3 timeouts (then rank 0 is late).
+            try:
+                store.wait(["rank 0 done"], timedelta(seconds=3 * TIMEOUT_S))
+            except RuntimeError:
+                pass
         return {}  # "leaves": the ranks end and destroy their groups
     runner = DBORunner(layer, DBOConfig(split="tokens", min_decode_tokens=2), group=group)
     x = torch.randn(12, HIDDEN)
-    return {"vote": attempt(lambda: runner(x)), "next": attempt(lambda: runner(x))}
+    result = {"vote": attempt(lambda: runner(x)), "next": attempt(lambda: runner(x))}
+    store.set("rank 0 done", "1")
+    return result
 
 
 @pytest.mark.parametrize("peer", ["stays", "leaves"])

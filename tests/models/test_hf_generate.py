@@ -4,8 +4,8 @@ gives the tokens of `model.generate(do_sample=False)` on the unconverted model: 
 tokens for left-padded batches of varying lengths, DBO off and on (every step split),
 steps that run unsplit on the ubatches' caches (too few tokens, one sequence, a peer's
 vote), sequences that finish on an eos token, and two expert-parallel ranks with
-different batches; with a2a_ll, decode steps exchange slots for the largest batch over
-the ranks, not the prompt's.
+different batches (6 new tokens); with a2a_ll, decode steps exchange slots for the
+largest batch over the ranks, not the prompt's.
 """
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ from tests.hf_utils import ARCHS, batch, tiny_model  # noqa: E402
 
 SPLIT_ALWAYS = dbo.DBOConfig(min_prefill_tokens=1, min_decode_tokens=1)
 NEW_TOKENS = 16
+# On two ranks: the prompt and 5 decode steps, each exchanging over the ranks what the
+# first one did (what is checked holds per step, not over many).
+EP_NEW_TOKENS = 6
 
 
 def reference(model, ids, mask, new_tokens=NEW_TOKENS):
@@ -160,10 +163,10 @@ def _generate_under_ep(rank, world, rows_per_rank, arch):
     group = torch.distributed.group.WORLD
     ids, mask = batch(rows_per_rank[rank], 5, seed=10 + rank)
     original = tiny_model(arch)
-    expected = reference(original, ids, mask)
+    expected = reference(original, ids, mask, EP_NEW_TOKENS)
     model = moe.hf.convert(original, group=group)
     runner = dbo.DBORunner(model, SPLIT_ALWAYS, group=group)
-    out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=EP_NEW_TOKENS)
     return torch.equal(out, expected), runner.last_decision.split
 
 
@@ -186,14 +189,14 @@ def _generate_a2a_ll(rank, world, static, runner_group=True):
     group = torch.distributed.group.WORLD
     ids, mask = batch([3, 4][rank], 5, seed=30 + rank)
     original = tiny_model("qwen3_moe")
-    expected = reference(original, ids, mask)
+    expected = reference(original, ids, mask, EP_NEW_TOKENS)
     model = moe.hf.convert(original, group=group, backend="a2a_ll", max_tokens_per_rank=20,
                            max_tokens_per_ubatch=moe.hf.ubatch_capacity(4, 5))
     config = SPLIT_ALWAYS if runner_group else dbo.DBOConfig(min_prefill_tokens=1,
                                                              min_decode_tokens=10**6)
     runner = dbo.DBORunner(model, config, group=group if runner_group else None)
     with ExchangeRows() as spy:
-        out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+        out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=EP_NEW_TOKENS,
                               static_cache=static)
     return torch.equal(out, expected), runner.last_decision.split, spy.rows
 
@@ -209,7 +212,7 @@ def test_decode_steps_exchange_slots_for_the_largest_batch_not_the_prompt(static
         assert equal and split == runner_group, (equal, split)
         prompt, decode = rows[:2 * layers], rows[2 * layers:]
         assert prompt == [2 * 10] * (2 * layers), rows
-        assert decode == decode_rows * (NEW_TOKENS - 1), rows
+        assert decode == decode_rows * (EP_NEW_TOKENS - 1), rows
 
 
 def test_cache_keyword_follows_the_forward_signature():

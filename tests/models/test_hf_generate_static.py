@@ -3,7 +3,7 @@ KV cache (`static_cache=True`, the steps `cuda_graph=True` replays), run eagerly
 the tokens of `model.generate(do_sample=False)` for left-padded batches of varying
 lengths with split prompts and unsplit decode steps and the reverse (DBO off and every
 step split: `test_hf_generate.py`'s token test, run with the static cache too), on one
-process and on two expert-parallel ranks; the ubatches' caches are
+process and on two expert-parallel ranks (6 new tokens there); the ubatches' caches are
 row views of the one cache, which no decode step reallocates, and a decode step reads
 nothing on the host. GPU (gpu; multigpu for two ranks over a2a_ll): `cuda_graph=True`
 gives the eager path's tokens, with split and unsplit graphs.
@@ -23,8 +23,8 @@ from moe.hf.static_decode import mask_buffer, slot_tensor, static_step_runner  #
 from moe.hf.static_kv import static_cache_from_prompt  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.hf_utils import ARCHS, batch, tiny_model  # noqa: E402
-from tests.models.test_hf_generate import (NEW_TOKENS, SPLIT_ALWAYS, StepLog,  # noqa: E402
-                                           reference)
+from tests.models.test_hf_generate import (EP_NEW_TOKENS, NEW_TOKENS,  # noqa: E402
+                                           SPLIT_ALWAYS, StepLog, reference)
 
 
 @pytest.mark.parametrize("prefill, decode", [(1, 10**6), (10**6, 1)],
@@ -199,9 +199,9 @@ def _static_generate_under_ep(rank, world, rows_per_rank):
     group = torch.distributed.group.WORLD
     ids, mask = batch(rows_per_rank[rank], 5, seed=10 + rank)
     original = tiny_model("qwen3_moe")
-    expected = reference(original, ids, mask)
+    expected = reference(original, ids, mask, EP_NEW_TOKENS)
     runner = dbo.DBORunner(moe.hf.convert(original, group=group), SPLIT_ALWAYS, group=group)
-    out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+    out = moe.hf.generate(runner, ids, attention_mask=mask, max_new_tokens=EP_NEW_TOKENS,
                           static_cache=True)
     return torch.equal(out, expected), runner.last_decision.split
 
