@@ -358,7 +358,7 @@ def markdown(version: str, results: list[Result]) -> str:
         "installed transformers, builds a tiny random model of each (2 layers, hidden 64, 4",
         "experts), converts it with `moe.hf.convert` and checks, in float32 on the CPU, the",
         "logits against the unconverted model with DBO off and on, in one process and on two",
-        "expert-parallel gloo ranks (one of them sending no token through an MoE block), 4",
+        "expert-parallel gloo ranks (one of them sending no token through an MoE block), 8",
         "greedy tokens of `moe.hf.generate` against the unconverted model's `generate`, and",
         "the converted model's `save_pretrained` read back by transformers' `from_pretrained`",
         "and (column load) by `moe.hf.load`.",
