@@ -143,7 +143,7 @@ def check_named_backends(names: Sequence[str], world_size: int) -> None:
         if name in RAW_DEEPEP:
             require_deep_ep(name, "Buffer")
         elif name in RAW_NCCL_EP:
-            from moe.backends.nccl_ep_support import require_nccl_ep
+            from moe.backends import require_nccl_ep
             require_nccl_ep()
         else:
             check_timed(backend_class(name, world_size))

@@ -76,6 +76,10 @@ def make_backend(config: MoEConfig, group: Optional[dist.ProcessGroup]) -> Prepa
 # buffer teardown with `dbo.groups`, which a process without DeepEP backends never needs.
 _LAZY = {"destroy_buffers": "moe.backends.deepep_support:destroy_buffers",
          "require_deep_ep": "moe.backends.deepep_support:require_deep_ep",
+         # NCCL EP's checks, and torch's NCCL communicator (the bench's raw NCCL EP calls).
+         "require_nccl_ep": "moe.backends.nccl_ep_support:require_nccl_ep",
+         "check_nccl_ep_rows": "moe.backends.nccl_ep_support:check_nccl_ep_rows",
+         "nccl_comm_ptr": "moe.backends.nccl_comm:nccl_comm_ptr",
          # Each backend's options class, from its backend's module (imported on first use).
          "A2ALLOptions": "moe.backends.a2a_ll:A2ALLOptions",
          "DeepEPHTOptions": "moe.backends.deepep_ht:DeepEPHTOptions",
@@ -97,5 +101,6 @@ __all__ = ["A2ALLOptions", "DeepEPHTOptions", "DeepEPLLOptions", "DeepEPV2Option
            "SINGLE_RANK_BACKEND", "TRAITS", "UNTESTED_BACKENDS", "BackendOptions",
            "BackendTraits", "Dispatched", "NoOptions", "Pending", "PrepareFinalize",
            "backend_class", "backend_traits", "backends_with", "check_one_process",
-           "claim_nvshmem", "destroy_buffers", "make_backend", "options_with", "require_deep_ep",
+           "check_nccl_ep_rows", "claim_nvshmem", "destroy_buffers", "make_backend",
+           "nccl_comm_ptr", "options_with", "require_deep_ep", "require_nccl_ep",
            "resolve_backend_name"]

@@ -90,7 +90,7 @@ class NCCLEPRawSource:
 
     def __init__(self, name: str, shapes: Any, group: Optional[dist.ProcessGroup], *,
                  tokens: tuple[int, ...]) -> None:
-        from moe.backends.nccl_ep_support import check_nccl_ep_rows, require_nccl_ep
+        from moe.backends import check_nccl_ep_rows, require_nccl_ep
 
         if name not in RAW_NAMES:
             raise ValueError(f"unknown NCCL EP raw engine {name!r}: choose from {RAW_NAMES}")
@@ -105,7 +105,7 @@ class NCCLEPRawSource:
     def bind(self, x_TH: Tensor, topk_weights_TK: Tensor, topk_ids_TK: Tensor) -> Any:
         import nccl.core
 
-        from moe.backends.nccl_comm import nccl_comm_ptr
+        from moe.backends import nccl_comm_ptr
 
         ep, s = self.ep, self.shapes
         world = dist.get_world_size(self.group)
