@@ -43,24 +43,19 @@ HOW_TO_GET = ("pip install nccl-extensions (NCCL EP's Python bindings; it needs 
               "2.29, e.g. a newer nvidia-nccl-cu13 from the package index)")
 
 
-def find_nccl_ep() -> Optional[ModuleType]:
-    """`nccl.ep` where nccl-extensions is installed (imported here: it loads NCCL EP's
-    library), or None where it is not."""
-    try:
-        if importlib.util.find_spec("nccl") is None or importlib.util.find_spec("nccl.ep") is None:
-            return None
-    except (ImportError, ValueError):  # `nccl` is not a package here
-        return None
-    return importlib.import_module("nccl.ep")
-
-
 def nccl_ep_installed() -> bool:
     """Whether nccl-extensions' `nccl.ep` is installed, without importing it."""
     try:
         return (importlib.util.find_spec("nccl") is not None
                 and importlib.util.find_spec("nccl.ep") is not None)
-    except (ImportError, ValueError):
+    except (ImportError, ValueError):  # `nccl` is not a package here
         return False
+
+
+def find_nccl_ep() -> Optional[ModuleType]:
+    """`nccl.ep` where nccl-extensions is installed (imported here: it loads NCCL EP's
+    library), or None where it is not."""
+    return importlib.import_module("nccl.ep") if nccl_ep_installed() else None
 
 
 def require_nccl_ep(*, installed: Callable[[], bool] = nccl_ep_installed,
@@ -196,13 +191,13 @@ class EPGroups:
     """The EP groups of the process, one per (process group, `GroupKey`), shared by every
     layer: made (a collective) on the first request of a key, which every rank reaches
     in the same order (a ubatch's first dispatch at that shape). Handles are made here
-    too, so that `release` destroys them before their group."""
+    too, so that `release` destroys them before their group; they live as long as the
+    group (a layer built and dropped again and again leaves its handles until then).
+    Handles are made through NCCL EP's bindings (`init_handle`: one not yet bound to any
+    routing), which its Python classes do not offer."""
 
     def __init__(self) -> None:
         self._entries: list[_Entry] = []
-
-    def group(self, ep: ModuleType, pg: dist.ProcessGroup, key: GroupKey) -> Any:
-        return self._entry(ep, pg, key).group
 
     def handle(self, ep: ModuleType, pg: dist.ProcessGroup, key: GroupKey, *,
                num_topk: int) -> Any:
@@ -244,10 +239,6 @@ class EPGroups:
         entry = _Entry(weakref.ref(pg), key, comm, ep.Group.create(comm, config), [])
         self._entries.append(entry)
         return entry
-
-    def count(self, pg: dist.ProcessGroup) -> int:
-        """How many groups `pg` holds."""
-        return sum(entry.owner() is pg for entry in self._entries)
 
     def release(self, pg: dist.ProcessGroup) -> None:
         """Destroy `pg`'s handles and groups (every rank, after the last `nccl_ep` call on
