@@ -4,7 +4,8 @@ the meta device only); how each backend is converted (`conversions`: a capacity 
 point, or the largest, or none); the command line end to end on two gloo ranks at tiny
 shapes, float32, with a2a, naive and a2a_ll (converted with the point's capacity): table,
 CSV/JSON files and the final JSON line, host issue times included, the ceiling probe's
-columns empty and why (layer 2). `--cuda-graph` settings, prefill and decode (layer 1).
+columns empty and why, each point's gate consistent with its trials and its reason
+naming the rule that decided (layer 2). `--cuda-graph` settings, prefill and decode (layer 1).
 Two GPUs (gpu, multigpu): the graphed sweep, probe included.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ pytest.importorskip("transformers")
 from dbo.cli.bench import main  # noqa: E402
 from dbo.cli.bench.config import CPU_REGIME  # noqa: E402
 from dbo.cli.bench.config import NVLINK_REGIME  # noqa: E402
+from dbo.cli.bench.gating import GatePolicy  # noqa: E402
 from dbo.cli.bench.hf_config import (Conversion, HFBenchConfig, HFDecodeOptions,  # noqa: E402
                                      conversions)
 from dbo.cli.bench.hf_probe import PROBE_NA_CPU  # noqa: E402
@@ -47,6 +49,8 @@ VALID = ", ".join(named_architectures())
                                                        "converted model"),
     (["--hf", "qwen3_moe", "--tokens", "10"], "tokens per rank 10 is not a positive multiple"),
     (["--hf", "qwen3_moe", "--requests", "1"], "requests=1 must be an int >= 2"),
+    (["--hf", "qwen3_moe", "--min-gain", "-0.1"], "--min-gain -0.1 must be a fraction >= 0"),
+    (["--hf", "qwen3_moe", "--gate-trial-iters", "0"], "gate_trial_iters=0 must be an int >= 1"),
     (["--hf", "qwen3_moe", "--preset", "tiny"], "--preset does not apply to --hf"),
     (["--hf", "qwen3_moe", "--cuda-graph"], "--cuda-graph needs CUDA GPUs: drop it on CPU"),
     (["--hf", "olmoe", "--num-experts", "5"], "5 routed experts of olmoe do not split"),
@@ -232,7 +236,8 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path, capfd: pytest.Captu
         monkeypatch.delenv(name, raising=False)
     code = main(["--device", "cpu", "--hf", "deepseek_v3", "--tokens", "8,16", "--requests", "2",
                  "--backends", "a2a,naive,a2a_ll", "--iters", "1", "--warmup", "0", "--rounds",
-                 "2", "--out", str(tmp_path)])
+                 "2", "--gate-min-tokens", "16", "--gate-trial-iters", "1", "--out",
+                 str(tmp_path)])
     stdout, stderr = capfd.readouterr()
     assert code == 0, stderr[-3000:]
     lines = stdout.strip().splitlines()
@@ -267,6 +272,7 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path, capfd: pytest.Captu
         assert [p[k] for k in ("t_compute_ms", "t_comm_ms", "t_both_ms", "t_split_ms",
                                "ceiling", "eta")] == [None] * 6, p
         assert p["probe_note"] == PROBE_NA_CPU
+        _check_gate(p)
     table = "\n".join(lines[:-1])
     assert "dbo bench --hf deepseek_v3: world=2 regime=CPU gloo" in table
     assert "functional run" in table and "unconv ms" in table
@@ -275,9 +281,21 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path, capfd: pytest.Captu
     assert ("  SBO: the DBO-off model through DBOConfig(overlap=\"sbo\"), one ubatch: shared "
             "experts under the dispatch, own rows under the combine") in table
     assert final["summary"]["points_sbo"] == 6
+    assert final["summary"]["gated_never_slower_than_1pct"] is None  # functional: no ratios
+    assert final["summary"]["points_gated_on"] == sum(p["gate"] == "dbo" for p in points)
+    assert "gate decisions:" in lines and lines[-3].startswith("summary: functional run, 6 "
+                                                                "points ran")
+    assert [line.split(":")[0].split() for line in lines
+            if re.match(r"\s+(a2a|naive|a2a_ll) T=(8|16)\s", line)] == [
+        [p["backend"], f"T={p['tokens_per_rank']}", p["gate"]] for p in points]
+    # Per point and round: DBO off, SBO's trial, SBO, DBO's trial, DBO on; no probe on CPU.
+    total = 2 * (1 + 5 * 3) * 2
+    assert f" {total}/{total} " in stderr and f" {total + 1}/" not in stderr
+    assert stderr.count(": DBO trial\n") == 6 * 2 and stderr.count(": SBO trial\n") == 6 * 2
     header = next(line for line in lines if "T/rank" in line)
     assert "comp ms   comm ms   both ms  split ms  ceiling     eta" in header
     assert "DBO ms           SBO ms  host unconv" in header and "SBO speedup" not in header
+    assert "  host DBO  gate  tok/s DBO" in header and "gated" not in header  # functional
     rows = [line for line in lines if re.match(r"\s+(8|16)\s+(a2a|naive|a2a_ll)\s", line)]
     assert len(rows) == 6 and all(re.search(r"(\s+-){6}\s", line) for line in rows), rows
     # noDBO, DBO and SBO each as rank0/max.
@@ -295,6 +313,34 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path, capfd: pytest.Captu
     assert all(len(p["rounds_ms"]["t_dbo"]) == 2 for p in doc["points"])
     assert all(len(p["rounds_ms"]["t_sbo"]) == 2 for p in doc["points"])
     assert "t_sbo" in doc["definitions"] and doc["config"]["combine_groups"] == 1
+    assert all(len(p["trial_speedups"]) == 2 for p in doc["points"])
+    assert [(r["gate"], r["gate_reason"]) for r in rows] == [
+        (p["gate"], p["gate_reason"]) for p in points]
+    assert (doc["config"]["gate_min_tokens"], doc["config"]["gate_trial_iters"]) == (16, 1)
+
+
+def _check_gate(p: dict) -> None:
+    """A point's gate (`dbo.cli.bench.hf_gate`) as the end-to-end run reports it: two
+    trials of each mode (one per round), the mode's reported time as the gated time, and
+    a reason naming the rule that decided each mode. Which mode wins depends on this
+    machine's CPU timings (nothing overlaps on gloo), so the decision is checked against
+    its own trials, not fixed."""
+    assert len(p["trial_speedups"]) == 2 and len(p["sbo_trial_speedups"]) == 2, p
+    assert p["gated_speedup"] is None  # functional: no ratios
+    assert p["t_gated_ms"] == {"off": p["t_nodbo_ms"], "sbo": p["t_sbo_ms"],
+                               "dbo": p["t_dbo_ms"]}[p["gate"]], p
+    sbo_ok, dbo_trials_ok = (min(p[k]) >= 1.01 for k in ("sbo_trial_speedups",
+                                                          "trial_speedups"))
+    sbo, dbo = p["gate_reason"].split("; DBO: ")
+    assert sbo.startswith("SBO: trial SBO ") and (" >= 1.010x" in sbo) == sbo_ok, sbo
+    if p["tokens_per_rank"] < 16:  # --gate-min-tokens 16: DBO off, whatever its trials
+        assert dbo == "threshold: 8 tokens/rank < 16" and p["gate"] != "dbo", p
+    elif dbo_trials_ok:  # no probe on CPU: the gate skips that rule and says so
+        assert dbo.startswith("16 tokens/rank >= 16; probe skipped on CPU; trial DBO "), dbo
+    else:
+        assert dbo.startswith("trial: DBO ") and p["gate"] != "dbo", dbo
+    dbo_ok = p["tokens_per_rank"] >= 16 and dbo_trials_ok
+    assert (p["gate"] == "off") == (not sbo_ok and not dbo_ok), p
 
 
 def _graphed_hf_sweep(rank: int, world_size: int, out_dir: str) -> dict:
@@ -302,9 +348,10 @@ def _graphed_hf_sweep(rank: int, world_size: int, out_dir: str) -> dict:
 
     from dbo.cli.bench.hf_report import final_line, format_table, write_outputs
     from dbo.cli.bench.hf_sweep import run_hf_sweep
+    # --gate-min-tokens 0: the tiny points reach the gate's probe rule.
     cfg = HFBenchConfig(arch="qwen3_moe", tokens=(16, 32), requests=4, backends=("a2a_ll",),
                         iters=2, warmup=1, rounds=1, device="cuda", regime=NVLINK_REGIME,
-                        cuda_graph=True, out_dir=out_dir, progress=False)
+                        cuda_graph=True, gate_min_tokens=0, out_dir=out_dir, progress=False)
     device = torch.device("cuda", rank)
     result = run_hf_sweep(cfg, group=dist.group.WORLD, device=device)
     replays = _replays_equal_eager(cfg, device)
@@ -348,7 +395,8 @@ def test_graphed_hf_sweep_replays_the_converted_model_on_two_gpus(tmp_path: Path
     """`--cuda-graph`: DBO off and on replayed from graphs give exactly what the same
     converted steps give eagerly; the sweep's points carry the graph fields, a2a_ll's
     ubatches at half the capacity; the unconverted model's graph is timed or its failure
-    said; the ceiling probe measured every point (compute, comm, both, split, ceiling).
+    said; the ceiling probe measured every point (compute, comm, both, split, ceiling),
+    and the gate decided on that ceiling.
     (At these tiny random bfloat16 shapes the logits of our expert kernels and
     transformers' grouped_mm differ by up to ~15% of the largest logit, so the sweep's
     difference to the unconverted model is only bounded loosely here; at real shapes it
@@ -371,6 +419,15 @@ def test_graphed_hf_sweep_replays_the_converted_model_on_two_gpus(tmp_path: Path
         # SBO through its own GraphedRunner: timed, and its logits as close as DBO off's.
         assert point["t_sbo_ms"] > 0 and point["sbo_note"] == "", point
         assert point["logits_diff_sbo"] < 0.3, point
+        # The gate's DBO rules on this point's measured ceiling and its (graphed) trials:
+        # the sweep hands the probe's ceiling to the gate.
+        dbo = point["gate_reason"].split("; DBO: ")[1]
+        assert dbo == GatePolicy(min_tokens_per_rank=0, min_gain=0.03).decide(
+            tokens_per_rank=point["tokens_per_rank"], ceiling=point["ceiling"],
+            trial_speedups=point["trial_speedups"]).reason, (dbo, point)
+        assert point["t_gated_ms"] == {"off": point["t_nodbo_ms"], "sbo": point["t_sbo_ms"],
+                                       "dbo": point["t_dbo_ms"]}[point["gate"]], point
+        assert point["gated_speedup"] > 0 and len(point["trial_speedups"]) == 1, point
     assert "  ceiling probe: measured: compute alone" in table
     assert "CUDA graphs: the converted model's steps are replayed" in table
     assert "attention without a mask (hf_graphs.use_mask_free_sdpa)" in table

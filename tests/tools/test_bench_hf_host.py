@@ -13,6 +13,7 @@ from dbo.cli.bench import hf_decode, hf_decode_report, hf_report, hf_sweep
 from dbo.cli.bench.config import NVLINK_REGIME
 from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, HFDecodeOptions
+from dbo.cli.bench.hf_gate import attach_gate, prefill_gate
 from dbo.cli.bench.hf_probe import HFProbe
 from dbo.cli.bench.timing import HOST_BOUND_SHARE, Timing, host_bound
 
@@ -42,11 +43,14 @@ def test_host_bound_rule(host_ms: float, step_ms: float, expected: bool) -> None
 
 
 def _prefill_point(cfg: HFBenchConfig, tokens: int, dbo: tuple[float, float]) -> hf_sweep.HFPoint:
-    return hf_sweep._point(cfg, backend="a2a", tokens=tokens, world=2,
-                           conversion=Conversion(max_tokens_per_rank=None, points=(tokens,)),
-                           unconverted=None, hf=_timing(20.0, 9.0), offs=[_timing(16.1, 11.0)],
-                           ons=[_timing(*dbo)], split=True, reason="", diffs=[0.0, 0.0],
-                           probe=HFProbe(None, None, ""))
+    point = hf_sweep._point(cfg, backend="a2a", tokens=tokens, world=2,
+                            conversion=Conversion(max_tokens_per_rank=None, points=(tokens,)),
+                            unconverted=None, hf=_timing(20.0, 9.0), offs=[_timing(16.1, 11.0)],
+                            ons=[_timing(*dbo)], split=True, reason="", diffs=[0.0, 0.0],
+                            probe=HFProbe(None, None, ""))
+    attach_gate(point, prefill_gate(cfg), ceiling=None, no_probe_reason="no probe",
+                dbo_trials=[0.7], sbo_trials=[], perf=not cfg.functional)
+    return point
 
 
 def test_prefill_table_and_rows_show_host_times_and_the_host_bound_point_only() -> None:

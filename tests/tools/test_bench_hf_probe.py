@@ -3,7 +3,7 @@
 Layer 1 (one process, no model run): points made from synthetic `Timing`s and `Ceiling`s
 as the sweep makes them (`hf_sweep._point`), on a GPU regime, so the fields, ceiling,
 eta and table columns are checked on chosen numbers; which points the probe skips (CPU;
-a backend outside torch.distributed collectives) and why.
+a backend outside torch.distributed collectives) and why, in the gate's words too.
 Layer 2 (two gloo ranks): what of the probe runs without streams on a converted model,
 as the GPU sweep runs it (the recording, compute alone on the recorded results, the split
 compute through the runner with the prefill call's keyword arguments).
@@ -19,8 +19,9 @@ from dbo.cli.bench import hf_report, hf_sweep
 from dbo.cli.bench.ceiling import Ceiling
 from dbo.cli.bench.config import BenchConfig, NVLINK_REGIME
 from dbo.cli.bench.hf_config import Conversion, HFBenchConfig
-from dbo.cli.bench.hf_probe import (PROBE_NA_CPU, PROBE_NO_FIGURES, HFProbe,
-                                    probe_hf_point, skipped)
+from dbo.cli.bench.hf_gate import attach_gate, prefill_gate
+from dbo.cli.bench.hf_probe import (NO_PROBE_ON_CPU, PROBE_NA_CPU, PROBE_NO_FIGURES,
+                                    HFProbe, no_probe_reason, probe_hf_point, skipped)
 from dbo.cli.bench.point import ETA_ABOVE_ONE
 from dbo.cli.bench.probe_scope import ProbeScope
 from dbo.cli.bench.timing import Timing
@@ -43,11 +44,16 @@ def _measured(both_ms: float = 11.0) -> HFProbe:
 
 def _point(cfg: HFBenchConfig, backend: str, tokens: int, dbo_ms: float,
            probe: HFProbe) -> hf_sweep.HFPoint:
-    return hf_sweep._point(cfg, backend=backend, tokens=tokens, world=2,
-                           conversion=Conversion(max_tokens_per_rank=None, points=(tokens,)),
-                           unconverted=None, hf=_timing(20.0), offs=[_timing(16.0)],
-                           ons=[_timing(dbo_ms)], split=True, reason="", diffs=[0.0, 0.0],
-                           probe=probe)
+    point = hf_sweep._point(cfg, backend=backend, tokens=tokens, world=2,
+                            conversion=Conversion(max_tokens_per_rank=None, points=(tokens,)),
+                            unconverted=None, hf=_timing(20.0), offs=[_timing(16.0)],
+                            ons=[_timing(dbo_ms)], split=True, reason="", diffs=[0.0, 0.0],
+                            probe=probe)
+    attach_gate(point, prefill_gate(cfg),
+                ceiling=None if probe.ceiling is None else probe.ceiling.ceiling,
+                no_probe_reason=probe.note, dbo_trials=[1.2], sbo_trials=[],
+                perf=not cfg.functional)
+    return point
 
 
 def test_probed_point_carries_the_layer_bench_ceiling_and_eta() -> None:
@@ -128,6 +134,11 @@ def test_a_backend_outside_torch_distributed_collectives_is_not_probed_on_gpu() 
                     f"{PROBE_NO_FIGURES}")
     # The layer bench's note is the same reason and what it reports instead.
     assert ProbeScope(("opaque_a2a",)).note.startswith(note.removesuffix(PROBE_NO_FIGURES))
+    # The gate's words for the missing ceiling: the layer bench's, and none where probed.
+    assert no_probe_reason(model, CUDA) == ""
+    assert no_probe_reason(opaque, CUDA) == ("no probe (backend 'opaque_a2a' communicates "
+                                             "outside torch.distributed collectives)")
+    assert no_probe_reason(model, cpu) == NO_PROBE_ON_CPU == "probe skipped on CPU"
 
 
 def _probe_parts_on_a_converted_model(rank: int, world: int) -> tuple:

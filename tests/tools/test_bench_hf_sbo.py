@@ -82,8 +82,8 @@ def _grouped_sweep(rank: int, world_size: int, out_dir: str) -> dict:
 
     AllToAllLLBackend.finalize_grouped_async = counted  # type: ignore[method-assign]
     cfg = HFBenchConfig(arch="qwen3_moe", tokens=(8,), requests=2, backends=("a2a_ll",),
-                        combine_groups=2, iters=2, warmup=1, rounds=1, device="cpu",
-                        regime=CPU_REGIME, out_dir=out_dir, progress=False)
+                        combine_groups=2, iters=2, warmup=1, rounds=1, gate_trial_iters=1,
+                        device="cpu", regime=CPU_REGIME, out_dir=out_dir, progress=False)
     result = run_hf_sweep(cfg, group=dist.group.WORLD, device=torch.device("cpu"))
     point = result.points[0]
     out = {"groups": list(groups), "t_sbo_ms": point.t_sbo_ms, "sbo_note": point.sbo_note,
@@ -106,15 +106,16 @@ def test_combine_groups_reach_every_converted_layer_and_sbo_matches_dbo_off(
     from tests.dist_utils import run_distributed
     results = run_distributed(2, _grouped_sweep, str(tmp_path))
     for out in results:
-        # Every SBO step (one untimed for the logits, one warmup, two timed) ran both MoE
-        # layers' combines by expert group, in 2 groups; DBO off and on ran none.
-        assert out["groups"] == [2] * 4 * 2, out["groups"]
+        # Every SBO step (one untimed for the logits; the gate's trial: one warmup, one
+        # timed; then one warmup, two timed) ran both MoE layers' combines by expert
+        # group, in 2 groups; DBO off and on ran none.
+        assert out["groups"] == [2] * 6 * 2, out["groups"]
         assert out["t_sbo_ms"] > 0 and out["sbo_note"] == "", out
         # Both against the unconverted model's logits, float32: the bound the --hf tests
         # use (summing two groups' partials only reorders float additions).
         assert out["diffs"][0] < 1e-5 and out["diffs"][1] < 1e-5, out["diffs"]
         assert out["split"] and out["max_tokens_per_ubatch"] == 4, out
-        # Decode: the same count of SBO steps (one untimed, one warmup, two timed).
+        # Decode: SBO is not gated there, so no trial: one untimed, one warmup, two timed.
         decode = out["decode"]
         assert decode["groups"] == [2] * 4 * 2, decode["groups"]
         assert decode["t_sbo_ms"] > 0 and decode["sbo_note"] == "", decode

@@ -23,6 +23,7 @@ from dbo.cli.bench.config import (
     BENCH_BACKENDS,
     GRAPH_BACKENDS,
     GRAPH_REFUSES_REFERENCE_EXPERTS,
+    BenchConfig,
     SweepJob,
 )
 from moe.backends import DEFAULT_BACKEND, backends_with, check_one_process
@@ -109,7 +110,16 @@ class HFBenchConfig(SweepJob):
     """`moe.hf.convert(conversion=)`: "auto" (the fused path where the architecture has
     one, else the experts path) or "experts" (the experts path for every block)."""
     decode: Optional[HFDecodeOptions] = None
-    """Decode steps over KV caches instead of prefill (`tokens` and `requests` unused)."""
+    """Decode steps over KV caches instead of prefill (`tokens`, `requests` and the
+    prefill gate's fields below unused: decode's are `HFDecodeOptions`')."""
+    gate_min_tokens: int = BenchConfig.gate_min_tokens
+    """Prefill gate (`dbo.cli.bench.gating`): DBO off below this many tokens per rank."""
+    min_gain: float = BenchConfig.min_gain
+    """Prefill gate: DBO off where the probe's measured ceiling is below 1 + min_gain (GPU;
+    without a probe the gate skips this rule)."""
+    gate_trial_iters: int = BenchConfig.gate_trial_iters
+    """Prefill gate: steps of each round's separate DBO and SBO trials; the worst trial
+    of each decides."""
 
     def __post_init__(self) -> None:
         from moe.hf import is_named, unknown_name
@@ -120,10 +130,15 @@ class HFBenchConfig(SweepJob):
         if self.conversion not in CONVERSIONS:
             raise ValueError(f"--conversion {self.conversion!r}: use one of "
                              f"{', '.join(CONVERSIONS)}")
-        for name, low in (("layers", 1), ("requests", 2)):
+        for name, low in (("layers", 1), ("requests", 2), ("gate_min_tokens", 0),
+                          ("gate_trial_iters", 1)):
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
+        if (isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float))
+                or not 0.0 <= self.min_gain < 10.0):
+            raise ValueError(f"--min-gain {self.min_gain!r} must be a fraction >= 0, e.g. "
+                             f"0.03 for 3%")
         super().__post_init__()  # seed, num_experts, experts, iters, warmup, rounds, device, regime
         if not isinstance(self.tokens, tuple) or not self.tokens:
             raise ValueError(f"tokens={self.tokens!r}: give at least one count (--tokens 4096)")
@@ -217,6 +232,8 @@ class HFBenchConfig(SweepJob):
                 "warmup": self.warmup, "rounds": self.rounds, "device": self.device,
                 "seed": self.seed, "cuda_graph": self.cuda_graph,
                 "combine_chunks": self.combine_chunks, "combine_groups": self.combine_groups,
+                **({"gate_min_tokens": self.gate_min_tokens, "min_gain": self.min_gain,
+                    "gate_trial_iters": self.gate_trial_iters} if self.decode is None else {}),
                 "decode": None if self.decode is None else dataclasses.asdict(self.decode)}
 
 

@@ -15,8 +15,10 @@
         --mode decode --requests 64,256,512 --backends a2a_ll --cuda-graph   # graphed decode
 
 Prefill by default, each point timed with DBO off, SBO (single-batch overlap, the
-DBO-off model through `DBOConfig(overlap="sbo")`) and DBO on; `--combine-chunks N` /
-`--combine-groups N` (a2a_ll only) set the SBO step's combine form (`A2ALLOptions`).
+DBO-off model through `DBOConfig(overlap="sbo")`) and DBO on, then gated as the layer
+bench gates (`dbo.cli.bench.hf_gate`: off, SBO or DBO; `--gate-min-tokens`,
+`--min-gain`, `--gate-trial-iters`); `--combine-chunks N` / `--combine-groups N`
+(a2a_ll only) set the SBO step's combine form (`A2ALLOptions`).
 `--mode decode` times decode steps over KV caches instead, SBO too
 (`dbo.cli.bench.hf_decode`), sweeping `--requests` (requests per rank) at `--context`
 cached tokens per request, gated as the other modes gate (`--gate-min-tokens`,
@@ -88,7 +90,8 @@ def hf_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> HFB
         rounds=args.rounds if args.rounds is not None else (3 if gpu else 1),
         device=device, regime=regime_label(device, p2p_disabled=p2p_disabled(env)),
         cuda_graph=args.cuda_graph, combine_chunks=args.combine_chunks,
-        combine_groups=args.combine_groups,
+        combine_groups=args.combine_groups, gate_min_tokens=args.gate_min_tokens,
+        min_gain=args.min_gain, gate_trial_iters=args.gate_trial_iters,
         out_dir=args.out, seed=args.seed, progress=not args.no_progress)
 
 

@@ -14,7 +14,8 @@ step's compute alone (`probe_split_compute`), each timed as the point's steps ar
 MoELayer`s inside `moe.hf.block.HFMoEBlock`s, which is all the probe hooks into.
 Not measured (fields None, `note` says why): on CPU (gloo runs each collective on the
 calling thread: no streams to overlap), and for a backend whose exchange is not made of
-torch.distributed collectives (`dbo.cli.bench.probe_scope`: symm_mem, DeepEP's).
+torch.distributed collectives (`dbo.cli.bench.probe_scope`: symm_mem, DeepEP's); the gate
+(`dbo.cli.bench.hf_gate`) then skips its probe rule and says why (`no_probe_reason`).
 ceiling and eta are the layer bench's (`dbo.cli.bench.point`).
 """
 from __future__ import annotations
@@ -33,11 +34,13 @@ from dbo.cli.bench.probe_scope import probe_scope
 from dbo.cli.bench.timing import Timing
 from dbo.cli.bench.workload import Workload
 
-__all__ = ["HFProbe", "PROBE_NA_CPU", "PROBE_NO_FIGURES", "probe_hf_point"]
+__all__ = ["HFProbe", "NO_PROBE_ON_CPU", "PROBE_NA_CPU", "PROBE_NO_FIGURES", "no_probe_reason",
+           "probe_hf_point"]
 
 PROBE_NA_CPU = ("probe n/a on CPU: gloo runs each collective synchronously on the calling "
                 "thread, there are no streams to overlap")
 PROBE_NO_FIGURES = "no compute/comm/both/split/ceiling/eta"
+NO_PROBE_ON_CPU = "probe skipped on CPU"
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,16 @@ def skipped(model: nn.Module, device: torch.device) -> str:
         return PROBE_NA_CPU
     scope = probe_scope(model)
     return "" if scope.measurable else f"{scope.reason}; {PROBE_NO_FIGURES}"
+
+
+def no_probe_reason(model: nn.Module, device: torch.device) -> str:
+    """The gate's words for a point without a ceiling (`GatePolicy.decide(
+    no_probe_reason=)`), as the layer bench's: on CPU, or the backends the probe cannot
+    record; "" where the probe measures `model` on `device`."""
+    if device.type != "cuda":
+        return NO_PROBE_ON_CPU
+    scope = probe_scope(model)
+    return "" if scope.measurable else scope.gate_reason
 
 
 def probe_hf_point(model: nn.Module, inputs: dict[str, Any], *, tokens: int,

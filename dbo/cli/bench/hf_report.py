@@ -1,11 +1,15 @@
 """Outputs of `dbo bench --hf` (rank 0): the table, CSV and JSON files, the final JSON line.
 
 Files, under `out_dir`: `bench_hf_<arch>_w<world>_<regime tag>.{csv,json}` (regime tag as
-`dbo.cli.bench.report`). A CPU run is a functional check: its ratios are null and the
-table says so. Below the table, one line per point whose DBO step is host-bound
-(`host_bound_lines`, also used by the decode table), one per reason some points have
-no SBO step (`sbo_lines`, also the decode table's), and one per reason the ceiling
-probe did not measure some points (`probe_lines`; on CPU every point's).
+`dbo.cli.bench.report`). A CPU run is a functional check: its ratios (the gated speedup
+and `gated_never_slower_than_1pct` too) are null and the table says so. Each point
+carries its gate (`dbo.cli.bench.hf_gate`: off, sbo or dbo, the reason, the gated time
+and speedup, the trials); the table shows the gate column and the gated speedup (GPU).
+Below the table, one line per point whose DBO step is host-bound (`host_bound_lines`,
+also used by the decode table), one per reason some points have no SBO step
+(`sbo_lines`, also the decode table's), one per reason the ceiling probe did not
+measure some points (`probe_lines`; on CPU every point's), then the gate's decision per
+point and why, and the summary (`gate_lines`).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from dbo.cli.bench.config import CPU_REGIME, EMULATED_REGIME, GRAPH_BACKENDS
 from dbo.cli.bench.hf_config import capacity_note
 from dbo.cli.bench.hf_sweep import HFSweepResult
 from dbo.cli.bench.point import DEFINITIONS as BENCH_DEFINITIONS
-from dbo.cli.bench.report import FUNCTIONAL_NOTE, _num, _opt
+from dbo.cli.bench.report import FUNCTIONAL_NOTE, MAX_GATED_SLOWDOWN, _num, _opt
 from dbo.cli.bench.sweep import PROBE_MEASURED
 from dbo.cli.bench.timing import HOST_BOUND_SHARE
 
@@ -50,6 +54,16 @@ DEFINITIONS = {
                   "steps; the max over ranks unless *_rank0"),
     "tokens_per_s": "tokens per rank * world size / step time",
     "speedup": "T_noDBO / T_DBO",
+    "gate": ("off, sbo or dbo, as the layer bench's gate chooses: DBO on the token "
+             "threshold (--gate-min-tokens), the probe's ceiling >= 1 + --min-gain (where "
+             "the probe ran) and the worst of the rounds' separate DBO trials (>= 1.01x); "
+             "SBO on the worst of its trials alone; both passing, the faster worst trial; "
+             "gate_reason says which rule decided"),
+    "trial_speedups / sbo_trial_speedups": (
+        "the gate's trials, one per round: that round's T_noDBO over a separate short "
+        "timing (--gate-trial-iters steps) of DBO on / SBO, never the reported steps"),
+    "gated": ("T_gated, the reported time of the gate's mode (T_DBO, T_SBO or T_noDBO); "
+              "gated_speedup = T_noDBO / T_gated"),
     "dbo_vs_hf": "T_hf / T_DBO", "nodbo_vs_hf": "T_hf / T_noDBO",
     "max_tokens_per_rank": ("the converted layers' capacity (moe.hf.convert), for the "
                             "backends that need one; null otherwise"),
@@ -155,6 +169,24 @@ def sbo_lines(points: list[Any], label: Callable[[Any], str]) -> list[str]:
     return [f"  {', '.join(labels)}: SBO {note}" for note, labels in missing.items()]
 
 
+def gate_lines(result: HFSweepResult) -> list[str]:
+    """The gate's decision per point and why, then the summary line: the worst gated
+    speedup and the <= 1% check (GPU), or that a functional run gates on noise."""
+    lines = ["gate decisions:"]
+    lines += [f"  {p.backend:>7} T={p.tokens_per_rank:<6} {p.gate:>3}: {p.gate_reason}"
+              for p in result.points]
+    s = summarize(result)
+    if result.config.functional:
+        lines.append(f"summary: functional run, {s['points']} points ran, gated on DBO at "
+                     f"{s['points_gated_on']}, SBO at {s['points_gated_sbo']} (CPU trials: "
+                     f"nothing overlaps, measure the gate on GPUs)  [{result.config.regime}]")
+    else:
+        lines.append(f"summary: speedup {s['min_speedup']:.3f}-{s['max_speedup']:.3f}x; "
+                     f"worst gated speedup {s['min_gated_speedup']:.3f}x; gated never >1% "
+                     f"slower: {s['gated_never_slower_than_1pct']}  [{result.config.regime}]")
+    return lines
+
+
 def probe_lines(points: list[Any]) -> list[str]:
     """One line per reason the probe did not measure some points, naming them; one per
     probed point whose eta is null or above 1, saying why (`eta_note`)."""
@@ -233,16 +265,28 @@ def json_line(result: Any, *, mode: str, summary: dict[str, Any],
 
 
 def summarize(result: HFSweepResult) -> dict[str, Any]:
+    """What ran and how the gate chose; the ratios, the worst gated speedup and the
+    <= 1% gated-slowdown check (issue 46) only in a performance run."""
     points = result.points
     sbo = [p.speedup_sbo for p in points if p.speedup_sbo is not None]
+    gated = {"points_gated_on": sum(p.gate == "dbo" for p in points),
+             "points_gated_sbo": sum(p.gate == "sbo" for p in points)}
     if result.config.functional:
         return {"functional": True, "points": len(points),
                 "points_split": sum(p.dbo_split for p in points),
-                "points_sbo": sum(p.t_sbo_ms is not None for p in points)}
+                "points_sbo": sum(p.t_sbo_ms is not None for p in points), **gated,
+                "gated_never_slower_than_1pct": None}
+    worst = min(points, key=lambda p: p.gated_speedup)  # type: ignore[arg-type,return-value]
     return {"points": len(points),
             **({"min_speedup_sbo": min(sbo), "max_speedup_sbo": max(sbo)} if sbo else {}),
             "min_speedup": min(p.speedup for p in points),  # type: ignore[type-var]
             "max_speedup": max(p.speedup for p in points),  # type: ignore[type-var]
+            **gated, "min_gated_speedup": worst.gated_speedup,
+            "min_gated_speedup_at": {"backend": worst.backend,
+                                     "tokens_per_rank": worst.tokens_per_rank},
+            "gated_never_slower_than_1pct": all(
+                p.gated_speedup >= 1.0 / (1.0 + MAX_GATED_SLOWDOWN)  # type: ignore[operator]
+                for p in points),
             "min_dbo_vs_hf": min(p.dbo_vs_hf for p in points),  # type: ignore[type-var]
             "min_nodbo_vs_hf": min(p.nodbo_vs_hf for p in points)}  # type: ignore[type-var]
 
@@ -250,14 +294,20 @@ def summarize(result: HFSweepResult) -> dict[str, Any]:
 def write_outputs(result: HFSweepResult) -> dict[str, Any]:
     """Write the CSV and JSON; return {"csv": path, "json": path}."""
     return write_files(result, mode="hf", definitions=DEFINITIONS, summary=summarize(result),
-                       points=[{**p.row(), "per_rank_ms": p.per_rank_ms,
+                       points=[{**p.row(), **_trials(p), "per_rank_ms": p.per_rank_ms,
                                 "rounds_ms": p.rounds_ms} for p in result.points])
 
 
 def final_line(result: HFSweepResult, files: dict[str, Any]) -> str:
     """The one JSON line for programs (stdout, last line)."""
     return json_line(result, mode="hf", summary=summarize(result),
-                     points=[p.row() for p in result.points], files=files)
+                     points=[{**p.row(), **_trials(p)} for p in result.points], files=files)
+
+
+def _trials(point: Any) -> dict[str, list[float]]:
+    """The gate's trials of a prefill point (lists: not in its CSV row)."""
+    return {"trial_speedups": point.trial_speedups,
+            "sbo_trial_speedups": point.sbo_trial_speedups}
 
 
 def format_table(result: HFSweepResult) -> str:
@@ -283,18 +333,19 @@ def format_table(result: HFSweepResult) -> str:
     ]
     cols = [("T/rank", 7), ("backend", 7), ("unconv ms", 15), ("noDBO ms", 15),
             ("DBO ms", 15), ("SBO ms", 15), *HOST_COLUMNS, ("speedup", 7),
-            ("SBO speedup", 11), ("DBO/unconv", 10),
+            ("SBO speedup", 11), ("gate", 4), ("gated", 6), ("DBO/unconv", 10),
             ("noDBO/unconv", 12), ("tok/s DBO", 9), *PROBE_COLUMNS, ("diff", 8)]
     if cfg.functional:
-        cols = [c for c in cols if c[0] not in ("speedup", "SBO speedup", "DBO/unconv",
-                                                 "noDBO/unconv")]
+        cols = [c for c in cols if c[0] not in ("speedup", "SBO speedup", "gated",
+                                                 "DBO/unconv", "noDBO/unconv")]
     if cfg.cuda_graph:
         cols.insert(3, ("unconv eager/graph", 18))
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
     for p in result.points:
         cells = {"T/rank": str(p.tokens_per_rank), "backend": p.backend, **step_cells(p),
                  "SBO ms": sbo_cell(p), "speedup": f"{p.speedup or 0:.3f}",
-                 "SBO speedup": _opt(p.speedup_sbo), "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
+                 "SBO speedup": _opt(p.speedup_sbo), "gate": p.gate,
+                 "gated": _opt(p.gated_speedup), "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
                  "noDBO/unconv": f"{p.nodbo_vs_hf or 0:.3f}",
                  "tok/s DBO": _num(p.tokens_per_s_dbo),
                  "diff": f"{max_logits_diff(p):.1e}",
@@ -309,7 +360,9 @@ def format_table(result: HFSweepResult) -> str:
     lines += probe_lines(result.points)
     notes = {p.tokens_per_rank: p.hf_graph_note for p in result.points if p.hf_graph_note}
     lines += [f"  unconverted T={t}: no graph: {note}" for t, note in notes.items()]
-    lines.append("  speedup = noDBO/DBO; SBO speedup = noDBO/SBO; DBO/unconv = "
+    lines += gate_lines(result)
+    lines.append("  speedup = noDBO/DBO; SBO speedup = noDBO/SBO; gated = noDBO/(the gate's "
+                 "choice: off, SBO or DBO); DBO/unconv = "
                  "unconverted/DBO (above 1: the converted model with DBO is faster); "
                  "diff = largest logit difference to the unconverted model, relative; "
                  "comp/comm/both/split: the ceiling probe, ceiling = (comp + comm) / both, "

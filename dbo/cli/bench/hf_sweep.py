@@ -25,7 +25,9 @@ logits are the last position's, as a server computes them: [B, 1, V]).
    "sbo"))` (never split; a `GraphedRunner` under `cuda_graph`), its combine in the form
    `--combine-chunks` / `--combine-groups` give a2a_ll (`hf_config.layer_options`);
    where the model offers none (`dbo_sbo_blocker`) or the runner ran none, the point
-   says why (`sbo_note`) instead of a time.
+   says why (`sbo_note`) instead of a time. Before its reported SBO and DBO-on steps,
+   each round times a separate short trial of each (`gate_trial_iters` steps) against
+   that round's DBO-off time, for the gate.
 With `cuda_graph` (GPU, prefill): DBO off is one captured forward (`dbo.graphs.
 capture_graph`) replayed, DBO on a `dbo.graphs.GraphedRunner` (the vote, then a
 replay), both with their output cloned out as a caller would keep it. The unconverted
@@ -35,6 +37,9 @@ well; its ratios use the faster of the two (`t_hf_ms` is that one, `t_hf_eager_m
 After a point's rounds, its ceiling probe (`dbo.cli.bench.hf_probe`, GPU and a backend
 made of torch.distributed collectives only): compute alone, comm alone, both, and the
 DBO-on step's compute alone (split), once per point; ceiling and eta as the layer bench's.
+Then the point is gated as the layer bench's points are (`dbo.cli.bench.hf_gate`): no
+overlap, SBO or DBO, from the tokens per rank, the probe's ceiling (where it ran) and the
+worst trials, never from the reported times; `t_gated_ms` is the chosen mode's time.
 Times are per-rank medians (`dbo.cli.bench.timing`), folded over rounds; the derived
 figures use the slowest rank's. Each point also reports how far the converted model's
 logits are from the unconverted model's on the same batch (largest difference over
@@ -54,7 +59,8 @@ from dbo import DBOConfig, DBORunner, GraphedRunner, capture_graph, collect_sbo_
 from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, conversions, layer_options
 from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
                                      replayed, use_mask_free_sdpa)
-from dbo.cli.bench.hf_probe import HFProbe, probe_hf_point, skipped
+from dbo.cli.bench.hf_gate import attach_gate, prefill_gate
+from dbo.cli.bench.hf_probe import HFProbe, no_probe_reason, probe_hf_point, skipped
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import (Timing, gather_floats, host_bound, median_of_rounds, rate,
                                   time_steps)
@@ -62,7 +68,8 @@ from dbo.cli.bench.timing import (Timing, gather_floats, host_bound, median_of_r
 __all__ = ["HFPoint", "HFPointTimes", "HFSweepResult", "attach_sbo", "build_model",
            "describe_model", "max_rel_diff", "run_hf_sweep", "sbo_not_run", "timing_fields"]
 
-# DBO on: every point split (B >= 2 sequences); the bench compares, it does not gate.
+# DBO on: every point split (B >= 2 sequences), so that every point has a DBO time; the
+# bench's own gate (`hf_gate`) decides afterwards whether a deployment would run it.
 _DBO_ON = DBOConfig(split="batch", min_prefill_tokens=2, min_decode_tokens=2)
 # SBO: the same thresholds, never split (`dbo.overlap`).
 _SBO = dataclasses.replace(_DBO_ON, overlap="sbo")
@@ -135,6 +142,10 @@ class HFPointTimes:
     rounds_ms: dict[str, list[float]] = field(default_factory=dict)
 
 
+_NESTED = ("trial_speedups", "sbo_trial_speedups", "per_rank_ms", "rounds_ms")
+"""The `HFPoint` fields that are no CSV columns (lists and dicts: the JSON's only)."""
+
+
 @dataclass(kw_only=True)
 class HFPoint(HFPointTimes):
     """One backend and token count of the prefill sweep."""
@@ -153,10 +164,21 @@ class HFPoint(HFPointTimes):
     """(T_noDBO - T_DBO) / (T_noDBO - T_both); None without a probe or headroom (`eta_note`)."""
     eta_note: str = ""
     probe_note: str = ""
+    gate: str = ""
+    """"off", "sbo" or "dbo": the gate's mode (`hf_gate.attach_gate`, which sets the gate
+    fields after the point's SBO fields; "" before)."""
+    gate_reason: str = ""
+    t_gated_ms: Optional[float] = None
+    gated_speedup: Optional[float] = None
+    """The chosen mode's reported time, and T_noDBO / T_gated (None in a functional run)."""
+    trial_speedups: list[float] = field(default_factory=list)
+    sbo_trial_speedups: list[float] = field(default_factory=list)
+    """The gate's separate trials, one per round: that round's T_noDBO / the trial's step,
+    DBO on and SBO (none where SBO did not run)."""
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
-        return flat_row(self, ("per_rank_ms", "rounds_ms"), first=("tokens_per_rank",))
+        return flat_row(self, _NESTED, first=("tokens_per_rank",))
 
 
 @dataclass
@@ -176,8 +198,11 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timing = dict(device=device, group=group, warmup=cfg.warmup, iters=cfg.iters)
     probes = len(cfg.tokens) * len(cfg.backends) if device.type == "cuda" else 0
-    progress = Progress(len(cfg.tokens) * (1 + 3 * len(cfg.backends)) * cfg.rounds + probes,
+    # Per point and round: DBO off, SBO's trial, SBO, DBO's trial, DBO on.
+    progress = Progress(len(cfg.tokens) * (1 + 5 * len(cfg.backends)) * cfg.rounds + probes,
                         enabled=cfg.progress and rank == 0)
+    gate = prefill_gate(cfg)
+    trial_timing = {**timing, "iters": cfg.gate_trial_iters}
     inputs = {t: _batch(cfg, t, config.vocab_size, rank=rank, device=device)
               for t in cfg.tokens}
 
@@ -225,13 +250,23 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                 if sbo_note:
                     sbo = None
             offs, ons, sbos = [], [], []
+            trials: list[float] = []
+            sbo_trials: list[float] = []
             for index in range(cfg.rounds):
                 tag = f"{backend} T={tokens}/rank{round_tag(cfg, index)}"
                 progress.step(f"{tag}: DBO off")
                 offs.append(time_steps(off, **timing))
-                progress.step(f"{tag}: SBO" + ("" if sbo is not None else " (not run)"))
+                # The gate's trials: short timings of their own, before (and apart from)
+                # the reported ones, against this round's DBO-off time (`hf_gate`).
+                not_run = "" if sbo is not None else " (not run)"
+                progress.step(f"{tag}: SBO trial{not_run}")
+                if sbo is not None:
+                    sbo_trials.append(offs[-1].max_ms / time_steps(sbo, **trial_timing).max_ms)
+                progress.step(f"{tag}: SBO{not_run}")
                 if sbo is not None:
                     sbos.append(time_steps(sbo, **timing))
+                progress.step(f"{tag}: DBO trial")
+                trials.append(offs[-1].max_ms / time_steps(on, **trial_timing).max_ms)
                 progress.step(f"{tag}: DBO on")
                 ons.append(time_steps(on, **timing))
             decision = runner.last_decision  # of the timed steps: the probe runs more
@@ -255,6 +290,11 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
             attach_sbo(points[-1], sbos if not sbo_note else [], note=sbo_note,
                        diff=diffs[2] if len(diffs) > 2 else None, perf=not cfg.functional,
                        total_tokens=tokens * world)
+            attach_gate(points[-1], gate,
+                        ceiling=None if probe.ceiling is None else probe.ceiling.ceiling,
+                        no_probe_reason=no_probe_reason(model, device),
+                        dbo_trials=trials, sbo_trials=sbo_trials if not sbo_note else [],
+                        perf=not cfg.functional)
             free_memory(device)
         for g in (graphed, sbo_graphed):
             if g is not None:

@@ -48,7 +48,8 @@ class ProbeScope:
     @property
     def reason(self) -> str:
         """Why the probe cannot measure these backends ("" where measurable), without
-        what the layer bench reports instead (`dbo bench --hf` has no gate)."""
+        what the layer bench reports instead (`dbo bench --hf` adds its own:
+        `hf_probe.skipped`)."""
         if self.measurable:
             return ""
         return (f"probe n/a for backend {self._names}: its dispatch/combine runs in its own "
