@@ -58,9 +58,10 @@ from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, HFDecodeOptions, conversions
 from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
                                      replayed)
-from dbo.cli.bench.hf_sweep import (HFPointTimes, attach_sbo, build_model, converted_model,
-                                    describe_model, flat_row, free_memory, max_rel_diff,
-                                    round_tag, sbo_not_run, sbo_runners, timing_fields)
+from dbo.cli.bench.hf_points import HFPointTimes, flat_row, timing_fields
+from dbo.cli.bench.hf_sweep import (attach_sbo, build_model, converted_model, describe_model,
+                                    free_memory, max_rel_diff, round_tag, sbo_not_run,
+                                    sbo_runners)
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.timing import Timing, median_of_rounds, time_steps
 from moe.hf import cache_keyword
