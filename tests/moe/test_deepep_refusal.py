@@ -47,7 +47,7 @@ def fake_deep_ep(monkeypatch, *names: str) -> None:
 
 def test_registered_and_v2_marked_untested():
     assert set(DEEPEP) <= set(BACKENDS)
-    assert UNTESTED_BACKENDS == {"deepep_v2", "nccl_ep"}
+    assert "deepep_v2" in UNTESTED_BACKENDS and set(UNTESTED_BACKENDS) <= set(BACKENDS)
 
 
 @pytest.mark.parametrize("backend,cls", [("deepep_ht", "Buffer"), ("deepep_ll", "Buffer"),
