@@ -29,7 +29,10 @@ a compiled model.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, TypeVar
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -57,10 +60,94 @@ GRAPH_BREAK_REASON = (
     "them, compile it without fullgraph (docs/compile.md)")
 
 
+class _EagerTwin:
+    """`fn` as a graph break: `torch.compiler.disable(fn)`, made when `torch._dynamo` has
+    been imported (`_when_dynamo_loads`). Importing dynamo takes about a second, which
+    `import dbo` would otherwise pay in every process whether it compiles or not; a
+    process that compiles imports dynamo (`torch.compile`) before anything is traced, so
+    the twin exists by the time a trace reaches it."""
+
+    __slots__ = ("_fn", "_disabled")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+        self._disabled: Optional[Callable[..., Any]] = None
+
+    def make(self) -> Callable[..., Any]:
+        if self._disabled is None:
+            self._disabled = torch.compiler.disable(
+                self._fn, reason=f"{self._fn.__qualname__}: {GRAPH_BREAK_REASON}")
+        return self._disabled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        disabled = self._disabled
+        if disabled is None:  # dynamo was imported in a way the hook did not see
+            disabled = self.make()
+        return disabled(*args, **kwargs)
+
+
+_TWINS: list[_EagerTwin] = []  # made once dynamo is imported
+
+
+def _make_twins() -> None:
+    for twin in _TWINS:
+        twin.make()
+
+
+class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
+    """Runs `_make_twins` right after `torch._dynamo` has been imported: finds the module
+    as the other finders do, and wraps its loader so that the twins are made once the
+    module has run (every import of dynamo goes through here until then)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)  # the real finders find it
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _ThenMakeTwins(spec.loader, self)
+        return spec
+
+
+class _ThenMakeTwins(importlib.abc.Loader):
+    """`loader`, then `_make_twins` (and the finder's removal) once the module has run."""
+
+    def __init__(self, loader: Any, finder: _WhenDynamoLoads) -> None:
+        self._loader = loader
+        self._finder = finder
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        if self._finder in sys.meta_path:
+            sys.meta_path.remove(self._finder)
+        _make_twins()
+
+    def __getattr__(self, name: str) -> Any:  # resources, source: the real loader's
+        return getattr(self._loader, name)
+
+
+def _when_dynamo_loads() -> None:
+    if "torch._dynamo" in sys.modules:
+        _make_twins()
+    elif not any(isinstance(f, _WhenDynamoLoads) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WhenDynamoLoads())
+
+
 def eager_twin(fn: F) -> F:
     """`torch.compiler.disable(fn)`: a call dynamo does not trace (a graph break) and that
-    runs with dynamo's frame hook off, so nothing it calls is compiled."""
-    return torch.compiler.disable(fn, reason=f"{fn.__qualname__}: {GRAPH_BREAK_REASON}")
+    runs with dynamo's frame hook off, so nothing it calls is compiled. Made when dynamo
+    is imported (`_EagerTwin`)."""
+    twin = _EagerTwin(fn)
+    _TWINS.append(twin)
+    _when_dynamo_loads()
+    return twin  # type: ignore[return-value]
 
 
 def graph_break(fn: F) -> F:

@@ -124,3 +124,28 @@ def test_fullgraph_compile_names_the_graph_break_and_the_fix():
     with pytest.raises(Exception, match="compile it without fullgraph") as raised:
         DBORunner(compiled, SPLIT)(torch.randn(4, HIDDEN))
     assert "dbo_current_ubatch_id" in str(raised.value)
+
+
+FRESH_PROCESS = """
+import sys
+import dbo, moe
+assert "torch._dynamo" not in sys.modules, "import dbo imported dynamo"
+from dbo.compiling import _TWINS
+assert _TWINS and all(t._disabled is None for t in _TWINS)
+import torch
+compiled = torch.compile(lambda x: x + 1, backend="eager")  # imports dynamo
+assert all(t._disabled is not None for t in _TWINS), "twins not made on dynamo's import"
+print(len(_TWINS), float(compiled(torch.ones(1))))
+"""
+
+
+def test_dbo_imports_dynamo_only_with_compile_and_the_graph_breaks_are_ready_then():
+    # `import dbo` stays off torch._dynamo (about a second per process); torch.compile
+    # imports it, and every graph-break twin is made then, before anything is traced.
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    count, value = proc.stdout.split()
+    assert int(count) >= 20 and float(value) == 2.0
