@@ -11,8 +11,9 @@ MoE backend and of DeepEP's raw calls, over tokens per rank (`moe.bench.comm`).
 Without torchrun it starts one rank per visible GPU (NCCL), or 2 gloo ranks on a CPU
 machine. Backends: every registered multi-rank one (a2a, a2a_ll, naive, naive_mono,
 deepep_*, symm_mem, nccl_ep) and the libraries' raw calls: DeepEP's `deepep_raw_ht`
-(normal kernels) and `deepep_raw_ll` (low-latency kernels, T <= 256), NCCL EP's
-`nccl_ep_raw_ll` and `nccl_ep_raw_ht`. A backend takes its options as
+(normal kernels) and `deepep_raw_ll` (low-latency kernels, T <= 256), DeepEP v2's
+`deepep_v2_raw_prefill` and `deepep_v2_raw_decode`, NCCL EP's `nccl_ep_raw_ll` and
+`nccl_ep_raw_ht`. A backend takes its options as
 `NAME:FIELD=VALUE` (`--backends nccl_ep,nccl_ep:mode=ht`). Without --backends, one
 that cannot be built or run here is skipped with a one-line reason; one named in
 --backends is refused before any rank starts. NCCL_P2P_DISABLE=1 slows NCCL only
@@ -136,12 +137,16 @@ def check_named_backends(names: Sequence[str], world_size: int) -> None:
     Without --backends every one is tried, and one that cannot run is skipped with the
     reason."""
     from moe.backends import backend_class, require_deep_ep
-    from moe.bench.comm_engines import RAW_DEEPEP, RAW_NCCL_EP, check_timed, parse_spec
+    from moe.bench.comm_engines import (RAW_DEEPEP, RAW_DEEPEP_V2, RAW_NCCL_EP, check_timed,
+                                        parse_spec)
 
     for spec in names:
         name, _ = parse_spec(spec)
         if name in RAW_DEEPEP:
             require_deep_ep(name, "Buffer")
+        elif name in RAW_DEEPEP_V2:
+            from moe.backends import require_elastic_buffer
+            require_elastic_buffer()
         elif name in RAW_NCCL_EP:
             from moe.backends import require_nccl_ep
             require_nccl_ep()

@@ -80,6 +80,9 @@ _LAZY = {"destroy_buffers": "moe.backends.deepep_support:destroy_buffers",
          "require_nccl_ep": "moe.backends.nccl_ep_support:require_nccl_ep",
          "check_nccl_ep_rows": "moe.backends.nccl_ep_support:check_nccl_ep_rows",
          "nccl_comm_ptr": "moe.backends.nccl_comm:nccl_comm_ptr",
+         "start_nccl_comm": "moe.backends.nccl_comm:start_nccl_comm",
+         # DeepEP v2's checks (the bench's raw DeepEP v2 calls).
+         "require_elastic_buffer": "moe.backends.deepep_v2:require_elastic_buffer",
          # Each backend's options class, from its backend's module (imported on first use).
          "A2ALLOptions": "moe.backends.a2a_ll:A2ALLOptions",
          "DeepEPHTOptions": "moe.backends.deepep_ht:DeepEPHTOptions",
@@ -102,5 +105,5 @@ __all__ = ["A2ALLOptions", "DeepEPHTOptions", "DeepEPLLOptions", "DeepEPV2Option
            "BackendTraits", "Dispatched", "NoOptions", "Pending", "PrepareFinalize",
            "backend_class", "backend_traits", "backends_with", "check_one_process",
            "check_nccl_ep_rows", "claim_nvshmem", "destroy_buffers", "make_backend",
-           "nccl_comm_ptr", "options_with", "require_deep_ep", "require_nccl_ep",
-           "resolve_backend_name"]
+           "nccl_comm_ptr", "options_with", "require_deep_ep", "require_elastic_buffer",
+           "require_nccl_ep", "resolve_backend_name", "start_nccl_comm"]

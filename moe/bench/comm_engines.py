@@ -32,7 +32,10 @@ RAW_DEEPEP = ("deepep_raw_ht", "deepep_raw_ll")
 RAW_NCCL_EP = ("nccl_ep_raw_ll", "nccl_ep_raw_ht")
 """NCCL EP's own calls, timed directly (`moe.bench.comm_raw_nccl_ep`)."""
 
-RAW = RAW_DEEPEP + RAW_NCCL_EP
+RAW_DEEPEP_V2 = ("deepep_v2_raw_prefill", "deepep_v2_raw_decode")
+"""DeepEP v2's own calls, timed directly (`moe.bench.comm_raw_deepep_v2`)."""
+
+RAW = RAW_DEEPEP + RAW_DEEPEP_V2 + RAW_NCCL_EP
 
 # DeepSeek-V3's expert width: MoEConfig needs one, and no backend's exchange reads it.
 _INTERMEDIATE = 2048
@@ -209,6 +212,9 @@ def make_source(name: str, shapes: Shapes, group: Optional[dist.ProcessGroup], *
     if name in RAW_DEEPEP:
         from moe.bench.comm_raw import DeepEPRawSource
         return DeepEPRawSource(name, shapes, group, tokens=tokens)
+    if name in RAW_DEEPEP_V2:
+        from moe.bench.comm_raw_deepep_v2 import DeepEPV2RawSource
+        return DeepEPV2RawSource(name, shapes, group, tokens=tokens)
     if name in RAW_NCCL_EP:
         from moe.bench.comm_raw_nccl_ep import NCCLEPRawSource
         return NCCLEPRawSource(name, shapes, group, tokens=tokens)

@@ -87,7 +87,8 @@ def test_command_is_registered_with_its_defaults(capsys: pytest.CaptureFixture) 
     out = " ".join(capsys.readouterr().out.split())
     assert out.startswith("usage: dbo bench-comm ")
     assert "(default 1,128,512,2048,4096,8192)" in out and "(default: 7168)" in out
-    assert "deepep_raw_ht, deepep_raw_ll, nccl_ep_raw_ll, nccl_ep_raw_ht (default: all);" in out
+    assert ("deepep_raw_ht, deepep_raw_ll, deepep_v2_raw_prefill, deepep_v2_raw_decode, "
+            "nccl_ep_raw_ll, nccl_ep_raw_ht (default: all);") in out
     assert "NAME:FIELD=VALUE, e.g. nccl_ep:mode=ht" in out
 
 
