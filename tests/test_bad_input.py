@@ -26,6 +26,7 @@ from dbo import DBOConfig, DBORunner, UBatchScheduler
 from moe import MoEConfig, MoELayer, init_moe_weights
 from moe.backends.a2a_ll import A2ALLOptions
 from moe.backends.deepep_v2 import DeepEPV2Options
+from moe.backends.nccl_ep import NCCLEPOptions
 from moe.models.transformer import MoETransformer, get_preset
 from tests.hf_utils import rewrite_without, save, tiny_model
 
@@ -67,6 +68,15 @@ def deepep_layer_with_hidden(hidden: int) -> None:
     with mock.patch.dict(sys.modules, {"deep_ep": fake}), \
             mock.patch.object(torch.cuda, "is_available", return_value=True):
         layer(backend="deepep_ll", hidden_size=hidden, dtype=torch.bfloat16)
+
+
+def nccl_ep_layer(*, installed: bool = True, hidden: int = 2048) -> None:
+    """`nccl_ep`'s checks of a layer config, as on a GPU machine with NCCL EP and NCCL
+    2.30.7 (`installed`: whether nccl-extensions is there)."""
+    from moe.backends.nccl_ep_support import check_nccl_ep_rows, require_nccl_ep
+    require_nccl_ep(installed=lambda: installed, cuda_available=lambda: True,
+                    nccl_version=lambda: (2, 30, 7), find=lambda: types.ModuleType("nccl.ep"))
+    check_nccl_ep_rows(hidden, torch.bfloat16, "ll")
 
 
 def deepep_v2_on(*, nccl: tuple = (2, 30, 4), dtype: torch.dtype = torch.bfloat16) -> None:
@@ -233,6 +243,17 @@ REJECTED = {
     "no process group)": (
         lambda: deepep_v2_on(dtype=torch.float32), ValueError,
         "backend 'deepep_v2' moves torch.bfloat16 tokens only"),
+    "`nccl_ep` without nccl-extensions": (
+        lambda: nccl_ep_layer(installed=False), ImportError,
+        "backend 'nccl_ep' needs NCCL EP (nccl.ep), which is not installed: pip install "
+        "nccl-extensions"),
+    "`nccl_ep` in its low-latency form with a hidden size not a multiple of 512": (
+        lambda: nccl_ep_layer(hidden=2880), ValueError,
+        "backend 'nccl_ep' in its low-latency form (NCCLEPOptions.mode='ll') moves rows of "
+        "a multiple of 512 bf16 values, but hidden_size=2880"),
+    "unknown `nccl_ep` mode": (
+        lambda: NCCLEPOptions(mode="fast"), ValueError,
+        "NCCLEPOptions.mode='fast' is not an nccl_ep mode"),
     "fixed-capacity backend without a capacity": (
         lambda: layer(backend="a2a_ll"), ValueError, "needs MoEConfig.max_tokens_per_rank"),
     "capacity overflow on this rank": (
