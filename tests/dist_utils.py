@@ -68,7 +68,6 @@ def _context(backend: str) -> Any:
     return ctx
 
 
-
 def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any,
                     backend: str = "gloo", timeout_s: float = 240.0,
                     init_timeout_s: float = 120.0) -> list[Any]:
