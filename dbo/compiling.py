@@ -62,7 +62,7 @@ GRAPH_BREAK_REASON = (
 
 class _EagerTwin:
     """`fn` as a graph break: `torch.compiler.disable(fn)`, made when `torch._dynamo` has
-    been imported (`_when_dynamo_loads`). Importing dynamo takes about a second, which
+    been imported (`eager_twin`, `_WhenDynamoLoads`). Importing dynamo takes about a second, which
     `import dbo` would otherwise pay in every process whether it compiles or not; a
     process that compiles imports dynamo (`torch.compile`) before anything is traced, so
     the twin exists by the time a trace reaches it."""
@@ -133,20 +133,16 @@ class _ThenMakeTwins(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-def _when_dynamo_loads() -> None:
-    if "torch._dynamo" in sys.modules:
-        _make_twins()
-    elif not any(isinstance(f, _WhenDynamoLoads) for f in sys.meta_path):
-        sys.meta_path.insert(0, _WhenDynamoLoads())
-
-
 def eager_twin(fn: F) -> F:
     """`torch.compiler.disable(fn)`: a call dynamo does not trace (a graph break) and that
-    runs with dynamo's frame hook off, so nothing it calls is compiled. Made when dynamo
-    is imported (`_EagerTwin`)."""
+    runs with dynamo's frame hook off, so nothing it calls is compiled. Made now where
+    dynamo is imported already, else when it is (`_EagerTwin`, `_WhenDynamoLoads`)."""
     twin = _EagerTwin(fn)
     _TWINS.append(twin)
-    _when_dynamo_loads()
+    if "torch._dynamo" in sys.modules:
+        twin.make()
+    elif not any(isinstance(f, _WhenDynamoLoads) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WhenDynamoLoads())
     return twin  # type: ignore[return-value]
 
 

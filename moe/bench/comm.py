@@ -98,10 +98,9 @@ class CommBenchConfig:
             if not _is_int(t) or t < 1:
                 raise ValueError(f"tokens must be positive ints, got {t!r}: every point "
                                  f"needs at least one token per rank")
-        for spec in self.backends:
-            parse_spec(spec)  # ValueError naming the choices or the options' fields
-        # symm_mem with a DeepEP LL one aborts the process
-        check_one_process([parse_spec(spec)[0] for spec in self.backends])
+        # ValueError naming the choices or the options' fields
+        names = [parse_spec(spec)[0] for spec in self.backends]
+        check_one_process(names)  # symm_mem with a DeepEP LL one aborts the process
         if not isinstance(self.cuda_graph, bool):
             raise TypeError(f"cuda_graph={self.cuda_graph!r}: must be True or False")
         for name in ("hidden", "top_k", "num_experts", "iters", "graph_layers"):

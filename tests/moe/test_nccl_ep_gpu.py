@@ -30,15 +30,15 @@ MODES = ("ll", "ht")
 SPLIT = DBOConfig(split="tokens", min_decode_tokens=2, min_prefill_tokens=2)
 
 
-def _why_not(world_size: int) -> str:
+def _skip_unless_ready(world_size: int) -> None:
+    """Skip unless this machine has `world_size` GPUs, nccl.ep and an NCCL >= 2.29 loaded."""
     if torch.cuda.device_count() < world_size:
-        return f"needs {world_size} CUDA devices"
+        pytest.skip(f"needs {world_size} CUDA devices")
     if not nccl_ep_installed():
-        return "needs nccl.ep (pip install nccl-extensions)"
+        pytest.skip("needs nccl.ep (pip install nccl-extensions)")
     version = torch_nccl_version()
     if version is None or version < MIN_NCCL:
-        return f"needs NCCL >= 2.29 loaded, this process runs {version}"
-    return ""
+        pytest.skip(f"needs NCCL >= 2.29 loaded, this process runs {version}")
 
 
 def _config(mode: str, **kw) -> MoEConfig:
@@ -66,9 +66,7 @@ def exact(rank: int, world_size: int, mode: str) -> dict:
 @pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.multigpu)])
 @pytest.mark.parametrize("mode", MODES)
 def test_nccl_ep_matches_the_reference(mode, world_size):
-    reason = _why_not(world_size)
-    if reason:
-        pytest.skip(reason)
+    _skip_unless_ready(world_size)
     for rank, errors in enumerate(run_distributed(world_size, exact, mode, backend="nccl")):
         for tokens, errs in errors.items():
             assert max(errs) <= TOL, (rank, tokens, errs)
@@ -124,9 +122,7 @@ def graphed(rank: int, world_size: int, mode: str) -> dict:
 @pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.multigpu)])
 @pytest.mark.parametrize("mode", MODES)
 def test_nccl_ep_replays_as_cuda_graphs(mode, world_size):
-    reason = _why_not(world_size)
-    if reason:
-        pytest.skip(reason)
+    _skip_unless_ready(world_size)
     for rank, worst in enumerate(run_distributed(world_size, graphed, mode, backend="nccl")):
         # the same kernels on the same inputs; a combine may add a token's rows from
         # several ranks in arrival order, so allow bf16's rounding of that sum
@@ -167,8 +163,6 @@ def raw_and_adapter(rank: int, world_size: int) -> dict:
 @pytest.mark.gpu
 @pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.multigpu)])
 def test_bench_comm_engines_of_nccl_ep_return_what_they_sent(world_size):
-    reason = _why_not(world_size)
-    if reason:
-        pytest.skip(reason)
+    _skip_unless_ready(world_size)
     for rank, errors in enumerate(run_distributed(world_size, raw_and_adapter, backend="nccl")):
         assert max(errors.values()) <= TOL, (rank, errors)
