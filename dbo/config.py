@@ -39,6 +39,8 @@ class DBOConfig:
     """Split mode: "tokens" (dim 0 = independent tokens), "requests" (`seq_lens=` kwarg), "batch" (dim 0 = sequences), a callable, or None (auto, per call: the model's `dbo_split_mode()`, else "requests" when the call has a `seq_lens=` keyword, else "tokens"; `SplitPlan.reason` says which)."""
     overlap: str = "dbo"
     """Overlap policy per step (`dbo.overlap`): "dbo" splits above the thresholds, else no overlap; "auto" splits above them, else single-batch overlap (shared experts under the dispatch, one ubatch) where the model offers it; "sbo" never splits, always single-batch overlap where offered; "none" never overlaps."""
+    joined_experts: bool = False
+    """In a split step, run each MoE layer's experts once over both ubatches' dispatched rows (the ubatches meet there, `dbo.meet`), so each expert's weights are read once per step rather than once per ubatch; the attention, dispatch and combine still overlap across the ubatches. For weight-bound experts (decode, many experts per rank), where the split's second weight read costs what the overlap hides."""
     num_ubatches: int = 2
     """Number of ubatches per split step; only 2 is supported."""
     min_decode_tokens: int = 32
@@ -74,6 +76,9 @@ class DBOConfig:
                 f"DBOConfig.split must be one of {', '.join(repr(m) for m in SPLIT_MODES)}, "
                 f"None (the model's or the call's mode) or a callable, got a "
                 f"{type(self.split).__name__}: {self.split!r}")
+        if not isinstance(self.joined_experts, bool):
+            raise TypeError(f"DBOConfig.joined_experts must be True or False, got "
+                            f"{self.joined_experts!r}")
         if self.overlap not in OVERLAP_MODES:
             raise ValueError(f"DBOConfig.overlap={self.overlap!r} is not an overlap policy: use "
                              f"one of {', '.join(repr(m) for m in OVERLAP_MODES)}")

@@ -259,7 +259,8 @@ class DBORunner:
                 return scheduler.run([_bind(self.model, args, kwargs)])
         try:
             with gemm_sm_carveout(self.config.gemm_sm_carveout, device):
-                outputs = scheduler.run([_bind(self.model, a, k) for a, k in cut.ubatch_args])
+                outputs = scheduler.run([_bind(self.model, a, k) for a, k in cut.ubatch_args],
+                                        joined_experts=self.config.joined_experts)
         except BaseException as exc:
             # The scheduler named the ubatch (`dbo_ubatch_id`); its shapes are not the
             # ones the user passed, so say which rows of the step it ran.

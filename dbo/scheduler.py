@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Optional, Sequence, TypeVar
 
 import greenlet
 import torch
 
 import dbo.ranges as trace_ranges
 import dbo.thread_state as tls
+from dbo.meet import Meeting, Work, meet
 from dbo.thread_state import ThreadState, ThreadStateSwitch
 from streams.standins import OpLog
 from streams.stream_set import StreamSet, resolve_device
@@ -117,6 +118,10 @@ class UBatchScheduler:
         self._thread_state: Optional[ThreadStateSwitch] = None
         # Whether the two ubatches of the last run() interleaved (see the property).
         self._interleaved: Optional[bool] = None
+        # The running step's open meetings (`dbo.meet`) and whether its MoE layers join
+        # the ubatches' experts (`run`'s `joined_experts`).
+        self._meetings: dict[Hashable, Meeting] = {}
+        self.joined_experts = False
 
     # ----------------------------------------------------------------- public API
     @property
@@ -141,8 +146,10 @@ class UBatchScheduler:
         """Ubatches of the running (or last) step; 0 between steps."""
         return len(self._ubatches)
 
-    def run(self, fns: Sequence[Callable[[], T]]) -> list[T]:
-        """Run each callable as one ubatch; return their results in order."""
+    def run(self, fns: Sequence[Callable[[], T]], *, joined_experts: bool = False) -> list[T]:
+        """Run each callable as one ubatch; return their results in order.
+        `joined_experts`: the step's MoE layers run their experts once over both
+        ubatches' rows (`DBOConfig.joined_experts`, `dbo_joined_experts`)."""
         _check_fns(fns)
         if active_scheduler() is not None:
             raise RuntimeError(
@@ -158,6 +165,8 @@ class UBatchScheduler:
             ubatches[0].yield_to, ubatches[1].yield_to = ubatches[1], ubatches[0]
         running_step.scheduler = self
         self._interleaved = None
+        self._meetings = {}
+        self.joined_experts = joined_experts and len(ubatches) == 2
         try:
             self._loop()
             return [ub.result for ub in self._ubatches]
@@ -169,6 +178,8 @@ class UBatchScheduler:
             switch.restore_caller()
             self._thread_state = None
             self._ubatches = []
+            self._meetings = {}
+            self.joined_experts = False
 
     # ------------------------------------------- used by dbo.yield_points (in a step)
     def yield_(self) -> None:
@@ -205,6 +216,11 @@ class UBatchScheduler:
         target.glet.switch()
         # Resumed (by the other ubatch's yield, or by the hub once it finished), with this
         # ubatch's stream and thread state applied by whoever switched back.
+
+    def meet(self, key: Hashable, value: Any, work: Work) -> Any:
+        """The running ubatch's share of `work`, run once for both ubatches by the one
+        that reaches `key` second (`dbo.meet`)."""
+        return meet(self, self._meetings, key, value, work)
 
     def set_stream(self, ub: UBatch, stream: Any) -> None:
         ub.stream = stream

@@ -128,7 +128,8 @@ class StepVotes:
         return {"DBOConfig.enabled": config.enabled,
                 "DBOConfig.split": split if isinstance(split, str) else "auto" if split is None
                 else f"callable {getattr(split, '__qualname__', type(split).__name__)}",
-                "DBOConfig.overlap": config.overlap, "cuda_graph": cuda_graph,
+                "DBOConfig.overlap": config.overlap,
+                "DBOConfig.joined_experts": config.joined_experts, "cuda_graph": cuda_graph,
                 "calibration": self.calibration, "sbo_blocker": hooks.sbo_blocker}
 
     def vote(self, hooks: ModelHooks, config: DBOConfig, group: Optional[dist.ProcessGroup],

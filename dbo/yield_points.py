@@ -17,9 +17,11 @@ returns None.
 | dbo_get_previous_event(fn, *a) | run fn on the compute stream, return its result (an event) |
 | dbo_is_last_ubatch() | whether the running ubatch is the step's last |
 | dbo_single_batch_overlap() | inside a step of one ubatch (single-batch overlap) |
+| dbo_joined_experts() | inside a step whose MoE layers run their experts once for both ubatches |
+| dbo_meet(key, value, work) | the ubatch arriving second runs work([v0, v1]) for both; each gets its result |
 | dbo_switch_to_compute_async() | record comm-done, switch to compute, return a `ComputeWait` whose wait() adds the dependency later |
 
-The last three are ours (the peer runtime has no such calls). `dbo_is_last_ubatch` tells a
+The last five are ours (the peer runtime has no such calls). `dbo_is_last_ubatch` tells a
 layer that its combine is the step's last (the split combine, `moe.modular_kernel`). With
 `dbo_switch_to_compute_async`, a backend that issues a collective on the comm stream
 records comm-done at once, returns to the compute stream without waiting, lets the caller
@@ -90,6 +92,30 @@ def dbo_single_batch_overlap() -> bool:
         return _EAGER["dbo_single_batch_overlap"]()
     s = active_scheduler()
     return s is not None and s.num_ubatches == 1
+
+
+def dbo_joined_experts() -> bool:
+    """Whether the running step joins its ubatches' experts (`DBOConfig.joined_experts`):
+    each MoE layer runs its experts once over both ubatches' dispatched rows
+    (`dbo_meet`), so each expert's weights are read once per step. False outside a step
+    and in a step of one ubatch."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_joined_experts"]()
+    s = active_scheduler()
+    return s is not None and s.joined_experts
+
+
+def dbo_meet(key: Any, value: Any, work: Callable[[list], Any]) -> Any:
+    """This ubatch's result of `work`, run once for both ubatches of the step
+    (`dbo.meet`): the ubatch reaching `key` first yields until the other arrives, which
+    calls `work([value of ubatch 0, value of ubatch 1])` (one result per ubatch). Outside
+    a step, or in a step of one ubatch: `work([value])[0]`."""
+    if compiling() or frame_hook() is not None:
+        return _EAGER["dbo_meet"](key, value, work)
+    s = active_scheduler()
+    if s is None:
+        return work([value])[0]
+    return s.meet(key, value, work)
 
 
 def dbo_yield() -> None:
@@ -305,8 +331,8 @@ def _wrong_stream(actual: Any, call: str, name: str) -> None:
 _EAGER: dict[str, Callable[..., Any]] = {
     fn.__name__: eager_twin(fn) for fn in (
         dbo_enabled, dbo_current_ubatch_id, dbo_other_ubatch_started, dbo_is_last_ubatch,
-        dbo_single_batch_overlap, dbo_yield, dbo_yield_and_switch_from_compute_to_comm,
-        dbo_yield_and_switch_from_comm_to_compute, dbo_switch_to_comm, dbo_switch_to_compute,
+        dbo_single_batch_overlap, dbo_joined_experts, dbo_meet, dbo_yield,
+        dbo_yield_and_switch_from_compute_to_comm, dbo_yield_and_switch_from_comm_to_compute, dbo_switch_to_comm, dbo_switch_to_compute,
         dbo_switch_to_comm_sync, dbo_switch_to_compute_sync, dbo_switch_to_compute_async,
         dbo_register_recv_hook, dbo_maybe_run_recv_hook, dbo_get_previous_event)}
 _EAGER["ComputeWait.wait"] = eager_twin(ComputeWait.wait)

@@ -44,8 +44,17 @@ expert's weights are read once, where row chunks may read them once per chunk; t
 receiver sums each token's partials over the groups (equal within floating-point
 rounding: every group's partial is rounded to the rows' dtype).
 
+The joined experts (a DBO step with `DBOConfig.joined_experts`, `dbo_joined_experts`):
+each ubatch dispatches as above, then the two meet (`dbo_meet`): the first to arrive
+yields until the other has its rows too, which runs the experts once over both ubatches'
+rows and hands each its part; then each combines its own rows as above. Each expert's
+weights are read once per step, not once per ubatch, at the price of the overlap of one
+ubatch's experts with the other's transfers: what still overlaps is one ubatch's dispatch
+with the other's attention, and one's combine with the other's next attention (or its
+shared experts). No split combine there.
+
 Under `torch.compile` the halves that communicate (`_dispatch_send`, `_dispatch_recv`,
-`_combine_send`, `_interleaved_combine`, `_combine_recv`) are graph breaks (`dbo.compiling`):
+`_joined_experts`, `_combine_send`, `_interleaved_combine`, `_combine_recv`) are graph breaks (`dbo.compiling`):
 they run eagerly, yields and collectives in the same order as without compile, and the
 compute between them (the experts, the own rows, the shared experts) is compiled, the
 experts then without workspaces. The interleaved combines' experts run inside their half,
@@ -66,7 +75,9 @@ from dbo.yield_points import (
     dbo_current_ubatch_id,
     dbo_enabled,
     dbo_is_last_ubatch,
+    dbo_joined_experts,
     dbo_maybe_run_recv_hook,
+    dbo_meet,
     dbo_register_recv_hook,
     dbo_single_batch_overlap,
     dbo_yield,
@@ -80,12 +91,14 @@ from moe.workspace import Workspace, WorkspaceSets
 @dataclass(frozen=True)
 class _Sent:
     """A dispatch in flight: its pending receive, the ubatch's workspace, whether the
-    step is single-batch overlap (`dbo_single_batch_overlap`) and whether the experts
-    share the SMs with other streams' kernels (a DBO step, or a caller's `sms_shared`)."""
+    step is single-batch overlap (`dbo_single_batch_overlap`), whether it joins the
+    ubatches' experts (`dbo_joined_experts`) and whether the experts share the SMs with
+    other streams' kernels (a DBO step, or a caller's `sms_shared`)."""
 
     pending: Pending[Dispatched]
     workspace: Workspace
     sbo: bool
+    joined: bool
     sms_shared: bool
 
 
@@ -172,18 +185,23 @@ class ModularKernel:
             out_TH = self._combine_recv(pending_out, layer)
             return out_TH if shared_TH is None else out_TH + shared_TH
         dispatched, own = self._dispatch_recv(
-            send, layer, split=split_combine or (sbo and self.config.split_last_combine))
+            send, layer, split=not send.joined and (
+                split_combine or (sbo and self.config.split_last_combine)))
         # Inside a compiled graph the experts allocate their own scratch (the compiler
         # plans its buffers); the workspaces serve the eager kernels.
         experts_ws = None if compiling() else workspace
-        with phase_scope("experts", layer=layer):
-            ids_RK = dispatched.topk_ids_RK
-            if own is not None:
-                ids_RK = ids_RK.clone()
-                ids_RK[own.rows] = -1  # computed after the send
-            expert_out_RH = self._run_experts(dispatched.x_RH, ids_RK,
-                                              dispatched.topk_weights_RK, w13_EIH, w2_EHI,
-                                              experts_ws, send.sms_shared)
+        if send.joined:
+            expert_out_RH = self._joined_experts(dispatched, w13_EIH, w2_EHI, workspace,
+                                                 layer, sms_shared)
+        else:
+            with phase_scope("experts", layer=layer):
+                ids_RK = dispatched.topk_ids_RK
+                if own is not None:
+                    ids_RK = ids_RK.clone()
+                    ids_RK[own.rows] = -1  # computed after the send
+                expert_out_RH = self._run_experts(dispatched.x_RH, ids_RK,
+                                                  dispatched.topk_weights_RK, w13_EIH,
+                                                  w2_EHI, experts_ws, send.sms_shared)
         pending_out = self._combine_send(expert_out_RH, dispatched, workspace, own, layer)
         if own is not None:
             with phase_scope("own_experts", layer=layer):
@@ -221,7 +239,7 @@ class ModularKernel:
                 assert topk_weights_TK is not None and topk_ids_TK is not None
                 pending = self._prepare_async(x_TH, topk_weights_TK, topk_ids_TK, workspace)
         return _Sent(pending=pending, workspace=workspace, sbo=sbo,
-                     sms_shared=sms_shared or dbo_enabled())
+                     joined=dbo_joined_experts(), sms_shared=sms_shared or dbo_enabled())
 
     @graph_break
     def _dispatch_recv(self, sent: _Sent, layer: Optional[int], *, split: bool
@@ -234,6 +252,27 @@ class ModularKernel:
             return dispatched, None
         rows = self.backend.own_rows(dispatched)
         return dispatched, None if rows is None else OwnRows(rows)
+
+    @graph_break
+    def _joined_experts(self, dispatched: Dispatched, w13_EIH: Tensor, w2_EHI: Tensor,
+                        workspace: Workspace, layer: Optional[int], sms_shared: bool) -> Tensor:
+        """This ubatch's expert outputs, the experts run once over both ubatches' rows
+        (the joined experts, module doc): the ubatch arriving first yields at the meeting
+        (`dbo_meet`, keyed by this kernel) until the other arrives, which runs the experts
+        over the two ubatches' rows end to end, on its own workspace, and hands each its
+        part. Both dispatches have arrived and no combine is sent yet, so no transfer of
+        the step runs beside these experts: they take every SM (as without DBO) unless the
+        caller shares them (`sms_shared`). A graph break under torch.compile (it yields)."""
+        def run_both(parts: list[tuple[Tensor, Tensor, Tensor]]) -> list[Tensor]:
+            sizes = [part[0].shape[0] for part in parts]
+            with phase_scope("experts", layer=layer):
+                x_RH, ids_RK, weights_RK = (torch.cat(rows) for rows in zip(*parts))
+                out_RH = self._run_experts(x_RH, ids_RK, weights_RK, w13_EIH, w2_EHI,
+                                           workspace, sms_shared)
+            return list(out_RH.split(sizes))
+
+        mine = (dispatched.x_RH, dispatched.topk_ids_RK, dispatched.topk_weights_RK)
+        return dbo_meet(self, mine, run_both)
 
     @graph_break
     def _combine_send(self, expert_out_RH: Tensor, dispatched: Dispatched,

@@ -304,6 +304,9 @@ def mismatched_configs(rank: int, world_size: int) -> dict[str, Any]:
         "top_k": DBORunner(altered(ep_layer(group), top_k=1) if one else ep_layer(group), on,
                            group=group),
         "enabled": DBORunner(ep_layer(group), DBOConfig(enabled=not one), group=group),
+        # Joined experts meet where split experts do not: the ranks' steps would differ.
+        "joined_experts": DBORunner(ep_layer(group), replace(on, joined_experts=one),
+                                    group=group),
         "cuda_graph": (DBORunner(PlainModel(), on, group=group) if one
                        else GraphedRunner(DBORunner(PlainModel(), on, group=group))),
     }
@@ -335,6 +338,7 @@ def test_configurations_that_differ_raise_the_same_named_error_on_every_rank() -
             assert "Build every rank's MoEConfig alike" in result["text"], result
             assert result["elapsed"] < QUICK_S, result
         for case, field in (("top_k", "top_k"), ("enabled", "DBOConfig.enabled"),
+                            ("joined_experts", "DBOConfig.joined_experts"),
                             ("cuda_graph", "cuda_graph")):
             result = out[case]
             assert result["type"] == "ConfigMismatchError", (rank, case, result)

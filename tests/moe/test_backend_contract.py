@@ -4,6 +4,9 @@ the registry: a new backend is tested here by registering it and adding its row 
 that cannot run in this process is skipped with the reason its own `check_runs` gives;
 `single_rank` ones (EP size 1) are covered by the single-process layer tests.
 
+DBO on runs each scenario twice: each ubatch's experts on its own rows, and joined
+(`joined_experts`: the experts once over both ubatches' rows).
+
 fp32 tolerance 1e-5: the backends add per-rank partial sums (reduce-scatter in another
 order) where the reference adds a token's K expert outputs in one loop, so only the
 summation order differs (as in tests/moe/test_moe_backends.py).
@@ -72,10 +75,12 @@ def run_contract(rank: int, world_size: int, backend: str) -> dict:
         with torch.no_grad():
             off = layer(x)
             half = x.shape[0] // 2
-            on = torch.cat(UBatchScheduler("cpu").run(
-                [lambda: layer(x[:half]), lambda: layer(x[half:])]))
+            halves = [lambda: layer(x[:half]), lambda: layer(x[half:])]
+            on = torch.cat(UBatchScheduler("cpu").run(halves))
+            joined = torch.cat(UBatchScheduler("cpu").run(halves, joined_experts=True))
         results[name] = tuple((out - ref).abs().max().item() if x.numel() else 0.0
-                              for out in (off, on)) + (tuple(off.shape), tuple(on.shape))
+                              for out in (off, on, joined)) + tuple(
+            tuple(out.shape) for out in (off, on, joined))
     if backend_traits(backend).needs_capacity:
         # Every rank over the capacity: each refuses before any collective.
         try:
@@ -98,10 +103,12 @@ def test_backend_contract(backend):
         pytest.skip(f"{backend}: {exc}")
     for rank, results in enumerate(run_distributed(2, run_contract, backend)):
         for name, tokens in SCENARIOS.items():
-            err_off, err_on, *shapes = results[name]
-            assert shapes == [(tokens[rank], HIDDEN)] * 2, (rank, name)
+            err_off, err_on, err_joined, *shapes = results[name]
+            assert shapes == [(tokens[rank], HIDDEN)] * 3, (rank, name)
             assert err_off <= ATOL, f"rank {rank} {name}: DBO off differs by {err_off}"
             assert err_on <= ATOL, f"rank {rank} {name}: DBO on differs by {err_on}"
+            assert err_joined <= ATOL, (f"rank {rank} {name}: DBO with joined experts "
+                                        f"differs by {err_joined}")
         if backend_traits(backend).needs_capacity:
             message = results["over_capacity"]
             assert f"max_tokens_per_rank={CAPACITY}" in message, message
