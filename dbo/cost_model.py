@@ -1,5 +1,6 @@
-"""A cost model of one step: its time with no overlap, with two ubatches (DBO) and with
-single-batch overlap (SBO), what splitting costs, and which mode to run.
+"""A cost model of one step: its time with no overlap, with two ubatches (DBO), with two
+ubatches whose experts run joined and with single-batch overlap (SBO), what splitting
+costs, and which mode to run.
 
     times = PhaseTimes(attention=4.0, shared=0.5, experts=6.0, dispatch=3.0, combine=3.0)
     shape = StepShape(layers=58, tokens=4096, rows_per_expert=1024.0,
@@ -104,6 +105,25 @@ Terms (source of each parameter after the colon):
           the grouped a2a_ll step is never predicted faster on the GPU than SBO's
           single pass without own rows (n = 1, o = 0), only than row chunks that
           each re-read the weights.
+  joined (DBO with `DBOConfig.joined_experts`): two ubatches, whose experts run once over
+          both ubatches' rows after both dispatches have arrived (each expert's weights
+          read once, the unsplit step's GEMM, every SM: no transfer runs beside it). On
+          the comm stream per layer: the dispatches of the first (F) and second (S)
+          ubatch to reach the experts, then S's combine, then F's:
+          layer = ov(a2, d2)          S's attention under F's dispatch
+                  + d2                S's dispatch (the experts need both)
+                  + xj                xj = max(x, W_e), the unsplit step's experts
+                  + ov(s2, c2)        S's shared experts under S's combine
+                  + ov(a2 + s2, c2)   S's next attention and F's shared experts under F's
+                                      combine (S dispatches first in the next layer)
+          a2, s2 as DBO's before the measured split compute scales them (that scale is
+          the split experts' cost, which this mode does not pay)
+          fill/drain = a2 + ov(s2, c2) - ov(a2 + s2, c2) + [first_dispatch_exposed]:
+                  the first attention has nothing under it, the last combine no next
+                  attention
+          T = step(L * layer + fill/drain, max(host(2k), h_dbo))
+          The mode is offered (`predict`'s `joined`) only where the runner joins its
+          experts; its time is predicted either way.
   choice: the fastest mode, unless its gain T_none / T_mode - 1 is below `margin`:
           then "none" (an overlap mode that is predicted to win by less never runs).
 """
@@ -117,7 +137,7 @@ from dbo.calibration import Calibration
 
 __all__ = ["PhaseTimes", "StepShape", "Prediction", "predict", "MODES"]
 
-MODES = ("none", "dbo", "sbo")
+MODES = ("none", "dbo", "sbo", "joined")
 
 
 def _check_nonneg(owner: str, obj: object, names: tuple[str, ...]) -> None:
@@ -235,7 +255,7 @@ class Prediction:
     measurement)."""
 
     times_ms: dict[str, float]
-    """Predicted step time per mode ("none", "dbo", "sbo")."""
+    """Predicted step time per mode ("none", "dbo", "sbo", "joined")."""
     chosen: str
     """The mode to run."""
     reason: str
@@ -260,6 +280,14 @@ def _dbo_gpu(a2: float, y2: float, v2: float, d2: float, c2: float, L: int, *, f
     ov = lambda u, m: _ov(u, m, f=f, kappa=kappa)  # noqa: E731
     return (L * (ov(a2, d2) + ov(y2, d2) + ov(y2, c2) + ov(a2, c2))
             + _fill_drain(a2, y2, v2, d2, c2, ov, first_dispatch_exposed))
+
+
+def _joined_gpu(a2: float, s2: float, xj: float, d2: float, c2: float, L: int, *,
+                f: float, kappa: float, first_dispatch_exposed: bool) -> float:
+    ov = lambda u, m: _ov(u, m, f=f, kappa=kappa)  # noqa: E731
+    layer = ov(a2, d2) + d2 + xj + ov(s2, c2) + ov(a2 + s2, c2)
+    first = (a2 + d2 - ov(a2, d2)) if first_dispatch_exposed else 0.0
+    return L * layer + a2 + ov(s2, c2) - ov(a2 + s2, c2) + first
 
 
 def _fill_drain(a2: float, y2: float, v2: float, d2: float, c2: float,
@@ -293,9 +321,11 @@ def _split_expert_rate(shape: StepShape, cal: Calibration, *, a2: float,
 
 def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
             margin: float = 0.01, sbo_chunks: int = 1, sbo_groups: int = 1,
-            group_carries_all: bool = True) -> Prediction:
-    """Predicted step time with no overlap, DBO and SBO (module docstring: the terms),
-    and the mode to run: the fastest, if it beats no overlap by at least `margin`.
+            group_carries_all: bool = True, joined: bool = False) -> Prediction:
+    """Predicted step time with no overlap, DBO, joined DBO and SBO (module docstring:
+    the terms), and the mode to run: the fastest, if it beats no overlap by at least
+    `margin`. `joined`: the runner's split steps join their experts, so the split mode
+    offered is "joined" rather than "dbo" (both are predicted).
 
     `sbo_chunks` (n) chunks SBO's combine by rows, `sbo_groups` (G) by expert group; at
     most one of them above 1. `group_carries_all`: each group's combine carries all the
@@ -308,8 +338,9 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
     if sbo_chunks > 1 and sbo_groups > 1:
         raise ValueError(f"sbo_chunks={sbo_chunks} and sbo_groups={sbo_groups}: SBO chunks "
                          f"its combine by rows or by expert group, not both; set one to 1.")
-    if not isinstance(group_carries_all, bool):
-        raise ValueError(f"group_carries_all={group_carries_all!r}: must be True or False.")
+    for name, flag in (("group_carries_all", group_carries_all), ("joined", joined)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}={flag!r}: must be True or False.")
     cal, L = calibration, shape.layers
     f = cal.comm_sm_share if shape.comm_sm_share is None else shape.comm_sm_share
     kappa = cal.overlap_clock
@@ -339,6 +370,10 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
     t_none = step(L * (a + x + d + tail_none), max(host(k), h))
 
     a2, s2, x2 = max(a / 2, w_a), max(s / 2, w_s), max(g * x / 2, w_e)
+    t_joined = step(_joined_gpu(a2, s2, max(x, w_e), (d - lam) / 2 + lam,
+                                (c - lam) / 2 + lam, L, f=f, kappa=kappa,
+                                first_dispatch_exposed=shape.first_dispatch_exposed),
+                    max(host(2 * k), h_dbo))
     if shape.split_compute_ms > 0 and a2 + s2 + x2 > 0:  # measured: take it
         sigma = shape.split_compute_ms / (2 * L * (a2 + s2 + x2))
         a2, s2, x2 = a2 * sigma, s2 * sigma, x2 * sigma
@@ -382,20 +417,24 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
                                     first_dispatch_exposed=exposed),
         "launches": host_dbo if shape.cuda_graph else max(0.0, host_dbo - gpu_dbo),
     }
-    times_ms = {"none": t_none, "dbo": t_dbo, "sbo": t_sbo}
+    times_ms = {"none": t_none, "dbo": t_dbo, "sbo": t_sbo, "joined": t_joined}
     chosen, reason = _choose(times_ms, times, costs, margin=margin,
+                             split_mode="joined" if joined else "dbo",
                              host_bound=not shape.cuda_graph and max(host(k), h) >= t_none)
     return Prediction(times_ms=times_ms, chosen=chosen, reason=reason, dbo_costs_ms=costs)
 
 
 def _choose(times_ms: dict[str, float], times: PhaseTimes, costs: dict[str, float], *,
-            margin: float, host_bound: bool) -> tuple[str, str]:
-    best = min(("dbo", "sbo"), key=lambda m: times_ms[m])
-    gains = {m: times_ms["none"] / times_ms[m] - 1.0 for m in ("dbo", "sbo")}
+            margin: float, split_mode: str, host_bound: bool) -> tuple[str, str]:
+    """The fastest of `split_mode` ("dbo" or "joined") and "sbo" where it beats no
+    overlap by `margin`, else "none"; and why."""
+    offered = (split_mode, "sbo")
+    best = min(offered, key=lambda m: times_ms[m])
+    gains = {m: times_ms["none"] / times_ms[m] - 1.0 for m in offered}
     comm = times.dispatch + times.combine
     share = comm / max(comm + times.attention + times.shared + times.experts, 1e-12)
-    summary = (f"dbo {gains['dbo']:+.1%}, sbo {gains['sbo']:+.1%}; comm is {share:.0%} of the "
-               f"unsplit GPU time")
+    summary = (f"{split_mode} {gains[split_mode]:+.1%}, sbo {gains['sbo']:+.1%}; comm is "
+               f"{share:.0%} of the unsplit GPU time")
     if gains[best] >= margin:
         return best, f"{best}: predicted {gains[best]:+.1%} over no overlap ({summary})"
     if host_bound:
@@ -404,7 +443,7 @@ def _choose(times_ms: dict[str, float], times: PhaseTimes, costs: dict[str, floa
         top = max(costs, key=lambda t: costs[t])
         why = (f"largest DBO cost: {top.replace('_', ' ')} {costs[top]:.3g} ms"
                if costs[top] > 0 else "little comm to hide")
-        if gains["dbo"] >= 0 and comm == 0:
+        if gains[split_mode] >= 0 and comm == 0:
             why = "no comm to hide"
     return "none", (f"none: best overlap {best} predicts {gains[best]:+.1%}, below the "
                     f"{margin:.0%} margin ({summary}; {why})")

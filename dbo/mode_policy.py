@@ -104,7 +104,7 @@ class ModePolicy:
                           self.predictor.predict(tokens=shape[0], decode=shape[1]))
             if prediction is not None:
                 chosen = choose_predicted(voted, prediction, self.predictor.margin,
-                                          sbo_blocker)
+                                          sbo_blocker, joined=config.joined_experts)
                 self._explain(voted, chosen)
                 return chosen
         return choose_overlap(voted, config, sbo_blocker)
@@ -128,7 +128,7 @@ def _predicted_cut(cut: CallSplit, prediction: Prediction,
     where DBO is predicted fastest, else unsplit."""
     plan = cut.plan
     why = f"predicted {prediction.reason}"
-    if prediction.chosen != "dbo":
+    if prediction.chosen not in ("dbo", "joined"):
         return CallSplit(plan=dataclasses.replace(
             plan, split=False, ubatches=(), num_tokens=(plan.total_tokens,), reason=why))
     if not plan.split:  # below a threshold, perhaps: the prediction overrides it
@@ -147,14 +147,14 @@ def group_is_decode(plan: SplitPlan) -> bool:
 
 
 def choose_predicted(plan: SplitPlan, prediction: Prediction, margin: float,
-                     sbo_blocker: Optional[str]) -> SplitPlan:
+                     sbo_blocker: Optional[str], *, joined: bool = False) -> SplitPlan:
     """The voted `plan` with the mode `prediction` (at the group's shape) gives. Split:
-    DBO. Unsplit: single-batch overlap where it is predicted to win by `margin` and the
+    DBO, with its experts joined where `joined` (`DBOConfig.joined_experts`). Unsplit: single-batch overlap where it is predicted to win by `margin` and the
     model offers it (`sbo_blocker` None), else none, predicted at the group's largest
     token count (`plan.group_max_tokens`, the same on every rank)."""
     tokens = plan.group_max_tokens if plan.group_max_tokens is not None else plan.total_tokens
     if plan.split:
-        return dataclasses.replace(plan, overlap="dbo")
+        return dataclasses.replace(plan, overlap="joined" if joined else "dbo")
     reason = plan.reason
     if not (reason.startswith("predicted") and tokens == plan.total_tokens):
         reason = f"{reason}; at the group's {tokens} tokens/rank predicted {prediction.reason}"

@@ -57,7 +57,7 @@ def choose_overlap(plan: SplitPlan, config: DBOConfig, sbo_blocker: Optional[str
     """The voted plan with its mode (`SplitPlan.overlap`) and, when not split, why SBO
     was or was not taken (appended to its reason)."""
     if plan.split:
-        return dataclasses.replace(plan, overlap="dbo")
+        return dataclasses.replace(plan, overlap="joined" if config.joined_experts else "dbo")
     if config.overlap in ("dbo", "none"):
         return dataclasses.replace(plan, overlap="none")
     if sbo_blocker is not None:

@@ -109,10 +109,13 @@ class OverlapPredictor:
             Both None: each measured point's own (`MeasuredPoint.sbo_chunks`,
             `MeasuredPoint.sbo_groups`); one given: that one, the other 1 (at most one
             above 1).
+        joined: the runner's split steps join their experts (`DBOConfig.joined_experts`):
+            the split mode predicted and offered is "joined", not "dbo".
     """
 
     def __init__(self, calibration: Calibration, *, margin: float = 0.01,
-                 sbo_chunks: Optional[int] = None, sbo_groups: Optional[int] = None) -> None:
+                 sbo_chunks: Optional[int] = None, sbo_groups: Optional[int] = None,
+                 joined: bool = False) -> None:
         if not isinstance(calibration, Calibration):
             raise TypeError(f"calibration must be a dbo.Calibration, got a "
                             f"{type(calibration).__name__}: load one with "
@@ -131,6 +134,7 @@ class OverlapPredictor:
         self.margin = margin
         self.sbo_chunks = sbo_chunks
         self.sbo_groups = sbo_groups
+        self.joined = joined
         self._cache: dict[tuple[int, bool], Optional[Prediction]] = {}
 
     def predict(self, *, tokens: int, decode: bool) -> Optional[Prediction]:
@@ -139,7 +143,7 @@ class OverlapPredictor:
             point = covering_point(self.calibration, tokens=tokens, decode=decode)
             self._cache[key] = None if point is None else predict(
                 *point_inputs(point, self.calibration), self.calibration, margin=self.margin,
-                **self._sbo_form(point))
+                joined=self.joined, **self._sbo_form(point))
         return self._cache[key]
 
     def _sbo_form(self, point: MeasuredPoint) -> dict[str, int]:

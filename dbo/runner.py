@@ -152,7 +152,8 @@ class DBORunner:
         self.model = model
         self.config = config
         self.group = group
-        predictor = OverlapPredictor(calibration) if calibration is not None else None
+        predictor = (None if calibration is None else
+                     OverlapPredictor(calibration, joined=config.joined_experts))
         self._policy = ModePolicy(predictor)  # the step's mode: thresholds, prediction
         # The calibration's digest is voted (`dbo.step_vote`): ranks predicting from
         # different calibrations would run different overlap modes.
@@ -260,7 +261,7 @@ class DBORunner:
         try:
             with gemm_sm_carveout(self.config.gemm_sm_carveout, device):
                 outputs = scheduler.run([_bind(self.model, a, k) for a, k in cut.ubatch_args],
-                                        joined_experts=self.config.joined_experts)
+                                        joined_experts=plan.overlap == "joined")
         except BaseException as exc:
             # The scheduler named the ubatch (`dbo_ubatch_id`); its shapes are not the
             # ones the user passed, so say which rows of the step it ran.

@@ -120,6 +120,10 @@ def build_parser() -> Parser:
                    help="expert groups of an SBO step, each group's combine under the next "
                         "group's experts, each carrying all the combine's rows "
                         "(A2ALLOptions.combine_groups; not with --sbo-chunks)")
+    p.add_argument("--joined-experts", action="store_true",
+                   help="split steps run their experts once over both ubatches' rows "
+                        "(DBOConfig.joined_experts): the split mode chosen from is "
+                        "'joined', not 'dbo' (both are predicted)")
     p.add_argument("--margin", type=float, default=0.01,
                    help="an overlap mode must win by at least this (0.01 = 1%%)")
     p.add_argument("--calibration", default=None,
@@ -146,10 +150,14 @@ def calibration_source(path: Optional[str], cal: Calibration) -> str:
     return source
 
 
+# The overlap modes whose gain over no overlap each sweep point reports.
+GAINED = ("dbo", "sbo", "joined")
+
+
 def _point(pred: Prediction, tokens: int) -> dict[str, Any]:
     return {"tokens": tokens, "chosen": pred.chosen, "reason": pred.reason,
             "times_ms": {m: round(t, 4) for m, t in pred.times_ms.items()},
-            "gains": {m: round(pred.gain(m), 4) for m in ("dbo", "sbo")},
+            "gains": {m: round(pred.gain(m), 4) for m in GAINED},
             "dbo_costs_ms": {k: round(v, 4) for k, v in pred.dbo_costs_ms.items()}}
 
 
@@ -182,7 +190,7 @@ def plan_phase(args: Any, model: Any, cluster: Cluster, cal: Calibration, *, dec
         if scale is not None:
             times = scale.apply(times, tokens=tokens, comm_regime=regime)
         return predict(times, shape, cal, margin=args.margin, sbo_chunks=args.sbo_chunks,
-                       sbo_groups=args.sbo_groups)
+                       sbo_groups=args.sbo_groups, joined=args.joined_experts)
 
     name = "decode" if decode else "prefill"
     of = "this preset and phase" + (f" of backend {args.backend}" if args.backend else "")
@@ -194,18 +202,19 @@ def plan_phase(args: Any, model: Any, cluster: Cluster, cal: Calibration, *, dec
           f"{layers} MoE layers, EP {cluster.ep_size} on {cluster.nodes} node(s):")
     print(f"phase times: {rescale}")
     print(f"sbo: {sbo_form(args.sbo_chunks, args.sbo_groups)}")
-    print(f"{'tokens':>7} {'none ms':>9} {'dbo ms':>9} {'dbo gain':>9} {'sbo ms':>9} "
-          f"{'sbo gain':>9}  chosen")
+    print(f"{'tokens':>7} {'none ms':>9}" + "".join(f" {m + ' ms':>9} {m + ' gain':>11}"
+                                                   for m in GAINED) + "  chosen")
     for r in rows:
         t, g = r["times_ms"], r["gains"]
         mark = "  <- point" if r["tokens"] == point else ""
-        print(f"{r['tokens']:>7} {t['none']:>9.3f} {t['dbo']:>9.3f} {g['dbo']:>+9.1%} "
-              f"{t['sbo']:>9.3f} {g['sbo']:>+9.1%}  {r['chosen']}{mark}")
+        print(f"{r['tokens']:>7} {t['none']:>9.3f}" + "".join(
+            f" {t[m]:>9.3f} {g[m]:>+11.1%}" for m in GAINED) + f"  {r['chosen']}{mark}")
+    offered = ("joined" if args.joined_experts else "dbo", "sbo")
     thresholds = {m: next((r["tokens"] for r in rows if r["gains"][m] >= args.margin), None)
-                  for m in ("dbo", "sbo")}
+                  for m in GAINED}
     loses = [r["tokens"] for r in rows if r["chosen"] == "none"]
     at = next(r for r in rows if r["tokens"] == point)
-    wins = "; ".join(_wins_from(mode, thresholds[mode]) for mode in ("dbo", "sbo"))
+    wins = "; ".join(_wins_from(mode, thresholds[mode]) for mode in offered)
     print(f"prediction: {wins} (first sweep point with gain >= {args.margin:.0%}); overlap "
           f"loses at: {_ranges(loses)}")
     print(f"prediction at {point}: {at['reason']}")
@@ -233,7 +242,7 @@ def _plot(phases: list[dict[str, Any]], path: Path) -> None:
     ax = fig.add_subplot()
     for ph in phases:
         tokens = [r["tokens"] for r in ph["sweep"]]
-        for mode, style in (("dbo", "-o"), ("sbo", "--s")):
+        for mode, style in (("dbo", "-o"), ("sbo", "--s"), ("joined", ":^")):
             ax.plot(tokens, [100 * r["gains"][mode] for r in ph["sweep"]], style,
                     label=f"{ph['phase']} {mode}")
     ax.axhline(0, color="grey", lw=0.8)

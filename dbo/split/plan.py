@@ -66,7 +66,7 @@ class SplitPlan:
     group_decode: Optional[bool] = None
     """Every rank of the group had a decode-shaped step (from the vote; None without one)."""
     overlap: str = "none"
-    """The mode the step ran: "dbo" (split), "sbo" (single-batch overlap) or "none" (`dbo.overlap`)."""
+    """The mode the step ran: "dbo" (split), "joined" (split, its experts joined: `DBOConfig.joined_experts`), "sbo" (single-batch overlap) or "none" (`dbo.overlap`)."""
 
     @property
     def total_tokens(self) -> int:

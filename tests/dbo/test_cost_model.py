@@ -195,11 +195,12 @@ def test_measured_dbo_and_sbo_host_times_are_their_floors():
 
 def test_under_cuda_graphs_the_host_time_adds_to_the_gpu_time():
     # A replay's host time (the runner's vote) is spent before the GPU has the step's
-    # work: GPU none 4, DBO 2.5, SBO 4 (above) plus 0.1, 0.7 and 0.6 ms.
+    # work: GPU none 4, DBO 2.5, SBO 4 (above), joined 3.5 (a2 = d2 = c2 = 0.5: 0.5 + 0.5
+    # + 1 + 0.5 + 0.5 per layer, + 0.5 + 0.5 - 0.5 fill/drain) plus 0.1, 0.7, 0.6, 0.7 ms.
     times = PhaseTimes(attention=1, experts=1, dispatch=1, combine=1)
     p = predict(times, shape(host_ms=0.1, host_dbo_ms=0.7, host_sbo_ms=0.6, cuda_graph=True),
                 FLAT)
-    assert p.times_ms == pytest.approx({"none": 4.1, "dbo": 3.2, "sbo": 4.6})
+    assert p.times_ms == pytest.approx({"none": 4.1, "dbo": 3.2, "sbo": 4.6, "joined": 4.2})
     assert p.dbo_costs_ms["launches"] == pytest.approx(0.7)
     with pytest.raises(ValueError, match="cuda_graph"):
         shape(cuda_graph=1)
@@ -281,12 +282,15 @@ def test_never_an_overlap_mode_below_the_margin():
                               ("attention", "experts", "dispatch", "combine", "shared")})
         s = StepShape(layers=rng.randint(1, 8), tokens=64, rows_per_expert=rng.uniform(1, 4096),
                       expert_weight_bytes=rng.uniform(0, 1e10))
-        p = predict(times, s, cal, margin=0.03)
+        joined = rng.random() < 0.5  # the split mode offered: "joined" or "dbo"
+        offered = ("joined" if joined else "dbo", "sbo")
+        p = predict(times, s, cal, margin=0.03, joined=joined)
         if p.chosen == "none":
-            assert max(p.gain("dbo"), p.gain("sbo")) < 0.03
+            assert max(p.gain(m) for m in offered) < 0.03
         else:
+            assert p.chosen in offered
             assert p.gain(p.chosen) >= 0.03
-            assert p.times_ms[p.chosen] == min(p.times_ms.values())
+            assert p.times_ms[p.chosen] == min(p.times_ms[m] for m in ("none", *offered))
 
 
 @pytest.mark.parametrize("bad", [

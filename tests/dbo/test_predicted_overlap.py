@@ -15,7 +15,7 @@ from dbo import DBOConfig, DBORunner
 from dbo.calibration import Calibration, MeasuredPoint
 from dbo.predicted_overlap import OverlapPredictor, covering_point, point_inputs
 from dbo.split import SplitPlan
-from dbo.yield_points import dbo_enabled, dbo_single_batch_overlap
+from dbo.yield_points import dbo_enabled, dbo_joined_experts, dbo_single_batch_overlap
 
 # Defaults: comm_sm_share f = 0.18, overlap_clock 1, memory 3000 GB/s; rows_per_expert
 # far above the efficiency curve's last point, so a half-size GEMM is as efficient (g = 1).
@@ -30,13 +30,17 @@ def point(tokens: int, **times: float) -> MeasuredPoint:
 # A: comm-heavy. none = 2+2+4+4 = 12. DBO: a2 = x2 = 1, d2 = c2 = 2, ov(1, 2) = max(2, 1 +
 # 0.18*2) = 2, layer = 4*2 = 8, fill/drain = 1 + 2 - 2 = 1: 9 (+33.3%). SBO (one combine
 # chunk, no own-rows pass): 2 + ov(0, 4) + 2 + 4 = 12 (+0.0%: nothing under the combine).
+# Joined: ov(a2, d2) + d2 + x + ov(0, c2) + ov(a2, c2) = 2 + 2 + 2 + 2 + 2 = 10, fill/drain
+# a2 + ov(0, c2) - ov(a2, c2) = 1: 11.
 COMM_HEAVY = dict(attention=2.0, experts=2.0, dispatch=4.0, combine=4.0)
 # B: weight-bound experts (W_e = 6e9 B / 3000 GB/s = 2 ms = x): splitting reads them twice.
 # none = 1+2+2 + ov(2, 1) = 5 + (2 + .18) = 7.18 (shared experts under the combine). DBO: a2 = .5, s2 = 1, x2 = max(1, 2) = 2, y2 = 3, d2 = 1, c2 = .5;
 # layer = ov(.5,1) + ov(3,1) + ov(3,.5) + ov(.5,.5) = 1 + 3.18 + 3.09 + .59 = 7.86, fill/drain
 # .5 + tail - .59 = 0, the last ubatch's shared experts (v2 = s2 = 1) under the last combine:
 # tail = ov(2,.5) + ov(1,.5) - ov(3,.5) = .09: 7.86 (-8.7%). SBO: 1 + ov(2, 2) + max(2, W_e = 2) + 1 =
-# 1 + 2.36 + 2 + 1 = 6.36 (+12.9%: the shared experts under the dispatch).
+# 1 + 2.36 + 2 + 1 = 6.36 (+12.9%: the shared experts under the dispatch). Joined: ov(.5, 1)
+# + 1 + max(x, W_e) + ov(1, .5) + ov(1.5, .5) = 1 + 1 + 2 + 1.09 + 1.59 = 6.68, fill/drain
+# .5 + 1.09 - 1.59 = 0: 6.68 (+7.5%, the weights read once, but SBO is faster still).
 WEIGHT_BOUND = dict(attention=1.0, shared=2.0, experts=2.0, dispatch=2.0, combine=1.0,
                     expert_weight_bytes=6e9)
 # C: no comm: every mode takes 2 ms, no gain.
@@ -51,15 +55,18 @@ def calibration() -> Calibration:
 def test_hand_computed_predictions_and_reasons():
     predictor = OverlapPredictor(calibration())
     a = predictor.predict(tokens=4, decode=True)
-    assert a.times_ms == pytest.approx({"none": 12.0, "dbo": 9.0, "sbo": 12.0})
+    assert a.times_ms == pytest.approx({"none": 12.0, "dbo": 9.0, "sbo": 12.0,
+                                         "joined": 11.0})
     assert a.chosen == "dbo"
     assert a.reason == ("dbo: predicted +33.3% over no overlap (dbo +33.3%, sbo +0.0%; "
                         "comm is 67% of the unsplit GPU time)")
     b = predictor.predict(tokens=16, decode=True)
-    assert b.times_ms == pytest.approx({"none": 7.18, "dbo": 7.86, "sbo": 6.36})
+    assert b.times_ms == pytest.approx({"none": 7.18, "dbo": 7.86, "sbo": 6.36,
+                                         "joined": 6.68})
     assert b.chosen == "sbo" and b.reason.startswith("sbo: predicted +12.9%")
     c = predictor.predict(tokens=32, decode=True)
-    assert c.times_ms == pytest.approx({"none": 2.0, "dbo": 2.0, "sbo": 2.0})
+    assert c.times_ms == pytest.approx({"none": 2.0, "dbo": 2.0, "sbo": 2.0,
+                                         "joined": 2.0})
     assert c.chosen == "none" and c.reason.endswith("; no comm to hide)"), c.reason
     # Not covered: another phase, or outside the measured range.
     assert predictor.predict(tokens=4, decode=False) is None
@@ -74,7 +81,8 @@ def test_a_points_expert_groups_reach_the_prediction():
     # - 1 = +9.8%, still SBO. DBO and none do not move (7.86, 7.18 above).
     grouped = Calibration(points=(point(16, sbo_groups=2, **WEIGHT_BOUND),))
     b = OverlapPredictor(grouped).predict(tokens=16, decode=True)
-    assert b.times_ms == pytest.approx({"none": 7.18, "dbo": 7.86, "sbo": 6.54})
+    assert b.times_ms == pytest.approx({"none": 7.18, "dbo": 7.86, "sbo": 6.54,
+                                         "joined": 6.68})
     assert b.chosen == "sbo" and b.reason.startswith("sbo: predicted +9.8%"), b.reason
     # The predictor's own form overrides the point's: one group, the single pass (6.36).
     one = OverlapPredictor(grouped, sbo_groups=1).predict(tokens=16, decode=True)
@@ -158,6 +166,30 @@ def test_runner_runs_the_predicted_mode_without_trial_steps(tokens, mode, calls,
         assert logged == [f"dbo: {tokens} decode tokens/rank run {mode}: {plan.reason}"]
     else:
         assert logged == []
+
+
+class JoinedLayer(Layer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(dbo_joined_experts())
+        return x * 2
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_a_runner_whose_experts_join_runs_its_split_steps_joined(calibrated):
+    # Calibrated: at 4 tokens the joined step is predicted 11 ms against 12 (A above,
+    # +9.1%), the split mode offered: split and joined. Without a calibration the
+    # thresholds split and the config joins.
+    layer = JoinedLayer()
+    config = DBOConfig(overlap="auto" if calibrated else "dbo", min_decode_tokens=2,
+                       joined_experts=True)
+    runner = DBORunner(layer, config, calibration=calibration() if calibrated else None)
+    x = torch.arange(1.0, 5.0)[:, None]
+    assert torch.equal(runner(x), 2 * x)
+    plan: SplitPlan = runner.last_decision
+    assert plan.split and plan.overlap == "joined", plan
+    assert layer.calls == [True, True]  # both ubatches ran in a joined step
+    if calibrated:
+        assert plan.reason.startswith("predicted joined: predicted +9.1%"), plan.reason
 
 
 class RequestLayer(Layer):

@@ -150,12 +150,27 @@ def test_argument_errors_are_one_line_exit_2(args, words, capsys):
 def test_thresholds_read_as_words_where_a_mode_never_wins(capsys):
     # EP 2 of the tiny preset on one node: overlap never pays at these sizes.
     out, result = run_plan(["plan", "--preset", "tiny", "--ep", "2", "--sweep", "16,64"], capsys)
-    assert result["phases"][0]["thresholds"] == {"dbo": None, "sbo": None}
+    assert result["phases"][0]["thresholds"] == {"dbo": None, "sbo": None, "joined": None}
     assert "prediction: DBO wins at no point of the sweep; SBO wins at no point of the sweep" \
         in out
     assert "None" not in out.rsplit("\n", 2)[0]  # the table and lines, not the JSON
     out, result = run_plan(HEADLINE, capsys)
     assert f"DBO wins from {result['phases'][0]['thresholds']['dbo']} tokens" in out
+
+
+def test_joined_experts_are_offered_with_the_flag(capsys):
+    # DeepSeek-V3 decode on 16 ranks (2 nodes): the table has the joined columns either way; with
+    # --joined-experts the split mode chosen from (and named in the thresholds line) is
+    # joined, and the chosen mode is never plain "dbo".
+    argv = ["plan", "--ep", "16", "--requests", "128", "--sweep", "32,512,4096"]
+    out, plain = run_plan(argv, capsys)
+    assert "joined ms" in out and "DBO wins" in out and "JOINED wins" not in out
+    out, joined = run_plan(argv + ["--joined-experts"], capsys)
+    assert "JOINED wins" in out and "DBO wins" not in out
+    rows = joined["phases"][0]["sweep"]
+    assert {r["chosen"] for r in rows} <= {"joined", "sbo", "none"}
+    # the same predicted times: only the choice differs
+    assert [r["times_ms"] for r in rows] == [r["times_ms"] for r in plain["phases"][0]["sweep"]]
 
 
 def test_redundant_experts_split_the_experts_evenly():
