@@ -14,6 +14,7 @@ generate) in tests/models/test_hf_coverage.py; these are the path's own properti
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -58,11 +59,13 @@ def test_the_experts_path_on_the_fused_architectures(arch):
     assert {r.route for r in model.dbo_conversion} == {"experts"}
     assert "not fused: conversion='experts'" in model.dbo_conversion_summary
     assert_logits_close(logits(model, ids, mask), expected)
-    runner = dbo.DBORunner(model, DBO_ON)
-    with torch.no_grad():
-        out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    assert runner.last_decision.split, runner.last_decision.reason
-    assert_logits_close(out, expected)
+    for config in (DBO_ON, dataclasses.replace(DBO_ON, joined_experts=True)):
+        runner = dbo.DBORunner(model, config)
+        with torch.no_grad():
+            out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        assert runner.last_decision.split, runner.last_decision.reason
+        assert runner.last_decision.overlap == ("joined" if config.joined_experts else "dbo")
+        assert_logits_close(out, expected)
 
 
 @pytest.mark.parametrize("model_type, form, identity", [
@@ -223,8 +226,10 @@ def test_the_experts_path_on_cuda_takes_the_kernel_that_computes_the_form(model_
     assert {e._kernel(ids.device).experts.name for e in _experts(model)} == {kernel}
     # float32 on the GPU: TF32 is off by default for matmuls, the sums in another order.
     assert_logits_close(logits(model, ids, mask), expected)
-    runner = dbo.DBORunner(model, DBO_ON)
-    with torch.no_grad():
-        out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    assert runner.last_decision.split, runner.last_decision.reason
-    assert_logits_close(out, expected)
+    for config in (DBO_ON, dataclasses.replace(DBO_ON, joined_experts=True)):
+        runner = dbo.DBORunner(model, config)
+        with torch.no_grad():
+            out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        assert runner.last_decision.split, runner.last_decision.reason
+        assert runner.last_decision.overlap == ("joined" if config.joined_experts else "dbo")
+        assert_logits_close(out, expected)

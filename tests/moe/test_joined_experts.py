@@ -101,3 +101,35 @@ def test_joined_experts_equal_dbo_off_over_two_ranks(backend):
     for rank, result in enumerate(run_distributed(2, _steps, backend)):
         assert result["err"] <= ATOL, (rank, result)
         assert result["splits"] == [True] * 3, (rank, result)
+
+
+@pytest.mark.gpu
+def test_joined_steps_replay_as_cuda_graphs_on_one_gpu():
+    """On one GPU (backend local, the Triton experts, bf16): a graphed joined step replays
+    the eager joined step bit for bit (the same kernels on the same shapes), and both are
+    close to the unsplit model (bf16: the joined GEMMs see more rows at once, which may
+    round otherwise; 2**-6 of the output's scale)."""
+    from dbo import GraphedRunner
+    from dbo.cli.bench.layer_stack import LayerStack
+    from moe.config import MoEConfig
+
+    device = torch.device("cuda", 0)
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64,
+                    num_shared_experts=1, dtype=torch.bfloat16, max_tokens_per_rank=64,
+                    backend="local", experts="triton")
+    model = LayerStack(cfg, num_layers=2, attn_context=64, group=None, device=device)
+    model.init_weights(seed=5)
+    runner = DBORunner(model, DBOConfig(split="tokens", min_decode_tokens=2,
+                                        joined_experts=True))
+    graphed = GraphedRunner(runner)
+    gen = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(48, 128, generator=gen, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        unsplit = model(x)
+        replayed = graphed(x)
+        assert graphed.last_decision.overlap == "joined" and graphed.num_captures == 1
+        eager = runner(x)
+        assert runner.last_decision.overlap == "joined"
+    assert torch.equal(replayed, eager)
+    scale = unsplit.float().abs().max().item()
+    assert (eager.float() - unsplit.float()).abs().max().item() <= scale * 2 ** -6
