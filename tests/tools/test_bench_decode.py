@@ -127,11 +127,19 @@ def test_decode_bench_end_to_end_on_two_gloo_ranks(tmp_path: Path,
     for p in points:
         assert p["dbo_split"] is True and p["t_nodbo_ms"] > 0 and p["t_dbo_ms"] > 0
         assert p["host_nodbo_ms"] > 0 and p["host_dbo_ms"] > 0
+        # DBO with joined experts, timed by default, split on the requests as DBO is.
+        assert p["joined_split"] is True and p["t_joined_ms"] > 0 and p["host_joined_ms"] > 0
+        assert p["joined_note"] == "" and len(p["joined_trial_speedups"]) == 1, p
+        assert "; joined: " in p["gate_reason"], p
+    columns = next(line for line in table.splitlines() if "R/rank" in line)
+    assert " joined ms" in columns and " SBO ms" in columns
     files = final["files"]
     assert Path(files["csv"]).name == "bench_decode_tiny_w2_cpu.csv"
     doc = json.loads(Path(files["json"]).read_text())
     assert doc["config"]["context"] == 16 and len(doc["points"]) == 4
-    assert "host_nodbo_ms" in Path(files["csv"]).read_text().splitlines()[0]
+    assert doc["config"]["overlaps"] == ["dbo", "sbo", "joined"]  # the default
+    header = Path(files["csv"]).read_text().splitlines()[0]
+    assert "host_nodbo_ms" in header and "t_joined_ms" in header and "host_joined_ms" in header
 
 
 # ------------------------------------------------------------------------------- GPU

@@ -53,6 +53,11 @@ def plot_sweep(result: SweepResult, path: str) -> None:
         if sbo:
             ax_speed.plot([p.tokens_per_rank for p in sbo], [p.speedup_sbo for p in sbo],
                           "^-.", color=c, lw=1.5, label=f"{backend} SBO")
+        joined = [p for p in pts if p.speedup_joined is not None]
+        if joined:
+            ax_speed.plot([p.tokens_per_rank for p in joined],
+                          [p.speedup_joined for p in joined], "d--", color=c, lw=1.5,
+                          label=f"{backend} joined")
         ax_speed.plot(xs, [p.gated_speedup for p in pts], ":", color=c, lw=1.5,
                       label=f"{backend} gated")
         ceil = [(p.tokens_per_rank, p.tokens_per_s_ceiling, p.ceiling) for p in pts
