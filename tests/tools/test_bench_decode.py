@@ -196,7 +196,10 @@ def test_graphed_decode_sweep_times_steps_probe_and_host_on_two_gpus(tmp_path: P
         assert point["dbo_split"], point
         for name in ("t_nodbo_ms", "t_dbo_ms", "t_compute_ms", "t_comm_ms", "t_both_ms",
                      "t_split_ms", "host_nodbo_ms", "host_dbo_ms", "t_sbo_ms", "host_sbo_ms",
-                     "speedup_sbo"):
+                     "speedup_sbo", "t_joined_ms", "host_joined_ms", "speedup_joined"):
             assert point[name] is not None and point[name] > 0, (name, point)
         # SBO ran graphed too: a GraphedRunner of DBOConfig(overlap="sbo"), one trial.
         assert point["sbo_note"] == "" and len(point["sbo_trial_speedups"]) == 1, point
+        # Joined experts graphed too: a GraphedRunner of joined_experts=True, split, a trial.
+        assert point["joined_note"] == "" and point["joined_split"], point
+        assert len(point["joined_trial_speedups"]) == 1, point
