@@ -22,6 +22,7 @@ from dbo.cli.bench.config import (
     regime_label,
 )
 from dbo.cli.bench.gating import GatePolicy
+from dbo.cli.bench.joined import JoinedRound, attach_joined
 from dbo.cli.bench.launch import build_parser, config_from_args
 from dbo.cli.bench.report import eta_rounds_cell
 from dbo.cli.bench.ceiling import Ceiling
@@ -375,6 +376,8 @@ def test_plot_draws_the_ceiling(tmp_path: Path) -> None:
                          ceiling=_FakeCeiling(t / 150, t / 300, t / 140), split=True,
                          split_reason="", use_dbo=True, gate_reason="")
               for b in cfg.backends for t in cfg.tokens]
+    for point in points[:2]:  # a2a's points also draw a joined line
+        attach_joined(point, [JoinedRound(_timing(1.0, 1.1), None, True, "")], note="")
     result = SweepResult(cfg, 2, {}, "measured", points)
     path = tmp_path / "sweep.png"
     plot_sweep(result, str(path))

@@ -2,7 +2,8 @@
 
 Left: tokens/s with DBO off (thin, circles), DBO on (solid, squares) and the measured
 ceiling, all ranks' tokens / T_both (dashed). Right: speedup T_noDBO / T_DBO (solid), SBO's
-T_noDBO / T_SBO (dash-dot, triangles), the gated speedup (dotted) and the ceiling T_serial / T_both (dashed), with 1.0 marked.
+T_noDBO / T_SBO (dash-dot, triangles), joined's T_noDBO / T_joined (dashed, diamonds), the
+gated speedup (dotted) and the ceiling T_serial / T_both (dashed), with 1.0 marked.
 The title carries the regime label. matplotlib is imported here only (Agg backend). A
 CPU run is not drawn (`BenchConfig.functional`: its times are no performance figures).
 """
