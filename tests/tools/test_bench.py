@@ -22,6 +22,7 @@ from dbo.cli.bench.config import (
     regime_label,
 )
 from dbo.cli.bench.gating import GatePolicy
+from dbo.cli.bench.joined import JoinedRound, attach_joined
 from dbo.cli.bench.launch import build_parser, config_from_args
 from dbo.cli.bench.report import eta_rounds_cell
 from dbo.cli.bench.ceiling import Ceiling
@@ -303,7 +304,8 @@ def test_cpu_run_is_reported_as_functional_without_a_speedup(tmp_path: Path) -> 
     for out in (doc, final):
         assert out["timings"] == "functional" and out["note"] == FUNCTIONAL_NOTE
         assert out["summary"] == {"functional": True, "points": 2, "points_split": 2,
-                                  "points_gated_on": 2, "points_gated_sbo": 0}
+                                  "points_gated_on": 2, "points_gated_sbo": 0,
+                                  "points_gated_joined": 0}
         assert all(p["speedup"] is None and p["gated_speedup"] is None for p in out["points"])
     with open(files["csv"]) as f:
         assert {r["speedup"] for r in csv.DictReader(f)} == {""}
@@ -350,7 +352,8 @@ def test_points_report_the_clock_of_each_timing() -> None:
         attach_clocks(point, Log())  # type: ignore[arg-type]
     assert points[0].sm_mhz == {} and points[0].capped == {}
     assert points[1].sm_mhz == {"nodbo": 1400.0, "dbo": 1410.0, "split": 1420.0,
-                                "compute": 1430.0, "both": 1450.0, "sbo": 1460.0}
+                                "compute": 1430.0, "both": 1450.0, "sbo": 1460.0,
+                                "joined": 1470.0}
     assert points[1].capped["both"] == "2/3" and "sm_mhz" not in points[1].row()
     shapes = {"hidden_size": 8, "num_experts": 4, "experts_per_rank": 2, "top_k": 2,
               "intermediate_size": 8, "layers": 2, "dtype": "float32"}
@@ -359,7 +362,7 @@ def test_points_report_the_clock_of_each_timing() -> None:
     assert clock_lines[0].split() == ["a2a", "T=4096", "no", "DBO", "1400", "(2/3),", "DBO",
                                       "1410", "(2/3),", "split", "1420", "(2/3),", "compute",
                                       "1430", "(2/3),", "both", "1450", "(2/3),", "SBO",
-                                      "1460", "(2/3)"]
+                                      "1460", "(2/3),", "joined", "1470", "(2/3)"]
     assert "T=1024" not in table.split("SM clock, rank 0")[1]
 
 
@@ -373,6 +376,8 @@ def test_plot_draws_the_ceiling(tmp_path: Path) -> None:
                          ceiling=_FakeCeiling(t / 150, t / 300, t / 140), split=True,
                          split_reason="", use_dbo=True, gate_reason="")
               for b in cfg.backends for t in cfg.tokens]
+    for point in points[:2]:  # a2a's points also draw a joined line
+        attach_joined(point, [JoinedRound(_timing(1.0, 1.1), None, True, "")], note="")
     result = SweepResult(cfg, 2, {}, "measured", points)
     path = tmp_path / "sweep.png"
     plot_sweep(result, str(path))
@@ -389,7 +394,8 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixture,
         monkeypatch.delenv(name, raising=False)  # not under torchrun: it spawns its ranks
     code = main(["--device", "cpu", "--mode", "layer", "--tokens", "16,64", "--backends",
                  "a2a,naive", "--iters", "2", "--warmup", "1", "--layers", "2",
-                 "--gate-min-tokens", "32", "--rounds", "2", "--out", str(tmp_path)])
+                 "--gate-min-tokens", "32", "--rounds", "2", "--overlaps", "dbo,sbo,joined",
+                 "--out", str(tmp_path)])
     stdout, stderr = capfd.readouterr()
     assert code == 0, stderr[-3000:]
     lines = stdout.strip().splitlines()
@@ -425,15 +431,33 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixture,
         sbo_trials = p["sbo_trial_speedups"]
         assert len(sbo_trials) == 2 and p["t_sbo_ms"] > 0 and p["host_sbo_ms"] > 0
         assert p["speedup_sbo"] is None and p["sbo_note"] == ""  # functional: no speedup
-        assert (p["gate"] == "sbo") == (min(sbo_trials) >= 1.01 and (
-            p["tokens_per_rank"] < 32 or min(trials) < 1.01 or min(sbo_trials) >= min(trials)))
         assert f"trial SBO {min(sbo_trials):.3f}x (worst of 2 trials)" in p["gate_reason"]
+        # Joined experts: timed every round with its own trial, split as DBO, gated by the
+        # split rules (the threshold here) and then its own worst trial.
+        joined = p["joined_trial_speedups"]
+        assert len(joined) == 2 and p["t_joined_ms"] > 0 and p["host_joined_ms"] > 0
+        assert p["speedup_joined"] is None and p["joined_note"] == "" and p["joined_split"]
+        joined_reason = p["gate_reason"].split("; joined: ", 1)[1]
+        if p["tokens_per_rank"] < 32:
+            assert joined_reason.startswith("threshold: 16 tokens/rank < 32"), p
+        else:
+            assert f"joined {min(joined):.3f}x (worst of 2 trials)" in joined_reason, p
+        # The gate: of the modes that pass, the fastest worst trial; SBO, joined, DBO on
+        # a tie.
+        split_ok = p["tokens_per_rank"] >= 32
+        passing = {mode: min(t) for mode, t, ok in (
+            ("sbo", sbo_trials, True), ("joined", joined, split_ok), ("dbo", trials, split_ok))
+            if ok and min(t) >= 1.01}
+        expected = max(passing, key=lambda m: passing[m]) if passing else "off"
+        assert p["gate"] == expected, p
     summary = final["summary"]
     assert summary["points"] == 4 and summary["functional"] is True
     assert summary["points_gated_on"] == sum(p["gate"] == "dbo" for p in points)
     assert summary["points_gated_sbo"] == sum(p["gate"] == "sbo" for p in points)
+    assert summary["points_gated_joined"] == sum(p["gate"] == "joined" for p in points)
     columns = next(line for line in table.splitlines() if "T/rank" in line)
     assert " SBO ms" in columns and "SBO x" not in columns  # functional: no ratio column
+    assert " joined ms" in columns and "joined x" not in columns
     assert final["timings"] == "functional" and "summary: functional run" in table
     assert all(p["speedup"] is None for p in points)
 
@@ -449,7 +473,12 @@ def test_cli_layer_mode_end_to_end(tmp_path: Path, capfd: pytest.CaptureFixture,
     assert all(len(p["per_rank_ms"]["t_dbo"]) == 2 for p in doc["points"])
     assert all(len(p["per_rank_ms"]["t_sbo"]) == 2 and len(p["rounds_ms"]["t_sbo"]) == 2
                for p in doc["points"])
-    assert {"t_sbo_ms", "speedup_sbo", "best_overlap", "best_speedup"} <= set(rows[0])
+    assert all(len(p["per_rank_ms"]["t_joined"]) == 2 and len(p["rounds_ms"]["t_joined"]) == 2
+               and len(p["joined_trial_speedups"]) == 2 for p in doc["points"])
+    assert {"t_sbo_ms", "speedup_sbo", "best_overlap", "best_speedup", "t_joined_ms",
+            "t_joined_ms_rank0", "speedup_joined", "host_joined_ms", "joined_note"
+            } <= set(rows[0])
+    assert "speedup_joined" in doc["definitions"] and "joined_note" in doc["definitions"]
     assert all(len(p["rounds_ms"]["t_nodbo"]) == 2 and p["eta_rounds"] == []
                for p in doc["points"])
 

@@ -127,11 +127,19 @@ def test_decode_bench_end_to_end_on_two_gloo_ranks(tmp_path: Path,
     for p in points:
         assert p["dbo_split"] is True and p["t_nodbo_ms"] > 0 and p["t_dbo_ms"] > 0
         assert p["host_nodbo_ms"] > 0 and p["host_dbo_ms"] > 0
+        # DBO with joined experts, timed by default, split on the requests as DBO is.
+        assert p["joined_split"] is True and p["t_joined_ms"] > 0 and p["host_joined_ms"] > 0
+        assert p["joined_note"] == "" and len(p["joined_trial_speedups"]) == 1, p
+        assert "; joined: " in p["gate_reason"], p
+    columns = next(line for line in table.splitlines() if "R/rank" in line)
+    assert " joined ms" in columns and " SBO ms" in columns
     files = final["files"]
     assert Path(files["csv"]).name == "bench_decode_tiny_w2_cpu.csv"
     doc = json.loads(Path(files["json"]).read_text())
     assert doc["config"]["context"] == 16 and len(doc["points"]) == 4
-    assert "host_nodbo_ms" in Path(files["csv"]).read_text().splitlines()[0]
+    assert doc["config"]["overlaps"] == ["dbo", "sbo", "joined"]  # the default
+    header = Path(files["csv"]).read_text().splitlines()[0]
+    assert "host_nodbo_ms" in header and "t_joined_ms" in header and "host_joined_ms" in header
 
 
 # ------------------------------------------------------------------------------- GPU
@@ -188,7 +196,10 @@ def test_graphed_decode_sweep_times_steps_probe_and_host_on_two_gpus(tmp_path: P
         assert point["dbo_split"], point
         for name in ("t_nodbo_ms", "t_dbo_ms", "t_compute_ms", "t_comm_ms", "t_both_ms",
                      "t_split_ms", "host_nodbo_ms", "host_dbo_ms", "t_sbo_ms", "host_sbo_ms",
-                     "speedup_sbo"):
+                     "speedup_sbo", "t_joined_ms", "host_joined_ms", "speedup_joined"):
             assert point[name] is not None and point[name] > 0, (name, point)
         # SBO ran graphed too: a GraphedRunner of DBOConfig(overlap="sbo"), one trial.
         assert point["sbo_note"] == "" and len(point["sbo_trial_speedups"]) == 1, point
+        # Joined experts graphed too: a GraphedRunner of joined_experts=True, split, a trial.
+        assert point["joined_note"] == "" and point["joined_split"], point
+        assert len(point["joined_trial_speedups"]) == 1, point

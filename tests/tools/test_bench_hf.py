@@ -268,6 +268,10 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path, capfd: pytest.Captu
         # logits as DBO off's within the same float32 bound (other kernel orders only).
         assert p["t_sbo_ms"] > 0 and p["host_sbo_ms"] > 0 and p["sbo_note"] == "", p
         assert p["speedup_sbo"] is None and p["logits_diff_sbo"] < 1e-5
+        # Joined experts: the DBO-on step with joined_experts=True, split as it is; its
+        # logits within the same bound (the experts over both ubatches' rows at once).
+        assert p["t_joined_ms"] > 0 and p["host_joined_ms"] > 0 and p["joined_split"], p
+        assert p["speedup_joined"] is None and p["logits_diff_joined"] < 1e-5
         # No ceiling probe on CPU (nothing overlaps on gloo): its fields null, and why.
         assert [p[k] for k in ("t_compute_ms", "t_comm_ms", "t_both_ms", "t_split_ms",
                                "ceiling", "eta")] == [None] * 6, p
@@ -288,18 +292,22 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path, capfd: pytest.Captu
     assert [line.split(":")[0].split() for line in lines
             if re.match(r"\s+(a2a|naive|a2a_ll) T=(8|16)\s", line)] == [
         [p["backend"], f"T={p['tokens_per_rank']}", p["gate"]] for p in points]
-    # Per point and round: DBO off, SBO's trial, SBO, DBO's trial, DBO on; no probe on CPU.
-    total = 2 * (1 + 5 * 3) * 2
+    # Per point and round: DBO off, SBO's trial, SBO, DBO's trial, DBO on, joined's trial,
+    # joined; no probe on CPU.
+    total = 2 * (1 + 7 * 3) * 2
     assert f" {total}/{total} " in stderr and f" {total + 1}/" not in stderr
     assert stderr.count(": DBO trial\n") == 6 * 2 and stderr.count(": SBO trial\n") == 6 * 2
+    assert stderr.count(": joined trial\n") == 6 * 2
     header = next(line for line in lines if "T/rank" in line)
     assert "comp ms   comm ms   both ms  split ms  ceiling     eta" in header
-    assert "DBO ms           SBO ms  host unconv" in header and "SBO speedup" not in header
-    assert "  host DBO  gate  tok/s DBO" in header and "gated" not in header  # functional
+    assert "DBO ms           SBO ms        joined ms  host unconv" in header
+    assert "SBO speedup" not in header and "joined speedup" not in header  # functional
+    assert "  host DBO    gate  tok/s DBO" in header and "gated" not in header
     rows = [line for line in lines if re.match(r"\s+(8|16)\s+(a2a|naive|a2a_ll)\s", line)]
     assert len(rows) == 6 and all(re.search(r"(\s+-){6}\s", line) for line in rows), rows
-    # noDBO, DBO and SBO each as rank0/max.
-    assert all(len(re.findall(r"\d+\.\d{3}/\d+\.\d{3}", line)) == 4 for line in rows), rows
+    # unconverted, noDBO, DBO, SBO and joined each as rank0/max.
+    assert all(len(re.findall(r"\d+\.\d{3}/\d+\.\d{3}", line)) == 5 for line in rows), rows
+    assert "  joined: DBO with joined experts" in table
     assert (f"  a2a T=8, a2a T=16, naive T=8, naive T=16, a2a_ll T=8, a2a_ll T=16: "
             f"{PROBE_NA_CPU}") in lines
     files = final["files"]
@@ -314,6 +322,9 @@ def test_cli_hf_end_to_end_on_two_gloo_ranks(tmp_path: Path, capfd: pytest.Captu
     assert all(len(p["rounds_ms"]["t_sbo"]) == 2 for p in doc["points"])
     assert "t_sbo" in doc["definitions"] and doc["config"]["combine_groups"] == 1
     assert all(len(p["trial_speedups"]) == 2 for p in doc["points"])
+    assert all(len(p["rounds_ms"]["t_joined"]) == 2 and len(p["joined_trial_speedups"]) == 2
+               for p in doc["points"])
+    assert "t_joined" in doc["definitions"] and float(rows[0]["t_joined_ms"]) > 0
     assert [(r["gate"], r["gate_reason"]) for r in rows] == [
         (p["gate"], p["gate_reason"]) for p in points]
     assert (doc["config"]["gate_min_tokens"], doc["config"]["gate_trial_iters"]) == (16, 1)
@@ -326,21 +337,30 @@ def _check_gate(p: dict) -> None:
     machine's CPU timings (nothing overlaps on gloo), so the decision is checked against
     its own trials, not fixed."""
     assert len(p["trial_speedups"]) == 2 and len(p["sbo_trial_speedups"]) == 2, p
+    assert len(p["joined_trial_speedups"]) == 2, p
     assert p["gated_speedup"] is None  # functional: no ratios
     assert p["t_gated_ms"] == {"off": p["t_nodbo_ms"], "sbo": p["t_sbo_ms"],
-                               "dbo": p["t_dbo_ms"]}[p["gate"]], p
-    sbo_ok, dbo_trials_ok = (min(p[k]) >= 1.01 for k in ("sbo_trial_speedups",
-                                                          "trial_speedups"))
-    sbo, dbo = p["gate_reason"].split("; DBO: ")
-    assert sbo.startswith("SBO: trial SBO ") and (" >= 1.010x" in sbo) == sbo_ok, sbo
-    if p["tokens_per_rank"] < 16:  # --gate-min-tokens 16: DBO off, whatever its trials
-        assert dbo == "threshold: 8 tokens/rank < 16" and p["gate"] != "dbo", p
-    elif dbo_trials_ok:  # no probe on CPU: the gate skips that rule and says so
-        assert dbo.startswith("16 tokens/rank >= 16; probe skipped on CPU; trial DBO "), dbo
-    else:
-        assert dbo.startswith("trial: DBO ") and p["gate"] != "dbo", dbo
-    dbo_ok = p["tokens_per_rank"] >= 16 and dbo_trials_ok
-    assert (p["gate"] == "off") == (not sbo_ok and not dbo_ok), p
+                               "dbo": p["t_dbo_ms"], "joined": p["t_joined_ms"]}[p["gate"]], p
+    worst = {mode: min(p[key]) for mode, key in (
+        ("sbo", "sbo_trial_speedups"), ("joined", "joined_trial_speedups"),
+        ("dbo", "trial_speedups"))}
+    sbo, rest = p["gate_reason"].split("; DBO: ")
+    dbo, joined = rest.split("; joined: ")
+    assert sbo.startswith("SBO: trial SBO ") and (" >= 1.010x" in sbo) == (
+        worst["sbo"] >= 1.01), sbo
+    for name, reason in (("DBO", dbo), ("joined", joined)):  # the same split rules
+        trials_ok = worst[name.lower()] >= 1.01
+        if p["tokens_per_rank"] < 16:  # --gate-min-tokens 16: off, whatever its trials
+            assert reason == "threshold: 8 tokens/rank < 16", p
+        elif trials_ok:  # no probe on CPU: the gate skips that rule and says so
+            assert reason.startswith(f"16 tokens/rank >= 16; probe skipped on CPU; trial "
+                                     f"{name} "), reason
+        else:
+            assert reason.startswith(f"trial: {name} "), reason
+    # Of the modes that pass, the fastest worst trial; SBO, joined, DBO on a tie.
+    passing = {mode: w for mode, w in worst.items()
+               if w >= 1.01 and (mode == "sbo" or p["tokens_per_rank"] >= 16)}
+    assert p["gate"] == (max(passing, key=lambda m: passing[m]) if passing else "off"), p
 
 
 def _graphed_hf_sweep(rank: int, world_size: int, out_dir: str) -> dict:
@@ -421,12 +441,19 @@ def test_graphed_hf_sweep_replays_the_converted_model_on_two_gpus(tmp_path: Path
         assert point["logits_diff_sbo"] < 0.3, point
         # The gate's DBO rules on this point's measured ceiling and its (graphed) trials:
         # the sweep hands the probe's ceiling to the gate.
-        dbo = point["gate_reason"].split("; DBO: ")[1]
-        assert dbo == GatePolicy(min_tokens_per_rank=0, min_gain=0.03).decide(
-            tokens_per_rank=point["tokens_per_rank"], ceiling=point["ceiling"],
-            trial_speedups=point["trial_speedups"]).reason, (dbo, point)
+        # Joined experts through their own GraphedRunner: split, timed, a trial.
+        assert point["t_joined_ms"] > 0 and point["joined_split"], point
+        assert point["logits_diff_joined"] < 0.3, point
+        dbo, joined = point["gate_reason"].split("; DBO: ")[1].split("; joined: ")
+        gate = GatePolicy(min_tokens_per_rank=0, min_gain=0.03)
+        rules = dict(tokens_per_rank=point["tokens_per_rank"], ceiling=point["ceiling"])
+        assert dbo == gate.decide(trial_speedups=point["trial_speedups"], **rules).reason, (
+            dbo, point)
+        assert joined == gate.decide(trial_speedups=point["joined_trial_speedups"],
+                                     name="joined", **rules).reason, (joined, point)
         assert point["t_gated_ms"] == {"off": point["t_nodbo_ms"], "sbo": point["t_sbo_ms"],
-                                       "dbo": point["t_dbo_ms"]}[point["gate"]], point
+                                       "dbo": point["t_dbo_ms"],
+                                       "joined": point["t_joined_ms"]}[point["gate"]], point
         assert point["gated_speedup"] > 0 and len(point["trial_speedups"]) == 1, point
     assert "  ceiling probe: measured: compute alone" in table
     assert "CUDA graphs: the converted model's steps are replayed" in table

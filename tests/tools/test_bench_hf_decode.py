@@ -232,7 +232,11 @@ def test_cli_hf_decode_end_to_end_on_two_gloo_ranks(
         # round; its logits within the same float32 bound as DBO off's.
         assert p["t_sbo_ms"] > 0 and p["sbo_note"] == "" and p["speedup_sbo"] is None, p
         assert p["logits_diff_sbo"] < 1e-5
-    assert final["summary"]["points_sbo"] == 4
+        # Joined experts: the DBO-on step (two caches) with joined_experts=True, timed each
+        # round, not gated; its logits within the same bound.
+        assert p["t_joined_ms"] > 0 and p["joined_split"] and p["speedup_joined"] is None, p
+        assert p["logits_diff_joined"] < 1e-5 and "joined" not in p["gate_reason"], p
+    assert final["summary"]["points_sbo"] == 4 and final["summary"]["points_joined"] == 4
     for p in points[0], points[2]:
         assert p["gate"] == "off" and p["gate_reason"].startswith("threshold: 2")
     for p in points[1], points[3]:
@@ -245,7 +249,9 @@ def test_cli_hf_decode_end_to_end_on_two_gloo_ranks(
     assert ("  SBO: the DBO-off model through DBOConfig(overlap=\"sbo\"), one ubatch: shared "
             "experts under the dispatch, own rows under the combine") in table
     header = next(line for line in lines if "R/rank" in line)
-    assert "DBO ms           SBO ms  host unconv" in header and "SBO speedup" not in header
+    assert "DBO ms           SBO ms        joined ms  host unconv" in header
+    assert "SBO speedup" not in header and "joined speedup" not in header  # functional
+    assert "  joined: DBO with joined experts" in table
     files = final["files"]
     with open(files["csv"]) as f:
         rows = list(csv.DictReader(f))
@@ -256,7 +262,9 @@ def test_cli_hf_decode_end_to_end_on_two_gloo_ranks(
     assert doc["config"]["decode"]["context"] == 5 and "gated_speedup" in doc["definitions"]
     assert all(len(p["rounds_ms"]["t_dbo"]) == 2 for p in doc["points"])
     assert all(len(p["rounds_ms"]["t_sbo"]) == 2 for p in doc["points"])
-    assert "t_sbo" in doc["definitions"]
+    assert all(len(p["rounds_ms"]["t_joined"]) == 2 for p in doc["points"])
+    assert "t_sbo" in doc["definitions"] and "t_joined" in doc["definitions"]
+    assert all(float(r["t_joined_ms"]) > 0 for r in rows)
 
 
 def _graphed_hf_decode(rank: int, world_size: int, out_dir: str) -> dict:
@@ -351,5 +359,8 @@ def test_graphed_hf_decode_replays_the_eager_steps_on_two_gpus(tmp_path: Path) -
         # SBO through its own GraphedRunner over the one cache.
         assert point["t_sbo_ms"] > 0 and point["speedup_sbo"] > 0, point
         assert point["sbo_note"] == "" and point["logits_diff_sbo"] < 0.3, point
+        # Joined experts through their own GraphedRunner over the two caches.
+        assert point["t_joined_ms"] > 0 and point["speedup_joined"] > 0, point
+        assert point["joined_split"] and point["logits_diff_joined"] < 0.3, point
     assert "CUDA graphs: the converted model's steps are replayed" in table
     assert "unconv eager/graph" in table

@@ -2,7 +2,8 @@
 (`dbo.cli.bench.hf_gate`). Points are made from synthetic `Timing`s as the sweep makes
 them (`hf_sweep._point`, `hf_sweep.attach_sbo`), on a GPU regime, so each rule is
 checked on chosen numbers: the token threshold, the probe's ceiling, the worst trial,
-SBO on its trials alone, and the gated time, table and summary that follow. The
+SBO on its trials alone, DBO with joined experts on the split rules and its own trials,
+and the gated time, table and summary that follow. The
 end-to-end run on two gloo ranks (test_bench_hf.py) checks the same fields as the
 sweep fills them.
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from types import SimpleNamespace
+from typing import Any, Optional
 
 import pytest
 
@@ -19,12 +21,13 @@ from dbo.cli.bench.config import NVLINK_REGIME
 from dbo.cli.bench.gating import GateChoice
 from dbo.cli.bench.hf_config import Conversion, HFBenchConfig
 from dbo.cli.bench.hf_gate import attach_gate, prefill_gate
+from dbo.cli.bench.hf_joined import attach_joined
 from dbo.cli.bench.hf_probe import NO_PROBE_ON_CPU, HFProbe
 from dbo.cli.bench.timing import Timing
 from tests.tools.test_bench_hf_host import SHAPES
 
-# DBO off, SBO and DBO on (ms, the slowest rank's): SBO and DBO both faster.
-OFF_MS, SBO_MS, DBO_MS = 16.0, 14.0, 12.0
+# DBO off, SBO, DBO on and joined (ms, the slowest rank's): all faster than DBO off.
+OFF_MS, SBO_MS, DBO_MS, JOINED_MS = 16.0, 14.0, 12.0, 11.0
 
 
 def _timing(max_ms: float) -> Timing:
@@ -58,7 +61,7 @@ def _gate(cfg: HFBenchConfig, point: hf_sweep.HFPoint, *, ceiling: Optional[floa
 
 def _check_gated_time(point: hf_sweep.HFPoint) -> None:
     """The gated time is the reported time of the chosen mode, never a trial's."""
-    expected = {"off": OFF_MS, "sbo": SBO_MS, "dbo": DBO_MS}[point.gate]
+    expected = {"off": OFF_MS, "sbo": SBO_MS, "dbo": DBO_MS, "joined": JOINED_MS}[point.gate]
     assert point.t_gated_ms == expected, point
     assert point.gated_speedup == pytest.approx(OFF_MS / expected, rel=1e-12)
 
@@ -144,6 +147,50 @@ def test_a_functional_run_gates_but_reports_no_gated_speedup() -> None:
     assert point.gated_speedup is None
 
 
+def _with_joined(point: hf_sweep.HFPoint) -> hf_sweep.HFPoint:
+    """`point` with a joined step of two rounds, split as the sweep's runner splits it."""
+    runner: Any = SimpleNamespace(last_decision=SimpleNamespace(split=True, reason="split"))
+    attach_joined(point, [_timing(JOINED_MS)] * 2, diff=0.0, runner=runner, perf=True,
+                  total_tokens=8192)
+    return point
+
+
+@pytest.mark.parametrize("gate, ceiling, sbo, joined, mode, why", [
+    # Its worst trial is the fastest and it passes: joined, over DBO (1.2x) and SBO (1.1x).
+    (dict(), 1.4, [1.1, 1.2], [1.4, 1.3], "joined",
+     "all 3 pass, joined's worst trial 1.300x > SBO's 1.100x, > DBO's 1.200x"),
+    # The split rules come first, as for DBO: below the threshold or a low ceiling, SBO.
+    (dict(gate_min_tokens=8192), 1.4, [1.1, 1.2], [1.4, 1.3], "sbo",
+     "joined: threshold: 4096 tokens/rank < 8192"),
+    (dict(), 1.01, [1.1, 1.2], [1.4, 1.3], "sbo",
+     "joined: probe: measured ceiling 1.010x < 1.030x"),
+    # Its worst trial fails: DBO's (1.2x) beats SBO's (1.1x).
+    (dict(), 1.4, [1.1, 1.2], [1.4, 1.0], "dbo",
+     "joined: trial: joined 1.000x (worst of 2 trials)"),
+    # A tie with DBO goes to joined (it splits the experts less).
+    (dict(), 1.4, [0.9], [1.2, 1.3], "joined",
+     "both pass, joined's worst trial 1.200x >= DBO's 1.200x"),
+])
+def test_joined_is_gated_on_the_split_rules_and_its_own_trials(
+        gate: dict, ceiling: float, sbo: list[float], joined: list[float], mode: str,
+        why: str) -> None:
+    cfg = _cfg(**gate)
+    point = _with_joined(_point(cfg))
+    choice = _gate_joined(cfg, point, ceiling=ceiling, dbo=[1.2, 1.3], sbo=sbo,
+                          joined=joined)
+    assert (choice.mode, point.gate) == (mode, mode), point.gate_reason
+    assert why in point.gate_reason, point.gate_reason
+    assert point.joined_trial_speedups == joined
+    _check_gated_time(point)
+
+
+def _gate_joined(cfg: HFBenchConfig, point: hf_sweep.HFPoint, *, ceiling: Optional[float],
+                 dbo: list[float], sbo: list[float], joined: list[float]) -> GateChoice:
+    return attach_gate(point, prefill_gate(cfg), ceiling=ceiling,
+                       no_probe_reason=NO_PROBE_ON_CPU, dbo_trials=dbo, sbo_trials=sbo,
+                       joined_trials=joined, perf=not cfg.functional)
+
+
 def test_table_rows_and_summary_carry_the_gate(tmp_path: Path) -> None:
     cfg = HFBenchConfig(arch="qwen3-30b-a3b", tokens=(4096,), device="cuda",
                         regime=NVLINK_REGIME, rounds=2, out_dir=str(tmp_path))
@@ -154,14 +201,14 @@ def test_table_rows_and_summary_carry_the_gate(tmp_path: Path) -> None:
     result = hf_sweep.HFSweepResult(cfg, 2, SHAPES, [on, sbo, off])
     lines = hf_report.format_table(result).splitlines()
     header = next(line for line in lines if "T/rank" in line)
-    assert "SBO speedup  gate   gated  DBO/unconv" in header
+    assert "SBO speedup  joined speedup    gate   gated  DBO/unconv" in header
     rows = [line.split() for line in lines if line.split()[:2] == ["4096", "a2a_ll"]]
-    assert [row[11:13] for row in rows] == [
+    assert [row[13:15] for row in rows] == [
         ["dbo", f"{OFF_MS / DBO_MS:.3f}"], ["sbo", f"{OFF_MS / SBO_MS:.3f}"],
         ["off", "1.000"]], rows
     start = lines.index("gate decisions:")
     assert [line.split(":")[0] for line in lines[start + 1:start + 4]] == [
-        "   a2a_ll T=4096   dbo", "   a2a_ll T=4096   sbo", "   a2a_ll T=4096   off"]
+        "   a2a_ll T=4096      dbo", "   a2a_ll T=4096      sbo", "   a2a_ll T=4096      off"]
     assert lines[start + 4] == (f"summary: speedup {OFF_MS / DBO_MS:.3f}-{OFF_MS / DBO_MS:.3f}x; "
                                 f"worst gated speedup 1.000x; gated never >1% slower: True  "
                                 f"[{NVLINK_REGIME}]")

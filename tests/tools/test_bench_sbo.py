@@ -18,8 +18,9 @@ from torch import nn
 from dbo.cli.bench import main
 from dbo.cli.bench.config import EMULATED_REGIME, BenchConfig
 from dbo.cli.bench.gating import GateDecision, GatePolicy
-from dbo.cli.bench.sbo import (DBO_SKIPPED, SBO_SKIPPED, SboRound, attach_sbo, gate_point,
-                               sbo_missing)
+from dbo.cli.bench.joined import JOINED_SKIPPED
+from dbo.cli.bench.sbo import (DBO_SKIPPED, SBO_SKIPPED, SboRound, attach_choice, attach_sbo,
+                               gate_point, sbo_missing)
 from dbo.cli.bench.point import make_point
 from dbo.cli.bench.sweep import SweepResult
 from dbo.cli.bench.timing import Timing
@@ -83,7 +84,8 @@ def _point(cfg: BenchConfig, *, t_sbo: float | None, note: str = "",
                                        for t in trials]
     choice = gate_point(GATE, dbo=DBO_FAILS, dbo_trials=[0.96], sbo_rounds=rounds,
                         sbo_note=note, dbo_note="")
-    attach_sbo(point, rounds, note=note, choice=choice)
+    attach_sbo(point, rounds, note=note)
+    attach_choice(point, choice)
     return point
 
 
@@ -102,9 +104,11 @@ def test_sbo_columns_fields_and_best_of_three(tmp_path: Path) -> None:
     table = format_table(result)
     columns = next(line for line in table.splitlines() if "T/rank" in line).split()
     row = next(line for line in table.splitlines() if line.split()[:2] == ["256", "a2a_ll"])
-    assert columns[-7:] == ["SBO", "ms", "SBO", "x", "gate", "gated", "best"], columns
-    # SBO ms, SBO x, gate, gated, best
-    assert row.split()[-6:] == ["8.000/8.000", "1.250", "sbo", "1.250", "sbo", "1.250"], row
+    assert columns[-11:] == ["SBO", "ms", "SBO", "x", "joined", "ms", "joined", "x", "gate",
+                             "gated", "best"], columns
+    # SBO ms, SBO x, joined ms and x (not timed here), gate, gated, best
+    assert row.split()[-8:] == ["8.000/8.000", "1.250", "-", "-", "sbo", "1.250", "sbo",
+                                "1.250"], row
     files = write_outputs(result)
     final = json.loads(final_line(result, files))
     doc = json.loads(Path(files["json"]).read_text())
@@ -136,16 +140,18 @@ def test_a_backend_without_sbo_shows_dashes_and_says_why(tmp_path: Path) -> None
     assert point.gate_reason.startswith(f"SBO: {note}; DBO: threshold")
     table = format_table(SweepResult(cfg, 2, SHAPES, "measured", [point]))
     row = next(line for line in table.splitlines() if line.split()[:2] == ["256", "a2a_ll"])
-    assert row.split()[-6:] == ["-", "-", "off", "1.000", "off", "1.000"], row
+    assert row.split()[-8:] == ["-", "-", "-", "-", "off", "1.000", "off", "1.000"], row
     assert f"[SBO {note}]" in table
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--overlaps", "dbo,xbo"], "unknown overlap 'xbo': use one or both of dbo, sbo"),
-    (["--overlaps", "none"], "unknown overlap 'none': use one or both of dbo, sbo "
-                             "(--overlaps dbo,sbo; no overlap is always timed)"),
+    (["--overlaps", "dbo,xbo"], "unknown overlap 'xbo': use any of dbo, sbo, joined"),
+    (["--overlaps", "none"], "unknown overlap 'none': use any of dbo, sbo, joined "
+                             "(--overlaps dbo,sbo,joined; no overlap is always timed)"),
+    (["--overlaps", "joined,dbo,joined"],
+     "overlaps=('joined', 'dbo', 'joined') repeats a name: list each once"),
     (["--overlaps", "sbo,sbo"], "overlaps=('sbo', 'sbo') repeats a name: list each once"),
-    (["--overlaps", ","], "overlaps=(): give at least one of dbo, sbo"),
+    (["--overlaps", ","], "overlaps=(): give at least one of dbo, sbo, joined"),
 ])
 def test_bad_overlaps_exit_with_the_fix(argv: list[str], message: str, tmp_path: Path,
                                         capsys: pytest.CaptureFixture) -> None:
@@ -213,7 +219,9 @@ def test_sbo_step_equals_no_overlap_and_overlaps_leave_one_out(tmp_path: Path) -
     no_dbo, no_sbo = results[0][("sbo",)], results[0][("dbo",)]
     assert no_dbo.t_dbo_ms is None and no_dbo.speedup is None and no_dbo.t_sbo_ms > 0
     assert no_dbo.trial_speedups == [] and len(no_dbo.sbo_trial_speedups) == 1
-    assert no_dbo.gate in ("off", "sbo") and no_dbo.gate_reason.endswith(f"DBO: {DBO_SKIPPED}")
+    assert no_dbo.gate in ("off", "sbo") and no_dbo.gate_reason.endswith(
+        f"DBO: {DBO_SKIPPED}; joined: {JOINED_SKIPPED}")
+    assert no_dbo.t_joined_ms is None and no_dbo.joined_note == JOINED_SKIPPED
     assert "t_dbo" not in no_dbo.per_rank_ms and no_dbo.best_overlap in ("off", "sbo")
     assert no_sbo.t_sbo_ms is None and no_sbo.sbo_note == SBO_SKIPPED and no_sbo.t_dbo_ms > 0
     assert no_sbo.gate in ("off", "dbo") and no_sbo.gate_reason.startswith(f"SBO: {SBO_SKIPPED}")

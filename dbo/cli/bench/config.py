@@ -57,10 +57,12 @@ EXPERT_KERNELS: tuple[str, ...] = ("auto", *EXPERTS)
 
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 
-OVERLAPS: tuple[str, ...] = ("dbo", "sbo")
-"""The overlaps each point times beside no overlap (`--overlaps`): "dbo", two ubatches
-(`DBOConfig(overlap="dbo")`); "sbo", single-batch overlap (`DBOConfig(overlap="sbo")`:
-one ubatch, shared experts under the dispatch, own rows under the combine)."""
+OVERLAPS: tuple[str, ...] = ("dbo", "sbo", "joined")
+"""The overlaps each point times beside no overlap (`--overlaps`; all of them by default):
+"dbo", two ubatches (`DBOConfig(overlap="dbo")`); "sbo", single-batch overlap
+(`DBOConfig(overlap="sbo")`: one ubatch, shared experts under the dispatch, own rows under
+the combine); "joined", DBO with joined experts (`DBOConfig(joined_experts=True)`: two
+ubatches, each MoE layer's experts run once over both ubatches' rows)."""
 
 NVLINK_REGIME = "NVLink"
 CPU_REGIME = "CPU gloo"
@@ -184,7 +186,7 @@ class BenchConfig(SweepJob):
     """What one `dbo bench` run sweeps and how it times, gates and writes the results.
     From `SweepJob`: `num_experts` over all ranks (None: experts_per_rank, or the
     preset's, at most 32 per rank); `rounds`, each point measured in alternation as DBO
-    off, probe, SBO, DBO on, then again, eta's spread over them reported beside it;
+    off, probe, SBO, DBO on, joined, then again, eta's spread over them reported beside it;
     `out_dir`, the CSV, JSON and PNG; `cuda_graph`, every step timed as a replay: DBO on
     through a `GraphedRunner` (vote, then replay), DBO off and the probe's timings
     captured whole."""
@@ -327,12 +329,12 @@ class BenchConfig(SweepJob):
     def _check_overlaps(self) -> None:
         if not isinstance(self.overlaps, tuple) or not self.overlaps:
             raise ValueError(f"overlaps={self.overlaps!r}: give at least one of "
-                             f"{', '.join(OVERLAPS)} (--overlaps dbo,sbo)")
+                             f"{', '.join(OVERLAPS)} (--overlaps dbo,sbo,joined)")
         unknown = [o for o in self.overlaps if o not in OVERLAPS]
         if unknown:
-            raise ValueError(f"unknown overlap {unknown[0]!r}: use one or both of "
-                             f"{', '.join(OVERLAPS)} (--overlaps dbo,sbo; no overlap is "
-                             f"always timed)")
+            raise ValueError(f"unknown overlap {unknown[0]!r}: use any of "
+                             f"{', '.join(OVERLAPS)} (--overlaps dbo,sbo,joined; no overlap "
+                             f"is always timed)")
         if len(set(self.overlaps)) != len(self.overlaps):
             raise ValueError(f"overlaps={self.overlaps!r} repeats a name: list each once")
 

@@ -1,5 +1,6 @@
 """Decode steps of `dbo bench --hf NAME --mode decode`: one new token per request over
-KV caches that do not grow, unconverted, converted with DBO off, converted with DBO on.
+KV caches that do not grow, unconverted, converted with DBO off, SBO, DBO on and DBO with
+joined experts.
 
     result = run_hf_decode(cfg, group=dist.group.WORLD, device=device)   # on every rank
 
@@ -22,7 +23,9 @@ the cache never grows. The restore only rebinds tensors the append never wrote t
    `DBOConfig(overlap="sbo")`: never split; where the model offers none, the point says
    why; not gated) and DBO on (`DBORunner` with `SplitCaches`:
    ubatch 0 gets requests [0, ceil(R/2)) with a cache of its own rows, ubatch 1 the rest
-   with its own, as `moe.hf.generate` keeps one cache per ubatch), `rounds` rounds in
+   with its own, as `moe.hf.generate` keeps one cache per ubatch), then DBO with joined
+   experts (`hf_joined`: the DBO-on step with each MoE layer's experts once over both
+   ubatches' rows; not gated, as SBO), `rounds` rounds in
    alternation, each round with a separate short trial of DBO on for the gate
    (`dbo.cli.bench.gating`: the request-count threshold, then the worst trial). A
    backend that needs a capacity gets `max_tokens_per_rank` as in prefill
@@ -33,7 +36,8 @@ over ranks): ~1e-6 in float32.
 
 With `cuda_graph` (GPU) the steps are graphed as the prefill sweep's are
 (`dbo.cli.bench.hf_graphs`): DBO off one captured step replayed, DBO on (the gate's
-trials too) a `dbo.graphs.GraphedRunner` (the vote, then a replay), the unconverted model
+trials too) and joined each a `dbo.graphs.GraphedRunner` (the vote, then a replay), the
+unconverted model
 eagerly and, where it captures, as a graph (its ratios use the faster). A step captures
 as it is: it reads the prefix tensors in place (never written) and its append writes a
 new tensor in the graph's memory, so every replay decodes over the same C tokens. A
@@ -58,6 +62,7 @@ from dbo.cli.bench.gating import GatePolicy
 from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, HFDecodeOptions, conversions
 from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
                                      replayed)
+from dbo.cli.bench.hf_joined import attach_joined, joined_runners
 from dbo.cli.bench.hf_points import HFPointTimes, flat_row, timing_fields
 from dbo.cli.bench.hf_sweep import (attach_sbo, build_model, converted_model, describe_model,
                                     free_memory, max_rel_diff, round_tag, sbo_not_run,
@@ -211,7 +216,7 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     timing = dict(device=device, group=group, warmup=cfg.warmup, iters=cfg.iters)
     # No ceiling probe here (min_gain unused): the threshold and the trials decide.
     gate = GatePolicy(min_tokens_per_rank=opts.gate_min_requests, min_gain=0.0)
-    progress = Progress(1 + len(opts.requests) * (1 + 3 * len(cfg.backends)) * cfg.rounds,
+    progress = Progress(1 + len(opts.requests) * (1 + 4 * len(cfg.backends)) * cfg.rounds,
                         enabled=cfg.progress and rank == 0)
     max_requests = max(opts.requests)
     gen = torch.Generator().manual_seed(cfg.seed * 7 + 1000 * rank + 1)
@@ -257,6 +262,8 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
         decoder = DecodeStep(model)
         runner = DBORunner(decoder, DBOConfig(split=SplitCaches()), group=group)
         graphed = GraphedRunner(runner, warmup=GRAPH_WARMUP) if cfg.cuda_graph else None
+        joined_runner, joined_graphed = joined_runners(decoder, runner.config, cfg,
+                                                       group=group)
         # SBO: the DBO-off step (one cache, no parts: never split) with overlap="sbo".
         blocker, sbo_runner, sbo_graphed = sbo_runners(
             decoder, DBOConfig(split=SplitCaches(), overlap="sbo"), cfg, group=group)
@@ -267,6 +274,9 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
             on = _step(graphed if graphed is not None else runner, next_ids[:r],
                        cache=caches[r], parts=parts[r])
             diffs = [max_rel_diff(s(), reference[r], group) for s in (off, on)]
+            joined = _step(joined_graphed if joined_graphed is not None else joined_runner,
+                           next_ids[:r], cache=caches[r], parts=parts[r])
+            joined_diff = max_rel_diff(joined(), reference[r], group)
             sbo, sbo_note = None, f"not offered: {blocker}" if blocker is not None else ""
             if sbo_runner is not None:
                 sbo = _step(sbo_graphed if sbo_graphed is not None else sbo_runner,
@@ -275,7 +285,7 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                 sbo_note = sbo_not_run(sbo_runner)
                 if sbo_note:
                     sbo = None
-            offs, ons, sbos, trials = [], [], [], []
+            offs, ons, sbos, trials, joineds = [], [], [], [], []
             for index in range(cfg.rounds):
                 tag = f"{backend} R={r}/rank{round_tag(cfg, index)}"
                 progress.step(f"{tag}: DBO off")
@@ -287,11 +297,13 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                 trial = time_steps(on, **{**timing, "iters": opts.gate_trial_iters})
                 trials.append(offs[-1].max_ms / trial.max_ms)
                 ons.append(time_steps(on, **timing))
+                progress.step(f"{tag}: joined")
+                joineds.append(time_steps(joined, **timing))
             decision = runner.last_decision
             if sbo is not None:
                 sbo_note = sbo_not_run(sbo_runner)  # of the timed steps too
-            off = on = sbo = None  # the DBO-off graph and its memory go here
-            for g in (graphed, sbo_graphed):
+            off = on = sbo = joined = None  # the DBO-off graph and its memory go here
+            for g in (graphed, sbo_graphed, joined_graphed):
                 if g is not None:
                     g.reset()  # this point's graphs: no later point replays them
             free_memory(device)
@@ -304,7 +316,10 @@ def run_hf_decode(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
             attach_sbo(points[-1], sbos if not sbo_note else [], note=sbo_note,
                        diff=diffs[2] if len(diffs) > 2 else None, perf=not cfg.functional,
                        total_tokens=r * world)
+            attach_joined(points[-1], joineds, diff=joined_diff, runner=joined_runner,
+                          perf=not cfg.functional, total_tokens=r * world)
         model = decoder = runner = graphed = sbo_runner = sbo_graphed = None
+        joined_runner = joined_graphed = None
     progress.close()
     free_memory(device)
     return HFDecodeResult(cfg, world, shapes, points)

@@ -10,8 +10,9 @@ from typing import Any
 
 from dbo.cli.bench.hf_decode import HFDecodeResult
 from dbo.cli.bench.hf_report import (DEFINITIONS as PREFILL_DEFINITIONS, HOST_COLUMNS,
-                                     HOST_DEFINITIONS, HOST_LEGEND, _capacity_note,
-                                     eager_graph_cell, host_bound_lines, json_line,
+                                     HOST_DEFINITIONS, HOST_LEGEND, JOINED_LEGEND,
+                                     _capacity_note, eager_graph_cell, host_bound_lines,
+                                     joined_cell, joined_split_lines, json_line,
                                      max_logits_diff, sbo_cell, sbo_legend, sbo_lines, step_cells,
                                      write_files)
 from dbo.cli.bench.report import FUNCTIONAL_NOTE, MAX_GATED_SLOWDOWN, _num, _opt
@@ -37,6 +38,11 @@ DEFINITIONS = {
               "combine overlapped as the table's SBO line says; not gated; null where it "
               "did not run (sbo_note says why)"),
     "speedup_sbo": PREFILL_DEFINITIONS["speedup_sbo"],
+    "t_joined": ("DBO with joined experts: the DBO-on step (two request groups, each with "
+                 "its own KV cache) through DBOConfig(..., joined_experts=True), each MoE "
+                 "layer's experts run once over both groups' rows; not gated; "
+                 "joined_split: whether it was split (joined_split_reason: why)"),
+    "speedup_joined": PREFILL_DEFINITIONS["speedup_joined"],
     "sbo_note": PREFILL_DEFINITIONS["sbo_note"],
     "t_hf_eager / t_hf_graph": PREFILL_DEFINITIONS["t_hf_eager / t_hf_graph"],
     "step_time": ("per rank, the median over rounds of the median over iters of its "
@@ -49,7 +55,7 @@ DEFINITIONS = {
     "dbo_vs_hf": "T_hf / T_DBO", "nodbo_vs_hf": "T_hf / T_noDBO",
     "max_tokens_per_rank": ("the converted layers' capacity (moe.hf.convert), for the "
                             "backends that need one; null otherwise"),
-    "logits_diff": ("DBO off / on / SBO: max |decode logits - unconverted decode "
+    "logits_diff": ("DBO off / on / SBO / joined: max |decode logits - unconverted decode "
                     "logits| / max |unconverted decode logits| over the same cached "
                     "prefix, the largest over ranks"),
     **HOST_DEFINITIONS,
@@ -61,6 +67,7 @@ def summarize(result: HFDecodeResult) -> dict[str, Any]:
     common = {"points": len(points), "points_split": sum(p.dbo_split for p in points),
               "points_gated_on": sum(p.gate == "dbo" for p in points),
               "points_sbo": sum(p.t_sbo_ms is not None for p in points),
+              "points_joined": sum(p.t_joined_ms is not None for p in points),
               "max_logits_diff": max(max_logits_diff(p) for p in points)}
     if result.config.functional:
         return {"functional": True, **common, "gated_never_slower_than_1pct": None}
@@ -109,21 +116,23 @@ def format_table(result: HFDecodeResult) -> str:
         *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
         *([f"  capacity: {note}"] if (note := _capacity_note(result)) else []),
         sbo_legend(cfg),
+        JOINED_LEGEND + " (not gated)",
         "",
     ]
     cols = [("R/rank", 6), ("backend", 7), ("unconv ms", 15), ("noDBO ms", 15),
-            ("DBO ms", 15), ("SBO ms", 15), *HOST_COLUMNS, ("speedup", 7),
-            ("SBO speedup", 11), ("gate", 4), ("gated", 6), ("DBO/unconv", 10),
-            ("tok/s DBO", 9), ("diff", 8)]
+            ("DBO ms", 15), ("SBO ms", 15), ("joined ms", 15), *HOST_COLUMNS, ("speedup", 7),
+            ("SBO speedup", 11), ("joined speedup", 14), ("gate", 4), ("gated", 6),
+            ("DBO/unconv", 10), ("tok/s DBO", 9), ("diff", 8)]
     if cfg.functional:
-        cols = [c for c in cols if c[0] not in ("speedup", "SBO speedup", "gated",
-                                                 "DBO/unconv")]
+        cols = [c for c in cols if c[0] not in ("speedup", "SBO speedup", "joined speedup",
+                                                 "gated", "DBO/unconv")]
     if cfg.cuda_graph:
         cols.insert(3, ("unconv eager/graph", 18))
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
     for p in result.points:
         cells = {"R/rank": str(p.requests_per_rank), "backend": p.backend, **step_cells(p),
                  "SBO ms": sbo_cell(p), "SBO speedup": _opt(p.speedup_sbo),
+                 "joined ms": joined_cell(p), "joined speedup": _opt(p.speedup_joined),
                  "speedup": f"{p.speedup or 0:.3f}", "gate": p.gate,
                  "gated": f"{p.gated_speedup or 0:.3f}",
                  "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
@@ -131,6 +140,8 @@ def format_table(result: HFDecodeResult) -> str:
                  "diff": f"{max_logits_diff(p):.1e}",
                  "unconv eager/graph": eager_graph_cell(p)}
         lines.append("  ".join(f"{cells[name]:>{w}}" for name, w in cols))
+    lines += joined_split_lines(result.points,
+                                lambda p: f"{p.backend} R={p.requests_per_rank}")
     lines += host_bound_lines(result.points, lambda p: f"{p.backend} R={p.requests_per_rank}")
     lines += sbo_lines(result.points, lambda p: f"{p.backend} R={p.requests_per_rank}")
     notes = {p.requests_per_rank: p.hf_graph_note for p in result.points if p.hf_graph_note}
@@ -150,7 +161,8 @@ def format_table(result: HFDecodeResult) -> str:
                      f"{summary['max_speedup']:.3f}x; worst gated speedup "
                      f"{summary['min_gated_speedup']:.3f}x; gated never >1% slower: "
                      f"{summary['gated_never_slower_than_1pct']}  [{cfg.regime}]")
-    lines.append("  speedup = noDBO/DBO; SBO speedup = noDBO/SBO; gated = noDBO/(the "
+    lines.append("  speedup = noDBO/DBO; SBO speedup = noDBO/SBO; joined speedup = "
+                 "noDBO/joined; gated = noDBO/(the "
                  "gate's choice, off or DBO); DBO/unconv = "
                  "unconverted/DBO; diff = largest decode-logit difference to the "
                  "unconverted model, relative")

@@ -79,12 +79,25 @@ class HFPointTimes:
     sbo_note: str = ""
     """Why this point has no SBO time (the model's `dbo_sbo_blocker`, or the runner's
     decision), or empty."""
+    t_joined_ms: Optional[float] = None
+    t_joined_ms_rank0: Optional[float] = None
+    host_joined_ms: Optional[float] = None
+    tokens_per_s_joined: Optional[float] = None
+    speedup_joined: Optional[float] = None
+    """DBO with joined experts (`hf_joined`: the DBO-on step through a runner with
+    `joined_experts=True`, each MoE layer's experts once over both ubatches' rows) and
+    T_noDBO / T_joined (None in a functional run); all None where it was not timed."""
+    logits_diff_joined: Optional[float] = None
+    joined_split: bool = False
+    joined_split_reason: str = ""
+    """Whether the joined step was split (the runner's decision), and why."""
     rounds: int = 1
     per_rank_ms: dict[str, list[float]] = field(default_factory=dict)
     rounds_ms: dict[str, list[float]] = field(default_factory=dict)
 
 
-_NESTED = ("trial_speedups", "sbo_trial_speedups", "per_rank_ms", "rounds_ms")
+_NESTED = ("trial_speedups", "sbo_trial_speedups", "joined_trial_speedups", "per_rank_ms",
+           "rounds_ms")
 """The `HFPoint` fields that are no CSV columns (lists and dicts: the JSON's only)."""
 
 
@@ -107,16 +120,17 @@ class HFPoint(HFPointTimes):
     eta_note: str = ""
     probe_note: str = ""
     gate: str = ""
-    """"off", "sbo" or "dbo": the gate's mode (`hf_gate.attach_gate`, which sets the gate
-    fields after the point's SBO fields; "" before)."""
+    """"off", "sbo", "dbo" or "joined": the gate's mode (`hf_gate.attach_gate`, which sets
+    the gate fields after the point's SBO and joined fields; "" before)."""
     gate_reason: str = ""
     t_gated_ms: Optional[float] = None
     gated_speedup: Optional[float] = None
     """The chosen mode's reported time, and T_noDBO / T_gated (None in a functional run)."""
     trial_speedups: list[float] = field(default_factory=list)
     sbo_trial_speedups: list[float] = field(default_factory=list)
+    joined_trial_speedups: list[float] = field(default_factory=list)
     """The gate's separate trials, one per round: that round's T_noDBO / the trial's step,
-    DBO on and SBO (none where SBO did not run)."""
+    DBO on, SBO (none where SBO did not run) and joined."""
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""

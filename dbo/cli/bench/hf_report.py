@@ -3,7 +3,7 @@
 Files, under `out_dir`: `bench_hf_<arch>_w<world>_<regime tag>.{csv,json}` (regime tag as
 `dbo.cli.bench.report`). A CPU run is a functional check: its ratios (the gated speedup
 and `gated_never_slower_than_1pct` too) are null and the table says so. Each point
-carries its gate (`dbo.cli.bench.hf_gate`: off, sbo or dbo, the reason, the gated time
+carries its gate (`dbo.cli.bench.hf_gate`: off, sbo, dbo or joined, the reason, the gated time
 and speedup, the trials); the table shows the gate column and the gated speedup (GPU).
 Below the table, one line per point whose DBO step is host-bound (`host_bound_lines`,
 also used by the decode table), one per reason some points have no SBO step
@@ -46,6 +46,11 @@ DEFINITIONS = {
     "speedup_sbo": "T_noDBO / T_SBO (null in a functional run or without an SBO step)",
     "sbo_note": "why the point has no SBO step (the model offers none, or the runner "
                 "did not run one), or empty",
+    "t_joined": ("DBO with joined experts: the DBO-on step through DBORunner(model, "
+                 "DBOConfig(..., joined_experts=True)), each MoE layer's experts run once "
+                 "over both ubatches' rows (each expert's weights read once per step); "
+                 "joined_split: whether it was split (joined_split_reason: why)"),
+    "speedup_joined": "T_noDBO / T_joined (null in a functional run)",
     "t_hf_eager / t_hf_graph": ("with cuda_graph: the unconverted model eagerly / as a "
                                 "replayed graph (null where it did not capture: "
                                 "hf_graph_note); t_hf is the faster"),
@@ -54,20 +59,22 @@ DEFINITIONS = {
                   "steps; the max over ranks unless *_rank0"),
     "tokens_per_s": "tokens per rank * world size / step time",
     "speedup": "T_noDBO / T_DBO",
-    "gate": ("off, sbo or dbo, as the layer bench's gate chooses: DBO on the token "
-             "threshold (--gate-min-tokens), the probe's ceiling >= 1 + --min-gain (where "
-             "the probe ran) and the worst of the rounds' separate DBO trials (>= 1.01x); "
-             "SBO on the worst of its trials alone; both passing, the faster worst trial; "
-             "gate_reason says which rule decided"),
-    "trial_speedups / sbo_trial_speedups": (
+    "gate": ("off, sbo, dbo or joined, as the layer bench's gate chooses: DBO and joined "
+             "on the token threshold (--gate-min-tokens), the probe's ceiling >= 1 + "
+             "--min-gain (where the probe ran) and the worst of the rounds' separate "
+             "trials of each (>= 1.01x); SBO on the worst of its trials alone; of those "
+             "that pass, the fastest worst trial (ties: sbo, joined, dbo); gate_reason "
+             "says which rule decided"),
+    "trial_speedups / sbo_trial_speedups / joined_trial_speedups": (
         "the gate's trials, one per round: that round's T_noDBO over a separate short "
-        "timing (--gate-trial-iters steps) of DBO on / SBO, never the reported steps"),
-    "gated": ("T_gated, the reported time of the gate's mode (T_DBO, T_SBO or T_noDBO); "
-              "gated_speedup = T_noDBO / T_gated"),
+        "timing (--gate-trial-iters steps) of DBO on / SBO / joined, never the reported "
+        "steps"),
+    "gated": ("T_gated, the reported time of the gate's mode (T_DBO, T_SBO, T_joined or "
+              "T_noDBO); gated_speedup = T_noDBO / T_gated"),
     "dbo_vs_hf": "T_hf / T_DBO", "nodbo_vs_hf": "T_hf / T_noDBO",
     "max_tokens_per_rank": ("the converted layers' capacity (moe.hf.convert), for the "
                             "backends that need one; null otherwise"),
-    "logits_diff": ("DBO off / on / SBO: max |logits - unconverted logits| / max "
+    "logits_diff": ("DBO off / on / SBO / joined: max |logits - unconverted logits| / max "
                     "|unconverted logits| on the same batch, the largest over ranks"),
     "t_compute / t_comm / t_both": (
         "the ceiling probe, once per point after its rounds (GPU, backends made of "
@@ -141,9 +148,11 @@ def probe_cells(point: Any) -> dict[str, str]:
 
 
 def max_logits_diff(point: Any) -> float:
-    """The largest of a point's logit differences: DBO off, DBO on, SBO (where run)."""
-    diffs = [point.logits_diff_nodbo, point.logits_diff_dbo]
-    return max(diffs + ([point.logits_diff_sbo] if point.logits_diff_sbo is not None else []))
+    """The largest of a point's logit differences: DBO off, DBO on, SBO and joined (where
+    run)."""
+    diffs = [point.logits_diff_nodbo, point.logits_diff_dbo, point.logits_diff_sbo,
+             point.logits_diff_joined]
+    return max(d for d in diffs if d is not None)
 
 
 def sbo_cell(point: Any) -> str:
@@ -151,6 +160,23 @@ def sbo_cell(point: Any) -> str:
     if point.t_sbo_ms is None:
         return "-"
     return f"{point.t_sbo_ms_rank0:.3f}/{point.t_sbo_ms:.3f}"
+
+
+def joined_cell(point: Any) -> str:
+    """The joined step's time as rank 0/max, "-" where it was not timed."""
+    if point.t_joined_ms is None:
+        return "-"
+    return f"{point.t_joined_ms_rank0:.3f}/{point.t_joined_ms:.3f}"
+
+
+JOINED_LEGEND = ("  joined: DBO with joined experts, the DBO-on step with each MoE layer's "
+                 "experts run once over both ubatches' rows (DBOConfig(joined_experts=True))")
+
+
+def joined_split_lines(points: list[Any], label: Callable[[Any], str]) -> list[str]:
+    """One line per point whose joined step was timed but not split, saying why."""
+    return [f"  {label(p)}: joined step NOT split: {p.joined_split_reason}"
+            for p in points if p.t_joined_ms is not None and not p.joined_split]
 
 
 def sbo_legend(cfg: Any) -> str:
@@ -173,13 +199,14 @@ def gate_lines(result: HFSweepResult) -> list[str]:
     """The gate's decision per point and why, then the summary line: the worst gated
     speedup and the <= 1% check (GPU), or that a functional run gates on noise."""
     lines = ["gate decisions:"]
-    lines += [f"  {p.backend:>7} T={p.tokens_per_rank:<6} {p.gate:>3}: {p.gate_reason}"
+    lines += [f"  {p.backend:>7} T={p.tokens_per_rank:<6} {p.gate:>6}: {p.gate_reason}"
               for p in result.points]
     s = summarize(result)
     if result.config.functional:
         lines.append(f"summary: functional run, {s['points']} points ran, gated on DBO at "
-                     f"{s['points_gated_on']}, SBO at {s['points_gated_sbo']} (CPU trials: "
-                     f"nothing overlaps, measure the gate on GPUs)  [{result.config.regime}]")
+                     f"{s['points_gated_on']}, SBO at {s['points_gated_sbo']}, joined at "
+                     f"{s['points_gated_joined']} (CPU trials: nothing overlaps, measure the "
+                     f"gate on GPUs)  [{result.config.regime}]")
     else:
         lines.append(f"summary: speedup {s['min_speedup']:.3f}-{s['max_speedup']:.3f}x; "
                      f"worst gated speedup {s['min_gated_speedup']:.3f}x; gated never >1% "
@@ -270,7 +297,9 @@ def summarize(result: HFSweepResult) -> dict[str, Any]:
     points = result.points
     sbo = [p.speedup_sbo for p in points if p.speedup_sbo is not None]
     gated = {"points_gated_on": sum(p.gate == "dbo" for p in points),
-             "points_gated_sbo": sum(p.gate == "sbo" for p in points)}
+             "points_gated_sbo": sum(p.gate == "sbo" for p in points),
+             "points_gated_joined": sum(p.gate == "joined" for p in points)}
+    joined = [p.speedup_joined for p in points if p.speedup_joined is not None]
     if result.config.functional:
         return {"functional": True, "points": len(points),
                 "points_split": sum(p.dbo_split for p in points),
@@ -279,6 +308,8 @@ def summarize(result: HFSweepResult) -> dict[str, Any]:
     worst = min(points, key=lambda p: p.gated_speedup)  # type: ignore[arg-type,return-value]
     return {"points": len(points),
             **({"min_speedup_sbo": min(sbo), "max_speedup_sbo": max(sbo)} if sbo else {}),
+            **({"min_speedup_joined": min(joined), "max_speedup_joined": max(joined)}
+               if joined else {}),
             "min_speedup": min(p.speedup for p in points),  # type: ignore[type-var]
             "max_speedup": max(p.speedup for p in points),  # type: ignore[type-var]
             **gated, "min_gated_speedup": worst.gated_speedup,
@@ -307,7 +338,8 @@ def final_line(result: HFSweepResult, files: dict[str, Any]) -> str:
 def _trials(point: Any) -> dict[str, list[float]]:
     """The gate's trials of a prefill point (lists: not in its CSV row)."""
     return {"trial_speedups": point.trial_speedups,
-            "sbo_trial_speedups": point.sbo_trial_speedups}
+            "sbo_trial_speedups": point.sbo_trial_speedups,
+            "joined_trial_speedups": point.joined_trial_speedups}
 
 
 def format_table(result: HFSweepResult) -> str:
@@ -329,15 +361,17 @@ def format_table(result: HFSweepResult) -> str:
         *([f"  {FUNCTIONAL_NOTE}"] if cfg.functional else []),
         *([f"  capacity: {note}"] if (note := _capacity_note(result)) else []),
         sbo_legend(cfg),
+        JOINED_LEGEND,
         "",
     ]
     cols = [("T/rank", 7), ("backend", 7), ("unconv ms", 15), ("noDBO ms", 15),
-            ("DBO ms", 15), ("SBO ms", 15), *HOST_COLUMNS, ("speedup", 7),
-            ("SBO speedup", 11), ("gate", 4), ("gated", 6), ("DBO/unconv", 10),
-            ("noDBO/unconv", 12), ("tok/s DBO", 9), *PROBE_COLUMNS, ("diff", 8)]
+            ("DBO ms", 15), ("SBO ms", 15), ("joined ms", 15), *HOST_COLUMNS,
+            ("speedup", 7), ("SBO speedup", 11), ("joined speedup", 14), ("gate", 6),
+            ("gated", 6), ("DBO/unconv", 10), ("noDBO/unconv", 12), ("tok/s DBO", 9),
+            *PROBE_COLUMNS, ("diff", 8)]
     if cfg.functional:
-        cols = [c for c in cols if c[0] not in ("speedup", "SBO speedup", "gated",
-                                                 "DBO/unconv", "noDBO/unconv")]
+        cols = [c for c in cols if c[0] not in ("speedup", "SBO speedup", "joined speedup",
+                                                 "gated", "DBO/unconv", "noDBO/unconv")]
     if cfg.cuda_graph:
         cols.insert(3, ("unconv eager/graph", 18))
     lines.append("  ".join(f"{name:>{w}}" for name, w in cols))
@@ -345,6 +379,7 @@ def format_table(result: HFSweepResult) -> str:
         cells = {"T/rank": str(p.tokens_per_rank), "backend": p.backend, **step_cells(p),
                  "SBO ms": sbo_cell(p), "speedup": f"{p.speedup or 0:.3f}",
                  "SBO speedup": _opt(p.speedup_sbo), "gate": p.gate,
+                 "joined ms": joined_cell(p), "joined speedup": _opt(p.speedup_joined),
                  "gated": _opt(p.gated_speedup), "DBO/unconv": f"{p.dbo_vs_hf or 0:.3f}",
                  "noDBO/unconv": f"{p.nodbo_vs_hf or 0:.3f}",
                  "tok/s DBO": _num(p.tokens_per_s_dbo),
@@ -355,14 +390,16 @@ def format_table(result: HFSweepResult) -> str:
     for p in not_split:
         lines.append(f"  {p.backend} T={p.tokens_per_rank}: DBO-on step NOT split: "
                      f"{p.dbo_split_reason}")
+    lines += joined_split_lines(result.points, lambda p: f"{p.backend} T={p.tokens_per_rank}")
     lines += host_bound_lines(result.points, lambda p: f"{p.backend} T={p.tokens_per_rank}")
     lines += sbo_lines(result.points, lambda p: f"{p.backend} T={p.tokens_per_rank}")
     lines += probe_lines(result.points)
     notes = {p.tokens_per_rank: p.hf_graph_note for p in result.points if p.hf_graph_note}
     lines += [f"  unconverted T={t}: no graph: {note}" for t, note in notes.items()]
     lines += gate_lines(result)
-    lines.append("  speedup = noDBO/DBO; SBO speedup = noDBO/SBO; gated = noDBO/(the gate's "
-                 "choice: off, SBO or DBO); DBO/unconv = "
+    lines.append("  speedup = noDBO/DBO; SBO speedup = noDBO/SBO; joined speedup = "
+                 "noDBO/joined; gated = noDBO/(the gate's choice: off, SBO, DBO or joined); "
+                 "DBO/unconv = "
                  "unconverted/DBO (above 1: the converted model with DBO is faster); "
                  "diff = largest logit difference to the unconverted model, relative; "
                  "comp/comm/both/split: the ceiling probe, ceiling = (comp + comm) / both, "

@@ -1,5 +1,6 @@
 """The measurements of `dbo bench --hf NAME`: a transformers MoE model as transformers
-runs it, then converted by `moe.hf.convert` (expert parallelism), DBO off, SBO and DBO on.
+runs it, then converted by `moe.hf.convert` (expert parallelism), DBO off, SBO, DBO on and
+DBO with joined experts.
 
     result = run_hf_sweep(cfg, group=dist.group.WORLD, device=device)   # on every rank
 
@@ -25,9 +26,11 @@ logits are the last position's, as a server computes them: [B, 1, V]).
    "sbo"))` (never split; a `GraphedRunner` under `cuda_graph`), its combine in the form
    `--combine-chunks` / `--combine-groups` give a2a_ll (`hf_config.layer_options`);
    where the model offers none (`dbo_sbo_blocker`) or the runner ran none, the point
-   says why (`sbo_note`) instead of a time. Before its reported SBO and DBO-on steps,
-   each round times a separate short trial of each (`gate_trial_iters` steps) against
-   that round's DBO-off time, for the gate.
+   says why (`sbo_note`) instead of a time. After DBO on, each round times DBO with
+   joined experts (`hf_joined`): the DBO-on step through a runner with
+   `joined_experts=True` (a `GraphedRunner` under `cuda_graph`). Before its reported
+   SBO, DBO-on and joined steps, each round times a separate short trial of each
+   (`gate_trial_iters` steps) against that round's DBO-off time, for the gate.
 With `cuda_graph` (GPU, prefill): DBO off is one captured forward (`dbo.graphs.
 capture_graph`) replayed, DBO on a `dbo.graphs.GraphedRunner` (the vote, then a
 replay), both with their output cloned out as a caller would keep it. The unconverted
@@ -38,8 +41,9 @@ After a point's rounds, its ceiling probe (`dbo.cli.bench.hf_probe`, GPU and a b
 made of torch.distributed collectives only): compute alone, comm alone, both, and the
 DBO-on step's compute alone (split), once per point; ceiling and eta as the layer bench's.
 Then the point is gated as the layer bench's points are (`dbo.cli.bench.hf_gate`): no
-overlap, SBO or DBO, from the tokens per rank, the probe's ceiling (where it ran) and the
-worst trials, never from the reported times; `t_gated_ms` is the chosen mode's time.
+overlap, SBO, DBO or joined, from the tokens per rank, the probe's ceiling (where it ran)
+and the worst trials, never from the reported times; `t_gated_ms` is the chosen mode's
+time.
 Times are per-rank medians (`dbo.cli.bench.timing`), folded over rounds; the derived
 figures use the slowest rank's. Each point also reports how far the converted model's
 logits are from the unconverted model's on the same batch (largest difference over
@@ -59,6 +63,7 @@ from dbo.cli.bench.hf_config import Conversion, HFBenchConfig, conversions, laye
 from dbo.cli.bench.hf_graphs import (GRAPH_WARMUP, UnconvertedTimes, graphed_unconverted,
                                      replayed, use_mask_free_sdpa)
 from dbo.cli.bench.hf_gate import attach_gate, prefill_gate
+from dbo.cli.bench.hf_joined import attach_joined, joined_runners
 from dbo.cli.bench.hf_probe import HFProbe, no_probe_reason, probe_hf_point, skipped
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.hf_points import HFPoint, HFPointTimes, HFSweepResult, timing_fields
@@ -83,8 +88,9 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timing = dict(device=device, group=group, warmup=cfg.warmup, iters=cfg.iters)
     probes = len(cfg.tokens) * len(cfg.backends) if device.type == "cuda" else 0
-    # Per point and round: DBO off, SBO's trial, SBO, DBO's trial, DBO on.
-    progress = Progress(len(cfg.tokens) * (1 + 5 * len(cfg.backends)) * cfg.rounds + probes,
+    # Per point and round: DBO off, SBO's trial, SBO, DBO's trial, DBO on, joined's trial,
+    # joined.
+    progress = Progress(len(cfg.tokens) * (1 + 7 * len(cfg.backends)) * cfg.rounds + probes,
                         enabled=cfg.progress and rank == 0)
     gate = prefill_gate(cfg)
     trial_timing = {**timing, "iters": cfg.gate_trial_iters}
@@ -120,12 +126,16 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
         runner = DBORunner(model, _DBO_ON, group=group)
         graphed = GraphedRunner(runner, warmup=GRAPH_WARMUP) if cfg.cuda_graph else None
         blocker, sbo_runner, sbo_graphed = sbo_runners(model, _SBO, cfg, group=group)
+        joined_runner, joined_graphed = joined_runners(model, _DBO_ON, cfg, group=group)
         for tokens in conversion.points:
             off = _step(model, inputs[tokens])
             if cfg.cuda_graph:
                 off = replayed(capture_graph(off, device=device, warmup=GRAPH_WARMUP))
             on = _step(graphed if graphed is not None else runner, inputs[tokens])
             diffs = [max_rel_diff(s().logits, reference[tokens], group) for s in (off, on)]
+            joined = _step(joined_graphed if joined_graphed is not None else joined_runner,
+                           inputs[tokens])
+            joined_diff = max_rel_diff(joined().logits, reference[tokens], group)
             sbo, sbo_note = None, f"not offered: {blocker}" if blocker is not None else ""
             if sbo_runner is not None:
                 sbo = _step(sbo_graphed if sbo_graphed is not None else sbo_runner,
@@ -134,9 +144,10 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                 sbo_note = sbo_not_run(sbo_runner)
                 if sbo_note:
                     sbo = None
-            offs, ons, sbos = [], [], []
+            offs, ons, sbos, joineds = [], [], [], []
             trials: list[float] = []
             sbo_trials: list[float] = []
+            joined_trials: list[float] = []
             for index in range(cfg.rounds):
                 tag = f"{backend} T={tokens}/rank{round_tag(cfg, index)}"
                 progress.step(f"{tag}: DBO off")
@@ -154,10 +165,15 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
                 trials.append(offs[-1].max_ms / time_steps(on, **trial_timing).max_ms)
                 progress.step(f"{tag}: DBO on")
                 ons.append(time_steps(on, **timing))
+                progress.step(f"{tag}: joined trial")
+                joined_trials.append(offs[-1].max_ms
+                                     / time_steps(joined, **trial_timing).max_ms)
+                progress.step(f"{tag}: joined")
+                joineds.append(time_steps(joined, **timing))
             decision = runner.last_decision  # of the timed steps: the probe runs more
             if sbo is not None:
                 sbo_note = sbo_not_run(sbo_runner)  # of the timed steps too
-            off = on = sbo = None  # the DBO-off graph and its memory go here
+            off = on = sbo = joined = None  # the DBO-off graph and its memory go here
             free_memory(device)
             if not skipped(model, device):
                 progress.step(f"{backend} T={tokens}/rank: ceiling probe")
@@ -175,16 +191,19 @@ def run_hf_sweep(cfg: HFBenchConfig, *, group: Optional[dist.ProcessGroup],
             attach_sbo(points[-1], sbos if not sbo_note else [], note=sbo_note,
                        diff=diffs[2] if len(diffs) > 2 else None, perf=not cfg.functional,
                        total_tokens=tokens * world)
+            attach_joined(points[-1], joineds, diff=joined_diff, runner=joined_runner,
+                          perf=not cfg.functional, total_tokens=tokens * world)
             attach_gate(points[-1], gate,
                         ceiling=None if probe.ceiling is None else probe.ceiling.ceiling,
                         no_probe_reason=no_probe_reason(model, device),
                         dbo_trials=trials, sbo_trials=sbo_trials if not sbo_note else [],
-                        perf=not cfg.functional)
+                        joined_trials=joined_trials, perf=not cfg.functional)
             free_memory(device)
-        for g in (graphed, sbo_graphed):
+        for g in (graphed, sbo_graphed, joined_graphed):
             if g is not None:
                 g.reset()
         model = runner = graphed = sbo_runner = sbo_graphed = None
+        joined_runner = joined_graphed = None
     progress.close()
     free_memory(device)
     return HFSweepResult(cfg, world, shapes, points)

@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with this flag: " + ",".join(DEFAULT_GRAPH_BACKENDS) + ")")
     p.add_argument("--overlaps", type=_name_list, nargs="+", default=None,
                    help=f"comma list of the overlaps timed beside no overlap at every "
-                        f"point: dbo (two ubatches), sbo (single-batch overlap, no split) "
-                        f"(default: {','.join(OVERLAPS)})")
+                        f"point: dbo (two ubatches), sbo (single-batch overlap, no split), "
+                        f"joined (DBO with joined experts: each MoE layer's experts once "
+                        f"over both ubatches' rows) (default: {','.join(OVERLAPS)})")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="calibration JSON (e.g. an earlier run's <out>/calibration.json): "
                         "its machine figures feed the predicted columns; points it covers "

@@ -2,7 +2,8 @@
 
 Left: tokens/s with DBO off (thin, circles), DBO on (solid, squares) and the measured
 ceiling, all ranks' tokens / T_both (dashed). Right: speedup T_noDBO / T_DBO (solid), SBO's
-T_noDBO / T_SBO (dash-dot, triangles), the gated speedup (dotted) and the ceiling T_serial / T_both (dashed), with 1.0 marked.
+T_noDBO / T_SBO (dash-dot, triangles), joined's T_noDBO / T_joined (dashed, diamonds), the
+gated speedup (dotted) and the ceiling T_serial / T_both (dashed), with 1.0 marked.
 The title carries the regime label. matplotlib is imported here only (Agg backend). A
 CPU run is not drawn (`BenchConfig.functional`: its times are no performance figures).
 """
@@ -53,6 +54,11 @@ def plot_sweep(result: SweepResult, path: str) -> None:
         if sbo:
             ax_speed.plot([p.tokens_per_rank for p in sbo], [p.speedup_sbo for p in sbo],
                           "^-.", color=c, lw=1.5, label=f"{backend} SBO")
+        joined = [p for p in pts if p.speedup_joined is not None]
+        if joined:
+            ax_speed.plot([p.tokens_per_rank for p in joined],
+                          [p.speedup_joined for p in joined], "d--", color=c, lw=1.5,
+                          label=f"{backend} joined")
         ax_speed.plot(xs, [p.gated_speedup for p in pts], ":", color=c, lw=1.5,
                       label=f"{backend} gated")
         ceil = [(p.tokens_per_rank, p.tokens_per_s_ceiling, p.ceiling) for p in pts

@@ -11,6 +11,7 @@ Definitions (also in every JSON output):
     tokens/s      = tokens per rank * world size / step time
     speedup       = T_noDBO / T_DBO
     speedup_sbo   = T_noDBO / T_SBO
+    speedup_joined = T_noDBO / T_joined            (DBO with joined experts)
     T_serial      = T_compute + T_comm             (both measured alone)
     ceiling       = T_serial / T_both
     T_split       = the DBO step with its collectives replaced by their results: its
@@ -19,8 +20,8 @@ Definitions (also in every JSON output):
                     is under 1% of T_noDBO (no headroom, or less than the timing noise);
                     above 1 where DBO's schedule beat the probe's interleaving (a note
                     says so)
-    gated time    = the time of the mode the gate chose: T_DBO, T_SBO or T_noDBO
-    best          = the fastest of the three reported times (an oracle, beside the gate)
+    gated time    = the time of the mode the gate chose: T_DBO, T_SBO, T_joined or T_noDBO
+    best          = the fastest of the reported times (an oracle, beside the gate)
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from dbo import MeasuredPoint
 from dbo.cli.bench.ceiling import Ceiling, median_ceiling
 from dbo.cli.bench.config import BenchConfig
 from dbo.cli.bench.predicted import PREDICTION_NOTE
+from dbo.cli.bench.joined import JoinedRound
 from dbo.cli.bench.sbo import DBO_SKIPPED, SboRound, best_overlap
 from dbo.cli.bench.timing import Timing, median_of_rounds, rate
 
@@ -41,6 +43,13 @@ DEFINITIONS = {
     "speedup": "T_noDBO / T_DBO",
     "speedup_sbo": ("T_noDBO / T_SBO: single-batch overlap, the step unsplit through "
                     "DBOConfig(overlap='sbo'); null where not timed (sbo_note says why)"),
+    "speedup_joined": ("T_noDBO / T_joined: DBO with joined experts, the DBO step through "
+                       "DBOConfig(joined_experts=True), each MoE layer's experts run once "
+                       "over both ubatches' rows (each expert's weights read once per step); "
+                       "null where not timed"),
+    "joined_note": "why the joined step was not timed (t_joined_ms null), or empty",
+    "joined_split": ("whether every timed joined step was split (joined_split_reason: the "
+                     "runner's reason)"),
     "t_serial": "T_compute + T_comm, each measured alone",
     "ceiling": "T_serial / T_both",
     "ceiling_vs_nodbo": "T_noDBO / T_both",
@@ -52,17 +61,19 @@ DEFINITIONS = {
             "T_noDBO - T_both < 1% of T_noDBO"),
     "eta_min/eta_max": "the range of eta over the rounds, each round's eta from its own times",
     "host_nodbo_ms/host_dbo_ms": ("the host's time to issue one step (call to return, "
-                                  "not waiting for the device), median, slowest rank"),
-    "gated": ("the time of the gate's mode (gate: off, sbo or dbo); gated_speedup = "
-              "T_noDBO / gated"),
-    "best_overlap/best_speedup": ("the fastest of the reported off / sbo / dbo times and "
-                                  "its T_noDBO / T; an oracle beside the gate's choice"),
+                                  "not waiting for the device), median, slowest rank; "
+                                  "host_sbo_ms, host_joined_ms the same for SBO, joined"),
+    "gated": ("the time of the gate's mode (gate: off, sbo, dbo or joined); gated_speedup "
+              "= T_noDBO / gated"),
+    "best_overlap/best_speedup": ("the fastest of the reported off / sbo / joined / dbo "
+                                  "times (the first on a tie) and its T_noDBO / T; an "
+                                  "oracle beside the gate's choice"),
     "pred": PREDICTION_NOTE,
     "probe_note": ("why the probe, the split compute and the phase times did not measure "
                    "this point (their fields are null), or empty"),
     "sm_mhz/capped": ("rank 0's median SM clock and power-capped samples (k/n) while each "
                       "timing ran: nodbo, dbo, split, the probe's compute, comm, both, "
-                      "and sbo"),
+                      "sbo and joined"),
 }
 ETA_NO_PROBE = "no probe, no T_both"
 ETA_NO_HEADROOM = ("T_noDBO <= T_both: the unsplit step already runs at or under the "
@@ -130,7 +141,7 @@ class Point:
     # The gate's trial speedups, one per round (T_noDBO of the round / the trial's step).
     trial_speedups: list[float] = field(default_factory=list)
     # Rank 0's median SM clock (MHz) and power-capped samples ("k/n") per timing:
-    # "nodbo", "dbo", "split", "sbo", the probe's "compute", "comm", "both" (GPU, where
+    # "nodbo", "dbo", "split", "sbo", "joined", the probe's "compute", "comm", "both" (GPU, where
     # readable).
     sm_mhz: dict[str, float] = field(default_factory=dict)
     capped: dict[str, str] = field(default_factory=dict)
@@ -138,6 +149,7 @@ class Point:
     t_nodbo_pred_ms: Optional[float] = None
     t_dbo_pred_ms: Optional[float] = None
     t_sbo_pred_ms: Optional[float] = None
+    t_joined_pred_ms: Optional[float] = None  # where the cost model predicts "joined"
     speedup_pred: Optional[float] = None
     pred_choice: str = ""
     pred_err_nodbo: Optional[float] = None
@@ -156,21 +168,34 @@ class Point:
     sbo_note: str = ""
     sbo_trial_speedups: list[float] = field(default_factory=list)
     pred_err_sbo: Optional[float] = None
+    # DBO with joined experts (`dbo.cli.bench.joined`): None where not timed, `joined_note`
+    # why.
+    t_joined_ms: Optional[float] = None
+    t_joined_ms_rank0: Optional[float] = None
+    host_joined_ms: Optional[float] = None
+    tokens_per_s_joined: Optional[float] = None
+    speedup_joined: Optional[float] = None
+    joined_note: str = ""
+    joined_split: bool = False
+    joined_split_reason: str = ""
+    joined_trial_speedups: list[float] = field(default_factory=list)
+    pred_err_joined: Optional[float] = None
     best_overlap: str = "off"
     best_speedup: float = 1.0
 
     def row(self) -> dict[str, Any]:
         """The flat fields (CSV columns), rounded for people."""
         nested = ("per_rank_ms", "rounds_ms", "eta_rounds", "trial_speedups", "sm_mhz",
-                  "capped", "phase_ms", "measured_point", "sbo_trial_speedups")
+                  "capped", "phase_ms", "measured_point", "sbo_trial_speedups",
+                  "joined_trial_speedups")
         out = {k: v for k, v in asdict(self).items() if k not in nested}
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
 @dataclass(frozen=True)
 class Round:
-    """One round of a point: DBO off, the probe (None on CPU), SBO and DBO on (each None
-    where not timed)."""
+    """One round of a point: DBO off, the probe (None on CPU), SBO, DBO on and joined
+    (each None where not timed)."""
 
     t_off: Timing
     t_on: Optional[Timing]
@@ -179,6 +204,7 @@ class Round:
     split_reason: str
     t_split: Optional[Timing] = None
     sbo: Optional[SboRound] = None
+    joined: Optional[JoinedRound] = None
 
     @staticmethod
     def median(rounds: list["Round"]) -> "Round":
@@ -219,7 +245,8 @@ def make_point(cfg: BenchConfig, *, backend: str, tokens: int, world_size: int, 
                split_reason: str, use_dbo: bool, gate_reason: str,
                t_split: Optional[Timing] = None) -> Point:
     """Derive one point's figures from its timings (see the module doc); `t_on` None
-    where DBO was not timed. SBO's are set after (`dbo.cli.bench.sbo.attach_sbo`)."""
+    where DBO was not timed. SBO's and joined's are set after
+    (`dbo.cli.bench.sbo.attach_sbo`, `dbo.cli.bench.joined.attach_joined`)."""
     total = tokens * world_size
     off_ms = t_off.max_ms
     on_ms = t_on.max_ms if t_on is not None else None

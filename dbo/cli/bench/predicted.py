@@ -10,9 +10,12 @@ The prediction at a point is the cost model's (`dbo.cost_model.predict`) on the 
 times measured at that same point (`dbo.cli.bench.phases`) with the machine figures of
 the calibration: what `dbo plan` and a runner with a calibration would predict there.
 pred_err = predicted / measured - 1, for each mode timed at the point (no overlap, DBO,
-SBO). The point's host times go in with its phases (`dbo.cli.bench.sweep`): for a backend
-that never waits on the device, each mode's measured issue time is its floor (eager) or
-adds to its GPU time (CUDA graphs: the runner's vote before the replay).
+SBO, and DBO with joined experts where the cost model predicts it: `Prediction.times_ms`
+with a "joined" entry; without one the point's joined prediction stays empty). The
+point's host times go in with its phases (`dbo.cli.bench.sweep`): for a backend that never
+waits on the device, each mode's measured issue time is its floor (eager) or adds to its
+GPU time (CUDA graphs: the runner's vote before the replay); the joined step's host time
+is reported but not passed in (`MeasuredPoint` has no field for it).
 """
 from __future__ import annotations
 
@@ -62,15 +65,19 @@ def attach_prediction(point: Any, measured: MeasuredPoint, calibration: Calibrat
                       for k in ("attention", "shared", "experts", "dispatch", "combine")}
     point.t_nodbo_pred_ms, point.t_dbo_pred_ms = times["none"], times["dbo"]
     point.t_sbo_pred_ms = times["sbo"]
+    point.t_joined_pred_ms = times.get("joined")
     point.speedup_pred = times["none"] / times["dbo"]
     point.pred_choice = prediction.chosen
     point.pred_err_nodbo = times["none"] / point.t_nodbo_ms - 1.0
-    measured_ms = {"none": point.t_nodbo_ms, "dbo": point.t_dbo_ms, "sbo": point.t_sbo_ms}
+    measured_ms = {"none": point.t_nodbo_ms, "dbo": point.t_dbo_ms, "sbo": point.t_sbo_ms,
+                   "joined": point.t_joined_ms}
     measured_ms = {mode: ms for mode, ms in measured_ms.items() if ms is not None}
     if "dbo" in measured_ms:
         point.pred_err_dbo = times["dbo"] / measured_ms["dbo"] - 1.0
     if "sbo" in measured_ms:
         point.pred_err_sbo = times["sbo"] / measured_ms["sbo"] - 1.0
+    if "joined" in measured_ms and "joined" in times:
+        point.pred_err_joined = times["joined"] / measured_ms["joined"] - 1.0
     point.measured_point = dataclasses.replace(measured, measured_ms=measured_ms)
 
 
@@ -107,22 +114,23 @@ def write_calibration(result: Any, path: str) -> str:
 
 def prediction_lines(result: Any) -> list[str]:
     """The table's block of predicted beside measured step times, one line per point:
-    no overlap, DBO and SBO, each with its error where that mode was timed ("-" where
-    not)."""
+    no overlap, DBO, SBO and joined, each with its error where that mode was timed ("-"
+    where not; joined's prediction "-" too where the cost model makes none)."""
     functional = result.config.functional
     lines = ["predicted (cost model on each point's measured phase times; pred_err = "
              "predicted / measured - 1):",
              f"  {'T/rank':>6} {'backend':>7} {'noDBO pred':>10} {'err':>7} {'DBO pred':>9} "
-             f"{'err':>7} {'SBO pred':>9} {'err':>7} {'pred x':>6} {'meas x':>6} {'pred':>4}  "
-             f"phases att/sh/exp/disp/comb ms"]
+             f"{'err':>7} {'SBO pred':>9} {'err':>7} {'joined pred':>11} {'err':>7} "
+             f"{'pred x':>6} {'meas x':>6} {'pred':>6}  phases att/sh/exp/disp/comb ms"]
     if functional:
         lines.insert(1, "  (CPU: the model assumes comm overlaps compute, which gloo never does)")
     for p in result.points:
         if p.t_nodbo_pred_ms is None:
             if p.probe_note:  # no phase times were measured: say so, predict nothing
                 lines.append(f"  {p.tokens_per_rank:>6} {p.backend:>7} {'-':>10} {'-':>7} "
-                             f"{'-':>9} {'-':>7} {'-':>9} {'-':>7} {'-':>6} {'-':>6} {'-':>4}  "
-                             f"no prediction: its phases were not measured (probe note above)")
+                             f"{'-':>9} {'-':>7} {'-':>9} {'-':>7} {'-':>11} {'-':>7} "
+                             f"{'-':>6} {'-':>6} {'-':>6}  no prediction: its phases were not "
+                             f"measured (probe note above)")
             continue
         measured = "-" if functional or p.speedup is None else f"{p.speedup:.3f}"
         phases = "/".join(f"{p.phase_ms[k]:.3g}"
@@ -130,11 +138,13 @@ def prediction_lines(result: Any) -> list[str]:
         mp = p.measured_point
         if mp is not None and mp.cuda_graph:  # eager phases scaled to the graphed step
             phases += f" (eager x{mp.compute_scale:.3g} compute, x{mp.comm_scale:.3g} comm)"
-        err_dbo, err_sbo = (_err(e) for e in (p.pred_err_dbo, p.pred_err_sbo))
+        err_dbo, err_sbo, err_joined = (_err(e) for e in (p.pred_err_dbo, p.pred_err_sbo,
+                                                          p.pred_err_joined))
+        joined = "-" if p.t_joined_pred_ms is None else f"{p.t_joined_pred_ms:.3f}"
         lines.append(f"  {p.tokens_per_rank:>6} {p.backend:>7} {p.t_nodbo_pred_ms:>10.3f} "
                      f"{p.pred_err_nodbo:>+7.1%} {p.t_dbo_pred_ms:>9.3f} {err_dbo:>7} "
-                     f"{p.t_sbo_pred_ms:>9.3f} {err_sbo:>7} "
-                     f"{p.speedup_pred:>6.3f} {measured:>6} {p.pred_choice:>4}  {phases}")
+                     f"{p.t_sbo_pred_ms:>9.3f} {err_sbo:>7} {joined:>11} {err_joined:>7} "
+                     f"{p.speedup_pred:>6.3f} {measured:>6} {p.pred_choice:>6}  {phases}")
     return lines
 
 

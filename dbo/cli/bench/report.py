@@ -27,7 +27,8 @@ MAX_GATED_SLOWDOWN = 0.01
 FUNCTIONAL_NOTE = ("functional run, not a performance figure: gloo runs each collective on "
                    "the calling thread, so nothing overlaps on CPU; the times show that "
                    "every point ran, and no speedup is computed from them")
-SPEEDUP_FIELDS = ("speedup", "gated_speedup", "speedup_sbo", "best_overlap", "best_speedup")
+SPEEDUP_FIELDS = ("speedup", "gated_speedup", "speedup_sbo", "speedup_joined", "best_overlap",
+                  "best_speedup")
 """Row fields that a functional run leaves out (null)."""
 
 
@@ -66,6 +67,7 @@ def write_outputs(result: SweepResult) -> dict[str, Any]:
            "points": [{**_row(result, p), "per_rank_ms": p.per_rank_ms, "rounds_ms": p.rounds_ms,
                        "eta_rounds": p.eta_rounds, "trial_speedups": p.trial_speedups,
                        "sbo_trial_speedups": p.sbo_trial_speedups,
+                       "joined_trial_speedups": p.joined_trial_speedups,
                        "sm_mhz": p.sm_mhz, "capped": p.capped, "phase_ms": p.phase_ms}
                       for p in result.points],
            "files": files}
@@ -101,7 +103,8 @@ def summarize(result: SweepResult) -> dict[str, Any]:
         return {"functional": True, "points": len(points),
                 "points_split": sum(p.dbo_split for p in points),
                 "points_gated_on": sum(p.gate == "dbo" for p in points),
-                "points_gated_sbo": sum(p.gate == "sbo" for p in points)}
+                "points_gated_sbo": sum(p.gate == "sbo" for p in points),
+                "points_gated_joined": sum(p.gate == "joined" for p in points)}
     worst = min(points, key=lambda p: p.gated_speedup)
     timed = [p for p in points if p.speedup is not None]
     best = max(timed, key=lambda p: p.speedup) if timed else None  # type: ignore[arg-type,return-value]
@@ -120,6 +123,7 @@ def summarize(result: SweepResult) -> dict[str, Any]:
                                             for p in points),
         "points_gated_on": sum(p.gate == "dbo" for p in points),
         "points_gated_sbo": sum(p.gate == "sbo" for p in points),
+        "points_gated_joined": sum(p.gate == "joined" for p in points),
         "points": len(points),
     }
 
@@ -127,16 +131,19 @@ def summarize(result: SweepResult) -> dict[str, Any]:
 def final_line(result: SweepResult, files: dict[str, Any]) -> str:
     """The one JSON line for programs (stdout, last line)."""
     keys = ("backend", "tokens_per_rank", "t_nodbo_ms", "t_dbo_ms", "speedup",
-            "t_sbo_ms", "speedup_sbo", "sbo_note", "best_overlap", "best_speedup",
-            "host_nodbo_ms", "host_dbo_ms", "host_sbo_ms",
+            "t_sbo_ms", "speedup_sbo", "sbo_note", "t_joined_ms", "speedup_joined",
+            "joined_note", "joined_split", "best_overlap", "best_speedup",
+            "host_nodbo_ms", "host_dbo_ms", "host_sbo_ms", "host_joined_ms",
             "tokens_per_s_nodbo", "tokens_per_s_dbo", "t_compute_ms", "t_comm_ms",
             "t_both_ms", "t_split_ms", "ceiling", "eta", "eta_min", "eta_max", "rounds",
             "eta_note", "dbo_split", "gate", "gate_reason", "gated_speedup",
-            "t_nodbo_pred_ms", "t_dbo_pred_ms", "t_sbo_pred_ms", "speedup_pred",
-            "pred_err_nodbo", "pred_err_dbo", "pred_err_sbo", "pred_choice", "probe_note")
+            "t_nodbo_pred_ms", "t_dbo_pred_ms", "t_sbo_pred_ms", "t_joined_pred_ms",
+            "speedup_pred", "pred_err_nodbo", "pred_err_dbo", "pred_err_sbo",
+            "pred_err_joined", "pred_choice", "probe_note")
     doc = {**header(result), "summary": summarize(result),
            "points": [{**{k: _row(result, p)[k] for k in keys}, "trial_speedups": p.trial_speedups,
-                       "sbo_trial_speedups": p.sbo_trial_speedups, "sm_mhz": p.sm_mhz}
+                       "sbo_trial_speedups": p.sbo_trial_speedups,
+                       "joined_trial_speedups": p.joined_trial_speedups, "sm_mhz": p.sm_mhz}
                       for p in result.points], "files": files}
     doc.pop("config")
     return json.dumps(_clean(doc), separators=(",", ":"))
@@ -158,8 +165,10 @@ def format_table(result: SweepResult) -> str:
         "  host noDBO / host DBO: the host's time to issue one step (not waiting for the "
         "device), slowest rank",
         f"  SBO: single-batch overlap (one ubatch; shared experts under the dispatch, "
-        f"{cfg.sbo_form()}), SBO x = noDBO / SBO; gate: off, sbo or dbo, chosen from "
-        "separate trials; best: the fastest of the reported times",
+        f"{cfg.sbo_form()}), SBO x = noDBO / SBO",
+        "  joined: DBO with joined experts (each MoE layer's experts once over both "
+        "ubatches' rows), joined x = noDBO / joined; gate: off, sbo, dbo or joined, chosen "
+        "from separate trials; best: the fastest of the reported times",
         f"  times in ms, median of {cfg.iters} steps after {cfg.warmup} warmup"
         + (f", median of {cfg.rounds} alternating rounds" if cfg.rounds > 1 else "")
         + "; shown rank0/max over ranks; derived figures use the max",
@@ -172,10 +181,11 @@ def format_table(result: SweepResult) -> str:
             ("host noDBO", 10), ("host DBO", 8),
             ("tok/s noDBO", 11), ("tok/s DBO", 11), ("comp ms", 8), ("comm ms", 8),
             ("both ms", 8), ("split ms", 8), ("ceiling", 7), ("eta", 6), ("eta rounds", 10),
-            ("SBO ms", 15), ("SBO x", 6), ("gate", 4), ("gated", 6), ("best", 9)]
+            ("SBO ms", 15), ("SBO x", 6), ("joined ms", 15), ("joined x", 8), ("gate", 6),
+            ("gated", 6), ("best", 12)]
     if cfg.functional:
         cols = [(name, w) for name, w in cols
-                if name not in ("speedup", "gated", "SBO x", "best")]
+                if name not in ("speedup", "gated", "SBO x", "joined x", "best")]
     header = "  ".join(f"{name:>{w}}" for name, w in cols)
     if cfg.mode == "decode":  # one new token per request: T/rank counts the requests
         header = header.replace(" T/rank", " R/rank", 1)
@@ -184,6 +194,8 @@ def format_table(result: SweepResult) -> str:
         cells = {"T/rank": str(p.tokens_per_rank), "backend": p.backend,
                  "noDBO ms": f"{p.t_nodbo_ms_rank0:.3f}/{p.t_nodbo_ms:.3f}",
                  "SBO ms": _pair(p.t_sbo_ms_rank0, p.t_sbo_ms), "SBO x": _opt(p.speedup_sbo),
+                 "joined ms": _pair(p.t_joined_ms_rank0, p.t_joined_ms),
+                 "joined x": _opt(p.speedup_joined),
                  "DBO ms": _pair(p.t_dbo_ms_rank0, p.t_dbo_ms),
                  "speedup": _opt(p.speedup), "host noDBO": _opt(p.host_nodbo_ms),
                  "host DBO": _opt(p.host_dbo_ms), "tok/s noDBO": _num(p.tokens_per_s_nodbo),
@@ -201,12 +213,16 @@ def format_table(result: SweepResult) -> str:
         split = ("" if p.dbo_split or p.t_dbo_ms is None
                  else f" [DBO-on step NOT split: {p.dbo_split_reason}]")
         sbo = f" [SBO {p.sbo_note}]" if p.sbo_note else ""
+        if p.joined_note:
+            sbo += f" [joined {p.joined_note}]"
+        elif p.t_joined_ms is not None and not p.joined_split:
+            sbo += f" [joined step NOT split: {p.joined_split_reason}]"
         note = ""
         if p.eta is None and p.t_both_ms is not None:
             note = f" (eta n/a: {p.eta_note})"
         elif p.eta is not None and p.eta_note:
             note = f" ({p.eta_note})"
-        lines.append(f"  {p.backend:>7} T={p.tokens_per_rank:<6} {p.gate:>3}: "
+        lines.append(f"  {p.backend:>7} T={p.tokens_per_rank:<6} {p.gate:>6}: "
                      f"{p.gate_reason}{note}{split}{sbo}")
     lines.extend(prediction_lines(result))
     clocked = [p for p in result.points if p.sm_mhz]

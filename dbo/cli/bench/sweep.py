@@ -1,4 +1,5 @@
-"""The sweep: tokens per rank x backend x DBO off / SBO / DBO on, the ceiling probe, the gate.
+"""The sweep: tokens per rank x backend x DBO off / SBO / DBO on / DBO with joined experts,
+the ceiling probe, the gate.
 
     result = run_sweep(cfg, group=dist.group.WORLD, device=device)   # on every rank
     result.points[0].speedup, result.points[0].gate, ...
@@ -6,8 +7,9 @@
 Per point (backend outer, tokens inner, so a model is rebuilt only when it must be),
 `rounds` times in a row: DBO off timed, the ceiling probed on that same workload (GPU),
 single-batch overlap (SBO) timed on that same model (`dbo.cli.bench.sbo`), DBO on timed,
-then its split compute (GPU; `dbo.cli.bench.ceiling.probe_split_compute`); `--overlaps`
-leaves out SBO or DBO.
+then its split compute (GPU; `dbo.cli.bench.ceiling.probe_split_compute`), then DBO with
+joined experts on the DBO-on model (`dbo.cli.bench.joined`); `--overlaps` leaves out any
+of SBO, DBO and joined.
 A backend whose exchange is not made of the collectives the probe records (DeepEP,
 symm_mem: `dbo.cli.bench.probe_scope`) gets no probe, split compute, phase times or
 prediction; its point says why (`probe_note`).
@@ -46,12 +48,15 @@ from dbo import Calibration, MeasuredPoint
 from dbo.cli.bench.ceiling import moe_layers, probe_ceiling, probe_split_compute
 from dbo.cli.bench.config import BenchConfig
 from dbo.cli.bench.gating import GatePolicy
+from dbo.cli.bench.joined import (attach_joined, decide_joined, joined_missing, joined_trials,
+                                  measure_joined)
 from dbo.cli.bench.phases import probe_phases, step_is_decode, to_graph_mode
 from dbo.cli.bench.point import Point, Round, add_rounds, make_point
 from dbo.cli.bench.predicted import (attach_prediction, bench_calibration, bench_shape,
                                      covered)
 from dbo.cli.bench.probe_scope import probe_scope
-from dbo.cli.bench.sbo import DBO_SKIPPED, attach_sbo, gate_point, measure_sbo, sbo_missing
+from dbo.cli.bench.sbo import (DBO_SKIPPED, attach_choice, attach_sbo, gate_point, measure_sbo,
+                              sbo_missing)
 from dbo.cli.bench.timing import SpanFn, no_spans, time_steps
 from dbo.cli.bench.workload import WorkloadFactory
 from traces.capture import capture
@@ -109,7 +114,7 @@ def run_sweep(cfg: BenchConfig, *, group: Optional[dist.ProcessGroup],
 
 #: The timings whose clock a point reports (name -> label), in the report's order.
 CLOCKED = {"nodbo": "no DBO", "dbo": "DBO", "split": "split", "compute": "compute",
-           "comm": "comm", "both": "both", "sbo": "SBO"}
+           "comm": "comm", "both": "both", "sbo": "SBO", "joined": "joined"}
 
 
 def _clock_spans(clocks: Optional[ClockLog], backend: str, tokens: int) -> SpanFn:
@@ -132,13 +137,14 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
                    progress: "Progress", *, backend: str, tokens: int,
                    timing: dict[str, Any], span: SpanFn, calibration: Calibration) -> Point:
     """`cfg.rounds` rounds of (DBO off, the probe (GPU), SBO's trial and SBO, DBO's trial,
-    DBO on, its split compute (GPU)), then the gate. Workloads die within a round, so the factory can
-    free a model before building the next one."""
+    DBO on, its split compute (GPU), joined's trial and joined), then the gate. Workloads
+    die within a round, so the factory can free a model before building the next one."""
     on_gpu = factory.device.type == "cuda"
     rounds: list[Round] = []
     trial_speedups: list[float] = []
     phases: Optional[MeasuredPoint] = None
     sbo_note = ""
+    joined_note = joined_missing(cfg)
     issue_only = False
     prediction = None  # the calibration's, where it covers this point: no trials then
     for index in range(cfg.rounds):
@@ -191,18 +197,28 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
             t_split = (probe_split_compute(on, **timing, span=span, cuda_graph=cfg.cuda_graph)
                        if probe else None)
             del on
-        rounds.append(Round(t_off, t_on, ceiling, was_split, split_reason, t_split, sbo))
+        joined = None
+        if not joined_note:  # the DBO-on model (a2a_ll's capacity): no rebuild after DBO on
+            progress.step(f"{backend} T={tokens}/rank: joined experts" + tag)
+            joined = measure_joined(factory, cfg, backend=backend, tokens=tokens, t_off=t_off,
+                                    timing=timing, span=span, trial=prediction is None)
+        rounds.append(Round(t_off, t_on, ceiling, was_split, split_reason, t_split, sbo,
+                            joined))
     merged = Round.median(rounds)
-    decision = (gate.decide(tokens_per_rank=tokens,
-                            ceiling=None if merged.ceiling is None else merged.ceiling.ceiling,
-                            trial_speedups=trial_speedups,
-                            no_probe_reason=scope.gate_reason if not scope.measurable
-                            else "probe skipped on CPU")
+    ceiling_x = None if merged.ceiling is None else merged.ceiling.ceiling
+    no_probe = scope.gate_reason if not scope.measurable else "probe skipped on CPU"
+    decision = (gate.decide(tokens_per_rank=tokens, ceiling=ceiling_x,
+                            trial_speedups=trial_speedups, no_probe_reason=no_probe)
                 if "dbo" in cfg.overlaps else None)
     sbo_rounds = [r.sbo for r in rounds if r.sbo is not None]
+    joined_rounds = [r.joined for r in rounds if r.joined is not None]
+    joined_decision = (decide_joined(gate, tokens=tokens, ceiling=ceiling_x,
+                                     rounds=joined_rounds, no_probe_reason=no_probe)
+                       if not joined_note else None)
     choice = gate_point(gate, dbo=decision, dbo_trials=trial_speedups, sbo_rounds=sbo_rounds,
                         sbo_note=sbo_note, dbo_note="" if decision else DBO_SKIPPED,
-                        prediction=prediction)
+                        joined=joined_decision, joined_trials=joined_trials(joined_rounds),
+                        joined_note=joined_note, prediction=prediction)
     point = make_point(cfg, backend=backend, tokens=tokens, world_size=factory.world_size,
                        t_off=merged.t_off, t_on=merged.t_on, ceiling=merged.ceiling,
                        split=merged.split, split_reason=merged.split_reason,
@@ -211,7 +227,9 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
     add_rounds(point, rounds)
     point.trial_speedups = trial_speedups
     point.probe_note = scope.note
-    attach_sbo(point, sbo_rounds, note=sbo_note, choice=choice)
+    attach_sbo(point, sbo_rounds, note=sbo_note)
+    attach_joined(point, joined_rounds, note=joined_note)
+    attach_choice(point, choice)
     if phases is not None:  # what `dbo plan` needs to find the roofline of this shape
         phases = bench_shape(phases, cfg, num_experts=factory.num_experts,
                              world_size=factory.world_size)

@@ -7,6 +7,8 @@
     out = on.step()                       # DBORunner(model, factory.dbo_config)(...)
     sbo = factory.get(tokens=1024, backend="a2a", dbo=False, sbo=True)
     out = sbo.step()                      # the same, with DBOConfig(overlap="sbo")
+    joined = factory.get(tokens=1024, backend="a2a", dbo=True, joined=True)
+    out = joined.step()                   # DBO on, with DBOConfig(joined_experts=True)
 
 Layer mode: a `LayerStack` of the preset's MoE layer shape, inputs [T, H], DBO split
 "tokens". Decode mode: a `DecodeStack` (`dbo.cli.bench.decode_stack`), T requests of one
@@ -21,7 +23,9 @@ cache in this mode, so a request is never cut: `dbo.split`).
 the DBO-on model the larger ubatch of the split the runner will make (so DBO moves no
 more padding than the unsplit step), computed with the runner's own planner. A
 single-batch-overlap (SBO) step is not split: it runs on the DBO-off model, through a
-runner whose policy never splits (`DBOConfig(overlap="sbo")`, `dbo.overlap`). `symm_mem`
+runner whose policy never splits (`DBOConfig(overlap="sbo")`, `dbo.overlap`). A step
+with joined experts is a DBO step: the DBO-on model, through a runner of the same policy
+with `joined_experts=True` (`dbo.meet`). `symm_mem`
 sizes its buffers by a capacity but moves only routed rows: both models get T. The factory
 keeps one model alive, rebuilt only when the backend or that capacity changes.
 """
@@ -151,11 +155,14 @@ class WorkloadFactory:
                                    max_requests=max(self.cfg.tokens))
                    if self.cfg.mode == "decode" else {})}
 
-    def get(self, *, tokens: int, backend: str, dbo: bool, sbo: bool = False) -> Workload:
+    def get(self, *, tokens: int, backend: str, dbo: bool, sbo: bool = False,
+            joined: bool = False) -> Workload:
         """The workload of one point: the model called directly (`dbo` and `sbo` False),
-        through a DBO runner (`dbo`), or through a runner that overlaps within the one
-        unsplit batch (`sbo`; a `GraphedRunner` around either under --cuda-graph)."""
+        through a DBO runner (`dbo`; with `joined`, one that runs each MoE layer's experts
+        once over both ubatches' rows), or through a runner that overlaps within the one
+        unsplit batch (`sbo`; a `GraphedRunner` around any of them under --cuda-graph)."""
         assert not (dbo and sbo), "a workload runs DBO (two ubatches) or SBO (one)"
+        assert dbo or not joined, "joined experts are a DBO step's (dbo=True)"
         capacity = None
         if backend in FIXED_CAPACITY_BACKENDS:
             capacity = self.ubatch_capacity(tokens) if dbo else tokens
@@ -168,6 +175,7 @@ class WorkloadFactory:
         runner: Optional[Union[DBORunner, GraphedRunner]] = None
         if dbo or sbo:
             config = (dataclasses.replace(self.dbo_config, overlap="sbo") if sbo
+                      else dataclasses.replace(self.dbo_config, joined_experts=True) if joined
                       else self.dbo_config)
             runner = DBORunner(model, config, group=self.group)
             if self.cfg.cuda_graph:
