@@ -49,7 +49,9 @@ def run_block(index: int, code: str, folder: Path) -> subprocess.CompletedProces
     root."""
     script = folder / f"doc_example_{index}.py"
     script.write_text(code)
-    env = dict(os.environ)
+    # A newcomer's shell: no rendezvous address left behind by an earlier test (an
+    # example's os.environ.setdefault would take it, and its port may still be bound).
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)

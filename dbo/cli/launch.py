@@ -87,8 +87,16 @@ def launch(worker: Worker, job: Any, *, world_size: Optional[int] = None,
         return _run_rank(int(os.environ["RANK"]), world_size,
                          int(os.environ.get("LOCAL_RANK", os.environ["RANK"])), worker, job,
                          init_env=False)
-    if world_size == 1:
-        return _run_rank(0, 1, 0, worker, job, init_env=True, port=free_port())
+    if world_size == 1:  # in this process: its rendezvous variables are put back after
+        saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+        try:
+            return _run_rank(0, 1, 0, worker, job, init_env=True, port=free_port())
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     return _spawn(world_size, worker, job, timeout_s)
 
 
