@@ -116,6 +116,9 @@ class MeasuredPoint:
     host_sbo_ms: float = 0.0
     """The same for the single-batch-overlap step (the runner's vote, the own-rows
     pass); 0: not measured (the model then takes host_ms)."""
+    host_joined_ms: float = 0.0
+    """The same for the joined DBO step (`DBOConfig.joined_experts`); 0: not measured
+    (the model then takes host_dbo_ms)."""
     split_compute: float = 0.0
     """The DBO step's compute alone, ms: the probe's split compute (the step with its
     collectives replaced by their recorded results; graphed where the steps were); 0:
@@ -153,7 +156,7 @@ class MeasuredPoint:
         values = {name: getattr(self, name) for name in (
             "attention", "experts", "dispatch", "combine", "shared", "comm_latency",
             "expert_weight_bytes", "attention_weight_bytes", "shared_weight_bytes", "host_ms",
-            "host_dbo_ms", "host_sbo_ms", "split_compute")}
+            "host_dbo_ms", "host_sbo_ms", "host_joined_ms", "split_compute")}
         values.update({f"measured_ms[{k!r}]": v for k, v in self.measured_ms.items()})
         for name, value in values.items():
             if not in_range(value, 0.0, math.inf):

@@ -107,23 +107,19 @@ Terms (source of each parameter after the colon):
           each re-read the weights.
   joined (DBO with `DBOConfig.joined_experts`): two ubatches, whose experts run once over
           both ubatches' rows after both dispatches have arrived (each expert's weights
-          read once, the unsplit step's GEMM, every SM: no transfer runs beside it). On
-          the comm stream per layer: the dispatches of the first (F) and second (S)
-          ubatch to reach the experts, then S's combine, then F's:
+          read once, every SM: no transfer runs beside them). Comm per layer: the first
+          (F) and second (S) ubatch's dispatches, then S's combine, then F's:
           layer = ov(a2, d2)          S's attention under F's dispatch
                   + d2                S's dispatch (the experts need both)
                   + xj                xj = max(x, W_e), the unsplit step's experts
                   + ov(s2, c2)        S's shared experts under S's combine
-                  + ov(a2 + s2, c2)   S's next attention and F's shared experts under F's
-                                      combine (S dispatches first in the next layer)
-          a2, s2 as DBO's before the measured split compute scales them (that scale is
-          the split experts' cost, which this mode does not pay)
-          fill/drain = a2 + ov(s2, c2) - ov(a2 + s2, c2) + [first_dispatch_exposed]:
-                  the first attention has nothing under it, the last combine no next
-                  attention
-          T = step(L * layer + fill/drain, max(host(2k), h_dbo))
-          The mode is offered (`predict`'s `joined`) only where the runner joins its
-          experts; its time is predicted either way.
+                  + ov(a2 + s2, c2)   S's next attention, F's shared experts under F's
+          a2, s2 as DBO's, unscaled by the measured split compute (whose excess is the
+          split experts' cost, not paid here); fill/drain = a2 + ov(s2, c2) - ov(a2 +
+          s2, c2) + [first_dispatch_exposed]: the first attention has nothing under it,
+          the last combine no next attention
+          T = step(L * layer + fill/drain, max(host(2k), h_joined or h_dbo))
+          Offered (`predict`'s `joined`) only where the runner joins its experts.
   choice: the fastest mode, unless its gain T_none / T_mode - 1 is below `margin`:
           then "none" (an overlap mode that is predicted to win by less never runs).
 """
@@ -202,6 +198,9 @@ class StepShape:
     host_sbo_ms: float = 0.0
     """Measured host time to issue the SBO step, ms (0: not known: host_ms). The
     runner's vote and the own-rows pass's launches on top of the unsplit step's."""
+    host_joined_ms: float = 0.0
+    """Measured host time to issue the joined DBO step, ms (0: not known: the DBO
+    step's). One experts call per layer where DBO makes two, and the meeting's switch."""
     cuda_graph: bool = False
     """The step is a CUDA-graph replay: its host time (the runner's vote, the replay's
     launch) is spent before the GPU has any of its work, so it adds to the GPU time
@@ -236,7 +235,8 @@ class StepShape:
         _check_nonneg("StepShape", self, ("rows_per_expert", "expert_weight_bytes",
                                           "attention_weight_bytes", "shared_weight_bytes",
                                           "split_compute_ms",
-                                          "host_ms", "host_dbo_ms", "host_sbo_ms"))
+                                          "host_ms", "host_dbo_ms", "host_sbo_ms",
+                                          "host_joined_ms"))
         if not isinstance(self.cuda_graph, bool):
             raise ValueError(f"StepShape.cuda_graph={self.cuda_graph!r}: must be True or "
                              f"False.")
@@ -373,7 +373,7 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
     t_joined = step(_joined_gpu(a2, s2, max(x, w_e), (d - lam) / 2 + lam,
                                 (c - lam) / 2 + lam, L, f=f, kappa=kappa,
                                 first_dispatch_exposed=shape.first_dispatch_exposed),
-                    max(host(2 * k), h_dbo))
+                    max(host(2 * k), shape.host_joined_ms or h_dbo))
     if shape.split_compute_ms > 0 and a2 + s2 + x2 > 0:  # measured: take it
         sigma = shape.split_compute_ms / (2 * L * (a2 + s2 + x2))
         a2, s2, x2 = a2 * sigma, s2 * sigma, x2 * sigma

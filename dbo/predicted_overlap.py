@@ -29,7 +29,7 @@ __all__ = ["OverlapPredictor", "covering_point", "point_inputs"]
 # The fields of a MeasuredPoint that scale with the step's tokens.
 _SCALED = ("attention", "experts", "dispatch", "combine", "shared", "comm_latency",
            "rows_per_expert", "expert_weight_bytes", "attention_weight_bytes",
-           "shared_weight_bytes", "host_ms", "host_dbo_ms", "host_sbo_ms",
+           "shared_weight_bytes", "host_ms", "host_dbo_ms", "host_sbo_ms", "host_joined_ms",
            "split_compute")
 
 
@@ -51,6 +51,7 @@ def point_inputs(point: MeasuredPoint, calibration: Optional[Calibration] = None
                       attention_weight_bytes=point.attention_weight_bytes,
                       shared_weight_bytes=point.shared_weight_bytes, host_ms=point.host_ms,
                       host_dbo_ms=point.host_dbo_ms, host_sbo_ms=point.host_sbo_ms,
+                      host_joined_ms=point.host_joined_ms,
                       cuda_graph=point.cuda_graph,
                       comm_sm_share=share, own_row_share=point.own_row_share,
                       split_compute_ms=point.split_compute)

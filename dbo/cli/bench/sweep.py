@@ -243,7 +243,7 @@ def _measure_point(cfg: BenchConfig, factory: WorkloadFactory, gate: GatePolicy,
         phases = dataclasses.replace(
             phases, host_ms=merged.t_off.host_max_ms or 0.0,
             host_dbo_ms=(merged.t_on.host_max_ms or 0.0) if merged.t_on is not None else 0.0,
-            host_sbo_ms=point.host_sbo_ms or 0.0)
+            host_sbo_ms=point.host_sbo_ms or 0.0, host_joined_ms=point.host_joined_ms or 0.0)
     if phases is not None:
         attach_prediction(point, phases, calibration)
     return point
