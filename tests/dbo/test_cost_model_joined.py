@@ -74,3 +74,15 @@ def test_joined_must_be_a_bool():
     with pytest.raises(ValueError, match="joined=1: must be True or False"):
         predict(PhaseTimes(attention=1, experts=1, dispatch=1, combine=1), shape(), FLAT,
                 joined=1)  # type: ignore[arg-type]
+
+
+def test_the_joined_step_s_own_host_time_replaces_the_dbo_step_s():
+    # Graphed, a = x = d = c = 1: GPU joined 3.5 (test_cost_model's graph case); the
+    # host time before the replay adds: the DBO step's 0.7 where the joined one was not
+    # measured, else its own 0.4.
+    times = PhaseTimes(attention=1, experts=1, dispatch=1, combine=1)
+    graphed = dict(host_ms=0.1, host_dbo_ms=0.7, cuda_graph=True)
+    assert predict(times, shape(**graphed), FLAT).times_ms["joined"] == pytest.approx(4.2)
+    measured = predict(times, shape(**graphed, host_joined_ms=0.4), FLAT)
+    assert measured.times_ms["joined"] == pytest.approx(3.9)
+    assert measured.times_ms["dbo"] == pytest.approx(3.2)  # DBO keeps its own
