@@ -111,7 +111,7 @@ Terms (source of each parameter after the colon):
           (F) and second (S) ubatch's dispatches, then S's combine, then F's:
           layer = ov(a2, d2)          S's attention under F's dispatch
                   + d2                S's dispatch (the experts need both)
-                  + xj                xj = max(x, W_e), the unsplit step's experts
+                  + x                 the unsplit step's experts, as measured
                   + ov(s2, c2)        S's shared experts under S's combine
                   + ov(a2 + s2, c2)   S's next attention, F's shared experts under F's
           a2, s2 as DBO's, unscaled by the measured split compute (whose excess is the
@@ -370,7 +370,7 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
     t_none = step(L * (a + x + d + tail_none), max(host(k), h))
 
     a2, s2, x2 = max(a / 2, w_a), max(s / 2, w_s), max(g * x / 2, w_e)
-    t_joined = step(_joined_gpu(a2, s2, max(x, w_e), (d - lam) / 2 + lam,
+    t_joined = step(_joined_gpu(a2, s2, x, (d - lam) / 2 + lam,
                                 (c - lam) / 2 + lam, L, f=f, kappa=kappa,
                                 first_dispatch_exposed=shape.first_dispatch_exposed),
                     max(host(2 * k), shape.host_joined_ms or h_dbo))

@@ -23,7 +23,8 @@ def test_weight_bound_experts_joined_beats_dbo_and_no_overlap():
     # none (eager): a + x + d + ov(s = 0, c) = 1 + 4 + 1 + 1 = 7.
     # dbo: a2 = 0.5, x2 = max(x / 2, W_e) = 4 (each ubatch reads every weight), y2 = 4,
     #   d2 = c2 = 0.5: layer 0.5 + 4 + 4 + 0.5 = 9, fill/drain 0.5 + 0.5 - 0.5 = 0.5: 9.5.
-    # joined: layer ov(a2, d2) + d2 + max(x, W_e) + ov(0, c2) + ov(a2, c2)
+    # joined: layer ov(a2, d2) + d2 + x + ov(0, c2) + ov(a2, c2) (x as the unsplit step
+    # measured it: its weights were read once there too)
     #   = 0.5 + 0.5 + 4 + 0.5 + 0.5 = 6, fill/drain 0.5 + 0.5 - 0.5 = 0.5: 6.5.
     times = PhaseTimes(attention=1, experts=4, dispatch=1, combine=1)
     bound = shape(expert_weight_bytes=4e9)

@@ -39,7 +39,7 @@ COMM_HEAVY = dict(attention=2.0, experts=2.0, dispatch=4.0, combine=4.0)
 # .5 + tail - .59 = 0, the last ubatch's shared experts (v2 = s2 = 1) under the last combine:
 # tail = ov(2,.5) + ov(1,.5) - ov(3,.5) = .09: 7.86 (-8.7%). SBO: 1 + ov(2, 2) + max(2, W_e = 2) + 1 =
 # 1 + 2.36 + 2 + 1 = 6.36 (+12.9%: the shared experts under the dispatch). Joined: ov(.5, 1)
-# + 1 + max(x, W_e) + ov(1, .5) + ov(1.5, .5) = 1 + 1 + 2 + 1.09 + 1.59 = 6.68, fill/drain
+# + 1 + x + ov(1, .5) + ov(1.5, .5) = 1 + 1 + 2 + 1.09 + 1.59 = 6.68, fill/drain
 # .5 + 1.09 - 1.59 = 0: 6.68 (+7.5%, the weights read once, but SBO is faster still).
 WEIGHT_BOUND = dict(attention=1.0, shared=2.0, experts=2.0, dispatch=2.0, combine=1.0,
                     expert_weight_bytes=6e9)
