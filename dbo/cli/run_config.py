@@ -59,6 +59,9 @@ class RunConfig(ModelJob):
     """Capture one DBO step under torch.profiler (trace, analysis, timeline)."""
     cuda_graph: bool = False
     """Run and time both modes as CUDA graph replays (GPUs only)."""
+    joined_experts: bool = False
+    """DBO steps run each MoE layer's experts once over both ubatches' rows
+    (`DBOConfig.joined_experts`)."""
     hf: Optional[str] = None
     """A local Hugging Face checkpoint folder to run instead of the preset (`moe.hf.load`)."""
     hf_config: Optional[str] = None

@@ -138,7 +138,7 @@ def build_hf(ctx: Any, job: Any, *, backend: str, tokens: int,
         mask[b, : min(b % 3, seq_len - 1)] = 0
     runner = DBORunner(model, DBOConfig(split="batch", split_kwargs=("attention_mask",),
                                         min_prefill_tokens=2, min_decode_tokens=2,
-                                        merge=_cat_rows),
+                                        merge=_cat_rows, joined_experts=job.joined_experts),
                        group=ctx.group)
     experts = converted_experts(model)
     return dict(model=model, runner=runner, args=(),

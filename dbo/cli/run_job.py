@@ -135,7 +135,8 @@ def setup_rank(ctx: RankContext, job: RunConfig) -> RankSetup:
     # Never split inside a request: the reference model has no KV cache, so the tail of a
     # split request could not attend to its head.
     runner = DBORunner(model, DBOConfig(split="requests", min_prefill_tokens=2,
-                                        min_decode_tokens=2, max_imbalance=1.0),
+                                        min_decode_tokens=2, max_imbalance=1.0,
+                                        joined_experts=job.joined_experts),
                        group=ctx.group)
     return RankSetup(model, runner, (batch.input_ids_T, batch.positions_T),
                      {"seq_lens": batch.seq_lens}, backend, config.dtype,
@@ -213,7 +214,7 @@ def run_rank(ctx: RankContext, job: RunConfig) -> Optional[dict]:
         "model": job_setup.label, "num_experts": job_setup.num_experts,
         "device": str(ctx.device.type), "dtype": str(job_setup.dtype),
         "cuda_graph": job.cuda_graph,
-        "split": decision.split, "reason": decision.reason,
+        "split": decision.split, "reason": decision.reason, "mode": decision.overlap,
         "outputs_match": all(r[0] <= r[1] for r in per_rank),
         "max_abs_diff": [r[0] for r in per_rank], "tolerance": [r[1] for r in per_rank],
         "routing_ties": [int(r[2]) for r in per_rank],
@@ -240,7 +241,8 @@ def print_summary(s: dict) -> None:
     print(f"dbo run: {s['model']}, {s['world_size']} ranks on {s['device']} "
           f"({s['dtype']}), backend {s['backend']}, {s['num_experts']} experts, tokens per "
           f"rank {s['tokens_per_rank']}")
-    print(f"split: {s['split']} ({s['reason']})")
+    joined = " with joined experts" if s.get("mode") == "joined" else ""
+    print(f"split: {s['split']}{joined} ({s['reason']})")
     verdict = "match" if s["outputs_match"] else "DIFFER"
     print(f"outputs DBO on vs off: {verdict} (max |diff| per rank {['%.2e' % d for d in s['max_abs_diff']]}, "
           f"tolerance {['%.1e' % t for t in s['tolerance']]})")
@@ -377,6 +379,9 @@ def build_parser(*, prog: str = "dbo run", description: Optional[str] = DESCRIPT
         p.add_argument("--profiler", default=d.profiler, choices=PROFILERS,
                        help="torch: torch.profiler (Chrome trace, analysis, timeline); nsys: "
                             "NVTX ranges for `nsys profile --capture-range=cudaProfilerApi`")
+    p.add_argument("--joined-experts", action="store_true",
+                   help="DBO steps run each MoE layer's experts once over both ubatches' "
+                        "rows (DBOConfig.joined_experts: weights read once)")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks to start (default: every GPU, or 2 CPU ranks)")
     return p
@@ -418,7 +423,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if summary is None:
         return 0  # a non-zero torchrun rank
     print_summary(summary)
-    keys = ("split", "outputs_match", "timings", "speedup", "step_ms", "tokens_per_s",
+    keys = ("split", "mode", "outputs_match", "timings", "speedup", "step_ms", "tokens_per_s",
             "world_size", "backend", "cuda_graph", *(("decode",) if "decode" in summary else ()))
     print(json.dumps({k: summary[k] for k in keys}))
     decode_ok = summary.get("decode", {}).get("outputs_match", True)

@@ -84,6 +84,22 @@ def test_dbo_run_decode_steps_end_to_end(run_out):
 
 
 @pytest.mark.distributed
+def test_dbo_run_joined_experts_end_to_end(capsys):
+    # --joined-experts: the DBO step runs each MoE layer's experts once for both ubatches;
+    # its outputs match DBO off and the summary names the mode.
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.delenv(name, raising=False)
+        code = cli.main(["run", "--tokens", "48", "--requests", "4", "--steps", "1",
+                         "--num-experts", "4", "--no-trace", "--joined-experts"])
+    out = capsys.readouterr().out
+    assert code == 0, out[-2000:]
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["split"] is True and last["mode"] == "joined" and last["outputs_match"]
+    assert "split: True with joined experts" in out
+
+
+@pytest.mark.distributed
 def test_dbo_inspect_reads_the_run_trace(run_out, capsys):
     # The trace a 2-rank run wrote, read back.
     out, _, _ = run_out
