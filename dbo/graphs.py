@@ -53,6 +53,7 @@ from dbo.model_hooks import ModelHooks
 from dbo.runner import DBORunner
 from dbo.mode_policy import Wish
 from dbo.split import SplitPlan, first_tensor
+from streams.graph_capture import GRAPH_CAPTURES
 
 #: Eager steps before a capture: the first compiles and autotunes kernels, allocates the
 #: workspaces and initialises the communicators, none of which a capture may do.
@@ -102,6 +103,7 @@ def capture_graph(fn: Callable[[], Any], *, device: torch.device,
         current.wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
+        GRAPH_CAPTURES.begin()  # buffers allocated so far may be baked into this graph
         try:
             # thread_local: NCCL's watchdog thread may query its events meanwhile.
             with (collect_graph_host_buffers() as host_buffers,

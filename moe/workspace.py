@@ -10,6 +10,11 @@ A view returned by `get(name, ...)` is valid until the next `get` of the same na
 same workspace (by any layer of the same ubatch), in stream order: work queued on the
 compute stream before that next `get` has finished with it by the time later work runs.
 Never return a workspace view to a caller that keeps it.
+
+CUDA graphs: a buffer that grows after a graph capture began (`streams.graph_capture`)
+may be baked into that graph, whose replays keep writing it, so the old buffer is kept
+alive (`pinned_nbytes`) rather than freed; e.g. a graph of a small step captured before a
+larger step grows the buffer, or a DBO step's before a joined one's.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ from typing import Any, Callable, TypeVar
 
 import torch
 from torch import Tensor
+
+from streams.graph_capture import GRAPH_CAPTURES
 
 __all__ = ["Workspace", "WorkspaceSets", "empty_from"]
 
@@ -49,13 +56,22 @@ class Workspace:
         # entry per name, so request shapes that change every step do not pile up.
         self._views: dict[str, tuple[tuple, Tensor]] = {}
         self._kept: dict[str, Any] = {}
+        # name -> the graph-capture count when its buffer was allocated; buffers replaced
+        # after a capture began, kept alive for the graphs that may hold them.
+        self._captures_at: dict[str, int] = {}
+        self._pinned: list[Tensor] = []
         self.num_allocations = 0
         self.frozen = False
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all buffers of this workspace."""
+        """Bytes held by all buffers of this workspace (pinned ones not counted)."""
         return sum(buf.numel() for buf in self._buffers.values())
+
+    @property
+    def pinned_nbytes(self) -> int:
+        """Bytes of replaced buffers kept alive for CUDA graphs that may hold them."""
+        return sum(buf.numel() for buf in self._pinned)
 
     def get(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
@@ -88,11 +104,16 @@ class Workspace:
                     f"(has {have}): warm up with the largest batch before freeze()."
                 )
             size = -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
-            # Drop the old buffer first so the allocator can reuse its memory.
-            self._buffers.pop(name, None)
+            # Drop the old buffer first so the allocator can reuse its memory, unless a
+            # graph captured since it was allocated may still write it.
+            old = self._buffers.pop(name, None)
             self._views.pop(name, None)
+            if old is not None and self._captures_at.get(name) != GRAPH_CAPTURES.count:
+                self._pinned.append(old)
+            del old
             buf = torch.empty(size, dtype=torch.uint8, device=device)
             self._buffers[name] = buf
+            self._captures_at[name] = GRAPH_CAPTURES.count
             self.num_allocations += 1
         view = buf[:nbytes].view(dtype).view(shape)
         if cacheable:
@@ -122,11 +143,13 @@ class Workspace:
         self.frozen = True
 
     def clear(self) -> None:
-        """Release all buffers and kept objects (the counters are kept; ``frozen`` is
-        reset)."""
+        """Release all buffers and kept objects, pinned ones too: release the CUDA graphs
+        captured with them first (the counters are kept; ``frozen`` is reset)."""
         self._buffers.clear()
         self._views.clear()
         self._kept.clear()
+        self._captures_at.clear()
+        self._pinned.clear()
         self.frozen = False
 
     def __repr__(self) -> str:

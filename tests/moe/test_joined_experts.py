@@ -11,6 +11,8 @@ step split.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -108,7 +110,8 @@ def test_joined_steps_replay_as_cuda_graphs_on_one_gpu():
     """On one GPU (backend local, the Triton experts, bf16): a graphed joined step replays
     the eager joined step bit for bit (the same kernels on the same shapes), and both are
     close to the unsplit model (bf16: the joined GEMMs see more rows at once, which may
-    round otherwise; 2**-6 of the output's scale)."""
+    round otherwise; 2**-6 of the output's scale); a plain DBO step's graph captured
+    before it still replays its own result."""
     from dbo import GraphedRunner
     from dbo.cli.bench.layer_stack import LayerStack
     from moe.config import MoEConfig
@@ -119,17 +122,28 @@ def test_joined_steps_replay_as_cuda_graphs_on_one_gpu():
                     backend="local", experts="triton")
     model = LayerStack(cfg, num_layers=2, attn_context=64, group=None, device=device)
     model.init_weights(seed=5)
-    runner = DBORunner(model, DBOConfig(split="tokens", min_decode_tokens=2,
-                                        joined_experts=True))
+    split = DBOConfig(split="tokens", min_decode_tokens=2)
+    runner = DBORunner(model, replace(split, joined_experts=True))
     graphed = GraphedRunner(runner)
+    # A plain DBO step's graph on the same model, captured first: the joined step's
+    # experts then grow the ubatch workspaces it was captured with, which must stay alive
+    # for its replays (`moe.workspace`). At this size a replay of freed buffers went
+    # unnoticed in our runs; `dbo bench --hf deepseek-v3 --cuda-graph` on one GPU ended
+    # in an illegal memory access (tests/moe/test_workspace.py checks the pinning).
+    dbo_runner = DBORunner(model, split)
+    dbo_graphed = GraphedRunner(dbo_runner)
     gen = torch.Generator(device=device).manual_seed(3)
     x = torch.randn(48, 128, generator=gen, device=device).to(torch.bfloat16)
     with torch.no_grad():
         unsplit = model(x)
+        dbo_first = dbo_graphed(x).clone()
         replayed = graphed(x)
         assert graphed.last_decision.overlap == "joined" and graphed.num_captures == 1
         eager = runner(x)
         assert runner.last_decision.overlap == "joined"
+        dbo_again = dbo_graphed(x)
+        torch.cuda.synchronize()
+        assert torch.equal(dbo_again, dbo_first) and torch.equal(dbo_again, dbo_runner(x))
     assert torch.equal(replayed, eager)
     scale = unsplit.float().abs().max().item()
     assert (eager.float() - unsplit.float()).abs().max().item() <= scale * 2 ** -6

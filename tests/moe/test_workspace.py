@@ -152,3 +152,25 @@ def test_keep_makes_once_and_returns_the_same_object_until_clear() -> None:
         ws.keep("new", make)
     ws.clear()
     assert ws.keep("sym", make) == [3]
+
+
+def test_a_buffer_a_graph_may_hold_is_kept_alive_when_it_grows():
+    from streams.graph_capture import GRAPH_CAPTURES
+
+    ws = Workspace()
+    ws.get("a", (64,), torch.uint8, "cpu")
+    ws.get("a", (4096,), torch.uint8, "cpu")  # no capture since: the old one is freed
+    assert ws.pinned_nbytes == 0 and ws.num_allocations == 2
+    held = ws.get("a", (4096,), torch.uint8, "cpu")
+    GRAPH_CAPTURES.begin()  # a graph captured now may hold `held`'s buffer
+    ws.get("a", (4096,), torch.uint8, "cpu")  # fits: nothing moves
+    assert ws.pinned_nbytes == 0
+    grown = ws.get("a", (8192,), torch.uint8, "cpu")
+    assert ws.pinned_nbytes == 4096 and ws.nbytes == 8192
+    assert held.untyped_storage().data_ptr() in {
+        t.untyped_storage().data_ptr() for t in ws._pinned}
+    assert grown.untyped_storage().data_ptr() != held.untyped_storage().data_ptr()
+    ws.get("a", (16384,), torch.uint8, "cpu")  # no capture since the last growth
+    assert ws.pinned_nbytes == 4096
+    ws.clear()
+    assert ws.pinned_nbytes == 0 and ws.nbytes == 0
