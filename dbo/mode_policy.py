@@ -1,5 +1,6 @@
-"""The choice of a step's mode: two ubatches (DBO), single-batch overlap (SBO) or none,
-behind one interface that a runner consults once per step.
+"""The choice of a step's mode: two ubatches (DBO; "joined" where `DBOConfig.joined_experts`
+joins their experts), single-batch overlap (SBO) or none, behind one interface that a
+runner consults once per step.
 
     policy = ModePolicy(predictor)                  # one per runner; predictor may be None
     wish = policy.wish(config, cut, recut)          # before the vote: this rank's Wish
@@ -149,9 +150,10 @@ def group_is_decode(plan: SplitPlan) -> bool:
 def choose_predicted(plan: SplitPlan, prediction: Prediction, margin: float,
                      sbo_blocker: Optional[str], *, joined: bool = False) -> SplitPlan:
     """The voted `plan` with the mode `prediction` (at the group's shape) gives. Split:
-    DBO, with its experts joined where `joined` (`DBOConfig.joined_experts`). Unsplit: single-batch overlap where it is predicted to win by `margin` and the
-    model offers it (`sbo_blocker` None), else none, predicted at the group's largest
-    token count (`plan.group_max_tokens`, the same on every rank)."""
+    DBO, its experts joined where `joined` (`DBOConfig.joined_experts`). Unsplit:
+    single-batch overlap where it is predicted to win by `margin` and the model offers it
+    (`sbo_blocker` None), else none, predicted at the group's largest token count
+    (`plan.group_max_tokens`, the same on every rank)."""
     tokens = plan.group_max_tokens if plan.group_max_tokens is not None else plan.total_tokens
     if plan.split:
         return dataclasses.replace(plan, overlap="joined" if joined else "dbo")

@@ -54,8 +54,8 @@ with the other's attention, and one's combine with the other's next attention (o
 shared experts). No split combine there.
 
 Under `torch.compile` the halves that communicate (`_dispatch_send`, `_dispatch_recv`,
-`_joined_experts`, `_combine_send`, `_interleaved_combine`, `_combine_recv`) are graph breaks (`dbo.compiling`):
-they run eagerly, yields and collectives in the same order as without compile, and the
+`_joined_experts`, `_combine_send`, `_interleaved_combine`, `_combine_recv`) are graph
+breaks (`dbo.compiling`): they run eagerly, yields and collectives in the same order as without compile, and the
 compute between them (the experts, the own rows, the shared experts) is compiled, the
 experts then without workspaces. The interleaved combines' experts run inside their half,
 eagerly.
