@@ -47,7 +47,7 @@ from moe.hf.generic import ExpertsPlan, HFExperts, build_experts, module_tensor,
 from moe.hf.input_scaled import InputScaledBlock
 from moe.hf.logits_routed import build_logits_routed, plan_logits_routed, takes_router_logits
 from moe.hf.router_logits import record_router_logits
-from moe.hf.rows import copy_rows, expert_tensor_names, local_rows
+from moe.hf.rows import copy_rows, expert_tensor_names, local_tensors
 from moe.hf.save import record_layout, save_in_transformers_names
 from moe.layer import MoELayer
 
@@ -179,7 +179,8 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
             new = build(plan, old.experts, device=device, group=group,
                         capacity=max_tokens_per_rank, backend_options=options,
                         last_layer=i == last)
-            record_layout(new, old.experts, transposed=plan.transposed, names=names)
+            record_layout(new, old.experts, transposed=plan.transposed, names=names,
+                          stored=plan.stored)
         else:
             new = _build_block(plan, old, device=device, group=group, backend=backend,
                                experts=experts, capacity=max_tokens_per_rank,
@@ -187,9 +188,7 @@ def convert_blocks(model: nn.Module, *, group: Optional[dist.ProcessGroup], back
             record_layout(new, old, transposed=False,
                           names=tuple(f"experts.{name}" for name in names))
         if from_blocks:
-            first, stop = local_rows(plan, rank=rank, world=world)
-            copy_rows(plan, new, {name: module_tensor(old.experts, name)[first:stop]
-                                   for name in names})
+            copy_rows(plan, new, local_tensors(plan, old.experts, rank=rank, world=world))
         new_blocks.append(InputScaledBlock(old, new) if isinstance(plan, ExpertsPlan)
                           and plan.input_scaled else new)
     for plan, block in zip(plans, new_blocks):  # nothing above changed the model

@@ -80,7 +80,8 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 #: Per model type: fields the generic shrink gets wrong (what a default holds that does not
 #: shrink by name), applied last.
 OVERRIDES: dict[str, dict[str, Any]] = {
-    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0),  # no rope_theta default
+    # no rope_theta default; clip_qkv=None fails transformers' own clamp (checkpoints: 8)
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)),
     "deepseek_ocr2": dict(mlp_layer_types=["dense", "sparse"]),  # None by default
     "dots1": dict(n_shared_experts=1),  # None by default: no shared-expert width

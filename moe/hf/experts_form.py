@@ -24,19 +24,22 @@ _WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "u
                  "down_proj_bias")
 
 def identify_form(module: nn.Module, options: dict[str, bool], *,
-                  refuse: Callable[[str], ValueError]
+                  refuse: Callable[[str], ValueError], up: Optional[Tensor] = None,
+                  gate_fn: Optional[Callable[[Tensor], Tensor]] = None
                   ) -> tuple[ExpertForm, Optional[Callable[[Tensor], Tensor]]]:
     """The module's form, and for a "custom" one the callable it runs (the module's
-    `_apply_gate` gated, its `act_fn` without a gate). A named activation is taken when
-    it computes what the module computes on a probe (values well past any clamp limit);
-    ValueError when the module's own gate cannot run on the probe either."""
+    `_apply_gate` gated, its `act_fn` without a gate; `gate_fn` where given). A named
+    activation is taken when it computes what the module computes on a probe (values
+    well past any clamp limit); ValueError when the module's own gate cannot run on the
+    probe either. `up`: the up projection as the interface holds it (None: the module's
+    `gate_up_proj` / `up_proj`), for its width and device."""
     gated = options["has_gate"]
     base = dict(gated=gated, bias=options["has_bias"], post_norm=options["has_post_expert_norm"])
-    rows = getattr(module, "gate_up_proj" if gated else "up_proj")
+    rows = getattr(module, "gate_up_proj" if gated else "up_proj") if up is None else up
     j = rows.shape[1 if not options["is_transposed"] else 2]
     limit = _scalar(module, ("limit", "swiglu_limit"))
     alpha = _scalar(module, ("alpha", "swiglu_alpha"))
-    owner_fn = owner_gate(module, gated=gated)
+    owner_fn = owner_gate(module, gated=gated) if gate_fn is None else gate_fn
     if owner_fn is None:
         raise refuse("no activation: the experts module has neither `_apply_gate` nor `act_fn`")
     probe_MJ = _probe(j, limit, device=rows.device if not rows.is_meta else torch.device("cpu"))

@@ -33,7 +33,9 @@ the experts module          becomes (`moe.experts.form.ExpertForm`)
 ==========================  ==============================================================
 
 An experts module that its block calls with the router logits instead, routing them
-itself, takes this path through `moe.hf.logits_routed` (transformers 5.17's Aria).
+itself, takes this path through `moe.hf.logits_routed` (transformers 5.17's Aria); one
+that holds the interface's tensors in another layout (DBRX's ``mlp.w1`` / ``v1`` / ``w2``
+[E * I, H]), through `moe.hf.stored_experts`.
 
 What dbo cannot run is refused before anything changes, naming the block and what it
 lacks (`plan_experts`). The four architectures of `moe.hf.arch` keep their fused path
@@ -62,6 +64,7 @@ from moe.hf.experts_form import gate_owner, identify_form, owner_gate
 from moe.hf.experts_sizes import (check_declared_sizes, count_identity_experts, expert_sizes,
                                   find_top_k)
 from moe.hf.input_scaled import INPUT_SCALED_BLOCKS, input_scaled_options
+from moe.hf.stored_experts import StoredExperts, stored_layout
 from moe.inference_only import detach_with_error, needs_graph
 from moe.layer import MoELayer
 from moe.modular_kernel import ModularKernel, SharesSMs
@@ -103,13 +106,17 @@ class ExpertsPlan:
     """The experts module's method that turns the router logits its block hands it into
     the routing (`moe.hf.logits_routed`), e.g. "route_tokens_to_experts"; "": the block
     hands its experts the routing."""
+    stored: Optional[StoredExperts] = None
+    """The module's layout of the interface's tensors (`moe.hf.stored_experts`; its
+    tensors are then `tensor_names`); None: the interface's."""
 
     def describe(self) -> str:
         """e.g. "OlmoeExperts: silu(gate) * up" (with the zero-compute experts, if any)."""
         zero = f", {self.identity_experts} zero-compute experts" if self.identity_experts else ""
         scaled = ", routing weight on the input" if self.input_scaled else ""
         routed = f", routed by {self.source}.{self.routing}" if self.routing else ""
-        return f"{self.source}: {self.form.describe()}{zero}{scaled}{routed}"
+        stored = f", stored as {self.stored.describe()}" if self.stored else ""
+        return f"{self.source}: {self.form.describe()}{zero}{scaled}{routed}{stored}"
 
 
 def interface_options() -> dict[str, Any]:
@@ -153,7 +160,12 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
                    if input_scaled else _module_options(module, refuse))
     gated = options["has_gate"]
     up_name, down_name = tensor_names or ("gate_up_proj" if gated else "up_proj", "down_proj")
-    up, down = module_tensor(module, up_name), module_tensor(module, down_name)
+    stored = stored_layout(module) if tensor_names is None else None
+    if stored is not None:  # the interface's tensors held otherwise: sizes without a copy
+        stored.check_options(options, refuse=refuse)
+        up, down = stored.interface_stand_ins(module, refuse=refuse)
+    else:
+        up, down = module_tensor(module, up_name), module_tensor(module, down_name)
     if not isinstance(up, Tensor) or not isinstance(down, Tensor):
         raise refuse(f"no expert tensors experts.{up_name} and experts.{down_name}: dbo runs "
                      f"experts stored as transformers' experts interface stores them, 3-D "
@@ -191,7 +203,8 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
     if check_weights and up.is_meta:
         raise refuse("expert weights are on the meta device: load the weights first")
     if form is None:
-        form, _ = identify_form(module, options, refuse=refuse)
+        form = (stored.form(module, options, up_EJH=up, refuse=refuse) if stored is not None
+                else identify_form(module, options, refuse=refuse)[0])
     top_k = find_top_k(block, module, model_config)
     if top_k is None:
         raise refuse("cannot find its top-k (no `top_k` / `num_experts_per_tok` on the block, "
@@ -215,7 +228,8 @@ def plan_experts(path: str, block: nn.Module, *, model_config: Any, world: int,
             raise refuse(unsupported)
     return ExpertsPlan(path=path, source=cls, config=config, form=form, transposed=transposed,
                        layer_id=layer_id, note=note, identity_experts=identity,
-                       input_scaled=input_scaled, tensor_names=tensor_names, routing=routing)
+                       input_scaled=input_scaled, routing=routing, stored=stored,
+                       tensor_names=stored.names if stored is not None else tensor_names)
 
 
 def build_experts(plan: ExpertsPlan, module: nn.Module, *, device: torch.device,

@@ -39,7 +39,7 @@ from moe.hf.checkpoint import Checkpoint
 from moe.hf.convert import check_capacity_argument, convert_blocks, layer_options, plan_blocks
 from moe.hf.deps import require
 from moe.hf.folder import read_config, read_generation_config
-from moe.hf.rows import expert_tensor_names, fill_experts, local_rows
+from moe.hf.rows import expert_tensor_names, fill_experts, local_rows, rows_per_expert
 from moe.hf.weights import ExpertRows, WeightReader
 
 __all__ = ["load"]
@@ -100,8 +100,8 @@ def load(path: str | os.PathLike, *, group: Optional[dist.ProcessGroup] = None,
         for plan in plans:
             first, stop = local_rows(plan, rank=rank, world=world)
             for name in expert_tensor_names(plan):
-                wanted[f"{plan.path}.experts.{name}"] = ExpertRows(block=plan.path,
-                                                                   first=first, stop=stop)
+                wanted[f"{plan.path}.experts.{name}"] = ExpertRows(
+                    block=plan.path, first=first, stop=stop, per_expert=rows_per_expert(plan))
         reader = WeightReader(model, checkpoint, wanted)
         reader.read_model()  # the same on every rank: fails on all alike
         convert_blocks(model, group=group, backend=backend, experts=experts,

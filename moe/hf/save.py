@@ -14,7 +14,8 @@ converted tensor under its transformers name and layout, the routed experts of a
 gathered ([E, ...]), checked against that record, then transformers' own
 `save_pretrained`, which converts names to its checkpoint format as for any model of the
 family. `transformers.AutoModelForCausalLM.from_pretrained(dir)` and `moe.hf.load(dir)`
-read it back.
+read it back. Experts stored in another layout than the interface's (DBRX's ``mlp.w1`` /
+``v1`` / ``w2`` [E * I, H], `moe.hf.stored_experts`) are written back in it.
 
 Under expert parallelism (W > 1) every rank of the group calls `save_pretrained`: rank 0
 of the group gathers the experts and writes the files, the others send theirs and write
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 
 from moe.hf.block import HFMoEBlock, hf_param_name
 from moe.hf.generic import HFExperts
+from moe.hf.stored_experts import StoredExperts
 
 __all__ = ["HFLayout", "hf_state_dict", "record_layout", "save_in_transformers_names"]
 
@@ -44,24 +46,42 @@ class HFLayout:
 
     shapes: dict[str, tuple[int, ...]]
     """The replaced module's state dict: name (relative to it) -> shape."""
-    experts: dict[str, str]
-    """The converted module's expert tensors ([E_loc, ...]) -> the replaced module's names."""
+    experts: dict[str, tuple[str, ...]]
+    """The converted module's expert tensors ([E_loc, ...]) -> the replaced module's
+    tensors they hold (one each; a stored layout's w13: its gate and up tensors)."""
     transposed: bool
     """The replaced module stored `w13` / `w2` transposed ([E, H, J] / [E, I, H])."""
+    stored: Optional[StoredExperts] = None
+    """The replaced module's stored layout (`moe.hf.stored_experts`), else None."""
+
+    def unconverted(self, inner: str, tensor: Tensor) -> dict[str, Tensor]:
+        """Converted expert tensor `inner` ("w13", ...) over all experts [E, ...] as the
+        replaced module holds it: its names -> tensors in its layout."""
+        names = self.experts[inner]
+        if self.stored is not None:
+            parts = (self.stored.gate_up_to_stored(tensor) if inner == "w13"
+                     else (self.stored.down_to_stored(tensor),))
+            return dict(zip(names, parts, strict=True))
+        if self.transposed and inner in ("w13", "w2"):
+            tensor = tensor.transpose(1, 2)
+        return {names[0]: _with_zero_compute_rows(tensor, self.shapes.get(names[0]))}
 
 
 def record_layout(module: nn.Module, replaced: nn.Module, *, transposed: bool,
-                  names: tuple[str, ...]) -> None:
+                  names: tuple[str, ...], stored: Optional[StoredExperts] = None) -> None:
     """Record on converted `module` (`HFMoEBlock` or `HFExperts`) the names and shapes of
     `replaced`, the transformers module it takes the place of (its tensors may be on the
     meta device): `names` are replaced's expert tensors (relative to it) that the converted
     module's w13, w2, bias13, bias2 hold, in that order (`moe.hf.rows.expert_tensor_names`,
-    "experts."-prefixed for a whole block)."""
+    "experts."-prefixed for a whole block); with a `stored` layout, its gate, up and down
+    tensors, which w13 (gate, up) and w2 (down) hold."""
     shapes = {name: tuple(t.shape) for name, t in replaced.state_dict().items()}
     ours = ("moe.w13", "moe.w2") if isinstance(module, HFMoEBlock) else (
         "w13", "w2", "bias13", "bias2")
-    experts = dict(zip(ours, names))
-    module.dbo_hf_layout = HFLayout(shapes=shapes, experts=experts, transposed=transposed)
+    experts = ({"w13": names[:2], "w2": names[2:]} if stored is not None
+               else {inner: (name,) for inner, name in zip(ours, names)})
+    module.dbo_hf_layout = HFLayout(shapes=shapes, experts=experts, transposed=transposed,
+                                    stored=stored)
 
 
 def save_in_transformers_names(model: nn.Module) -> None:
@@ -113,18 +133,14 @@ def hf_state_dict(model: nn.Module) -> Optional[dict[str, Tensor]]:
         module, inner = converted[path], name[len(path) + 1:]
         layout: HFLayout = module.dbo_hf_layout
         if inner in layout.experts:
-            hf_name = layout.experts[inner]
             tensor = _all_experts(tensor, module)
-            if tensor is None:
-                continue
-            if layout.transposed and inner in ("w13", "w2"):
-                tensor = tensor.transpose(1, 2)
-            tensor = _with_zero_compute_rows(tensor, layout.shapes.get(hf_name))
+            held = {} if tensor is None else layout.unconverted(inner, tensor)
         else:
-            hf_name = (hf_param_name(inner) if isinstance(module, HFMoEBlock)
-                       else _owned_name(module, inner))
-        made[path][hf_name] = tuple(tensor.shape)
-        out[f"{path}.{hf_name}"] = tensor
+            held = {(hf_param_name(inner) if isinstance(module, HFMoEBlock)
+                     else _owned_name(module, inner)): tensor}
+        for hf_name, value in held.items():
+            made[path][hf_name] = tuple(value.shape)
+            out[f"{path}.{hf_name}"] = value
     if not writer:
         return None
     for path, module in converted.items():

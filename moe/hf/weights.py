@@ -53,6 +53,16 @@ class ExpertRows:
     """The MoE block's module path (for messages)."""
     first: int
     stop: int
+    """Experts [first, stop)."""
+    per_expert: int = 1
+    """The tensor's rows per expert: experts [first, stop) are rows [first * per_expert,
+    stop * per_expert) (a tensor [E * I, H] of experts stacked along its rows:
+    `moe.hf.stored_experts`)."""
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """[first, stop) of the tensor's rows."""
+        return self.first * self.per_expert, self.stop * self.per_expert
 
 
 @dataclass
@@ -139,7 +149,13 @@ class WeightReader:
         for key, want in self.experts.items():
             if key not in self._found.targets:
                 raise self.missing(key, want, None, want.first)
-            _stacked(self._found.targets[key], self.model.config.model_type)
+            family = self.model.config.model_type
+            if _stacked(self._found.targets[key], family) and want.per_expert != 1:
+                raise ValueError(f"moe.hf.load: {family} checkpoints: transformers stacks "
+                                 f"{key!r} from per-expert tensors, but the model holds "
+                                 f"{want.per_expert} rows of it per expert: load the model "
+                                 f"with transformers and convert it, "
+                                 f"moe.hf.convert(model, group=ep_group)")
         tensors = self.model.state_dict(keep_vars=True)
         self._refuse_absent(tensors, self._predicted())  # before reading anything
         loaded: set[str] = set()
@@ -188,7 +204,8 @@ class WeightReader:
         for key, want in self.experts.items():
             target = self._found.targets[key]
             out = self._rows(target, want)
-            shape = (want.stop - want.first, *self._shapes[key][1:])
+            first, stop = want.rows
+            shape = (stop - first, *self._shapes[key][1:])
             self._check_result(key, out, shape, target)
             rows[key] = out.to(self._dtypes[key])
         return rows
@@ -257,13 +274,14 @@ class WeightReader:
             if not shape or shape[0] != full[0]:
                 raise ValueError(f"moe.hf.load: tensor {name!r} has shape {list(shape)} in the "
                                  f"checkpoint, but {target.key!r} of block {want.block!r} "
-                                 f"holds {full[0]} experts: config.json and the weights "
+                                 f"holds {full[0] // want.per_expert} experts: config.json and the weights "
                                  f"disagree (fix config.json, or re-save the checkpoint)")
             if not ops:  # a renaming
-                return self.checkpoint.read_rows(name, want.first, want.stop)
+                return self.checkpoint.read_rows(name, *want.rows)
             transform.add_tensor(target.key, name, pattern,
-                                 _later(self.checkpoint.read_rows, name, want.first, want.stop))
-        local = torch.empty((want.stop - want.first, *full[1:]), device="meta")
+                                 _later(self.checkpoint.read_rows, name, *want.rows))
+        first, stop = want.rows
+        local = torch.empty((stop - first, *full[1:]), device="meta")
         out = self._convert(target, _LocalShapes(self.model, {target.key: local}))
         return out[target.key]
 
