@@ -61,6 +61,26 @@ def logits(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
 
+def dbo_logits(model: Any, ids: torch.Tensor, mask: torch.Tensor, *, group: Any = None,
+               joined: bool = False) -> torch.Tensor:
+    """The logits of a DBO step split by sequence in two ubatches (its experts joined
+    where `joined`), asserting that it split and in which mode. In one process the
+    backend is "local", which never yields (`dbo.NoYieldWarning`, silenced here)."""
+    import warnings
+
+    import dbo
+
+    config = dbo.DBOConfig(split="batch", split_kwargs=("attention_mask",),
+                           min_prefill_tokens=1, min_decode_tokens=1, joined_experts=joined)
+    runner = dbo.DBORunner(model, config, group=group)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", dbo.NoYieldWarning)
+        out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert runner.last_decision.split, runner.last_decision.reason
+    assert runner.last_decision.overlap == ("joined" if joined else "dbo")
+    return out
+
+
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Equal to 1e-5 of the logits' scale. Not bit-equal: CPU fp32 GEMMs round by row
     count and order, and transformers' experts gather an expert's rows in top-k slot

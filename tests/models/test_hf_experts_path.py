@@ -14,7 +14,6 @@ generate) in tests/models/test_hf_coverage.py; these are the path's own properti
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -22,14 +21,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-import dbo  # noqa: E402
 import moe.hf  # noqa: E402
 from moe.hf import HFExperts, coverage, expert_bytes  # noqa: E402
 from moe.hf import generic  # noqa: E402
-from tests.hf_utils import ARCHS, assert_logits_close, batch, logits, tiny_model  # noqa: E402
-
-DBO_ON = dbo.DBOConfig(split="batch", split_kwargs=("attention_mask",),
-                       min_prefill_tokens=1, min_decode_tokens=1)
+from tests.hf_utils import ARCHS, assert_logits_close, batch, dbo_logits, logits, tiny_model  # noqa: E402
 
 
 def _experts(model: torch.nn.Module) -> list[HFExperts]:
@@ -59,13 +54,8 @@ def test_the_experts_path_on_the_fused_architectures(arch):
     assert {r.route for r in model.dbo_conversion} == {"experts"}
     assert "not fused: conversion='experts'" in model.dbo_conversion_summary
     assert_logits_close(logits(model, ids, mask), expected)
-    for config in (DBO_ON, dataclasses.replace(DBO_ON, joined_experts=True)):
-        runner = dbo.DBORunner(model, config)
-        with torch.no_grad():
-            out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        assert runner.last_decision.split, runner.last_decision.reason
-        assert runner.last_decision.overlap == ("joined" if config.joined_experts else "dbo")
-        assert_logits_close(out, expected)
+    for joined in (False, True):
+        assert_logits_close(dbo_logits(model, ids, mask, joined=joined), expected)
 
 
 @pytest.mark.parametrize("model_type, form, identity", [
@@ -226,10 +216,5 @@ def test_the_experts_path_on_cuda_takes_the_kernel_that_computes_the_form(model_
     assert {e._kernel(ids.device).experts.name for e in _experts(model)} == {kernel}
     # float32 on the GPU: TF32 is off by default for matmuls, the sums in another order.
     assert_logits_close(logits(model, ids, mask), expected)
-    for config in (DBO_ON, dataclasses.replace(DBO_ON, joined_experts=True)):
-        runner = dbo.DBORunner(model, config)
-        with torch.no_grad():
-            out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        assert runner.last_decision.split, runner.last_decision.reason
-        assert runner.last_decision.overlap == ("joined" if config.joined_experts else "dbo")
-        assert_logits_close(out, expected)
+    for joined in (False, True):
+        assert_logits_close(dbo_logits(model, ids, mask, joined=joined), expected)

@@ -23,7 +23,6 @@ dict is compared exactly: it is made of copies and transposes only.
 from __future__ import annotations
 
 import types
-import warnings
 from typing import Any, Callable
 
 import pytest
@@ -33,16 +32,13 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-import dbo  # noqa: E402
 import moe.hf  # noqa: E402
 from moe.hf import coverage  # noqa: E402
 from moe.hf.logits_routed import LogitsRoutedExperts  # noqa: E402
 from moe.hf.save import hf_state_dict  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.hf_utils import assert_logits_close, batch, logits  # noqa: E402
+from tests.hf_utils import assert_logits_close, batch, dbo_logits, logits  # noqa: E402
 
-DBO_ON = dbo.DBOConfig(split="batch", split_kwargs=("attention_mask",),
-                       min_prefill_tokens=1, min_decode_tokens=1)
 
 
 class GroupedGemm(nn.Module):
@@ -128,18 +124,6 @@ def _sigmoid_weights_first(self: nn.Module, router_logits: torch.Tensor) -> Any:
     return weights_TK, ids_TK
 
 
-def _run_dbo(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
-             group: Any = None) -> torch.Tensor:
-    """The logits of a DBO step split in two ubatches (one process: backend "local",
-    which never yields, as `dbo.NoYieldWarning` says)."""
-    runner = dbo.DBORunner(model, DBO_ON, group=group)
-    with torch.inference_mode(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", dbo.NoYieldWarning)
-        out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    assert runner.last_decision.split, runner.last_decision.reason
-    return out
-
-
 def test_experts_routing_their_logits_convert_and_match():
     model = _aria()
     ids, mask = batch(3, 6, seed=1)
@@ -153,7 +137,7 @@ def test_experts_routing_their_logits_convert_and_match():
     assert "model.layers.1.mlp.experts.w13" in names
     assert not any(".fc1." in n or ".route_owner." in n for n in names)
     assert_logits_close(logits(model, ids, mask), expected)
-    assert_logits_close(_run_dbo(model, ids, mask), expected)
+    assert_logits_close(dbo_logits(model, ids, mask), expected)
     # What save_pretrained writes: the unconverted state dict, fc1 / fc2 in their layout.
     saved = hf_state_dict(model)
     assert saved is not None and set(saved) == set(state)
@@ -215,7 +199,7 @@ def _ep_ranks(rank: int, world: int) -> None:
     experts = model.model.layers[1].mlp.experts
     assert isinstance(experts, LogitsRoutedExperts) and experts.num_local_experts * world == \
         experts.config.num_experts
-    outputs = [logits(model, ids, mask), _run_dbo(model, ids, mask, dist.group.WORLD)]
+    outputs = [logits(model, ids, mask), dbo_logits(model, ids, mask, group=dist.group.WORLD)]
     saved = hf_state_dict(model)  # gathers every rank's experts on rank 0
     for out in outputs:
         assert_logits_close(out, expected)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from typing import Any
 
 import pytest
@@ -35,17 +34,14 @@ from torch import nn
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-import dbo  # noqa: E402
 import moe.hf  # noqa: E402
 from moe.hf import coverage  # noqa: E402
 from moe.hf.generic import HFExperts  # noqa: E402
 from moe.hf.save import hf_state_dict  # noqa: E402
 from moe.hf.stored_experts import STORED  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.hf_utils import assert_logits_close, batch, logits, save  # noqa: E402
+from tests.hf_utils import assert_logits_close, batch, dbo_logits, logits, save  # noqa: E402
 
-DBO_ON = dbo.DBOConfig(split="batch", split_kwargs=("attention_mask",),
-                       min_prefill_tokens=1, min_decode_tokens=1)
 LAYOUT = STORED["DbrxExperts"]
 
 
@@ -56,18 +52,6 @@ def _dbrx(activation: str = "silu", *, seed: int = 0) -> nn.Module:
     config.ffn_config.ffn_act_fn = {"name": activation}
     torch.manual_seed(seed)
     return coverage.model_class(config)._from_config(config).eval()
-
-
-def _run_dbo(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
-             group: Any = None) -> torch.Tensor:
-    """The logits of a DBO step split in two ubatches (one process: backend "local",
-    which never yields, as `dbo.NoYieldWarning` says)."""
-    runner = dbo.DBORunner(model, DBO_ON, group=group)
-    with torch.inference_mode(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", dbo.NoYieldWarning)
-        out = runner(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    assert runner.last_decision.split, runner.last_decision.reason
-    return out
 
 
 def _tensors(path: Any) -> dict[str, torch.Tensor]:
@@ -135,7 +119,7 @@ def test_dbrx_converts_on_the_experts_path_and_saves_its_checkpoint(tmp_path):
     assert isinstance(model.transformer.blocks[1].ffn.experts, HFExperts)
     assert not any(".mlp." in name for name in model.state_dict())  # only dbo's copy
     assert_logits_close(logits(model, ids, mask), expected)
-    assert_logits_close(_run_dbo(model, ids, mask), expected)
+    assert_logits_close(dbo_logits(model, ids, mask), expected)
     saved = hf_state_dict(model)
     assert saved is not None and sorted(saved) == sorted(state)
     for name, tensor in state.items():
@@ -191,7 +175,7 @@ def _ep_ranks(rank: int, world: int, root: str) -> list[tuple[str, Any]]:
     assert experts.num_local_experts == 2 and experts.first_expert == 2 * rank
     assert torch.equal(experts.w13, torch.cat([w1, v1], dim=1))
     assert torch.equal(experts.w2, w2.transpose(1, 2))
-    outputs = [logits(model, ids, mask), _run_dbo(model, ids, mask, group)]
+    outputs = [logits(model, ids, mask), dbo_logits(model, ids, mask, group=group)]
     model.save_pretrained(os.path.join(root, f"rank{rank}"))
     log: list[tuple[str, Any]] = []
     read, read_rows = Checkpoint.read, Checkpoint.read_rows
