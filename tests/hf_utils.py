@@ -81,6 +81,14 @@ def dbo_logits(model: Any, ids: torch.Tensor, mask: torch.Tensor, *, group: Any 
     return out
 
 
+def assert_saves_unconverted(saved: Any, state: dict[str, torch.Tensor]) -> None:
+    """`saved` (what `moe.hf.save.hf_state_dict` gives `save_pretrained`) is the
+    unconverted model's `state`: the same names, each tensor bit for bit."""
+    assert saved is not None and set(saved) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(saved[name], tensor), name
+
+
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Equal to 1e-5 of the logits' scale. Not bit-equal: CPU fp32 GEMMs round by row
     count and order, and transformers' experts gather an expert's rows in top-k slot

@@ -37,7 +37,8 @@ from moe.hf import coverage  # noqa: E402
 from moe.hf.logits_routed import LogitsRoutedExperts  # noqa: E402
 from moe.hf.save import hf_state_dict  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.hf_utils import assert_logits_close, batch, dbo_logits, logits  # noqa: E402
+from tests.hf_utils import (assert_logits_close, assert_saves_unconverted, batch, dbo_logits,
+                             logits)  # noqa: E402
 
 
 
@@ -139,10 +140,7 @@ def test_experts_routing_their_logits_convert_and_match():
     assert_logits_close(logits(model, ids, mask), expected)
     assert_logits_close(dbo_logits(model, ids, mask), expected)
     # What save_pretrained writes: the unconverted state dict, fc1 / fc2 in their layout.
-    saved = hf_state_dict(model)
-    assert saved is not None and set(saved) == set(state)
-    for name, tensor in state.items():
-        assert torch.equal(saved[name], tensor), name
+    assert_saves_unconverted(hf_state_dict(model), state)
 
 
 def test_the_routing_is_the_experts_modules_own():
@@ -206,9 +204,7 @@ def _ep_ranks(rank: int, world: int) -> None:
     if rank != 0:
         assert saved is None
         return
-    assert saved is not None and set(saved) == set(state)
-    for name, tensor in state.items():
-        assert torch.equal(saved[name], tensor), name
+    assert_saves_unconverted(saved, state)
 
 
 def test_two_ranks_shard_the_experts_of_blocks_routing_their_logits():

@@ -40,7 +40,8 @@ from moe.hf.generic import HFExperts  # noqa: E402
 from moe.hf.save import hf_state_dict  # noqa: E402
 from moe.hf.stored_experts import STORED  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.hf_utils import assert_logits_close, batch, dbo_logits, logits, save  # noqa: E402
+from tests.hf_utils import (assert_logits_close, assert_saves_unconverted, batch, dbo_logits,
+                             logits, save)  # noqa: E402
 
 LAYOUT = STORED["DbrxExperts"]
 
@@ -120,10 +121,7 @@ def test_dbrx_converts_on_the_experts_path_and_saves_its_checkpoint(tmp_path):
     assert not any(".mlp." in name for name in model.state_dict())  # only dbo's copy
     assert_logits_close(logits(model, ids, mask), expected)
     assert_logits_close(dbo_logits(model, ids, mask), expected)
-    saved = hf_state_dict(model)
-    assert saved is not None and sorted(saved) == sorted(state)
-    for name, tensor in state.items():
-        assert torch.equal(saved[name], tensor), name
+    assert_saves_unconverted(hf_state_dict(model), state)
     model.save_pretrained(tmp_path / "converted")
     _assert_same_files(tmp_path / "converted", reference)
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").eval()

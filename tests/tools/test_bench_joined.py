@@ -26,6 +26,7 @@ from dbo.cli.bench.sbo import DBO_SKIPPED, SboRound, attach_choice, attach_sbo, 
 from dbo.cli.bench.sweep import SweepResult
 from dbo.cli.bench.timing import Timing
 from tests.dist_utils import run_distributed
+from tests.tools.test_bench_sbo import ungated_point
 
 SHAPES = {"hidden_size": 8, "num_experts": 4, "experts_per_rank": 2, "top_k": 2,
           "intermediate_size": 8, "layers": 2, "dtype": "float32"}
@@ -137,10 +138,7 @@ def _point(cfg: BenchConfig, *, joined_ms: tuple[float, float] | None,
            sbo_ms: float = 9.0, trials: tuple[float, ...] = (1.2,)):
     """A 10 ms point (DBO 10.4 ms, its trial 0.96x) with SBO at `sbo_ms` (trial 1.02x)
     and joined at `joined_ms` (rank 0, rank 1; its trials `trials`), gated."""
-    point = make_point(cfg, backend="a2a_ll", tokens=1024, world_size=2,
-                       t_off=Timing((10.0, 10.0), (1.0, 1.0)),
-                       t_on=Timing((10.2, 10.4), (2.0, 2.0)), ceiling=None, split=True,
-                       split_reason="", use_dbo=False, gate_reason="")
+    point = ungated_point(cfg, tokens=1024)
     sbo = [SboRound(Timing((sbo_ms, sbo_ms), (1.5, 1.5)), 1.02)]
     joined = [] if joined_ms is None else [
         JoinedRound(Timing(joined_ms, (1.8, 1.9)), t, True, "split: 512 + 512")

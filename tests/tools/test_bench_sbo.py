@@ -74,12 +74,18 @@ def test_a_predicted_mode_that_was_not_timed_leaves_the_point_off() -> None:
     assert none.mode == "off"
 
 
+def ungated_point(cfg: BenchConfig, *, tokens: int):
+    """A point of 2 ranks, a2a_ll: no DBO 10 ms, DBO 10.2 / 10.4 ms (rank 0 / 1), host 1
+    and 2 ms, no probe; DBO gated off."""
+    return make_point(cfg, backend="a2a_ll", tokens=tokens, world_size=2,
+                      t_off=Timing((10.0, 10.0), (1.0, 1.0)),
+                      t_on=Timing((10.2, 10.4), (2.0, 2.0)), ceiling=None, split=True,
+                      split_reason="", use_dbo=False, gate_reason="")
+
+
 def _point(cfg: BenchConfig, *, t_sbo: float | None, note: str = "",
            trials: tuple[float, ...] = (1.3,)):
-    point = make_point(cfg, backend="a2a_ll", tokens=256, world_size=2,
-                       t_off=Timing((10.0, 10.0), (1.0, 1.0)),
-                       t_on=Timing((10.2, 10.4), (2.0, 2.0)), ceiling=None, split=True,
-                       split_reason="", use_dbo=False, gate_reason="")
+    point = ungated_point(cfg, tokens=256)
     rounds = [] if t_sbo is None else [SboRound(Timing((t_sbo, t_sbo), (1.5, 1.5)), t)
                                        for t in trials]
     choice = gate_point(GATE, dbo=DBO_FAILS, dbo_trials=[0.96], sbo_rounds=rounds,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dbo import DBOConfig, DBORunner, GraphedRunner
 from dbo.cli.bench.hf_config import HFBenchConfig
 from dbo.cli.bench.hf_graphs import GRAPH_WARMUP
-from dbo.cli.bench.timing import Timing, median_of_rounds, rate
+from dbo.cli.bench.timing import Timing, set_mode_times
 
 __all__ = ["attach_joined", "joined_runners"]
 
@@ -49,10 +49,4 @@ def attach_joined(point: Any, rounds: list[Timing], *, diff: float, runner: DBOR
     point.logits_diff_joined = diff
     point.joined_split = bool(decision is not None and decision.split)
     point.joined_split_reason = "" if decision is None else decision.reason
-    t_joined = median_of_rounds(rounds)
-    point.t_joined_ms, point.t_joined_ms_rank0 = t_joined.max_ms, t_joined.rank0_ms
-    point.host_joined_ms = t_joined.host_max_ms
-    point.tokens_per_s_joined = rate(total_tokens, t_joined.max_ms)
-    point.speedup_joined = point.t_nodbo_ms / t_joined.max_ms if perf else None
-    point.per_rank_ms["t_joined"] = list(t_joined.per_rank_ms)
-    point.rounds_ms["t_joined"] = [t.max_ms for t in rounds]
+    set_mode_times(point, "joined", rounds, total_tokens=total_tokens, speedup=perf)

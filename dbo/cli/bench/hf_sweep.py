@@ -67,7 +67,8 @@ from dbo.cli.bench.hf_joined import attach_joined, joined_runners
 from dbo.cli.bench.hf_probe import HFProbe, no_probe_reason, probe_hf_point, skipped
 from dbo.cli.bench.sweep import Progress
 from dbo.cli.bench.hf_points import HFPoint, HFPointTimes, HFSweepResult, timing_fields
-from dbo.cli.bench.timing import Timing, gather_floats, median_of_rounds, rate, time_steps
+from dbo.cli.bench.timing import (Timing, gather_floats, median_of_rounds, set_mode_times,
+                                   time_steps)
 
 __all__ = ["HFPoint", "HFPointTimes", "HFSweepResult", "attach_sbo", "build_model",
            "describe_model", "max_rel_diff", "run_hf_sweep", "sbo_not_run", "timing_fields"]
@@ -259,15 +260,8 @@ def attach_sbo(point: HFPointTimes, rounds: list[Timing], *, note: str,
     rank's time, the rate of `total_tokens` over all ranks, T_noDBO / T_SBO only in a
     performance run (`perf`)."""
     point.sbo_note, point.logits_diff_sbo = note, diff
-    if not rounds:
-        return
-    t_sbo = median_of_rounds(rounds)
-    point.t_sbo_ms, point.t_sbo_ms_rank0 = t_sbo.max_ms, t_sbo.rank0_ms
-    point.host_sbo_ms = t_sbo.host_max_ms
-    point.tokens_per_s_sbo = rate(total_tokens, t_sbo.max_ms)
-    point.speedup_sbo = point.t_nodbo_ms / t_sbo.max_ms if perf else None
-    point.per_rank_ms["t_sbo"] = list(t_sbo.per_rank_ms)
-    point.rounds_ms["t_sbo"] = [t.max_ms for t in rounds]
+    if rounds:
+        set_mode_times(point, "sbo", rounds, total_tokens=total_tokens, speedup=perf)
 
 
 def build_model(cfg: HFBenchConfig, config: Any, *, device: torch.device,

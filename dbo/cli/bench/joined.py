@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 from dbo.cli.bench.config import BenchConfig
 from dbo.cli.bench.gating import GateDecision, GatePolicy
-from dbo.cli.bench.timing import SpanFn, Timing, median_of_rounds, rate, time_steps
+from dbo.cli.bench.timing import SpanFn, Timing, set_mode_times, timed_with_trial
 from dbo.cli.bench.workload import WorkloadFactory
 
 JOINED_SKIPPED = "not timed (--overlaps without joined)"
@@ -53,13 +53,11 @@ def measure_joined(factory: WorkloadFactory, cfg: BenchConfig, *, backend: str, 
                    ) -> JoinedRound:
     """One round's joined trial (where `trial`) and timing (every rank together)."""
     joined = factory.get(tokens=tokens, backend=backend, dbo=True, joined=True)
-    speedup = None
-    if trial:
-        # The slowest rank's times on both sides, gathered: the same speedup on every
-        # rank, so every rank's gate takes the same choice.
-        short = time_steps(joined.step, **{**timing, "iters": cfg.gate_trial_iters})
-        speedup = t_off.max_ms / short.max_ms
-    t_joined = time_steps(joined.step, **timing, span=span("joined"))
+    # The trial: the slowest rank's times on both sides, the same on every rank, so every
+    # rank's gate takes the same choice.
+    t_joined, speedup = timed_with_trial(joined.step, t_off=t_off, timing=timing, trial=trial,
+                                         trial_iters=cfg.gate_trial_iters,
+                                         span=span("joined"))
     runner = joined.eager_runner
     assert runner is not None and runner.config.joined_experts, runner
     return JoinedRound(t_joined, speedup, joined.was_split, joined.split_reason)
@@ -85,14 +83,8 @@ def attach_joined(point: Any, rounds: Sequence[JoinedRound], *, note: str) -> No
     point.joined_note = note
     if not rounds:
         return
-    t_joined = median_of_rounds([r.timing for r in rounds])
-    point.t_joined_ms, point.t_joined_ms_rank0 = t_joined.max_ms, t_joined.rank0_ms
-    point.host_joined_ms = t_joined.host_max_ms
-    point.tokens_per_s_joined = rate(point.tokens_per_rank * point.world_size,
-                                     t_joined.max_ms)
-    point.speedup_joined = point.t_nodbo_ms / t_joined.max_ms
+    set_mode_times(point, "joined", [r.timing for r in rounds],
+                   total_tokens=point.tokens_per_rank * point.world_size)
     point.joined_split = all(r.split for r in rounds)
     point.joined_split_reason = rounds[-1].split_reason
-    point.per_rank_ms["t_joined"] = list(t_joined.per_rank_ms)
-    point.rounds_ms["t_joined"] = [r.timing.max_ms for r in rounds]
     point.joined_trial_speedups = joined_trials(rounds)

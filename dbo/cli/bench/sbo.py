@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 from dbo import collect_sbo_blocker
 from dbo.cli.bench.config import BenchConfig
 from dbo.cli.bench.gating import GateChoice, GateDecision, GatePolicy
-from dbo.cli.bench.timing import SpanFn, Timing, median_of_rounds, rate, time_steps
+from dbo.cli.bench.timing import SpanFn, Timing, rate, set_mode_times, timed_with_trial
 from dbo.cli.bench.workload import WorkloadFactory
 
 SBO_SKIPPED = "not timed (--overlaps without sbo)"
@@ -57,11 +57,8 @@ def measure_sbo(factory: WorkloadFactory, cfg: BenchConfig, *, backend: str, tok
                 ) -> SboRound:
     """One round's SBO trial (where `trial`) and timing (every rank together)."""
     sbo = factory.get(tokens=tokens, backend=backend, dbo=False, sbo=True)
-    speedup = None
-    if trial:
-        short = time_steps(sbo.step, **{**timing, "iters": cfg.gate_trial_iters})
-        speedup = t_off.max_ms / short.max_ms
-    t_sbo = time_steps(sbo.step, **timing, span=span("sbo"))
+    t_sbo, speedup = timed_with_trial(sbo.step, t_off=t_off, timing=timing, trial=trial,
+                                      trial_iters=cfg.gate_trial_iters, span=span("sbo"))
     decision = sbo.runner.last_decision if sbo.runner is not None else None
     assert decision is not None and decision.overlap == "sbo", decision
     return SboRound(t_sbo, speedup)
@@ -94,13 +91,8 @@ def attach_sbo(point: Any, rounds: Sequence[SboRound], *, note: str) -> None:
     where `note` says why)."""
     point.sbo_note = note
     if rounds:
-        t_sbo = median_of_rounds([r.timing for r in rounds])
-        point.t_sbo_ms, point.t_sbo_ms_rank0 = t_sbo.max_ms, t_sbo.rank0_ms
-        point.host_sbo_ms = t_sbo.host_max_ms
-        point.tokens_per_s_sbo = _rate(point, t_sbo.max_ms)
-        point.speedup_sbo = point.t_nodbo_ms / t_sbo.max_ms
-        point.per_rank_ms["t_sbo"] = list(t_sbo.per_rank_ms)
-        point.rounds_ms["t_sbo"] = [r.timing.max_ms for r in rounds]
+        set_mode_times(point, "sbo", [r.timing for r in rounds],
+                       total_tokens=point.tokens_per_rank * point.world_size)
         point.sbo_trial_speedups = [r.trial for r in rounds if r.trial is not None]
 
 

@@ -159,3 +159,33 @@ def _sync(device: torch.device) -> None:
 def rate(tokens: int, ms: float) -> float:
     """Tokens per second of `tokens` in `ms` milliseconds (inf for a zero time)."""
     return tokens / (ms / 1e3) if ms > 0 else float("inf")
+
+
+def timed_with_trial(step: Callable[[], Any], *, t_off: Timing, timing: dict[str, Any],
+                     trial_iters: int, trial: bool,
+                     span: Optional[ContextManager[Any]] = None
+                     ) -> tuple[Timing, Optional[float]]:
+    """One round of an overlap mode: its gate trial where `trial` (a short timing of its
+    own, `trial_iters` steps: T_noDBO / its time, the slowest rank's on both sides, so the
+    same on every rank), then its timing (inside `span`)."""
+    speedup = None
+    if trial:
+        speedup = t_off.max_ms / time_steps(step, **{**timing, "iters": trial_iters}).max_ms
+    return time_steps(step, **timing, span=span), speedup
+
+
+def set_mode_times(point: Any, mode: str, rounds: Sequence[Timing], *, total_tokens: int,
+                   speedup: bool = True) -> Timing:
+    """Set `point`'s fields of an overlap mode from its rounds' median (returned):
+    t_<mode>_ms (the slowest rank's) and _rank0, host_<mode>_ms, tokens_per_s_<mode> (of
+    `total_tokens` over all ranks), speedup_<mode> = T_noDBO / its time (None unless
+    `speedup`), and per_rank_ms / rounds_ms["t_<mode>"]."""
+    median = median_of_rounds(rounds)
+    setattr(point, f"t_{mode}_ms", median.max_ms)
+    setattr(point, f"t_{mode}_ms_rank0", median.rank0_ms)
+    setattr(point, f"host_{mode}_ms", median.host_max_ms)
+    setattr(point, f"tokens_per_s_{mode}", rate(total_tokens, median.max_ms))
+    setattr(point, f"speedup_{mode}", point.t_nodbo_ms / median.max_ms if speedup else None)
+    point.per_rank_ms[f"t_{mode}"] = list(median.per_rank_ms)
+    point.rounds_ms[f"t_{mode}"] = [t.max_ms for t in rounds]
+    return median
