@@ -27,6 +27,7 @@ from tests.dist_utils import run_distributed
 # split 16 + 16, the size of the unsplit steps of two requests.
 DBO_ON = DBOConfig(min_prefill_tokens=0, min_decode_tokens=0)
 DBO_OFF = DBOConfig(enabled=False)
+DBO_JOINED = DBOConfig(min_prefill_tokens=0, min_decode_tokens=0, joined_experts=True)
 HALF, WHOLE = [8, 8], [8, 8, 8, 8]
 
 
@@ -93,7 +94,7 @@ def two_ranks_compiled(rank: int, world_size: int) -> dict[str, object]:
     order = record_yields(pytest.MonkeyPatch())
     result: dict[str, object] = {}
     with torch.no_grad():
-        for config, seq_lens in ((DBO_OFF, HALF), (DBO_ON, WHOLE)):
+        for config, seq_lens in ((DBO_OFF, HALF), (DBO_ON, WHOLE), (DBO_JOINED, WHOLE)):
             ids, positions, lens = inputs(model, seq_lens, seed=10 * rank + len(seq_lens))
             outs, yields = [], []
             for m in (model, compiled):
@@ -102,17 +103,23 @@ def two_ranks_compiled(rank: int, world_size: int) -> dict[str, object]:
                 outs.append(runner(ids, positions, seq_lens=lens))
                 yields.append(list(order))
                 assert runner.last_decision.split == config.enabled
-            result[f"dbo={config.enabled}"] = (torch.equal(*outs), *yields)
+            key = "joined" if config.joined_experts else f"dbo={config.enabled}"
+            result[key] = (torch.equal(*outs), *yields)
     return result
 
 
 @pytest.mark.distributed
 def test_two_ranks_compiled_match_eager_and_the_ubatches_interleave():
+    """DBO off, on, and with joined experts: compiled (aot_eager) equal to eager, with the
+    same hand-offs."""
     for rank, result in enumerate(run_distributed(2, two_ranks_compiled)):
         # a2a_ll yields once in the dispatch and once in the combine: 0, 1, 0, 1 in the
         # one layer, compiled as eagerly; no hand-off without DBO.
         assert result["dbo=False"] == (True, [], []), rank
         assert result["dbo=True"] == (True, [0, 1, 0, 1], [0, 1, 0, 1]), rank
+        # Joined experts: both dispatches (0, 1), ubatch 0 waits at the meeting (0), ubatch
+        # 1 runs the experts for both and sends its combine (1), then ubatch 0 (0).
+        assert result["joined"] == (True, [0, 1, 0, 1, 0], [0, 1, 0, 1, 0]), rank
 
 
 def test_a_converted_hugging_face_model_compiles_dbo_off_and_on(monkeypatch):
