@@ -200,12 +200,12 @@ def test_weights_of_another_model_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type, kernel", [
-    ("olmoe", "triton"), ("gpt_oss", "triton"), ("inkling2", "grouped")])
+    ("olmoe", "triton"), ("gpt_oss", "triton"), ("inkling2", "grouped"), ("dbrx", "triton")])
 def test_the_experts_path_on_cuda_takes_the_kernel_that_computes_the_form(model_type, kernel):
     """experts="auto" on CUDA: the Triton experts for dbo's SwiGLU (OLMoE) and for the
-    variants they compute (GPT-OSS's clamped, interleaved, biased SwiGLU), the grouped
-    experts for a form Triton refuses (Inkling2's own activation); logits as the
-    unconverted model's, DBO off and on."""
+    variants they compute (GPT-OSS's clamped, interleaved, biased SwiGLU; DBRX's experts
+    stored in their own layout), the grouped experts for a form Triton refuses (Inkling2's
+    own activation); logits as the unconverted model's, DBO off, on and joined."""
     if not _has_model_type(model_type):
         pytest.skip(f"this transformers has no {model_type!r}")
     model = coverage.tiny_model(model_type).cuda()
