@@ -75,10 +75,13 @@ def soak_several(rank: int, world_size: int, jobs: list[SoakConfig]) -> Any:
 def test_soak_other_backends():
     # 80 steps: ranks 0 and 1 both have 0 tokens at step 76 (0-based); memory samples at
     # 20 (the baseline), 70 and 80.
+    # a2a_ll also with joined experts (the meetings of 80 steps, some of 0 tokens).
     jobs = [SoakConfig(steps=80, backend=backend, layers=1, warmup=20, report_every=50,
-                       trace_window=25) for backend in ("a2a_ll", "naive")]
+                       trace_window=25, joined_experts=joined)
+            for backend, joined in (("a2a_ll", False), ("naive", False), ("a2a_ll", True))]
     for job, summary in zip(jobs, run_distributed(2, soak_several, jobs)[0]):
         assert summary["backend"] == job.backend
+        assert summary["joined_experts"] == job.joined_experts
         check_summary(summary, steps=80)
 
 

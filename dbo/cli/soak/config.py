@@ -75,6 +75,9 @@ class SoakConfig(ToolJob):
     dtype: str = "float32"
     """Model dtype: "float32" (checked against the model run without DBO) or "bfloat16"
     (checked layer by layer against a float32 dense reference, `dbo.cli.soak.reference`)."""
+    joined_experts: bool = False
+    """The DBO steps join their experts (`DBOConfig.joined_experts`): each MoE layer's
+    experts run once over both ubatches' rows."""
     cuda_graph: bool = False
     """Run the DBO steps as CUDA graph replays (`dbo.graphs.GraphedRunner`; GPUs only),
     each step padded up to the next of `graph_sizes` (`dbo.cli.soak.padding`)."""

@@ -46,7 +46,8 @@ def run_rank(ctx: RankContext, job: SoakConfig) -> Optional[dict]:
     # and votes no, so a step with such a rank runs unsplit everywhere; every rank still
     # calls the runner (the vote is a collective) and runs the MoE collectives.
     runner: DBORunner | GraphedRunner = DBORunner(
-        model, DBOConfig(split="tokens", min_prefill_tokens=2, min_decode_tokens=2),
+        model, DBOConfig(split="tokens", min_prefill_tokens=2, min_decode_tokens=2,
+                         joined_experts=job.joined_experts),
         group=ctx.group)
     if job.cuda_graph:
         # Room for every size's graph (the capture sweep makes them all): none is ever
@@ -243,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.dtype, choices=DTYPES,
                    help="model dtype; bfloat16 checks each layer against a float32 dense "
                         "reference (dbo.cli.soak.reference)")
+    p.add_argument("--joined-experts", action="store_true",
+                   help="the DBO steps run each MoE layer's experts once over both "
+                        "ubatches' rows (DBOConfig.joined_experts)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="run the DBO steps as CUDA graph replays, each padded up to a "
                         "graph size (GPUs)")

@@ -94,6 +94,7 @@ def summarize(job: SoakConfig, ctx: RankContext, experts: str,
         "job": "dbo soak", "backend": job.backend, "experts": experts,
         "device": ctx.device.type, "world_size": ctx.world_size, "layers": job.layers,
         "dtype": job.dtype, "cuda_graph": job.cuda_graph, "padded": job.padded,
+        "joined_experts": job.joined_experts,
         "max_tokens": job.max_tokens, "steps": job.steps, "warmup": job.warmup,
         "split_steps": results[0].split_steps,
         "zero_token_steps": [len(r.zero_token_steps) for r in results],
@@ -117,7 +118,8 @@ def summarize(job: SoakConfig, ctx: RankContext, experts: str,
 
 
 def print_summary(s: dict) -> None:
-    mode = ("CUDA graphs" if s["cuda_graph"] else "eager") + (", padded" if s["padded"] else "")
+    mode = (("CUDA graphs" if s["cuda_graph"] else "eager") + (", padded" if s["padded"] else "")
+            + (", joined experts" if s.get("joined_experts") else ""))
     print(f"dbo soak: {s['steps']} steps ({s['warmup']} warmup), {s['world_size']} ranks on "
           f"{s['device']}, backend {s['backend']}, experts {s['experts']}, MoE layers "
           f"{s['layers']}, {s['dtype']}, {mode}, 0..{s['max_tokens']} tokens per rank and step")
