@@ -120,10 +120,13 @@ def _worker(rank: int, world_size: int, backend: str, worst: bool) -> dict[str, 
             half = x.shape[0] // 2
             sched = UBatchScheduler(device)
             on = torch.cat(sched.run([lambda: layer(x[:half]), lambda: layer(x[half:])]))
+            joined = torch.cat(sched.run([lambda: layer(x[:half]), lambda: layer(x[half:])],
+                                         joined_experts=True))
         torch.cuda.synchronize()
         scale = max(1.0, ref.float().abs().max().item()) if ref.numel() else 1.0
         err = lambda a: (a.float() - ref.float()).abs().max().item() if a.numel() else 0.0  # noqa: E731
-        out[case] = (err(off) / scale, err(on) / scale, tuple(off.shape), tuple(on.shape))
+        out[case] = (err(off) / scale, err(on) / scale, err(joined) / scale, tuple(off.shape),
+                     tuple(on.shape), tuple(joined.shape))
 
     if backend == "deepep_ll" or worst:
         model = _OneLayer(layers[0])
@@ -150,9 +153,9 @@ def _worker(rank: int, world_size: int, backend: str, worst: bool) -> dict[str, 
 def test_deepep_backend_matches_reference_dbo_off_and_on(backend, worst):
     for rank, out in enumerate(run_distributed(2, _worker, backend, worst, backend="nccl")):
         for case in ("mixed", "zero_tokens", "one_expert"):
-            err_off, err_on, shape_off, shape_on = out[case]
-            assert shape_off == shape_on, (rank, case, out[case])
-            assert max(err_off, err_on) <= REL_TOL, (rank, case, out[case])
+            err_off, err_on, err_joined, *shapes = out[case]
+            assert len(set(shapes)) == 1, (rank, case, out[case])
+            assert max(err_off, err_on, err_joined) <= REL_TOL, (rank, case, out[case])
         if backend == "deepep_ll" or worst:
             same, captures, split = out["graph"]
             assert same == [True, True] and captures == 1 and split, (rank, out["graph"])

@@ -43,13 +43,15 @@ def nccl_backend_check(rank: int, world_size: int, backend: str, experts: str) -
             half = x.shape[0] // 2
             sched = UBatchScheduler(device)
             on = torch.cat(sched.run([lambda: layer(x[:half]), lambda: layer(x[half:])]))
+            joined = torch.cat(sched.run([lambda: layer(x[:half]), lambda: layer(x[half:])],
+                                         joined_experts=True))
             layer.last_layer = True  # a2a/a2a_ll: the split combine of the last ubatch
             on_split = torch.cat(sched.run([lambda: layer(x[:half]),
                                             lambda: layer(x[half:])]))
             torch.cuda.synchronize()
             comm_used = sched.streams.comm != sched.streams.compute
         err = lambda a: (a - ref).abs().max().item() if a.numel() else 0.0  # noqa: E731
-        results[tokens] = (err(off), err(on), err(on_split), comm_used)
+        results[tokens] = (err(off), err(on), err(on_split), err(joined), comm_used)
     return results
 
 
@@ -61,10 +63,9 @@ def nccl_backend_check(rank: int, world_size: int, backend: str, experts: str) -
 def test_backends_over_nccl_match_reference(backend, experts):
     for rank, res in enumerate(run_distributed(2, nccl_backend_check, backend, experts,
                                                backend="nccl")):
-        for tokens, (err_off, err_on, err_split, comm_used) in res.items():
+        for tokens, (*errors, comm_used) in res.items():
             assert comm_used
-            assert max(err_off, err_on, err_split) <= ATOL, (rank, tokens, err_off, err_on,
-                                                             err_split)
+            assert max(errors) <= ATOL, (rank, tokens, errors)  # off, on, split, joined
 
 
 @pytest.mark.gpu
