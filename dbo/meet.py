@@ -14,8 +14,9 @@ This is how a step runs its MoE layers' experts once over both ubatches' rows
 ubatch, while the attention, dispatch and combine still overlap across the ubatches.
 
 In a step of one ubatch (or outside a step, through the yield point) `work([value])` runs
-at once. A ubatch that waits at a key the other finished without reaching raises: the
-two ubatches must meet at the same keys in the same order.
+at once. The two ubatches must meet at the same keys in the same order: a ubatch that
+waits at a key the other finished without reaching raises, and so does one whose other
+ubatch waits at another key (else both would wait for ever).
 """
 from __future__ import annotations
 
@@ -62,6 +63,13 @@ def meet(scheduler: Any, meetings: dict[Hashable, Meeting], key: Hashable, value
                 f"ubatch {ub.ubatch_id} waits at {key!r} for ubatch {other.ubatch_id}, "
                 f"which finished without reaching it: both ubatches of a step with "
                 f"joined experts must run the same MoE layers in the same order")
+        elsewhere = [k for k, m in meetings.items() if m.ubatch_id == other.ubatch_id]
+        if elsewhere:
+            meetings.pop(key, None)
+            raise RuntimeError(
+                f"ubatch {ub.ubatch_id} waits at {key!r} while ubatch {other.ubatch_id} "
+                f"waits at {elsewhere[0]!r}: both ubatches of a step with joined experts "
+                f"must run the same MoE layers in the same order")
         while ub.recv_hooks:  # a receive the other ubatch needs before it can arrive
             ub.recv_hooks.pop(0)()
         scheduler.yield_()

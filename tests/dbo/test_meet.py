@@ -101,3 +101,13 @@ def test_a_failed_step_leaves_no_meeting_behind():
     # the next step meets at the same key afresh
     assert scheduler.run([lambda: dbo_meet("k", 0, lambda vs: [vs, vs]),
                           lambda: dbo_meet("k", 1, lambda vs: [vs, vs])]) == [[0, 1]] * 2
+
+
+def test_ubatches_waiting_at_different_keys_raise_instead_of_waiting_for_ever():
+    def at(key):
+        return lambda: dbo_meet(key, 0, lambda vs: vs)
+
+    # ubatch 0 waits first; ubatch 1, arriving at another key, sees it and raises.
+    with pytest.raises(RuntimeError, match="ubatch 1 waits at 'layer 2' while ubatch 0 "
+                                           "waits at 'layer 1'"):
+        UBatchScheduler("cpu").run([at("layer 1"), at("layer 2")])
