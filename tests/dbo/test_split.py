@@ -243,6 +243,8 @@ def test_config_checks() -> None:
         DBOConfig(enabled=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="enabled must be True or False, got 'false'"):
         DBOConfig(enabled="false")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="joined_experts must be True or False, got 1"):
+        DBOConfig(joined_experts=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         DBOConfig("tokens")  # type: ignore[misc]  # keyword-only
     with pytest.raises(TypeError, match=r"split_inside_requests='yes' must be None"):
