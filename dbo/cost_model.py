@@ -370,16 +370,15 @@ def predict(times: PhaseTimes, shape: StepShape, calibration: Calibration, *,
     t_none = step(L * (a + x + d + tail_none), max(host(k), h))
 
     a2, s2, x2 = max(a / 2, w_a), max(s / 2, w_s), max(g * x / 2, w_e)
-    t_joined = step(_joined_gpu(a2, s2, x, (d - lam) / 2 + lam,
-                                (c - lam) / 2 + lam, L, f=f, kappa=kappa,
-                                first_dispatch_exposed=shape.first_dispatch_exposed),
+    d2, c2 = (d - lam) / 2 + lam, (c - lam) / 2 + lam
+    exposed = shape.first_dispatch_exposed
+    t_joined = step(_joined_gpu(a2, s2, x, d2, c2, L, f=f, kappa=kappa,
+                                first_dispatch_exposed=exposed),
                     max(host(2 * k), shape.host_joined_ms or h_dbo))
     if shape.split_compute_ms > 0 and a2 + s2 + x2 > 0:  # measured: take it
         sigma = shape.split_compute_ms / (2 * L * (a2 + s2 + x2))
         a2, s2, x2 = a2 * sigma, s2 * sigma, x2 * sigma
     y2 = x2 + s2
-    d2, c2 = (d - lam) / 2 + lam, (c - lam) / 2 + lam
-    exposed = shape.first_dispatch_exposed
     v2 = s2 + shape.own_row_share * x2
     gpu_dbo = _dbo_gpu(a2, y2, v2, d2, c2, L, f=f, kappa=kappa, first_dispatch_exposed=exposed)
     host_dbo = max(host(2 * k), h_dbo)
