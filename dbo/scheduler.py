@@ -165,7 +165,6 @@ class UBatchScheduler:
             ubatches[0].yield_to, ubatches[1].yield_to = ubatches[1], ubatches[0]
         running_step.scheduler = self
         self._interleaved = None
-        self._meetings = {}
         self.joined_experts = joined_experts and len(ubatches) == 2
         try:
             self._loop()
